@@ -1,0 +1,549 @@
+"""The kbit weight format, in plain PyTorch. This module is the specification.
+
+Every function here is device-agnostic and vectorized; the CUDA kernels are tested against
+these functions bit for bit (quantize, repack) or within rounding (dequantize, matmul). The
+byte layout is described in ``docs/format.md``; the short version:
+
+* a *block* is 32 consecutive in-features of one output row of ``W[N, K]``;
+* each block has one E4M4 scale byte (round-up of the block absmax, times a per-tensor
+  power-of-two ``tensor_scale``) and 32 codebook indices stored as ``bits`` uint32 bit-planes
+  (bit ``i`` of plane ``b`` = bit ``b`` of element ``i``);
+* for the GEMM, blocks are tiled ``[K_pad/64, N_pad/128, 128, 2, bits]`` (planes) and
+  ``[K_pad/64, N_pad/128, 128, 2]`` (scales), padded with zero blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "BLOCK_SIZE",
+    "TILE_K",
+    "TILE_N",
+    "SUPPORTED_BITS",
+    "E4M4_BIAS",
+    "E4M4_MAX",
+    "KbitWeight",
+    "create_normal_float_codebook",
+    "validate_codebook",
+    "codebook_covering_radius",
+    "e4m4_table",
+    "encode_e4m4",
+    "decode_e4m4",
+    "compute_tensor_scale",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "pack_bitplanes",
+    "unpack_bitplanes",
+    "tile_blocks",
+    "untile_blocks",
+    "padded_shape",
+    "quantize",
+    "dequantize",
+    "matmul",
+]
+
+BLOCK_SIZE = 32
+"""Weights per quantization block (along in_features)."""
+TILE_K = 64
+"""In-features per storage tile (two blocks)."""
+TILE_N = 128
+"""Output features per storage tile."""
+SUPPORTED_BITS = (2, 3, 4, 5)
+E4M4_BIAS = 11
+E4M4_MAX = 31.0
+"""Largest E4M4 value: 2**(15 - 11) * (1 + 15/16)."""
+
+
+# ---------------------------------------------------------------------------------------
+# argument checks (shared by the public functions below and by the op layer)
+# ---------------------------------------------------------------------------------------
+
+
+def check_bits(bits: int, name: str = "bits") -> int:
+    """Return ``bits`` if it is an int in 2..5, else raise naming ``name``."""
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise TypeError(f"{name} must be an int in {SUPPORTED_BITS}, got {type(bits).__name__}")
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits}")
+    return bits
+
+
+def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
+    """Raise unless ``weight`` is a finite, non-empty 2-D floating-point tensor."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
+    if not weight.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {weight.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    if weight.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(weight.shape)}")
+    if weight.device.type != "meta" and not bool(torch.isfinite(weight).all()):
+        raise ValueError(f"{name} contains NaN or Inf values; cannot quantize")
+
+
+# ---------------------------------------------------------------------------------------
+# codebooks
+# ---------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def _normal_float_codebook(bits: int, device: torch.device) -> torch.Tensor:
+    n = 1 << bits
+    # Quantiles of N(0, 1) at the centres of n equiprobable bins, in float64 for accuracy.
+    p = torch.linspace(0.5 / n, 1.0 - 0.5 / n, n, dtype=torch.float64)
+    q = math.sqrt(2.0) * torch.erfinv(2.0 * p - 1.0)
+    q = q / q.abs().max()
+    return q.to(torch.float32).to(device)
+
+
+def create_normal_float_codebook(bits: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The default normal-float codebook for ``bits``-bit indices.
+
+    Args:
+        bits: index width, 2..5.
+        device: where the codebook lives (default CPU).
+
+    Returns:
+        float32 ``[2**bits]``: the standard normal quantiles at
+        ``linspace(0.5/n, 1 - 0.5/n, n)``, divided by their largest magnitude. Sorted,
+        symmetric, endpoints exactly -1 and 1, no exact zero. A fresh copy of a cached tensor
+        (cached per bits and device), so callers may modify it.
+    """
+    check_bits(bits)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return _normal_float_codebook(bits, dev).clone()
+
+
+def validate_codebook(codebook: torch.Tensor, bits: int, name: str = "codebook") -> torch.Tensor:
+    """Check a user codebook and return it as contiguous float32.
+
+    Args:
+        codebook: ``[2**bits]`` floating-point values, finite, strictly increasing, in [-1, 1].
+        bits: index width, 2..5.
+        name: the argument name used in error messages.
+
+    Raises:
+        TypeError: not a floating-point tensor.
+        ValueError: wrong size, not 1-D, NaN/Inf, not strictly increasing, or outside [-1, 1].
+    """
+    check_bits(bits)
+    if not isinstance(codebook, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(codebook).__name__}")
+    if not codebook.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {codebook.dtype}")
+    n = 1 << bits
+    if codebook.dim() != 1 or codebook.numel() != n:
+        raise ValueError(f"{name} must have shape [{n}] for bits={bits}, got {tuple(codebook.shape)}")
+    cb = codebook.detach().to(torch.float32).contiguous()
+    if cb.device.type == "meta":
+        return cb
+    if not bool(torch.isfinite(cb).all()):
+        raise ValueError(f"{name} contains NaN or Inf values")
+    if not bool((cb[1:] > cb[:-1]).all()):
+        raise ValueError(f"{name} must be sorted in strictly increasing order")
+    if not bool((cb.abs() <= 1.0).all()):
+        raise ValueError(f"{name} values must lie in [-1, 1] (scales are block absmax), got max |value| {cb.abs().max().item():.6g}")
+    return cb
+
+
+def codebook_covering_radius(codebook: torch.Tensor) -> float:
+    """Largest distance from any point of [-1, 1] to its nearest codebook entry.
+
+    The per-weight quantization error is at most this times the block's scale.
+    """
+    cb = codebook.detach().to(torch.float64).cpu()
+    half_gap = ((cb[1:] - cb[:-1]) / 2).max().item() if cb.numel() > 1 else 0.0
+    return max(half_gap, 1.0 - cb[-1].item(), cb[0].item() + 1.0)
+
+
+# ---------------------------------------------------------------------------------------
+# E4M4 scales
+# ---------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def _e4m4_table(device: torch.device) -> torch.Tensor:
+    codes = torch.arange(256, dtype=torch.int64)
+    e = codes >> 4
+    m = (codes & 15).to(torch.float64)
+    normal = torch.pow(2.0, (e - E4M4_BIAS).to(torch.float64)) * (1.0 + m / 16.0)
+    subnormal = (2.0 ** (1 - E4M4_BIAS)) * (m / 16.0)
+    return torch.where(e > 0, normal, subnormal).to(torch.float32).to(device)
+
+
+def e4m4_table(device: torch.device | str | None = None) -> torch.Tensor:
+    """float32 ``[256]``: the value of every E4M4 code (strictly increasing, code 0 = 0.0)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return _e4m4_table(dev).clone()
+
+
+def decode_e4m4(codes: torch.Tensor) -> torch.Tensor:
+    """Decode E4M4 bytes (uint8, any shape) to float32.
+
+    ``e = c >> 4, m = c & 15``; ``e > 0``: ``2**(e-11) * (1 + m/16)``; ``e = 0``:
+    ``2**-10 * m/16``; code 0 is exactly 0.
+    """
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"codes must be a torch.Tensor, got {type(codes).__name__}")
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes must be uint8, got {codes.dtype}")
+    return _e4m4_table(codes.device)[codes.long()]
+
+
+def encode_e4m4(values: torch.Tensor) -> torch.Tensor:
+    """Encode non-negative scales to E4M4, rounding **up**.
+
+    Returns the smallest code whose value is ``>= values`` (so a weight divided by its stored
+    scale never exceeds 1 in magnitude). 0 encodes to code 0.
+
+    Args:
+        values: float tensor, any shape, every entry finite and in [0, 31].
+
+    Raises:
+        ValueError: negative, NaN/Inf, or above 31 (pre-scale with ``compute_tensor_scale``).
+    """
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    if not values.is_floating_point():
+        raise TypeError(f"values must be a floating-point tensor, got {values.dtype}")
+    v = values.to(torch.float32)
+    if values.device.type != "meta":
+        if not bool(torch.isfinite(v).all()):
+            raise ValueError("values contains NaN or Inf")
+        if bool((v < 0).any()):
+            raise ValueError("values must be non-negative (they are block absmax values)")
+        if bool((v > E4M4_MAX).any()):
+            raise ValueError(f"values above the E4M4 maximum {E4M4_MAX} cannot be encoded; divide by a tensor scale first")
+    return _encode_e4m4_unchecked(v)
+
+
+def _encode_e4m4_unchecked(v: torch.Tensor) -> torch.Tensor:
+    table = _e4m4_table(v.device)
+    # searchsorted(left) = index of the first table entry >= v: the round-up code.
+    codes = torch.searchsorted(table, v.contiguous().reshape(-1), right=False)
+    return codes.clamp_(max=255).to(torch.uint8).reshape(v.shape)
+
+
+def compute_tensor_scale(weight: torch.Tensor) -> torch.Tensor:
+    """The per-tensor power-of-two scale: ``2**s``, ``s`` the smallest int with ``max|W| / 2**s <= 31``.
+
+    Computed on ``weight``'s device without a host sync. An all-zero tensor gets 1.
+
+    Returns:
+        float32 ``[1]``.
+    """
+    amax = weight.detach().abs().amax().to(torch.float32).reshape(1)
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    s = torch.ceil(torch.log2(safe / E4M4_MAX))
+    # log2 can be off by one ulp near exact powers of two: nudge s to the exact minimum.
+    s = torch.where(safe / torch.exp2(s) > E4M4_MAX, s + 1, s)
+    s = torch.where(safe / torch.exp2(s - 1) <= E4M4_MAX, s - 1, s)
+    return torch.where(amax > 0, torch.exp2(s), torch.ones_like(amax))
+
+
+# ---------------------------------------------------------------------------------------
+# bit-planes
+# ---------------------------------------------------------------------------------------
+
+
+def _to_int32_bits(words: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) -> int32 with the same 32 bits."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_bitplanes(indices: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack codebook indices into bit-planes.
+
+    Args:
+        indices: integer tensor ``[..., 32]``, values in ``[0, 2**bits)``.
+        bits: index width, 2..5.
+
+    Returns:
+        int32 ``[..., bits]``: word ``b`` holds bit ``b`` of element ``i`` at bit ``i``
+        (the int32 carries the raw uint32 bits).
+    """
+    check_bits(bits)
+    if not isinstance(indices, torch.Tensor) or indices.is_floating_point() or indices.is_complex():
+        raise TypeError("indices must be an integer torch.Tensor")
+    if indices.dim() == 0 or indices.shape[-1] != BLOCK_SIZE:
+        raise ValueError(f"indices must have a last dimension of {BLOCK_SIZE}, got shape {tuple(indices.shape)}")
+    idx = indices.to(torch.int64)
+    if idx.numel() and (bool((idx < 0).any()) or bool((idx >= (1 << bits)).any())):
+        raise ValueError(f"indices must lie in [0, {1 << bits}) for bits={bits}")
+    lane = torch.arange(BLOCK_SIZE, device=idx.device, dtype=torch.int64)
+    plane = torch.arange(bits, device=idx.device, dtype=torch.int64)
+    # [..., bits, 32]: bit b of element i, shifted to position i, then summed over i.
+    bit_of = (idx.unsqueeze(-2) >> plane.unsqueeze(-1)) & 1
+    words = (bit_of << lane).sum(dim=-1)
+    return _to_int32_bits(words)
+
+
+def unpack_bitplanes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bitplanes`: int32 ``[..., bits]`` -> uint8 indices ``[..., 32]``."""
+    check_bits(bits)
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
+        raise TypeError("packed must be an int32 torch.Tensor")
+    if packed.dim() == 0 or packed.shape[-1] != bits:
+        raise ValueError(f"packed must have a last dimension of bits={bits}, got shape {tuple(packed.shape)}")
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    lane = torch.arange(BLOCK_SIZE, device=packed.device, dtype=torch.int64)
+    plane = torch.arange(bits, device=packed.device, dtype=torch.int64)
+    bit_of = (words.unsqueeze(-1) >> lane) & 1  # [..., bits, 32]
+    idx = (bit_of << plane.unsqueeze(-1)).sum(dim=-2)
+    return idx.to(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------
+# blockwise quantize / dequantize (flat layout)
+# ---------------------------------------------------------------------------------------
+
+
+def _blocks_of(weight: torch.Tensor) -> torch.Tensor:
+    """float32 ``[N, ceil(K/32), 32]`` view of ``weight`` with the last block zero-padded."""
+    n, k = weight.shape
+    nblk = -(-k // BLOCK_SIZE)
+    w = weight.detach().to(torch.float32)
+    if nblk * BLOCK_SIZE != k:
+        w = F.pad(w, (0, nblk * BLOCK_SIZE - k))
+    return w.reshape(n, nblk, BLOCK_SIZE)
+
+
+def _block_scales(absmax_codes: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
+    return decode_e4m4(absmax_codes) * tensor_scale.to(torch.float32).reshape(())
+
+
+def _check_tensor_scale(tensor_scale: torch.Tensor) -> None:
+    if not isinstance(tensor_scale, torch.Tensor):
+        raise TypeError(f"tensor_scale must be a torch.Tensor, got {type(tensor_scale).__name__}")
+    if tensor_scale.dtype != torch.float32 or tensor_scale.numel() != 1:
+        raise ValueError(f"tensor_scale must be a float32 tensor with one element, got {tensor_scale.dtype} {tuple(tensor_scale.shape)}")
+
+
+def quantize_blockwise(
+    weight: torch.Tensor,
+    bits: int,
+    codebook: torch.Tensor | None = None,
+    tensor_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``W[N, K]`` into flat bit-planes and E4M4 scales.
+
+    Args:
+        weight: floating-point ``[N, K]``, finite.
+        bits: index width, 2..5.
+        codebook: float ``[2**bits]`` (default: the normal-float codebook).
+        tensor_scale: float32 ``[1]`` (default: :func:`compute_tensor_scale` of ``weight``).
+
+    Returns:
+        ``(packed_flat, absmax_flat, tensor_scale)``: int32 ``[N, ceil(K/32), bits]``, uint8
+        ``[N, ceil(K/32)]``, float32 ``[1]``, all on ``weight``'s device.
+    """
+    check_bits(bits)
+    check_weight(weight)
+    cb = _resolve_codebook(codebook, bits, weight.device)
+    ts = compute_tensor_scale(weight) if tensor_scale is None else tensor_scale
+    _check_tensor_scale(ts)
+    ts = ts.to(device=weight.device)
+    blocks = _blocks_of(weight)  # [N, nblk, 32]
+    amax = blocks.abs().amax(dim=-1)
+    codes = _encode_e4m4_unchecked(amax / ts.reshape(()))
+    scale = _block_scales(codes, ts).unsqueeze(-1)
+    x = torch.where(scale > 0, blocks / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(blocks))
+    mids = (cb[:-1] + cb[1:]) * 0.5
+    # searchsorted(left) counts the midpoints strictly below x: nearest entry, ties to the lower index.
+    idx = torch.searchsorted(mids, x.contiguous().reshape(-1), right=False).reshape(x.shape)
+    return pack_bitplanes(idx, bits), codes, ts
+
+
+def dequantize_blockwise(
+    packed_flat: torch.Tensor,
+    absmax_flat: torch.Tensor,
+    codebook: torch.Tensor,
+    tensor_scale: torch.Tensor,
+    bits: int,
+    in_features: int | None = None,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_blockwise`: float32 ``[N, in_features]``.
+
+    ``in_features`` defaults to ``32 * ceil(K/32)`` (the padded width).
+    """
+    check_bits(bits)
+    _check_flat(packed_flat, absmax_flat, bits)
+    cb = validate_codebook(codebook, bits).to(packed_flat.device)
+    _check_tensor_scale(tensor_scale)
+    n, nblk, _ = packed_flat.shape
+    width = nblk * BLOCK_SIZE
+    if in_features is None:
+        in_features = width
+    if not isinstance(in_features, int) or not (width - BLOCK_SIZE < in_features <= width):
+        raise ValueError(f"in_features={in_features} does not match packed_flat with {nblk} blocks per row")
+    idx = unpack_bitplanes(packed_flat, bits).long()  # [N, nblk, 32]
+    scale = _block_scales(absmax_flat, tensor_scale.to(packed_flat.device)).unsqueeze(-1)
+    w = cb[idx] * scale
+    return w.reshape(n, width)[:, :in_features]
+
+
+def _check_flat(packed_flat: torch.Tensor, absmax_flat: torch.Tensor, bits: int) -> None:
+    if not isinstance(packed_flat, torch.Tensor) or packed_flat.dtype != torch.int32:
+        raise TypeError("packed_flat must be an int32 torch.Tensor")
+    if not isinstance(absmax_flat, torch.Tensor) or absmax_flat.dtype != torch.uint8:
+        raise TypeError("absmax_flat must be a uint8 torch.Tensor")
+    if packed_flat.dim() != 3 or packed_flat.shape[-1] != bits:
+        raise ValueError(f"packed_flat must have shape [N, blocks, bits={bits}], got {tuple(packed_flat.shape)}")
+    if tuple(absmax_flat.shape) != tuple(packed_flat.shape[:2]):
+        raise ValueError(f"absmax_flat shape {tuple(absmax_flat.shape)} does not match packed_flat {tuple(packed_flat.shape)}")
+
+
+def _resolve_codebook(codebook: torch.Tensor | None, bits: int, device: torch.device) -> torch.Tensor:
+    if codebook is None:
+        return _normal_float_codebook(bits, device)
+    return validate_codebook(codebook, bits).to(device)
+
+
+# ---------------------------------------------------------------------------------------
+# tiled layout
+# ---------------------------------------------------------------------------------------
+
+
+def padded_shape(out_features: int, in_features: int) -> tuple[int, int]:
+    """``(N_pad, K_pad)``: out_features rounded up to 128, in_features to 64."""
+    for name, v in (("out_features", out_features), ("in_features", in_features)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return -(-out_features // TILE_N) * TILE_N, -(-in_features // TILE_K) * TILE_K
+
+
+def tile_blocks(packed_flat: torch.Tensor, absmax_flat: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat blocks -> the GEMM's tiled layout, padding with zero blocks.
+
+    Args:
+        packed_flat: int32 ``[N, nblk, bits]``.
+        absmax_flat: uint8 ``[N, nblk]``.
+        bits: index width.
+
+    Returns:
+        ``(packed, absmax)``: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` and uint8
+        ``[K_pad/64, N_pad/128, 128, 2]``, contiguous.
+    """
+    check_bits(bits)
+    _check_flat(packed_flat, absmax_flat, bits)
+    n, nblk, _ = packed_flat.shape
+    n_pad, k_pad = padded_shape(n, nblk * BLOCK_SIZE)
+    kt, nt, kb = k_pad // TILE_K, n_pad // TILE_N, TILE_K // BLOCK_SIZE
+    p = F.pad(packed_flat, (0, 0, 0, kt * kb - nblk, 0, n_pad - n))
+    a = F.pad(absmax_flat, (0, kt * kb - nblk, 0, n_pad - n))
+    # [N_pad, K_pad/32, bits] -> [nt, 128, kt, 2, bits] -> [kt, nt, 128, 2, bits]
+    p = p.reshape(nt, TILE_N, kt, kb, bits).permute(2, 0, 1, 3, 4).contiguous()
+    a = a.reshape(nt, TILE_N, kt, kb).permute(2, 0, 1, 3).contiguous()
+    return p, a
+
+
+def check_tiled(packed: torch.Tensor, absmax: torch.Tensor, bits: int) -> tuple[int, int]:
+    """Validate a tiled pair and return ``(N_pad, K_pad)``."""
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
+        raise TypeError(f"packed must be an int32 torch.Tensor, got {getattr(packed, 'dtype', type(packed).__name__)}")
+    if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.uint8:
+        raise TypeError(f"absmax must be a uint8 torch.Tensor, got {getattr(absmax, 'dtype', type(absmax).__name__)}")
+    kb = TILE_K // BLOCK_SIZE
+    if packed.dim() != 5 or tuple(packed.shape[2:]) != (TILE_N, kb, bits):
+        raise ValueError(f"packed must have shape [k_tiles, n_tiles, {TILE_N}, {kb}, bits={bits}], got {tuple(packed.shape)}")
+    if tuple(absmax.shape) != tuple(packed.shape[:4]):
+        raise ValueError(f"absmax shape {tuple(absmax.shape)} does not match packed {tuple(packed.shape)} (expected {tuple(packed.shape[:4])})")
+    return packed.shape[1] * TILE_N, packed.shape[0] * TILE_K
+
+
+def untile_blocks(packed: torch.Tensor, absmax: torch.Tensor, bits: int, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`tile_blocks`: back to flat ``[N, ceil(K/32), bits]`` and ``[N, ceil(K/32)]``."""
+    check_bits(bits)
+    n_pad, k_pad = check_tiled(packed, absmax, bits)
+    if padded_shape(out_features, in_features) != (n_pad, k_pad):
+        raise ValueError(f"shape ({out_features}, {in_features}) does not match tiled tensors padded to ({n_pad}, {k_pad})")
+    kt, nt = packed.shape[0], packed.shape[1]
+    kb = TILE_K // BLOCK_SIZE
+    nblk = -(-in_features // BLOCK_SIZE)
+    p = packed.permute(1, 2, 0, 3, 4).reshape(n_pad, kt * kb, bits)[:out_features, :nblk].contiguous()
+    a = absmax.permute(1, 2, 0, 3).reshape(n_pad, kt * kb)[:out_features, :nblk].contiguous()
+    return p, a
+
+
+# ---------------------------------------------------------------------------------------
+# the whole weight
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class KbitWeight:
+    """A quantized ``[out_features, in_features]`` weight in the tiled layout.
+
+    Attributes:
+        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` bit-planes.
+        absmax: uint8 ``[K_pad/64, N_pad/128, 128, 2]`` E4M4 block scales.
+        codebook: float32 ``[2**bits]``.
+        tensor_scale: float32 ``[1]`` power of two.
+        bits: index width.
+        out_features: true N.
+        in_features: true K.
+    """
+
+    packed: torch.Tensor
+    absmax: torch.Tensor
+    codebook: torch.Tensor
+    tensor_scale: torch.Tensor
+    bits: int
+    out_features: int
+    in_features: int
+
+    def __post_init__(self) -> None:
+        check_bits(self.bits)
+        if check_tiled(self.packed, self.absmax, self.bits) != padded_shape(self.out_features, self.in_features):
+            raise ValueError(
+                f"packed {tuple(self.packed.shape)} does not match shape ({self.out_features}, {self.in_features})"
+            )
+        self.codebook = validate_codebook(self.codebook, self.bits)
+        _check_tensor_scale(self.tensor_scale)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)``."""
+        return (self.out_features, self.in_features)
+
+    def nbytes(self) -> int:
+        """Bytes of all stored tensors (planes, scales, codebook, tensor scale)."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.absmax, self.codebook, self.tensor_scale))
+
+
+def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = None) -> KbitWeight:
+    """Quantize an ``nn.Linear``-style weight ``[out, in]`` to the tiled kbit format."""
+    packed_flat, absmax_flat, ts = quantize_blockwise(weight, bits, codebook)
+    packed, absmax = tile_blocks(packed_flat, absmax_flat, bits)
+    cb = _resolve_codebook(codebook, bits, weight.device).clone()
+    return KbitWeight(packed, absmax, cb, ts, bits, weight.shape[0], weight.shape[1])
+
+
+def dequantize(qweight: KbitWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dense ``[out_features, in_features]`` weight of ``qweight`` in ``dtype``."""
+    if not isinstance(qweight, KbitWeight):
+        raise TypeError(f"qweight must be a KbitWeight, got {type(qweight).__name__}")
+    p, a = untile_blocks(qweight.packed, qweight.absmax, qweight.bits, qweight.out_features, qweight.in_features)
+    w = dequantize_blockwise(p, a, qweight.codebook, qweight.tensor_scale, qweight.bits, qweight.in_features)
+    return w.to(dtype)
+
+
+def matmul(x: torch.Tensor, qweight: KbitWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference ``x @ W^T (+ bias)`` for any leading dims: dequantize, then ``F.linear``.
+
+    Computed in float32; the result has ``x``'s dtype.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError("x must be a floating-point torch.Tensor")
+    if x.dim() == 0 or x.shape[-1] != qweight.in_features:
+        raise ValueError(f"x's last dimension must be in_features={qweight.in_features}, got shape {tuple(x.shape)}")
+    w = dequantize(qweight, torch.float32).to(x.device)
+    b = None if bias is None else bias.to(device=x.device, dtype=torch.float32)
+    return F.linear(x.to(torch.float32), w, b).to(x.dtype)
