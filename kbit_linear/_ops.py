@@ -49,50 +49,50 @@ torch.library.define(
 
 def check_bits(bits: int) -> None:
     """``bits`` must be 2..5."""
-    torch._check(bits in fmt.SUPPORTED_BITS, lambda: f"bits must be one of {fmt.SUPPORTED_BITS}, got {bits}")
+    torch._check_value(bits in fmt.SUPPORTED_BITS, lambda: f"bits must be one of {fmt.SUPPORTED_BITS}, got {bits}")
 
 
 def check_weight_args(weight: torch.Tensor, codebook: torch.Tensor, tensor_scale: torch.Tensor, bits: int) -> None:
     """Metadata checks for ``quantize``."""
     check_bits(bits)
-    torch._check(weight.is_floating_point(), lambda: f"weight must be floating point, got {weight.dtype}")
-    torch._check(weight.dim() == 2, lambda: f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
-    torch._check(weight.numel() > 0, lambda: "weight must not be empty")
+    torch._check_type(weight.is_floating_point(), lambda: f"weight must be floating point, got {weight.dtype}")
+    torch._check_value(weight.dim() == 2, lambda: f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    torch._check_value(weight.numel() > 0, lambda: "weight must not be empty")
     check_codebook_args(codebook, tensor_scale, bits, weight.device)
 
 
 def check_codebook_args(codebook: torch.Tensor, tensor_scale: torch.Tensor, bits: int, device: torch.device) -> None:
     """Metadata checks for the codebook and tensor scale."""
-    torch._check(codebook.dtype == torch.float32, lambda: f"codebook must be float32, got {codebook.dtype}")
-    torch._check(
+    torch._check_type(codebook.dtype == torch.float32, lambda: f"codebook must be float32, got {codebook.dtype}")
+    torch._check_value(
         codebook.dim() == 1 and codebook.shape[0] == (1 << bits),
         lambda: f"codebook must have shape [{1 << bits}] for bits={bits}, got {tuple(codebook.shape)}",
     )
-    torch._check(
+    torch._check_type(
         tensor_scale.dtype == torch.float32 and tensor_scale.numel() == 1,
         lambda: f"tensor_scale must be a float32 tensor with one element, got {tensor_scale.dtype} {tuple(tensor_scale.shape)}",
     )
-    torch._check(codebook.device == device, lambda: f"codebook is on {codebook.device}, expected {device}")
-    torch._check(tensor_scale.device == device, lambda: f"tensor_scale is on {tensor_scale.device}, expected {device}")
+    torch._check_value(codebook.device == device, lambda: f"codebook is on {codebook.device}, expected {device}")
+    torch._check_value(tensor_scale.device == device, lambda: f"tensor_scale is on {tensor_scale.device}, expected {device}")
 
 
 def check_tiled_args(packed: torch.Tensor, absmax: torch.Tensor, bits: int, out_features: int) -> tuple[int, int]:
     """Metadata checks for a tiled weight; returns ``(N_pad, K_pad)``."""
     check_bits(bits)
     kb = fmt.TILE_K // fmt.BLOCK_SIZE
-    torch._check(packed.dtype == torch.int32, lambda: f"packed must be int32, got {packed.dtype}")
-    torch._check(absmax.dtype == torch.uint8, lambda: f"absmax must be uint8, got {absmax.dtype}")
-    torch._check(
+    torch._check_type(packed.dtype == torch.int32, lambda: f"packed must be int32, got {packed.dtype}")
+    torch._check_type(absmax.dtype == torch.uint8, lambda: f"absmax must be uint8, got {absmax.dtype}")
+    torch._check_value(
         packed.dim() == 5 and tuple(packed.shape[2:]) == (fmt.TILE_N, kb, bits),
         lambda: f"packed must have shape [k_tiles, n_tiles, {fmt.TILE_N}, {kb}, bits={bits}], got {tuple(packed.shape)}",
     )
-    torch._check(
+    torch._check_value(
         tuple(absmax.shape) == tuple(packed.shape[:4]),
         lambda: f"absmax shape {tuple(absmax.shape)} does not match packed {tuple(packed.shape)}",
     )
-    torch._check(absmax.device == packed.device, lambda: f"absmax is on {absmax.device}, packed on {packed.device}")
+    torch._check_value(absmax.device == packed.device, lambda: f"absmax is on {absmax.device}, packed on {packed.device}")
     n_pad, k_pad = packed.shape[1] * fmt.TILE_N, packed.shape[0] * fmt.TILE_K
-    torch._check(
+    torch._check_value(
         n_pad - fmt.TILE_N < out_features <= n_pad,
         lambda: f"out_features={out_features} does not match packed tiles padded to {n_pad}",
     )
@@ -111,21 +111,21 @@ def check_gemm_args(
 ) -> None:
     """Metadata checks for ``gemm``."""
     _, k_pad = check_tiled_args(packed, absmax, bits, out_features)
-    torch._check(x.is_floating_point(), lambda: f"x must be floating point, got {x.dtype}")
-    torch._check(x.dim() >= 1, lambda: "x must have at least one dimension")
+    torch._check_type(x.is_floating_point(), lambda: f"x must be floating point, got {x.dtype}")
+    torch._check_value(x.dim() >= 1, lambda: "x must have at least one dimension")
     k = x.shape[-1]
-    torch._check(
+    torch._check_value(
         k_pad - fmt.TILE_K < k <= k_pad,
         lambda: f"x's last dimension {k} does not match the weight's in_features (padded to {k_pad})",
     )
-    torch._check(x.device == packed.device, lambda: f"x is on {x.device}, weight on {packed.device}")
+    torch._check_value(x.device == packed.device, lambda: f"x is on {x.device}, weight on {packed.device}")
     check_codebook_args(codebook, tensor_scale, bits, packed.device)
     if bias is not None:
-        torch._check(
+        torch._check_value(
             bias.dim() == 1 and bias.shape[0] == out_features,
             lambda: f"bias must have shape [{out_features}], got {tuple(bias.shape)}",
         )
-        torch._check(bias.device == x.device, lambda: f"bias is on {bias.device}, x on {x.device}")
+        torch._check_value(bias.device == x.device, lambda: f"bias is on {bias.device}, x on {x.device}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -152,13 +152,13 @@ def _tiled_shapes(n: int, nblk: int, bits: int) -> tuple[tuple[int, ...], tuple[
 @torch.library.register_fake(f"{_NS}::repack")
 def _(packed_flat, absmax_flat, bits):
     check_bits(bits)
-    torch._check(packed_flat.dtype == torch.int32, lambda: f"packed_flat must be int32, got {packed_flat.dtype}")
-    torch._check(absmax_flat.dtype == torch.uint8, lambda: f"absmax_flat must be uint8, got {absmax_flat.dtype}")
-    torch._check(
+    torch._check_type(packed_flat.dtype == torch.int32, lambda: f"packed_flat must be int32, got {packed_flat.dtype}")
+    torch._check_type(absmax_flat.dtype == torch.uint8, lambda: f"absmax_flat must be uint8, got {absmax_flat.dtype}")
+    torch._check_value(
         packed_flat.dim() == 3 and packed_flat.shape[-1] == bits,
         lambda: f"packed_flat must have shape [N, blocks, bits={bits}], got {tuple(packed_flat.shape)}",
     )
-    torch._check(tuple(absmax_flat.shape) == tuple(packed_flat.shape[:2]), lambda: "absmax_flat does not match packed_flat")
+    torch._check_value(tuple(absmax_flat.shape) == tuple(packed_flat.shape[:2]), lambda: "absmax_flat does not match packed_flat")
     p_shape, a_shape = _tiled_shapes(packed_flat.shape[0], packed_flat.shape[1], bits)
     return packed_flat.new_empty(p_shape), absmax_flat.new_empty(a_shape)
 
@@ -166,7 +166,7 @@ def _(packed_flat, absmax_flat, bits):
 @torch.library.register_fake(f"{_NS}::dequantize")
 def _(packed, absmax, codebook, tensor_scale, bits, out_features, in_features, dtype):
     _, k_pad = check_tiled_args(packed, absmax, bits, out_features)
-    torch._check(k_pad - fmt.TILE_K < in_features <= k_pad, lambda: f"in_features={in_features} does not match tiles padded to {k_pad}")
+    torch._check_value(k_pad - fmt.TILE_K < in_features <= k_pad, lambda: f"in_features={in_features} does not match tiles padded to {k_pad}")
     check_codebook_args(codebook, tensor_scale, bits, packed.device)
     return packed.new_empty((out_features, in_features), dtype=dtype)
 

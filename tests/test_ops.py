@@ -1,0 +1,105 @@
+"""The op layer on CPU: schemas, fake implementations, reference implementations, compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kbit_linear  # noqa: F401  (registers the ops)
+from kbit_linear import format as fmt
+
+ops = torch.ops.kbit_linear
+
+
+def _layer(n: int, k: int, bits: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    return w, fmt.quantize(w, bits)
+
+
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
+def test_quantize_and_repack_ops_match_reference(bits):
+    w, qw = _layer(130, 100, bits)
+    cb = fmt.create_normal_float_codebook(bits)
+    ts = fmt.compute_tensor_scale(w)
+    pf, af = ops.quantize(w, cb, ts, bits)
+    rp, ra, _ = fmt.quantize_blockwise(w, bits, cb, ts)
+    assert torch.equal(pf, rp) and torch.equal(af, ra)
+    p, a = ops.repack(pf, af, bits)
+    assert torch.equal(p, qw.packed) and torch.equal(a, qw.absmax)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_and_gemm_ops_match_reference(dtype):
+    w, qw = _layer(33, 100, 3, seed=1)
+    d = ops.dequantize(qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 3, 33, 100, dtype)
+    assert d.dtype == dtype and torch.equal(d, fmt.dequantize(qw, dtype))
+    x = torch.randn(2, 4, 100).to(dtype)
+    bias = torch.randn(33).to(dtype)
+    y = ops.gemm(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 3, 33, bias)
+    assert torch.equal(y, fmt.matmul(x, qw, bias))
+
+
+def test_opcheck_all_ops():
+    w, qw = _layer(40, 96, 2, seed=2)
+    cb, ts = qw.codebook, qw.tensor_scale
+    pf, af = ops.quantize(w, cb, ts, 2)
+    x = torch.randn(3, 96)
+    for op, args in [
+        (ops.quantize.default, (w, cb, ts, 2)),
+        (ops.repack.default, (pf, af, 2)),
+        (ops.dequantize.default, (qw.packed, qw.absmax, cb, ts, 2, 40, 96, torch.float32)),
+        (ops.gemm.default, (x, qw.packed, qw.absmax, cb, ts, 2, 40, None)),
+        (ops.gemm.default, (x, qw.packed, qw.absmax, cb, ts, 2, 40, torch.randn(40))),
+    ]:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fake_shapes_on_meta():
+    qw = fmt.quantize(torch.randn(300, 200), 5)
+    meta = lambda t: t.to("meta")  # noqa: E731
+    y = ops.gemm(torch.empty(7, 3, 200, device="meta", dtype=torch.bfloat16), meta(qw.packed), meta(qw.absmax),
+                 meta(qw.codebook), meta(qw.tensor_scale), 5, 300, None)
+    assert y.shape == (7, 3, 300) and y.dtype == torch.bfloat16
+    pf, af = ops.quantize(torch.empty(300, 200, device="meta"), meta(qw.codebook), meta(qw.tensor_scale), 5)
+    assert pf.shape == (300, 7, 5) and af.shape == (300, 7)
+    p, a = ops.repack(pf, af, 5)
+    assert p.shape == qw.packed.shape and a.shape == qw.absmax.shape
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: a.update(bits=4), "bits=4"),
+        (lambda a: a.update(bits=7), "bits must be one of"),
+        (lambda a: a.update(x=torch.randn(3, 50)), "last dimension 50"),
+        (lambda a: a.update(out_features=400), "out_features=400"),
+        (lambda a: a.update(codebook=torch.zeros(16)), r"shape \[8\]"),
+        (lambda a: a.update(codebook=torch.zeros(8, dtype=torch.float64)), "float32"),
+        (lambda a: a.update(tensor_scale=torch.ones(2)), "tensor_scale"),
+        (lambda a: a.update(absmax=torch.zeros(3, 2, 128, 2, dtype=torch.int32)), "uint8"),
+        (lambda a: a.update(packed=torch.zeros(5, 3, 128, 2, 3, dtype=torch.int32)), "absmax shape"),
+        (lambda a: a.update(bias=torch.zeros(7)), r"bias must have shape \[300\]"),
+        (lambda a: a.update(x=torch.randint(0, 3, (3, 200))), "floating point"),
+    ],
+    ids=["bits-mismatch", "bits-range", "x-width", "out-features", "codebook-size", "codebook-dtype",
+         "tensor-scale", "absmax-dtype", "packed-shape", "bias-shape", "x-int"],
+)
+def test_gemm_rejects_bad_arguments(mutate, match):
+    qw = fmt.quantize(torch.randn(300, 200), 3)
+    args = dict(x=torch.randn(3, 200), packed=qw.packed, absmax=qw.absmax, codebook=qw.codebook,
+                tensor_scale=qw.tensor_scale, bits=3, out_features=300, bias=None)
+    mutate(args)
+    with pytest.raises((ValueError, TypeError), match=match):
+        ops.gemm(**args)
+
+
+def test_compile_fullgraph_no_graph_break():
+    qw = fmt.quantize(torch.randn(64, 96), 4)
+
+    def f(x):
+        return torch.relu(ops.gemm(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 4, 64, None)) * 2
+
+    x = torch.randn(5, 96)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), f(x))
