@@ -1,0 +1,272 @@
+"""``KbitLinear``: a drop-in ``nn.Linear`` whose weight is stored in the kbit format.
+
+The module holds the tensors of ``docs/format.md`` and nothing else:
+
+============== ================================================= ======================================
+name           shape                                             dtype / role
+============== ================================================= ======================================
+``weight``     ``[K_pad/64, N_pad/128, 128, 2, bits]``           int32 bit-planes (tiled), frozen Parameter
+``absmax``     ``[K_pad/64, N_pad/128, 128, 2]``                 uint8 E4M4 block scales, buffer
+``codebook``   ``[2**bits]``                                     float32 levels in [-1, 1], buffer
+``tensor_scale`` ``[1]``                                         float32 power of two, buffer
+``bias``       ``[out_features]`` or ``None``                    the model dtype, Parameter
+============== ================================================= ======================================
+
+``K_pad`` = in_features rounded up to 64, ``N_pad`` = out_features rounded up to 128.
+
+Why ``weight`` is a ``Parameter(requires_grad=False)`` and the rest are buffers: transformers 5.x
+loads only the keys of ``model.state_dict()`` (both kinds qualify) and sets them with
+``setattr``; a tensor set on a buffer name stays a plain buffer, anything else is wrapped in
+``nn.Parameter(requires_grad=tensor.is_floating_point())``. An int32 ``weight`` Parameter is
+therefore never trainable, the float32 ``codebook``/``tensor_scale`` do not come back as
+trainable Parameters, accelerate's offloading moves ``weight`` like any other parameter, and
+code that looks for a module's ``weight`` in ``named_parameters()`` (quantizer helpers,
+parameter counts, PEFT) finds it. ``model.dtype`` is unaffected (it reads the first floating
+point parameter).
+
+Dtype casts of a whole model (``model.half()``, ``model.to(torch.bfloat16)``) cast the bias and
+leave the quantized tensors bit-identical: ``weight``/``absmax`` are integers, and
+:meth:`KbitLinear._apply` keeps ``codebook``/``tensor_scale`` in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import _ops  # noqa: F401  (registers the torch.library ops used below)
+from . import format as fmt
+
+__all__ = ["KbitLinear"]
+
+# Resolved once: an OpOverload call skips the overload lookup of the packet on every forward.
+_GEMM = torch.ops.kbit_linear.gemm.default
+_DEQUANTIZE = torch.ops.kbit_linear.dequantize.default
+_QUANTIZE = torch.ops.kbit_linear.quantize.default
+_REPACK = torch.ops.kbit_linear.repack.default
+
+# Buffers that are part of the format and must stay float32 whatever the model dtype.
+_FLOAT32_BUFFERS = ("codebook", "tensor_scale")
+
+
+def _check_features(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def tiled_shapes(out_features: int, in_features: int, bits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the tiled ``weight`` and ``absmax`` for a layer.
+
+    Args:
+        out_features: N.
+        in_features: K.
+        bits: index width, 2..5.
+
+    Returns:
+        ``((K_pad/64, N_pad/128, 128, 2, bits), (K_pad/64, N_pad/128, 128, 2))``.
+    """
+    fmt.check_bits(bits)
+    n_pad, k_pad = fmt.padded_shape(out_features, in_features)
+    kb = fmt.TILE_K // fmt.BLOCK_SIZE
+    absmax_shape = (k_pad // fmt.TILE_K, n_pad // fmt.TILE_N, fmt.TILE_N, kb)
+    return (*absmax_shape, bits), absmax_shape
+
+
+class KbitLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` stored as ``bits``-bit codebook indices and E4M4 block scales.
+
+    The forward pass is one call of ``torch.ops.kbit_linear.gemm`` (the reference on CPU, the
+    fused CUDA kernel where the CUDA backend is registered). Inputs may be float32, float16 or
+    bfloat16 with any leading dimensions; the output has the input's dtype.
+
+    The constructor allocates zero-filled tensors of the right shapes (a zero ``absmax`` is an
+    all-zero weight), so a layer can be built on the meta device and filled by
+    ``load_state_dict``; use :meth:`from_linear` to quantize an existing ``nn.Linear``.
+
+    Args:
+        in_features: K, any positive int (the tiles are padded).
+        out_features: N, any positive int.
+        bias: whether the layer has a bias.
+        bits: index width, 2..5.
+        codebook: float ``[2**bits]``, strictly increasing, in [-1, 1] (default: the
+            normal-float codebook of ``bits``).
+        device: where the tensors live (``"meta"`` allocates nothing).
+        dtype: dtype of the bias (default: ``torch.get_default_dtype()``); the quantized
+            tensors have fixed dtypes.
+    """
+
+    in_features: int
+    out_features: int
+    bits: int
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        bits: int = 4,
+        codebook: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = _check_features("in_features", in_features)
+        self.out_features = _check_features("out_features", out_features)
+        self.bits = fmt.check_bits(bits)
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        packed_shape, absmax_shape = tiled_shapes(out_features, in_features, bits)
+        self.weight = nn.Parameter(torch.zeros(packed_shape, dtype=torch.int32, device=device), requires_grad=False)
+        self.register_buffer("absmax", torch.zeros(absmax_shape, dtype=torch.uint8, device=device))
+        if codebook is None:
+            cb = fmt.create_normal_float_codebook(bits, device=self.weight.device)
+        else:
+            cb = fmt.validate_codebook(codebook, bits).to(device=self.weight.device).clone()
+        self.register_buffer("codebook", cb)
+        self.register_buffer("tensor_scale", torch.ones(1, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+
+    # -----------------------------------------------------------------------------------
+    # construction from a dense layer
+    # -----------------------------------------------------------------------------------
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int = 4, codebook: torch.Tensor | None = None) -> "KbitLinear":
+        """Quantize an ``nn.Linear`` into a new ``KbitLinear`` on the same device.
+
+        Runs the ``kbit_linear::quantize`` and ``::repack`` ops on the weight's device (the
+        CUDA kernels when the weight is on a GPU with the CUDA backend). A weight on the meta
+        device gives a meta layer (shapes only). The bias is shared with ``linear`` (same
+        Parameter); ``linear`` itself is left unchanged.
+
+        Args:
+            linear: the layer; its weight must be a finite floating-point ``[out, in]`` tensor.
+            bits: index width, 2..5.
+            codebook: float ``[2**bits]`` (default: the normal-float codebook).
+
+        Returns:
+            The quantized layer.
+
+        Raises:
+            TypeError: ``linear`` is not an ``nn.Linear`` or its weight is not floating point.
+            ValueError: bad ``bits``/``codebook``, or a weight with NaN/Inf.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        fmt.check_bits(bits)
+        weight = linear.weight
+        fmt.check_weight(weight, name=f"linear.weight ({linear.out_features}x{linear.in_features})")
+        device = weight.device
+        with torch.no_grad():
+            w = weight.detach()
+            if codebook is None:
+                cb = fmt.create_normal_float_codebook(bits, device=device)
+            else:
+                # clone: the layer must not alias the caller's tensor
+                cb = fmt.validate_codebook(codebook, bits).to(device).clone()
+            ts = fmt.compute_tensor_scale(w)
+            packed_flat, absmax_flat = _QUANTIZE(w, cb, ts, bits)
+            packed, absmax = _REPACK(packed_flat, absmax_flat, bits)
+            del packed_flat, absmax_flat
+        # Built on meta (allocates nothing), then given the real tensors.
+        layer = cls(linear.in_features, linear.out_features, bias=False, bits=bits, device="meta")
+        layer.weight = nn.Parameter(packed, requires_grad=False)
+        layer.absmax = absmax
+        layer.codebook = cb
+        layer.tensor_scale = ts
+        layer.bias = linear.bias
+        return layer
+
+    # -----------------------------------------------------------------------------------
+    # compute
+    # -----------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T + bias``.
+
+        Args:
+            x: float32/float16/bfloat16 ``[..., in_features]`` on the layer's device.
+
+        Returns:
+            ``[..., out_features]`` in ``x``'s dtype.
+        """
+        # Eager fast path: when the CUDA backend exposes a direct launcher that bypasses the
+        # dispatcher, call it here for CUDA inputs outside torch.compile tracing. Until then
+        # (and always under torch.compile) the op below is the single entry point.
+        return _GEMM(x, self.weight, self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features, self.bias)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense weight this layer represents.
+
+        Args:
+            dtype: result dtype (default float32, which holds every dequantized value exactly).
+
+        Returns:
+            ``[out_features, in_features]`` on the layer's device.
+        """
+        dtype = torch.float32 if dtype is None else dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        return _DEQUANTIZE(
+            self.weight, self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features, self.in_features, dtype
+        )
+
+    def kbit_weight(self) -> fmt.KbitWeight:
+        """The quantized weight as a :class:`kbit_linear.format.KbitWeight` (shares storage)."""
+        return fmt.KbitWeight(
+            self.weight.detach(), self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features, self.in_features
+        )
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, bits={self.bits}"
+
+    # -----------------------------------------------------------------------------------
+    # nn.Module plumbing
+    # -----------------------------------------------------------------------------------
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "KbitLinear":
+        # Module.to(dtype)/half()/bfloat16() cast every floating buffer; the codebook and the
+        # tensor scale belong to the format and must stay float32, bit for bit. Apply ``fn``
+        # (for its device move) and, where it changed the dtype, move the original instead.
+        saved = {name: self._buffers.get(name) for name in _FLOAT32_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, old in saved.items():
+            new = self._buffers.get(name)
+            if old is not None and new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        return self
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # load_state_dict would silently cast a float tensor into the int32 planes (copy_):
+        # refuse wrong dtypes of the quantized tensors with a message naming the key.
+        expected = {"weight": torch.int32, "absmax": torch.uint8, "codebook": torch.float32, "tensor_scale": torch.float32}
+        bad = False
+        for name, dtype in expected.items():
+            t = state_dict.get(prefix + name)
+            if isinstance(t, torch.Tensor) and t.dtype != dtype:
+                error_msgs.append(
+                    f"{prefix}{name}: expected dtype {dtype} for a {self.bits}-bit KbitLinear, got {t.dtype}"
+                )
+                bad = True
+        if bad:
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)

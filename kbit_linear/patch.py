@@ -1,0 +1,286 @@
+"""``quantize_model``: replace the ``nn.Linear`` layers of any model by ``KbitLinear`` in place.
+
+Which layers are converted:
+
+* modules whose type is exactly ``nn.Linear`` (subclasses such as the ``out_proj`` of
+  ``nn.MultiheadAttention`` may read ``.weight`` directly instead of calling ``forward``, so they
+  are skipped with a reason);
+* not matched by ``skip`` (rules in :func:`matches_skip`);
+* not tied: a Linear whose weight Parameter (or its storage) also belongs to another module,
+  like an ``lm_head`` tied to the input embeddings, is left alone;
+* with a floating-point, 2-D, non-empty weight.
+
+Every layer left alone gets a reason in the returned :class:`QuantizationSummary`. Layers are
+quantized one at a time on the weight's own device (or ``device``), and each dense layer is
+dropped from the model before the next is quantized, so peak memory stays near the model's
+size plus one layer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import format as fmt
+from .linear import KbitLinear
+
+__all__ = ["QuantizationSummary", "quantize_model", "matches_skip", "module_bytes"]
+
+SkipRule = str | re.Pattern[str]
+
+_REGEX_PREFIX = "re:"
+
+
+@dataclass
+class QuantizationSummary:
+    """What :func:`quantize_model` did.
+
+    Attributes:
+        bits: index width used.
+        converted: qualified names of the layers replaced by ``KbitLinear``.
+        skipped: qualified name -> reason, for every ``nn.Linear`` (or subclass) left as is.
+        bytes_before: bytes of all parameters and buffers of the model before (shared
+            tensors counted once).
+        bytes_after: the same after quantization.
+        converted_bytes_before: bytes of the converted layers' dense weights and biases.
+        converted_bytes_after: bytes of their quantized tensors (planes, scales, codebook,
+            tensor scale, bias).
+    """
+
+    bits: int
+    converted: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    bytes_before: int = 0
+    bytes_after: int = 0
+    converted_bytes_before: int = 0
+    converted_bytes_after: int = 0
+
+    def __str__(self) -> str:
+        lines = [
+            f"kbit quantization ({self.bits} bits): {len(self.converted)} layers converted, {len(self.skipped)} skipped",
+            f"  model bytes: {self.bytes_before:,} -> {self.bytes_after:,}",
+            f"  converted layers: {self.converted_bytes_before:,} -> {self.converted_bytes_after:,} bytes",
+        ]
+        lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def matches_skip(name: str, rules: Iterable[SkipRule]) -> SkipRule | None:
+    """The first rule of ``rules`` that matches the module name ``name``, or ``None``.
+
+    Matching rules:
+
+    * a plain string ``s`` matches at module-path boundaries: ``name == s`` (exact name),
+      ``name`` starts with ``s + "."`` (``s`` is an ancestor, e.g. ``"model.layers.0"`` skips
+      every layer inside it), or ``name`` ends with ``"." + s`` (a trailing path, e.g.
+      ``"lm_head"`` matches ``"model.lm_head"``, ``"self_attn.o_proj"`` matches every
+      ``o_proj`` of every attention block). ``"layers.1"`` does not match ``"layers.11"``.
+    * a string starting with ``"re:"`` or a compiled ``re.Pattern`` is a regular expression
+      tried with ``re.search`` on the full name (``"re:layers\\.(0|1)\\.mlp"``).
+
+    Args:
+        name: a qualified module name as in ``model.named_modules()``.
+        rules: the skip rules.
+
+    Returns:
+        The matching rule, or ``None``.
+    """
+    for rule in rules:
+        if isinstance(rule, re.Pattern):
+            if rule.search(name):
+                return rule
+        elif rule.startswith(_REGEX_PREFIX):
+            if re.search(rule[len(_REGEX_PREFIX) :], name):
+                return rule
+        elif name == rule or name.startswith(rule + ".") or name.endswith("." + rule):
+            return rule
+    return None
+
+
+def _check_skip(skip: Iterable[SkipRule] | str | None) -> tuple[SkipRule, ...]:
+    if skip is None:
+        return ()
+    if isinstance(skip, (str, re.Pattern)):
+        skip = (skip,)
+    try:
+        rules = tuple(skip)
+    except TypeError:
+        raise TypeError(f"skip must be a string, a compiled regex or an iterable of them, got {type(skip).__name__}") from None
+    for rule in rules:
+        if isinstance(rule, re.Pattern):
+            continue
+        if not isinstance(rule, str) or not rule:
+            raise TypeError(f"skip entries must be non-empty strings or compiled regexes, got {rule!r}")
+        if rule.startswith(_REGEX_PREFIX):
+            try:
+                re.compile(rule[len(_REGEX_PREFIX) :])
+            except re.error as e:
+                raise ValueError(f"skip entry {rule!r} is not a valid regular expression: {e}") from None
+    return rules
+
+
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    """Identity of a tensor's memory (``None`` on meta, where nothing is allocated)."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return None
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def module_bytes(model: nn.Module) -> int:
+    """Bytes of all parameters and buffers of ``model``, shared tensors counted once (meta included)."""
+    seen: set = set()
+    total = 0
+    for t in (*model.parameters(), *model.buffers()):
+        key = _storage_key(t) or ("id", id(t))
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _tied_linears(model: nn.Module, linears: dict[str, nn.Linear]) -> dict[str, str]:
+    """name -> reason for every Linear whose weight is also held by another module."""
+    holders: dict[object, set[str]] = defaultdict(set)
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for p_name, p in module.named_parameters(recurse=False):
+            owner = f"{mod_name}.{p_name}" if mod_name else p_name
+            holders[("id", id(p))].add(owner)
+            key = _storage_key(p)
+            if key is not None:
+                holders[key].add(owner)
+    reasons = {}
+    for name, linear in linears.items():
+        w = linear.weight
+        if w is None:
+            continue
+        own = f"{name}.weight"
+        # a shared Linear module appears under several names: those owners are not ties
+        same_module = {f"{n}.weight" for n, m in linears.items() if m is linear}
+        others = set(holders[("id", id(w))])
+        key = _storage_key(w)
+        if key is not None:
+            others |= holders[key]
+        others -= same_module | {own}
+        if others:
+            reasons[name] = f"weight is tied to {', '.join(sorted(others))}"
+    return reasons
+
+
+def _unsupported_reason(linear: nn.Module) -> str | None:
+    """Why this Linear cannot be quantized, or ``None``."""
+    if type(linear) is not nn.Linear:
+        return f"{type(linear).__name__} is a subclass of nn.Linear (its users may read .weight directly)"
+    w = linear.weight
+    if w is None:
+        return "has no weight"
+    if not w.is_floating_point():
+        return f"weight dtype {w.dtype} is not floating point (already quantized?)"
+    if w.dim() != 2 or w.numel() == 0:
+        return f"weight shape {tuple(w.shape)} is not a non-empty [out, in] matrix"
+    return None
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def quantize_model(
+    model: nn.Module,
+    bits: int = 4,
+    skip: Iterable[SkipRule] | str | None = ("lm_head",),
+    codebook: torch.Tensor | None = None,
+    progress: bool = True,
+    device: torch.device | str | None = None,
+) -> QuantizationSummary:
+    """Replace the ``nn.Linear`` layers of ``model`` by :class:`KbitLinear`, in place.
+
+    Each layer is quantized with :meth:`KbitLinear.from_linear` on its weight's device (or
+    ``device``), then swapped into its parent; the dense layer is released before the next
+    one is quantized. Works on models on CPU, CUDA or the meta device (meta layers become
+    meta ``KbitLinear`` of the right shapes, to be filled by ``load_state_dict``).
+
+    Args:
+        model: any ``nn.Module``; a bare ``nn.Linear`` cannot be replaced in place (wrap it
+            or use ``KbitLinear.from_linear``).
+        bits: index width, 2..5.
+        skip: module names to leave dense, matched by :func:`matches_skip` (exact name,
+            ancestor prefix, trailing path, or ``"re:"``/compiled regex). Default
+            ``("lm_head",)``. ``None`` or ``()`` converts everything convertible.
+        codebook: float ``[2**bits]`` shared by every layer (each layer stores its own
+            copy); default the normal-float codebook.
+        progress: show a tqdm progress bar.
+        device: where to quantize and keep the new layers (default: each weight's device).
+
+    Returns:
+        A :class:`QuantizationSummary`: converted names, skipped names with reasons, bytes.
+
+    Raises:
+        TypeError / ValueError: bad arguments.
+        ValueError: a layer that should be converted cannot be quantized (e.g. NaN/Inf
+            weights); the message names the layer. Layers converted before it stay converted.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.Linear):
+        raise TypeError("model is a bare nn.Linear, which cannot be replaced in place; use KbitLinear.from_linear(model, bits)")
+    fmt.check_bits(bits)
+    rules = _check_skip(skip)
+    if codebook is not None:
+        codebook = fmt.validate_codebook(codebook, bits)
+    target = torch.device(device) if device is not None else None
+
+    summary = QuantizationSummary(bits=bits, bytes_before=module_bytes(model))
+    linears = {name: m for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear)}
+    tied = _tied_linears(model, linears)
+    to_convert: list[str] = []
+    for name, linear in linears.items():
+        rule = matches_skip(name, rules)
+        if rule is not None:
+            summary.skipped[name] = f"matches skip rule {rule.pattern if isinstance(rule, re.Pattern) else rule!r}"
+        elif name in tied:
+            summary.skipped[name] = tied[name]
+        elif (reason := _unsupported_reason(linear)) is not None:
+            summary.skipped[name] = reason
+        else:
+            to_convert.append(name)
+    # Hold names, not modules: a dense layer must be unreferenced once swapped out.
+    del linears
+
+    converted: dict[int, KbitLinear] = {}  # a Linear reused under several names -> one KbitLinear
+    for name in tqdm(to_convert, desc=f"kbit quantize ({bits} bits)", unit="layer", disable=not progress):
+        linear = model.get_submodule(name)
+        if id(linear) in converted:
+            _set_submodule(model, name, converted[id(linear)])
+            summary.converted.append(name)
+            del linear
+            continue
+        before = sum(t.numel() * t.element_size() for t in linear.parameters(recurse=False))
+        src = linear
+        if target is not None and linear.weight.device != target:
+            src = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+            src.weight = nn.Parameter(linear.weight.detach().to(target), requires_grad=False)
+            if linear.bias is not None:
+                src.bias = nn.Parameter(linear.bias.detach().to(target), requires_grad=linear.bias.requires_grad)
+        try:
+            new = KbitLinear.from_linear(src, bits=bits, codebook=codebook)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cannot quantize layer {name!r} ({linear.out_features}x{linear.in_features}): {e}") from e
+        new.train(linear.training)
+        _set_submodule(model, name, new)
+        converted[id(linear)] = new
+        summary.converted.append(name)
+        summary.converted_bytes_before += before
+        summary.converted_bytes_after += sum(t.numel() * t.element_size() for t in (*new.parameters(), *new.buffers()))
+        del linear, src, new
+
+    summary.bytes_after = module_bytes(model)
+    return summary

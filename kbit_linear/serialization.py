@@ -1,0 +1,635 @@
+"""Quantized checkpoints in safetensors: save, load, and the checks shared with the plug-in.
+
+On-disk format (version ``"1"``), one ``.safetensors`` file:
+
+* every tensor of the model's state dict; a quantized linear ``<prefix>`` contributes
+  ``<prefix>.weight`` (int32 ``[K_pad/64, N_pad/128, 128, 2, bits]``, deliberately not
+  ``[out, in]``: a loader that does not know the format fails with a size mismatch),
+  ``<prefix>.absmax`` (uint8 ``[K_pad/64, N_pad/128, 128, 2]``), ``<prefix>.codebook``
+  (float32 ``[2**bits]``), ``<prefix>.tensor_scale`` (float32 ``[1]``) and optionally
+  ``<prefix>.bias`` (the model dtype, ``[out_features]``);
+* header metadata (all strings, as safetensors requires):
+
+  ========================= ==========================================================
+  key                       value
+  ========================= ==========================================================
+  ``format``                ``"pt"`` (what transformers expects of a PyTorch file)
+  ``kbit_linear.version``   ``"1"``
+  ``kbit_linear.layers``    JSON ``{prefix: layer metadata}`` (see :func:`layer_metadata`)
+  ``kbit_linear.sha256``    JSON ``{tensor name: hex sha256 of its bytes}``
+  ``kbit_linear.aliases``   JSON ``{name: stored name}`` for tensors shared in the model
+                            (tied weights), stored once
+  anything else             the caller's ``metadata``, returned by :func:`load_quantized`
+  ========================= ==========================================================
+
+Loading checks the version, every layer's metadata, tensor names, dtypes, shapes, codebook
+values, the tensor scale, that the padding is made of zero blocks, and the checksums, and
+raises :class:`CheckpointError` naming the file, the layer and what is wrong. Writes go to a
+temporary file in the target folder, are fsynced and renamed over the target, so an
+interrupted save leaves either the old file or none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from . import format as fmt
+from .linear import KbitLinear, tiled_shapes
+
+__all__ = [
+    "FORMAT_VERSION",
+    "LAYER_TENSORS",
+    "CheckpointError",
+    "QuantizedCheckpoint",
+    "layer_metadata",
+    "validate_layer_metadata",
+    "validate_layer_tensors",
+    "save_quantized",
+    "load_quantized",
+    "load_into",
+]
+
+FORMAT_VERSION = "1"
+"""The on-disk format version this code writes and reads."""
+LAYER_TENSORS = ("weight", "absmax", "codebook", "tensor_scale", "bias")
+"""Tensor names of one quantized linear (``bias`` optional)."""
+
+_KEY_VERSION = "kbit_linear.version"
+_KEY_LAYERS = "kbit_linear.layers"
+_KEY_SHA256 = "kbit_linear.sha256"
+_KEY_ALIASES = "kbit_linear.aliases"
+_RESERVED = "kbit_linear."
+
+PathLike = str | os.PathLike
+
+
+class CheckpointError(ValueError):
+    """A quantized checkpoint (file, metadata or tensors) is invalid; the message says what and where."""
+
+
+@dataclass
+class QuantizedCheckpoint:
+    """A checkpoint read by :func:`load_quantized`.
+
+    Attributes:
+        tensors: name -> tensor, every name of the saved state dict (aliases included).
+        layers: prefix -> layer metadata (see :func:`layer_metadata`), validated.
+        metadata: the caller's extra header metadata given to :func:`save_quantized`.
+        path: the file read.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    layers: dict[str, dict[str, Any]]
+    metadata: dict[str, str] = field(default_factory=dict)
+    path: str = ""
+
+
+# ---------------------------------------------------------------------------------------
+# per-layer metadata and checks (also used by the transformers plug-in)
+# ---------------------------------------------------------------------------------------
+
+
+def layer_metadata(layer: KbitLinear) -> dict[str, Any]:
+    """The header metadata of one quantized layer.
+
+    Args:
+        layer: a :class:`KbitLinear`.
+
+    Returns:
+        ``{"bits", "in_features", "out_features", "in_features_padded",
+        "out_features_padded", "block_size", "tile_k", "tile_n", "bias"}`` (ints and a bool).
+    """
+    if not isinstance(layer, KbitLinear):
+        raise TypeError(f"layer must be a KbitLinear, got {type(layer).__name__}")
+    n_pad, k_pad = fmt.padded_shape(layer.out_features, layer.in_features)
+    return {
+        "bits": layer.bits,
+        "in_features": layer.in_features,
+        "out_features": layer.out_features,
+        "in_features_padded": k_pad,
+        "out_features_padded": n_pad,
+        "block_size": fmt.BLOCK_SIZE,
+        "tile_k": fmt.TILE_K,
+        "tile_n": fmt.TILE_N,
+        "bias": layer.bias is not None,
+    }
+
+
+def _fail(where: str, msg: str) -> CheckpointError:
+    return CheckpointError(f"{where}: {msg}" if where else msg)
+
+
+def validate_layer_metadata(prefix: str, meta: Mapping[str, Any], *, where: str = "") -> dict[str, Any]:
+    """Check one layer's metadata and return it complete (padded shapes and tile config filled in).
+
+    Required keys: ``bits`` (2..5), ``in_features``, ``out_features`` (positive ints).
+    Optional keys, checked when present: ``in_features_padded``, ``out_features_padded``
+    (must equal the shapes rounded up to 64 / 128), ``block_size`` (32), ``tile_k`` (64),
+    ``tile_n`` (128), ``bias`` (bool).
+
+    Args:
+        prefix: the layer's module name (for messages).
+        meta: the metadata mapping (e.g. parsed from a header or a config).
+        where: what is being read (a file name), prepended to messages.
+
+    Raises:
+        CheckpointError: a missing or wrong entry, named.
+    """
+    ctx = f"{where}: layer {prefix!r}" if where else f"layer {prefix!r}"
+    if not isinstance(meta, Mapping):
+        raise _fail(ctx, f"metadata must be a mapping, got {type(meta).__name__}")
+
+    def get_int(key: str) -> int:
+        if key not in meta:
+            raise _fail(ctx, f"metadata lacks {key!r}")
+        v = meta[key]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _fail(ctx, f"metadata {key!r} must be an int, got {v!r}")
+        return v
+
+    bits = get_int("bits")
+    if bits not in fmt.SUPPORTED_BITS:
+        raise _fail(ctx, f"bits={bits} is not supported (supported: {fmt.SUPPORTED_BITS})")
+    k, n = get_int("in_features"), get_int("out_features")
+    if k <= 0 or n <= 0:
+        raise _fail(ctx, f"in_features and out_features must be positive, got ({n}, {k})")
+    n_pad, k_pad = fmt.padded_shape(n, k)
+    expected = {
+        "in_features_padded": k_pad,
+        "out_features_padded": n_pad,
+        "block_size": fmt.BLOCK_SIZE,
+        "tile_k": fmt.TILE_K,
+        "tile_n": fmt.TILE_N,
+    }
+    for key, want in expected.items():
+        if key in meta and get_int(key) != want:
+            raise _fail(ctx, f"metadata {key}={meta[key]} does not match this format (expected {want} for shape ({n}, {k}))")
+    has_bias = meta.get("bias")
+    if has_bias is not None and not isinstance(has_bias, bool):
+        raise _fail(ctx, f"metadata 'bias' must be a bool, got {has_bias!r}")
+    out = dict(meta)
+    out.update(expected)
+    out.update(bits=bits, in_features=k, out_features=n)
+    return out
+
+
+def validate_layer_tensors(
+    prefix: str,
+    tensors: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any],
+    *,
+    where: str = "",
+    check_values: bool = True,
+) -> None:
+    """Check the tensors of one quantized layer against its metadata.
+
+    Checks names, dtypes and shapes of ``weight``/``absmax``/``codebook``/``tensor_scale``
+    (and ``bias`` when present or required by ``meta["bias"]``), and, with ``check_values``
+    (skipped for meta tensors): the codebook is finite, strictly increasing and in [-1, 1],
+    the tensor scale is a positive finite power of two, and the padded rows and block columns
+    are zero blocks (absmax 0, planes 0) as the format requires.
+
+    Args:
+        prefix: the layer's module name (for messages).
+        tensors: short name (``"weight"``, ``"absmax"``, ``"codebook"``, ``"tensor_scale"``,
+            ``"bias"``) -> tensor.
+        meta: the layer's metadata (see :func:`validate_layer_metadata`).
+        where: what is being read (a file name), prepended to messages.
+        check_values: also check tensor contents (reads them; costs one pass over the
+            padding and the small tensors).
+
+    Raises:
+        CheckpointError: the first problem found, naming the layer and the tensor.
+    """
+    meta = validate_layer_metadata(prefix, meta, where=where)
+    ctx = f"{where}: layer {prefix!r}" if where else f"layer {prefix!r}"
+    bits, k, n = meta["bits"], meta["in_features"], meta["out_features"]
+    unknown = set(tensors) - set(LAYER_TENSORS)
+    if unknown:
+        raise _fail(ctx, f"unexpected tensors {sorted(unknown)} (a quantized layer holds {list(LAYER_TENSORS)})")
+    packed_shape, absmax_shape = tiled_shapes(n, k, bits)
+    want = {
+        "weight": (torch.int32, packed_shape),
+        "absmax": (torch.uint8, absmax_shape),
+        "codebook": (torch.float32, (1 << bits,)),
+        "tensor_scale": (torch.float32, (1,)),
+    }
+    for name, (dtype, shape) in want.items():
+        t = tensors.get(name)
+        if t is None:
+            raise _fail(ctx, f"tensor {name!r} is missing")
+        if not isinstance(t, torch.Tensor):
+            raise _fail(ctx, f"{name!r} is a {type(t).__name__}, not a tensor")
+        if t.dtype != dtype:
+            raise _fail(ctx, f"{name!r} has dtype {t.dtype}, expected {dtype}")
+        if tuple(t.shape) != shape:
+            raise _fail(
+                ctx, f"{name!r} has shape {tuple(t.shape)}, expected {shape} for bits={bits}, out_features={n}, in_features={k}"
+            )
+    bias = tensors.get("bias")
+    if meta.get("bias") is True and bias is None:
+        raise _fail(ctx, "tensor 'bias' is missing (the metadata says the layer has a bias)")
+    if meta.get("bias") is False and bias is not None:
+        raise _fail(ctx, "has a 'bias' tensor but the metadata says it has none")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise _fail(ctx, f"'bias' must be a floating-point tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
+        if tuple(bias.shape) != (n,):
+            raise _fail(ctx, f"'bias' has shape {tuple(bias.shape)}, expected ({n},)")
+    if not check_values or any(tensors[name].device.type == "meta" for name in want):
+        return
+
+    try:
+        fmt.validate_codebook(tensors["codebook"], bits)
+    except (TypeError, ValueError) as e:
+        raise _fail(ctx, f"invalid codebook: {e}") from None
+    ts = tensors["tensor_scale"]
+    if not bool(torch.isfinite(ts).all()) or not bool((ts > 0).all()) or not bool((torch.frexp(ts).mantissa == 0.5).all()):
+        raise _fail(ctx, f"tensor_scale must be a positive finite power of two, got {ts.item()!r}")
+    _check_padding(ctx, tensors["weight"], tensors["absmax"], n, k)
+
+
+def _check_padding(ctx: str, packed: torch.Tensor, absmax: torch.Tensor, n: int, k: int) -> None:
+    """Padded rows (n >= N) and padded block columns (j >= ceil(K/32)) must be zero blocks."""
+    nt = packed.shape[1]
+    valid_rows = n - fmt.TILE_N * (nt - 1)  # rows of the last n-tile that hold real outputs
+    nblk = -(-k // fmt.BLOCK_SIZE)
+    checks = []
+    if valid_rows < fmt.TILE_N:
+        checks.append((f"rows {n}..{nt * fmt.TILE_N - 1}", packed[:, nt - 1, valid_rows:], absmax[:, nt - 1, valid_rows:]))
+    if nblk % 2:  # the last 64-wide k-tile holds one real block and one padded block
+        checks.append((f"block column {nblk}", packed[-1, :, :, 1], absmax[-1, :, :, 1]))
+    for what, p, a in checks:
+        if bool(a.any()):
+            raise _fail(ctx, f"absmax is not zero in the padding ({what}): the tensors are corrupted or not in the tiled layout")
+        if bool(p.any()):
+            raise _fail(ctx, f"weight planes are not zero in the padding ({what}): the tensors are corrupted or not in the tiled layout")
+
+
+# ---------------------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------------------
+
+
+def _sha256(t: torch.Tensor) -> str:
+    """Hex sha256 of the tensor's bytes as safetensors stores them (contiguous, little-endian)."""
+    b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(memoryview(b)).hexdigest()
+
+
+def _layer_tensors(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {s: state[f"{prefix}.{s}"] for s in LAYER_TENSORS if f"{prefix}.{s}" in state}
+
+
+def _stray_packed(state: Mapping[str, torch.Tensor], layers: Mapping[str, Any]) -> list[str]:
+    """Tensors that look like tiled planes (``*.weight``, int32, 5-D) but belong to no listed layer."""
+    out = []
+    for name, t in state.items():
+        prefix, _, last = name.rpartition(".")
+        if last == "weight" and t.dtype == torch.int32 and t.dim() == 5 and prefix not in layers:
+            out.append(name)
+    return out
+
+
+def _dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Store tensors shared in memory once: ``(unique tensors, {alias: stored name})``.
+
+    Identical views (tied weights) become aliases; other overlapping views are copied, since
+    safetensors refuses shared storage.
+    """
+    groups: dict[tuple, list[str]] = {}
+    for name in sorted(state):
+        t = state[name]
+        if t.numel() == 0:
+            continue
+        groups.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(name)
+    out = dict(state)
+    aliases: dict[str, str] = {}
+    for names in groups.values():
+        first = state[names[0]]
+        for other in names[1:]:
+            t = state[other]
+            if t.data_ptr() == first.data_ptr() and t.shape == first.shape and t.stride() == first.stride() and t.dtype == first.dtype:
+                aliases[other] = names[0]
+                del out[other]
+            else:
+                out[other] = t.clone()
+    return out, aliases
+
+
+def _check_user_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a mapping of str to str, got {type(metadata).__name__}")
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"metadata keys and values must be str, got {key!r}: {value!r}")
+        if key.startswith(_RESERVED) or key == "format":
+            raise ValueError(f"metadata key {key!r} is reserved (keys starting with {_RESERVED!r} and 'format')")
+    return dict(metadata)
+
+
+def _write_atomic(tensors: dict[str, torch.Tensor], path: Path, header: dict[str, str]) -> None:
+    """Write to a temp file beside ``path``, fsync, rename over ``path``, fsync the folder."""
+    from safetensors.torch import save_file
+
+    folder = path.parent
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=header)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable (POSIX)
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def save_quantized(
+    model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+    path: PathLike,
+    metadata: Mapping[str, str] | None = None,
+    *,
+    layers: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Path:
+    """Save a quantized model (or state dict) to one safetensors file, atomically.
+
+    Args:
+        model_or_state_dict: a module containing :class:`KbitLinear` layers (their metadata
+            is taken from the modules), or a state dict, in which case ``layers`` must
+            describe every quantized layer in it.
+        path: the ``.safetensors`` file to write; its folder must exist. An existing file
+            is replaced only once the new one is completely written.
+        metadata: extra header entries, str -> str (keys starting with ``kbit_linear.`` and
+            ``format`` are reserved).
+        layers: with a state dict: prefix -> ``{"bits", "in_features", "out_features"}``
+            (as :func:`layer_metadata` returns). Not allowed with a module.
+
+    Returns:
+        The path written.
+
+    Raises:
+        TypeError / ValueError: bad arguments, tensors on the meta device.
+        CheckpointError: the quantized tensors do not match their metadata.
+    """
+    if isinstance(model_or_state_dict, nn.Module):
+        if layers is not None:
+            raise TypeError("layers= is only for a state dict; a module's KbitLinear layers describe themselves")
+        state = dict(model_or_state_dict.state_dict())
+        layer_meta = {
+            name: layer_metadata(m)
+            for name, m in model_or_state_dict.named_modules(remove_duplicate=False)
+            if isinstance(m, KbitLinear)
+        }
+    elif isinstance(model_or_state_dict, Mapping):
+        state = dict(model_or_state_dict)
+        layer_meta = {}
+        if layers is not None:
+            if not isinstance(layers, Mapping):
+                raise TypeError(f"layers must be a mapping prefix -> metadata, got {type(layers).__name__}")
+            layer_meta = {p: validate_layer_metadata(p, m) for p, m in layers.items()}
+    else:
+        raise TypeError(f"model_or_state_dict must be an nn.Module or a state dict, got {type(model_or_state_dict).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"folder {str(path.parent)!r} of path does not exist")
+    user = _check_user_metadata(metadata)
+
+    for name, t in state.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state dict entry {name!r} is a {type(t).__name__}, not a tensor")
+        if t.device.type == "meta":
+            raise ValueError(f"tensor {name!r} is on the meta device (no data to save); load or quantize the model first")
+    for prefix, meta in layer_meta.items():
+        validate_layer_tensors(prefix, _layer_tensors(state, prefix), meta)
+    stray = _stray_packed(state, layer_meta)
+    if stray:
+        raise CheckpointError(f"tensors {stray} look like quantized planes but have no layer metadata (pass layers=...)")
+
+    tensors, aliases = _dedupe(state)
+    tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    header = {
+        "format": "pt",
+        _KEY_VERSION: FORMAT_VERSION,
+        _KEY_LAYERS: json.dumps(layer_meta, sort_keys=True),
+        _KEY_SHA256: json.dumps({name: _sha256(t) for name, t in tensors.items()}, sort_keys=True),
+        **user,
+    }
+    if aliases:
+        header[_KEY_ALIASES] = json.dumps(aliases, sort_keys=True)
+    _write_atomic(tensors, path, header)
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# load
+# ---------------------------------------------------------------------------------------
+
+
+def _parse_json(where: str, key: str, text: str | None, default: Any) -> Any:
+    if text is None:
+        return default
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{where}: header entry {key!r} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: header entry {key!r} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def load_quantized(
+    path: PathLike,
+    *,
+    device: torch.device | str = "cpu",
+    verify_checksums: bool = True,
+) -> QuantizedCheckpoint:
+    """Read and validate a checkpoint written by :func:`save_quantized`.
+
+    Args:
+        path: the ``.safetensors`` file.
+        device: where the returned tensors go (read and checked on CPU first).
+        verify_checksums: compare every tensor's sha256 with the header (one pass over the
+            data, about 1 GB/s; turn off for trusted files when load time matters).
+
+    Returns:
+        A :class:`QuantizedCheckpoint`.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: not readable as safetensors (truncated, damaged header), not a
+            kbit_linear checkpoint, unknown version, missing/extra tensors, wrong dtypes,
+            shapes or values, checksum mismatch. The message names the file and the tensor.
+    """
+    from safetensors import safe_open
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    where = str(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint file at {where!r}")
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(where, framework="pt", device="cpu") as f:
+            header = dict(f.metadata() or {})
+            names = list(f.keys())
+            if header.get(_KEY_VERSION) is None:
+                raise CheckpointError(f"{where}: not a kbit_linear checkpoint (no {_KEY_VERSION!r} in the safetensors header)")
+            if header[_KEY_VERSION] != FORMAT_VERSION:
+                raise CheckpointError(
+                    f"{where}: format version {header[_KEY_VERSION]!r} is not supported (this version of kbit_linear reads {FORMAT_VERSION!r})"
+                )
+            for name in names:
+                tensors[name] = f.get_tensor(name)
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise CheckpointError(f"{where}: cannot read the file as safetensors (truncated or damaged?): {e}") from e
+
+    layers_raw = _parse_json(where, _KEY_LAYERS, header.get(_KEY_LAYERS), None)
+    if layers_raw is None:
+        raise CheckpointError(f"{where}: header lacks {_KEY_LAYERS!r}")
+    sums = _parse_json(where, _KEY_SHA256, header.get(_KEY_SHA256), None)
+    if sums is None:
+        raise CheckpointError(f"{where}: header lacks {_KEY_SHA256!r}")
+    aliases = _parse_json(where, _KEY_ALIASES, header.get(_KEY_ALIASES), {})
+
+    missing = sorted(set(sums) - set(tensors))
+    if missing:
+        raise CheckpointError(f"{where}: tensors listed in the header are missing from the file: {missing}")
+    extra = sorted(set(tensors) - set(sums))
+    if extra:
+        raise CheckpointError(f"{where}: tensors not listed in the header (file modified?): {extra}")
+    if verify_checksums:
+        for name, t in tensors.items():
+            if _sha256(t) != sums[name]:
+                raise CheckpointError(f"{where}: tensor {name!r} fails its sha256 check: the file is corrupted or was modified")
+    for alias, stored in aliases.items():
+        if not isinstance(alias, str) or stored not in tensors:
+            raise CheckpointError(f"{where}: alias {alias!r} refers to {stored!r}, which is not in the file")
+        if alias in tensors:
+            raise CheckpointError(f"{where}: alias {alias!r} is also stored as a tensor")
+        tensors[alias] = tensors[stored]
+
+    layers: dict[str, dict[str, Any]] = {}
+    for prefix, meta in layers_raw.items():
+        layers[prefix] = validate_layer_metadata(prefix, meta, where=where)
+        validate_layer_tensors(prefix, _layer_tensors(tensors, prefix), layers[prefix], where=where)
+    stray = _stray_packed(tensors, layers)
+    if stray:
+        raise CheckpointError(f"{where}: tensors {stray} look like quantized planes but no layer metadata lists them")
+
+    if torch.device(device) != torch.device("cpu"):
+        tensors = {name: t.to(device) for name, t in tensors.items()}
+        for alias, stored in aliases.items():  # keep aliases shared after the move
+            tensors[alias] = tensors[stored]
+    user = {k: v for k, v in header.items() if not k.startswith(_RESERVED) and k != "format"}
+    return QuantizedCheckpoint(tensors=tensors, layers=layers, metadata=user, path=where)
+
+
+def load_into(
+    model: nn.Module,
+    path: PathLike,
+    *,
+    strict: bool = True,
+    device: torch.device | str | None = None,
+    verify_checksums: bool = True,
+) -> nn.Module:
+    """Load a checkpoint of :func:`save_quantized` into ``model``, without re-quantizing.
+
+    ``model`` may be the dense model (e.g. freshly built from its config, also on the meta
+    device): every ``nn.Linear`` that the checkpoint holds quantized is first replaced by a
+    :class:`KbitLinear` of the checkpoint's bits and shape; existing ``KbitLinear`` layers must
+    match. Then the state dict is loaded: copied into existing tensors (keeping the model's
+    devices and dtypes), or, where the model is on the meta device, assigned (on ``device``,
+    default CPU). Weights tied in the model stay tied. A meta model's non-persistent buffers
+    (not part of any state dict, e.g. rotary ``inv_freq``) stay on meta, with a warning.
+
+    Args:
+        model: the model to fill, changed in place.
+        path: the ``.safetensors`` file.
+        strict: require the checkpoint's keys to match the model's state dict exactly.
+        device: where assigned tensors go when the model is on the meta device.
+        verify_checksums: see :func:`load_quantized`.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        CheckpointError: invalid file, or a layer/key that does not match the model.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    ckpt = load_quantized(path, device=device or "cpu", verify_checksums=verify_checksums)
+    where = ckpt.path
+    for prefix, meta in ckpt.layers.items():
+        try:
+            module = model.get_submodule(prefix)
+        except AttributeError:
+            raise CheckpointError(f"{where}: layer {prefix!r} has no module in the model") from None
+        bits, k, n, has_bias = meta["bits"], meta["in_features"], meta["out_features"], f"{prefix}.bias" in ckpt.tensors
+        if isinstance(module, KbitLinear):
+            got = (module.bits, module.in_features, module.out_features, module.bias is not None)
+            if got != (bits, k, n, has_bias):
+                raise CheckpointError(
+                    f"{where}: layer {prefix!r} is (bits, in, out, bias)={(bits, k, n, has_bias)} in the checkpoint but {got} in the model"
+                )
+        elif isinstance(module, nn.Linear):
+            if (module.in_features, module.out_features) != (k, n):
+                raise CheckpointError(
+                    f"{where}: layer {prefix!r} is {n}x{k} in the checkpoint but {module.out_features}x{module.in_features} in the model"
+                )
+            ref = module.bias if module.bias is not None else module.weight
+            new = KbitLinear(k, n, bias=has_bias, bits=bits, device=module.weight.device, dtype=ref.dtype)
+            new.train(module.training)
+            parent_name, _, child = prefix.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        else:
+            raise CheckpointError(f"{where}: layer {prefix!r} is a {type(module).__name__} in the model, not nn.Linear or KbitLinear")
+        del module
+
+    # Remember which names share one Parameter: assign=True would untie them.
+    shared: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    assign = any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
+    try:
+        model.load_state_dict(ckpt.tensors, strict=strict, assign=assign)
+    except RuntimeError as e:
+        raise CheckpointError(f"{where}: does not match the model: {e}") from e
+    if assign:
+        for names in shared.values():
+            if len(names) > 1:
+                keep = model.get_parameter(names[0])
+                for other in names[1:]:
+                    parent_name, _, child = other.rpartition(".")
+                    setattr(model.get_submodule(parent_name) if parent_name else model, child, keep)
+        left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
+        if left:
+            # e.g. non-persistent buffers (rotary inv_freq): not in any state dict, so the
+            # caller must create them (transformers' from_pretrained does).
+            warnings.warn(f"load_into: {len(left)} tensors are still on the meta device (not in the checkpoint): {left[:8]}", stacklevel=2)
+    return model
