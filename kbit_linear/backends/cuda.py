@@ -1,0 +1,493 @@
+"""CUDA implementations of the kbit ops (kernels in ``kernels/``, compiled at run time).
+
+Importing this module registers ``torch.library`` CUDA kernels for ``kbit_linear::quantize``,
+``::repack``, ``::dequantize`` and ``::gemm``. It needs neither CuPy nor a GPU to import: CuPy
+is loaded, and each kernel instance compiled, on the first call that needs it
+(:mod:`kbit_linear.backends.loader`).
+
+GEMM paths (:func:`gemm_path` names the one a problem takes):
+
+* ``"decode"``: the small-M kernel of :mod:`kbit_linear.backends.decode`, when that module exists
+  and says it supports the problem;
+* ``"fused"`` / ``"fused-splitk"``: ``kernels/gemm.cu``, dequantization fused into an mma.sync
+  GEMM; "-splitk" when some output tiles are reduced over several blocks;
+* ``"dequant+cublas"``: ``kernels/quantize.cu``'s dequantize kernel writes the dense weight in
+  x's dtype, then ``F.linear`` (cuBLAS) multiplies. Taken from :data:`DEQUANT_CUBLAS_MIN_M`
+  rows on, where cuBLAS's tensor-core GEMM beats the fused mma.sync kernel; it needs a
+  temporary dense weight (``N * K`` elements).
+
+Activations: fp16 and bf16 run as they are; any other floating dtype (fp32) is cast to bf16
+(same range as fp32) and the result cast back. ``in_features`` that is not a multiple of 8 is
+zero-padded to one on the host (a copy of x per call: a slow path for rare shapes).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import _ops  # noqa: F401  (defines the op schemas before the registrations below)
+from .. import format as fmt
+from . import loader
+
+__all__ = [
+    "GEMM_PATHS",
+    "DEQUANT_CUBLAS_MIN_M",
+    "gemm_path",
+    "gemm_cuda",
+    "gemm_instances",
+    "format_instances",
+]
+
+GEMM_PATHS = ("fused", "fused-splitk", "dequant+cublas", "decode")
+
+# Rows from which the dequantize + cuBLAS path is taken instead of the fused kernel, per GPU
+# (matched as a substring of torch.cuda.get_device_name), by bits. Measured with
+# scripts/gpu_check.sh (crossover of the fused kernel and dequantize + F.linear over
+# shapes 4096->4096, 4096->14336, 14336->4096); see bench/results/kernels-first-version.md.
+DEQUANT_CUBLAS_MIN_M: dict[str, dict[int, int]] = {
+    "H100": {2: 512, 3: 512, 4: 512, 5: 512},
+    "default": {2: 512, 3: 512, 4: 512, 5: 512},
+}
+
+_THREADS = 256
+_TILE_N = fmt.TILE_N
+_TILE_K = fmt.TILE_K
+_STAGES = 4
+_MIN_SPLIT_ITERS = 4  # fewest k-tiles per block when splitting K (pipeline fill costs ~2)
+_MB_CHOICES = (1, 2, 4, 8)
+_DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_GEMM_ARGS = loader.ArgPack("ppppppppp" + "iiiiii")
+_QUANT_ARGS = loader.ArgPack("ppppp" + "iii")
+_REPACK_ARGS = loader.ArgPack("pppp" + "iiii")
+_DEQUANT_ARGS = loader.ArgPack("ppppp" + "iiii")
+
+
+# ---------------------------------------------------------------------------------------
+# kernel instances
+# ---------------------------------------------------------------------------------------
+
+
+def _gemm_name(bits: int, mb: int, dtype: torch.dtype) -> str:
+    return f"kbit_gemm<{bits}, {mb}, {_DT[dtype]}>"
+
+
+def gemm_instances() -> list[str]:
+    """Every GEMM template instance the dispatcher can launch (name expressions in ``gemm.cu``)."""
+    return [_gemm_name(b, mb, dt) for b in fmt.SUPPORTED_BITS for mb in _MB_CHOICES for dt in (torch.float16, torch.bfloat16)]
+
+
+def format_instances() -> list[str]:
+    """Every quantize/repack/dequantize instance (name expressions in ``quantize.cu``)."""
+    names = []
+    for b in fmt.SUPPORTED_BITS:
+        names += [f"kbit_quantize<{b}, {d}>" for d in range(3)]
+        names.append(f"kbit_repack<{b}>")
+        names += [f"kbit_dequantize<{b}, {d}>" for d in range(3)]
+    return names
+
+
+def _gemm_smem(bits: int, mb: int) -> int:
+    """Bytes of dynamic shared memory of ``kbit_gemm<bits, mb, *>`` (mirrors GemmShape in gemm.cu)."""
+    stage = 16 * mb * _TILE_K * 2 + _TILE_N * 2 * bits * 4 + _TILE_N * 2
+    lut = (1 << (2 * bits)) * 32 * 4 if bits <= 4 else 0
+    return _STAGES * stage + lut + 16
+
+
+def _gemm_nacc(mb: int) -> int:
+    wm = 2 if mb >= 4 else 1
+    fm, fn = mb // wm, _TILE_N // (8 * (8 // wm))
+    return fm * fn * 4
+
+
+def _pick_mb(m: int) -> int:
+    for mb in _MB_CHOICES:
+        if m <= 16 * mb:
+            return mb
+    return _MB_CHOICES[-1]
+
+
+# ---------------------------------------------------------------------------------------
+# planning (cached per problem)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _GemmPlan:
+    path: str
+    kernel: Any = None  # loader.CudaKernel for the fused path
+    grid: int = 0
+    smem: int = 0
+    iters: int = 0
+    ws_numel: int = 0
+    tiles: int = 0
+    split: bool = False
+
+
+_plans: dict[tuple, _GemmPlan] = {}
+_plan_lock = threading.Lock()
+_decode_mod: Any = None
+_decode_checked = False
+
+
+def _decode_module() -> Any:
+    """The optional small-M backend (``kbit_linear.backends.decode``), or None."""
+    global _decode_mod, _decode_checked
+    if not _decode_checked:
+        try:
+            from . import decode as mod  # noqa: PLC0415
+        except ImportError:
+            mod = None
+        _decode_mod, _decode_checked = mod, True
+    return _decode_mod
+
+
+def _crossover(bits: int, device_index: int) -> int:
+    name = loader.device_properties(device_index).name
+    for key, table in DEQUANT_CUBLAS_MIN_M.items():
+        if key != "default" and key in name:
+            return table[bits]
+    return DEQUANT_CUBLAS_MIN_M["default"][bits]
+
+
+def _occupancy(kernel: loader.CudaKernel, smem: int, props: loader.DeviceProperties) -> int:
+    """Resident blocks per SM, from shared memory and registers."""
+    by_smem = max(1, props.shared_per_sm // (smem + 1024))
+    regs_per_warp = -(-max(kernel.num_regs, 1) * 32 // 256) * 256
+    by_regs = max(1, 65536 // (regs_per_warp * (_THREADS // 32)))
+    return max(1, min(by_smem, by_regs, 2048 // _THREADS))
+
+
+def _plan_fused(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtype, device_index: int, split_k: int | None, force_split: bool) -> _GemmPlan:
+    props = loader.device_properties(device_index)
+    mb = _pick_mb(m)
+    kernel = loader.get_kernel("gemm.cu", _gemm_name(bits, mb, dtype), torch.device("cuda", device_index))
+    smem = _gemm_smem(bits, mb)
+    m_tiles = -(-m // (16 * mb))
+    tiles = m_tiles * n_tiles
+    total = tiles * k_tiles
+    slots = props.sm_count * _occupancy(kernel, smem, props)
+    if split_k is None and force_split:
+        split_k = max(2, min(k_tiles, -(-slots // tiles)))
+    if split_k is not None:
+        iters = k_tiles if split_k <= 1 else max(1, -(-k_tiles // split_k))
+    elif tiles >= 4 * slots or k_tiles == 1:
+        iters = k_tiles
+    else:
+        iters = max(-(-total // slots), min(k_tiles, _MIN_SPLIT_ITERS))
+    grid = -(-total // iters)
+    split = iters % k_tiles != 0
+    ws = grid * 2 * _THREADS * _gemm_nacc(mb) if split else 0
+    return _GemmPlan("fused-splitk" if split else "fused", kernel, grid, smem, iters, ws, tiles, split)
+
+
+def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None) -> _GemmPlan:
+    key = (device_index, m, n, k, bits, dtype, path, split_k)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    if path is not None and path not in GEMM_PATHS:
+        raise ValueError(f"path must be one of {GEMM_PATHS} or None, got {path!r}")
+    if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
+        raise ValueError(f"split_k must be a positive int or None, got {split_k!r}")
+    n_pad, k_pad = fmt.padded_shape(n, k)
+    n_tiles, k_tiles = n_pad // _TILE_N, k_pad // _TILE_K
+    dec = _decode_module()
+    if path is None:
+        if dec is not None and dec.decode_supported(m, bits, dtype):
+            path = "decode"
+        elif m >= _crossover(bits, device_index):
+            path = "dequant+cublas"
+        else:
+            path = "fused"
+    if path == "decode":
+        if dec is None:
+            raise ValueError("path='decode' needs kbit_linear.backends.decode, which is not available")
+        if not dec.decode_supported(m, bits, dtype):
+            raise ValueError(f"the decode kernel does not support m={m}, bits={bits}, dtype={dtype}")
+        plan = _GemmPlan("decode")
+    elif path == "dequant+cublas":
+        plan = _GemmPlan("dequant+cublas")
+    else:
+        plan = _plan_fused(m, n_tiles, k_tiles, bits, dtype, device_index, split_k, path == "fused-splitk")
+    with _plan_lock:
+        if len(_plans) > 4096:  # many distinct M (prefill lengths): start over rather than grow
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def gemm_path(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device: torch.device | str | int | None = None) -> str:
+    """Name of the kernel path ``torch.ops.kbit_linear.gemm`` takes for a problem.
+
+    Args:
+        m: rows of x (all leading dims multiplied).
+        n: out_features.
+        k: in_features.
+        bits: index width, 2..5.
+        dtype: x's dtype (fp32 runs as bf16).
+        device: the CUDA device (default: the current one).
+
+    Returns:
+        One of :data:`GEMM_PATHS`: ``"decode"``, ``"fused"``, ``"fused-splitk"`` or
+        ``"dequant+cublas"``. Compiles the fused kernel instance if needed (to read its
+        register count for the occupancy estimate).
+    """
+    fmt.check_bits(bits)
+    for name, v in (("m", m), ("n", n), ("k", k)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    dev = _as_device(device)
+    kdtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    return _plan(m, n, -(-k // 8) * 8, bits, kdtype, dev.index, None, None).path
+
+
+def _as_device(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {dev}")
+    return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+# ---------------------------------------------------------------------------------------
+# split-K tile counters: zero on entry, left zero by the kernel. One buffer per (device, stream)
+# so that launches on different streams never share counters.
+# ---------------------------------------------------------------------------------------
+
+_counters: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, stream: int, needed: int) -> torch.Tensor:
+    key = (device.index, stream)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < needed:
+        buf = torch.zeros(max(needed, 4096, 0 if buf is None else 2 * buf.numel()), dtype=torch.int32, device=device)
+        _counters[key] = buf
+    return buf
+
+
+# ---------------------------------------------------------------------------------------
+# GEMM
+# ---------------------------------------------------------------------------------------
+
+
+def _check_gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, tensor_scale: torch.Tensor, bits: int, out_features: int, bias: torch.Tensor | None) -> None:
+    """Cheap (metadata-only) argument checks for :func:`gemm_cuda`."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.device.type != "cuda":
+        raise ValueError(f"x must be on a CUDA device, got {x.device}")
+    _ops.check_gemm_args(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
+    if bias is not None and not bias.is_floating_point():
+        raise TypeError(f"bias must be floating point, got {bias.dtype}")
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with a 16-byte aligned start (the kernels copy 16 bytes at a time)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.data_ptr() % 16:
+        t = t.clone()
+    return t
+
+
+def gemm_cuda(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    codebook: torch.Tensor,
+    tensor_scale: torch.Tensor,
+    bits: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    *,
+    path: str | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` on the GPU for a tiled kbit weight.
+
+    Args:
+        x: ``[..., in_features]`` floating point, on a CUDA device (fp16/bf16 natively; others
+            run in bf16).
+        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` bit-planes.
+        absmax: uint8 ``[K_pad/64, N_pad/128, 128, 2]`` E4M4 codes.
+        codebook: float32 ``[2**bits]``.
+        tensor_scale: float32 ``[1]``.
+        bits: 2..5.
+        out_features: N (``N_pad - 128 < N <= N_pad``).
+        bias: optional ``[N]``.
+        path: force a path from :data:`GEMM_PATHS` (None: dispatch by M).
+        split_k: fused paths only: None = automatic, 1 = never split a tile over blocks,
+            s > 1 = split each tile's K range over about s blocks.
+
+    Returns:
+        ``[..., out_features]`` in x's dtype.
+    """
+    _check_gemm(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
+    device = x.device
+    k = x.shape[-1]
+    lead = x.shape[:-1]
+    in_dtype = x.dtype
+    x2d = x.reshape(-1, k)
+    m = x2d.shape[0]
+    if m == 0:
+        return x.new_empty((*lead, out_features))
+    dtype = in_dtype if in_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    if dtype is not in_dtype:
+        x2d = x2d.to(dtype)
+    if k % 8:
+        # The kernels read x in 16-byte rows; zero columns meet the weight's zero padding.
+        x2d = F.pad(x2d, (0, 8 - k % 8))
+        k = x2d.shape[1]
+    x2d = _aligned(x2d)
+    packed, absmax = _aligned(packed), _aligned(absmax)
+    if bias is not None and (bias.dtype is not dtype or not bias.is_contiguous()):
+        bias = bias.to(dtype).contiguous()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    plan = _plan(m, out_features, k, bits, dtype, index, path, split_k)
+
+    if plan.path == "decode":
+        out = torch.empty((m, out_features), dtype=dtype, device=device)
+        _decode_module().decode_gemm(x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out)
+        if bias is not None:
+            out += bias
+    elif plan.path == "dequant+cublas":
+        w = _dequantize_into(packed, absmax, codebook, tensor_scale, bits, out_features, k, dtype)
+        out = F.linear(x2d, w, bias)
+    else:
+        out = torch.empty((m, out_features), dtype=dtype, device=device)
+        stream = loader._current_raw_stream(index)
+        if plan.split:
+            ws = torch.empty(plan.ws_numel, dtype=torch.float32, device=device)
+            counters = _tile_counters(device, stream, plan.tiles)
+        else:
+            ws = counters = None
+        loader.launch(
+            plan.kernel,
+            plan.grid,
+            _THREADS,
+            (x2d, packed, absmax, codebook, tensor_scale, bias, out, ws, counters,
+             m, out_features, k, packed.shape[1], packed.shape[0], plan.iters),
+            plan.smem,
+            device,
+            pack=_GEMM_ARGS,
+            stream=stream,
+        )
+    out = out.view(*lead, out_features)
+    return out if dtype is in_dtype else out.to(in_dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# format kernels
+# ---------------------------------------------------------------------------------------
+
+
+def _blocks(n: int) -> int:
+    return max(1, -(-n // _THREADS))
+
+
+def _dequantize_into(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, tensor_scale: torch.Tensor, bits: int, out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """Dense ``[out_features, in_features]`` weight in ``dtype`` (fp16, bf16 or fp32)."""
+    device = packed.device
+    out = torch.empty((out_features, in_features), dtype=dtype, device=device)
+    kt, nt = packed.shape[0], packed.shape[1]
+    kern = loader.get_kernel("quantize.cu", f"kbit_dequantize<{bits}, {_DT[dtype]}>", device)
+    loader.launch(kern, _blocks(kt * nt * 128), _THREADS,
+                  (packed, absmax, codebook, tensor_scale, out, out_features, in_features, nt, kt),
+                  0, device, pack=_DEQUANT_ARGS)
+    return out
+
+
+def dequantize_cuda(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, tensor_scale: torch.Tensor, bits: int, out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """CUDA ``kbit_linear::dequantize``: dense ``[out_features, in_features]`` in ``dtype``.
+
+    Values are ``codebook[idx] * (e4m4(code) * tensor_scale)`` in fp32 rounded once to ``dtype``:
+    bit-identical to :func:`kbit_linear.format.dequantize`.
+    """
+    _ops.check_tiled_args(packed, absmax, bits, out_features)
+    if packed.device.type != "cuda":
+        raise ValueError(f"packed must be on a CUDA device, got {packed.device}")
+    k_pad = packed.shape[0] * _TILE_K
+    if not (k_pad - _TILE_K < in_features <= k_pad):
+        raise ValueError(f"in_features={in_features} does not match tiles padded to {k_pad}")
+    _ops.check_codebook_args(codebook, tensor_scale, bits, packed.device)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    kdtype = dtype if dtype in _DT else torch.float32
+    w = _dequantize_into(_aligned(packed), _aligned(absmax), codebook.contiguous(), tensor_scale.contiguous(), bits, out_features, in_features, kdtype)
+    return w if kdtype is dtype else w.to(dtype)
+
+
+def quantize_cuda(weight: torch.Tensor, codebook: torch.Tensor, tensor_scale: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA ``kbit_linear::quantize``: flat ``(packed_flat int32 [N, nblk, bits], absmax_flat uint8 [N, nblk])``.
+
+    Bit-identical to :func:`kbit_linear.format.quantize_blockwise` with the same codebook and
+    tensor scale. Checks that the weight is finite and the codebook valid (this syncs the host;
+    quantization is not on the hot path).
+    """
+    _ops.check_weight_args(weight, codebook, tensor_scale, bits)
+    if weight.device.type != "cuda":
+        raise ValueError(f"weight must be on a CUDA device, got {weight.device}")
+    fmt.check_weight(weight)
+    cb = fmt.validate_codebook(codebook, bits)
+    w = weight.detach()
+    if w.dtype not in _DT:
+        w = w.to(torch.float32)
+    w = w.contiguous()
+    n, k = w.shape
+    nblk = -(-k // fmt.BLOCK_SIZE)
+    packed = torch.empty((n, nblk, bits), dtype=torch.int32, device=w.device)
+    absmax = torch.empty((n, nblk), dtype=torch.uint8, device=w.device)
+    kern = loader.get_kernel("quantize.cu", f"kbit_quantize<{bits}, {_DT[w.dtype]}>", w.device)
+    loader.launch(kern, max(1, -(-n * nblk // 8)), _THREADS,
+                  (w, cb, tensor_scale.contiguous(), packed, absmax, n, k, nblk), 0, w.device, pack=_QUANT_ARGS)
+    return packed, absmax
+
+
+def repack_cuda(packed_flat: torch.Tensor, absmax_flat: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA ``kbit_linear::repack``: flat blocks -> tiled, bit-identical to :func:`kbit_linear.format.tile_blocks`."""
+    fmt.check_bits(bits)
+    fmt._check_flat(packed_flat, absmax_flat, bits)
+    if packed_flat.device.type != "cuda" or absmax_flat.device != packed_flat.device:
+        raise ValueError(f"packed_flat and absmax_flat must be on the same CUDA device, got {packed_flat.device}, {absmax_flat.device}")
+    n, nblk, _ = packed_flat.shape
+    n_pad, k_pad = fmt.padded_shape(n, nblk * fmt.BLOCK_SIZE)
+    kt, nt = k_pad // _TILE_K, n_pad // _TILE_N
+    dev = packed_flat.device
+    packed = torch.empty((kt, nt, _TILE_N, 2, bits), dtype=torch.int32, device=dev)
+    absmax = torch.empty((kt, nt, _TILE_N, 2), dtype=torch.uint8, device=dev)
+    kern = loader.get_kernel("quantize.cu", f"kbit_repack<{bits}>", dev)
+    loader.launch(kern, _blocks(kt * nt * 256), _THREADS,
+                  (packed_flat.contiguous(), absmax_flat.contiguous(), packed, absmax, n, nblk, nt, kt), 0, dev, pack=_REPACK_ARGS)
+    return packed, absmax
+
+
+# ---------------------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------------------
+
+
+@torch.library.impl("kbit_linear::gemm", "CUDA")
+def _gemm_op(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias):
+    return gemm_cuda(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
+
+
+@torch.library.impl("kbit_linear::dequantize", "CUDA")
+def _dequantize_op(packed, absmax, codebook, tensor_scale, bits, out_features, in_features, dtype):
+    return dequantize_cuda(packed, absmax, codebook, tensor_scale, bits, out_features, in_features, dtype)
+
+
+@torch.library.impl("kbit_linear::quantize", "CUDA")
+def _quantize_op(weight, codebook, tensor_scale, bits):
+    return quantize_cuda(weight, codebook, tensor_scale, bits)
+
+
+@torch.library.impl("kbit_linear::repack", "CUDA")
+def _repack_op(packed_flat, absmax_flat, bits):
+    return repack_cuda(packed_flat, absmax_flat, bits)

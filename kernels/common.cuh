@@ -1,0 +1,154 @@
+// Shared device helpers for the kbit kernels: scalar types, E4M4 decode, fp16/bf16
+// conversions, and thin wrappers over the PTX instructions the GEMM uses (cp.async,
+// ldmatrix, mma.sync, shfl). No system headers: the sources compile the same under NVRTC
+// (at run time, through CuPy) and nvcc (the CI compile check).
+//
+// Half-precision values travel as raw bits (unsigned short / two packed in an unsigned int),
+// so nothing here depends on cuda_fp16.h / cuda_bf16.h being on the include path.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long i64;
+
+// Activation / output element type codes used as template arguments (kept as ints so NVRTC
+// name expressions stay simple: "kbit_gemm<4, 1, 0>").
+#define KBIT_F16 0
+#define KBIT_BF16 1
+#define KBIT_F32 2
+
+#define KBIT_DEVICE __device__ __forceinline__
+
+// ---------------------------------------------------------------------------------------
+// E4M4 block scales (bias 11): e = code >> 4, m = code & 15.
+//   e > 0: 2^(e-11) * (1 + m/16)      e = 0: 2^-10 * m/16 (code 0 = 0.0)
+// Built from IEEE bits; exact, no float arithmetic (so -ftz does not touch it).
+// ---------------------------------------------------------------------------------------
+KBIT_DEVICE float e4m4_decode(u32 code) {
+    const u32 e = code >> 4, m = code & 15u;
+    // Normal: exponent field e - 11 + 127, mantissa m in the top 4 bits.
+    const u32 normal = ((e + 116u) << 23) | (m << 19);
+    // Subnormal codes are m * 2^-14: a normal float with exponent -14 - (position of m's top bit)...
+    // simplest exact form: m (an exact small integer) times 2^-14 (exact power of two).
+    const float sub = (float)m * 6.103515625e-05f;  // 2^-14
+    return e ? __uint_as_float(normal) : sub;
+}
+
+// ---------------------------------------------------------------------------------------
+// conversions (round to nearest even), raw bits in and out
+// ---------------------------------------------------------------------------------------
+template <int DT> KBIT_DEVICE u16 f32_to_bits(float x);
+template <> KBIT_DEVICE u16 f32_to_bits<KBIT_F16>(float x) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+template <> KBIT_DEVICE u16 f32_to_bits<KBIT_BF16>(float x) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
+template <int DT> KBIT_DEVICE float bits_to_f32(u16 h);
+template <> KBIT_DEVICE float bits_to_f32<KBIT_F16>(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+template <> KBIT_DEVICE float bits_to_f32<KBIT_BF16>(u16 h) {
+    return __uint_as_float(((u32)h) << 16);  // bf16 is the top half of an fp32
+}
+
+// Two floats -> one register of two half-precision values (lo in bits 0..15).
+template <int DT> KBIT_DEVICE u32 pack2(float lo, float hi) {
+    return (u32)f32_to_bits<DT>(lo) | ((u32)f32_to_bits<DT>(hi) << 16);
+}
+
+// Element-wise product of two packed pairs, rounded to nearest.
+template <int DT> KBIT_DEVICE u32 mul2(u32 a, u32 b);
+template <> KBIT_DEVICE u32 mul2<KBIT_F16>(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+template <> KBIT_DEVICE u32 mul2<KBIT_BF16>(u32 a, u32 b) {
+    // mul.bf16x2 needs sm_90; fma with -0.0 is the same product on sm_80+.
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+
+// ---------------------------------------------------------------------------------------
+// bit tricks
+// ---------------------------------------------------------------------------------------
+// Rotate right by s (mod 32): one SHF instruction.
+KBIT_DEVICE u32 rotr(u32 x, u32 s) {
+    u32 d;
+    asm("shf.r.wrap.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(x), "r"(s));
+    return d;
+}
+
+// Value of `v` from lane `src & 31` (only the low 5 bits of src are used by the hardware with
+// a clamp of 31, which lets callers pass a word whose low byte is the lane).
+KBIT_DEVICE u32 shfl_idx(u32 v, u32 src) {
+    u32 d;
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, 31, 0xffffffff;" : "=r"(d) : "r"(v), "r"(src));
+    return d;
+}
+
+// ---------------------------------------------------------------------------------------
+// asynchronous copies (sm_80+)
+// ---------------------------------------------------------------------------------------
+KBIT_DEVICE u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// 16-byte global -> shared copy that bypasses L1; when src_bytes is 0 it writes zeros instead
+// (src must still be a valid address).
+KBIT_DEVICE void cp_async16(void* dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+KBIT_DEVICE void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+KBIT_DEVICE void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N> KBIT_DEVICE void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---------------------------------------------------------------------------------------
+// tensor cores
+// ---------------------------------------------------------------------------------------
+// Four 8x8 b16 matrices from shared memory; lane l gives the row address of matrix l/8.
+KBIT_DEVICE void ldmatrix_x4(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// D = A * B + D, m16n8k16, fp32 accumulators. A: 4 regs (row-major 16x16), B: 2 regs (16x8).
+template <int DT> KBIT_DEVICE void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
+template <> KBIT_DEVICE void mma_16816<KBIT_F16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> KBIT_DEVICE void mma_16816<KBIT_BF16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// L2-coherent load (skips L1): for data other blocks of the same launch wrote.
+KBIT_DEVICE float4 ld_cg(const float4* p) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+}

@@ -1,0 +1,206 @@
+// Format kernels: quantize (weights -> flat bit-planes + E4M4 codes), repack (flat -> the
+// GEMM's tiled layout) and dequantize (tiled -> dense weights).
+//
+// quantize and repack reproduce kbit_linear/format.py bit for bit; dequantize computes
+// codebook[idx] * (e4m4(code) * tensor_scale) in fp32 exactly as the reference and rounds once
+// to the output type. CuPy compiles with -ftz=true, so the float arithmetic that must match the
+// reference on subnormals is written as explicit (non-ftz) PTX below.
+//
+// Layouts (docs/format.md):
+//   packed_flat int32 [N, nblk, BITS]    absmax_flat uint8 [N, nblk]        nblk = ceil(K / 32)
+//   packed      int32 [KT, NT, 128, 2, BITS]   absmax uint8 [KT, NT, 128, 2]   KT = K_pad/64, NT = N_pad/128
+#include "common.cuh"
+
+namespace kbit {
+
+KBIT_DEVICE float div_rn(float a, float b) {
+    float d;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+KBIT_DEVICE float mul_rn(float a, float b) {
+    float d;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+KBIT_DEVICE float add_rn(float a, float b) {
+    float d;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+KBIT_DEVICE bool lt(float a, float b) {
+    u32 p;
+    asm("{\n .reg .pred q;\n setp.lt.f32 q, %1, %2;\n selp.u32 %0, 1, 0, q;\n}" : "=r"(p) : "f"(a), "f"(b));
+    return p != 0;
+}
+
+// One input element as fp32 (exact; fp16 subnormals kept).
+template <int DT> KBIT_DEVICE float load_f32(const void* p, i64 i);
+template <> KBIT_DEVICE float load_f32<KBIT_F16>(const void* p, i64 i) {
+    return bits_to_f32<KBIT_F16>(static_cast<const u16*>(p)[i]);
+}
+template <> KBIT_DEVICE float load_f32<KBIT_BF16>(const void* p, i64 i) {
+    return bits_to_f32<KBIT_BF16>(static_cast<const u16*>(p)[i]);
+}
+template <> KBIT_DEVICE float load_f32<KBIT_F32>(const void* p, i64 i) {
+    return static_cast<const float*>(p)[i];
+}
+
+// Smallest E4M4 code whose value is >= v (v >= 0), clamped to 255: the reference's
+// searchsorted(table, v, right=False).clamp(max=255). Non-negative floats order like their bits.
+KBIT_DEVICE u32 e4m4_encode_up(float v) {
+    const u32 vb = __float_as_uint(v);
+    u32 lo = 0, hi = 256;
+#pragma unroll
+    for (int step = 0; step < 9; ++step) {
+        if (lo < hi) {
+            const u32 mid = (lo + hi) >> 1;
+            if (__float_as_uint(e4m4_decode(mid)) >= vb) hi = mid; else lo = mid + 1;
+        }
+    }
+    return lo > 255 ? 255 : lo;
+}
+
+}  // namespace kbit
+
+// One warp per block of 32 weights: lane i holds W[n, 32j + i].
+//   w [N, K] (DT: fp16, bf16 or fp32), codebook float32 [2^BITS], tensor_scale float32 [1]
+//   -> packed_flat int32 [N, nblk, BITS], absmax_flat uint8 [N, nblk]
+// Launch: 256 threads per block, ceil(N * nblk / 8) blocks.
+template <int BITS, int DT>
+__global__ void __launch_bounds__(256) kbit_quantize(const void* __restrict__ w, const float* __restrict__ codebook,
+                                                     const float* __restrict__ tensor_scale, u32* __restrict__ packed_flat,
+                                                     u8* __restrict__ absmax_flat, int N, int K, int nblk) {
+    using namespace kbit;
+    const int lane = threadIdx.x & 31;
+    const i64 blk = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (blk >= (i64)N * nblk) return;  // whole warps leave together
+    const i64 n = blk / nblk;
+    const int j = (int)(blk - n * nblk);
+    const int k = j * 32 + lane;
+    const float v = k < K ? load_f32<DT>(w, n * K + k) : 0.f;
+
+    // Block absmax: max of |w| as bits (exact for non-negative floats).
+    const u32 amax_bits = __reduce_max_sync(0xffffffffu, __float_as_uint(v) & 0x7fffffffu);
+    const float ts = *tensor_scale;
+    const u32 code = e4m4_encode_up(div_rn(__uint_as_float(amax_bits), ts));
+    const float scale = mul_rn(e4m4_decode(code), ts);
+    const float xq = __float_as_uint(scale) != 0 ? div_rn(v, scale) : 0.f;
+
+    // idx = #{i : (cb[i] + cb[i+1]) * 0.5 < x}: nearest entry, ties to the lower index.
+    u32 idx = 0;
+    float c0 = codebook[0];
+#pragma unroll
+    for (int i = 0; i < (1 << BITS) - 1; ++i) {
+        const float c1 = codebook[i + 1];
+        idx += lt(mul_rn(add_rn(c0, c1), 0.5f), xq) ? 1u : 0u;
+        c0 = c1;
+    }
+
+    u32 mine = 0;
+#pragma unroll
+    for (int b = 0; b < BITS; ++b) {
+        const u32 plane = __ballot_sync(0xffffffffu, (idx >> b) & 1u);
+        if (lane == b) mine = plane;
+    }
+    if (lane < BITS) packed_flat[blk * BITS + lane] = mine;
+    if (lane == 0) absmax_flat[blk] = (u8)code;
+}
+
+// One thread per tiled (kt, nt, c, kb) block: copies its BITS words and scale byte from the
+// flat layout, or writes a zero block where (n, j) lies outside [N, nblk).
+// Launch: ceil(KT * NT * 256 / 256) blocks of 256 threads.
+template <int BITS>
+__global__ void __launch_bounds__(256) kbit_repack(const u32* __restrict__ packed_flat, const u8* __restrict__ absmax_flat,
+                                                   u32* __restrict__ packed, u8* __restrict__ absmax, int N, int nblk,
+                                                   int n_tiles, int k_tiles) {
+    const i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= (i64)k_tiles * n_tiles * 256) return;
+    const int kb = (int)(g & 1), c = (int)((g >> 1) & 127);
+    const i64 rest = g >> 8;
+    const int nt = (int)(rest % n_tiles), kt = (int)(rest / n_tiles);
+    const int n = nt * 128 + c, j = kt * 2 + kb;
+    const bool ok = n < N && j < nblk;
+    const i64 src = (i64)n * nblk + j;
+#pragma unroll
+    for (int b = 0; b < BITS; ++b) packed[g * BITS + b] = ok ? packed_flat[src * BITS + b] : 0u;
+    absmax[g] = ok ? absmax_flat[src] : (u8)0;
+}
+
+// One thread per tiled (kt, nt, c): writes out[n, 64*kt .. 64*kt + 63] (clipped to K), n < N.
+//   out [N, K] in DT (fp16, bf16 or fp32), row-major.
+// Each lane holds codebook[lane]; element 8q + t of a block is fetched with one shfl whose
+// source lane is byte q of acc[t] (the element's index, gathered from the BITS planes).
+// Launch: ceil(KT * NT * 128 / 256) blocks of 256 threads (whole warps stay for the shuffles).
+template <int BITS, int DT>
+__global__ void __launch_bounds__(256) kbit_dequantize(const u32* __restrict__ packed, const u8* __restrict__ absmax,
+                                                       const float* __restrict__ codebook,
+                                                       const float* __restrict__ tensor_scale, void* __restrict__ out, int N,
+                                                       int K, int n_tiles, int k_tiles) {
+    using namespace kbit;
+    const int lane = threadIdx.x & 31;
+    const u32 cb = lane < (1 << BITS) ? __float_as_uint(codebook[lane]) : 0u;
+    const float ts = *tensor_scale;
+    const i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 total = (i64)k_tiles * n_tiles * 128;
+    const bool in_grid = g < total;
+    const i64 gc = in_grid ? g : total - 1;  // out-of-grid lanes shadow the last thread (no stores)
+    const int c = (int)(gc & 127);
+    const i64 rest = gc >> 7;
+    const int nt = (int)(rest % n_tiles), kt = (int)(rest / n_tiles);
+    const int n = nt * 128 + c;
+    const bool store = in_grid && n < N;
+    const bool vec = (K & 7) == 0;
+
+#pragma unroll
+    for (int kb = 0; kb < 2; ++kb) {
+        const i64 blk = gc * 2 + kb;
+        u32 w[BITS];
+#pragma unroll
+        for (int b = 0; b < BITS; ++b) w[b] = packed[blk * BITS + b];
+        const float scale = mul_rn(e4m4_decode(absmax[blk]), ts);
+        // acc[t]: byte q holds the index of element 8q + t (bit b of plane b moved to bit b of the byte).
+        u32 acc[8];
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+            acc[t] = 0;
+#pragma unroll
+            for (int b = 0; b < BITS; ++b) acc[t] |= rotr(w[b], (t - b) & 31) & (0x01010101u << b);
+        }
+        const int k0 = kt * 64 + kb * 32;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            float v[8];
+#pragma unroll
+            for (int t = 0; t < 8; ++t) v[t] = mul_rn(__uint_as_float(shfl_idx(cb, acc[t] >> (8 * q))), scale);
+            const int k = k0 + 8 * q;
+            if (!store || k >= K) continue;
+            const i64 o = (i64)n * K + k;
+            if constexpr (DT == KBIT_F32) {
+                float* dst = static_cast<float*>(out) + o;
+                if (vec) {
+                    reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
+                    reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
+                } else {
+#pragma unroll
+                    for (int t = 0; t < 8; ++t)
+                        if (k + t < K) dst[t] = v[t];
+                }
+            } else {
+                u16* dst = static_cast<u16*>(out) + o;
+                if (vec) {
+                    uint4 pk;
+                    pk.x = pack2<DT>(v[0], v[1]);
+                    pk.y = pack2<DT>(v[2], v[3]);
+                    pk.z = pack2<DT>(v[4], v[5]);
+                    pk.w = pack2<DT>(v[6], v[7]);
+                    *reinterpret_cast<uint4*>(dst) = pk;
+                } else {
+#pragma unroll
+                    for (int t = 0; t < 8; ++t)
+                        if (k + t < K) dst[t] = f32_to_bits<DT>(v[t]);
+                }
+            }
+        }
+    }
+}
