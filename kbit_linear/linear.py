@@ -200,6 +200,10 @@ class KbitLinear(nn.Module):
         Returns:
             ``[..., out_features]`` in ``x``'s dtype.
         """
+        # The gemm op only knows in_features up to the 64-wide tile padding, so it would
+        # accept a slightly too wide x and read the padding: one int compare refuses it.
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x's last dimension must be in_features={self.in_features}, got shape {tuple(x.shape)}")
         # Eager fast path: when the CUDA backend exposes a direct launcher that bypasses the
         # dispatcher, call it here for CUDA inputs outside torch.compile tracing. Until then
         # (and always under torch.compile) the op below is the single entry point.

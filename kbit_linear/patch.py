@@ -5,7 +5,8 @@ Which layers are converted:
 * modules whose type is exactly ``nn.Linear`` (subclasses such as the ``out_proj`` of
   ``nn.MultiheadAttention`` may read ``.weight`` directly instead of calling ``forward``, so they
   are skipped with a reason);
-* not matched by ``skip`` (rules in :func:`matches_skip`);
+* not matched by ``skip`` (rules in :func:`matches_skip`: whole dotted-name components, or a
+  regular expression);
 * not tied: a Linear whose weight Parameter (or its storage) also belongs to another module,
   like an ``lm_head`` tied to the input embeddings, is left alone;
 * with a floating-point, 2-D, non-empty weight.
@@ -76,11 +77,13 @@ def matches_skip(name: str, rules: Iterable[SkipRule]) -> SkipRule | None:
 
     Matching rules:
 
-    * a plain string ``s`` matches at module-path boundaries: ``name == s`` (exact name),
-      ``name`` starts with ``s + "."`` (``s`` is an ancestor, e.g. ``"model.layers.0"`` skips
-      every layer inside it), or ``name`` ends with ``"." + s`` (a trailing path, e.g.
-      ``"lm_head"`` matches ``"model.lm_head"``, ``"self_attn.o_proj"`` matches every
-      ``o_proj`` of every attention block). ``"layers.1"`` does not match ``"layers.11"``.
+    * a plain string ``s`` matches when it is a run of whole components of the dotted name:
+      ``name == s`` (exact), ``name`` starts with ``s + "."`` (an ancestor: ``"model.layers.0"``
+      skips every layer inside it), ends with ``"." + s`` (a trailing path: ``"lm_head"``
+      matches ``"model.lm_head"``, ``"self_attn.o_proj"`` every attention output projection),
+      or contains ``"." + s + "."`` (``"mlp"`` skips every layer of every MLP block).
+      Partial components never match: ``"layers.1"`` does not match ``"layers.11.mlp"``,
+      ``"proj"`` does not match ``"o_proj"``.
     * a string starting with ``"re:"`` or a compiled ``re.Pattern`` is a regular expression
       tried with ``re.search`` on the full name (``"re:layers\\.(0|1)\\.mlp"``).
 
@@ -98,7 +101,7 @@ def matches_skip(name: str, rules: Iterable[SkipRule]) -> SkipRule | None:
         elif rule.startswith(_REGEX_PREFIX):
             if re.search(rule[len(_REGEX_PREFIX) :], name):
                 return rule
-        elif name == rule or name.startswith(rule + ".") or name.endswith("." + rule):
+        elif f".{rule}." in f".{name}.":
             return rule
     return None
 
@@ -212,9 +215,11 @@ def quantize_model(
         model: any ``nn.Module``; a bare ``nn.Linear`` cannot be replaced in place (wrap it
             or use ``KbitLinear.from_linear``).
         bits: index width, 2..5.
-        skip: module names to leave dense, matched by :func:`matches_skip` (exact name,
-            ancestor prefix, trailing path, or ``"re:"``/compiled regex). Default
-            ``("lm_head",)``. ``None`` or ``()`` converts everything convertible.
+        skip: module names to leave dense, matched by :func:`matches_skip` (a run of whole
+            dotted-name components such as ``"lm_head"``, ``"model.layers.0"``, ``"mlp"``, or
+            a ``"re:"``-prefixed string / compiled regex searched in the name). Default
+            ``("lm_head",)``; the given rules replace the default. ``None`` or ``()``
+            converts every convertible layer.
         codebook: float ``[2**bits]`` shared by every layer (each layer stores its own
             copy); default the normal-float codebook.
         progress: show a tqdm progress bar.

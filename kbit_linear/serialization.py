@@ -10,17 +10,16 @@ On-disk format (version ``"1"``), one ``.safetensors`` file:
   ``<prefix>.bias`` (the model dtype, ``[out_features]``);
 * header metadata (all strings, as safetensors requires):
 
-  ========================= ==========================================================
-  key                       value
-  ========================= ==========================================================
-  ``format``                ``"pt"`` (what transformers expects of a PyTorch file)
-  ``kbit_linear.version``   ``"1"``
-  ``kbit_linear.layers``    JSON ``{prefix: layer metadata}`` (see :func:`layer_metadata`)
-  ``kbit_linear.sha256``    JSON ``{tensor name: hex sha256 of its bytes}``
-  ``kbit_linear.aliases``   JSON ``{name: stored name}`` for tensors shared in the model
-                            (tied weights), stored once
-  anything else             the caller's ``metadata``, returned by :func:`load_quantized`
-  ========================= ==========================================================
+  - ``format``: ``"pt"`` (what transformers expects of a PyTorch file);
+  - ``kbit_linear.version``: ``"1"``;
+  - ``kbit_linear.layers``: JSON ``{prefix: layer metadata}`` (see :func:`layer_metadata`:
+    bits, true and padded shape, block size, tile config, bias flag);
+  - ``kbit_linear.sha256``: JSON ``{tensor name: hex sha256 of its bytes}``;
+  - ``kbit_linear.aliases``: JSON ``{name: stored name}`` for tensors shared in the model
+    (tied weights), which are stored once;
+  - ``kbit_linear.header_sha256``: hex sha256 of all the other entries (sorted compact
+    JSON), so an edited header is detected like edited tensor bytes;
+  - any other key: the caller's ``metadata``, returned by :func:`load_quantized`.
 
 Loading checks the version, every layer's metadata, tensor names, dtypes, shapes, codebook
 values, the tensor scale, that the padding is made of zero blocks, and the checksums, and
@@ -68,6 +67,7 @@ _KEY_VERSION = "kbit_linear.version"
 _KEY_LAYERS = "kbit_linear.layers"
 _KEY_SHA256 = "kbit_linear.sha256"
 _KEY_ALIASES = "kbit_linear.aliases"
+_KEY_HEADER_SHA256 = "kbit_linear.header_sha256"
 _RESERVED = "kbit_linear."
 
 PathLike = str | os.PathLike
@@ -287,6 +287,12 @@ def _sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(memoryview(b)).hexdigest()
 
 
+def _header_digest(header: Mapping[str, str]) -> str:
+    """sha256 of every header entry except the digest itself, as sorted compact JSON."""
+    body = {k: v for k, v in header.items() if k != _KEY_HEADER_SHA256}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _layer_tensors(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     return {s: state[f"{prefix}.{s}"] for s in LAYER_TENSORS if f"{prefix}.{s}" in state}
 
@@ -440,6 +446,7 @@ def save_quantized(
     }
     if aliases:
         header[_KEY_ALIASES] = json.dumps(aliases, sort_keys=True)
+    header[_KEY_HEADER_SHA256] = _header_digest(header)
     _write_atomic(tensors, path, header)
     return path
 
@@ -472,8 +479,9 @@ def load_quantized(
     Args:
         path: the ``.safetensors`` file.
         device: where the returned tensors go (read and checked on CPU first).
-        verify_checksums: compare every tensor's sha256 with the header (one pass over the
-            data, about 1 GB/s; turn off for trusted files when load time matters).
+        verify_checksums: check the header's own sha256 and compare every tensor's sha256
+            with the header (one pass over the data, about 1 GB/s; turn off for trusted files
+            when load time matters; the structural checks always run).
 
     Returns:
         A :class:`QuantizedCheckpoint`.
@@ -509,6 +517,8 @@ def load_quantized(
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise CheckpointError(f"{where}: cannot read the file as safetensors (truncated or damaged?): {e}") from e
 
+    if verify_checksums and header.get(_KEY_HEADER_SHA256) != _header_digest(header):
+        raise CheckpointError(f"{where}: the header metadata fails its sha256 check: the file is corrupted or was modified")
     layers_raw = _parse_json(where, _KEY_LAYERS, header.get(_KEY_LAYERS), None)
     if layers_raw is None:
         raise CheckpointError(f"{where}: header lacks {_KEY_LAYERS!r}")

@@ -1,0 +1,259 @@
+"""quantize_model on CPU: a tiny random Llama, skip rules, tied weights, memory release, meta."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import re
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from kbit_linear import format as fmt
+from kbit_linear.linear import KbitLinear
+from kbit_linear.patch import QuantizationSummary, matches_skip, module_bytes, quantize_model
+
+transformers = pytest.importorskip("transformers")
+
+LINEARS_PER_BLOCK = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _llama(tied: bool, seed: int = 0, device: str | None = None) -> nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=120,  # not a multiple of 64: padded k-tiles in down_proj
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(seed)
+    if device == "meta":
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(cfg).eval()
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _block_names(n_layers: int = 2) -> list[str]:
+    return [f"model.layers.{i}.{s}" for i in range(n_layers) for s in LINEARS_PER_BLOCK]
+
+
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _dequantized_reference(dense: nn.Module, quantized: nn.Module) -> nn.Module:
+    """``dense`` with every converted Linear's weight replaced by its dequantized weight."""
+    ref = copy.deepcopy(dense)
+    for name, m in quantized.named_modules():
+        if isinstance(m, KbitLinear):
+            lin = ref.get_submodule(name)
+            assert isinstance(lin, nn.Linear)
+            with torch.no_grad():
+                lin.weight.copy_(m.dequantize())
+    return ref
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_llama_logits_match_dequantized_reference(tied, bits):
+    model = _llama(tied)
+    dense = copy.deepcopy(model)
+    ids = torch.randint(0, 160, (2, 11), generator=torch.Generator().manual_seed(1))
+    dense_logits = _logits(dense, ids)
+    summary = quantize_model(model, bits=bits, progress=False)
+
+    assert isinstance(summary, QuantizationSummary) and summary.bits == bits
+    assert summary.converted == _block_names()
+    assert list(summary.skipped) == ["lm_head"] and "skip rule 'lm_head'" in summary.skipped["lm_head"]
+    for name in _block_names():
+        assert isinstance(model.get_submodule(name), KbitLinear)
+    assert type(model.lm_head) is nn.Linear
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+    got = _logits(model, ids)
+    ref = _logits(_dequantized_reference(dense, model), ids)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # and the quantization error on the logits is bounded, shrinking with bits
+    rel = (got - dense_logits).norm() / dense_logits.norm()
+    assert rel < {2: 0.8, 4: 0.2}[bits], rel  # measured ~0.5 and ~0.1 over seeds
+    assert not torch.equal(got, dense_logits)
+
+
+def test_byte_accounting():
+    model = _llama(tied=False)
+    before = module_bytes(model)
+    dense_bytes = sum(model.get_submodule(n).weight.numel() * 4 for n in _block_names())
+    summary = quantize_model(model, bits=4, progress=False)
+    assert summary.bytes_before == before and summary.bytes_after == module_bytes(model)
+    assert summary.converted_bytes_before == dense_bytes
+    q_bytes = sum(t.numel() * t.element_size() for n in _block_names() for t in model.get_submodule(n).state_dict().values())
+    assert summary.converted_bytes_after == q_bytes
+    assert summary.bytes_before - summary.bytes_after == dense_bytes - q_bytes
+    text = str(summary)
+    assert "14 layers converted" in text and "lm_head" in text
+
+
+def test_tied_lm_head_is_left_alone_even_without_skip_rules():
+    model = _llama(tied=True)
+    summary = quantize_model(model, bits=3, skip=None, progress=False)
+    assert summary.skipped == {"lm_head": "weight is tied to model.embed_tokens.weight"}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    untied = _llama(tied=False)
+    summary = quantize_model(untied, bits=3, skip=(), progress=False)
+    assert summary.skipped == {} and isinstance(untied.lm_head, KbitLinear)
+
+
+def test_linears_sharing_a_weight_are_both_skipped():
+    a, b = nn.Linear(64, 32), nn.Linear(64, 32)
+    b.weight = a.weight
+    model = nn.Sequential(a, nn.ReLU(), b, nn.Linear(32, 8))
+    summary = quantize_model(model, skip=None, progress=False)
+    assert summary.converted == ["3"]
+    assert set(summary.skipped) == {"0", "2"} and "tied" in summary.skipped["0"]
+
+
+def test_a_linear_reused_at_two_places_becomes_one_kbit_layer():
+    shared = nn.Linear(48, 48)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    x = torch.randn(3, 48)
+    summary = quantize_model(model, skip=None, progress=False)
+    assert summary.converted == ["0", "2"] and model[0] is model[2] and isinstance(model[0], KbitLinear)
+    assert torch.equal(model(x), model[0](torch.relu(model[0](x))))
+
+
+@pytest.mark.parametrize(
+    "skip, skipped",
+    [
+        (["model.layers.0.mlp.up_proj"], {"model.layers.0.mlp.up_proj"}),  # exact
+        (["model.layers.1"], {n for n in _block_names() if n.startswith("model.layers.1.")}),  # ancestor
+        (["o_proj"], {"model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"}),  # trailing
+        (["self_attn.k_proj"], {"model.layers.0.self_attn.k_proj", "model.layers.1.self_attn.k_proj"}),
+        (["re:layers\\.0\\.mlp\\.(up|down)_proj"], {"model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"}),
+        ([re.compile(r"\.v_proj$")], {"model.layers.0.self_attn.v_proj", "model.layers.1.self_attn.v_proj"}),
+        # a single string, matching components in the middle of the names
+        ("layers.0.mlp", {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"}),
+        (["proj"], set()),  # not at a module boundary: matches nothing
+    ],
+    ids=["exact", "ancestor", "trailing", "trailing-path", "regex-str", "regex-compiled", "single-str", "no-partial"],
+)
+def test_skip_rules(skip, skipped):
+    model = _llama(tied=False)
+    rules = list(skip) if isinstance(skip, list) else skip
+    summary = quantize_model(model, bits=2, skip=rules, progress=False)
+    assert set(summary.skipped) == skipped  # user rules replace the default ("lm_head",)
+    assert set(summary.converted) == set(_block_names()) - skipped | {"lm_head"}
+    for name in skipped:
+        assert type(model.get_submodule(name)) is nn.Linear
+
+
+def test_matches_skip_boundaries():
+    assert matches_skip("layers.1.attn", ["layers.1"]) == "layers.1"
+    assert matches_skip("layers.11.attn", ["layers.1"]) is None
+    assert matches_skip("model.lm_head", ["lm_head"]) == "lm_head"
+    assert matches_skip("model.lm_head_2", ["lm_head"]) is None
+    assert matches_skip("model.layers.3.mlp.up_proj", ["mlp"]) == "mlp"
+    assert matches_skip("model.layers.3.mlp.up_proj", ["proj", "mlp.up"]) is None
+    assert matches_skip("a.b.c", ["re:^a\\.b"]) == "re:^a\\.b"
+    assert matches_skip("x.b.c", ["re:^a\\.b"]) is None
+
+
+def test_unsupported_layers_are_skipped_with_a_reason():
+    mha = nn.MultiheadAttention(32, 4, batch_first=True)
+    frozen = nn.Linear(32, 16)
+    frozen.weight = nn.Parameter(torch.zeros(16, 32, dtype=torch.int8), requires_grad=False)
+    model = nn.ModuleDict({"attn": mha, "int8": frozen, "ok": nn.Linear(32, 16)})
+    summary = quantize_model(model, skip=None, progress=False)
+    assert summary.converted == ["ok"]
+    assert "subclass of nn.Linear" in summary.skipped["attn.out_proj"]
+    assert "not floating point" in summary.skipped["int8"]
+    x = torch.randn(2, 5, 32)
+    assert mha(x, x, x)[0].shape == (2, 5, 32)  # MultiheadAttention still works
+
+
+def test_nan_weight_raises_naming_the_layer():
+    model = nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 8))
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"cannot quantize layer '1' \(8x16\).*NaN or Inf"):
+        quantize_model(model, skip=None, progress=False)
+
+
+def test_argument_checks():
+    model = nn.Sequential(nn.Linear(32, 16))
+    with pytest.raises(ValueError, match="bits"):
+        quantize_model(model, bits=7)
+    with pytest.raises(TypeError, match="skip"):
+        quantize_model(model, skip=[3])
+    with pytest.raises(ValueError, match="regular expression"):
+        quantize_model(model, skip=["re:("])
+    with pytest.raises(TypeError, match="bare nn.Linear"):
+        quantize_model(nn.Linear(32, 16))
+    with pytest.raises(TypeError, match="model"):
+        quantize_model("model")
+    with pytest.raises(ValueError, match="codebook"):
+        quantize_model(model, bits=2, codebook=torch.tensor([1.0, 0.5, 0.0, -1.0]))
+    assert type(model[0]) is nn.Linear  # nothing converted by the failed calls
+
+
+def test_user_codebook_is_used_and_copied_per_layer():
+    cb = torch.tensor([-1.0, -0.4, 0.2, 1.0])
+    model = nn.Sequential(nn.Linear(40, 24), nn.Linear(24, 10))
+    dense = copy.deepcopy(model)
+    quantize_model(model, bits=2, codebook=cb, skip=None, progress=False)
+    for i in (0, 1):
+        assert torch.equal(model[i].codebook, cb)
+        ref = fmt.quantize(dense[i].weight.detach(), 2, cb)
+        assert torch.equal(model[i].weight, ref.packed)
+    assert model[0].codebook.data_ptr() != model[1].codebook.data_ptr()
+
+
+def test_each_dense_weight_is_freed_before_the_next_layer_is_quantized(monkeypatch):
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    events: list[str] = []
+    for i in range(len(model)):
+        weakref.finalize(model[i].weight, events.append, f"freed {i}")
+    original = KbitLinear.from_linear.__func__
+
+    def spy(cls, linear, bits=4, codebook=None):
+        gc.collect()
+        events.append("quantize")
+        return original(cls, linear, bits, codebook)
+
+    monkeypatch.setattr(KbitLinear, "from_linear", classmethod(spy))
+    quantize_model(model, skip=None, progress=False)
+    gc.collect()
+    assert events == ["quantize", "freed 0", "quantize", "freed 1", "quantize", "freed 2", "quantize", "freed 3"]
+
+
+def test_progress_bar(capsys):
+    quantize_model(nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 8)), bits=3, skip=None, progress=True)
+    err = capsys.readouterr().err
+    assert "kbit quantize (3 bits)" in err and "2/2" in err
+
+
+def test_meta_model_gives_meta_layers_that_load_a_real_state_dict():
+    real = _llama(tied=True)
+    quantize_model(real, bits=3, progress=False)
+    meta = _llama(tied=True, device="meta")
+    summary = quantize_model(meta, bits=3, progress=False)
+    assert summary.converted == _block_names()
+    sd_real, sd_meta = real.state_dict(), meta.state_dict()
+    assert sd_real.keys() == sd_meta.keys()
+    for k, t in sd_meta.items():
+        assert t.device.type == "meta" and t.shape == sd_real[k].shape and t.dtype == sd_real[k].dtype, k
+    meta.load_state_dict(sd_real, assign=True)
+    for name in _block_names():
+        assert torch.equal(meta.get_submodule(name).weight, real.get_submodule(name).weight)
+
+
+def test_device_argument_moves_the_new_layers():
+    model = nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 8))
+    quantize_model(model, skip=None, progress=False, device="meta")
+    assert all(t.device.type == "meta" for t in model.state_dict().values())
+    assert isinstance(model[0], KbitLinear)
