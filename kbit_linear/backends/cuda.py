@@ -264,6 +264,10 @@ _counters: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def _tile_counters(device: torch.device, stream: int, needed: int) -> torch.Tensor:
+    if torch.cuda.is_current_stream_capturing():
+        # Inside a graph capture: a buffer of the graph's own, zeroed by a captured memset at
+        # every replay, so the graph never depends on state outside it.
+        return torch.zeros(needed, dtype=torch.int32, device=device)
     key = (device.index, stream)
     buf = _counters.get(key)
     if buf is None or buf.numel() < needed:
@@ -309,6 +313,7 @@ def gemm_cuda(
     *,
     path: str | None = None,
     split_k: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W^T (+ bias)`` on the GPU for a tiled kbit weight.
 
@@ -325,9 +330,11 @@ def gemm_cuda(
         path: force a path from :data:`GEMM_PATHS` (None: dispatch by M).
         split_k: fused paths only: None = automatic, 1 = never split a tile over blocks,
             s > 1 = split each tile's K range over about s blocks.
+        out: optional contiguous ``[..., out_features]`` tensor of x's dtype to write into
+            (tests pass a NaN-filled one to catch unwritten elements).
 
     Returns:
-        ``[..., out_features]`` in x's dtype.
+        ``[..., out_features]`` in x's dtype (``out`` when given).
     """
     _check_gemm(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
     device = x.device
@@ -336,8 +343,14 @@ def gemm_cuda(
     in_dtype = x.dtype
     x2d = x.reshape(-1, k)
     m = x2d.shape[0]
+    if out is not None:
+        if out.shape != (*lead, out_features) or out.dtype != in_dtype or out.device != device or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous {in_dtype} tensor of shape {(*lead, out_features)} on {device}, "
+                f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+            )
     if m == 0:
-        return x.new_empty((*lead, out_features))
+        return out if out is not None else x.new_empty((*lead, out_features))
     dtype = in_dtype if in_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     if dtype is not in_dtype:
         x2d = x2d.to(dtype)
@@ -352,16 +365,23 @@ def gemm_cuda(
     index = device.index if device.index is not None else torch.cuda.current_device()
     plan = _plan(m, out_features, k, bits, dtype, index, path, split_k)
 
-    if plan.path == "decode":
+    user_out = out
+    if out is not None and dtype is in_dtype:
+        out = out.view(m, out_features)
+    else:
         out = torch.empty((m, out_features), dtype=dtype, device=device)
+    if plan.path == "decode":
         _decode_module().decode_gemm(x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out)
         if bias is not None:
             out += bias
     elif plan.path == "dequant+cublas":
+        # The dense weight holds in_features padded to 8 (zero columns beyond the true K).
         w = _dequantize_into(packed, absmax, codebook, tensor_scale, bits, out_features, k, dtype)
-        out = F.linear(x2d, w, bias)
+        if bias is None:
+            torch.mm(x2d, w.t(), out=out)
+        else:
+            torch.addmm(bias, x2d, w.t(), out=out)
     else:
-        out = torch.empty((m, out_features), dtype=dtype, device=device)
         stream = loader._current_raw_stream(index)
         if plan.split:
             ws = torch.empty(plan.ws_numel, dtype=torch.float32, device=device)
@@ -379,6 +399,10 @@ def gemm_cuda(
             pack=_GEMM_ARGS,
             stream=stream,
         )
+    if user_out is not None:
+        if dtype is not in_dtype:
+            user_out.view(m, out_features).copy_(out)
+        return user_out
     out = out.view(*lead, out_features)
     return out if dtype is in_dtype else out.to(in_dtype)
 

@@ -217,7 +217,8 @@ def get_kernel(source: str, name_expression: str, device: torch.device, options:
         name_expression: the C++ name of the ``__global__`` function or template instance,
             e.g. ``"kbit_gemm<4, 1, 0>"``.
         device: a CUDA ``torch.device`` (sm_80 or newer).
-        options: extra NVRTC options (``-D...``); ``-arch`` and ``-std`` are set here.
+        options: extra NVRTC options (``-D...``); ``-std`` is set here, ``-arch`` by CuPy for
+            the device.
 
     Returns:
         The cached :class:`CudaKernel` for (device, arch, source, name_expression, options).
@@ -241,7 +242,9 @@ def get_kernel(source: str, name_expression: str, device: torch.device, options:
         if kern is None:
             cupy = _import_cupy()
             code = read_source(source)
-            all_opts = _BASE_OPTIONS + (f"-arch={props.arch}",) + opts
+            # CuPy adds -arch for the current device itself (sm_XY, or compute_XY PTX when the
+            # GPU is newer than its NVRTC), so only the device is set here.
+            all_opts = _BASE_OPTIONS + opts
             with cupy.cuda.Device(index):
                 module = cupy.RawModule(code=code, options=all_opts, name_expressions=[name_expression])
                 raw = module.get_function(name_expression)

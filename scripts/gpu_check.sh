@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU check for the CUDA kernels, in one command (run on a machine with an NVIDIA GPU,
+# sm_80+, torch and CuPy installed):
+#   1. the GPU test suite (pytest -m cuda tests/test_kernels_cuda.py),
+#   2. compute-sanitizer memcheck and racecheck over a few GEMM configurations (split-K included),
+#   3. the timing table (scripts/kernel_bench.py) with the host-overhead measurement.
+# Logs go to $OUT (or ./gpu_check_out); a summary is printed last. Exit status: non-zero if
+# any step failed.
+#   Usage: scripts/gpu_check.sh [--quick]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=${OUT:-gpu_check_out}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1
+QUICK=${1:-}
+declare -A STATUS
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| cupy', cupy.__version__)"
+
+echo "== 1. GPU tests"
+timeout 420 python3 -m pytest -q -m cuda tests/test_kernels_cuda.py -p no:cacheprovider --maxfail=40 --durations=5 2>&1 | tee "$LOG/tests.txt" | tail -25
+STATUS[tests]=${PIPESTATUS[0]}
+
+echo "== 2. compute-sanitizer"
+for tool in memcheck racecheck; do
+    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 3 python3 scripts/sanitize_gemm.py > "$LOG/sanitizer_$tool.txt" 2>&1
+    STATUS[$tool]=$?
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|rel err|Error" "$LOG/sanitizer_$tool.txt" | head -12
+done
+
+echo "== 3. timings"
+timeout 300 python3 scripts/kernel_bench.py $QUICK --json "$LOG/bench.json" 2>&1 | tee "$LOG/bench.txt"
+STATUS[bench]=${PIPESTATUS[0]}
+
+echo "== summary"
+grep -E "passed|failed|error" "$LOG/tests.txt" | tail -1
+rc=0
+for k in tests memcheck racecheck bench; do
+    echo "$k: exit ${STATUS[$k]}"
+    [ "${STATUS[$k]}" = 0 ] || rc=1
+done
+exit $rc

@@ -1,0 +1,195 @@
+"""Timing table of the kbit CUDA GEMM paths against cuBLAS fp16, and the host overhead of a call.
+
+Each number is microseconds per call: many calls cycling through enough weight copies to spill
+L2 are captured in one CUDA graph, the graph is replayed several times between CUDA events, and
+the median replay time is divided by the number of calls. Inputs are random (never zeros).
+
+Host overhead: the wall time of many eager calls at M = 1 on a small layer (whose GPU time is a
+few microseconds) minus the GPU time of the same call from a graph replay; reported for
+``torch.ops.kbit_linear.gemm``, a direct ``gemm_cuda`` call and ``F.linear`` for scale.
+
+Usage: python3 scripts/kernel_bench.py [--quick] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import kbit_linear  # noqa: E402,F401
+from kbit_linear import format as fmt  # noqa: E402
+from kbit_linear.backends import cuda as kcuda  # noqa: E402
+
+DEV = torch.device("cuda")
+L2_SPILL_BYTES = 120 * 2**20  # comfortably past the H100's 50 MB L2
+
+
+def _graph_time(fn, n_copies: int, target_ms: float = 4.0) -> float:
+    """Median microseconds per call of fn(i) (i = weight copy), via CUDA-graph replay."""
+    for i in range(n_copies):  # warm up: compile, allocate
+        fn(i)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for i in range(n_copies):
+        fn(i)
+    e.record()
+    torch.cuda.synchronize()
+    est = max(s.elapsed_time(e) / n_copies, 1e-3)
+    calls = int(min(200, max(2 * n_copies, math.ceil(target_ms / est))))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in range(calls):
+            fn(c % n_copies)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(7):
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1000.0 / calls)
+    del g
+    return statistics.median(times)
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, math.ceil(L2_SPILL_BYTES / max(nbytes, 1)))
+
+
+def _kbit_weights(n: int, k: int, bits: int, copies: int) -> list[fmt.KbitWeight]:
+    w = torch.randn(n, k, device=DEV) * 0.02
+    qw = fmt.quantize(w, bits)
+    out = [qw]
+    for _ in range(copies - 1):
+        out.append(fmt.KbitWeight(qw.packed.clone(), qw.absmax.clone(), qw.codebook, qw.tensor_scale, bits, n, k))
+    return out
+
+
+def bench_shape(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int], cublas: bool = True) -> list[dict]:
+    wbytes = n * k * (bits / 8 + 1 / 32)
+    qws = _kbit_weights(n, k, bits, _copies(wbytes))
+    dense = None
+    if cublas:
+        d0 = torch.randn(n, k, device=DEV, dtype=dtype) * 0.02
+        dense = [d0] + [d0.clone() for _ in range(_copies(n * k * 2) - 1)]
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device=DEV, dtype=dtype)
+        row = {"k": k, "n": n, "m": m, "bits": bits, "dtype": str(dtype).replace("torch.", ""),
+               "auto_path": kcuda.gemm_path(m, n, k, bits, dtype)}
+        for name, kw in (("fused", {"path": "fused"}), ("dequant+cublas", {"path": "dequant+cublas"}), ("auto", {})):
+            def fn(i, kw=kw):
+                q = qws[i % len(qws)]
+                return kcuda.gemm_cuda(x, q.packed, q.absmax, q.codebook, q.tensor_scale, bits, n, **kw)
+            row[name] = _graph_time(fn, len(qws))
+        if dense is not None:
+            row["cublas_fp16"] = _graph_time(lambda i: F.linear(x, dense[i % len(dense)]), len(dense))
+        row["weight_GBps_auto"] = wbytes / (row["auto"] * 1e-6) / 1e9
+        rows.append(row)
+        print(_fmt_row(row), flush=True)
+    return rows
+
+
+def _fmt_row(r: dict) -> str:
+    cub = r.get("cublas_fp16")
+    ratio = f"{r['auto'] / cub:.2f}" if cub else "-"
+    return (f"| {r['k']}x{r['n']} | {r['bits']} | {r['dtype']} | {r['m']} | {r['fused']:.1f} | {r['dequant+cublas']:.1f} | "
+            f"{r['auto']:.1f} ({r['auto_path']}) | {cub:.1f} | {ratio} | {r['weight_GBps_auto']:.0f} |" if cub else
+            f"| {r['k']}x{r['n']} | {r['bits']} | {r['dtype']} | {r['m']} | {r['fused']:.1f} | {r['dequant+cublas']:.1f} | "
+            f"{r['auto']:.1f} ({r['auto_path']}) | - | - | {r['weight_GBps_auto']:.0f} |")
+
+
+HEADER = ("| K_in x N_out | bits | dtype | M | fused us | dequant+cuBLAS us | auto us (path) | cuBLAS fp16 us | auto/cuBLAS | weight GB/s |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(2**30 // 4, dtype=torch.float32, device=DEV).normal_()
+    b = torch.empty_like(a)
+    t = _graph_time(lambda i: b.copy_(a), 1, target_ms=20)
+    return 2 * a.numel() * 4 / (t * 1e-6) / 1e9
+
+
+def host_overhead(n_calls: int = 3000) -> dict:
+    """Wall time per eager call minus GPU time per call, M = 1, 576 -> 192, bits 4, fp16."""
+    k, n, bits = 576, 192, 4
+    qw = fmt.quantize(torch.randn(n, k, device=DEV), bits)
+    x = torch.randn(1, k, device=DEV, dtype=torch.float16)
+    dense = torch.randn(n, k, device=DEV, dtype=torch.float16)
+    op = torch.ops.kbit_linear.gemm
+    calls = {
+        "torch.ops.kbit_linear.gemm": lambda: op(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n, None),
+        "gemm_cuda (direct)": lambda: kcuda.gemm_cuda(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n),
+        "F.linear fp16 (for scale)": lambda: F.linear(x, dense),
+    }
+    res = {}
+    for name, fn in calls.items():
+        gpu = _graph_time(lambda i, fn=fn: fn(), 1, target_ms=2.0)
+        for _ in range(200):
+            fn()
+        torch.cuda.synchronize()
+        walls = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n_calls):
+                fn()
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t0) * 1e6 / n_calls)
+        wall = statistics.median(walls)
+        res[name] = {"wall_us": wall, "gpu_us": gpu, "host_overhead_us": wall - gpu}
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    props = torch.cuda.get_device_properties(DEV)
+    print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
+          f"date {time.strftime('%Y-%m-%d')}", flush=True)
+    result: dict = {"device": props.name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+    result["copy_GBps"] = copy_bandwidth()
+    print(f"device-to-device copy: {result['copy_GBps']:.0f} GB/s (read + write)", flush=True)
+
+    print("\n" + HEADER)
+    rows = []
+    ms = [1, 4, 16, 64, 256, 1024, 4096]
+    shapes = [(8192, 28672), (4096, 4096), (4096, 14336), (14336, 4096)]
+    if args.quick:
+        shapes, ms = shapes[:2], [1, 16, 256, 4096]
+    for k, n in shapes:
+        rows += bench_shape(k, n, 4, torch.float16, ms)
+    for bits in (2, 3, 5):
+        rows += bench_shape(4096, 14336, bits, torch.float16, [1, 16, 64, 256, 1024], cublas=False)
+    rows += bench_shape(4096, 14336, 4, torch.bfloat16, [1, 64, 256, 1024], cublas=False)
+    result["rows"] = rows
+
+    print("\n| call (M=1, 576->192, bits 4, fp16) | wall us/call | GPU us/call | host overhead us |\n|---|---|---|---|")
+    result["host"] = host_overhead()
+    for name, r in result["host"].items():
+        print(f"| {name} | {r['wall_us']:.1f} | {r['gpu_us']:.1f} | {r['host_overhead_us']:.1f} |")
+
+    big = {r["m"]: r for r in rows if (r["k"], r["n"], r["bits"], r["dtype"]) == (8192, 28672, 4, "float16")}
+    if big:
+        print("\nbar (8192->28672, bits 4, fp16): "
+              f"M=1 auto {big[1]['auto']:.1f} us (< 70 wanted); "
+              f"M=4096 auto/cuBLAS {big[4096]['auto'] / big[4096]['cublas_fp16']:.3f} (<= 1.15 wanted)" if 1 in big and 4096 in big else "")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
