@@ -19,18 +19,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| cupy', cupy.__version__)"
 
 echo "== 1. GPU tests"
-timeout 420 python3 -m pytest -q -m cuda tests/test_kernels_cuda.py -p no:cacheprovider --maxfail=40 --durations=5 2>&1 | tee "$LOG/tests.txt" | tail -25
+timeout ${T_TESTS:-420} python3 -m pytest -q -m cuda tests/test_kernels_cuda.py -p no:cacheprovider --maxfail=40 --durations=5 2>&1 | tee "$LOG/tests.txt" | tail -25
 STATUS[tests]=${PIPESTATUS[0]}
 
 echo "== 2. compute-sanitizer"
 for tool in memcheck racecheck; do
-    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 3 python3 scripts/sanitize_gemm.py > "$LOG/sanitizer_$tool.txt" 2>&1
+    timeout ${T_SAN:-240} compute-sanitizer --tool "$tool" --error-exitcode 3 python3 scripts/sanitize_gemm.py > "$LOG/sanitizer_$tool.txt" 2>&1
     STATUS[$tool]=$?
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|rel err|Error" "$LOG/sanitizer_$tool.txt" | head -12
 done
 
 echo "== 3. timings"
-timeout 300 python3 scripts/kernel_bench.py $QUICK --json "$LOG/bench.json" 2>&1 | tee "$LOG/bench.txt"
+timeout ${T_BENCH:-300} python3 scripts/kernel_bench.py $QUICK --json "$LOG/bench.json" 2>&1 | tee "$LOG/bench.txt"
 STATUS[bench]=${PIPESTATUS[0]}
 
 echo "== summary"
