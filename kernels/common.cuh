@@ -89,6 +89,14 @@ KBIT_DEVICE u32 rotr(u32 x, u32 s) {
     return d;
 }
 
+// (a & mask) | c in one LOP3 (the compiler otherwise splits it in two when it cannot prove the
+// operands' bits disjoint).
+KBIT_DEVICE u32 and_or(u32 a, u32 mask, u32 c) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(c));
+    return d;
+}
+
 // Value of `v` from lane `src & 31` (only the low 5 bits of src are used by the hardware with
 // a clamp of 31, which lets callers pass a word whose low byte is the lane).
 KBIT_DEVICE u32 shfl_idx(u32 v, u32 src) {

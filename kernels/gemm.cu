@@ -48,8 +48,11 @@
 // to the two codebook values (one 32-bit load per two weights; 32 copies of the table, one per
 // bank, so lanes never conflict). BITS = 5: each lane keeps one codebook entry in a register and
 // lanes fetch entries with shfl (the codebook in registers).
-// The block scale (E4M4, <= 31) multiplies the pair in fp16/bf16; the per-tensor power of two
-// multiplies the fp32 accumulators in the epilogue.
+// The block scale (E4M4, <= 31) multiplies the pair in fp16/bf16 (a 256-entry shared table maps
+// the code to the packed pair of scales); the per-tensor power of two multiplies the fp32
+// accumulators in the epilogue.
+//
+// Shared memory: STAGES x [A tile | plane words | scale codes] | pair table | scale table | flag
 #include "common.cuh"
 
 namespace kbit {
@@ -71,40 +74,80 @@ struct GemmShape {
     static constexpr int S_BYTES = kTileN * 2;              // its scale bytes
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES + S_BYTES;
     static constexpr int LUT_ENTRIES = BITS <= 4 ? (1 << (2 * BITS)) : 0;
+    static constexpr int LUT_OFFSET = STAGES * STAGE_BYTES;
     static constexpr int LUT_BYTES = LUT_ENTRIES * 32 * 4;  // 32 bank-private copies
-    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + LUT_BYTES + 16;
+    static constexpr int SCALE_OFFSET = LUT_OFFSET + LUT_BYTES;  // 256 packed scale pairs
+    static constexpr int FLAG_OFFSET = SCALE_OFFSET + 256 * 4;
+    static constexpr int SMEM_BYTES = FLAG_OFFSET + 16;
     static constexpr int NACC = FM * FN * 4;  // fp32 accumulators per thread
+    static constexpr int A_CHUNKS = BM * 8;   // 16-byte copies per stage
+    static constexpr int B_CHUNKS = kTileN * 2 * BITS / 4;
+    static constexpr int A_ITERS = (A_CHUNKS + kThreads - 1) / kThreads;
+    static constexpr int B_ITERS = (B_CHUNKS + kThreads - 1) / kThreads;
     static_assert(WM * WN == 8, "8 warps");
     static_assert(FN * 8 * WN == kTileN, "warps cover the n-tile");
-    static_assert(STAGE_BYTES % 16 == 0, "16-byte aligned stages");
+    static_assert(STAGE_BYTES % 16 == 0 && LUT_OFFSET % 128 == 0, "aligned stages and table");
 };
 
-// Copies k-tile `kt` of the activation rows [m0, m0+BM) and of storage tile (kt, nt) into one
-// pipeline stage. Activation rows past M and columns past K are zero-filled (the padded
-// weights are zero blocks, but 0 * garbage could still be NaN).
+// Per-thread copy plan for one range of k-tiles of one output tile: source pointers advance by
+// one k-tile per issued stage, so the steady state costs a few adds per copy. Activation rows
+// past M and columns past K are zero-filled (the padded weights are zero blocks, but 0 * garbage
+// could still be NaN).
 template <int BITS, int MB>
-__device__ __forceinline__ void load_stage(u8* stage, const u16* __restrict__ x, const u32* __restrict__ packed,
-                                           const u8* __restrict__ absmax, int M, int K, int n_tiles, int m0, int nt,
-                                           int kt) {
+struct StageLoader {
     using S = GemmShape<BITS, MB>;
-    const int tid = threadIdx.x;
-    // A: BM rows x 8 chunks of 16 bytes; chunk ch of row r lands at chunk ch ^ (r & 7) so that
-    // ldmatrix reads of 8 rows hit 8 different bank groups.
+    const u16* a_src[S::A_ITERS];
+    int a_col[S::A_ITERS];  // first in-feature of the chunk; -1: row past M or no chunk
+    u32 a_dst[S::A_ITERS];
+    const u32* b_src;
+    const u8* s_src;
+    const u16* x;
+    i64 b_step;  // plane words between consecutive k-tiles of one n-tile
+    i64 s_step;  // scale bytes between consecutive k-tiles of one n-tile
+    int K;
+
+    __device__ __forceinline__ StageLoader(const u16* x_, const u32* packed, const u8* absmax, int M, int K_, int n_tiles,
+                                           int m0, int nt, int kt0)
+        : x(x_), K(K_) {
+        const int tid = threadIdx.x;
 #pragma unroll
-    for (int c = tid; c < S::BM * 8; c += kThreads) {
-        const int r = c >> 3, ch = c & 7;
-        const int gm = m0 + r, gk = kt * kTileK + ch * 8;
-        const bool ok = gm < M && gk < K;
-        const u16* src = ok ? x + (i64)gm * K + gk : x;
-        cp_async16(stage + r * 128 + ((ch ^ (r & 7)) << 4), src, ok ? 16u : 0u);
+        for (int i = 0; i < S::A_ITERS; ++i) {
+            const int c = tid + i * kThreads;
+            const int r = c >> 3, ch = c & 7;
+            const bool ok = c < S::A_CHUNKS && m0 + r < M;
+            a_src[i] = x_ + (ok ? (i64)(m0 + r) * K_ + (i64)kt0 * kTileK + ch * 8 : 0);
+            a_col[i] = ok ? kt0 * kTileK + ch * 8 : (c < S::A_CHUNKS ? -2 : -1);
+            a_dst[i] = r * 128 + ((ch ^ (r & 7)) << 4);
+        }
+        const i64 tile = (i64)kt0 * n_tiles + nt;
+        b_src = packed + tile * (kTileN * 2 * BITS) + tid * 4;
+        s_src = absmax + tile * S::S_BYTES + tid * 16;
+        b_step = (i64)n_tiles * (kTileN * 2 * BITS);
+        s_step = (i64)n_tiles * S::S_BYTES;
     }
-    const i64 tile = (i64)kt * n_tiles + nt;
-    const u32* bsrc = packed + tile * (kTileN * 2 * BITS);
-    u8* bdst = stage + S::A_BYTES;
+
+    // Issues the copies of the next k-tile into `stage` and advances.
+    __device__ __forceinline__ void issue(u8* stage) {
 #pragma unroll
-    for (int c = tid; c < kTileN * 2 * BITS / 4; c += kThreads) cp_async16(bdst + c * 16, bsrc + c * 4);
-    if (tid < S::S_BYTES / 16) cp_async16(stage + S::A_BYTES + S::B_BYTES + tid * 16, absmax + tile * S::S_BYTES + tid * 16);
-}
+        for (int i = 0; i < S::A_ITERS; ++i) {
+            if (a_col[i] != -1) {  // -2: a row past M, copied as zeros
+                const bool ok = a_col[i] >= 0 && a_col[i] < K;
+                cp_async16(stage + a_dst[i], ok ? a_src[i] : x, ok ? 16u : 0u);
+                if (a_col[i] >= 0) {
+                    a_src[i] += kTileK;
+                    a_col[i] += kTileK;
+                }
+            }
+        }
+        const int tid = threadIdx.x;
+#pragma unroll
+        for (int i = 0; i < S::B_ITERS; ++i)
+            if (i * kThreads + tid < S::B_CHUNKS) cp_async16(stage + S::A_BYTES + (i * kThreads + tid) * 16, b_src + i * kThreads * 4);
+        if (tid < S::S_BYTES / 16) cp_async16(stage + S::A_BYTES + S::B_BYTES + tid * 16, s_src);
+        b_src += b_step;
+        s_src += s_step;
+    }
+};
 
 // The BITS plane words of one (column, 32-block) from shared memory, as wide as alignment allows.
 template <int BITS>
@@ -124,8 +167,9 @@ __device__ __forceinline__ void load_planes(u32 (&w)[BITS], const u32* p) {
 // Dequantizes the 8 weights of one lane in one (column, 32-block) into four B-fragment
 // registers: out[j] holds rows (2i + 8j, 2i + 8j + 1) as a packed pair, already times the block
 // scale `s2` (both halves). j = 0, 1 are b0, b1 of the first k16 step; j = 2, 3 of the second.
+// lut: the pair table (BITS <= 4); lane4 = 4 * lane selects this lane's bank-private copy.
 template <int BITS, int DT>
-__device__ __forceinline__ void dequant_block(const u32 (&w)[BITS], u32 i, u32 s2, const u32* lut_lane, u32 cb_reg,
+__device__ __forceinline__ void dequant_block(const u32 (&w)[BITS], u32 i, u32 s2, const u8* lut, u32 lane4, u32 cb_reg,
                                               u32 (&out)[4]) {
     if constexpr (BITS <= 4) {
         u32 pairs = 0;
@@ -133,8 +177,9 @@ __device__ __forceinline__ void dequant_block(const u32 (&w)[BITS], u32 i, u32 s
         for (int b = 0; b < BITS; ++b) pairs |= rotr(w[b], (2 * i - 2 * b) & 31) & (0x03030303u << (2 * b));
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const u32 p = (pairs >> (8 * j)) & 0xffu;
-            out[j] = mul2<DT>(lut_lane[p * 32], s2);
+            // byte j of `pairs` times 128 (32 copies x 4 bytes), plus this lane's copy
+            const u32 off = and_or(j == 0 ? pairs << 7 : pairs >> (8 * j - 7), 0x7f80u, lane4);
+            out[j] = mul2<DT>(*reinterpret_cast<const u32*>(lut + off), s2);
         }
     } else {
         u32 even = 0, odd = 0;
@@ -152,37 +197,34 @@ __device__ __forceinline__ void dequant_block(const u32 (&w)[BITS], u32 i, u32 s
     }
 }
 
-// One k-tile of MMAs from pipeline stage `stage`.
+// One k-tile of MMAs from pipeline stage `stage`. a_off[fm]: this lane's ldmatrix row offset
+// with its swizzle bits, XOR-ed with the k16 chunk below.
 template <int BITS, int MB, int DT>
-__device__ __forceinline__ void compute_stage(const u8* stage, const u32* lut_lane, u32 cb_reg, int warp_m, int warp_n,
+__device__ __forceinline__ void compute_stage(const u8* stage, const u8* smem, u32 cb_reg, int warp_n,
+                                              const u32 (&a_off)[GemmShape<BITS, MB>::FM],
                                               float (&acc)[GemmShape<BITS, MB>::FM][GemmShape<BITS, MB>::FN][4]) {
     using S = GemmShape<BITS, MB>;
     const int lane = threadIdx.x & 31;
     const u32* bs = reinterpret_cast<const u32*>(stage + S::A_BYTES);
     const u8* ss = stage + S::A_BYTES + S::B_BYTES;
+    const u32* scale_tab = reinterpret_cast<const u32*>(smem + S::SCALE_OFFSET);
 #pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
         u32 bfrag[S::FN][4];
 #pragma unroll
         for (int f = 0; f < S::FN; ++f) {
             const int col = (warp_n * S::FN + f) * 8 + (lane >> 2);
-            const u32 code = ss[col * 2 + kb];
-            const u32 h = f32_to_bits<DT>(e4m4_decode(code));
+            const u32 s2 = scale_tab[ss[col * 2 + kb]];
             u32 w[BITS];
             load_planes<BITS>(w, bs + (col * 2 + kb) * BITS);
-            dequant_block<BITS, DT>(w, lane & 3, h | (h << 16), lut_lane, cb_reg, bfrag[f]);
+            dequant_block<BITS, DT>(w, lane & 3, s2, smem + S::LUT_OFFSET, lane * 4, cb_reg, bfrag[f]);
         }
 #pragma unroll
         for (int sub = 0; sub < 2; ++sub) {
             const int k16 = kb * 2 + sub;
             u32 afrag[S::FM][4];
 #pragma unroll
-            for (int fm = 0; fm < S::FM; ++fm) {
-                const int q = lane >> 3;
-                const int r = (warp_m * S::FM + fm) * 16 + (q & 1) * 8 + (lane & 7);
-                const int ch = k16 * 2 + (q >> 1);
-                ldmatrix_x4(afrag[fm], stage + r * 128 + ((ch ^ (r & 7)) << 4));
-            }
+            for (int fm = 0; fm < S::FM; ++fm) ldmatrix_x4(afrag[fm], stage + (a_off[fm] ^ (k16 << 5)));
 #pragma unroll
             for (int fm = 0; fm < S::FM; ++fm)
 #pragma unroll
@@ -240,6 +282,8 @@ __device__ __forceinline__ void store_tile(const float (&acc)[GemmShape<BITS, MB
 //   counters: int32 [m_tiles * n_tiles], all zero on entry and left zero on exit,
 //   M, N, K: true sizes; n_tiles = N_pad / 128; k_tiles = K_pad / 64;
 //   iters: k-iterations per block (the stream-K range length L).
+// Launch: 256 threads, GemmShape::SMEM_BYTES of dynamic shared memory, ceil(total / iters) blocks
+// where total = ceil(M / BM) * n_tiles * k_tiles.
 template <int BITS, int MB, int DT>
 __global__ void __launch_bounds__(kbit::kThreads, MB == 1 ? 3 : (MB == 2 ? 2 : 1))
     kbit_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
@@ -248,29 +292,53 @@ __global__ void __launch_bounds__(kbit::kThreads, MB == 1 ? 3 : (MB == 2 ? 2 : 1
               int n_tiles, int k_tiles, int iters) {
     using namespace kbit;
     using S = GemmShape<BITS, MB>;
-    extern __shared__ __align__(16) u8 smem[];
-    u32* lut = reinterpret_cast<u32*>(smem + S::STAGES * S::STAGE_BYTES);
-    int* flag = reinterpret_cast<int*>(smem + S::STAGES * S::STAGE_BYTES + S::LUT_BYTES);
+    extern __shared__ __align__(128) u8 smem[];
+    int* flag = reinterpret_cast<int*>(smem + S::FLAG_OFFSET);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int warp_m = warp / S::WN, warp_n = warp % S::WN;
 
-    // Codebook: a pair table in shared memory (BITS <= 4) or one entry per lane (BITS = 5).
+    // Each lane holds codebook[lane] (entries past 2^BITS are never selected).
+    const float cb_f32 = lane < (1 << BITS) ? codebook[lane] : 0.f;
     u32 cb_reg = 0;
     if constexpr (BITS <= 4) {
-        for (int e = warp; e < S::LUT_ENTRIES; e += 8) {
+        // Pair table: entry e (lo bits at even positions, hi bits at odd) = (cb[lo], cb[hi]),
+        // written as 32 copies so that lane l always reads bank l. Work item = (entry, 4 copies).
+        u32* lut = reinterpret_cast<u32*>(smem + S::LUT_OFFSET);
+        constexpr int ITEMS = S::LUT_ENTRIES * 8;
+#pragma unroll
+        for (int it = 0; it < (ITEMS + kThreads - 1) / kThreads; ++it) {
+            const int item = it * kThreads + tid;
+            const int e = (item >> 3) & (S::LUT_ENTRIES - 1);
             int lo = 0, hi = 0;
 #pragma unroll
             for (int b = 0; b < BITS; ++b) {
                 lo |= ((e >> (2 * b)) & 1) << b;
                 hi |= ((e >> (2 * b + 1)) & 1) << b;
             }
-            lut[e * 32 + lane] = pack2<DT>(codebook[lo], codebook[hi]);
+            // all lanes shuffle (convergent), only in-range items store
+            const float vlo = __uint_as_float(shfl_idx(__float_as_uint(cb_f32), lo));
+            const float vhi = __uint_as_float(shfl_idx(__float_as_uint(cb_f32), hi));
+            const u32 v = pack2<DT>(vlo, vhi);
+            if (item < ITEMS) *reinterpret_cast<uint4*>(lut + e * 32 + (item & 7) * 4) = make_uint4(v, v, v, v);
         }
     } else {
-        cb_reg = f32_to_bits<DT>(codebook[lane]);
+        cb_reg = f32_to_bits<DT>(cb_f32);
     }
-    const u32* lut_lane = lut + lane;
+    {
+        // Scale table: E4M4 code -> its value as a packed pair (exact in fp16 and bf16).
+        const u32 h = f32_to_bits<DT>(e4m4_decode(tid));
+        reinterpret_cast<u32*>(smem + S::SCALE_OFFSET)[tid] = h | (h << 16);
+    }
+    // ldmatrix row offsets: lane l gives row (l & 7) of 8x8 matrix l / 8; matrices 0..3 are
+    // (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
+    u32 a_off[S::FM];
+#pragma unroll
+    for (int fm = 0; fm < S::FM; ++fm) {
+        const int q = lane >> 3;
+        const int r = (warp_m * S::FM + fm) * 16 + (q & 1) * 8 + (lane & 7);
+        a_off[fm] = r * 128 + ((((q >> 1)) ^ (r & 7)) << 4);
+    }
     const float ts = *tensor_scale;
     __syncthreads();
 
@@ -295,21 +363,19 @@ __global__ void __launch_bounds__(kbit::kThreads, MB == 1 ? 3 : (MB == 2 ? 2 : 1
 #pragma unroll
                 for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
 
-        // Pipeline: STAGES-1 tiles in flight ahead of the one being multiplied.
+        // Pipeline: STAGES-1 k-tiles in flight ahead of the one being multiplied.
+        StageLoader<BITS, MB> loader(x, packed, absmax, M, K, n_tiles, m0, nt, kb0);
 #pragma unroll
         for (int s = 0; s < S::STAGES - 1; ++s) {
-            if (s < nk) load_stage<BITS, MB>(smem + s * S::STAGE_BYTES, x, packed, absmax, M, K, n_tiles, m0, nt, kb0 + s);
+            if (s < nk) loader.issue(smem + s * S::STAGE_BYTES);
             cp_async_commit();
         }
         for (int i = 0; i < nk; ++i) {
             cp_async_wait<S::STAGES - 2>();
             __syncthreads();  // stage i landed for everyone; stage i-1 is free again
-            const int nxt = i + S::STAGES - 1;
-            if (nxt < nk)
-                load_stage<BITS, MB>(smem + (nxt % S::STAGES) * S::STAGE_BYTES, x, packed, absmax, M, K, n_tiles, m0, nt,
-                                     kb0 + nxt);
+            if (i + S::STAGES - 1 < nk) loader.issue(smem + ((i + S::STAGES - 1) % S::STAGES) * S::STAGE_BYTES);
             cp_async_commit();
-            compute_stage<BITS, MB, DT>(smem + (i % S::STAGES) * S::STAGE_BYTES, lut_lane, cb_reg, warp_m, warp_n, acc);
+            compute_stage<BITS, MB, DT>(smem + (i % S::STAGES) * S::STAGE_BYTES, smem, cb_reg, warp_n, a_off, acc);
         }
         cp_async_wait<0>();
         __syncthreads();  // all reads of the stages done before the next range refills them

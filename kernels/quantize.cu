@@ -127,11 +127,13 @@ __global__ void __launch_bounds__(256) kbit_repack(const u32* __restrict__ packe
     absmax[g] = ok ? absmax_flat[src] : (u8)0;
 }
 
-// One thread per tiled (kt, nt, c): writes out[n, 64*kt .. 64*kt + 63] (clipped to K), n < N.
-//   out [N, K] in DT (fp16, bf16 or fp32), row-major.
-// Each lane holds codebook[lane]; element 8q + t of a block is fetched with one shfl whose
-// source lane is byte q of acc[t] (the element's index, gathered from the BITS planes).
-// Launch: ceil(KT * NT * 128 / 256) blocks of 256 threads (whole warps stay for the shuffles).
+// One warp per (row n, span of 4 k-tiles): lane l writes the 8 weights k = 64 * (4 * span) + 8 * l
+// .. + 7 of row n, so a warp stores 256 consecutive weights (512 bytes in fp16) at once. The
+// four lanes of one 32-block read the same BITS plane words; each extracts the indices of its
+// own byte of the block and fetches codebook entries with shfl (lane l holds codebook[l]).
+//   out [N, K] in DT (fp16, bf16 or fp32), row-major; values are codebook[idx] * (e4m4 * ts)
+//   in fp32 (as the reference), rounded once to DT.
+// Launch: 256 threads per block, ceil(N * ceil(KT / 4) / 8) blocks.
 template <int BITS, int DT>
 __global__ void __launch_bounds__(256) kbit_dequantize(const u32* __restrict__ packed, const u8* __restrict__ absmax,
                                                        const float* __restrict__ codebook,
@@ -140,67 +142,73 @@ __global__ void __launch_bounds__(256) kbit_dequantize(const u32* __restrict__ p
     using namespace kbit;
     const int lane = threadIdx.x & 31;
     const u32 cb = lane < (1 << BITS) ? __float_as_uint(codebook[lane]) : 0u;
-    const float ts = *tensor_scale;
-    const i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 total = (i64)k_tiles * n_tiles * 128;
-    const bool in_grid = g < total;
-    const i64 gc = in_grid ? g : total - 1;  // out-of-grid lanes shadow the last thread (no stores)
-    const int c = (int)(gc & 127);
-    const i64 rest = gc >> 7;
-    const int nt = (int)(rest % n_tiles), kt = (int)(rest / n_tiles);
-    const int n = nt * 128 + c;
-    const bool store = in_grid && n < N;
-    const bool vec = (K & 7) == 0;
+    const int spans = (k_tiles + 3) >> 2;
+    const i64 gw = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (gw >= (i64)N * spans) return;  // whole warps leave together
+    const int n = (int)(gw / spans), span = (int)(gw - (i64)n * spans);
+    const int kt_raw = span * 4 + (lane >> 3);
+    const bool kt_ok = kt_raw < k_tiles;
+    const int kt = kt_ok ? kt_raw : k_tiles - 1;  // lanes past the last k-tile shadow it (no stores)
+    const int kb = (lane >> 2) & 1, q = lane & 3;
+    const i64 blk = (((i64)kt * n_tiles + (n >> 7)) * 128 + (n & 127)) * 2 + kb;
 
+    u32 w[BITS];
+    const u32* src = packed + blk * BITS;
+    if constexpr (BITS == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(src);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else if constexpr (BITS == 2) {
+        const uint2 v = *reinterpret_cast<const uint2*>(src);
+        w[0] = v.x; w[1] = v.y;
+    } else {
 #pragma unroll
-    for (int kb = 0; kb < 2; ++kb) {
-        const i64 blk = gc * 2 + kb;
-        u32 w[BITS];
+        for (int b = 0; b < BITS; ++b) w[b] = src[b];
+    }
+    const float scale = mul_rn(e4m4_decode(absmax[blk]), *tensor_scale);
+
+    // Byte t of lo (hi) = index of element 8q + t (8q + 4 + t): a nibble of plane b times
+    // 0x00204081 << b puts its bit t at bit 8t + b (the four shifted copies never overlap).
+    u32 lo = 0, hi = 0;
 #pragma unroll
-        for (int b = 0; b < BITS; ++b) w[b] = packed[blk * BITS + b];
-        const float scale = mul_rn(e4m4_decode(absmax[blk]), ts);
-        // acc[t]: byte q holds the index of element 8q + t (bit b of plane b moved to bit b of the byte).
-        u32 acc[8];
+    for (int b = 0; b < BITS; ++b) {
+        const u32 v = w[b] >> (8 * q);
+        lo |= ((v & 15u) * (0x00204081u << b)) & (0x01010101u << b);
+        hi |= (((v >> 4) & 15u) * (0x00204081u << b)) & (0x01010101u << b);
+    }
+    float vals[8];
 #pragma unroll
-        for (int t = 0; t < 8; ++t) {
-            acc[t] = 0;
+    for (int t = 0; t < 4; ++t) {
+        vals[t] = mul_rn(__uint_as_float(shfl_idx(cb, lo >> (8 * t))), scale);
+        vals[t + 4] = mul_rn(__uint_as_float(shfl_idx(cb, hi >> (8 * t))), scale);
+    }
+
+    const int k = kt * 64 + kb * 32 + q * 8;
+    if (!kt_ok || k >= K) return;
+    const i64 o = (i64)n * K + k;
+    const bool vec = (K & 7) == 0;
+    if constexpr (DT == KBIT_F32) {
+        float* dst = static_cast<float*>(out) + o;
+        if (vec) {
+            reinterpret_cast<float4*>(dst)[0] = make_float4(vals[0], vals[1], vals[2], vals[3]);
+            reinterpret_cast<float4*>(dst)[1] = make_float4(vals[4], vals[5], vals[6], vals[7]);
+        } else {
 #pragma unroll
-            for (int b = 0; b < BITS; ++b) acc[t] |= rotr(w[b], (t - b) & 31) & (0x01010101u << b);
+            for (int t = 0; t < 8; ++t)
+                if (k + t < K) dst[t] = vals[t];
         }
-        const int k0 = kt * 64 + kb * 32;
+    } else {
+        u16* dst = static_cast<u16*>(out) + o;
+        if (vec) {
+            uint4 pk;
+            pk.x = pack2<DT>(vals[0], vals[1]);
+            pk.y = pack2<DT>(vals[2], vals[3]);
+            pk.z = pack2<DT>(vals[4], vals[5]);
+            pk.w = pack2<DT>(vals[6], vals[7]);
+            *reinterpret_cast<uint4*>(dst) = pk;
+        } else {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            float v[8];
-#pragma unroll
-            for (int t = 0; t < 8; ++t) v[t] = mul_rn(__uint_as_float(shfl_idx(cb, acc[t] >> (8 * q))), scale);
-            const int k = k0 + 8 * q;
-            if (!store || k >= K) continue;
-            const i64 o = (i64)n * K + k;
-            if constexpr (DT == KBIT_F32) {
-                float* dst = static_cast<float*>(out) + o;
-                if (vec) {
-                    reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
-                    reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
-                } else {
-#pragma unroll
-                    for (int t = 0; t < 8; ++t)
-                        if (k + t < K) dst[t] = v[t];
-                }
-            } else {
-                u16* dst = static_cast<u16*>(out) + o;
-                if (vec) {
-                    uint4 pk;
-                    pk.x = pack2<DT>(v[0], v[1]);
-                    pk.y = pack2<DT>(v[2], v[3]);
-                    pk.z = pack2<DT>(v[4], v[5]);
-                    pk.w = pack2<DT>(v[6], v[7]);
-                    *reinterpret_cast<uint4*>(dst) = pk;
-                } else {
-#pragma unroll
-                    for (int t = 0; t < 8; ++t)
-                        if (k + t < K) dst[t] = f32_to_bits<DT>(v[t]);
-                }
-            }
+            for (int t = 0; t < 8; ++t)
+                if (k + t < K) dst[t] = f32_to_bits<DT>(vals[t]);
         }
     }
 }

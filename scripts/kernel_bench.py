@@ -128,9 +128,9 @@ def host_overhead(n_calls: int = 3000) -> dict:
     qw = fmt.quantize(torch.randn(n, k, device=DEV), bits)
     x = torch.randn(1, k, device=DEV, dtype=torch.float16)
     dense = torch.randn(n, k, device=DEV, dtype=torch.float16)
-    op = torch.ops.kbit_linear.gemm
+    op = torch.ops.kbit_linear.gemm.default
     calls = {
-        "torch.ops.kbit_linear.gemm": lambda: op(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n, None),
+        "torch.ops.kbit_linear.gemm.default": lambda: op(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n, None),
         "gemm_cuda (direct)": lambda: kcuda.gemm_cuda(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n),
         "F.linear fp16 (for scale)": lambda: F.linear(x, dense),
     }
@@ -166,7 +166,7 @@ def main() -> None:
 
     print("\n" + HEADER)
     rows = []
-    ms = [1, 4, 16, 64, 256, 1024, 4096]
+    ms = [1, 4, 16, 64, 128, 256, 1024, 4096]
     shapes = [(8192, 28672), (4096, 4096), (4096, 14336), (14336, 4096)]
     if args.quick:
         shapes, ms = shapes[:2], [1, 16, 256, 4096]
@@ -182,6 +182,13 @@ def main() -> None:
     for name, r in result["host"].items():
         print(f"| {name} | {r['wall_us']:.1f} | {r['gpu_us']:.1f} | {r['host_overhead_us']:.1f} |")
 
+    print("\ncrossover (smallest M where dequant+cuBLAS beats fused):")
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["k"], r["n"], r["bits"], r["dtype"]), []).append(r)
+    for key, rs in groups.items():
+        wins = [r["m"] for r in sorted(rs, key=lambda r: r["m"]) if r["dequant+cublas"] < r["fused"]]
+        print(f"  {key}: {wins[0] if wins else 'none measured'}")
     big = {r["m"]: r for r in rows if (r["k"], r["n"], r["bits"], r["dtype"]) == (8192, 28672, 4, "float16")}
     if big:
         print("\nbar (8192->28672, bits 4, fp16): "

@@ -61,6 +61,9 @@ _STAGES = 4
 _MIN_SPLIT_ITERS = 4  # fewest k-tiles per block when splitting K (pipeline fill costs ~2)
 _MB_CHOICES = (1, 2, 4, 8)
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_ACT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_BITS = frozenset(fmt.SUPPORTED_BITS)
+_CB_SHAPES = {b: torch.Size([1 << b]) for b in fmt.SUPPORTED_BITS}
 _GEMM_ARGS = loader.ArgPack("ppppppppp" + "iiiiii")
 _QUANT_ARGS = loader.ArgPack("ppppp" + "iii")
 _REPACK_ARGS = loader.ArgPack("pppp" + "iiii")
@@ -95,7 +98,7 @@ def _gemm_smem(bits: int, mb: int) -> int:
     """Bytes of dynamic shared memory of ``kbit_gemm<bits, mb, *>`` (mirrors GemmShape in gemm.cu)."""
     stage = 16 * mb * _TILE_K * 2 + _TILE_N * 2 * bits * 4 + _TILE_N * 2
     lut = (1 << (2 * bits)) * 32 * 4 if bits <= 4 else 0
-    return _STAGES * stage + lut + 16
+    return _STAGES * stage + lut + 256 * 4 + 16
 
 
 def _gemm_nacc(mb: int) -> int:
@@ -260,20 +263,25 @@ def _as_device(device: torch.device | str | int | None) -> torch.device:
 # so that launches on different streams never share counters.
 # ---------------------------------------------------------------------------------------
 
-_counters: dict[tuple[int, int], torch.Tensor] = {}
+_split_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _tile_counters(device: torch.device, stream: int, needed: int) -> torch.Tensor:
-    if torch.cuda.is_current_stream_capturing():
-        # Inside a graph capture: a buffer of the graph's own, zeroed by a captured memset at
-        # every replay, so the graph never depends on state outside it.
-        return torch.zeros(needed, dtype=torch.int32, device=device)
-    key = (device.index, stream)
-    buf = _counters.get(key)
-    if buf is None or buf.numel() < needed:
-        buf = torch.zeros(max(needed, 4096, 0 if buf is None else 2 * buf.numel()), dtype=torch.int32, device=device)
-        _counters[key] = buf
-    return buf
+def _split_buffers(index: int, stream: int, ws_numel: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 workspace (>= ws_numel) and zeroed tile counters (>= tiles) for a split-K launch."""
+    if torch._C._cuda_isCurrentStreamCapturing():
+        # Inside a graph capture: buffers of the graph's own (the counters zeroed by a captured
+        # memset at every replay), so the graph never depends on state outside it.
+        return (torch.empty(ws_numel, dtype=torch.float32, device=device), torch.zeros(tiles, dtype=torch.int32, device=device))
+    key = (index, stream)
+    bufs = _split_cache.get(key)
+    if bufs is None or bufs[0].numel() < ws_numel or bufs[1].numel() < tiles:
+        # Launches on one stream run in order, so one pair per stream is enough; the counters
+        # are left zero by every launch.
+        old_ws, old_cnt = bufs if bufs is not None else (None, None)
+        ws = torch.empty(max(ws_numel, 0 if old_ws is None else old_ws.numel()), dtype=torch.float32, device=device)
+        cnt = torch.zeros(max(tiles, 4096, 0 if old_cnt is None else old_cnt.numel()), dtype=torch.int32, device=device)
+        bufs = _split_cache[key] = (ws, cnt)
+    return bufs
 
 
 # ---------------------------------------------------------------------------------------
@@ -336,44 +344,78 @@ def gemm_cuda(
     Returns:
         ``[..., out_features]`` in x's dtype (``out`` when given).
     """
-    _check_gemm(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
-    device = x.device
-    k = x.shape[-1]
-    lead = x.shape[:-1]
+    # The checks below are plain attribute reads (torch._check costs ~1 us each); on any
+    # failure the full checker runs to raise the error that names the problem.
+    ps = packed.shape if isinstance(packed, torch.Tensor) else ()
+    xs = x.shape if isinstance(x, torch.Tensor) else ()
+    dev_index = x.get_device() if xs else -1
+    if not (
+        xs
+        and x.dtype in _ACT_DTYPES
+        and bits in _BITS
+        and packed.dtype is torch.int32
+        and absmax.dtype is torch.uint8
+        and codebook.dtype is torch.float32
+        and tensor_scale.dtype is torch.float32
+        and len(ps) == 5 and ps[2] == _TILE_N and ps[3] == 2 and ps[4] == bits
+        and absmax.shape == ps[:4]
+        and codebook.shape == _CB_SHAPES[bits]
+        and tensor_scale.numel() == 1
+        and ps[0] * _TILE_K - _TILE_K < xs[-1] <= ps[0] * _TILE_K
+        and ps[1] * _TILE_N - _TILE_N < out_features <= ps[1] * _TILE_N
+        and dev_index >= 0
+        and packed.get_device() == dev_index and absmax.get_device() == dev_index
+        and codebook.get_device() == dev_index and tensor_scale.get_device() == dev_index
+        and (bias is None or (bias.shape == (out_features,) and bias.get_device() == dev_index and bias.is_floating_point()))
+    ):
+        _check_gemm(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
+        raise ValueError("invalid arguments to kbit_linear gemm")  # pragma: no cover (the checker raises first)
+    k = xs[-1]
     in_dtype = x.dtype
-    x2d = x.reshape(-1, k)
+    x2d = x.reshape(-1, k) if len(xs) != 2 else x
     m = x2d.shape[0]
     if out is not None:
-        if out.shape != (*lead, out_features) or out.dtype != in_dtype or out.device != device or not out.is_contiguous():
+        if out.shape != (*xs[:-1], out_features) or out.dtype != in_dtype or out.get_device() != dev_index or not out.is_contiguous():
             raise ValueError(
-                f"out must be a contiguous {in_dtype} tensor of shape {(*lead, out_features)} on {device}, "
+                f"out must be a contiguous {in_dtype} tensor of shape {(*xs[:-1], out_features)} on {x.device}, "
                 f"got {out.dtype} {tuple(out.shape)} on {out.device}"
             )
     if m == 0:
-        return out if out is not None else x.new_empty((*lead, out_features))
-    dtype = in_dtype if in_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        return out if out is not None else x.new_empty((*xs[:-1], out_features))
+    dtype = in_dtype if in_dtype is torch.float16 or in_dtype is torch.bfloat16 else torch.bfloat16
     if dtype is not in_dtype:
         x2d = x2d.to(dtype)
     if k % 8:
         # The kernels read x in 16-byte rows; zero columns meet the weight's zero padding.
         x2d = F.pad(x2d, (0, 8 - k % 8))
         k = x2d.shape[1]
-    x2d = _aligned(x2d)
-    packed, absmax = _aligned(packed), _aligned(absmax)
+    if not x2d.is_contiguous() or x2d.data_ptr() % 16:
+        x2d = _aligned(x2d)
+    if packed.data_ptr() % 16 or absmax.data_ptr() % 16 or not (packed.is_contiguous() and absmax.is_contiguous()):
+        packed, absmax = _aligned(packed), _aligned(absmax)
     if bias is not None and (bias.dtype is not dtype or not bias.is_contiguous()):
         bias = bias.to(dtype).contiguous()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    plan = _plan(m, out_features, k, bits, dtype, index, path, split_k)
+    plan = _plans.get((dev_index, m, out_features, k, bits, dtype, path, split_k))
+    if plan is None:
+        plan = _plan(m, out_features, k, bits, dtype, dev_index, path, split_k)
 
     user_out = out
     if out is not None and dtype is in_dtype:
         out = out.view(m, out_features)
     else:
-        out = torch.empty((m, out_features), dtype=dtype, device=device)
-    if plan.path == "decode":
-        _decode_module().decode_gemm(x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out)
-        if bias is not None:
-            out += bias
+        out = x2d.new_empty((m, out_features))
+    if plan.kernel is not None:  # fused
+        stream = loader._current_raw_stream(dev_index)
+        ws_ptr = cnt_ptr = 0
+        if plan.split:
+            ws, counters = _split_buffers(dev_index, stream, plan.ws_numel, plan.tiles, x2d.device)
+            ws_ptr, cnt_ptr = ws.data_ptr(), counters.data_ptr()
+        _GEMM_ARGS.launch(
+            plan.kernel, plan.grid, plan.smem, stream,
+            (x2d.data_ptr(), packed.data_ptr(), absmax.data_ptr(), codebook.data_ptr(), tensor_scale.data_ptr(),
+             0 if bias is None else bias.data_ptr(), out.data_ptr(), ws_ptr, cnt_ptr,
+             m, out_features, k, ps[1], ps[0], plan.iters),
+        )
     elif plan.path == "dequant+cublas":
         # The dense weight holds in_features padded to 8 (zero columns beyond the true K).
         w = _dequantize_into(packed, absmax, codebook, tensor_scale, bits, out_features, k, dtype)
@@ -381,29 +423,16 @@ def gemm_cuda(
             torch.mm(x2d, w.t(), out=out)
         else:
             torch.addmm(bias, x2d, w.t(), out=out)
-    else:
-        stream = loader._current_raw_stream(index)
-        if plan.split:
-            ws = torch.empty(plan.ws_numel, dtype=torch.float32, device=device)
-            counters = _tile_counters(device, stream, plan.tiles)
-        else:
-            ws = counters = None
-        loader.launch(
-            plan.kernel,
-            plan.grid,
-            _THREADS,
-            (x2d, packed, absmax, codebook, tensor_scale, bias, out, ws, counters,
-             m, out_features, k, packed.shape[1], packed.shape[0], plan.iters),
-            plan.smem,
-            device,
-            pack=_GEMM_ARGS,
-            stream=stream,
-        )
+    else:  # decode
+        _decode_module().decode_gemm(x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out)
+        if bias is not None:
+            out += bias
     if user_out is not None:
         if dtype is not in_dtype:
             user_out.view(m, out_features).copy_(out)
         return user_out
-    out = out.view(*lead, out_features)
+    if len(xs) != 2:
+        out = out.view(*xs[:-1], out_features)
     return out if dtype is in_dtype else out.to(in_dtype)
 
 
@@ -422,7 +451,8 @@ def _dequantize_into(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch
     out = torch.empty((out_features, in_features), dtype=dtype, device=device)
     kt, nt = packed.shape[0], packed.shape[1]
     kern = loader.get_kernel("quantize.cu", f"kbit_dequantize<{bits}, {_DT[dtype]}>", device)
-    loader.launch(kern, _blocks(kt * nt * 128), _THREADS,
+    warps = out_features * (-(-kt // 4))  # one warp per (row, 4 k-tiles)
+    loader.launch(kern, max(1, -(-warps // 8)), _THREADS,
                   (packed, absmax, codebook, tensor_scale, out, out_features, in_features, nt, kt),
                   0, device, pack=_DEQUANT_ARGS)
     return out

@@ -268,14 +268,14 @@ def _raw_stream_getter():
 
 
 _current_raw_stream = _raw_stream_getter()
-_driver_launch = None
+_cupy_launch: Any = None
 
 
 def _get_driver_launch():
-    global _driver_launch
-    if _driver_launch is None:
-        _driver_launch = _import_cupy().cuda.driver.launchKernel
-    return _driver_launch
+    global _cupy_launch
+    if _cupy_launch is None:
+        _cupy_launch = _import_cupy().cuda.driver.launchKernel
+    return _cupy_launch
 
 
 class ArgPack:
@@ -297,17 +297,36 @@ class ArgPack:
         self.kinds = kinds
         self._local = threading.local()
 
-    def pointers(self, values: Sequence[Any]) -> int:
-        """Store ``values`` in this thread's slots and return the address of the pointer array."""
+    def _storage(self) -> Any:
         loc = self._local
-        slots = getattr(loc, "slots", None)
-        if slots is None:
+        if getattr(loc, "slots", None) is None:
             n = len(self.kinds)
-            slots = (ctypes.c_uint64 * n)()
-            base = ctypes.addressof(slots)
+            loc.slots = (ctypes.c_uint64 * n)()
+            base = ctypes.addressof(loc.slots)
             loc.ptrs = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
             loc.ptrs_addr = ctypes.addressof(loc.ptrs)
-            loc.slots = slots
+        return loc
+
+    def launch(self, kernel: "CudaKernel", grid: int, shared_mem: int, stream: int, values: Sequence[int], threads: int = 256) -> None:
+        """Fast launch for hot paths: ``values`` are already plain non-negative ints (pointers as
+        ``data_ptr()``), ``grid``/``threads`` one-dimensional, ``stream`` the raw ``cudaStream_t``
+        of the kernel's device. The caller guarantees the kinds and the device; this skips the
+        checks of :func:`launch`."""
+        loc = self._storage()
+        loc.slots[:] = values
+        if shared_mem > kernel._max_dynamic_smem:
+            kernel.ensure_shared_memory(shared_mem)
+        index = kernel.device_index
+        bound = getattr(_tls, "bound", None)
+        if bound is not None and index in bound and torch._C._cuda_getDevice() == index:
+            _cupy_launch(kernel.func_ptr, grid, 1, 1, threads, 1, 1, shared_mem, stream, loc.ptrs_addr, 0)
+        else:
+            _launch_binding(kernel, (grid, 1, 1), (threads, 1, 1), shared_mem, stream, loc.ptrs_addr)
+
+    def pointers(self, values: Sequence[Any]) -> int:
+        """Store ``values`` in this thread's slots and return the address of the pointer array."""
+        loc = self._storage()
+        slots = loc.slots
         if len(values) != len(self.kinds):
             raise ValueError(f"expected {len(self.kinds)} kernel arguments, got {len(values)}")
         for i, (k, v) in enumerate(zip(self.kinds, values)):
@@ -362,22 +381,29 @@ def launch(
     gx, gy, gz = _dims(grid, "grid")
     bx, by, bz = _dims(block, "block")
     params = pack.pointers(args)
-    fn = _get_driver_launch()
     if stream is None:
         stream = _current_raw_stream(index)
     bound = getattr(_tls, "bound", None)
-    if bound is None:
-        bound = _tls.bound = set()
-    if index in bound and torch._C._cuda_getDevice() == index:
-        fn(kernel.func_ptr, gx, gy, gz, bx, by, bz, shared_mem, stream, params, 0)
+    if bound is not None and index in bound and torch._C._cuda_getDevice() == index:
+        _cupy_launch(kernel.func_ptr, gx, gy, gz, bx, by, bz, shared_mem, stream, params, 0)
     else:
-        # cudaSetDevice (inside torch.cuda.device) makes the device's primary context current on
-        # this thread, which the driver-level launch needs; done once per thread and device.
-        with torch.cuda.device(index):
-            _import_cupy().cuda.runtime.setDevice(index)
-            fn(kernel.func_ptr, gx, gy, gz, bx, by, bz, shared_mem, stream, params, 0)
-        if torch._C._cuda_getDevice() == index:
-            bound.add(index)
+        _launch_binding(kernel, (gx, gy, gz), (bx, by, bz), shared_mem, stream, params)
+
+
+def _launch_binding(kernel: CudaKernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, stream: int, params: int) -> None:
+    """Launch with ``kernel``'s device made current (slow path: first launch on a thread, or
+    another device current). cudaSetDevice makes the device's primary context current on this
+    thread, which the driver-level launch needs."""
+    index = kernel.device_index
+    fn = _get_driver_launch()
+    with torch.cuda.device(index):
+        _import_cupy().cuda.runtime.setDevice(index)
+        fn(kernel.func_ptr, *grid, *block, shared_mem, stream, params, 0)
+    if torch._C._cuda_getDevice() == index:
+        bound = getattr(_tls, "bound", None)
+        if bound is None:
+            bound = _tls.bound = set()
+        bound.add(index)
 
 
 def _kind_of(a: Any) -> str:
