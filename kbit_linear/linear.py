@@ -2,15 +2,12 @@
 
 The module holds the tensors of ``docs/format.md`` and nothing else:
 
-============== ================================================= ======================================
-name           shape                                             dtype / role
-============== ================================================= ======================================
-``weight``     ``[K_pad/64, N_pad/128, 128, 2, bits]``           int32 bit-planes (tiled), frozen Parameter
-``absmax``     ``[K_pad/64, N_pad/128, 128, 2]``                 uint8 E4M4 block scales, buffer
-``codebook``   ``[2**bits]``                                     float32 levels in [-1, 1], buffer
-``tensor_scale`` ``[1]``                                         float32 power of two, buffer
-``bias``       ``[out_features]`` or ``None``                    the model dtype, Parameter
-============== ================================================= ======================================
+* ``weight``: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]``, the tiled bit-planes, an
+  ``nn.Parameter`` with ``requires_grad=False``;
+* ``absmax``: uint8 ``[K_pad/64, N_pad/128, 128, 2]``, E4M4 block scales, a buffer;
+* ``codebook``: float32 ``[2**bits]``, levels in [-1, 1], a buffer;
+* ``tensor_scale``: float32 ``[1]``, a power of two, a buffer;
+* ``bias``: ``[out_features]`` in the model dtype, an ``nn.Parameter``, or ``None``.
 
 ``K_pad`` = in_features rounded up to 64, ``N_pad`` = out_features rounded up to 128.
 
@@ -39,7 +36,7 @@ from torch import nn
 from . import _ops  # noqa: F401  (registers the torch.library ops used below)
 from . import format as fmt
 
-__all__ = ["KbitLinear"]
+__all__ = ["KbitLinear", "tiled_shapes"]
 
 # Resolved once: an OpOverload call skips the overload lookup of the packet on every forward.
 _GEMM = torch.ops.kbit_linear.gemm.default
@@ -204,9 +201,10 @@ class KbitLinear(nn.Module):
         # accept a slightly too wide x and read the padding: one int compare refuses it.
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x's last dimension must be in_features={self.in_features}, got shape {tuple(x.shape)}")
-        # Eager fast path: when the CUDA backend exposes a direct launcher that bypasses the
-        # dispatcher, call it here for CUDA inputs outside torch.compile tracing. Until then
-        # (and always under torch.compile) the op below is the single entry point.
+        # EAGER FAST PATH (not wired yet): kbit_linear.backends.cuda.gemm_cuda takes the same
+        # arguments and skips the dispatcher round trip; for CUDA inputs outside torch.compile
+        # tracing (``x.is_cuda and not torch.compiler.is_compiling()``) it could be called
+        # here instead of the op. Under torch.compile the op must stay the only entry point.
         return _GEMM(x, self.weight, self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features, self.bias)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -158,19 +158,20 @@ def _tied_linears(model: nn.Module, linears: dict[str, nn.Linear]) -> dict[str, 
             key = _storage_key(p)
             if key is not None:
                 holders[key].add(owner)
+    # a Linear module reused under several names holds its weight under each: not a tie
+    names_of: dict[int, set[str]] = defaultdict(set)
+    for name, linear in linears.items():
+        names_of[id(linear)].add(f"{name}.weight")
     reasons = {}
     for name, linear in linears.items():
         w = linear.weight
         if w is None:
             continue
-        own = f"{name}.weight"
-        # a shared Linear module appears under several names: those owners are not ties
-        same_module = {f"{n}.weight" for n, m in linears.items() if m is linear}
         others = set(holders[("id", id(w))])
         key = _storage_key(w)
         if key is not None:
             others |= holders[key]
-        others -= same_module | {own}
+        others -= names_of[id(linear)]
         if others:
             reasons[name] = f"weight is tied to {', '.join(sorted(others))}"
     return reasons

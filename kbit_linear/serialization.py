@@ -25,7 +25,8 @@ Loading checks the version, every layer's metadata, tensor names, dtypes, shapes
 values, the tensor scale, that the padding is made of zero blocks, and the checksums, and
 raises :class:`CheckpointError` naming the file, the layer and what is wrong. Writes go to a
 temporary file in the target folder, are fsynced and renamed over the target, so an
-interrupted save leaves either the old file or none.
+interrupted save leaves the old file or none, never a partial one (a killed process may
+leave a hidden ``.<name>.*.tmp`` file beside it; a failed save removes its own).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ __all__ = [
     "layer_metadata",
     "validate_layer_metadata",
     "validate_layer_tensors",
+    "tensor_sha256",
     "save_quantized",
     "load_quantized",
     "load_into",
@@ -281,10 +283,20 @@ def _check_padding(ctx: str, packed: torch.Tensor, absmax: torch.Tensor, n: int,
 # ---------------------------------------------------------------------------------------
 
 
-def _sha256(t: torch.Tensor) -> str:
-    """Hex sha256 of the tensor's bytes as safetensors stores them (contiguous, little-endian)."""
+def tensor_sha256(t: torch.Tensor) -> str:
+    """Hex sha256 of a tensor's bytes as safetensors stores them (contiguous, little-endian).
+
+    Args:
+        t: any tensor with data (not meta); copied to CPU if needed.
+
+    Returns:
+        64 hex digits.
+    """
     b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return hashlib.sha256(memoryview(b)).hexdigest()
+
+
+_sha256 = tensor_sha256
 
 
 def _header_digest(header: Mapping[str, str]) -> str:
@@ -420,6 +432,8 @@ def save_quantized(
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"path {str(path)!r} is a folder; give a file name such as model.safetensors")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"folder {str(path.parent)!r} of path does not exist")
     user = _check_user_metadata(metadata)

@@ -52,14 +52,17 @@ def test_forward_matches_reference_matmul(shape, dtype):
     lin = _linear(n, k, seed=n + k, dtype=dtype)
     layer = KbitLinear.from_linear(lin, bits=bits)
     qw = fmt.quantize(lin.weight.detach().float(), bits)
+    w_hat = fmt.dequantize(qw)  # independent of the layer: quantized from the dense weight
+    assert torch.equal(layer.dequantize(), w_hat)
     for i, lead in enumerate(LEADING):
         x = torch.randn(*lead, k, generator=torch.Generator().manual_seed(i)).to(dtype)
         y = layer(x)
         assert y.dtype == dtype and y.shape == (*lead, n)
-        # the reference op is exactly dequantize + float32 F.linear
-        assert torch.equal(y, fmt.matmul(x, qw, lin.bias))
-        want = F.linear(x.float(), layer.dequantize(), lin.bias.float()).to(dtype)
+        # the reference op is exactly: dequantize, float32 F.linear, cast back
+        want = F.linear(x.float(), w_hat, lin.bias.float()).to(dtype)
         torch.testing.assert_close(y, want, rtol=0, atol=0)
+        if i == 0:
+            assert torch.equal(y, fmt.matmul(x, qw, lin.bias))
 
 
 @pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
