@@ -16,9 +16,10 @@ loads only the keys of ``model.state_dict()`` (both kinds qualify) and sets them
 ``setattr``; a tensor set on a buffer name stays a plain buffer, anything else is wrapped in
 ``nn.Parameter(requires_grad=tensor.is_floating_point())``. An int32 ``weight`` Parameter is
 therefore never trainable, the float32 ``codebook``/``tensor_scale`` do not come back as
-trainable Parameters, accelerate's offloading moves ``weight`` like any other parameter, and
-code that looks for a module's ``weight`` in ``named_parameters()`` (quantizer helpers,
-parameter counts, PEFT) finds it. ``model.dtype`` is unaffected (it reads the first floating
+trainable Parameters, accelerate offloads ``weight`` with the other parameters (buffers of
+offloaded modules stay on the execution device unless ``offload_buffers=True``), and code
+that looks for a module's ``weight`` in ``named_parameters()`` (quantizer helpers, parameter
+counts, PEFT) finds it. ``model.dtype`` is unaffected (it reads the first floating
 point parameter).
 
 Dtype casts of a whole model (``model.half()``, ``model.to(torch.bfloat16)``) cast the bias and

@@ -134,6 +134,19 @@ def test_llama_round_trip(tmp_path, tied):
         assert torch.equal(fresh(ids).logits, ref)
 
 
+def test_bf16_model_round_trip(tmp_path):
+    model = _quantized_mlp(bits=5).to(torch.bfloat16)
+    assert model[0].codebook.dtype == torch.float32 and model[0].bias.dtype == torch.bfloat16
+    path = save_quantized(model, tmp_path / "bf16.safetensors")
+    ckpt = load_quantized(path)
+    assert ckpt.tensors["0.bias"].dtype == torch.bfloat16 and ckpt.tensors["0.codebook"].dtype == torch.float32
+    dense = _mlp(seed=7).to(torch.bfloat16)
+    load_into(dense, path)
+    x = torch.randn(3, 100, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(dense(x), model(x))
+
+
 def test_save_state_dict_with_layers(tmp_path):
     model = _quantized_mlp()
     layers = {p: layer_metadata(model[int(p)]) for p in ("0", "2", "4")}
