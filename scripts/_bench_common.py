@@ -1,0 +1,407 @@
+"""Measurement helpers shared by ``bench_gemm.py`` and ``bench_generate.py``.
+
+One place for: the facts that make a result reproducible (GPU, driver, library versions, the
+exact command), the two hardware ceilings measured in the same run (device-to-device copy
+bandwidth and the fp16 matmul peak), CUDA-graph timing with rotated weight copies, the
+optional peers (bitsandbytes, gemlite) and their availability notes, and the output forms
+(markdown, JSON).
+
+Timing method (``time_calls``): ``fn(i)`` is one call on weight copy ``i``. Enough copies are
+made that they do not fit in L2 together, many calls cycling through the copies are captured in
+one CUDA graph, the graph is replayed several times with CUDA events around each replay, and the
+median replay time divided by the number of calls is reported. A callable that cannot be
+captured is timed the same way without the graph (``method == "events"``), which includes the
+launch gaps and is marked as such in every table.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    # The scripts run from a checkout without an install: make the package importable.
+    sys.path.insert(0, str(REPO_ROOT))
+
+__all__ = [
+    "REPO_ROOT",
+    "Timing",
+    "require_cuda",
+    "environment",
+    "measure_copy_bandwidth",
+    "measure_matmul_peak",
+    "copies_past_l2",
+    "time_calls",
+    "tensor_bytes",
+    "optional_import",
+    "kbit_cuda_status",
+    "kbit_api",
+    "markdown_table",
+    "write_json",
+    "env_lines",
+    "fmt",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# environment
+# ---------------------------------------------------------------------------------------
+
+
+def require_cuda() -> torch.device:
+    """The current CUDA device; exits with a clear message when there is none."""
+    if not torch.cuda.is_available():
+        sys.exit("a CUDA GPU is required for the benchmarks (torch.cuda.is_available() is False)")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Facts that identify a run: date, GPU, driver, library versions and the exact command.
+
+    Args:
+        device: the CUDA device the run uses.
+
+    Returns:
+        A JSON-serialisable dict.
+    """
+    if not isinstance(device, torch.device) or device.type != "cuda":
+        raise TypeError(f"device must be a CUDA torch.device, got {device!r}")
+    props = torch.cuda.get_device_properties(device)
+    cupy_version = None
+    for dist in ("cupy-cuda13x", "cupy-cuda12x", "cupy"):
+        cupy_version = cupy_version or _version(dist)
+    return {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": props.name,
+        "sm_count": props.multi_processor_count,
+        "l2_bytes": int(getattr(props, "L2_cache_size", 50 * 2**20)),
+        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "driver": _driver_version(),
+        "cuda_runtime": torch.version.cuda,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cupy": cupy_version,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "bitsandbytes": _version("bitsandbytes"),
+        "gemlite": _version("gemlite"),
+        "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
+    }
+
+
+def optional_import(name: str) -> tuple[Any | None, str]:
+    """Import an optional peer library.
+
+    Returns:
+        ``(module, "")`` on success, else ``(None, reason)`` with the error in one line.
+    """
+    try:
+        return importlib.import_module(name), ""
+    except Exception as exc:  # noqa: BLE001  (any import-time failure means "not available")
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+
+
+def kbit_cuda_status() -> tuple[bool, str]:
+    """Whether the kbit CUDA backend is importable here (the fused kernels exist).
+
+    Returns:
+        ``(True, "")`` or ``(False, reason)``.
+    """
+    mod, why = optional_import("kbit_linear.backends.cuda")
+    if mod is None:
+        return False, f"kbit_linear.backends.cuda not importable ({why})"
+    if not hasattr(mod, "gemm_path"):
+        return False, "kbit_linear.backends.cuda has no gemm_path()"
+    return True, ""
+
+
+def kbit_api(name: str) -> Any:
+    """``kbit_linear.<name>`` (``KbitLinear``, ``quantize_model``), from the package top level
+    or, where the top level does not export it, from its own module."""
+    import kbit_linear
+
+    if hasattr(kbit_linear, name):
+        return getattr(kbit_linear, name)
+    module = {"KbitLinear": "kbit_linear.linear", "quantize_model": "kbit_linear.patch"}.get(name)
+    if module is None:
+        raise ValueError(f"unknown kbit_linear API name {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+# ---------------------------------------------------------------------------------------
+# the two ceilings
+# ---------------------------------------------------------------------------------------
+
+
+def _event_ms(fn: Callable[[], Any], repeats: int) -> list[float]:
+    """Event-timed milliseconds of ``fn()``, ``repeats`` times (after the caller's warm-up)."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 2**31, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written.
+
+    Args:
+        device: CUDA device.
+        nbytes: size of the source buffer (default 2 GiB, far past any L2).
+        repeats: timed copies; the median is reported.
+
+    Returns:
+        GB/s (1e9 bytes per second).
+    """
+    if nbytes <= 0 or repeats <= 0:
+        raise ValueError(f"nbytes and repeats must be positive, got {nbytes}, {repeats}")
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    ms = statistics.median(_event_ms(lambda: dst.copy_(src), repeats))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def measure_matmul_peak(device: torch.device, n: int = 8192, dtype: torch.dtype = torch.float16, repeats: int = 10) -> float:
+    """Dense matmul rate of ``[n, n] @ [n, n]`` on random data, in TFLOP/s (median of repeats).
+
+    Args:
+        device: CUDA device.
+        n: matrix size (default 8192).
+        dtype: torch.float16 or torch.bfloat16.
+        repeats: timed products.
+
+    Returns:
+        TFLOP/s.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"dtype must be float16 or bfloat16, got {dtype}")
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        torch.mm(a, b)
+    ms = statistics.median(_event_ms(lambda: torch.mm(a, b), repeats))
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+# ---------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Timing:
+    """One timed callable.
+
+    Attributes:
+        us: median microseconds per call.
+        us_min: fastest repeat, per call.
+        us_max: slowest repeat, per call.
+        calls: calls per timed repeat (per graph replay).
+        repeats: timed repeats.
+        method: "graph" (CUDA-graph replay) or "events" (plain launches between CUDA events).
+        note: why the graph was not used, if it was not.
+    """
+
+    us: float
+    us_min: float
+    us_max: float
+    calls: int
+    repeats: int
+    method: str
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready copy."""
+        return asdict(self)
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """Total storage bytes of the given tensors (``None`` counts 0)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def copies_past_l2(bytes_per_copy: int, l2_bytes: int, factor: float = 2.0, max_copies: int = 64) -> int:
+    """How many copies of a weight make a working set of at least ``factor * l2_bytes``.
+
+    Args:
+        bytes_per_copy: bytes one call reads from its weight copy.
+        l2_bytes: the GPU's L2 size.
+        factor: working set over L2 (2 leaves no copy resident when the next use of it comes).
+        max_copies: upper bound.
+
+    Returns:
+        At least 2.
+    """
+    if bytes_per_copy <= 0 or l2_bytes <= 0:
+        raise ValueError(f"bytes_per_copy and l2_bytes must be positive, got {bytes_per_copy}, {l2_bytes}")
+    return int(min(max_copies, max(2, math.ceil(factor * l2_bytes / bytes_per_copy))))
+
+
+def time_calls(
+    fn: Callable[[int], Any],
+    n_copies: int,
+    *,
+    target_ms: float = 3.0,
+    repeats: int = 7,
+    max_calls: int = 1000,
+    use_graph: bool = True,
+) -> Timing:
+    """Median time of one call of ``fn``, replayed from a CUDA graph over rotated weight copies.
+
+    Args:
+        fn: ``fn(i)`` runs one call on weight copy ``i`` (``0 <= i < n_copies``) on the current
+            stream; it must not synchronize.
+        n_copies: number of weight copies ``fn`` cycles through.
+        target_ms: GPU time one graph replay should take (sets the calls per graph).
+        repeats: timed replays; the median is reported.
+        max_calls: upper bound on calls per graph.
+        use_graph: False forces plain event timing.
+
+    Returns:
+        A :class:`Timing`.
+    """
+    if n_copies < 1 or repeats < 1 or max_calls < 1:
+        raise ValueError(f"n_copies, repeats and max_calls must be >= 1, got {n_copies}, {repeats}, {max_calls}")
+    # Warm-up: compiles, autotunes and allocates outside the timed region.
+    for i in range(min(n_copies, 3)):
+        fn(i)
+    torch.cuda.synchronize()
+    # Rough per-call time (launch gaps included) to size the graph.
+    est_calls = min(n_copies, 8)
+    est = statistics.median(_event_ms(lambda: [fn(i) for i in range(est_calls)], 3)) / est_calls
+    calls = max(1, math.ceil(target_ms / max(est, 1e-4)))
+    calls = max(calls, n_copies)  # every copy at least once per replay
+    calls = min(calls, max(1, math.ceil(4 * target_ms / max(est, 1e-4))), max_calls)
+
+    def run_all() -> None:
+        for j in range(calls):
+            fn(j % n_copies)
+
+    note = ""
+    if use_graph:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn(0)  # a warm-up on the capture stream, as torch.cuda.graphs requires
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                run_all()
+            graph.replay()
+            torch.cuda.synchronize()
+            per_rep = _event_ms(graph.replay, repeats)
+            del graph
+            return _timing(per_rep, calls, repeats, "graph", "")
+        except Exception as exc:  # noqa: BLE001  (a peer that cannot be captured falls back)
+            note = f"not capturable: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
+            del graph
+            torch.cuda.synchronize()
+    run_all()
+    torch.cuda.synchronize()
+    per_rep = _event_ms(run_all, repeats)
+    return _timing(per_rep, calls, repeats, "events", note)
+
+
+def _timing(per_rep_ms: Sequence[float], calls: int, repeats: int, method: str, note: str) -> Timing:
+    per_call = [1e3 * t / calls for t in per_rep_ms]
+    return Timing(statistics.median(per_call), min(per_call), max(per_call), calls, repeats, method, note)
+
+
+# ---------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    """A table cell: ``-`` for missing values, else fixed-point with ``digits`` decimals."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table.
+
+    Args:
+        headers: column titles.
+        rows: one sequence of cells (converted with ``str``) per row, as long as ``headers``.
+
+    Returns:
+        The table text, one line per row, no trailing newline.
+    """
+    for r in rows:
+        if len(r) != len(headers):
+            raise ValueError(f"row {list(r)} has {len(r)} cells, expected {len(headers)}")
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | os.PathLike[str], payload: Any) -> None:
+    """Write ``payload`` as indented JSON, creating the parent folder."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+
+def env_lines(env: dict[str, Any], ceilings: dict[str, float] | None = None) -> list[str]:
+    """Markdown bullet lines describing a run's environment (for the results files)."""
+    lines = [
+        f"- date: {env['date_utc']}",
+        f"- GPU: {env['gpu']} ({env['sm_count']} SMs, L2 {env['l2_bytes'] / 2**20:.0f} MiB, "
+        f"{env['gpu_memory_gib']} GiB), driver {env['driver']}, CUDA runtime {env['cuda_runtime']}",
+        f"- python {env['python']}, torch {env['torch']}, CuPy {env['cupy']}, triton {env['triton']}, "
+        f"transformers {env['transformers']}, bitsandbytes {env['bitsandbytes']}, gemlite {env['gemlite']}",
+        f"- command: `{env['command']}`",
+    ]
+    if ceilings:
+        lines.append(
+            f"- measured in the same run: device-to-device copy {ceilings['copy_gbps']:.0f} GB/s (read + write), "
+            f"fp16 matmul 8192^3 {ceilings['matmul_tflops']:.0f} TFLOP/s"
+        )
+    return lines
