@@ -15,6 +15,7 @@ byte layout is described in ``docs/format.md``; the short version:
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -84,7 +85,8 @@ def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
         raise ValueError(f"{name} must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
     if weight.numel() == 0:
         raise ValueError(f"{name} must not be empty, got shape {tuple(weight.shape)}")
-    if weight.device.type != "meta" and not bool(torch.isfinite(weight).all()):
+    # min and max propagate NaN and show Inf: one reduction pass, no boolean temporary.
+    if weight.device.type != "meta" and not bool(torch.isfinite(torch.stack(torch.aminmax(weight))).all()):
         raise ValueError(f"{name} contains NaN or Inf values; cannot quantize")
 
 
@@ -253,9 +255,22 @@ def compute_tensor_scale(weight: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 
 
-def _to_int32_bits(words: torch.Tensor) -> torch.Tensor:
-    """int64 values in [0, 2**32) -> int32 with the same 32 bits."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+_BYTE_BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_bit_weights(device: torch.device) -> torch.Tensor:
+    """uint8 ``[8]``: 1, 2, 4, ..., 128 (cached per device)."""
+    w = _BYTE_BIT_WEIGHTS.get(device)
+    if w is None:
+        w = _BYTE_BIT_WEIGHTS[device] = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=device)
+    return w
+
+
+def _check_little_endian() -> None:
+    # The packers reinterpret 4 bytes as one uint32 word; every platform torch runs on is
+    # little-endian, but say so loudly rather than pack garbage if that ever changes.
+    if sys.byteorder != "little":  # pragma: no cover
+        raise RuntimeError("kbit_linear's bit-plane packing assumes a little-endian host")
 
 
 def pack_bitplanes(indices: torch.Tensor, bits: int) -> torch.Tensor:
@@ -270,19 +285,21 @@ def pack_bitplanes(indices: torch.Tensor, bits: int) -> torch.Tensor:
         (the int32 carries the raw uint32 bits).
     """
     check_bits(bits)
-    if not isinstance(indices, torch.Tensor) or indices.is_floating_point() or indices.is_complex():
+    if not isinstance(indices, torch.Tensor) or indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
         raise TypeError("indices must be an integer torch.Tensor")
     if indices.dim() == 0 or indices.shape[-1] != BLOCK_SIZE:
         raise ValueError(f"indices must have a last dimension of {BLOCK_SIZE}, got shape {tuple(indices.shape)}")
-    idx = indices.to(torch.int64)
-    if idx.numel() and (bool((idx < 0).any()) or bool((idx >= (1 << bits)).any())):
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= (1 << bits)):
         raise ValueError(f"indices must lie in [0, {1 << bits}) for bits={bits}")
-    lane = torch.arange(BLOCK_SIZE, device=idx.device, dtype=torch.int64)
-    plane = torch.arange(bits, device=idx.device, dtype=torch.int64)
-    # [..., bits, 32]: bit b of element i, shifted to position i, then summed over i.
+    _check_little_endian()
+    lead = indices.shape[:-1]
+    idx = indices.to(torch.uint8)
+    plane = torch.arange(bits, dtype=torch.uint8, device=idx.device)
+    # [..., bits, 32] bits, grouped in bytes of 8 elements: element i goes to bit i % 8 of byte i // 8.
     bit_of = (idx.unsqueeze(-2) >> plane.unsqueeze(-1)) & 1
-    words = (bit_of << lane).sum(dim=-1)
-    return _to_int32_bits(words)
+    byte_vals = (bit_of.reshape(*lead, bits, 4, 8) * _byte_bit_weights(idx.device)).sum(-1, dtype=torch.uint8)
+    # 4 little-endian bytes = one uint32 word with element i at bit i.
+    return byte_vals.contiguous().view(torch.int32).reshape(*lead, bits)
 
 
 def unpack_bitplanes(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -292,12 +309,13 @@ def unpack_bitplanes(packed: torch.Tensor, bits: int) -> torch.Tensor:
         raise TypeError("packed must be an int32 torch.Tensor")
     if packed.dim() == 0 or packed.shape[-1] != bits:
         raise ValueError(f"packed must have a last dimension of bits={bits}, got shape {tuple(packed.shape)}")
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    lane = torch.arange(BLOCK_SIZE, device=packed.device, dtype=torch.int64)
-    plane = torch.arange(bits, device=packed.device, dtype=torch.int64)
-    bit_of = (words.unsqueeze(-1) >> lane) & 1  # [..., bits, 32]
-    idx = (bit_of << plane.unsqueeze(-1)).sum(dim=-2)
-    return idx.to(torch.uint8)
+    _check_little_endian()
+    lead = packed.shape[:-1]
+    byte_vals = packed.contiguous().view(torch.uint8).reshape(*lead, bits, 4, 1)
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bit_of = ((byte_vals >> shifts) & 1).reshape(*lead, bits, BLOCK_SIZE)  # [..., bits, 32]
+    plane = torch.arange(bits, dtype=torch.uint8, device=packed.device)
+    return (bit_of << plane.unsqueeze(-1)).sum(dim=-2, dtype=torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------
