@@ -202,7 +202,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 2**31, repeats: i
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def measure_matmul_peak(device: torch.device, n: int = 8192, dtype: torch.dtype = torch.float16, repeats: int = 10) -> float:
+def measure_matmul_peak(device: torch.device, n: int = 8192, dtype: torch.dtype = torch.float16, repeats: int = 20) -> float:
     """Dense matmul rate of ``[n, n] @ [n, n]`` on random data, in TFLOP/s (median of repeats).
 
     Args:
@@ -218,7 +218,7 @@ def measure_matmul_peak(device: torch.device, n: int = 8192, dtype: torch.dtype 
         raise TypeError(f"dtype must be float16 or bfloat16, got {dtype}")
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
+    for _ in range(20):  # ~30 ms: lets the clocks settle before timing
         torch.mm(a, b)
     ms = statistics.median(_event_ms(lambda: torch.mm(a, b), repeats))
     del a, b

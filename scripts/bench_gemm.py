@@ -12,8 +12,9 @@ Rows per (shape, M, activation dtype):
   (when bitsandbytes imports and its CUDA library loads).
 * ``gemlite int4 g64`` (and ``int2`` with ``--gemlite-bits 4 2``): gemlite's Triton kernels,
   HQQ-style asymmetric groups of 64 (when gemlite imports). gemlite uses the tuned H100 configs
-  it ships where it has one for the (M, N, K) and otherwise its default configs: its full
-  autotune compiles ~25 Triton variants per shape and M, minutes per shape.
+  it ships where it has one for the (M, N, K); elsewhere its GEMM kernels pick between their
+  two default configs (the full search compiles ~23 Triton variants per shape and M, minutes
+  per shape).
 * Marlin has no prebuilt build for this torch; it is reported as absent.
 
 Method (``scripts/_bench_common.py``): weight copies rotated so the working set is at least twice
@@ -261,10 +262,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if mod is None:
                 notes.append(f"{lib}: not importable ({why}); row absent")
             elif lib == "gemlite":
-                # Shipped tuned configs still apply; keys without one get gemlite's defaults.
-                mod.set_autotune("default")
-                notes.append("gemlite: shipped H100 configs where gemlite has one for the (M, N, K), "
-                             "else its default configs (no autotune search)")
+                # GEMM kernels (M >= 5): shipped tuned configs where gemlite has one, else a
+                # choice between its 2 default configs instead of a ~23-config search. (A single
+                # default config would bypass the shipped cache, so the GEMV kernels keep "fast".)
+                mod.set_autotune({"GEMM": "default", "GEMM_SPLITK": "default"})
+                notes.append("gemlite: shipped H100 configs where gemlite has one for the (M, N, K); otherwise "
+                             "GEMM kernels (M >= 5) pick between gemlite's 2 default configs instead of its "
+                             "~23-config search, GEMV kernels (M <= 4) run gemlite's fast autotune")
     cuda_backend = None
     if "kbit" in args.peers:
         ok, why = bc.kbit_cuda_status()
@@ -451,6 +455,7 @@ def report(payload: dict[str, Any], with_rows: bool = True) -> str:
         "median of repeats; `*` = plain event timing, the call could not be captured). Ideal = "
         "max((packed bytes + A + C) / copy bandwidth, flops / matmul peak) for kbit at K bits. "
         "tinygemm accepts only bf16 activations; its bf16 time is shown in the fp16 table too. "
+        "Best peer = the fastest non-kbit row at that shape and M in either activation dtype. "
         "kbit cells name the kernel path.", "",
     ]
     for dtype in payload["config"]["dtypes"]:
@@ -479,6 +484,7 @@ def plot(payload: dict[str, Any], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     rows, ceil = payload["rows"], payload["ceilings"]
     shapes = list(dict.fromkeys((r["in"], r["out"]) for r in rows))
@@ -506,6 +512,8 @@ def plot(payload: dict[str, Any], path: str) -> None:
                 ax.plot(ms, ideal, ":", color=color, lw=1.2, label=f"roofline K={bits}")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            ax.set_xticks(ms, [str(m) for m in ms])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
             ax.set_title(f"{k} -> {n}, {dt}", fontsize=9)
             ax.set_xlabel("M (tokens)", fontsize=8)
             if j == 0:
@@ -518,10 +526,12 @@ def plot(payload: dict[str, Any], path: str) -> None:
             if lab not in handles:
                 handles[lab] = h
                 labels.append(lab)
-    fig.legend([handles[lab] for lab in labels], labels, loc="lower center", ncol=min(8, len(labels)), fontsize=8)
+    ncol = min(len(labels), max(3, 2 * len(shapes)))
+    fig.legend([handles[lab] for lab in labels], labels, loc="lower center", ncol=ncol, fontsize=8)
     env = payload["env"]
     fig.suptitle(f"C = A @ W^T on {env['gpu']} (copy {ceil['copy_gbps']:.0f} GB/s, fp16 {ceil['matmul_tflops']:.0f} TFLOP/s)", fontsize=10)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    legend_rows = -(-len(labels) // ncol)
+    fig.tight_layout(rect=(0, 0.03 + 0.035 * legend_rows / len(dtypes), 1, 0.96))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
