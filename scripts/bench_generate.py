@@ -199,6 +199,21 @@ def mark_layer_regions(model: nn.Module, enable: bool) -> None:
         cls.forward = _ORIGINAL_FORWARD.pop(cls)
 
 
+def profile_eager_step(model: nn.Module, prompt: torch.Tensor, rows: int = 8) -> str:
+    """Top CUDA kernels of one eager decode step (after a prefill), from ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    nxt = out.logits[:, -1:].argmax(-1)
+    cache = out.past_key_values
+    model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)  # warm
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+
+
 def _forward_kwargs(model: nn.Module) -> bool:
     """Whether this transformers version's decoder still takes ``cache_position``."""
     return "cache_position" in inspect.signature(model.model.forward).parameters
@@ -258,7 +273,7 @@ def run_compiled(
     t_c = time.perf_counter()
     try:
         ids = step(ids)
-    except Exception as exc:  # noqa: BLE001  (retry without regions and fullgraph, and say so)
+    except torch._dynamo.exc.TorchDynamoException as exc:  # a tracing failure: retry plainly, and say so
         print(f"# compile failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
               "retrying without regions, with graph breaks allowed", flush=True)
         fullgraph, regions = False, False
@@ -355,6 +370,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ctx = args.prompt + args.decode / 2  # mean attended length during decode
             floor_ms = 1e3 * (mb["total"] - mb["embedding"] + kv_bytes(config, batch, int(ctx))) / (copy_gbps * 1e9)
             eager_tokens = None
+            if args.profile and batch == args.batches[0]:
+                with torch.inference_mode():
+                    print(f"# {name}: one eager decode step, batch {batch}\n" + profile_eager_step(model, prompt), flush=True)
             for mode in args.modes:
                 t_r = time.perf_counter()
                 try:
@@ -491,6 +509,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=32, help="decoder layers (default 32, as Llama-3-8B)")
     p.add_argument("--no-regions", dest="regions", action="store_false",
                    help="compile all layers separately instead of one nested region per layer (slow to compile)")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one eager decode step per variant")
     p.add_argument("--json", help="write all rows and the environment as JSON")
     p.add_argument("--plot", help="write the PNG plot")
     p.add_argument("--md", help="write the markdown report")
