@@ -197,7 +197,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 2**31, repeats: i
     for _ in range(3):
         dst.copy_(src)
     ms = statistics.median(_event_ms(lambda: dst.copy_(src), repeats))
-    del src, dst
+    src = dst = None  # release before emptying the cache
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
@@ -221,7 +221,7 @@ def measure_matmul_peak(device: torch.device, n: int = 8192, dtype: torch.dtype 
     for _ in range(20):  # ~30 ms: lets the clocks settle before timing
         torch.mm(a, b)
     ms = statistics.median(_event_ms(lambda: torch.mm(a, b), repeats))
-    del a, b
+    a = b = None  # release before emptying the cache
     torch.cuda.empty_cache()
     return 2 * n**3 / (ms * 1e-3) / 1e12
 

@@ -36,7 +36,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from dataclasses import dataclass, field

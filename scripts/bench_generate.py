@@ -296,7 +296,7 @@ def run_compiled(
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "compile_s": compile_s, "fullgraph": fullgraph,
            "regions": regions,
            "tokens": torch.cat(picked, dim=1)[:, :decode].cpu()}
-    del step_fn, cache
+    step_fn = cache = None  # drop the graphs and the cache before emptying the allocator's cache
     mark_layer_regions(model, False)
     torch._dynamo.reset()
     gc.collect()
