@@ -1,0 +1,339 @@
+"""Small-M ("decode") kbit GEMM on CUDA: ``out = x @ W^T`` for 1 to 16 rows of ``x``.
+
+The kernel (``kernels/decode.cu``) streams the packed weight once at close to memory bandwidth:
+each lane turns bit-planes into shared-memory table lookups of decoded pairs, and
+``mma.sync`` does the multiply-adds. A persistent grid splits K over blocks ("stream-K") so
+every shape fills the GPU; rows whose K is split are summed in an fp32 workspace with atomics
+and converted by the last contributor, all in one launch.
+
+Public entry points: :func:`decode_supported` and :func:`decode_gemm` (used by the CUDA backend's
+dispatcher), :func:`decode_plan` (what a launch would do, for benchmarks) and
+:func:`decode_instances` (every template instance, for the build check).
+
+Nothing here syncs the host or allocates through CuPy; launches go on torch's current stream,
+so calls can be captured in a CUDA graph. Split-K launches use a workspace and counters that the
+kernel leaves zeroed; they are kept per (device, stream), so launches on different streams never
+share them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .. import format as fmt
+from . import loader
+
+__all__ = [
+    "MAX_M",
+    "DecodeConfig",
+    "DecodePlan",
+    "decode_supported",
+    "decode_gemm",
+    "decode_plan",
+    "decode_instances",
+]
+
+MAX_M = 16
+"""Most rows of x the decode kernel takes (two n8 fragments)."""
+
+_SOURCE = "decode.cu"
+_DT = {torch.float16: 0, torch.bfloat16: 1}
+_ARGS = loader.ArgPack("pppppppp" + "iiiii")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of one kernel instance.
+
+    Attributes:
+        warps: warps per block (NW); a block owns ``warps * row_groups * 16`` output rows.
+        row_groups: 16-row groups per warp (R): x fragments are reused over them.
+        depth: chunks of plane loads in flight per warp (D); ``depth * row_groups`` row groups.
+        min_blocks: blocks per SM the register budget is sized for (MINB).
+    """
+
+    warps: int
+    row_groups: int
+    depth: int
+    min_blocks: int
+
+
+# Per (bits, n8 fragments): launch shapes that fit 128 registers per thread (16 warps per SM)
+# without spilling (`nvcc -Xptxas -v`, sm_90), timed with scripts/bench_decode.py --variants
+# (bench/results/decode.md). Blocks per SM follow from the shared memory of the tables.
+_CONFIGS: dict[tuple[int, int], DecodeConfig] = {
+    (2, 1): DecodeConfig(16, 4, 1, 1),
+    (3, 1): DecodeConfig(8, 4, 1, 2),
+    (4, 1): DecodeConfig(16, 4, 1, 1),
+    (5, 1): DecodeConfig(16, 2, 2, 1),
+    (2, 2): DecodeConfig(16, 2, 2, 1),
+    (3, 2): DecodeConfig(8, 2, 1, 2),
+    (4, 2): DecodeConfig(16, 2, 1, 1),
+    (5, 2): DecodeConfig(16, 2, 1, 1),
+}
+
+# Dynamic shared memory per block (kernels/decode.cu, Lut<BITS>::kSmem): the pair/quad table
+# (BITS 2..4 on a 64 KiB boundary of the shared window, so up to 64 KiB of padding) plus the
+# 1 KiB scale table.
+_SMEM = {2: 65536 + 256 * 256 + 1024, 3: 65536 + 64 * 256 + 1024, 4: 65536 + 256 * 256 + 1024, 5: 1024 * 128 + 1024}
+_RESERVED_SMEM = 1024  # per block, taken by the runtime on sm_80+
+
+
+def _name(bits: int, dtype: torch.dtype, mt: int, cfg: DecodeConfig) -> str:
+    return f"kbit_decode_gemm<{bits}, {_DT[dtype]}, {mt}, {cfg.warps}, {cfg.row_groups}, {cfg.depth}, {cfg.min_blocks}>"
+
+
+def decode_instances() -> list[str]:
+    """Every kernel template instance :func:`decode_gemm` can launch (name expressions in ``decode.cu``)."""
+    return [_name(b, dt, mt, cfg) for (b, mt), cfg in sorted(_CONFIGS.items()) for dt in _DT]
+
+
+def decode_supported(m: int, bits: int, dtype: torch.dtype, device: torch.device | int | None = None) -> bool:
+    """Whether :func:`decode_gemm` takes a problem.
+
+    Args:
+        m: rows of x.
+        bits: index width.
+        dtype: x's dtype (fp16 and bf16 only).
+        device: the CUDA device (default: the current one, when CUDA is available); the check
+            there is that a block may use the ~129 KiB of shared memory of the tables (A100,
+            H100 and newer data-centre GPUs can; consumer GPUs cannot).
+
+    Returns:
+        True for ``1 <= m <= 16``, bits 2..5, fp16/bf16 on a GPU with enough shared memory.
+    """
+    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= MAX_M:
+        return False
+    if bits not in fmt.SUPPORTED_BITS or dtype not in _DT:
+        return False
+    if device is None:
+        if not torch.cuda.is_available():
+            return True
+        device = torch.cuda.current_device()
+    index = device if isinstance(device, int) else loader._device_index(device)
+    try:
+        props = loader.device_properties(index)
+    except RuntimeError:
+        return False
+    return _SMEM[bits] <= props.max_shared_per_block
+
+
+# ---------------------------------------------------------------------------------------
+# planning (cached per problem)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodePlan:
+    """What one launch does.
+
+    Attributes:
+        kernel: the compiled instance (``loader.CudaKernel``).
+        name: its name expression.
+        config: its :class:`DecodeConfig`.
+        grid: blocks (persistent: at most SMs * blocks per SM).
+        smem: dynamic shared memory per block (bytes).
+        items: (row tile, 128-wide k chunk) work items.
+        split: whether some row tile's K is split over blocks (workspace + counters used).
+        ws_numel: fp32 workspace elements (0 without split).
+        counters: int32 counters (0 without split).
+    """
+
+    kernel: object
+    name: str
+    config: DecodeConfig
+    grid: int
+    smem: int
+    items: int
+    split: bool
+    ws_numel: int
+    counters: int
+
+
+_plans: dict[tuple, DecodePlan] = {}
+_plan_lock = threading.Lock()
+
+
+def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_tiles: int, cfg: DecodeConfig) -> DecodePlan:
+    props = loader.device_properties(index)
+    name = _name(bits, dtype, mt, cfg)
+    kernel = loader.get_kernel(_SOURCE, name, torch.device("cuda", index))
+    smem = _SMEM[bits]
+    rows = cfg.warps * cfg.row_groups * 16
+    row_tiles = -(-n // rows)
+    kc = (k_tiles + 1) // 2
+    items = row_tiles * kc
+    per_sm = max(1, min(cfg.min_blocks, props.shared_per_sm // (smem + _RESERVED_SMEM)))
+    grid = max(1, min(items, props.sm_count * per_sm))
+    # Split-K happens where a block's range of items starts or ends inside a row tile.
+    split = any((b * items // grid) % kc for b in range(grid + 1))
+    ws = row_tiles * rows * 8 * mt if split else 0
+    cnt = row_tiles * cfg.warps if split else 0
+    return DecodePlan(kernel, name, cfg, grid, smem, items, split, ws, cnt)
+
+
+def decode_plan(
+    m: int,
+    bits: int,
+    dtype: torch.dtype,
+    out_features: int,
+    k_tiles: int,
+    device: torch.device | int | None = None,
+    config: DecodeConfig | None = None,
+) -> DecodePlan:
+    """The cached launch plan for a problem (compiles the kernel instance on first use).
+
+    Args:
+        m: rows of x (1..16).
+        bits: index width.
+        dtype: fp16 or bf16.
+        out_features: N.
+        k_tiles: storage k-tiles (``packed.shape[0]``).
+        device: the CUDA device (default: the current one).
+        config: a launch shape to use instead of the tuned one (benchmarks).
+    """
+    if not decode_supported(m, bits, dtype, device):
+        raise ValueError(f"the decode kernel does not support m={m}, bits={bits}, dtype={dtype}")
+    index = torch.cuda.current_device() if device is None else (device if isinstance(device, int) else loader._device_index(device))
+    mt = 1 if m <= 8 else 2
+    cfg = config if config is not None else _CONFIGS[(bits, mt)]
+    key = (index, mt, bits, dtype, out_features, k_tiles, cfg)
+    plan = _plans.get(key)
+    if plan is None:
+        with _plan_lock:
+            plan = _plans.get(key)
+            if plan is None:
+                if len(_plans) > 4096:
+                    _plans.clear()
+                plan = _plans[key] = _make_plan(index, mt, bits, dtype, out_features, k_tiles, cfg)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------
+# split-K workspace: zero on entry, left zero by the kernel; one per (device, stream)
+# ---------------------------------------------------------------------------------------
+
+_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_retired: list[torch.Tensor] = []  # outgrown buffers a captured graph may still use
+
+
+def _workspace(device: torch.device, index: int, stream: int, ws_numel: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed fp32 workspace and int32 counters of at least the given sizes for this stream.
+
+    During CUDA-graph capture a new buffer is allocated (and zeroed) inside the graph and kept
+    here, so the graph's later calls and its replays use it; buffers that were outgrown stay
+    referenced because a captured graph may still use them.
+    """
+    key = (index, stream)
+    cur = _workspaces.get(key)
+    if cur is not None and cur[0].numel() >= ws_numel and cur[1].numel() >= counters:
+        return cur
+    ws_n = max(ws_numel, 0 if cur is None else cur[0].numel())
+    cnt_n = max(counters, 0 if cur is None else cur[1].numel())
+    fresh = (torch.zeros(ws_n, dtype=torch.float32, device=device), torch.zeros(cnt_n, dtype=torch.int32, device=device))
+    if cur is not None:
+        _retired.extend(cur)
+    _workspaces[key] = fresh
+    return fresh
+
+
+# ---------------------------------------------------------------------------------------
+# the GEMM
+# ---------------------------------------------------------------------------------------
+
+
+def _check(x2d: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, tensor_scale: torch.Tensor, bits: int, out_features: int, out: torch.Tensor) -> None:
+    fmt.check_bits(bits)
+    if not isinstance(x2d, torch.Tensor) or x2d.dtype not in _DT:
+        raise TypeError(f"x2d must be a float16 or bfloat16 torch.Tensor, got {getattr(x2d, 'dtype', type(x2d).__name__)}")
+    if x2d.dim() != 2 or not 1 <= x2d.shape[0] <= MAX_M:
+        raise ValueError(f"x2d must be 2-D [M, K] with 1 <= M <= {MAX_M}, got shape {tuple(x2d.shape)}")
+    if x2d.device.type != "cuda":
+        raise ValueError(f"x2d must be on a CUDA device, got {x2d.device}")
+    fmt.check_tiled(packed, absmax, bits)
+    n_pad, k_pad = packed.shape[1] * fmt.TILE_N, packed.shape[0] * fmt.TILE_K
+    if isinstance(out_features, bool) or not isinstance(out_features, int) or not n_pad - fmt.TILE_N < out_features <= n_pad:
+        raise ValueError(f"out_features={out_features!r} does not match packed padded to {n_pad} rows")
+    k = x2d.shape[1]
+    if not k_pad - fmt.TILE_K < k <= k_pad:
+        raise ValueError(f"x2d has {k} in-features; packed is padded to {k_pad} (expected {k_pad - fmt.TILE_K + 1}..{k_pad})")
+    if not isinstance(codebook, torch.Tensor) or codebook.dtype != torch.float32 or codebook.shape != (1 << bits,):
+        raise TypeError(f"codebook must be a float32 tensor of shape [{1 << bits}], got {getattr(codebook, 'dtype', None)} {tuple(getattr(codebook, 'shape', ()))}")
+    if not isinstance(tensor_scale, torch.Tensor) or tensor_scale.dtype != torch.float32 or tensor_scale.numel() != 1:
+        raise TypeError("tensor_scale must be a float32 tensor with one element")
+    if not isinstance(out, torch.Tensor) or out.dtype != x2d.dtype or tuple(out.shape) != (x2d.shape[0], out_features) or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {x2d.dtype} tensor of shape {(x2d.shape[0], out_features)}, "
+            f"got {getattr(out, 'dtype', None)} {tuple(getattr(out, 'shape', ()))}"
+        )
+    for name, t in (("packed", packed), ("absmax", absmax), ("codebook", codebook), ("tensor_scale", tensor_scale), ("out", out)):
+        if t.device != x2d.device:
+            raise ValueError(f"{name} is on {t.device}, x2d on {x2d.device}: all tensors must be on one device")
+
+
+def _aligned16(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def decode_gemm(
+    x2d: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    codebook: torch.Tensor,
+    tensor_scale: torch.Tensor,
+    bits: int,
+    out_features: int,
+    out: torch.Tensor,
+    *,
+    config: DecodeConfig | None = None,
+) -> None:
+    """Write ``x2d @ W^T`` into ``out`` with the small-M kernel.
+
+    Args:
+        x2d: ``[M, K]`` float16 or bfloat16 on a CUDA device, ``1 <= M <= 16``; K is
+            in_features (or in_features zero-padded up to at most ``K_pad``).
+        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` tiled bit-planes.
+        absmax: uint8 ``[K_pad/64, N_pad/128, 128, 2]`` E4M4 block scales.
+        codebook: float32 ``[2**bits]``.
+        tensor_scale: float32 ``[1]``.
+        bits: 2..5.
+        out_features: N.
+        out: contiguous ``[M, N]`` tensor of x2d's dtype, overwritten.
+        config: a launch shape other than the tuned one (benchmarks and tests).
+
+    Raises:
+        TypeError / ValueError: a tensor has the wrong dtype, shape, device or layout, or the
+            problem is outside :func:`decode_supported`.
+    """
+    _check(x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out)
+    device = x2d.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    m, k = x2d.shape
+    if k % 8 or not x2d.is_contiguous() or x2d.data_ptr() % 16:
+        # The kernel reads x rows 16 bytes at a time; zero columns meet the weight's padding.
+        k8 = -(-k // 8) * 8
+        xp = torch.zeros((m, k8), dtype=x2d.dtype, device=device)
+        xp[:, :k] = x2d
+        x2d, k = xp, k8
+    packed, absmax = _aligned16(packed), _aligned16(absmax)
+    plan = decode_plan(m, bits, x2d.dtype, out_features, packed.shape[0], index, config)
+    stream = loader._current_raw_stream(index)
+    if plan.split:
+        ws, counters = _workspace(device, index, stream, plan.ws_numel, plan.counters)
+    else:
+        ws = counters = None
+    loader.launch(
+        plan.kernel,
+        plan.grid,
+        plan.config.warps * 32,
+        (x2d, packed, absmax, codebook.contiguous(), tensor_scale, out, ws, counters,
+         m, out_features, k, packed.shape[0], packed.shape[1]),
+        plan.smem,
+        device,
+        pack=_ARGS,
+        stream=stream,
+    )

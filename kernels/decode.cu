@@ -1,0 +1,603 @@
+// Small-M ("decode") kbit GEMM:  out[M, N] = x[M, K] @ W[N, K]^T,  M = 1..16.
+//
+// At decode sizes the product only streams the packed weight, so the kernel is built to turn
+// bytes from HBM into tensor-core operands with as few instructions per weight as possible.
+//
+// Storage (docs/format.md, section 7; fixed, read as it is)
+// --------------------------------------------------------
+//   packed[kt][nt][c][kb][b]  u32  bit-plane b of block (n = 128*nt + c, k = 64*kt + 32*kb .. +31):
+//                                  bit i of the word = bit b of the index of k = 64*kt + 32*kb + i
+//   absmax[kt][nt][c][kb]     u8   E4M4 code of the same block (bias 11, code 0 = zero block)
+//   One storage tile (kt, nt) is a contiguous run of 128*2*BITS words (BITS KiB); tiles are
+//   ordered kt-major. Output rows n = 16 consecutive columns c form a "row group"; a row group
+//   of one k-tile is 16*2*BITS contiguous words.
+//
+// Work split
+// ----------
+//   k is cut into chunks of 128 (two storage k-tiles). A warp owns R row groups (16*R rows) and
+//   walks k chunk by chunk; the NW warps of a block own NW*R*16 consecutive rows (a "row tile")
+//   and walk the same chunks, so they read the same slice of x (L1 hits).
+//
+//         chunk 0      chunk 1      chunk 2            (128 in-features each)
+//       +------------+------------+------------+--
+//   w0  | R row grps | R row grps | ...        |        row tile rt (NW*R*16 rows)
+//   w1  |            |            |            |
+//   ..  |            |            |            |
+//       +------------+------------+------------+--
+//
+//   The (row tile, chunk) items are listed row-tile-major and cut into one contiguous range per
+//   block of a persistent grid ("stream-K": the ranges differ by at most one item). A range that
+//   covers a row tile's whole K stores the output directly. Otherwise each warp adds its fp32
+//   partial sums into a workspace with atomics, bumps a per-(row tile, warp) counter, and the
+//   warp that completes the count converts the sums to the output, then zeroes its workspace
+//   rows and the counter, so the next launch finds them zero (no memset, graph capturable).
+//
+// Tensor cores: C^T = W . x^T with mma.m16n8k16 (fp32 accumulate). The weights are the 16-row A
+// operand (16 output rows x 16 in-features), x is the n8 side (M <= 8 per fragment, MT
+// fragments). The k order inside an mma is free as long as A and B agree, so each lane takes
+// in-features from ONE block: lane (g = lane/4, t = lane%4) holds rows g and g+8 of the row
+// group and the 32 in-features of block t of the chunk (t = 0,1: k-tile 2c, t = 2,3: k-tile
+// 2c+1). mma step s (0..7) gives lane t the in-features 32t + 4s + {0,1} (A regs a0/a1) and
+// 32t + 4s + {2,3} (a2/a3); B takes x at the same in-features, so B for a chunk is 64
+// contiguous bytes of one x row per lane, loaded once and reused for all R row groups.
+//
+// Decode (per lane, per row, per 32-weight block; BITS plane words p0..p(BITS-1) in registers)
+// ------------------------------------------------------------------------------------------
+//   1. Gather: a few shifts and lop3 merges turn the planes into "index bytes": one byte per two
+//      adjacent weights (BITS = 3, 4, 5: bits 2b and 2b+1 = plane b of weights e and e+1;
+//      BITS = 5 keeps plane 4 in a second word) or per four weights (BITS = 2: bits j and 4+j
+//      = planes 0 and 1 of weight e+j). About 12 ALU ops per 32 weights at BITS = 4.
+//   2. Lookup: one prmt moves an index byte into the address of a shared-memory table entry
+//      that holds the decoded pair (half2) or quad (two half2). The table has one copy per lane
+//      (the lane picks the bank), so lookups never conflict:
+//          BITS 2: 256 quads x 32 lanes x 8 B, row stride 256 B   (64 KiB)
+//          BITS 3:  64 pairs x 32 lanes x 4 B, row stride 256 B   (16 KiB)
+//          BITS 4: 256 pairs x 32 lanes x 4 B, row stride 256 B   (64 KiB)
+//          BITS 5: 1024 pairs x 32 lanes x 4 B, row stride 128 B (128 KiB; prmt + one IMAD)
+//      The table is built once per block from the codebook (persistent grid).
+//   3. Scale: one half2 multiply by the block scale (E4M4 -> float by bit placement, exact,
+//      subnormals included; -> half2). The per-tensor power of two multiplies the fp32 result.
+//   Per weight this is ~0.4 (BITS 2) to ~1.1 (BITS 5) ALU ops, 1/4..1/2 shared loads and 1/2
+//   half2 multiply; see bench/results/decode.md for the SASS counts.
+//
+// Loads: the plane words go straight to registers (16-byte / 8-byte ld.global.nc for BITS 4 /
+// 2, word loads for 3 and 5), R row groups (one chunk) ahead of use, so about
+// NW * 32 * R * 2*BITS*4 bytes per block are in flight.
+//
+// Half-precision values travel as raw bits; no system headers (NVRTC and nvcc both build it).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define KD_DEVICE __device__ __forceinline__
+
+// Activation type codes (template argument DT).
+#define KD_F16 0
+#define KD_BF16 1
+
+namespace kbit_decode {
+
+// ---------------------------------------------------------------------------------------
+// PTX wrappers
+// ---------------------------------------------------------------------------------------
+
+// Predicated loads (one instruction each; no branch). The weight loads keep the registers'
+// old contents when off: whatever bits they hold are valid indices, and the scale byte of an
+// absent block is set to 0, so it adds exact zeros.
+// Streaming loads of the weight planes: read once, keep them out of L1.
+KD_DEVICE void ldg_stream(u32 (&v)[4], const u32* p, bool on) {
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n"
+                 " @q ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+                 : "+r"(v[0]), "+r"(v[1]), "+r"(v[2]), "+r"(v[3])
+                 : "l"(p), "r"((int)on));
+}
+KD_DEVICE void ldg_stream(u32 (&v)[2], const u32* p, bool on) {
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n @q ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n}"
+                 : "+r"(v[0]), "+r"(v[1])
+                 : "l"(p), "r"((int)on));
+}
+// Word loads that do allocate in L1: the BITS = 3 / 5 planes of one block are not 16-byte
+// aligned, so a lane reads them word by word and neighbouring words come from L1.
+KD_DEVICE void ldg_word(u32& v, const u32* p, bool on) {
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q ld.global.nc.u32 %0, [%1];\n}" : "+r"(v) : "l"(p), "r"((int)on));
+}
+KD_DEVICE u32 ldg_byte_or0(const u8* p, bool on) {
+    u32 v;
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n mov.u32 %0, 0;\n @q ld.global.nc.u8 %0, [%1];\n}"
+                 : "=r"(v)
+                 : "l"(p), "r"((int)on));
+    return v;
+}
+// 16 bytes of x, or zeros when off.
+KD_DEVICE void ldg_x16_or0(u32 (&v)[4], const u16* p, bool on) {
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.u32 %0, 0;\n mov.u32 %1, 0;\n mov.u32 %2, 0;\n"
+                 " mov.u32 %3, 0;\n @q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                 : "l"(p), "r"((int)on));
+}
+
+// Byte permute in the generic mode: selector nibble = source byte 0..7, +8 = replicate that
+// byte's sign bit (gives 0x00 for a byte below 0x80).
+KD_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// (a & mask) | (b & ~mask) in one lop3 (the compiler splits the C++ form into two).
+KD_DEVICE u32 bsel(u32 a, u32 b, u32 mask) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "r"(mask));
+    return d;
+}
+
+// Shared-memory loads from a 32-bit shared-window address (no generic-address arithmetic).
+KD_DEVICE u32 lds32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+KD_DEVICE uint2 lds64(u32 addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+    return v;
+}
+
+template <int DT> KD_DEVICE u32 mul2(u32 a, u32 b);
+template <> KD_DEVICE u32 mul2<KD_F16>(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+template <> KD_DEVICE u32 mul2<KD_BF16>(u32 a, u32 b) {
+    // fma with -0.0 is the exact product on sm_80 too (mul.bf16x2 needs sm_90).
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+
+template <int DT> KD_DEVICE u32 f32_to_half2(float lo, float hi);  // round to nearest even
+template <> KD_DEVICE u32 f32_to_half2<KD_F16>(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+template <> KD_DEVICE u32 f32_to_half2<KD_BF16>(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+template <int DT> KD_DEVICE u16 f32_to_half(float x) {
+    return (u16)(f32_to_half2<DT>(x, 0.0f) & 0xFFFFu);
+}
+
+template <int DT> KD_DEVICE void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1);
+template <> KD_DEVICE void mma16816<KD_F16>(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+template <> KD_DEVICE void mma16816<KD_BF16>(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// E4M4 code -> float, exactly and without subnormal floats (so -ftz cannot change it): normal
+// codes are placed straight into the fp32 exponent and mantissa fields; e = 0 codes are the
+// small integer m times 2^-14. Used once per code, to build the scale table.
+KD_DEVICE float e4m4_to_f32(u32 code) {
+    const u32 e = code >> 4, m = code & 15u;
+    return e ? __uint_as_float(((e + 116u) << 23) | (m << 19)) : (float)m * 0x1p-14f;
+}
+
+// ---------------------------------------------------------------------------------------
+// per-BITS decode tables
+// ---------------------------------------------------------------------------------------
+// Lookup table geometry: entry `idx`, copy of lane l at byte idx * kStride + l * kEntryBytes.
+// BITS 2..4: the row stride is 256 and the table starts on a 64 KiB boundary of the shared
+// window, so the address is the lane base with its byte 1 replaced by the index: one prmt.
+// BITS 5 (a 10-bit index): stride 128 and one integer multiply-add.
+template <int BITS> struct Lut {
+    static constexpr int kIdxBits = BITS == 2 ? 8 : (BITS == 3 ? 6 : (BITS == 4 ? 8 : 10));
+    static constexpr int kEntryBytes = BITS == 2 ? 8 : 4;  // a quad (two half2) or a pair (half2)
+    static constexpr int kStride = BITS == 5 ? 128 : 256;
+    static constexpr int kBytes = (1 << kIdxBits) * kStride;
+    static constexpr int kAlign = BITS == 5 ? 128 : 65536;
+    // dynamic shared memory: worst-case alignment padding + table + 256-entry scale table
+    static constexpr int kSmem = (kAlign > 128 ? kAlign : 0) + kBytes + 1024;
+};
+
+// Codebook indices encoded by a table index (see the gather functions for the bit layout).
+template <int BITS> KD_DEVICE void lut_indices(u32 idx, u32 (&e)[4]) {
+    if constexpr (BITS == 2) {
+        // bit j = plane 0 of weight j, bit 4+j = plane 1 of weight j (j = 0..3)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) e[j] = ((idx >> j) & 1u) | (((idx >> (4 + j)) & 1u) << 1);
+    } else {
+        // bit 2b = plane b of the first weight, bit 2b+1 = plane b of the second (b < 4);
+        // BITS = 5: bits 8 and 9 = plane 4 of the first and second weight.
+        u32 lo = 0, hi = 0;
+#pragma unroll
+        for (int b = 0; b < (BITS < 4 ? BITS : 4); ++b) {
+            lo |= ((idx >> (2 * b)) & 1u) << b;
+            hi |= ((idx >> (2 * b + 1)) & 1u) << b;
+        }
+        if constexpr (BITS == 5) {
+            lo |= ((idx >> 8) & 1u) << 4;
+            hi |= ((idx >> 9) & 1u) << 4;
+        }
+        e[0] = lo;
+        e[1] = hi;
+        e[2] = e[3] = 0;
+    }
+}
+
+// Fill the pair/quad table (`lut`, generic pointer) and the scale table (`stab`: E4M4 code ->
+// half2 of the block scale). Lane l holds codebook entry l % 2^BITS; entries are gathered with
+// shuffles, so every thread must run the same number of iterations (the counts below are
+// multiples of 256 and blockDim is 256 or 512).
+template <int BITS, int DT>
+KD_DEVICE void build_tables(u8* lut, u32* stab, const float* __restrict__ codebook, int tid, int nthreads) {
+    using L = Lut<BITS>;
+    const u32 cbh = f32_to_half2<DT>(__ldg(codebook + (tid & ((1 << BITS) - 1))), 0.0f);
+    constexpr int kVecPerRow = 32 * L::kEntryBytes / 16;  // 16-byte stores per table row
+    constexpr int kVecs = (1 << L::kIdxBits) * kVecPerRow;
+    static_assert(kVecs % 256 == 0, "uniform trip count for the shuffles");
+    for (int v = tid; v < kVecs; v += nthreads) {
+        const u32 idx = (u32)v / kVecPerRow;
+        const u32 part = (u32)v % kVecPerRow;
+        u32 e[4];
+        lut_indices<BITS>(idx, e);
+        u32 h[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) h[j] = __shfl_sync(0xffffffffu, cbh, (int)e[j]);
+        const u32 w0 = h[0] | (h[1] << 16);
+        const u32 w1 = h[2] | (h[3] << 16);
+        // two lanes' copies of a quad, or four lanes' copies of a pair
+        const uint4 val = BITS == 2 ? make_uint4(w0, w1, w0, w1) : make_uint4(w0, w0, w0, w0);
+        *reinterpret_cast<uint4*>(lut + idx * L::kStride + part * 16) = val;
+    }
+    if (tid < 256) {
+        const float sc = e4m4_to_f32((u32)tid);
+        stab[tid] = f32_to_half2<DT>(sc, sc);
+    }
+}
+
+// Gather: plane words of one 32-weight block -> index bytes. q[j] byte m = the pair of weights
+// (8m + 2j, 8m + 2j + 1) for BITS = 3, 4, 5 (r[j] byte m: their plane-4 bits, BITS = 5), or
+// the quad (8m + 4j .. 8m + 4j + 3) for BITS = 2 (j = 0, 1).
+template <int BITS> KD_DEVICE void gather(const u32 (&p)[BITS], u32 (&q)[4], u32 (&r)[4]) {
+    if constexpr (BITS == 2) {
+        q[0] = bsel(p[0], p[1] << 4, 0x0F0F0F0Fu);
+        q[1] = bsel(p[0] >> 4, p[1], 0x0F0F0F0Fu);
+    } else {
+        // nibble i of A: planes 0, 1 of weights (4i, 4i+1); of A2: of weights (4i+2, 4i+3)
+        const u32 A = bsel(p[0], p[1] << 2, 0x33333333u);
+        const u32 A2 = bsel(p[0] >> 2, p[1], 0x33333333u);
+        if constexpr (BITS == 3) {
+            // plane 2 of the pair goes to bits 4, 5 of the byte; bits 6, 7 stay zero (64 entries)
+            q[0] = (A & 0x0F0F0F0Fu) | ((p[2] << 4) & 0x30303030u);
+            q[1] = (A2 & 0x0F0F0F0Fu) | ((p[2] << 2) & 0x30303030u);
+            q[2] = ((A >> 4) & 0x0F0F0F0Fu) | (p[2] & 0x30303030u);
+            q[3] = ((A2 >> 4) & 0x0F0F0F0Fu) | ((p[2] >> 2) & 0x30303030u);
+        } else {
+            // the same for planes 2, 3 in the high nibble of each byte
+            const u32 B = bsel(p[2], p[3] << 2, 0x33333333u);
+            const u32 B2 = bsel(p[2] >> 2, p[3], 0x33333333u);
+            q[0] = bsel(A, B << 4, 0x0F0F0F0Fu);
+            q[1] = bsel(A2, B2 << 4, 0x0F0F0F0Fu);
+            q[2] = bsel(A >> 4, B, 0x0F0F0F0Fu);
+            q[3] = bsel(A2 >> 4, B2, 0x0F0F0F0Fu);
+            if constexpr (BITS == 5) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) r[j] = (p[4] >> (2 * j)) & 0x03030303u;
+            }
+        }
+    }
+}
+
+// Shared-memory address of the table entry for mma step s (0..7), half h (0: a0/a1, 1: a2/a3;
+// BITS = 2 returns both halves from one quad, h unused). `lanebase` = table base + lane * entry
+// bytes (table base 64 KiB aligned for BITS <= 4).
+template <int BITS> KD_DEVICE u32 lut_addr(const u32 (&q)[4], const u32 (&r)[4], int s, int h, u32 lanebase) {
+    const u32 m = (u32)(s >> 1);  // index byte within the word
+    if constexpr (BITS == 5) {
+        const int j = 2 * (s & 1) + h;
+        // [q byte m, r byte m, 0, 0] (sign-replicating r byte m < 0x80 gives zero bytes)
+        const u32 idx = prmt(q[j], r[j], m | ((4u + m) << 4) | ((12u + m) << 8) | ((12u + m) << 12));
+        return idx * (u32)Lut<BITS>::kStride + lanebase;
+    } else {
+        const u32 word = BITS == 2 ? q[s & 1] : q[2 * (s & 1) + h];
+        // [lanebase byte 0, word byte m, lanebase byte 2, lanebase byte 3]
+        return prmt(word, lanebase, 0x7604u | (m << 4));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// the kernel
+// ---------------------------------------------------------------------------------------
+
+// Plane words and scale codes of one row group (this lane's two rows, one block) in flight.
+template <int BITS> struct Sub {
+    u32 p[2][BITS];
+    u32 a[2];
+};
+
+template <int BITS> KD_DEVICE void load_sub(Sub<BITS>& d, const u32* __restrict__ pw, const u8* __restrict__ pa, bool ok) {
+#pragma unroll
+    for (int rho = 0; rho < 2; ++rho) {
+        const u32* src = pw + rho * 16 * BITS;  // row c + 8: 8 columns x 2 blocks x BITS words further
+        if constexpr (BITS == 4 || BITS == 2) {
+            ldg_stream(d.p[rho], src, ok);
+        } else {
+#pragma unroll
+            for (int b = 0; b < BITS; ++b) ldg_word(d.p[rho][b], src + b, ok);
+        }
+        d.a[rho] = ldg_byte_or0(pa + rho * 16, ok);
+    }
+}
+
+// B fragments of one chunk for this lane: x row (8j + g), in-features k0 .. k0+31. K is a
+// multiple of 8 and x 16-byte aligned (the host pads), so each 16-byte piece is all in or all
+// out; pieces past K are zero. Rows past M are zero too (only their own output columns would
+// see them, and those are not stored).
+template <int MT>
+KD_DEVICE void load_x(u32 (&bx)[MT][16], const u16* __restrict__ x, int M, int K, int k0, int g) {
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+        const int m = 8 * j + g;
+        const u16* src = x + (size_t)min(m, M - 1) * K + k0;
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            u32 t4[4];
+            ldg_x16_or0(t4, src + 8 * v, m < M && k0 + 8 * v < K);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) bx[j][4 * v + e] = t4[e];
+        }
+    }
+}
+
+// First half of a row group's decode: index bytes and block scales. After this the plane
+// registers are free, so the caller refills them with the next loads right away.
+template <int BITS> struct Prepped {
+    u32 q[2][4], r[2][4], s2[2];
+};
+template <int BITS> KD_DEVICE void prep(const Sub<BITS>& d, Prepped<BITS>& o, u32 stab) {
+#pragma unroll
+    for (int rho = 0; rho < 2; ++rho) {
+        gather<BITS>(d.p[rho], o.q[rho], o.r[rho]);
+        o.s2[rho] = lds32(stab + d.a[rho] * 4u);
+    }
+}
+
+// Second half: table lookups, block scale, and the mma into acc.
+template <int BITS, int DT, int MT>
+KD_DEVICE void lookup_mma(const Prepped<BITS>& o, const u32 (&bx)[MT][16], float (&acc)[MT][4], u32 lanebase) {
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+        u32 w[2][2];  // [row][h]
+#pragma unroll
+        for (int rho = 0; rho < 2; ++rho) {
+            if constexpr (BITS == 2) {
+                const uint2 v = lds64(lut_addr<BITS>(o.q[rho], o.r[rho], s, 0, lanebase));
+                w[rho][0] = mul2<DT>(v.x, o.s2[rho]);
+                w[rho][1] = mul2<DT>(v.y, o.s2[rho]);
+            } else {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u32 v = lds32(lut_addr<BITS>(o.q[rho], o.r[rho], s, h, lanebase));
+                    w[rho][h] = mul2<DT>(v, o.s2[rho]);
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < MT; ++j) mma16816<DT>(acc[j], w[0][0], w[1][0], w[0][1], w[1][1], bx[j][2 * s], bx[j][2 * s + 1]);
+    }
+}
+
+// Where one work item's loads come from, advanced item by item without divisions.
+// Item (rt, ch): row tile rt, 128-wide chunk ch. pw/pa: this lane's plane words and scale byte
+// of row group 0 of the warp (rows rg0*16 + g and + 8, block t of the chunk).
+template <int BITS, int NW, int R> struct Cursor {
+    int rt, ch, rg0;
+    const u32* pw;
+    const u8* pa;
+    bool khi;  // k-tile 2*ch + t/2 exists (false for t >= 2 in a last, half chunk)
+
+    KD_DEVICE void seek(int item, int kc, int warp, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
+        rt = item / kc;
+        ch = item - rt * kc;
+        rg0 = (rt * NW + warp) * R;
+        const int n0 = rg0 * 16 + g;
+        const int kt = 2 * ch + (t >> 1);
+        khi = kt < k_tiles;
+        const long long tile = (long long)min(kt, k_tiles - 1) * n_tiles + (n0 >> 7);
+        pw = packed + tile * (256 * BITS) + ((n0 & 127) * 2 + (t & 1)) * BITS;
+        pa = absmax + tile * 256 + (n0 & 127) * 2 + (t & 1);
+    }
+    // Next item; true when it starts a new row tile (then seek() was used).
+    KD_DEVICE bool next(int kc, int warp, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
+        if (ch + 1 < kc) {
+            ++ch;
+            pw += (long long)2 * n_tiles * (256 * BITS);
+            pa += (long long)2 * n_tiles * 256;
+            khi = 2 * ch + (t >> 1) < k_tiles;
+            return false;
+        }
+        seek((rt + 1) * kc, kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
+        return true;
+    }
+    KD_DEVICE void load(Sub<BITS> (&dst)[R], int rg_valid, bool live) const {
+#pragma unroll
+        for (int r = 0; r < R; ++r) load_sub<BITS>(dst[r], pw + r * 32 * BITS, pa + r * 32, live && khi && rg0 + r < rg_valid);
+    }
+};
+
+template <int R, int MT> KD_DEVICE void zero_acc(float (&acc)[R][MT][4]) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < MT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[r][j][c] = 0.0f;
+}
+
+// This warp is done with row tile rt, having covered `nch` of its `kc` chunks. acc[r][j][c]
+// belongs to row (rg0 + r) * 16 + g + 8 * (c / 2) and column 8j + 2t + c % 2.
+template <int DT, int MT, int NW, int R>
+KD_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
+                     int rt, int rg0, int nch, int kc, int M, int N, float tscale, int warp, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    constexpr int kMP = 8 * MT;  // workspace row pitch (floats)
+    if (nch == kc) {
+        // The whole K was summed here: write the output.
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int j = 0; j < MT; ++j)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int n = (rg0 + r) * 16 + g + 8 * (c >> 1);
+                    const int m = 8 * j + 2 * t + (c & 1);
+                    if (n < N && m < M) out[(size_t)m * N + n] = f32_to_half<DT>(acc[r][j][c] * tscale);
+                }
+        return;
+    }
+    // Part of K: add the partial sums to the workspace, then count the chunks done.
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < MT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int n = (rg0 + r) * 16 + g + 8 * (c >> 1);
+                const int m = 8 * j + 2 * t + (c & 1);
+                if (n < N && m < M) atomicAdd(ws + (size_t)n * kMP + m, acc[r][j][c]);
+            }
+    __threadfence();  // the partial sums are visible before the count
+    __syncwarp();
+    int* cnt = counters + rt * NW + warp;
+    int old = 0;
+    if (lane == 0) old = atomicAdd(cnt, nch);
+    old = __shfl_sync(0xffffffffu, old, 0);
+    if (old + nch != kc) return;
+    // Last contributor: every partial sum is in the workspace. Convert, then leave zeros.
+    __threadfence();
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < MT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int n = (rg0 + r) * 16 + g + 8 * (c >> 1);
+                const int m = 8 * j + 2 * t + (c & 1);
+                if (n < N && m < M) {
+                    float* p = ws + (size_t)n * kMP + m;
+                    out[(size_t)m * N + n] = f32_to_half<DT>(__ldcg(p) * tscale);
+                    __stcg(p, 0.0f);
+                }
+            }
+    if (lane == 0) atomicExch(cnt, 0);
+}
+
+// Kernel parameters:
+//   x [M, K] (fp16/bf16 bits), packed/absmax tiled (k_tiles x n_tiles storage tiles),
+//   codebook f32 [2^BITS], tensor_scale f32 [1], out [M, N] (x's type);
+//   ws f32 [row tiles * NW*R*16, 8*MT] and counters i32 [row tiles * NW]: zero on entry and
+//   left zero (only touched when a row tile is split over blocks; may be null otherwise);
+//   K: x's row length, a multiple of 8 (x 16-byte aligned), at most 64 * k_tiles.
+// Template: BITS 2..5, DT (KD_F16 / KD_BF16), MT = ceil(M / 8) n8 fragments, NW warps per
+// block, R row groups per warp, D items of loads in flight (D * R row groups per lane), MINB
+// blocks per SM (register budget: 65536 / (MINB * NW * 32) per thread).
+template <int BITS, int DT, int MT, int NW, int R, int D, int MINB>
+__global__ void __launch_bounds__(NW * 32, MINB)
+kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
+                 const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
+                 float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K, int k_tiles, int n_tiles) {
+    static_assert(R == 1 || R == 2 || R == 4 || R == 8, "a warp's rows must stay inside one 128-row storage tile");
+    using L = Lut<BITS>;
+    extern __shared__ __align__(16) u8 smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int kc = (k_tiles + 1) >> 1;  // 128-wide chunks
+    constexpr int kRows = NW * R * 16;  // rows per row tile
+    const int row_tiles = (N + kRows - 1) / kRows;
+    const int total = row_tiles * kc;
+    const int i0 = (int)(((long long)blockIdx.x * total) / gridDim.x);
+    const int i1 = (int)(((long long)(blockIdx.x + 1) * total) / gridDim.x);
+    if (i0 >= i1) return;  // whole block, before any barrier
+    const int rg_valid = (N + 15) >> 4;  // row groups holding real rows
+
+    // Tables: the pair/quad table on a kAlign boundary of the shared window, then the scales.
+    const u32 win = (u32)__cvta_generic_to_shared(smem);
+    const u32 lut_win = (win + (u32)(L::kAlign - 1)) & ~(u32)(L::kAlign - 1);
+    u8* lut = smem + (lut_win - win);
+    const u32 stab_win = lut_win + (u32)L::kBytes;
+    const u32 lanebase = lut_win + (u32)lane * L::kEntryBytes;
+
+    // Ring of in-flight plane loads: ring[d] holds the R row groups of item (current + d).
+    Sub<BITS> ring[D][R];
+#pragma unroll
+    for (int d = 0; d < D; ++d)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int rho = 0; rho < 2; ++rho)
+#pragma unroll
+                for (int b = 0; b < BITS; ++b) ring[d][r].p[rho][b] = 0u;
+    Cursor<BITS, NW, R> cur, pre;
+    cur.seek(i0, kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
+    pre = cur;
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+        pre.load(ring[d], rg_valid, i0 + d < i1);
+        if (i0 + d + 1 < i1) pre.next(kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
+    }
+    // `pre` now points at item i0 + D (when it exists). The tables are built while the first
+    // loads are on their way.
+    build_tables<BITS, DT>(lut, reinterpret_cast<u32*>(lut + L::kBytes), codebook, threadIdx.x, NW * 32);
+    __syncthreads();
+    const float tscale = __ldg(tensor_scale);
+
+    float acc[R][MT][4];
+    zero_acc<R, MT>(acc);
+    int ch_first = cur.ch;
+    for (int ib = i0; ib < i1; ib += D) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+            const int i = ib + d;
+            if (i >= i1) break;
+            u32 bx[MT][16];
+            load_x<MT>(bx, x, M, K, cur.ch * 128 + 32 * t, g);
+            const bool refill = i + D < i1;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                Prepped<BITS> o;
+                prep<BITS>(ring[d][r], o, stab_win);
+                // The planes are consumed: reload the slot with row group r of item i + D.
+                load_sub<BITS>(ring[d][r], pre.pw + r * 32 * BITS, pre.pa + r * 32,
+                               refill && pre.khi && pre.rg0 + r < rg_valid);
+                // (row groups past N decode zero planes with zero scales: no branch here)
+                lookup_mma<BITS, DT, MT>(o, bx, acc[r], lanebase);
+            }
+            if (i + D + 1 < i1) pre.next(kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
+
+            const int rt = cur.rt, rg0 = cur.rg0, ch = cur.ch;
+            const bool tile_ends = i + 1 >= i1 || (i + 1 < i1 && cur.next(kc, warp, t, g, k_tiles, n_tiles, packed, absmax));
+            if (!tile_ends) continue;
+            flush<DT, MT, NW, R>(acc, out, ws, counters, rt, rg0, ch - ch_first + 1, kc, M, N, tscale, warp, lane);
+            zero_acc<R, MT>(acc);
+            ch_first = 0;
+        }
+    }
+}
+
+}  // namespace kbit_decode
+
+using kbit_decode::kbit_decode_gemm;

@@ -1,0 +1,255 @@
+"""Time the small-M decode kernel against the memory roofline, cuBLAS and torch's int4 tinygemm.
+
+Method: every kernel call runs on one of several copies of its weight, enough copies that they
+do not fit in the 50 MB L2 together; many calls cycling through the copies are captured in one
+CUDA graph, the graph is replayed several times and the median replay time divided by the number
+of calls is reported. The device-to-device copy bandwidth is measured in the same run and the
+roofline is ``(packed + absmax + x + out bytes) / copy bandwidth`` (bytes read + written).
+
+Usage (from the repository root, on a GPU machine):
+
+    python3 scripts/bench_decode.py                      # K = 2..5, M = 1, 4, 16, the listed shapes
+    python3 scripts/bench_decode.py --bits 4 --m 1 --shapes 8192x28672 --variants
+    python3 scripts/bench_decode.py --json results.json
+
+Shapes are ``in_features x out_features``. ``--variants`` also times other launch shapes of the
+kernel (warps, row groups per warp, loads in flight) for tuning. The markdown table is printed
+last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kbit_linear import format as fmt  # noqa: E402
+from kbit_linear.backends import decode, loader  # noqa: E402
+
+L2_BYTES = 50 * 2**20
+DEFAULT_SHAPES = ("4096x4096", "4096x14336", "14336x4096", "8192x28672", "576x192")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Launch shapes tried by --variants: (warps, row groups, depth, min blocks per SM).
+VARIANTS = {
+    (2, 1): [(16, 4, 1, 1), (16, 2, 3, 1), (16, 2, 2, 1)],
+    (3, 1): [(8, 4, 1, 2), (8, 2, 2, 2), (16, 4, 1, 1)],
+    (4, 1): [(16, 4, 1, 1), (16, 2, 2, 1), (16, 2, 1, 1)],
+    (5, 1): [(16, 2, 2, 1), (16, 2, 1, 1), (16, 4, 1, 1)],
+    (2, 2): [(16, 4, 1, 1), (16, 2, 2, 1)],
+    (3, 2): [(8, 2, 1, 2), (8, 2, 2, 2)],
+    (4, 2): [(16, 2, 1, 1), (16, 2, 2, 1), (16, 4, 1, 1)],
+    (5, 2): [(16, 2, 1, 1), (16, 1, 2, 1)],
+}
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    a = torch.empty(nbytes // 2, dtype=torch.int16, device="cuda").random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    return 2 * a.numel() * a.element_size() / statistics.median(times)
+
+
+def time_calls(fn: Callable[[int], object], copies: int, min_calls: int = 200, replays: int = 7) -> float:
+    """Median seconds per call of ``fn(i % copies)``, from CUDA-graph replays."""
+    calls = max(min_calls, copies)
+    calls = -(-calls // copies) * copies
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(copies):  # warm-up: compiles, plans, workspaces
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3 / calls)
+    return statistics.median(times)
+
+
+def n_copies(nbytes: int) -> int:
+    """Copies of a buffer needed so that they exceed twice the L2 together."""
+    return max(2, math.ceil(2 * L2_BYTES / max(nbytes, 1)) + 1)
+
+
+def random_kbit(k: int, n: int, bits: int, copies: int) -> list[fmt.KbitWeight]:
+    """Random (non-zero) tiled weights: every bit pattern is a valid kbit weight."""
+    n_pad, k_pad = fmt.padded_shape(n, k)
+    kt, nt = k_pad // fmt.TILE_K, n_pad // fmt.TILE_N
+    cb = fmt.create_normal_float_codebook(bits, "cuda")
+    ts = torch.tensor([2.0 ** -6], device="cuda")
+    out = []
+    for _ in range(copies):
+        packed = torch.randint(-(2**31), 2**31 - 1, (kt, nt, fmt.TILE_N, 2, bits), device="cuda", dtype=torch.int32)
+        absmax = torch.randint(0x50, 0xD0, (kt, nt, fmt.TILE_N, 2), device="cuda", dtype=torch.uint8)
+        out.append(fmt.KbitWeight(packed, absmax, cb, ts, bits, n, k))
+    return out
+
+
+def bench_kbit(k: int, n: int, bits: int, m: int, dtype: torch.dtype, cfg: decode.DecodeConfig | None = None,
+               weights: list[fmt.KbitWeight] | None = None) -> tuple[float, int]:
+    """(seconds per call, bytes moved) for the decode kernel."""
+    if weights is None:
+        wb = random_kbit(k, n, bits, 1)[0]
+        weights = random_kbit(k, n, bits, n_copies(wb.packed.nbytes + wb.absmax.nbytes))
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    out = torch.empty(m, n, device="cuda", dtype=dtype)
+
+    def call(i: int) -> None:
+        w = weights[i]
+        decode.decode_gemm(x, w.packed, w.absmax, w.codebook, w.tensor_scale, bits, n, out, config=cfg)
+
+    nbytes = weights[0].packed.nbytes + weights[0].absmax.nbytes + x.nbytes + out.nbytes
+    return time_calls(call, len(weights)), nbytes
+
+
+def bench_cublas(k: int, n: int, m: int, dtype: torch.dtype) -> float:
+    copies = n_copies(n * k * 2)
+    ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(copies)]
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    return time_calls(lambda i: F.linear(x, ws[i]), copies)
+
+
+def bench_tinygemm(k: int, n: int, m: int) -> float | None:
+    """torch's int4 tinygemm (group 128, bf16 activations), or None where it is unavailable."""
+    try:
+        copies = n_copies(n * k // 2)
+        packs = []
+        for _ in range(copies):
+            q = torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8)
+            packs.append(torch._convert_weight_to_int4pack(q, 8))
+        sz = torch.randn(k // 128, n, 2, device="cuda", dtype=torch.bfloat16) * 0.01
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        return time_calls(lambda i: torch._weight_int4pack_mm(x, packs[i], 128, sz), copies)
+    except Exception as e:  # noqa: BLE001 - a missing or changed private API only drops the column
+        print(f"tinygemm unavailable for {k}x{n}: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+def host_overhead_us(k: int, n: int, bits: int, m: int, dtype: torch.dtype, calls: int = 300) -> float:
+    """Wall time per eager call (Python + launch), for a shape small enough to be launch-bound."""
+    w = random_kbit(k, n, bits, 1)[0]
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    out = torch.empty(m, n, device="cuda", dtype=dtype)
+    import time
+
+    for _ in range(20):
+        decode.decode_gemm(x, w.packed, w.absmax, w.codebook, w.tensor_scale, bits, n, out)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        decode.decode_gemm(x, w.packed, w.absmax, w.codebook, w.tensor_scale, bits, n, out)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 5])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="in_features x out_features, e.g. 4096x14336")
+    ap.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=list(DTYPES))
+    ap.add_argument("--variants", action="store_true", help="also time other launch shapes")
+    ap.add_argument("--variant-shapes", nargs="+", default=["4096x4096", "8192x28672"], help="shapes --variants applies to")
+    ap.add_argument("--no-peers", action="store_true", help="skip cuBLAS and tinygemm")
+    ap.add_argument("--json", type=Path, help="write all results here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    bw = copy_bandwidth()
+    head = (f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
+            f"date {datetime.date.today()}; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    print(head, flush=True)
+    print("command: python3 " + " ".join(sys.argv), flush=True)
+    rows, variant_rows = [], []
+    for shape in args.shapes:
+        k, n = (int(v) for v in shape.lower().split("x"))
+        peers: dict[tuple[str, int], tuple[float | None, float | None]] = {}
+        if not args.no_peers:
+            for dname in args.dtypes:
+                for m in args.m:
+                    cub = bench_cublas(k, n, m, DTYPES[dname])
+                    tiny = bench_tinygemm(k, n, m) if dname == "bf16" else None
+                    peers[(dname, m)] = (cub, tiny)
+            torch.cuda.empty_cache()
+        for bits in args.bits:
+            w0 = random_kbit(k, n, bits, 1)[0]
+            weights = random_kbit(k, n, bits, n_copies(w0.packed.nbytes + w0.absmax.nbytes))
+            for dname in args.dtypes:
+                dtype = DTYPES[dname]
+                for m in args.m:
+                    t, nbytes = bench_kbit(k, n, bits, m, dtype, weights=weights)
+                    plan = decode.decode_plan(m, bits, dtype, n, weights[0].packed.shape[0])
+                    cub, tiny = peers.get((dname, m), (None, None))
+                    roof = nbytes / bw
+                    row = dict(shape=shape, bits=bits, dtype=dname, m=m, us=t * 1e6, roofline_us=roof * 1e6,
+                               pct_roofline=100 * roof / t, cublas_us=None if cub is None else cub * 1e6,
+                               tinygemm_us=None if tiny is None else tiny * 1e6, grid=plan.grid, split=plan.split,
+                               config=plan.name)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if args.variants and dname == args.dtypes[0] and shape in args.variant_shapes:
+                        for v in VARIANTS.get((bits, 1 if m <= 8 else 2), []):
+                            cfg = decode.DecodeConfig(*v)
+                            tv, _ = bench_kbit(k, n, bits, m, dtype, cfg=cfg, weights=weights)
+                            vr = dict(shape=shape, bits=bits, dtype=dname, m=m, config=v, us=tv * 1e6, pct_roofline=100 * roof / tv)
+                            variant_rows.append(vr)
+                            print("variant " + json.dumps(vr), flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    overhead = host_overhead_us(576, 192, 4, 1, torch.float16)
+    if args.json:
+        args.json.write_text(json.dumps(dict(header=head, copy_bw=bw, rows=rows, variants=variant_rows, host_us=overhead), indent=1))
+    if variant_rows:
+        print("\n| shape | K | M | (warps, row groups, depth, blocks/SM) | us | % roofline |\n|---|---|---|---|---|---|")
+        for v in variant_rows:
+            print(f"| {v['shape']} | {v['bits']} | {v['m']} | {tuple(v['config'])} | {v['us']:.1f} | {v['pct_roofline']:.0f} |")
+    print(f"\n{head}\nhost overhead of one eager decode_gemm call (576x192, launch-bound): {overhead:.1f} us")
+    print("\n| shape (K x N) | K | dtype | M | us | roofline us | % roofline | cuBLAS us | x vs cuBLAS | tinygemm us | x vs tinygemm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        cub = "-" if r["cublas_us"] is None else f"{r['cublas_us']:.1f}"
+        vc = "-" if r["cublas_us"] is None else f"{r['cublas_us'] / r['us']:.2f}"
+        tg = "-" if r["tinygemm_us"] is None else f"{r['tinygemm_us']:.1f}"
+        vt = "-" if r["tinygemm_us"] is None else f"{r['tinygemm_us'] / r['us']:.2f}"
+        print(f"| {r['shape']} | {r['bits']} | {r['dtype']} | {r['m']} | {r['us']:.1f} | {r['roofline_us']:.1f} | "
+              f"{r['pct_roofline']:.0f} | {cub} | {vc} | {tg} | {vt} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""The small-M decode kernel (``kernels/decode.cu``) against the pure-PyTorch reference.
+
+GPU tests carry the ``cuda`` marker and skip without a GPU or CuPy; the argument checks at the
+end run anywhere.
+
+Weights are random tiled bit-planes and E4M4 codes (every bit pattern is a valid weight), drawn
+fresh per shape and bits, plus real quantized weights, all-subnormal scales and a user codebook.
+x is drawn fresh per case and the output is NaN-poisoned before each call, so an element the
+kernel skips shows up. Tolerance: the kernel rounds each decoded weight to x's type (relative
+error 2^-11 for fp16, 2^-8 for bf16) and accumulates in fp32, so against the fp32 reference
+``F.linear(x.float(), dequantize(W))`` the relative Frobenius error is about 1e-3 (fp16) and
+5e-3 (bf16); the tests allow 5e-3 and 2e-2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kbit_linear import format as fmt
+from kbit_linear.backends import decode, loader
+
+_GPU_MARKS = (
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+    pytest.mark.skipif(not loader.cupy_available(), reason="needs CuPy (pip install 'kbit-linear[cuda]')"),
+)
+
+
+def gpu(fn):
+    """Mark a test as a GPU test (marker ``cuda``, skipped without a GPU or CuPy)."""
+    for mark in _GPU_MARKS:
+        fn = mark(fn)
+    return fn
+
+
+DEV = "cuda"
+DTYPES = (torch.float16, torch.bfloat16)
+BITS = fmt.SUPPORTED_BITS
+MS = (1, 2, 3, 4, 7, 8, 15, 16)
+SHAPES = ((576, 192), (4096, 4096), (4096, 14336), (14336, 4096), (100, 33), (200, 300), (1000, 1000), (64, 128))
+REL_TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def _random_weight(k: int, n: int, bits: int, seed: int, codes: tuple[int, int] = (0x50, 0xD0)) -> fmt.KbitWeight:
+    """Random tiled planes and E4M4 codes in ``codes`` (plus some zero blocks) for W[n, k]."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    n_pad, k_pad = fmt.padded_shape(n, k)
+    kt, nt = k_pad // fmt.TILE_K, n_pad // fmt.TILE_N
+    packed = torch.randint(-(2**31), 2**31 - 1, (kt, nt, fmt.TILE_N, 2, bits), device=DEV, generator=g, dtype=torch.int64).to(torch.int32)
+    absmax = torch.randint(codes[0], codes[1], (kt, nt, fmt.TILE_N, 2), device=DEV, generator=g, dtype=torch.int32).to(torch.uint8)
+    absmax[torch.rand(absmax.shape, device=DEV, generator=g) < 0.02] = 0  # zero blocks
+    ts = torch.tensor([2.0 ** -6], device=DEV)
+    return fmt.KbitWeight(packed, absmax, fmt.create_normal_float_codebook(bits, DEV), ts, bits, n, k)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_weight(k: int, n: int, bits: int) -> tuple[fmt.KbitWeight, torch.Tensor]:
+    qw = _random_weight(k, n, bits, seed=k * 7919 + n * 31 + bits)
+    return qw, _dequantize_chunked(qw)
+
+
+@functools.lru_cache(maxsize=1)
+def _big_weight(bits: int) -> fmt.KbitWeight:
+    return _random_weight(8192, 28672, bits, seed=bits * 101)
+
+
+def _dequantize_chunked(qw: fmt.KbitWeight, rows: int = 2048) -> torch.Tensor:
+    """fp32 ``[N, K]`` from the reference, a slab of n-tiles at a time (the reference unpacks to int64)."""
+    parts = []
+    step = rows // fmt.TILE_N
+    for t0 in range(0, qw.packed.shape[1], step):
+        t1 = min(t0 + step, qw.packed.shape[1])
+        n = min(qw.out_features, t1 * fmt.TILE_N) - t0 * fmt.TILE_N
+        sub = fmt.KbitWeight(qw.packed[:, t0:t1].contiguous(), qw.absmax[:, t0:t1].contiguous(), qw.codebook, qw.tensor_scale,
+                             qw.bits, n, qw.in_features)
+        parts.append(fmt.dequantize(sub, torch.float32))
+    return torch.cat(parts)
+
+
+def _run(x: torch.Tensor, qw: fmt.KbitWeight, **kw) -> torch.Tensor:
+    out = torch.full((x.shape[0], qw.out_features), float("nan"), dtype=x.dtype, device=x.device)
+    decode.decode_gemm(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, qw.bits, qw.out_features, out, **kw)
+    return out
+
+
+def _check_against(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not torch.isnan(out).any(), "unwritten (NaN) output elements"
+    ref = F.linear(x.float(), w)
+    err = _rel_err(out, ref)
+    assert err < REL_TOL[dtype], f"relative error {err:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}to{s[1]}")
+@pytest.mark.parametrize("m", MS, ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_matches_reference(bits, dtype, m, shape):
+    k, n = shape
+    qw, w = _cached_weight(k, n, bits)
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    _check_against(_run(x, qw), x, w, dtype)
+
+
+
+@gpu
+@pytest.mark.parametrize("m", (1, 16), ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_large_shape_sampled(bits, dtype, m):
+    """8192 -> 28672: the reference on a random sample of 2048 output rows (it is slow in full)."""
+    k, n = 8192, 28672
+    qw = _big_weight(bits)
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    out = _run(x, qw)
+    assert not torch.isnan(out).any(), "unwritten (NaN) output elements"
+    tiles = torch.randperm(n // fmt.TILE_N, device="cpu")[:16].sort().values.tolist()
+    for t in tiles:
+        sub = fmt.KbitWeight(qw.packed[:, t:t + 1].contiguous(), qw.absmax[:, t:t + 1].contiguous(), qw.codebook,
+                             qw.tensor_scale, bits, fmt.TILE_N, k)
+        ref = F.linear(x.float(), fmt.dequantize(sub, torch.float32))
+        err = _rel_err(out[:, t * fmt.TILE_N:(t + 1) * fmt.TILE_N], ref)
+        assert err < REL_TOL[dtype], f"rows of n-tile {t}: relative error {err:.2e}"
+
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_quantized_weight(bits, dtype):
+    """A weight from the reference quantizer (uneven block scales, non-tile shape)."""
+    g = torch.Generator(device=DEV).manual_seed(bits)
+    w = torch.randn(777, 1333, device=DEV, generator=g) * 0.02
+    w[:100, :40] *= 30.0
+    qw = fmt.quantize(w, bits)
+    for m in (1, 5, 16):
+        x = torch.randn(m, 1333, device=DEV, dtype=dtype)
+        _check_against(_run(x, qw), x, fmt.dequantize(qw, torch.float32), dtype)
+
+
+
+@gpu
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_subnormal_scales_and_user_codebook(bits):
+    """E4M4 codes 0..15 only (zero and subnormal scales) and an asymmetric codebook."""
+    qw = _random_weight(1024, 640, bits, seed=bits + 17, codes=(0, 16))
+    cb = torch.sort(torch.rand(1 << bits, device=DEV) * 1.6 - 0.7).values
+    qw = fmt.KbitWeight(qw.packed, qw.absmax, cb, torch.tensor([4.0], device=DEV), bits, 640, 1024)
+    for dtype in DTYPES:
+        x = torch.randn(3, 1024, device=DEV, dtype=dtype)
+        _check_against(_run(x, qw), x, fmt.dequantize(qw, torch.float32), dtype)
+
+
+
+@gpu
+def test_split_and_direct_paths_both_exercised():
+    """The shape list covers launches with and without split-K (the workspace path)."""
+    kinds = set()
+    for bits in BITS:
+        for k, n in SHAPES:
+            _, k_pad = fmt.padded_shape(n, k)
+            kinds.add(decode.decode_plan(1, bits, torch.float16, n, k_pad // fmt.TILE_K).split)
+    assert kinds == {True, False}
+
+
+
+@gpu
+@pytest.mark.parametrize("bits", (2, 5), ids=lambda b: f"k{b}")
+def test_repeated_calls_streams_and_graph(bits):
+    """The split-K workspace is left zeroed: repeated calls, a second stream and a CUDA graph agree."""
+    k, n, dtype = 14336, 4096, torch.float16
+    qw, w = _cached_weight(k, n, bits)
+    assert decode.decode_plan(4, bits, dtype, n, qw.packed.shape[0]).split
+    x = torch.randn(4, k, device=DEV, dtype=dtype)
+    first = _run(x, qw)
+    _check_against(first, x, w, dtype)
+    for _ in range(3):
+        again = _run(x, qw)
+        _check_against(again, x, w, dtype)
+        assert _rel_err(again, first) < 1e-3  # only the order of the fp32 atomic adds differs
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        res = _run(x, qw)
+    torch.cuda.current_stream().wait_stream(side)
+    _check_against(res, x, w, dtype)
+
+    static_x = x.clone()
+    static_out = torch.full((4, n), float("nan"), dtype=dtype, device=DEV)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode.decode_gemm(static_x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n, static_out)
+    for _ in range(3):
+        static_x.copy_(torch.randn(4, k, device=DEV, dtype=dtype))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        _check_against(static_out, static_x, w, dtype)
+
+
+
+@gpu
+def test_unaligned_and_strided_x():
+    """x that is not 16-byte aligned, not contiguous, or whose K is not a multiple of 8."""
+    bits, dtype = 4, torch.bfloat16
+    qw, w = _cached_weight(1000, 1000, bits)
+    base = torch.randn(5, 1001, device=DEV, dtype=dtype)
+    flat = torch.randn(5 * 1000 + 1, device=DEV, dtype=dtype)
+    for x in (base[:, 1:], base[:, :1000].t().contiguous().t(), flat[1:].view(5, 1000)):
+        assert x.shape == (5, 1000)
+        _check_against(_run(x, qw), x, w, dtype)
+
+
+
+# ---------------------------------------------------------------------------------------
+# argument checks (no GPU needed: they fail before any launch)
+# ---------------------------------------------------------------------------------------
+
+
+def test_supported_range():
+    assert not decode.decode_supported(0, 4, torch.float16, device=0 if torch.cuda.is_available() else None)
+    assert not decode.decode_supported(17, 4, torch.float16)
+    assert not decode.decode_supported(1, 6, torch.float16)
+    assert not decode.decode_supported(1, 4, torch.float32)
+    assert not decode.decode_supported(True, 4, torch.float16)
+    assert len(decode.decode_instances()) == 16
+
+
+def test_argument_errors():
+    qw = fmt.quantize(torch.randn(130, 70), 3)
+    ok_x = torch.randn(2, 70, dtype=torch.float16)
+    out = torch.empty(2, 130, dtype=torch.float16)
+    args = (qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 3, 130)
+    with pytest.raises(TypeError, match="x2d"):
+        decode.decode_gemm(ok_x.float(), *args, out)
+    with pytest.raises(ValueError, match="x2d"):
+        decode.decode_gemm(torch.randn(17, 70, dtype=torch.float16), *args, out)
+    with pytest.raises(ValueError, match="CUDA"):
+        decode.decode_gemm(ok_x, *args, out)
+    with pytest.raises(ValueError, match="bits"):
+        decode.decode_gemm(ok_x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 6, 130, out)
