@@ -129,9 +129,12 @@ def host_overhead(n_calls: int = 3000) -> dict:
     x = torch.randn(1, k, device=DEV, dtype=torch.float16)
     dense = torch.randn(n, k, device=DEV, dtype=torch.float16)
     op = torch.ops.kbit_linear.gemm.default
+    auto = kcuda.gemm_path(1, n, k, bits, torch.float16)
     calls = {
-        "torch.ops.kbit_linear.gemm.default": lambda: op(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n, None),
-        "gemm_cuda (direct)": lambda: kcuda.gemm_cuda(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n),
+        f"torch.ops.kbit_linear.gemm.default ({auto})": lambda: op(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n, None),
+        f"gemm_cuda ({auto})": lambda: kcuda.gemm_cuda(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n),
+        "gemm_cuda (path='fused')": lambda: kcuda.gemm_cuda(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n, path="fused"),
+        "gemm_cuda (path='fused', split_k=1)": lambda: kcuda.gemm_cuda(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n, path="fused", split_k=1),
         "F.linear fp16 (for scale)": lambda: F.linear(x, dense),
     }
     res = {}

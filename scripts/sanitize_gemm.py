@@ -24,6 +24,8 @@ CASES = [  # (m, k, n, bits, dtype, kwargs)
     (40, 100, 33, 2, torch.float16, {"path": "fused", "split_k": 1}),
     (100, 1536, 129, 3, torch.bfloat16, {"path": "fused"}),
     (130, 264, 200, 4, torch.float16, {"path": "fused-splitk"}),
+    (1, 576, 192, 2, torch.float16, {}),  # automatic stream-K: ranges start inside tiles
+    (3, 4096, 1024, 4, torch.bfloat16, {}),
 ]
 
 

@@ -133,7 +133,9 @@ SMALL_SHAPES = [(576, 192), (100, 33), (200, 300)]  # (in, out)
 BIG_SHAPES = [(1536, 576), (4096, 4096), (4096, 14336), (14336, 4096)]
 SMALL_M = [1, 2, 3, 7, 16, 17, 64, 100]
 BIG_M = [1, 16, 256, 1000, 4096]
-SPLITS = [{}, {"split_k": 1}, {"path": "fused-splitk"}]
+# The fused kernel: automatic split, never split, always split (the automatic path is tested
+# below; at small M it may take the separate decode kernel).
+SPLITS = [{"path": "fused"}, {"path": "fused", "split_k": 1}, {"path": "fused-splitk"}]
 
 
 def _small_cases():
@@ -157,7 +159,15 @@ def test_gemm_small_shapes(m, k, n, bits, dtype, kw):
 
 @pytest.mark.parametrize("m,k,n,bits,dtype", list(_big_cases()))
 def test_gemm_big_shapes(m, k, n, bits, dtype):
-    _check_gemm(m, k, n, bits, dtype)
+    # The fused kernel up to M = 256, the automatic dispatch (dequantize + cuBLAS) above.
+    _check_gemm(m, k, n, bits, dtype, **({"path": "fused"} if m <= 256 else {}))
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 100, 1000])
+def test_gemm_automatic_dispatch(bits, m):
+    _check_gemm(m, 1536, 576, bits, torch.bfloat16)
+    assert kcuda.gemm_path(m, 576, 1536, bits, torch.bfloat16) in kcuda.GEMM_PATHS
 
 
 @pytest.mark.parametrize("bits", BITS)
