@@ -7,8 +7,8 @@ is loaded, and each kernel instance compiled, on the first call that needs it
 
 GEMM paths (:func:`gemm_path` names the one a problem takes):
 
-* ``"decode"``: the small-M kernel of :mod:`kbit_linear.backends.decode`, when that module exists
-  and says it supports the problem;
+* ``"decode"``: the small-M kernel of :mod:`kbit_linear.backends.decode`, when that module exists,
+  says it supports the problem and M is at most :data:`DECODE_MAX_M` for the GPU;
 * ``"fused"`` / ``"fused-splitk"``: ``kernels/gemm.cu``, dequantization fused into an mma.sync
   GEMM; "-splitk" when some output tiles are reduced over several blocks;
 * ``"dequant+cublas"``: ``kernels/quantize.cu``'s dequantize kernel writes the dense weight in
@@ -37,6 +37,7 @@ from . import loader
 __all__ = [
     "GEMM_PATHS",
     "DEQUANT_CUBLAS_MIN_M",
+    "DECODE_MAX_M",
     "gemm_path",
     "gemm_cuda",
     "gemm_instances",
@@ -46,13 +47,23 @@ __all__ = [
 GEMM_PATHS = ("fused", "fused-splitk", "dequant+cublas", "decode")
 
 # Rows from which the dequantize + cuBLAS path is taken instead of the fused kernel, per GPU
-# (matched as a substring of torch.cuda.get_device_name), by bits. Measured with
-# scripts/gpu_check.sh (crossover of the fused kernel and dequantize + F.linear over
-# shapes 4096->4096, 4096->14336, 14336->4096); see bench/results/kernels-first-version.md.
+# (matched as a substring of the device name), by bits. Measured on an H100 80GB HBM3
+# (2026-11-22, scripts/kernel_bench.py, bench/results/kernels-first-version.md): fused vs
+# dequantize + F.linear at M = 128 / 256, us, bits 4 fp16:
+#   4096->4096 27.6 vs 30.3 / 42.6 vs 35.8;  4096->14336 70.8 vs 108.7 / 130.3 vs 115.7;
+#   14336->4096 69.3 vs 113.7 / 125.0 vs 122.6;  8192->28672 236.8 vs 412.9 / 483.4 vs 438.3;
+#   bits 2, 3, 5 and bf16 on 4096->14336 cross between the same two sizes.
+# Other GPUs use the same until measured.
 DEQUANT_CUBLAS_MIN_M: dict[str, dict[int, int]] = {
-    "H100": {2: 512, 3: 512, 4: 512, 5: 512},
-    "default": {2: 512, 3: 512, 4: 512, 5: 512},
+    "H100": {2: 256, 3: 256, 4: 256, 5: 256},
+    "default": {2: 256, 3: 256, 4: 256, 5: 256},
 }
+
+# Largest M handed to the decode kernel (kbit_linear.backends.decode) where that module supports
+# it, per GPU; GPUs not listed take it wherever decode_supported says so. H100, same run as
+# above, bits 4 fp16, decode vs fused us: M = 4: 59.6 vs 77.4 (8192->28672), 12.9 vs 18.0
+# (4096->4096), 21.1 vs 28.0 (4096->14336); M = 16: 111.2 vs 76.6, 21.4 vs 18.3, 36.3 vs 28.1.
+DECODE_MAX_M: dict[str, int] = {"H100": 4}
 
 _THREADS = 256
 _TILE_N = fmt.TILE_N
@@ -157,6 +168,14 @@ def _crossover(bits: int, device_index: int) -> int:
     return DEQUANT_CUBLAS_MIN_M["default"][bits]
 
 
+def _decode_max_m(device_index: int) -> int:
+    name = loader.device_properties(device_index).name
+    for key, limit in DECODE_MAX_M.items():
+        if key in name:
+            return limit
+    return 1 << 30
+
+
 def _occupancy(kernel: loader.CudaKernel, smem: int, props: loader.DeviceProperties) -> int:
     """Resident blocks per SM, from shared memory and registers."""
     by_smem = max(1, props.shared_per_sm // (smem + 1024))
@@ -201,7 +220,7 @@ def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: i
     n_tiles, k_tiles = n_pad // _TILE_N, k_pad // _TILE_K
     dec = _decode_module()
     if path is None:
-        if dec is not None and dec.decode_supported(m, bits, dtype):
+        if dec is not None and m <= _decode_max_m(device_index) and dec.decode_supported(m, bits, dtype):
             path = "decode"
         elif m >= _crossover(bits, device_index):
             path = "dequant+cublas"
