@@ -285,11 +285,17 @@ def _as_device(device: torch.device | str | int | None) -> torch.device:
 _split_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _split_buffers(index: int, stream: int, ws_numel: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 workspace (>= ws_numel) and zeroed tile counters (>= tiles) for a split-K launch."""
-    if torch._C._cuda_isCurrentStreamCapturing():
-        # Inside a graph capture: buffers of the graph's own (the counters zeroed by a captured
-        # memset at every replay), so the graph never depends on state outside it.
+def _split_buffers(index: int, stream: int, ws_numel: int, tiles: int, device: torch.device, reuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 workspace (>= ws_numel) and zeroed tile counters (>= tiles) for a split-K launch.
+
+    ``reuse=False`` allocates fresh buffers from torch's allocator (counters zeroed by a
+    memset): the op path, which torch.compile's CUDA-graph warm-up and capture run with a
+    private memory pool where a buffer kept across calls would be flagged as leaked. The direct
+    eager path (``KbitLinear.forward``) passes ``reuse=True`` to keep one pair per stream.
+    """
+    if not reuse or torch._C._cuda_isCurrentStreamCapturing():
+        # Inside a graph capture the buffers belong to the graph (the counters zeroed by a
+        # captured memset at every replay), so the graph never depends on state outside it.
         return (torch.empty(ws_numel, dtype=torch.float32, device=device), torch.zeros(tiles, dtype=torch.int32, device=device))
     key = (index, stream)
     bufs = _split_cache.get(key)
@@ -341,6 +347,7 @@ def gemm_cuda(
     path: str | None = None,
     split_k: int | None = None,
     out: torch.Tensor | None = None,
+    reuse_buffers: bool = False,
 ) -> torch.Tensor:
     """``x @ W^T (+ bias)`` on the GPU for a tiled kbit weight.
 
@@ -359,6 +366,9 @@ def gemm_cuda(
             s > 1 = split each tile's K range over about s blocks.
         out: optional contiguous ``[..., out_features]`` tensor of x's dtype to write into
             (tests pass a NaN-filled one to catch unwritten elements).
+        reuse_buffers: keep split-K workspaces alive between calls (one per stream) instead
+            of allocating them per call. For direct eager calls only: under torch.compile's
+            CUDA graphs a kept buffer would live in the graph's private memory pool.
 
     Returns:
         ``[..., out_features]`` in x's dtype (``out`` when given).
@@ -427,7 +437,7 @@ def gemm_cuda(
         stream = loader._current_raw_stream(dev_index)
         ws_ptr = cnt_ptr = 0
         if plan.split:
-            ws, counters = _split_buffers(dev_index, stream, plan.ws_numel, plan.tiles, x2d.device)
+            ws, counters = _split_buffers(dev_index, stream, plan.ws_numel, plan.tiles, x2d.device, reuse_buffers)
             ws_ptr, cnt_ptr = ws.data_ptr(), counters.data_ptr()
         _GEMM_ARGS.launch(
             plan.kernel, plan.grid, plan.smem, stream,

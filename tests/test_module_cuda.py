@@ -1,0 +1,128 @@
+"""KbitLinear on CUDA: the eager fast path, autograd guard, and torch.compile with CUDA graphs.
+
+Tolerance: relative Frobenius error against the float32 reference below 2e-2 (fp16/bf16
+operands and outputs; the kernels accumulate in float32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import kbit_linear
+
+pytestmark = pytest.mark.cuda
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+try:
+    import cupy  # noqa: F401
+except ImportError:
+    pytest.skip("CuPy is not installed", allow_module_level=True)
+
+DEV = torch.device("cuda")
+TOL = 2e-2
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref.float()).norm() / ref.float().norm())
+
+
+class _Stack(nn.Module):
+    """Three quantized layers with odd shapes, the way a decoder block chains them."""
+
+    def __init__(self, bits: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(bits)
+        dense = [nn.Linear(576, 1536), nn.Linear(1536, 200, bias=False), nn.Linear(200, 576)]
+        self.layers = nn.ModuleList(
+            kbit_linear.KbitLinear.from_linear(d.to(device=DEV, dtype=dtype), bits=bits) for d in dense
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.nn.functional.silu(layer(x))
+        return x
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            b = None if layer.bias is None else layer.bias.float()
+            x = torch.nn.functional.silu(torch.nn.functional.linear(x.float(), layer.dequantize(), b))
+        return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+def test_eager_fast_path_matches_reference(dtype, m):
+    model = _Stack(4, dtype)
+    x = torch.randn(m, 576, device=DEV, dtype=dtype)
+    with torch.no_grad():
+        fast = model(x)
+        op = model.layers[0]  # the op path on the same inputs (dispatcher, no fast path)
+        via_op = torch.ops.kbit_linear.gemm(x, op.weight, op.absmax, op.codebook, op.tensor_scale, 4, op.out_features, op.bias)
+    assert fast.dtype == dtype and fast.shape == (m, 576)
+    assert _rel_err(fast, model.reference(x)) < TOL
+    assert _rel_err(op(x), via_op) < 1e-3
+
+
+def test_grad_mode_takes_the_op_path():
+    layer = kbit_linear.KbitLinear.from_linear(nn.Linear(128, 64).to(DEV, torch.float16), bits=3)
+    x = torch.randn(2, 128, device=DEV, dtype=torch.float16, requires_grad=True)
+    # The op has no backward: with autograd recording, the forward must not silently detach.
+    y = layer(x)
+    with pytest.raises(RuntimeError):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 5])
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_compile_reduce_overhead_cuda_graphs(bits, m):
+    dtype = torch.float16
+    model = _Stack(bits, dtype)
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for step in range(4):  # warm-up, record, then replays
+            x = torch.randn(m, 576, device=DEV, dtype=dtype)
+            torch.compiler.cudagraph_mark_step_begin()
+            y = compiled(x).clone()
+            assert _rel_err(y, model.reference(x)) < TOL, f"step {step}"
+
+
+def test_cuda_graph_capture_replay_of_a_forward():
+    model = _Stack(3, torch.bfloat16)
+    static_x = torch.randn(4, 576, device=DEV, dtype=torch.bfloat16)
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            model(static_x)  # warm-up (compiles kernels) outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = model(static_x)
+        for _ in range(3):
+            static_x.copy_(torch.randn_like(static_x))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert _rel_err(static_y, model.reference(static_x)) < TOL
+
+
+def test_smollm_shaped_llama_forward_matches_cpu_reference():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=1000, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    cpu = transformers.LlamaForCausalLM(config).eval()
+    kbit_linear.quantize_model(cpu, bits=4, progress=False)
+    gpu = transformers.LlamaForCausalLM(config).eval()
+    kbit_linear.quantize_model(gpu, bits=4, progress=False)
+    gpu.load_state_dict(cpu.state_dict())
+    gpu = gpu.to(DEV, torch.bfloat16)
+    ids = torch.randint(0, 1000, (2, 37))
+    with torch.no_grad():
+        ref = cpu(ids).logits
+        out = gpu(ids.to(DEV)).logits.float().cpu()
+    assert _rel_err(out, ref) < 3e-2
