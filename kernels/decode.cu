@@ -31,6 +31,8 @@
 //   partial sums into a workspace with atomics, bumps a per-(row tile, warp) counter, and the
 //   warp that completes the count converts the sums to the output, then zeroes its workspace
 //   rows and the counter, so the next launch finds them zero (no memset, graph capturable).
+//   A block takes the partial row tile at the end of its range first, so that where its range
+//   holds whole row tiles it ends on one (a plain store, no finalisation on the critical path).
 //
 // Tensor cores: C^T = W . x^T with mma.m16n8k16 (fp32 accumulate). The weights are the 16-row A
 // operand (16 output rows x 16 in-features), x is the n8 side (M <= 8 per fragment, MT
@@ -49,20 +51,24 @@
 //      = planes 0 and 1 of weight e+j). About 12 ALU ops per 32 weights at BITS = 4.
 //   2. Lookup: one prmt moves an index byte into the address of a shared-memory table entry
 //      that holds the decoded pair (half2) or quad (two half2). The table has one copy per lane
-//      (the lane picks the bank), so lookups never conflict:
+//      (the lane picks the bank), so lookups never conflict. For BITS <= 4 the rows are 256 B
+//      apart and the table starts on a 64 KiB boundary of the shared window, so the address is
+//      the lane's base with byte 1 replaced by the index: the prmt alone.
 //          BITS 2: 256 quads x 32 lanes x 8 B, row stride 256 B   (64 KiB)
 //          BITS 3:  64 pairs x 32 lanes x 4 B, row stride 256 B   (16 KiB)
 //          BITS 4: 256 pairs x 32 lanes x 4 B, row stride 256 B   (64 KiB)
 //          BITS 5: 1024 pairs x 32 lanes x 4 B, row stride 128 B (128 KiB; prmt + one IMAD)
-//      The table is built once per block from the codebook (persistent grid).
-//   3. Scale: one half2 multiply by the block scale (E4M4 -> float by bit placement, exact,
-//      subnormals included; -> half2). The per-tensor power of two multiplies the fp32 result.
-//   Per weight this is ~0.4 (BITS 2) to ~1.1 (BITS 5) ALU ops, 1/4..1/2 shared loads and 1/2
-//   half2 multiply; see bench/results/decode.md for the SASS counts.
+//      The tables are built once per block from the codebook (persistent grid), while the
+//      first weight loads are in flight.
+//   3. Scale: one half2 multiply by the block scale, read from a 256-entry table of the E4M4
+//      codes as half2 (built exactly, subnormal codes included). The per-tensor power of two
+//      multiplies the fp32 result.
+//   Per weight the loop body is ~1.6 (BITS 2) to ~3.5 (BITS 5) instructions, of them ~0.5 to
+//   ~1.3 ALU; bench/results/decode.md has the SASS counts.
 //
-// Loads: the plane words go straight to registers (16-byte / 8-byte ld.global.nc for BITS 4 /
-// 2, word loads for 3 and 5), R row groups (one chunk) ahead of use, so about
-// NW * 32 * R * 2*BITS*4 bytes per block are in flight.
+// Loads: the plane words go straight to registers (predicated 16-byte / 8-byte ld.global.nc
+// for BITS 4 / 2, word loads for 3 and 5), D items (D*R row groups) ahead of use; a slot is
+// refilled as soon as its planes are turned into index bytes.
 //
 // Half-precision values travel as raw bits; no system headers (NVRTC and nvcc both build it).
 
@@ -115,6 +121,12 @@ KD_DEVICE void ldg_x16_or0(u32 (&v)[4], const u16* p, bool on) {
                  " mov.u32 %3, 0;\n @q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
                  : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
                  : "l"(p), "r"((int)on));
+}
+
+// Orders this thread's earlier memory operations before its later ones for the whole GPU
+// (lighter than __threadfence's sequentially consistent fence, and all the split-K protocol needs).
+KD_DEVICE void fence_acq_rel_gpu() {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
 // Byte permute in the generic mode: selector nibble = source byte 0..7, +8 = replicate that
@@ -240,17 +252,16 @@ template <int BITS> KD_DEVICE void lut_indices(u32 idx, u32 (&e)[4]) {
 
 // Fill the pair/quad table (`lut`, generic pointer) and the scale table (`stab`: E4M4 code ->
 // half2 of the block scale). Lane l holds codebook entry l % 2^BITS; entries are gathered with
-// shuffles, so every thread must run the same number of iterations (the counts below are
-// multiples of 256 and blockDim is 256 or 512).
+// shuffles, so all lanes of a warp run every iteration (stores past the end are skipped).
 template <int BITS, int DT>
 KD_DEVICE void build_tables(u8* lut, u32* stab, const float* __restrict__ codebook, int tid, int nthreads) {
     using L = Lut<BITS>;
     const u32 cbh = f32_to_half2<DT>(__ldg(codebook + (tid & ((1 << BITS) - 1))), 0.0f);
     constexpr int kVecPerRow = 32 * L::kEntryBytes / 16;  // 16-byte stores per table row
     constexpr int kVecs = (1 << L::kIdxBits) * kVecPerRow;
-    static_assert(kVecs % 256 == 0, "uniform trip count for the shuffles");
-    for (int v = tid; v < kVecs; v += nthreads) {
-        const u32 idx = (u32)v / kVecPerRow;
+    for (int base = 0; base < kVecs; base += nthreads) {
+        const int v = base + tid;
+        const u32 idx = (u32)min(v, kVecs - 1) / kVecPerRow;
         const u32 part = (u32)v % kVecPerRow;
         u32 e[4];
         lut_indices<BITS>(idx, e);
@@ -261,11 +272,11 @@ KD_DEVICE void build_tables(u8* lut, u32* stab, const float* __restrict__ codebo
         const u32 w1 = h[2] | (h[3] << 16);
         // two lanes' copies of a quad, or four lanes' copies of a pair
         const uint4 val = BITS == 2 ? make_uint4(w0, w1, w0, w1) : make_uint4(w0, w0, w0, w0);
-        *reinterpret_cast<uint4*>(lut + idx * L::kStride + part * 16) = val;
+        if (v < kVecs) *reinterpret_cast<uint4*>(lut + idx * L::kStride + part * 16) = val;
     }
-    if (tid < 256) {
-        const float sc = e4m4_to_f32((u32)tid);
-        stab[tid] = f32_to_half2<DT>(sc, sc);
+    for (int c = tid; c < 256; c += nthreads) {
+        const float sc = e4m4_to_f32((u32)c);
+        stab[c] = f32_to_half2<DT>(sc, sc);
     }
 }
 
@@ -405,14 +416,15 @@ KD_DEVICE void lookup_mma(const Prepped<BITS>& o, const u32 (&bx)[MT][16], float
 // Item (rt, ch): row tile rt, 128-wide chunk ch. pw/pa: this lane's plane words and scale byte
 // of row group 0 of the warp (rows rg0*16 + g and + 8, block t of the chunk).
 template <int BITS, int NW, int R> struct Cursor {
-    int rt, ch, rg0;
+    int item, rt, ch, rg0;
     const u32* pw;
     const u8* pa;
     bool khi;  // k-tile 2*ch + t/2 exists (false for t >= 2 in a last, half chunk)
 
-    KD_DEVICE void seek(int item, int kc, int warp, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
-        rt = item / kc;
-        ch = item - rt * kc;
+    KD_DEVICE void seek(int it, int kc, int warp, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
+        item = it;
+        rt = it / kc;
+        ch = it - rt * kc;
         rg0 = (rt * NW + warp) * R;
         const int n0 = rg0 * 16 + g;
         const int kt = 2 * ch + (t >> 1);
@@ -424,6 +436,7 @@ template <int BITS, int NW, int R> struct Cursor {
     // Next item; true when it starts a new row tile (then seek() was used).
     KD_DEVICE bool next(int kc, int warp, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
         if (ch + 1 < kc) {
+            ++item;
             ++ch;
             pw += (long long)2 * n_tiles * (256 * BITS);
             pa += (long long)2 * n_tiles * 256;
@@ -432,6 +445,14 @@ template <int BITS, int NW, int R> struct Cursor {
         }
         seek((rt + 1) * kc, kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
         return true;
+    }
+    // Move to item `it`: the next one in memory order cheaply, any other by seek().
+    KD_DEVICE void step(int it, int kc, int warp, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
+        if (it == item + 1) {
+            next(kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
+        } else {
+            seek(it, kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
+        }
     }
     KD_DEVICE void load(Sub<BITS> (&dst)[R], int rg_valid, bool live) const {
 #pragma unroll
@@ -480,7 +501,7 @@ KD_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, float*
                 const int m = 8 * j + 2 * t + (c & 1);
                 if (n < N && m < M) atomicAdd(ws + (size_t)n * kMP + m, acc[r][j][c]);
             }
-    __threadfence();  // the partial sums are visible before the count
+    fence_acq_rel_gpu();  // the partial sums are visible before the count
     __syncwarp();
     int* cnt = counters + rt * NW + warp;
     int old = 0;
@@ -488,7 +509,7 @@ KD_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, float*
     old = __shfl_sync(0xffffffffu, old, 0);
     if (old + nch != kc) return;
     // Last contributor: every partial sum is in the workspace. Convert, then leave zeros.
-    __threadfence();
+    fence_acq_rel_gpu();
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -541,7 +562,16 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     const u32 stab_win = lut_win + (u32)L::kBytes;
     const u32 lanebase = lut_win + (u32)lane * L::kEntryBytes;
 
-    // Ring of in-flight plane loads: ring[d] holds the R row groups of item (current + d).
+    // Order of this block's items: when its range ends inside a row tile that it does not also
+    // start in, that partial tile goes first; then the range from its start. A range holding a
+    // whole row tile thus ends on one, stored directly, and the split-K finalisation of partial
+    // tiles happens early instead of on the kernel's critical path.
+    const int n_items = i1 - i0;
+    const int last_rt_start = ((i1 - 1) / kc) * kc;
+    const int n_tail = (i1 % kc != 0 && last_rt_start > i0) ? i1 - last_rt_start : 0;
+    auto item_at = [&](int j) { return j < n_tail ? last_rt_start + j : i0 + (j - n_tail); };
+
+    // Ring of in-flight plane loads: ring[d] holds the R row groups of sequence item (j + d).
     Sub<BITS> ring[D][R];
 #pragma unroll
     for (int d = 0; d < D; ++d)
@@ -552,15 +582,16 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
 #pragma unroll
                 for (int b = 0; b < BITS; ++b) ring[d][r].p[rho][b] = 0u;
     Cursor<BITS, NW, R> cur, pre;
-    cur.seek(i0, kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
+    cur.seek(item_at(0), kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
     pre = cur;
 #pragma unroll
     for (int d = 0; d < D; ++d) {
-        pre.load(ring[d], rg_valid, i0 + d < i1);
-        if (i0 + d + 1 < i1) pre.next(kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
+        pre.load(ring[d], rg_valid, d < n_items);
+        if (d + 1 < n_items) pre.step(item_at(d + 1), kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
     }
-    // `pre` now points at item i0 + D (when it exists). The tables are built while the first
-    // loads are on their way.
+    // x of the first item, and the tables, while the first loads are on their way.
+    u32 bx[MT][16];
+    load_x<MT>(bx, x, M, K, cur.ch * 128 + 32 * t, g);
     build_tables<BITS, DT>(lut, reinterpret_cast<u32*>(lut + L::kBytes), codebook, threadIdx.x, NW * 32);
     __syncthreads();
     const float tscale = __ldg(tensor_scale);
@@ -568,32 +599,35 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     float acc[R][MT][4];
     zero_acc<R, MT>(acc);
     int ch_first = cur.ch;
-    for (int ib = i0; ib < i1; ib += D) {
+    for (int jb = 0; jb < n_items; jb += D) {
 #pragma unroll
         for (int d = 0; d < D; ++d) {
-            const int i = ib + d;
-            if (i >= i1) break;
-            u32 bx[MT][16];
-            load_x<MT>(bx, x, M, K, cur.ch * 128 + 32 * t, g);
-            const bool refill = i + D < i1;
+            const int j = jb + d;
+            if (j >= n_items) break;
+            if (j > 0) load_x<MT>(bx, x, M, K, cur.ch * 128 + 32 * t, g);
+            const bool refill = j + D < n_items;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 Prepped<BITS> o;
                 prep<BITS>(ring[d][r], o, stab_win);
-                // The planes are consumed: reload the slot with row group r of item i + D.
+                // The planes are consumed: reload the slot with row group r of sequence item j + D.
                 load_sub<BITS>(ring[d][r], pre.pw + r * 32 * BITS, pre.pa + r * 32,
                                refill && pre.khi && pre.rg0 + r < rg_valid);
                 // (row groups past N decode zero planes with zero scales: no branch here)
                 lookup_mma<BITS, DT, MT>(o, bx, acc[r], lanebase);
             }
-            if (i + D + 1 < i1) pre.next(kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
+            if (j + D + 1 < n_items) pre.step(item_at(j + D + 1), kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
 
             const int rt = cur.rt, rg0 = cur.rg0, ch = cur.ch;
-            const bool tile_ends = i + 1 >= i1 || (i + 1 < i1 && cur.next(kc, warp, t, g, k_tiles, n_tiles, packed, absmax));
+            bool tile_ends = j + 1 >= n_items;
+            if (!tile_ends) {
+                cur.step(item_at(j + 1), kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
+                tile_ends = cur.rt != rt;
+            }
             if (!tile_ends) continue;
             flush<DT, MT, NW, R>(acc, out, ws, counters, rt, rg0, ch - ch_first + 1, kc, M, N, tscale, warp, lane);
             zero_acc<R, MT>(acc);
-            ch_first = 0;
+            ch_first = cur.ch;
         }
     }
 }

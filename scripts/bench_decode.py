@@ -11,6 +11,8 @@ Usage (from the repository root, on a GPU machine):
     python3 scripts/bench_decode.py                      # K = 2..5, M = 1, 4, 16, the listed shapes
     python3 scripts/bench_decode.py --bits 4 --m 1 --shapes 8192x28672 --variants
     python3 scripts/bench_decode.py --json results.json
+    ncu -k regex:kbit_decode --launch-skip 2 --launch-count 1 python3 scripts/bench_decode.py \
+        --profile-calls 3 --bits 4 --m 1 --dtypes fp16 --shapes 4096x4096
 
 Shapes are ``in_features x out_features``. ``--variants`` also times other launch shapes of the
 kernel (warps, row groups per warp, loads in flight) for tuning. The markdown table is printed
@@ -42,14 +44,14 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 # Launch shapes tried by --variants: (warps, row groups, depth, min blocks per SM).
 VARIANTS = {
-    (2, 1): [(16, 4, 1, 1), (16, 2, 3, 1), (16, 2, 2, 1)],
-    (3, 1): [(8, 4, 1, 2), (8, 2, 2, 2), (16, 4, 1, 1)],
-    (4, 1): [(16, 4, 1, 1), (16, 2, 2, 1), (16, 2, 1, 1)],
-    (5, 1): [(16, 2, 2, 1), (16, 2, 1, 1), (16, 4, 1, 1)],
-    (2, 2): [(16, 4, 1, 1), (16, 2, 2, 1)],
-    (3, 2): [(8, 2, 1, 2), (8, 2, 2, 2)],
-    (4, 2): [(16, 2, 1, 1), (16, 2, 2, 1), (16, 4, 1, 1)],
-    (5, 2): [(16, 2, 1, 1), (16, 1, 2, 1)],
+    (2, 1): [(16, 2, 2, 1), (24, 2, 1, 1), (24, 2, 2, 1)],
+    (3, 1): [(8, 2, 2, 2), (12, 2, 1, 2), (8, 2, 1, 2)],
+    (4, 1): [(16, 2, 1, 1), (24, 1, 2, 1), (24, 2, 1, 1)],
+    (5, 1): [(16, 2, 1, 1), (16, 1, 2, 1)],
+    (2, 2): [(16, 2, 2, 1), (16, 4, 1, 1)],
+    (3, 2): [(8, 2, 1, 2), (8, 1, 2, 2)],
+    (4, 2): [(16, 2, 1, 1), (16, 1, 2, 1)],
+    (5, 2): [(16, 2, 1, 1)],
 }
 
 
@@ -185,10 +187,25 @@ def main() -> None:
     ap.add_argument("--variant-shapes", nargs="+", default=["4096x4096", "8192x28672"], help="shapes --variants applies to")
     ap.add_argument("--no-peers", action="store_true", help="skip cuBLAS and tinygemm")
     ap.add_argument("--json", type=Path, help="write all results here")
+    ap.add_argument("--profile-calls", type=int, default=0,
+                    help="only run this many eager calls per case (no timing), for a profiler such as ncu")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode.py needs a CUDA GPU")
     torch.manual_seed(0)
+    if args.profile_calls:
+        for shape in args.shapes:
+            k, n = (int(v) for v in shape.lower().split("x"))
+            for bits in args.bits:
+                w = random_kbit(k, n, bits, 1)[0]
+                for dname in args.dtypes:
+                    for m in args.m:
+                        x = torch.randn(m, k, device="cuda", dtype=DTYPES[dname])
+                        out = torch.empty(m, n, device="cuda", dtype=DTYPES[dname])
+                        for _ in range(args.profile_calls):
+                            decode.decode_gemm(x, w.packed, w.absmax, w.codebook, w.tensor_scale, bits, n, out)
+        torch.cuda.synchronize()
+        return
     dev = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
     bw = copy_bandwidth()

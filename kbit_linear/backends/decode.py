@@ -65,10 +65,10 @@ class DecodeConfig:
 # without spilling (`nvcc -Xptxas -v`, sm_90), timed with scripts/bench_decode.py --variants
 # (bench/results/decode.md). Blocks per SM follow from the shared memory of the tables.
 _CONFIGS: dict[tuple[int, int], DecodeConfig] = {
-    (2, 1): DecodeConfig(16, 4, 1, 1),
-    (3, 1): DecodeConfig(8, 4, 1, 2),
-    (4, 1): DecodeConfig(16, 4, 1, 1),
-    (5, 1): DecodeConfig(16, 2, 2, 1),
+    (2, 1): DecodeConfig(16, 2, 2, 1),
+    (3, 1): DecodeConfig(8, 2, 2, 2),
+    (4, 1): DecodeConfig(16, 2, 1, 1),
+    (5, 1): DecodeConfig(16, 2, 1, 1),
     (2, 2): DecodeConfig(16, 2, 2, 1),
     (3, 2): DecodeConfig(8, 2, 1, 2),
     (4, 2): DecodeConfig(16, 2, 1, 1),
