@@ -51,7 +51,8 @@ class DecodeConfig:
     Attributes:
         warps: warps per block (NW); a block owns ``warps * row_groups * 16`` output rows.
         row_groups: 16-row groups per warp (R): x fragments are reused over them.
-        depth: chunks of plane loads in flight per warp (D); ``depth * row_groups`` row groups.
+        depth: work items of plane loads kept in flight per warp (D), i.e. ``depth * row_groups``
+            row groups of one 128-wide chunk each.
         min_blocks: blocks per SM the register budget is sized for (MINB).
     """
 
@@ -194,6 +195,12 @@ def decode_plan(
         k_tiles: storage k-tiles (``packed.shape[0]``).
         device: the CUDA device (default: the current one).
         config: a launch shape to use instead of the tuned one (benchmarks).
+
+    Returns:
+        The :class:`DecodePlan` (cached per device, fragment count, bits, dtype, shape, config).
+
+    Raises:
+        ValueError: the problem is outside :func:`decode_supported`.
     """
     if not decode_supported(m, bits, dtype, device):
         raise ValueError(f"the decode kernel does not support m={m}, bits={bits}, dtype={dtype}")
@@ -275,6 +282,8 @@ def _check(x2d: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebo
 
 
 def _aligned16(t: torch.Tensor) -> torch.Tensor:
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
@@ -320,7 +329,10 @@ def decode_gemm(
         xp[:, :k] = x2d
         x2d, k = xp, k8
     packed, absmax = _aligned16(packed), _aligned16(absmax)
-    plan = decode_plan(m, bits, x2d.dtype, out_features, packed.shape[0], index, config)
+    mt = 1 if m <= 8 else 2
+    plan = _plans.get((index, mt, bits, x2d.dtype, out_features, packed.shape[0], config if config is not None else _CONFIGS[(bits, mt)]))
+    if plan is None:
+        plan = decode_plan(m, bits, x2d.dtype, out_features, packed.shape[0], index, config)
     stream = loader._current_raw_stream(index)
     if plan.split:
         ws, counters = _workspace(device, index, stream, plan.ws_numel, plan.counters)
