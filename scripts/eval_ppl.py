@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from _bench_common import REPO_ROOT, markdown_table, optional_import  # noqa: F401  (puts the repo on sys.path)
+from _bench_common import markdown_table, optional_import  # (importing it puts the repo on sys.path)
 
 from kbit_linear.evaluation import EvalResult, evaluate, stored_bits_per_weight, token_windows
 from kbit_linear.integrations.transformers import KbitConfig, register
