@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kbit_linear.backends import cuda as kcuda
+from kbit_linear.backends import decode as kdecode
 from kbit_linear.backends.loader import kernel_source_dir
 
 NVCC = shutil.which("nvcc")
@@ -71,7 +72,7 @@ def _resource_table(log: str) -> list[tuple[str, str, int, int, int]]:
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: kernel build check skipped")
 def test_every_kernel_instance_builds_for_sm80_and_sm90():
-    jobs = {"gemm.cu": kcuda.gemm_instances(), "quantize.cu": kcuda.format_instances()}
+    jobs = {"gemm.cu": kcuda.gemm_instances(), "quantize.cu": kcuda.format_instances(), "decode.cu": kdecode.decode_instances()}
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
         results = dict(zip(jobs, pool.map(lambda kv: _build(kv[0], kv[1], Path(tmp)), jobs.items())))
     failures = [f"{src}:\n{r.stderr[-6000:]}" for src, r in results.items() if r.returncode != 0]

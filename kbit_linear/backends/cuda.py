@@ -63,7 +63,10 @@ DEQUANT_CUBLAS_MIN_M: dict[str, dict[int, int]] = {
 # it, per GPU; GPUs not listed take it wherever decode_supported says so. H100, same run as
 # above, bits 4 fp16, decode vs fused us: M = 4: 59.6 vs 77.4 (8192->28672), 12.9 vs 18.0
 # (4096->4096), 21.1 vs 28.0 (4096->14336); M = 16: 111.2 vs 76.6, 21.4 vs 18.3, 36.3 vs 28.1.
-DECODE_MAX_M: dict[str, int] = {"H100": 4}
+# The decode kernel's later version (bench/results/decode.md): M = 4: 52.6 us, M = 16: 78.5 us
+# on 8192->28672 (even with fused); its M <= 8 variant runs the cheaper inner loop, so it
+# takes M up to 8.
+DECODE_MAX_M: dict[str, int] = {"H100": 8}
 
 _THREADS = 256
 _TILE_N = fmt.TILE_N
@@ -220,7 +223,7 @@ def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: i
     n_tiles, k_tiles = n_pad // _TILE_N, k_pad // _TILE_K
     dec = _decode_module()
     if path is None:
-        if dec is not None and m <= _decode_max_m(device_index) and dec.decode_supported(m, bits, dtype):
+        if dec is not None and m <= _decode_max_m(device_index) and dec.decode_supported(m, bits, dtype, device_index):
             path = "decode"
         elif m >= _crossover(bits, device_index):
             path = "dequant+cublas"
@@ -229,7 +232,7 @@ def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: i
     if path == "decode":
         if dec is None:
             raise ValueError("path='decode' needs kbit_linear.backends.decode, which is not available")
-        if not dec.decode_supported(m, bits, dtype):
+        if not dec.decode_supported(m, bits, dtype, device_index):
             raise ValueError(f"the decode kernel does not support m={m}, bits={bits}, dtype={dtype}")
         plan = _GemmPlan("decode")
     elif path == "dequant+cublas":
@@ -453,7 +456,9 @@ def gemm_cuda(
         else:
             torch.addmm(bias, x2d, w.t(), out=out)
     else:  # decode
-        _decode_module().decode_gemm(x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out)
+        _decode_module().decode_gemm(
+            x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out, reuse_workspace=reuse_buffers, checked=True
+        )
         if bias is not None:
             out += bias
     if user_out is not None:

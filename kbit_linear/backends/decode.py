@@ -224,16 +224,18 @@ def decode_plan(
 # ---------------------------------------------------------------------------------------
 
 _workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-_retired: list[torch.Tensor] = []  # outgrown buffers a captured graph may still use
 
 
-def _workspace(device: torch.device, index: int, stream: int, ws_numel: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed fp32 workspace and int32 counters of at least the given sizes for this stream.
+def _workspace(device: torch.device, index: int, stream: int, ws_numel: int, counters: int, reuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed fp32 workspace and int32 counters of at least the given sizes.
 
-    During CUDA-graph capture a new buffer is allocated (and zeroed) inside the graph and kept
-    here, so the graph's later calls and its replays use it; buffers that were outgrown stay
-    referenced because a captured graph may still use them.
+    With ``reuse`` (direct eager calls) one pair per stream is kept: the kernel leaves both
+    zero, and launches on one stream run in order. Otherwise (the op path, which
+    torch.compile's CUDA-graph warm-up runs with a private memory pool, and any graph capture)
+    the pair is allocated and zeroed per call and never kept, so a graph owns its buffers.
     """
+    if not reuse or torch._C._cuda_isCurrentStreamCapturing():
+        return (torch.zeros(ws_numel, dtype=torch.float32, device=device), torch.zeros(counters, dtype=torch.int32, device=device))
     key = (index, stream)
     cur = _workspaces.get(key)
     if cur is not None and cur[0].numel() >= ws_numel and cur[1].numel() >= counters:
@@ -241,8 +243,6 @@ def _workspace(device: torch.device, index: int, stream: int, ws_numel: int, cou
     ws_n = max(ws_numel, 0 if cur is None else cur[0].numel())
     cnt_n = max(counters, 0 if cur is None else cur[1].numel())
     fresh = (torch.zeros(ws_n, dtype=torch.float32, device=device), torch.zeros(cnt_n, dtype=torch.int32, device=device))
-    if cur is not None:
-        _retired.extend(cur)
     _workspaces[key] = fresh
     return fresh
 
@@ -299,6 +299,8 @@ def decode_gemm(
     out: torch.Tensor,
     *,
     config: DecodeConfig | None = None,
+    reuse_workspace: bool = True,
+    checked: bool = False,
 ) -> None:
     """Write ``x2d @ W^T`` into ``out`` with the small-M kernel.
 
@@ -313,12 +315,17 @@ def decode_gemm(
         out_features: N.
         out: contiguous ``[M, N]`` tensor of x2d's dtype, overwritten.
         config: a launch shape other than the tuned one (benchmarks and tests).
+        reuse_workspace: keep the split-K workspace between calls (one per stream); pass
+            False where the call may run under torch.compile's CUDA graphs (see ``_workspace``).
+        checked: the caller has already validated every argument (the CUDA backend's
+            dispatcher does), so skip the checks here.
 
     Raises:
         TypeError / ValueError: a tensor has the wrong dtype, shape, device or layout, or the
             problem is outside :func:`decode_supported`.
     """
-    _check(x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out)
+    if not checked:
+        _check(x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out)
     device = x2d.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     m, k = x2d.shape
@@ -335,7 +342,7 @@ def decode_gemm(
         plan = decode_plan(m, bits, x2d.dtype, out_features, packed.shape[0], index, config)
     stream = loader._current_raw_stream(index)
     if plan.split:
-        ws, counters = _workspace(device, index, stream, plan.ws_numel, plan.counters)
+        ws, counters = _workspace(device, index, stream, plan.ws_numel, plan.counters, reuse_workspace)
     else:
         ws = counters = None
     loader.launch(
