@@ -205,3 +205,34 @@ def _(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias):
     check_gemm_args(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
     qw = fmt.KbitWeight(packed, absmax, codebook, tensor_scale, bits, out_features, x.shape[-1])
     return fmt.matmul(x, qw, bias)
+
+
+# ---------------------------------------------------------------------------------------
+# autograd for gemm: gradients flow to x and bias (the quantized weight is frozen), so
+# adapters trained on top of a quantized model (LoRA) work through these layers.
+# ---------------------------------------------------------------------------------------
+
+
+def _gemm_setup_context(ctx, inputs, output):
+    x, packed, absmax, codebook, tensor_scale, bits, out_features, bias = inputs
+    ctx.save_for_backward(packed, absmax, codebook, tensor_scale)
+    ctx.bits, ctx.out_features, ctx.in_features = bits, out_features, x.shape[-1]
+    ctx.x_dtype = x.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _gemm_backward(ctx, grad):
+    packed, absmax, codebook, tensor_scale = ctx.saved_tensors
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        # dL/dx = dL/dy @ W_hat, with the dequantized weight in the gradient's dtype.
+        w = torch.ops.kbit_linear.dequantize(
+            packed, absmax, codebook, tensor_scale, ctx.bits, ctx.out_features, ctx.in_features, grad.dtype
+        )
+        grad_x = (grad @ w).to(ctx.x_dtype)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[7]:
+        grad_bias = grad.reshape(-1, ctx.out_features).sum(0).to(ctx.bias_dtype)
+    return grad_x, None, None, None, None, None, None, grad_bias
+
+
+torch.library.register_autograd(f"{_NS}::gemm", _gemm_backward, setup_context=_gemm_setup_context)

@@ -103,3 +103,25 @@ def test_compile_fullgraph_no_graph_break():
     x = torch.randn(5, 96)
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), f(x))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_backward_matches_dense(with_bias):
+    w, qw = _layer(33, 100, 4, seed=5)
+    x = torch.randn(2, 3, 100, requires_grad=True)
+    bias = torch.randn(33, requires_grad=True) if with_bias else None
+    y = ops.gemm(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 4, 33, bias)
+    g = torch.randn_like(y)
+    y.backward(g)
+    w_hat = fmt.dequantize(qw)
+    assert torch.allclose(x.grad, g @ w_hat, rtol=1e-5, atol=1e-5)
+    if with_bias:
+        assert torch.allclose(bias.grad, g.reshape(-1, 33).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_autograd_opcheck():
+    _, qw = _layer(40, 64, 3, seed=6)
+    x = torch.randn(3, 64, requires_grad=True)
+    bias = torch.randn(40, requires_grad=True)
+    torch.library.opcheck(ops.gemm.default, (x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 3, 40, bias),
+                          test_utils=("test_autograd_registration",))

@@ -451,10 +451,11 @@ def gemm_cuda(
     elif plan.path == "dequant+cublas":
         # The dense weight holds in_features padded to 8 (zero columns beyond the true K).
         w = _dequantize_into(packed, absmax, codebook, tensor_scale, bits, out_features, k, dtype)
-        if bias is None:
-            torch.mm(x2d, w.t(), out=out)
-        else:
-            torch.addmm(bias, x2d, w.t(), out=out)
+        with torch.no_grad():  # out= variants refuse tensors that require grad; autograd is the op's job
+            if bias is None:
+                torch.mm(x2d, w.t(), out=out)
+            else:
+                torch.addmm(bias, x2d, w.t(), out=out)
     else:  # decode
         _decode_module().decode_gemm(
             x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out, reuse_workspace=reuse_buffers, checked=True
