@@ -8,6 +8,7 @@ kind of padding occurs) is saved dense once per module; each test loads it throu
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -190,6 +191,24 @@ def test_quantize_at_load_equals_quantize_model(dense_dir, bits):
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, _logits(ref, ids))
     assert q.config.quantization_config.bits == bits
+
+
+def _dense_weights_alive(shapes: set[tuple[int, int]]) -> list[torch.Tensor]:
+    gc.collect()
+    return [
+        o
+        for o in gc.get_objects()
+        # exact types: isinstance() on every live object trips deprecation proxies
+        if type(o) in (torch.Tensor, nn.Parameter) and o.is_floating_point() and o.device.type != "meta" and tuple(o.shape) in shapes
+    ]
+
+
+def test_quantize_at_load_keeps_no_dense_weight_alive(dense_dir):
+    q = _load(dense_dir, quantization_config=KbitConfig(bits=4))
+    shapes = {(m.out_features, m.in_features) for m in _kbit_layers(q).values()}
+    assert _dense_weights_alive(shapes) == []
+    control = torch.zeros(96, 96)  # a dense [out, in] tensor that is alive is found
+    assert any(t is control for t in _dense_weights_alive(shapes))
 
 
 def test_untied_lm_head_and_user_skips_keep_default_skips(untied_dir):

@@ -15,7 +15,8 @@ How it plugs into the transformers 5.x loader:
   the loader materializes the checkpoint tensor in the load dtype); as each weight arrives,
   :class:`KbitQuantize` quantizes it on its target device and returns the layer's packed
   ``weight``, ``absmax``, ``codebook`` and ``tensor_scale``. Only one dense weight exists at a
-  time, so peak memory stays near the quantized model plus one layer.
+  time, so the live tensors stay near the quantized model plus one dense layer (on CPU the
+  process may still hold freed temporaries in its allocator).
 * save: the quantized tensors are the layers' state dict (``weight`` is the tiled int32
   planes, a shape no dense loader accepts); ``config.json`` gets ``quantization_config`` and
   every safetensors header gets the format version, the per-layer metadata and a sha256 of
