@@ -224,8 +224,7 @@ class KbitHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.codebook = quantization_config.codebook_tensor()
         self.modules_to_not_convert: list[str] = []
-        # checkpoint headers, read before loading a pre-quantized model
-        self._header_layers: dict[str, dict[str, Any]] = {}
+        # sha256 of every quantized tensor, from the headers of a pre-quantized checkpoint
         self._header_sha256: dict[str, str] = {}
 
     # --- environment and placement -----------------------------------------------------
@@ -363,7 +362,7 @@ class KbitHfQuantizer(HfQuantizer):
                 + (" ..." if len(stray) > 5 else "")
                 + " (were different skip_modules used when saving?)"
             )
-        self._header_layers, self._header_sha256 = layers, sums
+        self._header_sha256 = sums
 
     # --- after loading: checks and freezing -----------------------------------------------
 
@@ -392,7 +391,7 @@ class KbitHfQuantizer(HfQuantizer):
                         raise CheckpointError(f"tensor {key!r} fails its sha256 check: the checkpoint is corrupted or was modified")
             for p in module.parameters(recurse=False):
                 p.requires_grad_(False)
-        self._header_layers, self._header_sha256 = {}, {}
+        self._header_sha256 = {}
         return model
 
     # --- saving ------------------------------------------------------------------------
