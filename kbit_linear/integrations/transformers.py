@@ -368,7 +368,7 @@ class KbitHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         """Validate every quantized layer and freeze the float parameters of the quantized layers."""
-        from ..serialization import _sha256
+        from ..serialization import tensor_sha256 as _sha256
 
         for name, module in model.named_modules():
             if not isinstance(module, KbitLinear):
@@ -398,7 +398,7 @@ class KbitHfQuantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[None, dict[str, str]]:
         """Header metadata for ``save_pretrained``: version, per-layer metadata, checksums."""
-        from ..serialization import _sha256
+        from ..serialization import tensor_sha256 as _sha256
 
         layers, sums = {}, {}
         for name, module in model.named_modules():
