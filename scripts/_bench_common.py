@@ -405,3 +405,14 @@ def env_lines(env: dict[str, Any], ceilings: dict[str, float] | None = None) -> 
             f"fp16 matmul 8192^3 {ceilings['matmul_tflops']:.0f} TFLOP/s"
         )
     return lines
+
+
+def write_outputs(args: Any, payload: dict[str, Any], text: str, plot: Callable[[dict[str, Any], str], None]) -> None:
+    """Write the JSON (``args.json``), markdown (``args.md``) and PNG (``args.plot``) files asked for."""
+    if args.json:
+        write_json(args.json, payload)
+    if args.md:
+        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.md).write_text(text + "\n")
+    if args.plot:
+        plot(payload, args.plot)

@@ -528,13 +528,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     payload = run(args)
     text = report(payload)
-    if args.json:
-        bc.write_json(args.json, payload)
-    if args.md:
-        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.md).write_text(text + "\n")
-    if args.plot:
-        plot(payload, args.plot)
+    bc.write_outputs(args, payload, text, plot)
     print(text)
 
 
