@@ -416,3 +416,12 @@ def write_outputs(args: Any, payload: dict[str, Any], text: str, plot: Callable[
         Path(args.md).write_text(text + "\n")
     if args.plot:
         plot(payload, args.plot)
+
+
+def save_figure(fig: Any, path: str) -> None:
+    """Save a matplotlib figure as PNG (creating the parent folder) and close it."""
+    import matplotlib.pyplot as plt
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -531,9 +531,7 @@ def plot(payload: dict[str, Any], path: str) -> None:
     fig.suptitle(f"C = A @ W^T on {env['gpu']} (copy {ceil['copy_gbps']:.0f} GB/s, fp16 {ceil['matmul_tflops']:.0f} TFLOP/s)", fontsize=10)
     legend_rows = -(-len(labels) // ncol)
     fig.tight_layout(rect=(0, 0.03 + 0.035 * legend_rows / len(dtypes), 1, 0.96))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    bc.save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------

@@ -487,9 +487,7 @@ def plot(payload: dict[str, Any], path: str) -> None:
     cfg = payload["config"]
     fig.suptitle(f"Llama-3-8B shape, prompt {cfg['prompt']}, decode {cfg['decode']} on {payload['env']['gpu']}", fontsize=10)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    bc.save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------
