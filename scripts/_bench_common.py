@@ -52,7 +52,11 @@ __all__ = [
     "kbit_cuda_status",
     "kbit_api",
     "markdown_table",
+    "replace_atomically",
+    "write_text",
     "write_json",
+    "write_outputs",
+    "save_figure",
     "env_lines",
     "fmt",
 ]
@@ -382,11 +386,38 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
-def write_json(path: str | os.PathLike[str], payload: Any) -> None:
-    """Write ``payload`` as indented JSON, creating the parent folder."""
+def replace_atomically(path: str | os.PathLike[str], write: Callable[[Path], None]) -> None:
+    """Create or rewrite the file ``path`` so that it never holds a half-written state.
+
+    ``write(tmp)`` writes the new content to a temporary file in the same folder (same suffix,
+    so writers that pick the format from the name still do), which then replaces ``path`` with
+    ``os.replace``: a run killed mid-write leaves the previous complete file, not a torn one.
+    The parent folder is created.
+
+    Args:
+        path: the file to write.
+        write: writes the whole content to the path it is given.
+    """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    # Same folder (os.replace is atomic only within one file system); the pid keeps two runs apart.
+    tmp = p.with_name(f".{p.stem}.{os.getpid()}.tmp{p.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` atomically (see :func:`replace_atomically`)."""
+    replace_atomically(path, lambda tmp: tmp.write_text(text))
+
+
+def write_json(path: str | os.PathLike[str], payload: Any) -> None:
+    """Write ``payload`` as indented JSON, atomically, creating the parent folder."""
+    write_text(path, json.dumps(payload, indent=1, default=str) + "\n")
 
 
 def env_lines(env: dict[str, Any], ceilings: dict[str, float] | None = None) -> list[str]:
@@ -408,20 +439,28 @@ def env_lines(env: dict[str, Any], ceilings: dict[str, float] | None = None) -> 
 
 
 def write_outputs(args: Any, payload: dict[str, Any], text: str, plot: Callable[[dict[str, Any], str], None]) -> None:
-    """Write the JSON (``args.json``), markdown (``args.md``) and PNG (``args.plot``) files asked for."""
+    """Write the JSON (``args.json``), markdown (``args.md``) and PNG (``args.plot``) files asked for.
+
+    Every file is replaced atomically (the plot through :func:`save_figure`), so the function
+    can be called again after each new result: the files then always hold a complete snapshot.
+    """
     if args.json:
         write_json(args.json, payload)
     if args.md:
-        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.md).write_text(text + "\n")
+        write_text(args.md, text + "\n")
     if args.plot:
         plot(payload, args.plot)
 
 
 def save_figure(fig: Any, path: str) -> None:
-    """Save a matplotlib figure as PNG (creating the parent folder) and close it."""
+    """Save a matplotlib figure as PNG, atomically (creating the parent folder), and close it."""
     import matplotlib.pyplot as plt
 
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    p = Path(path)
+    if not p.suffix:
+        p = p.with_suffix(".png")  # what savefig itself does with a bare name
+    try:
+        # The temporary file keeps the suffix, so the format is still picked from the name.
+        replace_atomically(p, lambda tmp: fig.savefig(tmp, dpi=110))
+    finally:
+        plt.close(fig)

@@ -26,6 +26,10 @@ The model is built directly on the GPU in bf16 (same seed for every variant) and
 place, layer by layer, so the full-precision copy never has to exist twice. ``lm_head`` stays
 bf16 in every variant.
 
+The ``--json`` / ``--md`` / ``--plot`` files are rewritten (atomically) after every finished row,
+so a run cut short still leaves all rows measured so far; until the last row is done the markdown
+says "partial: N of M rows" at the top and the JSON has ``progress.complete`` False.
+
 Usage::
 
     python3 scripts/bench_generate.py --json out.json --plot out.png --md out.md
@@ -326,8 +330,18 @@ def kv_bytes(config: Any, batch: int, tokens: int) -> int:
 # ---------------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every requested (variant, mode, batch); returns the JSON payload."""
+def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every requested (variant, mode, batch); returns the JSON payload.
+
+    Args:
+        args: the parsed command line.
+        checkpoint: called with the payload so far (``progress.complete`` False) after every
+            finished (variant, mode, batch) row, measured or failed, so that a caller can save
+            it: a run cut short then still leaves every row it measured.
+
+    Returns:
+        The payload; its ``progress`` says how many of the planned rows were attempted.
+    """
     device = bc.require_cuda()
     env = bc.environment(device)
     config = llama3_8b_config(args.layers)
@@ -354,12 +368,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     copy_gbps = bc.measure_copy_bandwidth(device)
     print(f"# {env['gpu']}: copy {copy_gbps:.0f} GB/s", flush=True)
     rows: list[dict[str, Any]] = []
+    planned = len(models) * len(args.batches) * len(args.modes)
+    done = 0  # rows attempted so far, failed ones included: a failed row is finished too
+
+    def payload(complete: bool) -> dict[str, Any]:
+        return {"env": env, "copy_gbps": copy_gbps, "rows": list(rows), "notes": list(notes),
+                "config": {"models": args.models, "batches": args.batches, "modes": args.modes, "prompt": args.prompt,
+                           "decode": args.decode, "layers": args.layers, "regions": args.regions},
+                "progress": {"done": done, "planned": planned, "measured": len(rows), "complete": complete},
+                "wall_s": time.perf_counter() - t_start}
+
+    def save() -> None:
+        if checkpoint is not None:
+            checkpoint(payload(False))
+
     for name in models:
         t_b = time.perf_counter()
         try:
             model = build_variant(name, config, device, libs)
         except Exception as exc:  # noqa: BLE001  (one broken variant must not hide the others)
             notes.append(f"{name}: build failed: {type(exc).__name__}: {exc}"[:300])
+            done += len(args.batches) * len(args.modes)  # none of its rows can run
+            save()
             continue
         build_s = time.perf_counter() - t_b
         mb = model_bytes(model)
@@ -384,6 +414,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     mark_layer_regions(model, False)
                     torch._dynamo.reset()
                     torch.cuda.empty_cache()
+                    done += 1
+                    save()
                     continue
                 tokens = res.pop("tokens")
                 if mode == "eager":
@@ -394,15 +426,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        "model_gb": mb["total"] / 1e9, "floor_ms_per_step": floor_ms, "build_s": build_s,
                        "run_s": time.perf_counter() - t_r, **res}
                 rows.append(row)
+                done += 1
                 print(f"# {name} {mode} b{batch}: {res['tok_s']:.1f} tok/s, {res['ms_per_step']:.2f} ms/step, "
                       f"TTFT {res['ttft_ms']:.0f} ms, peak {res['peak_gib']:.1f} GiB ({row['run_s']:.0f} s)", flush=True)
+                save()
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    return {"env": env, "copy_gbps": copy_gbps, "rows": rows, "notes": notes,
-            "config": {"models": args.models, "batches": args.batches, "modes": args.modes, "prompt": args.prompt,
-                       "decode": args.decode, "layers": args.layers, "regions": args.regions},
-            "wall_s": time.perf_counter() - t_start}
+    return payload(True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -431,12 +462,25 @@ def table(payload: dict[str, Any]) -> str:
     return bc.markdown_table(headers, body)
 
 
+def progress_line(payload: dict[str, Any]) -> str | None:
+    """The markdown line that marks an unfinished run's snapshot; ``None`` once the run is complete.
+
+    Payloads without ``progress`` (JSON files written before it existed) count as complete.
+    """
+    prog = payload.get("progress")
+    if not prog or prog.get("complete", True):
+        return None
+    return (f"**partial: {prog['done']} of {prog['planned']} rows** ({prog['measured']} measured; "
+            "the run was still going when this file was written, and rewrites it after every row)")
+
+
 def report(payload: dict[str, Any]) -> str:
-    """The markdown report."""
+    """The markdown report (headed by a "partial" line while the run is still going)."""
     cfg = payload["config"]
-    out = ["# End-to-end decode benchmark", ""] + bc.env_lines(payload["env"]) + [
+    partial = progress_line(payload)
+    out = ["# End-to-end decode benchmark", ""] + ([partial, ""] if partial else []) + bc.env_lines(payload["env"]) + [
         f"- measured in the same run: device-to-device copy {payload['copy_gbps']:.0f} GB/s (read + write)",
-        f"- wall time of the run: {payload['wall_s']:.0f} s", "",
+        f"- wall time of the run{' so far' if partial else ''}: {payload['wall_s']:.0f} s", "",
         f"Llama-3-8B-shaped model ({cfg['layers']} layers, hidden 4096, MLP 14336, 32/8 heads, vocab 128256), random "
         f"weights, prompt {cfg['prompt']} random tokens, greedy decode of {cfg['decode']} tokens; lm_head bf16 in every "
         "variant. tok/s counts every sequence of the batch. TTFT = prefill + first pick. floor = (bytes of all weights "
@@ -521,10 +565,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def save_snapshot(args: argparse.Namespace, payload: dict[str, Any]) -> None:
+    """Rewrite the requested files with the rows so far (the ``run`` checkpoint).
+
+    A failure here is printed, not raised: losing one snapshot must not end the measurements.
+    The final write in ``main`` is not guarded, so a persistent problem still surfaces.
+    """
+    try:
+        bc.write_outputs(args, payload, report(payload), plot)
+    except Exception as exc:  # noqa: BLE001
+        print(f"# could not write the snapshot: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run, then print the report and write the requested files."""
+    """Run, writing the requested files after every row, then print the final report."""
     args = parse_args(argv)
-    payload = run(args)
+    want_files = bool(args.json or args.md or args.plot)
+    payload = run(args, (lambda p: save_snapshot(args, p)) if want_files else None)
     text = report(payload)
     bc.write_outputs(args, payload, text, plot)
     print(text)
