@@ -412,20 +412,21 @@ KD_DEVICE void lookup_mma(const Prepped<BITS>& o, const u32 (&bx)[MT][16], float
     }
 }
 
-// Where one work item's loads come from, advanced item by item without divisions.
+// Where one work item's loads come from, advanced without divisions inside a row tile.
 // Item (rt, ch): row tile rt, 128-wide chunk ch. pw/pa: this lane's plane words and scale byte
-// of row group 0 of the warp (rows rg0*16 + g and + 8, block t of the chunk).
-template <int BITS, int NW, int R> struct Cursor {
+// of row group 0 of the warp (rows rg0*16 + g and + 8, block t of the chunk). NWR warps of a
+// block sit side by side in a row tile (row slot `wr`), each owning R row groups.
+template <int BITS, int NWR, int R> struct Cursor {
     int item, rt, ch, rg0;
     const u32* pw;
     const u8* pa;
     bool khi;  // k-tile 2*ch + t/2 exists (false for t >= 2 in a last, half chunk)
 
-    KD_DEVICE void seek(int it, int kc, int warp, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
+    KD_DEVICE void seek(int it, int kc, int wr, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
         item = it;
         rt = it / kc;
         ch = it - rt * kc;
-        rg0 = (rt * NW + warp) * R;
+        rg0 = (rt * NWR + wr) * R;
         const int n0 = rg0 * 16 + g;
         const int kt = 2 * ch + (t >> 1);
         khi = kt < k_tiles;
@@ -433,25 +434,17 @@ template <int BITS, int NW, int R> struct Cursor {
         pw = packed + tile * (256 * BITS) + ((n0 & 127) * 2 + (t & 1)) * BITS;
         pa = absmax + tile * 256 + (n0 & 127) * 2 + (t & 1);
     }
-    // Next item; true when it starts a new row tile (then seek() was used).
-    KD_DEVICE bool next(int kc, int warp, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
-        if (ch + 1 < kc) {
-            ++item;
-            ++ch;
-            pw += (long long)2 * n_tiles * (256 * BITS);
-            pa += (long long)2 * n_tiles * 256;
+    // Move to item `it` (> item): a pointer bump when it is in the same row tile, else seek().
+    KD_DEVICE void step(int it, int kc, int wr, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
+        const int dc = it - item;
+        if (dc > 0 && ch + dc < kc) {
+            item = it;
+            ch += dc;
+            pw += (long long)dc * 2 * n_tiles * (256 * BITS);
+            pa += (long long)dc * 2 * n_tiles * 256;
             khi = 2 * ch + (t >> 1) < k_tiles;
-            return false;
-        }
-        seek((rt + 1) * kc, kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
-        return true;
-    }
-    // Move to item `it`: the next one in memory order cheaply, any other by seek().
-    KD_DEVICE void step(int it, int kc, int warp, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
-        if (it == item + 1) {
-            next(kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
         } else {
-            seek(it, kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
+            seek(it, kc, wr, t, g, k_tiles, n_tiles, packed, absmax);
         }
     }
     KD_DEVICE void load(Sub<BITS> (&dst)[R], int rg_valid, bool live) const {
@@ -469,15 +462,16 @@ template <int R, int MT> KD_DEVICE void zero_acc(float (&acc)[R][MT][4]) {
             for (int c = 0; c < 4; ++c) acc[r][j][c] = 0.0f;
 }
 
-// This warp is done with row tile rt, having covered `nch` of its `kc` chunks. acc[r][j][c]
-// belongs to row (rg0 + r) * 16 + g + 8 * (c / 2) and column 8j + 2t + c % 2.
-template <int DT, int MT, int NW, int R>
-KD_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
-                     int rt, int rg0, int nch, int kc, int M, int N, float tscale, int warp, int lane) {
+// The block's sums for R row groups of row tile rt over `nch` of its `kc` chunks are in acc
+// (one warp). acc[r][j][c] belongs to row (rg0 + r) * 16 + g + 8 * (c / 2) and column
+// 8j + 2t + c % 2. The whole K: store. Part of K: add to the workspace and count; the warp that
+// completes the count (`cnt`, one per row tile and row slot) stores and leaves zeros.
+template <int DT, int MT, int R>
+KD_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, float* __restrict__ ws, int* cnt,
+                     int rg0, int nch, int kc, int M, int N, float tscale, int lane) {
     const int g = lane >> 2, t = lane & 3;
     constexpr int kMP = 8 * MT;  // workspace row pitch (floats)
     if (nch == kc) {
-        // The whole K was summed here: write the output.
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -490,7 +484,6 @@ KD_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, float*
                 }
         return;
     }
-    // Part of K: add the partial sums to the workspace, then count the chunks done.
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -503,7 +496,6 @@ KD_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, float*
             }
     fence_acq_rel_gpu();  // the partial sums are visible before the count
     __syncwarp();
-    int* cnt = counters + rt * NW + warp;
     int old = 0;
     if (lane == 0) old = atomicAdd(cnt, nch);
     old = __shfl_sync(0xffffffffu, old, 0);
@@ -527,51 +519,127 @@ KD_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, float*
     if (lane == 0) atomicExch(cnt, 0);
 }
 
+// In-block reduction of one segment (the block's chunks of one row tile) for one row slot.
+// The KS warps of a row slot share K: each stores its partial sums in its own slice of a
+// shared-memory slot (plain stores: shared fp32 atomics are CAS loops on sm_80/90 and collide
+// when 16 warps finish together) and counts its chunks; the warp that completes the segment's
+// count adds the other contributors' slices to its own sums and flushes them. Two slots
+// alternate between consecutive segments; a slot's generation word names the segment that may
+// use it, so a warp that runs two segments ahead waits (spins) until the slot is released. No
+// block barrier: warps without chunks in a segment never take part.
+template <int KS, int R, int MT> struct RedSlot {
+    float part[KS][R * MT * 4][32];
+};
+struct RedCtl {
+    int gen, count;
+};
+
+// seg_pos0: the segment's first position in the block's sequence (warp wk holds positions
+// p = wk mod KS), so its contributors are the warps (seg_pos0 + q) % KS, q < min(seg_len, KS).
+template <int DT, int MT, int R, int KS>
+KD_DEVICE void reduce_flush(float (&acc)[R][MT][4], RedSlot<KS, R, MT>* slot, RedCtl* ctl, u16* __restrict__ out, float* __restrict__ ws,
+                            int* cnt, int seg, int seg_len, int seg_pos0, int nmine, int wk, int rg0, int kc, int M, int N,
+                            float tscale, int lane) {
+    volatile int* gen = &ctl->gen;
+    if (lane == 0) {
+        while (*gen != seg) {
+        }
+        __threadfence_block();
+    }
+    __syncwarp();
+    if (nmine != seg_len) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int j = 0; j < MT; ++j)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) slot->part[wk][(r * MT + j) * 4 + c][lane] = acc[r][j][c];
+        __threadfence_block();
+        __syncwarp();
+        int old = 0;
+        if (lane == 0) old = atomicAdd(&ctl->count, nmine);
+        old = __shfl_sync(0xffffffffu, old, 0);
+        if (old + nmine != seg_len) return;
+        // Last of the segment: add the other contributors' slices.
+        __threadfence_block();
+        const int nc = min(seg_len, KS);
+        for (int q = 0; q < nc; ++q) {
+            const int w = (seg_pos0 + q) % KS;
+            if (w == wk) continue;
+            const volatile float* src = &slot->part[w][0][0];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int j = 0; j < MT; ++j)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) acc[r][j][c] += src[((r * MT + j) * 4 + c) * 32 + lane];
+        }
+        if (lane == 0) ctl->count = 0;
+    }
+    flush<DT, MT, R>(acc, out, ws, cnt, rg0, seg_len, kc, M, N, tscale, lane);
+    __threadfence_block();
+    __syncwarp();
+    if (lane == 0) *gen = seg + 2;  // release the slot to the segment two ahead
+}
+
 // Kernel parameters:
 //   x [M, K] (fp16/bf16 bits), packed/absmax tiled (k_tiles x n_tiles storage tiles),
 //   codebook f32 [2^BITS], tensor_scale f32 [1], out [M, N] (x's type);
-//   ws f32 [row tiles * NW*R*16, 8*MT] and counters i32 [row tiles * NW]: zero on entry and
+//   ws f32 [row tiles * NWR*R*16, 8*MT] and counters i32 [row tiles * NWR]: zero on entry and
 //   left zero (only touched when a row tile is split over blocks; may be null otherwise);
-//   K: x's row length, a multiple of 8 (x 16-byte aligned), at most 64 * k_tiles.
+//   M, N; K: x's row length, a multiple of 8 (x 16-byte aligned), at most 64 * k_tiles;
+//   align: the block ranges of items are cut on multiples of `align` (1: stream-K, balanced to
+//   one item; kc: whole row tiles per block, never split).
 // Template: BITS 2..5, DT (KD_F16 / KD_BF16), MT = ceil(M / 8) n8 fragments, NW warps per
-// block, R row groups per warp, D items of loads in flight (D * R row groups per lane), MINB
-// blocks per SM (register budget: 65536 / (MINB * NW * 32) per thread).
-template <int BITS, int DT, int MT, int NW, int R, int D, int MINB>
+// block, of them KS side by side along K (so NW/KS row slots of R row groups: a row tile is
+// NW/KS*R*16 rows), D items of loads in flight per warp, MINB blocks per SM (register budget:
+// 65536 / (MINB * NW * 32) per thread).
+template <int BITS, int DT, int MT, int NW, int KS, int R, int D, int MINB>
 __global__ void __launch_bounds__(NW * 32, MINB)
 kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
                  const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
-                 float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K, int k_tiles, int n_tiles) {
+                 float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K, int k_tiles, int n_tiles, int align) {
     static_assert(R == 1 || R == 2 || R == 4 || R == 8, "a warp's rows must stay inside one 128-row storage tile");
+    static_assert(NW % KS == 0, "KS must divide NW");
+    constexpr int NWR = NW / KS;
     using L = Lut<BITS>;
     extern __shared__ __align__(16) u8 smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int kc = (k_tiles + 1) >> 1;  // 128-wide chunks
-    constexpr int kRows = NW * R * 16;  // rows per row tile
+    const int wr = warp % NWR, wk = warp / NWR;  // row slot, position along K
+    const int kc = (k_tiles + 1) >> 1;          // 128-wide chunks
+    constexpr int kRows = NWR * R * 16;         // rows per row tile
     const int row_tiles = (N + kRows - 1) / kRows;
-    const int total = row_tiles * kc;
-    const int i0 = (int)(((long long)blockIdx.x * total) / gridDim.x);
-    const int i1 = (int)(((long long)(blockIdx.x + 1) * total) / gridDim.x);
+    const int units = row_tiles * (kc / align);  // the grid's items, in multiples of `align`
+    const int i0 = align * (int)(((long long)blockIdx.x * units) / gridDim.x);
+    const int i1 = align * (int)(((long long)(blockIdx.x + 1) * units) / gridDim.x);
     if (i0 >= i1) return;  // whole block, before any barrier
     const int rg_valid = (N + 15) >> 4;  // row groups holding real rows
 
-    // Tables: the pair/quad table on a kAlign boundary of the shared window, then the scales.
+    // Tables: the pair/quad table on a kAlign boundary of the shared window, then the scales,
+    // then the reduction slots.
     const u32 win = (u32)__cvta_generic_to_shared(smem);
     const u32 lut_win = (win + (u32)(L::kAlign - 1)) & ~(u32)(L::kAlign - 1);
     u8* lut = smem + (lut_win - win);
     const u32 stab_win = lut_win + (u32)L::kBytes;
     const u32 lanebase = lut_win + (u32)lane * L::kEntryBytes;
+    using Slot = RedSlot<KS, R, MT>;
+    Slot* slots = reinterpret_cast<Slot*>(lut + L::kBytes + 1024);        // [2][NWR]
+    RedCtl* ctls = reinterpret_cast<RedCtl*>(slots + 2 * NWR);              // [2][NWR]
 
     // Order of this block's items: when its range ends inside a row tile that it does not also
     // start in, that partial tile goes first; then the range from its start. A range holding a
     // whole row tile thus ends on one, stored directly, and the split-K finalisation of partial
-    // tiles happens early instead of on the kernel's critical path.
+    // tiles happens early instead of on the kernel's critical path. Segment = the block's items
+    // of one row tile; warp (wr, wk) takes positions wk, wk + KS, ... of the sequence.
     const int n_items = i1 - i0;
     const int last_rt_start = ((i1 - 1) / kc) * kc;
     const int n_tail = (i1 % kc != 0 && last_rt_start > i0) ? i1 - last_rt_start : 0;
-    auto item_at = [&](int j) { return j < n_tail ? last_rt_start + j : i0 + (j - n_tail); };
+    const int body_end = n_tail ? last_rt_start : i1;
+    auto item_at = [&](int p) { return p < n_tail ? last_rt_start + p : i0 + (p - n_tail); };
+    const int n_mine = wk < n_items ? (n_items - wk + KS - 1) / KS : 0;
 
-    // Ring of in-flight plane loads: ring[d] holds the R row groups of sequence item (j + d).
+    // Ring of in-flight plane loads: ring[d] holds the R row groups of this warp's unit (j + d).
     Sub<BITS> ring[D][R];
 #pragma unroll
     for (int d = 0; d < D; ++d)
@@ -581,53 +649,74 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
             for (int rho = 0; rho < 2; ++rho)
 #pragma unroll
                 for (int b = 0; b < BITS; ++b) ring[d][r].p[rho][b] = 0u;
-    Cursor<BITS, NW, R> cur, pre;
-    cur.seek(item_at(0), kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
+    Cursor<BITS, NWR, R> cur, pre;
+    cur.seek(item_at(min(wk, n_items - 1)), kc, wr, t, g, k_tiles, n_tiles, packed, absmax);
     pre = cur;
 #pragma unroll
     for (int d = 0; d < D; ++d) {
-        pre.load(ring[d], rg_valid, d < n_items);
-        if (d + 1 < n_items) pre.step(item_at(d + 1), kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
+        pre.load(ring[d], rg_valid, d < n_mine);
+        if (d + 1 < n_mine) pre.step(item_at(wk + (d + 1) * KS), kc, wr, t, g, k_tiles, n_tiles, packed, absmax);
     }
-    // x of the first item, and the tables, while the first loads are on their way.
+    // x of the first item, the tables and the reduction slots while the first loads are on
+    // their way.
     u32 bx[MT][16];
     load_x<MT>(bx, x, M, K, cur.ch * 128 + 32 * t, g);
     build_tables<BITS, DT>(lut, reinterpret_cast<u32*>(lut + L::kBytes), codebook, threadIdx.x, NW * 32);
+    {
+        if (threadIdx.x < 2 * NWR) {
+            ctls[threadIdx.x].gen = threadIdx.x / NWR;  // slot 0 starts with segment 0, slot 1 with 1
+            ctls[threadIdx.x].count = 0;
+        }
+    }
     __syncthreads();
+    if (n_mine == 0) return;
     const float tscale = __ldg(tensor_scale);
 
     float acc[R][MT][4];
     zero_acc<R, MT>(acc);
-    int ch_first = cur.ch;
-    for (int jb = 0; jb < n_items; jb += D) {
+    int j_first = 0;  // first unit of the current segment
+    for (int jb = 0; jb < n_mine; jb += D) {
 #pragma unroll
         for (int d = 0; d < D; ++d) {
             const int j = jb + d;
-            if (j >= n_items) break;
+            if (j >= n_mine) break;
             if (j > 0) load_x<MT>(bx, x, M, K, cur.ch * 128 + 32 * t, g);
-            const bool refill = j + D < n_items;
+            const bool refill = j + D < n_mine;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 Prepped<BITS> o;
                 prep<BITS>(ring[d][r], o, stab_win);
-                // The planes are consumed: reload the slot with row group r of sequence item j + D.
+                // The planes are consumed: reload the slot with row group r of unit j + D.
                 load_sub<BITS>(ring[d][r], pre.pw + r * 32 * BITS, pre.pa + r * 32,
                                refill && pre.khi && pre.rg0 + r < rg_valid);
                 // (row groups past N decode zero planes with zero scales: no branch here)
                 lookup_mma<BITS, DT, MT>(o, bx, acc[r], lanebase);
             }
-            if (j + D + 1 < n_items) pre.step(item_at(j + D + 1), kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
+            if (j + D + 1 < n_mine) pre.step(item_at(wk + (j + D + 1) * KS), kc, wr, t, g, k_tiles, n_tiles, packed, absmax);
 
-            const int rt = cur.rt, rg0 = cur.rg0, ch = cur.ch;
-            bool tile_ends = j + 1 >= n_items;
-            if (!tile_ends) {
-                cur.step(item_at(j + 1), kc, warp, t, g, k_tiles, n_tiles, packed, absmax);
-                tile_ends = cur.rt != rt;
+            const int rt = cur.rt, rg0 = cur.rg0, pos = wk + j * KS;
+            bool seg_ends = j + 1 >= n_mine;
+            if (!seg_ends) {
+                cur.step(item_at(pos + KS), kc, wr, t, g, k_tiles, n_tiles, packed, absmax);
+                seg_ends = cur.rt != rt;
             }
-            if (!tile_ends) continue;
-            flush<DT, MT, NW, R>(acc, out, ws, counters, rt, rg0, ch - ch_first + 1, kc, M, N, tscale, warp, lane);
+            if (!seg_ends) continue;
+            int seg, seg_len, seg_pos0;
+            if (pos < n_tail) {
+                seg = 0;
+                seg_len = n_tail;
+                seg_pos0 = 0;
+            } else {
+                const int lo = max(i0, rt * kc);
+                seg = (n_tail > 0 ? 1 : 0) + rt - i0 / kc;
+                seg_len = min(body_end, (rt + 1) * kc) - lo;
+                seg_pos0 = n_tail + lo - i0;
+            }
+            const int s2 = (seg & 1) * NWR + wr;
+            reduce_flush<DT, MT, R, KS>(acc, slots + s2, ctls + s2, out, ws, counters + rt * NWR + wr, seg, seg_len, seg_pos0,
+                                        j - j_first + 1, wk, rg0, kc, M, N, tscale, lane);
             zero_acc<R, MT>(acc);
-            ch_first = cur.ch;
+            j_first = j + 1;
         }
     }
 }

@@ -42,17 +42,19 @@ L2_BYTES = 50 * 2**20
 DEFAULT_SHAPES = ("4096x4096", "4096x14336", "14336x4096", "8192x28672", "576x192")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-# Launch shapes tried by --variants: (warps, row groups, depth, min blocks per SM).
+# Launch shapes tried by --variants: (warps, warps along K, row groups, depth, min blocks per
+# SM), each with the schedules in VARIANT_SCHEDULES ("auto": the cheapest for that shape).
 VARIANTS = {
-    (2, 1): [(16, 2, 2, 1), (24, 2, 1, 1), (24, 2, 2, 1)],
-    (3, 1): [(8, 2, 2, 2), (12, 2, 1, 2), (8, 2, 1, 2)],
-    (4, 1): [(16, 2, 1, 1), (24, 1, 2, 1), (24, 2, 1, 1)],
-    (5, 1): [(16, 2, 1, 1), (16, 1, 2, 1)],
-    (2, 2): [(16, 2, 2, 1), (16, 4, 1, 1)],
-    (3, 2): [(8, 2, 1, 2), (8, 1, 2, 2)],
-    (4, 2): [(16, 2, 1, 1), (16, 1, 2, 1)],
-    (5, 2): [(16, 2, 1, 1)],
+    (2, 1): [(16, 16, 2, 1, 1), (16, 4, 2, 2, 1), (16, 4, 2, 1, 1)],
+    (3, 1): [(8, 8, 2, 2, 2), (16, 4, 2, 1, 1), (16, 4, 2, 2, 1)],
+    (4, 1): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 4, 2, 2, 1), (16, 8, 2, 1, 1)],
+    (5, 1): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 8, 2, 1, 1)],
+    (2, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 2, 1), (16, 4, 2, 1, 1)],
+    (3, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1)],
+    (4, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 8, 2, 1, 1)],
+    (5, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1)],
 }
+VARIANT_SCHEDULES = ("auto",)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
@@ -120,7 +122,7 @@ def random_kbit(k: int, n: int, bits: int, copies: int) -> list[fmt.KbitWeight]:
 
 
 def bench_kbit(k: int, n: int, bits: int, m: int, dtype: torch.dtype, cfg: decode.DecodeConfig | None = None,
-               weights: list[fmt.KbitWeight] | None = None) -> tuple[float, int]:
+               weights: list[fmt.KbitWeight] | None = None, sched: str = "auto") -> tuple[float, int]:
     """(seconds per call, bytes moved) for the decode kernel."""
     if weights is None:
         wb = random_kbit(k, n, bits, 1)[0]
@@ -130,7 +132,7 @@ def bench_kbit(k: int, n: int, bits: int, m: int, dtype: torch.dtype, cfg: decod
 
     def call(i: int) -> None:
         w = weights[i]
-        decode.decode_gemm(x, w.packed, w.absmax, w.codebook, w.tensor_scale, bits, n, out, config=cfg)
+        decode.decode_gemm(x, w.packed, w.absmax, w.codebook, w.tensor_scale, bits, n, out, config=cfg, schedule_kind=sched)
 
     nbytes = weights[0].packed.nbytes + weights[0].absmax.nbytes + x.nbytes + out.nbytes
     return time_calls(call, len(weights)), nbytes
@@ -237,25 +239,34 @@ def main() -> None:
                     row = dict(shape=shape, bits=bits, dtype=dname, m=m, us=t * 1e6, roofline_us=roof * 1e6,
                                pct_roofline=100 * roof / t, cublas_us=None if cub is None else cub * 1e6,
                                tinygemm_us=None if tiny is None else tiny * 1e6, grid=plan.grid, split=plan.split,
-                               config=plan.name)
+                               schedule=plan.schedule, config=plan.name)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if args.variants and dname == args.dtypes[0] and shape in args.variant_shapes:
                         for v in VARIANTS.get((bits, 1 if m <= 8 else 2), []):
                             cfg = decode.DecodeConfig(*v)
-                            tv, _ = bench_kbit(k, n, bits, m, dtype, cfg=cfg, weights=weights)
-                            vr = dict(shape=shape, bits=bits, dtype=dname, m=m, config=v, us=tv * 1e6, pct_roofline=100 * roof / tv)
-                            variant_rows.append(vr)
-                            print("variant " + json.dumps(vr), flush=True)
+                            for sched in VARIANT_SCHEDULES:
+                                try:
+                                    vplan = decode.decode_plan(m, bits, dtype, n, weights[0].packed.shape[0], config=cfg,
+                                                               schedule_kind=sched)
+                                except ValueError:
+                                    continue  # the schedule does not apply to this shape
+                                tv, _ = bench_kbit(k, n, bits, m, dtype, cfg=cfg, weights=weights, sched=sched)
+                                vr = dict(shape=shape, bits=bits, dtype=dname, m=m, config=v, schedule=vplan.schedule,
+                                          grid=vplan.grid, us=tv * 1e6, pct_roofline=100 * roof / tv)
+                                variant_rows.append(vr)
+                                print("variant " + json.dumps(vr), flush=True)
             del weights
             torch.cuda.empty_cache()
     overhead = host_overhead_us(576, 192, 4, 1, torch.float16)
     if args.json:
         args.json.write_text(json.dumps(dict(header=head, copy_bw=bw, rows=rows, variants=variant_rows, host_us=overhead), indent=1))
     if variant_rows:
-        print("\n| shape | K | M | (warps, row groups, depth, blocks/SM) | us | % roofline |\n|---|---|---|---|---|---|")
+        print("\n| shape | K | M | (warps, warps along K, row groups, depth, blocks/SM) | schedule (grid) | us | % roofline |\n"
+              "|---|---|---|---|---|---|---|")
         for v in variant_rows:
-            print(f"| {v['shape']} | {v['bits']} | {v['m']} | {tuple(v['config'])} | {v['us']:.1f} | {v['pct_roofline']:.0f} |")
+            print(f"| {v['shape']} | {v['bits']} | {v['m']} | {tuple(v['config'])} | {v['schedule']} ({v['grid']}) | {v['us']:.1f} | "
+                  f"{v['pct_roofline']:.0f} |")
     print(f"\n{head}\nhost overhead of one eager decode_gemm call (576x192, launch-bound): {overhead:.1f} us")
     print("\n| shape (K x N) | K | dtype | M | us | roofline us | % roofline | cuBLAS us | x vs cuBLAS | tinygemm us | x vs tinygemm |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -162,13 +162,59 @@ def test_subnormal_scales_and_user_codebook(bits):
 
 @gpu
 def test_split_and_direct_paths_both_exercised():
-    """The shape list covers launches with and without split-K (the workspace path)."""
+    """With stream-K, the shape list covers launches with and without split-K (the workspace path)."""
     kinds = set()
     for bits in BITS:
         for k, n in SHAPES:
             _, k_pad = fmt.padded_shape(n, k)
-            kinds.add(decode.decode_plan(1, bits, torch.float16, n, k_pad // fmt.TILE_K).split)
+            kinds.add(decode.decode_plan(1, bits, torch.float16, n, k_pad // fmt.TILE_K, schedule_kind="stream-k").split)
     assert kinds == {True, False}
+
+
+# Launch shapes beyond the tuned ones: several row slots per row tile (NW/KS > 1), one warp
+# along K (KS = 1), deeper rings, more row groups per warp.
+ALT_CONFIGS = (
+    decode.DecodeConfig(16, 4, 2, 1, 1),
+    decode.DecodeConfig(8, 1, 2, 1, 2),
+    decode.DecodeConfig(16, 8, 1, 2, 1),
+    decode.DecodeConfig(4, 2, 4, 1, 2),
+)
+
+
+@gpu
+@pytest.mark.parametrize("sched", ("stream-k", "tiles", "tile-split"))
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_schedules(bits, sched):
+    """Every schedule (stream-K, whole row tiles, row tiles split s ways) gives the same result.
+
+    The shapes include one whose row tiles outnumber the SMs (tile-split does not apply there)
+    and odd ones whose ranges start and end inside row tiles."""
+    ran = 0
+    for (k, n), m, dtype in (((4096, 1024), 1, torch.float16), ((1000, 300), 5, torch.bfloat16), ((14336, 4096), 16, torch.float16),
+                             ((200, 4000), 3, torch.bfloat16)):
+        qw, w = _cached_weight(k, n, bits)
+        try:
+            decode.decode_plan(m, bits, dtype, n, qw.packed.shape[0], schedule_kind=sched)
+        except ValueError as e:
+            assert "does not apply" in str(e)
+            continue
+        x = torch.randn(m, k, device=DEV, dtype=dtype)
+        for _ in range(2):  # the second call finds the workspace left zeroed
+            _check_against(_run(x, qw, schedule_kind=sched), x, w, dtype)
+        ran += 1
+    assert ran >= 2
+
+
+@gpu
+@pytest.mark.parametrize("cfg", ALT_CONFIGS, ids=lambda c: f"w{c.warps}k{c.k_warps}r{c.row_groups}d{c.depth}b{c.min_blocks}")
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_other_launch_shapes(bits, cfg):
+    """The kernel is right for launch shapes other than the tuned ones, on every schedule."""
+    for (k, n), m, dtype in (((4096, 1024), 1, torch.float16), ((1000, 300), 9, torch.bfloat16), ((576, 192), 16, torch.float16)):
+        qw, w = _cached_weight(k, n, bits)
+        x = torch.randn(m, k, device=DEV, dtype=dtype)
+        for sched in ("auto", "stream-k", "tiles"):
+            _check_against(_run(x, qw, config=cfg, schedule_kind=sched), x, w, dtype)
 
 
 
@@ -178,18 +224,19 @@ def test_repeated_calls_streams_and_graph(bits):
     """The split-K workspace is left zeroed: repeated calls, a second stream and a CUDA graph agree."""
     k, n, dtype = 14336, 4096, torch.float16
     qw, w = _cached_weight(k, n, bits)
-    assert decode.decode_plan(4, bits, dtype, n, qw.packed.shape[0]).split
+    assert decode.decode_plan(4, bits, dtype, n, qw.packed.shape[0], schedule_kind="stream-k").split
     x = torch.randn(4, k, device=DEV, dtype=dtype)
-    first = _run(x, qw)
+    run = functools.partial(_run, schedule_kind="stream-k")  # the workspace path
+    first = run(x, qw)
     _check_against(first, x, w, dtype)
     for _ in range(3):
-        again = _run(x, qw)
+        again = run(x, qw)
         _check_against(again, x, w, dtype)
         assert _rel_err(again, first) < 1e-3  # only the order of the fp32 atomic adds differs
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        res = _run(x, qw)
+        res = run(x, qw)
     torch.cuda.current_stream().wait_stream(side)
     _check_against(res, x, w, dtype)
 
@@ -197,7 +244,7 @@ def test_repeated_calls_streams_and_graph(bits):
     static_out = torch.full((4, n), float("nan"), dtype=dtype, device=DEV)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        decode.decode_gemm(static_x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n, static_out)
+        decode.decode_gemm(static_x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n, static_out, schedule_kind="stream-k")
     for _ in range(3):
         static_x.copy_(torch.randn(4, k, device=DEV, dtype=dtype))
         static_out.fill_(float("nan"))
@@ -230,7 +277,7 @@ def test_supported_range():
     assert not decode.decode_supported(1, 6, torch.float16)
     assert not decode.decode_supported(1, 4, torch.float32)
     assert not decode.decode_supported(True, 4, torch.float16)
-    assert len(decode.decode_instances()) == 16
+    assert len(decode.decode_instances()) == 32  # 4 bits x 2 fragment counts x 2 launch shapes x 2 dtypes
 
 
 def test_argument_errors():
@@ -246,3 +293,67 @@ def test_argument_errors():
         decode.decode_gemm(ok_x, *args, out)
     with pytest.raises(ValueError, match="bits"):
         decode.decode_gemm(ok_x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 6, 130, out)
+
+
+# ---------------------------------------------------------------------------------------
+# scheduling (pure arithmetic, no GPU)
+# ---------------------------------------------------------------------------------------
+
+
+def _block_ranges(total: int, grid: int, align: int) -> list[tuple[int, int]]:
+    """The item ranges the kernel gives its blocks (kbit_decode_gemm: i0, i1)."""
+    units = total // align
+    return [(align * (b * units // grid), align * ((b + 1) * units // grid)) for b in range(grid)]
+
+
+@pytest.mark.parametrize("row_tiles,kc", [(128, 32), (448, 32), (896, 64), (6, 5), (1, 1), (32, 112), (7, 3), (200, 1)])
+@pytest.mark.parametrize("per_sm", (1, 2))
+def test_schedules_cover_every_item_once(row_tiles, kc, per_sm):
+    """Every schedule hands each (row tile, chunk) item to exactly one block, within the grid
+    limit, and says `split` exactly when some row tile is spread over blocks."""
+    total = row_tiles * kc
+    for kind in ("stream-k", "tiles", "tile-split", "auto"):
+        try:
+            sch = decode.schedule(row_tiles, kc, 132, per_sm, 2048.0, kind)
+        except ValueError as e:
+            assert kind == "tile-split" and "does not apply" in str(e)
+            continue
+        assert 1 <= sch.grid <= min(total, 132 * per_sm)
+        assert kc % sch.align == 0
+        ranges = _block_ranges(total, sch.grid, sch.align)
+        assert ranges[0][0] == 0 and ranges[-1][1] == total
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(i1 > i0 for i0, i1 in ranges), "a block without items"
+        owners = {}
+        for i0, i1 in ranges:
+            for rt in range(i0 // kc, (i1 - 1) // kc + 1):
+                owners[rt] = owners.get(rt, 0) + 1
+        assert sch.split == any(v > 1 for v in owners.values())
+        if kind == "tiles":
+            assert not sch.split
+
+
+def test_schedule_prefers_whole_tiles_and_rejects_bad_kind():
+    # 4096 -> 4096 with 32-row tiles: 128 whole tiles beat a split over 132 blocks
+    sch = decode.schedule(128, 32, 132, 1, 32 * 128 * 4.25 / 8)
+    assert (sch.kind, sch.grid, sch.split) == ("tiles", 128, False)
+    # few tall row tiles: K is split over blocks rather than leaving SMs idle
+    sch = decode.schedule(4, 112, 132, 1, 128 * 128 * 4.25 / 8)
+    assert sch.split and sch.grid > 100
+    with pytest.raises(ValueError, match="kind"):
+        decode.schedule(4, 4, 132, 1, 1.0, "fastest")
+
+
+def test_plan_picks_the_launch_shape_by_cost(monkeypatch):
+    """Narrow row tiles for 4096 output rows, wide ones for 14336 (no GPU: device queries faked)."""
+    from types import SimpleNamespace
+
+    props = SimpleNamespace(sm_count=132, shared_per_sm=233472, max_shared_per_block=232448)
+    monkeypatch.setattr(loader, "device_properties", lambda index: props)
+    monkeypatch.setattr(loader, "get_kernel", lambda src, name, dev: name)
+    monkeypatch.setattr(decode, "_plans", {})
+    narrow = decode.decode_plan(1, 4, torch.float16, 4096, 64, device=0)
+    wide = decode.decode_plan(1, 4, torch.float16, 14336, 64, device=0)
+    assert narrow.config.tile_rows < wide.config.tile_rows
+    assert not narrow.split and not wide.split
+    assert narrow.kernel == narrow.name

@@ -2,9 +2,11 @@
 
 The kernel (``kernels/decode.cu``) streams the packed weight once at close to memory bandwidth:
 each lane turns bit-planes into shared-memory table lookups of decoded pairs, and
-``mma.sync`` does the multiply-adds. A persistent grid splits K over blocks ("stream-K") so
-every shape fills the GPU; rows whose K is split are summed in an fp32 workspace with atomics
-and converted by the last contributor, all in one launch.
+``mma.sync`` does the multiply-adds. The warps of a block split K among themselves and sum in
+shared memory; a persistent grid spreads (row tile, chunk) items over blocks by the cheapest of
+a few schedules (:func:`schedule`): whole row tiles per block where that balances well, else
+K split over blocks too ("stream-K"), the rows of a split tile summed in an fp32 workspace with
+atomics and converted by the last contributor, all in one launch.
 
 Public entry points: :func:`decode_supported` and :func:`decode_gemm` (used by the CUDA backend's
 dispatcher), :func:`decode_plan` (what a launch would do, for benchmarks) and
@@ -34,6 +36,9 @@ __all__ = [
     "decode_gemm",
     "decode_plan",
     "decode_instances",
+    "Schedule",
+    "schedule",
+    "SCHEDULES",
 ]
 
 MAX_M = 16
@@ -41,7 +46,7 @@ MAX_M = 16
 
 _SOURCE = "decode.cu"
 _DT = {torch.float16: 0, torch.bfloat16: 1}
-_ARGS = loader.ArgPack("pppppppp" + "iiiii")
+_ARGS = loader.ArgPack("pppppppp" + "iiiiii")
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,11 @@ class DecodeConfig:
     """Launch shape of one kernel instance.
 
     Attributes:
-        warps: warps per block (NW); a block owns ``warps * row_groups * 16`` output rows.
+        warps: warps per block (NW).
+        k_warps: of them, warps side by side along K (KS; divides ``warps``). They share the
+            rows of a row tile, each taking every KS-th chunk of the block's range, and sum
+            their partials in shared memory. A row tile is ``warps // k_warps * row_groups * 16``
+            output rows.
         row_groups: 16-row groups per warp (R): x fragments are reused over them.
         depth: work items of plane loads kept in flight per warp (D), i.e. ``depth * row_groups``
             row groups of one 128-wide chunk each.
@@ -57,39 +66,58 @@ class DecodeConfig:
     """
 
     warps: int
+    k_warps: int
     row_groups: int
     depth: int
     min_blocks: int
 
+    @property
+    def row_slots(self) -> int:
+        """Warps side by side along N in a row tile (NW / KS)."""
+        return self.warps // self.k_warps
 
-# Per (bits, n8 fragments): launch shapes that fit 128 registers per thread (16 warps per SM)
-# without spilling (`nvcc -Xptxas -v`, sm_90), timed with scripts/bench_decode.py --variants
-# (bench/results/decode.md). Blocks per SM follow from the shared memory of the tables.
-_CONFIGS: dict[tuple[int, int], DecodeConfig] = {
-    (2, 1): DecodeConfig(16, 2, 2, 1),
-    (3, 1): DecodeConfig(8, 2, 2, 2),
-    (4, 1): DecodeConfig(16, 2, 1, 1),
-    (5, 1): DecodeConfig(16, 2, 1, 1),
-    (2, 2): DecodeConfig(16, 2, 2, 1),
-    (3, 2): DecodeConfig(8, 2, 1, 2),
-    (4, 2): DecodeConfig(16, 2, 1, 1),
-    (5, 2): DecodeConfig(16, 2, 1, 1),
+    @property
+    def tile_rows(self) -> int:
+        """Output rows of one row tile."""
+        return self.row_slots * self.row_groups * 16
+
+
+# Per (bits, n8 fragments): the launch shapes a plan chooses from (by the cost in schedule()):
+# narrow row tiles (32 rows, all 16 warps along K) for shapes with few output rows, wide ones
+# (128 rows, 4 x 4 warps) for wide shapes. All fit 128 registers per thread (16 warps per SM;
+# `nvcc -Xptxas -v`, sm_90), timed with scripts/bench_decode.py --variants
+# (bench/results/decode.md).
+_CONFIGS: dict[tuple[int, int], tuple[DecodeConfig, ...]] = {
+    (2, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
+    (3, 1): (DecodeConfig(8, 8, 2, 2, 2), DecodeConfig(16, 4, 2, 1, 1)),
+    (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
+    (5, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
+    (2, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
+    (3, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
+    (4, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
+    (5, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
 }
 
-# Dynamic shared memory per block (kernels/decode.cu, Lut<BITS>::kSmem): the pair/quad table
-# (BITS 2..4 on a 64 KiB boundary of the shared window, so up to 64 KiB of padding) plus the
-# 1 KiB scale table.
-_SMEM = {2: 65536 + 256 * 256 + 1024, 3: 65536 + 64 * 256 + 1024, 4: 65536 + 256 * 256 + 1024, 5: 1024 * 128 + 1024}
+# Dynamic shared memory per block (kernels/decode.cu): the pair/quad table (Lut<BITS>::kSmem:
+# BITS 2..4 on a 64 KiB boundary of the shared window, so up to 64 KiB of padding, plus the
+# 1 KiB scale table), then two reduction slots per row slot (RedSlot: one slice of R*MT*4*32
+# floats per warp along K) and their (generation, count) words.
+_TABLE_SMEM = {2: 65536 + 256 * 256 + 1024, 3: 65536 + 64 * 256 + 1024, 4: 65536 + 256 * 256 + 1024, 5: 1024 * 128 + 1024}
 _RESERVED_SMEM = 1024  # per block, taken by the runtime on sm_80+
 
 
+def _smem(bits: int, mt: int, cfg: DecodeConfig) -> int:
+    return _TABLE_SMEM[bits] + 2 * cfg.row_slots * (cfg.k_warps * cfg.row_groups * mt * 4 * 32 * 4 + 8)
+
+
 def _name(bits: int, dtype: torch.dtype, mt: int, cfg: DecodeConfig) -> str:
-    return f"kbit_decode_gemm<{bits}, {_DT[dtype]}, {mt}, {cfg.warps}, {cfg.row_groups}, {cfg.depth}, {cfg.min_blocks}>"
+    return (f"kbit_decode_gemm<{bits}, {_DT[dtype]}, {mt}, {cfg.warps}, {cfg.k_warps}, {cfg.row_groups}, {cfg.depth}, "
+            f"{cfg.min_blocks}>")
 
 
 def decode_instances() -> list[str]:
     """Every kernel template instance :func:`decode_gemm` can launch (name expressions in ``decode.cu``)."""
-    return [_name(b, dt, mt, cfg) for (b, mt), cfg in sorted(_CONFIGS.items()) for dt in _DT]
+    return [_name(b, dt, mt, cfg) for (b, mt), cfgs in sorted(_CONFIGS.items()) for cfg in cfgs for dt in _DT]
 
 
 def decode_supported(m: int, bits: int, dtype: torch.dtype, device: torch.device | int | None = None) -> bool:
@@ -119,12 +147,91 @@ def decode_supported(m: int, bits: int, dtype: torch.dtype, device: torch.device
         props = loader.device_properties(index)
     except RuntimeError:
         return False
-    return _SMEM[bits] <= props.max_shared_per_block
+    return max(_smem(bits, mt, cfg) for (b, mt), cfgs in _CONFIGS.items() if b == bits for cfg in cfgs) <= props.max_shared_per_block
 
 
 # ---------------------------------------------------------------------------------------
 # planning (cached per problem)
 # ---------------------------------------------------------------------------------------
+
+
+SCHEDULES = ("auto", "stream-k", "tiles", "tile-split")
+"""How a plan spreads (row tile, chunk) items over blocks; see :func:`schedule`."""
+
+# Cost of splitting row tiles over blocks, in bytes of weight one SM streams in that time
+# (3 TB/s over 132 SMs: ~23 KB/us). Measured on an H100 in CUDA graphs, where a split launch
+# also zeroes its fresh workspace and counters (two more graph nodes; bench/results/decode.md):
+# about 6 us more than the same work without split (4096->4096, K = 4: 14.8 vs 8.9 us).
+# Used to trade a split-free schedule against a better balanced one.
+SPLIT_COST_BYTES = 128 * 1024
+
+# Cost of each segment (the block's chunks of one row tile) on a block, in the same bytes:
+# the in-block reduction and a pipeline restart. Fitted to the same run: narrow tiles with 4
+# segments per block against wide ones with 1 (4096->14336, K = 4: 23.9 vs 17.8 us).
+SEGMENT_COST_BYTES = 40 * 1024
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A grid: ``grid`` blocks, each taking a contiguous range of items cut on multiples of
+    ``align`` (1 = stream-K, balanced to one item; ``kc`` = whole row tiles); ``split`` says
+    whether some row tile's K ends up on more than one block."""
+
+    kind: str
+    grid: int
+    align: int
+    split: bool
+    cost: float
+
+
+def schedule(row_tiles: int, kc: int, sm_count: int, per_sm: int, item_bytes: float, kind: str = "auto") -> Schedule:
+    """Choose how to spread ``row_tiles * kc`` items over a persistent grid.
+
+    Candidates: ``"stream-k"`` (one block per SM slot, equal ranges), ``"tiles"`` (whole row
+    tiles per block, the fewest blocks with the same largest share, never split) and
+    ``"tile-split"`` (every row tile cut into s equal parts, ``row_tiles * s`` blocks). The
+    cost of each is the items of its busiest SM in bytes, plus :data:`SEGMENT_COST_BYTES` per
+    row tile a block touches and :data:`SPLIT_COST_BYTES` when a row tile is split; ``"auto"``
+    takes the cheapest.
+
+    Args:
+        row_tiles: row tiles of the problem.
+        kc: 128-wide chunks of K (items per row tile).
+        sm_count: SMs of the device.
+        per_sm: blocks that fit on one SM.
+        item_bytes: weight bytes of one item (a row tile's 128 in-features).
+        kind: one of :data:`SCHEDULES`.
+
+    Returns:
+        The chosen :class:`Schedule`.
+    """
+    if kind not in SCHEDULES:
+        raise ValueError(f"kind must be one of {SCHEDULES}, got {kind!r}")
+    total = row_tiles * kc
+    slots = sm_count * per_sm
+
+    def cost(grid: int, most: int, segments: int, split: bool) -> float:
+        # blocks of one SM share its bandwidth; segments and a split add their finalisation
+        share = -(-grid // sm_count)
+        return share * (most * item_bytes + segments * SEGMENT_COST_BYTES) + (SPLIT_COST_BYTES if split else 0)
+
+    cands: list[Schedule] = []
+    g = min(total, slots)
+    split = any((b * total // g) % kc for b in range(g + 1))
+    most = -(-total // g)
+    cands.append(Schedule("stream-k", g, 1, split, cost(g, most, -(-most // kc) + split, split)))
+    per = -(-row_tiles // slots)
+    g = -(-row_tiles // per)
+    cands.append(Schedule("tiles", g, kc, False, cost(g, per * kc, per, False)))
+    for s in range(2, min(kc, slots // max(row_tiles, 1)) + 1):
+        g = row_tiles * s
+        cands.append(Schedule("tile-split", g, 1, True, cost(g, -(-kc // s), 1, True)))
+    if kind != "auto":
+        picked = [c for c in cands if c.kind == kind]
+        if not picked:
+            raise ValueError(f"schedule {kind!r} does not apply: {row_tiles} row tiles fill the {slots} block slots")
+        return min(picked, key=lambda c: c.cost)
+    return min(cands, key=lambda c: (c.cost, c.split))
 
 
 @dataclass
@@ -138,6 +245,8 @@ class DecodePlan:
         grid: blocks (persistent: at most SMs * blocks per SM).
         smem: dynamic shared memory per block (bytes).
         items: (row tile, 128-wide k chunk) work items.
+        align: block ranges are cut on multiples of this many items (kernel argument).
+        schedule: the :class:`Schedule` kind (``"stream-k"``, ``"tiles"``, ``"tile-split"``).
         split: whether some row tile's K is split over blocks (workspace + counters used).
         ws_numel: fp32 workspace elements (0 without split).
         counters: int32 counters (0 without split).
@@ -149,6 +258,8 @@ class DecodePlan:
     grid: int
     smem: int
     items: int
+    align: int
+    schedule: str
     split: bool
     ws_numel: int
     counters: int
@@ -158,22 +269,37 @@ _plans: dict[tuple, DecodePlan] = {}
 _plan_lock = threading.Lock()
 
 
-def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_tiles: int, cfg: DecodeConfig) -> DecodePlan:
+def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_tiles: int, configs: tuple[DecodeConfig, ...],
+               kind: str) -> DecodePlan:
     props = loader.device_properties(index)
+    kc = (k_tiles + 1) // 2
+    best = None
+    for cfg in configs:
+        if cfg.warps % cfg.k_warps:
+            raise ValueError(f"config {cfg}: k_warps must divide warps")
+        smem = _smem(bits, mt, cfg)
+        if smem > props.max_shared_per_block:
+            raise ValueError(f"config {cfg} needs {smem} bytes of shared memory per block; the device allows {props.max_shared_per_block}")
+        rows = cfg.tile_rows
+        row_tiles = -(-n // rows)
+        per_sm = max(1, min(cfg.min_blocks, props.shared_per_sm // (smem + _RESERVED_SMEM)))
+        item_bytes = rows * 128 * (bits + 0.25) / 8
+        try:
+            sch = schedule(row_tiles, kc, props.sm_count, per_sm, item_bytes, kind)
+        except ValueError:
+            if len(configs) == 1:
+                raise
+            continue  # this schedule kind does not apply to this launch shape
+        if best is None or sch.cost < best[0].cost:
+            best = (sch, cfg, smem, row_tiles)
+    if best is None:
+        raise ValueError(f"schedule {kind!r} applies to none of the launch shapes for n={n}")
+    sch, cfg, smem, row_tiles = best
     name = _name(bits, dtype, mt, cfg)
     kernel = loader.get_kernel(_SOURCE, name, torch.device("cuda", index))
-    smem = _SMEM[bits]
-    rows = cfg.warps * cfg.row_groups * 16
-    row_tiles = -(-n // rows)
-    kc = (k_tiles + 1) // 2
-    items = row_tiles * kc
-    per_sm = max(1, min(cfg.min_blocks, props.shared_per_sm // (smem + _RESERVED_SMEM)))
-    grid = max(1, min(items, props.sm_count * per_sm))
-    # Split-K happens where a block's range of items starts or ends inside a row tile.
-    split = any((b * items // grid) % kc for b in range(grid + 1))
-    ws = row_tiles * rows * 8 * mt if split else 0
-    cnt = row_tiles * cfg.warps if split else 0
-    return DecodePlan(kernel, name, cfg, grid, smem, items, split, ws, cnt)
+    ws = row_tiles * cfg.tile_rows * 8 * mt if sch.split else 0
+    cnt = row_tiles * cfg.row_slots if sch.split else 0
+    return DecodePlan(kernel, name, cfg, sch.grid, smem, row_tiles * kc, sch.align, sch.kind, sch.split, ws, cnt)
 
 
 def decode_plan(
@@ -184,6 +310,7 @@ def decode_plan(
     k_tiles: int,
     device: torch.device | int | None = None,
     config: DecodeConfig | None = None,
+    schedule_kind: str = "auto",
 ) -> DecodePlan:
     """The cached launch plan for a problem (compiles the kernel instance on first use).
 
@@ -194,7 +321,8 @@ def decode_plan(
         out_features: N.
         k_tiles: storage k-tiles (``packed.shape[0]``).
         device: the CUDA device (default: the current one).
-        config: a launch shape to use instead of the tuned one (benchmarks).
+        config: a launch shape to use instead of the cheapest of the tuned ones (benchmarks).
+        schedule_kind: one of :data:`SCHEDULES` (benchmarks and tests; default ``"auto"``).
 
     Returns:
         The :class:`DecodePlan` (cached per device, fragment count, bits, dtype, shape, config).
@@ -206,8 +334,7 @@ def decode_plan(
         raise ValueError(f"the decode kernel does not support m={m}, bits={bits}, dtype={dtype}")
     index = torch.cuda.current_device() if device is None else (device if isinstance(device, int) else loader._device_index(device))
     mt = 1 if m <= 8 else 2
-    cfg = config if config is not None else _CONFIGS[(bits, mt)]
-    key = (index, mt, bits, dtype, out_features, k_tiles, cfg)
+    key = (index, mt, bits, dtype, out_features, k_tiles, config, schedule_kind)
     plan = _plans.get(key)
     if plan is None:
         with _plan_lock:
@@ -215,7 +342,8 @@ def decode_plan(
             if plan is None:
                 if len(_plans) > 4096:
                     _plans.clear()
-                plan = _plans[key] = _make_plan(index, mt, bits, dtype, out_features, k_tiles, cfg)
+                configs = (config,) if config is not None else _CONFIGS[(bits, mt)]
+                plan = _plans[key] = _make_plan(index, mt, bits, dtype, out_features, k_tiles, configs, schedule_kind)
     return plan
 
 
@@ -299,6 +427,7 @@ def decode_gemm(
     out: torch.Tensor,
     *,
     config: DecodeConfig | None = None,
+    schedule_kind: str = "auto",
     reuse_workspace: bool = True,
     checked: bool = False,
 ) -> None:
@@ -315,6 +444,8 @@ def decode_gemm(
         out_features: N.
         out: contiguous ``[M, N]`` tensor of x2d's dtype, overwritten.
         config: a launch shape other than the tuned one (benchmarks and tests).
+        schedule_kind: how items are spread over blocks, one of :data:`SCHEDULES` (benchmarks
+            and tests; default ``"auto"``).
         reuse_workspace: keep the split-K workspace between calls (one per stream); pass
             False where the call may run under torch.compile's CUDA graphs (see ``_workspace``).
         checked: the caller has already validated every argument (the CUDA backend's
@@ -337,9 +468,9 @@ def decode_gemm(
         x2d, k = xp, k8
     packed, absmax = _aligned16(packed), _aligned16(absmax)
     mt = 1 if m <= 8 else 2
-    plan = _plans.get((index, mt, bits, x2d.dtype, out_features, packed.shape[0], config if config is not None else _CONFIGS[(bits, mt)]))
+    plan = _plans.get((index, mt, bits, x2d.dtype, out_features, packed.shape[0], config, schedule_kind))
     if plan is None:
-        plan = decode_plan(m, bits, x2d.dtype, out_features, packed.shape[0], index, config)
+        plan = decode_plan(m, bits, x2d.dtype, out_features, packed.shape[0], index, config, schedule_kind)
     stream = loader._current_raw_stream(index)
     if plan.split:
         ws, counters = _workspace(device, index, stream, plan.ws_numel, plan.counters, reuse_workspace)
@@ -350,7 +481,7 @@ def decode_gemm(
         plan.grid,
         plan.config.warps * 32,
         (x2d, packed, absmax, codebook.contiguous(), tensor_scale, out, ws, counters,
-         m, out_features, k, packed.shape[0], packed.shape[1]),
+         m, out_features, k, packed.shape[0], packed.shape[1], plan.align),
         plan.smem,
         device,
         pack=_ARGS,
