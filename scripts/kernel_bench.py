@@ -89,7 +89,10 @@ def bench_shape(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int], cu
         x = torch.randn(m, k, device=DEV, dtype=dtype)
         row = {"k": k, "n": n, "m": m, "bits": bits, "dtype": str(dtype).replace("torch.", ""),
                "auto_path": kcuda.gemm_path(m, n, k, bits, dtype)}
-        for name, kw in (("fused", {"path": "fused"}), ("dequant+cublas", {"path": "dequant+cublas"}), ("auto", {})):
+        paths = [("fused", {"path": "fused"}), ("dequant+cublas", {"path": "dequant+cublas"}), ("auto", {})]
+        if kcuda.gemm_path(m, n, k, bits, dtype) == "decode" or _decode_ok(m, bits, dtype):
+            paths.insert(0, ("decode", {"path": "decode"}))
+        for name, kw in paths:
             def fn(i, kw=kw):
                 q = qws[i % len(qws)]
                 return kcuda.gemm_cuda(x, q.packed, q.absmax, q.codebook, q.tensor_scale, bits, n, **kw)
@@ -102,17 +105,24 @@ def bench_shape(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int], cu
     return rows
 
 
+def _decode_ok(m: int, bits: int, dtype: torch.dtype) -> bool:
+    try:
+        from kbit_linear.backends import decode  # noqa: PLC0415
+    except ImportError:
+        return False
+    return decode.decode_supported(m, bits, dtype)
+
+
 def _fmt_row(r: dict) -> str:
     cub = r.get("cublas_fp16")
     ratio = f"{r['auto'] / cub:.2f}" if cub else "-"
-    return (f"| {r['k']}x{r['n']} | {r['bits']} | {r['dtype']} | {r['m']} | {r['fused']:.1f} | {r['dequant+cublas']:.1f} | "
-            f"{r['auto']:.1f} ({r['auto_path']}) | {cub:.1f} | {ratio} | {r['weight_GBps_auto']:.0f} |" if cub else
-            f"| {r['k']}x{r['n']} | {r['bits']} | {r['dtype']} | {r['m']} | {r['fused']:.1f} | {r['dequant+cublas']:.1f} | "
-            f"{r['auto']:.1f} ({r['auto_path']}) | - | - | {r['weight_GBps_auto']:.0f} |")
+    dec = f"{r['decode']:.1f}" if "decode" in r else "-"
+    return (f"| {r['k']}x{r['n']} | {r['bits']} | {r['dtype']} | {r['m']} | {dec} | {r['fused']:.1f} | {r['dequant+cublas']:.1f} | "
+            f"{r['auto']:.1f} ({r['auto_path']}) | {f'{cub:.1f}' if cub else '-'} | {ratio} | {r['weight_GBps_auto']:.0f} |")
 
 
-HEADER = ("| K_in x N_out | bits | dtype | M | fused us | dequant+cuBLAS us | auto us (path) | cuBLAS fp16 us | auto/cuBLAS | weight GB/s |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| K_in x N_out | bits | dtype | M | decode us | fused us | dequant+cuBLAS us | auto us (path) | cuBLAS fp16 us | auto/cuBLAS | "
+          "weight GB/s |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def copy_bandwidth() -> float:
@@ -158,6 +168,8 @@ def host_overhead(n_calls: int = 3000) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--dispatch", action="store_true",
+                    help="only the small-M paths (decode vs fused) at M = 4..16 on the four shapes, bits 2..5 fp16, and the host overhead")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(DEV)
@@ -173,11 +185,16 @@ def main() -> None:
     shapes = [(8192, 28672), (4096, 4096), (4096, 14336), (14336, 4096)]
     if args.quick:
         shapes, ms = shapes[:2], [1, 16, 256, 4096]
-    for k, n in shapes:
-        rows += bench_shape(k, n, 4, torch.float16, ms)
-    for bits in (2, 3, 5):
-        rows += bench_shape(4096, 14336, bits, torch.float16, [1, 16, 64, 256, 1024], cublas=False)
-    rows += bench_shape(4096, 14336, 4, torch.bfloat16, [1, 64, 256, 1024], cublas=False)
+    if args.dispatch:
+        for k, n in shapes:
+            for bits in (2, 3, 4, 5):
+                rows += bench_shape(k, n, bits, torch.float16, [4, 8, 12, 16], cublas=False)
+    else:
+        for k, n in shapes:
+            rows += bench_shape(k, n, 4, torch.float16, ms)
+        for bits in (2, 3, 5):
+            rows += bench_shape(4096, 14336, bits, torch.float16, [1, 16, 64, 256, 1024], cublas=False)
+        rows += bench_shape(4096, 14336, 4, torch.bfloat16, [1, 64, 256, 1024], cublas=False)
     result["rows"] = rows
 
     print("\n| call (M=1, 576->192, bits 4, fp16) | wall us/call | GPU us/call | host overhead us |\n|---|---|---|---|")
@@ -191,7 +208,8 @@ def main() -> None:
         groups.setdefault((r["k"], r["n"], r["bits"], r["dtype"]), []).append(r)
     for key, rs in groups.items():
         wins = [r["m"] for r in sorted(rs, key=lambda r: r["m"]) if r["dequant+cublas"] < r["fused"]]
-        print(f"  {key}: {wins[0] if wins else 'none measured'}")
+        dec = [r["m"] for r in sorted(rs, key=lambda r: r["m"]) if "decode" in r and r["decode"] <= r["fused"]]
+        print(f"  {key}: {wins[0] if wins else 'none measured'}; decode <= fused at M = {dec}")
     big = {r["m"]: r for r in rows if (r["k"], r["n"], r["bits"], r["dtype"]) == (8192, 28672, 4, "float16")}
     if big:
         print("\nbar (8192->28672, bits 4, fp16): "

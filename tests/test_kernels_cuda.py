@@ -230,6 +230,11 @@ def test_gemm_path_names():
         p = kcuda.gemm_path(m, 4096, 4096, 4, torch.float16)
         assert p in kcuda.GEMM_PATHS
     assert kcuda.gemm_path(8192, 4096, 4096, 4, torch.float16) == "dequant+cublas"
+    if "H100" in torch.cuda.get_device_name():
+        # the measured dispatch: decode up to M = 16, up to 8 for the largest weights
+        assert kcuda.gemm_path(16, 4096, 4096, 4, torch.float16) == "decode"
+        assert kcuda.gemm_path(8, 8192, 28672, 4, torch.float16) == "decode"
+        assert kcuda.gemm_path(16, 8192, 28672, 4, torch.float16) != "decode"
 
 
 def test_gemm_rejects_bad_arguments():

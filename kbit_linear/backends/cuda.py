@@ -8,7 +8,8 @@ is loaded, and each kernel instance compiled, on the first call that needs it
 GEMM paths (:func:`gemm_path` names the one a problem takes):
 
 * ``"decode"``: the small-M kernel of :mod:`kbit_linear.backends.decode`, when that module exists,
-  says it supports the problem and M is at most :data:`DECODE_MAX_M` for the GPU;
+  says it supports the problem and M is at most :data:`DECODE_MAX_M` for the GPU (a smaller
+  limit for weights of :data:`DECODE_LARGE_WEIGHT` elements or more);
 * ``"fused"`` / ``"fused-splitk"``: ``kernels/gemm.cu``, dequantization fused into an mma.sync
   GEMM; "-splitk" when some output tiles are reduced over several blocks;
 * ``"dequant+cublas"``: ``kernels/quantize.cu``'s dequantize kernel writes the dense weight in
@@ -38,6 +39,7 @@ __all__ = [
     "GEMM_PATHS",
     "DEQUANT_CUBLAS_MIN_M",
     "DECODE_MAX_M",
+    "DECODE_LARGE_WEIGHT",
     "gemm_path",
     "gemm_cuda",
     "gemm_instances",
@@ -60,13 +62,14 @@ DEQUANT_CUBLAS_MIN_M: dict[str, dict[int, int]] = {
 }
 
 # Largest M handed to the decode kernel (kbit_linear.backends.decode) where that module supports
-# it, per GPU; GPUs not listed take it wherever decode_supported says so. H100, same run as
-# above, bits 4 fp16, decode vs fused us: M = 4: 59.6 vs 77.4 (8192->28672), 12.9 vs 18.0
-# (4096->4096), 21.1 vs 28.0 (4096->14336); M = 16: 111.2 vs 76.6, 21.4 vs 18.3, 36.3 vs 28.1.
-# The decode kernel's later version (bench/results/decode.md): M = 4: 52.6 us, M = 16: 78.5 us
-# on 8192->28672 (even with fused); its M <= 8 variant runs the cheaper inner loop, so it
-# takes M up to 8.
-DECODE_MAX_M: dict[str, int] = {"H100": 8}
+# it, per GPU, and the smaller limit for weights of at least DECODE_LARGE_WEIGHT elements; GPUs
+# not listed take it wherever decode_supported says so. H100, fp16, decode vs fused(-splitk) us,
+# one run (`python3 scripts/kernel_bench.py --dispatch`, bench/results/decode.md): decode is
+# faster or equal at M = 4..16 on 4096->4096, 4096->14336 and 14336->4096 for bits 2..5 (e.g.
+# bits 4 M = 16: 11.9 vs 18.4, 24.7 vs 28.1, 23.7 vs 29.7), while on 8192->28672 the fused
+# kernel wins from M = 12 (bits 4 M = 16: 87.4 vs 78.9).
+DECODE_MAX_M: dict[str, tuple[int, int]] = {"H100": (16, 8)}
+DECODE_LARGE_WEIGHT = 128 * 2**20
 
 _THREADS = 256
 _TILE_N = fmt.TILE_N
@@ -171,11 +174,11 @@ def _crossover(bits: int, device_index: int) -> int:
     return DEQUANT_CUBLAS_MIN_M["default"][bits]
 
 
-def _decode_max_m(device_index: int) -> int:
+def _decode_max_m(device_index: int, weight_elements: int) -> int:
     name = loader.device_properties(device_index).name
-    for key, limit in DECODE_MAX_M.items():
+    for key, (limit, large_limit) in DECODE_MAX_M.items():
         if key in name:
-            return limit
+            return large_limit if weight_elements >= DECODE_LARGE_WEIGHT else limit
     return 1 << 30
 
 
@@ -223,7 +226,7 @@ def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: i
     n_tiles, k_tiles = n_pad // _TILE_N, k_pad // _TILE_K
     dec = _decode_module()
     if path is None:
-        if dec is not None and m <= _decode_max_m(device_index) and dec.decode_supported(m, bits, dtype, device_index):
+        if dec is not None and m <= _decode_max_m(device_index, n * k) and dec.decode_supported(m, bits, dtype, device_index):
             path = "decode"
         elif m >= _crossover(bits, device_index):
             path = "dequant+cublas"

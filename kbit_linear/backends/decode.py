@@ -89,8 +89,8 @@ class DecodeConfig:
 # (bench/results/decode.md).
 _CONFIGS: dict[tuple[int, int], tuple[DecodeConfig, ...]] = {
     (2, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
-    (3, 1): (DecodeConfig(8, 8, 2, 2, 2), DecodeConfig(16, 4, 2, 1, 1)),
-    (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
+    (3, 1): (DecodeConfig(8, 8, 2, 2, 2), DecodeConfig(16, 4, 2, 2, 1)),
+    (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
     (5, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
     (2, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
     (3, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
@@ -474,16 +474,18 @@ def decode_gemm(
     stream = loader._current_raw_stream(index)
     if plan.split:
         ws, counters = _workspace(device, index, stream, plan.ws_numel, plan.counters, reuse_workspace)
+        ws_ptr, cnt_ptr = ws.data_ptr(), counters.data_ptr()
     else:
-        ws = counters = None
-    loader.launch(
+        ws_ptr = cnt_ptr = 0
+    if not codebook.is_contiguous():
+        codebook = codebook.contiguous()
+    # Every value is a plain int already checked above (or by the caller): the fast launch.
+    _ARGS.launch(
         plan.kernel,
         plan.grid,
-        plan.config.warps * 32,
-        (x2d, packed, absmax, codebook.contiguous(), tensor_scale, out, ws, counters,
-         m, out_features, k, packed.shape[0], packed.shape[1], plan.align),
         plan.smem,
-        device,
-        pack=_ARGS,
-        stream=stream,
+        stream,
+        (x2d.data_ptr(), packed.data_ptr(), absmax.data_ptr(), codebook.data_ptr(), tensor_scale.data_ptr(), out.data_ptr(),
+         ws_ptr, cnt_ptr, m, out_features, k, packed.shape[0], packed.shape[1], plan.align),
+        threads=plan.config.warps * 32,
     )
