@@ -357,3 +357,10 @@ def test_plan_picks_the_launch_shape_by_cost(monkeypatch):
     assert narrow.config.tile_rows < wide.config.tile_rows
     assert not narrow.split and not wide.split
     assert narrow.kernel == narrow.name
+
+
+def test_decode_config_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="k_warps must divide warps"):
+        decode.DecodeConfig(16, 3, 2, 1, 1)
+    with pytest.raises(ValueError, match=">= 1"):
+        decode.DecodeConfig(16, 16, 0, 1, 1)

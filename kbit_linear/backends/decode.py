@@ -71,6 +71,10 @@ class DecodeConfig:
     depth: int
     min_blocks: int
 
+    def __post_init__(self) -> None:
+        if min(self.warps, self.k_warps, self.row_groups, self.depth, self.min_blocks) < 1 or self.warps % self.k_warps:
+            raise ValueError(f"{self}: every field must be >= 1 and k_warps must divide warps")
+
     @property
     def row_slots(self) -> int:
         """Warps side by side along N in a row tile (NW / KS)."""
@@ -110,6 +114,10 @@ def _smem(bits: int, mt: int, cfg: DecodeConfig) -> int:
     return _TABLE_SMEM[bits] + 2 * cfg.row_slots * (cfg.k_warps * cfg.row_groups * mt * 4 * 32 * 4 + 8)
 
 
+# Most shared memory any tuned launch shape of a bit width needs (what decode_supported checks).
+_MAX_SMEM = {bits: max(_smem(bits, mt, cfg) for (b, mt), cfgs in _CONFIGS.items() if b == bits for cfg in cfgs) for bits in _TABLE_SMEM}
+
+
 def _name(bits: int, dtype: torch.dtype, mt: int, cfg: DecodeConfig) -> str:
     return (f"kbit_decode_gemm<{bits}, {_DT[dtype]}, {mt}, {cfg.warps}, {cfg.k_warps}, {cfg.row_groups}, {cfg.depth}, "
             f"{cfg.min_blocks}>")
@@ -147,7 +155,7 @@ def decode_supported(m: int, bits: int, dtype: torch.dtype, device: torch.device
         props = loader.device_properties(index)
     except RuntimeError:
         return False
-    return max(_smem(bits, mt, cfg) for (b, mt), cfgs in _CONFIGS.items() if b == bits for cfg in cfgs) <= props.max_shared_per_block
+    return _MAX_SMEM[bits] <= props.max_shared_per_block
 
 
 # ---------------------------------------------------------------------------------------
@@ -275,8 +283,6 @@ def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_til
     kc = (k_tiles + 1) // 2
     best = None
     for cfg in configs:
-        if cfg.warps % cfg.k_warps:
-            raise ValueError(f"config {cfg}: k_warps must divide warps")
         smem = _smem(bits, mt, cfg)
         if smem > props.max_shared_per_block:
             raise ValueError(f"config {cfg} needs {smem} bytes of shared memory per block; the device allows {props.max_shared_per_block}")
