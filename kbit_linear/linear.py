@@ -213,8 +213,7 @@ class KbitLinear(nn.Module):
             and not (torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)))
         ):
             return _cuda_backend.gemm_cuda(
-                x, self.weight, self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features, self.bias,
-                reuse_buffers=True,
+                x, self.weight, self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features, self.bias
             )
         return _GEMM(x, self.weight, self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features, self.bias)
 

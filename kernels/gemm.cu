@@ -21,14 +21,19 @@
 //
 //              BN = 128 columns (one storage n-tile)
 //          +-----+-----+-----+-----+-----+-----+-----+-----+
-//   MB<=2  | w0  | w1  | w2  | w3  | w4  | w5  | w6  | w7  |   8 warps side by side, 16 columns each,
+//   MB<=4  | w0  | w1  | w2  | w3  | w4  | w5  | w6  | w7  |   8 warps side by side, 16 columns each,
 //          +-----+-----+-----+-----+-----+-----+-----+-----+   all BM rows (FM = MB m16 fragments)
 //
 //          +-----------+-----------+-----------+-----------+
-//   MB>=4  |    w0     |    w1     |    w2     |    w3     |   2 x 4 warps, 32 columns each,
+//   MB=8   |    w0     |    w1     |    w2     |    w3     |   2 x 4 warps, 32 columns each,
 //          +-----------+-----------+-----------+-----------+   BM/2 rows each
 //          |    w4     |    w5     |    w6     |    w7     |
 //          +-----------+-----------+-----------+-----------+
+//
+// Each warp dequantizes the weights of its own columns, so warps stacked along M decode the same
+// weights twice. Up to MB = 4 (M <= 64, where the weight decode is most of the work) the warps
+// therefore all sit along N and read more of the activation tile instead; MB = 8 keeps 2 x 4 to
+// hold the accumulators at 64 per thread.
 //
 // The grid is a flat list of k-iterations, (tile, k-tile) with k fastest, cut into equal
 // contiguous ranges of L iterations, one range per block ("stream-K"). A range covering a
@@ -64,7 +69,7 @@ constexpr int kTileK = 64;   // in-features per k-tile = one storage k-tile (two
 template <int BITS, int MB>
 struct GemmShape {
     static constexpr int BM = 16 * MB;               // rows per block tile
-    static constexpr int WM = MB >= 4 ? 2 : 1;       // warps along M
+    static constexpr int WM = MB >= 8 ? 2 : 1;       // warps along M
     static constexpr int WN = 8 / WM;                // warps along N
     static constexpr int FM = MB / WM;               // m16 fragments per warp
     static constexpr int FN = kTileN / (8 * WN);     // n8 fragments per warp
@@ -285,7 +290,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[GemmShape<BITS, MB
 // Launch: 256 threads, GemmShape::SMEM_BYTES of dynamic shared memory, ceil(total / iters) blocks
 // where total = ceil(M / BM) * n_tiles * k_tiles.
 template <int BITS, int MB, int DT>
-__global__ void __launch_bounds__(kbit::kThreads, MB == 1 ? 3 : (MB == 2 ? 2 : 1))
+__global__ void __launch_bounds__(kbit::kThreads, MB == 1 ? 3 : (MB <= 4 ? 2 : 1))
     kbit_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
               const float* __restrict__ codebook, const float* __restrict__ tensor_scale, const u16* __restrict__ bias,
               u16* __restrict__ out, float* __restrict__ workspace, int* __restrict__ counters, int M, int N, int K,

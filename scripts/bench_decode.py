@@ -15,8 +15,8 @@ Usage (from the repository root, on a GPU machine):
         --profile-calls 3 --bits 4 --m 1 --dtypes fp16 --shapes 4096x4096
 
 Shapes are ``in_features x out_features``. ``--variants`` also times other launch shapes of the
-kernel (warps, row groups per warp, loads in flight) for tuning. The markdown table is printed
-last.
+kernel (warps, warps along K, row groups per warp, loads in flight) for tuning, with each schedule
+of ``--variant-schedules``. The markdown table is printed last.
 """
 
 from __future__ import annotations
@@ -43,18 +43,18 @@ DEFAULT_SHAPES = ("4096x4096", "4096x14336", "14336x4096", "8192x28672", "576x19
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 # Launch shapes tried by --variants: (warps, warps along K, row groups, depth, min blocks per
-# SM), each with the schedules in VARIANT_SCHEDULES ("auto": the cheapest for that shape).
+# SM), each timed with the schedules of --variant-schedules ("auto": the cheapest for that shape).
 VARIANTS = {
-    (2, 1): [(16, 16, 2, 1, 1), (16, 4, 2, 2, 1), (16, 4, 2, 1, 1)],
-    (3, 1): [(8, 8, 2, 2, 2), (16, 4, 2, 1, 1), (16, 4, 2, 2, 1)],
-    (4, 1): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 4, 2, 2, 1), (16, 8, 2, 1, 1)],
-    (5, 1): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 8, 2, 1, 1)],
-    (2, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 2, 1), (16, 4, 2, 1, 1)],
-    (3, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1)],
-    (4, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 8, 2, 1, 1)],
-    (5, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1)],
+    (2, 1): [(16, 16, 2, 1, 1), (16, 16, 2, 2, 1), (16, 4, 2, 2, 1), (16, 4, 2, 3, 1), (16, 1, 2, 1, 1), (16, 1, 2, 2, 1)],
+    (3, 1): [(8, 8, 2, 2, 2), (16, 4, 2, 2, 1), (16, 1, 2, 1, 1), (16, 1, 2, 2, 1)],
+    (4, 1): [(16, 16, 2, 1, 1), (16, 16, 2, 2, 1), (16, 4, 2, 2, 1), (16, 4, 4, 1, 1), (16, 8, 2, 2, 1), (16, 1, 2, 1, 1),
+             (16, 1, 2, 2, 1)],
+    (5, 1): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
+    (2, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 2, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
+    (3, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
+    (4, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
+    (5, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
 }
-VARIANT_SCHEDULES = ("auto",)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
@@ -187,6 +187,8 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=list(DTYPES))
     ap.add_argument("--variants", action="store_true", help="also time other launch shapes")
     ap.add_argument("--variant-shapes", nargs="+", default=["4096x4096", "8192x28672"], help="shapes --variants applies to")
+    ap.add_argument("--variant-schedules", nargs="+", default=["auto"], choices=list(decode.SCHEDULES),
+                    help="schedules each --variants launch shape is timed with")
     ap.add_argument("--no-peers", action="store_true", help="skip cuBLAS and tinygemm")
     ap.add_argument("--json", type=Path, help="write all results here")
     ap.add_argument("--profile-calls", type=int, default=0,
@@ -245,7 +247,7 @@ def main() -> None:
                     if args.variants and dname == args.dtypes[0] and shape in args.variant_shapes:
                         for v in VARIANTS.get((bits, 1 if m <= 8 else 2), []):
                             cfg = decode.DecodeConfig(*v)
-                            for sched in VARIANT_SCHEDULES:
+                            for sched in args.variant_schedules:
                                 try:
                                     vplan = decode.decode_plan(m, bits, dtype, n, weights[0].packed.shape[0], config=cfg,
                                                                schedule_kind=sched)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from .. import _ops  # noqa: F401  (defines the op schemas before the registrations below)
 from .. import format as fmt
-from . import loader
+from . import loader, workspace
 
 __all__ = [
     "GEMM_PATHS",
@@ -119,7 +119,7 @@ def _gemm_smem(bits: int, mb: int) -> int:
 
 
 def _gemm_nacc(mb: int) -> int:
-    wm = 2 if mb >= 4 else 1
+    wm = 2 if mb >= 8 else 1
     fm, fn = mb // wm, _TILE_N // (8 * (8 // wm))
     return fm * fn * 4
 
@@ -284,38 +284,6 @@ def _as_device(device: torch.device | str | int | None) -> torch.device:
 
 
 # ---------------------------------------------------------------------------------------
-# split-K tile counters: zero on entry, left zero by the kernel. One buffer per (device, stream)
-# so that launches on different streams never share counters.
-# ---------------------------------------------------------------------------------------
-
-_split_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _split_buffers(index: int, stream: int, ws_numel: int, tiles: int, device: torch.device, reuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 workspace (>= ws_numel) and zeroed tile counters (>= tiles) for a split-K launch.
-
-    ``reuse=False`` allocates fresh buffers from torch's allocator (counters zeroed by a
-    memset): the op path, which torch.compile's CUDA-graph warm-up and capture run with a
-    private memory pool where a buffer kept across calls would be flagged as leaked. The direct
-    eager path (``KbitLinear.forward``) passes ``reuse=True`` to keep one pair per stream.
-    """
-    if not reuse or torch._C._cuda_isCurrentStreamCapturing():
-        # Inside a graph capture the buffers belong to the graph (the counters zeroed by a
-        # captured memset at every replay), so the graph never depends on state outside it.
-        return (torch.empty(ws_numel, dtype=torch.float32, device=device), torch.zeros(tiles, dtype=torch.int32, device=device))
-    key = (index, stream)
-    bufs = _split_cache.get(key)
-    if bufs is None or bufs[0].numel() < ws_numel or bufs[1].numel() < tiles:
-        # Launches on one stream run in order, so one pair per stream is enough; the counters
-        # are left zero by every launch.
-        old_ws, old_cnt = bufs if bufs is not None else (None, None)
-        ws = torch.empty(max(ws_numel, 0 if old_ws is None else old_ws.numel()), dtype=torch.float32, device=device)
-        cnt = torch.zeros(max(tiles, 4096, 0 if old_cnt is None else old_cnt.numel()), dtype=torch.int32, device=device)
-        bufs = _split_cache[key] = (ws, cnt)
-    return bufs
-
-
-# ---------------------------------------------------------------------------------------
 # GEMM
 # ---------------------------------------------------------------------------------------
 
@@ -353,7 +321,6 @@ def gemm_cuda(
     path: str | None = None,
     split_k: int | None = None,
     out: torch.Tensor | None = None,
-    reuse_buffers: bool = False,
 ) -> torch.Tensor:
     """``x @ W^T (+ bias)`` on the GPU for a tiled kbit weight.
 
@@ -372,9 +339,6 @@ def gemm_cuda(
             s > 1 = split each tile's K range over about s blocks.
         out: optional contiguous ``[..., out_features]`` tensor of x's dtype to write into
             (tests pass a NaN-filled one to catch unwritten elements).
-        reuse_buffers: keep split-K workspaces alive between calls (one per stream) instead
-            of allocating them per call. For direct eager calls only: under torch.compile's
-            CUDA graphs a kept buffer would live in the graph's private memory pool.
 
     Returns:
         ``[..., out_features]`` in x's dtype (``out`` when given).
@@ -443,7 +407,7 @@ def gemm_cuda(
         stream = loader._current_raw_stream(dev_index)
         ws_ptr = cnt_ptr = 0
         if plan.split:
-            ws, counters = _split_buffers(dev_index, stream, plan.ws_numel, plan.tiles, x2d.device, reuse_buffers)
+            ws, counters = workspace.zeroed_scratch("fused", dev_index, stream, plan.ws_numel, plan.tiles)
             ws_ptr, cnt_ptr = ws.data_ptr(), counters.data_ptr()
         _GEMM_ARGS.launch(
             plan.kernel, plan.grid, plan.smem, stream,
@@ -461,7 +425,7 @@ def gemm_cuda(
                 torch.addmm(bias, x2d, w.t(), out=out)
     else:  # decode
         _decode_module().decode_gemm(
-            x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out, reuse_workspace=reuse_buffers, checked=True
+            x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out, checked=True
         )
         if bias is not None:
             out += bias

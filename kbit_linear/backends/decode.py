@@ -14,8 +14,7 @@ dispatcher), :func:`decode_plan` (what a launch would do, for benchmarks) and
 
 Nothing here syncs the host or allocates through CuPy; launches go on torch's current stream,
 so calls can be captured in a CUDA graph. Split-K launches use a workspace and counters that the
-kernel leaves zeroed; they are kept per (device, stream), so launches on different streams never
-share them.
+kernel leaves zeroed (:mod:`.workspace`: kept per device and stream, outside graph memory pools).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import format as fmt
-from . import loader
+from . import loader, workspace
 
 __all__ = [
     "MAX_M",
@@ -167,16 +166,17 @@ SCHEDULES = ("auto", "stream-k", "tiles", "tile-split")
 """How a plan spreads (row tile, chunk) items over blocks; see :func:`schedule`."""
 
 # Cost of splitting row tiles over blocks, in bytes of weight one SM streams in that time
-# (3 TB/s over 132 SMs: ~23 KB/us). Measured on an H100 in CUDA graphs, where a split launch
-# also zeroes its fresh workspace and counters (two more graph nodes; bench/results/decode.md):
-# about 6 us more than the same work without split (4096->4096, K = 4: 14.8 vs 8.9 us).
-# Used to trade a split-free schedule against a better balanced one.
-SPLIT_COST_BYTES = 128 * 1024
+# (3 TB/s over 132 SMs: ~23 KB/us): the finalisation chain (workspace atomics, counter, last
+# contributor's reads and store). Fitted with `scripts/bench_decode.py --variants
+# --variant-schedules auto stream-k tiles` on an H100 in CUDA graphs (bench/results/decode.md):
+# it picks the fastest measured (launch shape, schedule) within 2 us in total over 24 cases.
+# (Before the split-K buffers persisted, a captured split launch also zeroed a fresh workspace
+# and this cost was ~3x higher.)
+SPLIT_COST_BYTES = 40 * 1024
 
 # Cost of each segment (the block's chunks of one row tile) on a block, in the same bytes:
-# the in-block reduction and a pipeline restart. Fitted to the same run: narrow tiles with 4
-# segments per block against wide ones with 1 (4096->14336, K = 4: 23.9 vs 17.8 us).
-SEGMENT_COST_BYTES = 40 * 1024
+# the in-block reduction and a pipeline restart. Fitted to the same run.
+SEGMENT_COST_BYTES = 20 * 1024
 
 
 @dataclass(frozen=True)
@@ -354,34 +354,6 @@ def decode_plan(
 
 
 # ---------------------------------------------------------------------------------------
-# split-K workspace: zero on entry, left zero by the kernel; one per (device, stream)
-# ---------------------------------------------------------------------------------------
-
-_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _workspace(device: torch.device, index: int, stream: int, ws_numel: int, counters: int, reuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed fp32 workspace and int32 counters of at least the given sizes.
-
-    With ``reuse`` (direct eager calls) one pair per stream is kept: the kernel leaves both
-    zero, and launches on one stream run in order. Otherwise (the op path, which
-    torch.compile's CUDA-graph warm-up runs with a private memory pool, and any graph capture)
-    the pair is allocated and zeroed per call and never kept, so a graph owns its buffers.
-    """
-    if not reuse or torch._C._cuda_isCurrentStreamCapturing():
-        return (torch.zeros(ws_numel, dtype=torch.float32, device=device), torch.zeros(counters, dtype=torch.int32, device=device))
-    key = (index, stream)
-    cur = _workspaces.get(key)
-    if cur is not None and cur[0].numel() >= ws_numel and cur[1].numel() >= counters:
-        return cur
-    ws_n = max(ws_numel, 0 if cur is None else cur[0].numel())
-    cnt_n = max(counters, 0 if cur is None else cur[1].numel())
-    fresh = (torch.zeros(ws_n, dtype=torch.float32, device=device), torch.zeros(cnt_n, dtype=torch.int32, device=device))
-    _workspaces[key] = fresh
-    return fresh
-
-
-# ---------------------------------------------------------------------------------------
 # the GEMM
 # ---------------------------------------------------------------------------------------
 
@@ -434,7 +406,6 @@ def decode_gemm(
     *,
     config: DecodeConfig | None = None,
     schedule_kind: str = "auto",
-    reuse_workspace: bool = True,
     checked: bool = False,
 ) -> None:
     """Write ``x2d @ W^T`` into ``out`` with the small-M kernel.
@@ -452,8 +423,6 @@ def decode_gemm(
         config: a launch shape other than the tuned one (benchmarks and tests).
         schedule_kind: how items are spread over blocks, one of :data:`SCHEDULES` (benchmarks
             and tests; default ``"auto"``).
-        reuse_workspace: keep the split-K workspace between calls (one per stream); pass
-            False where the call may run under torch.compile's CUDA graphs (see ``_workspace``).
         checked: the caller has already validated every argument (the CUDA backend's
             dispatcher does), so skip the checks here.
 
@@ -479,7 +448,7 @@ def decode_gemm(
         plan = decode_plan(m, bits, x2d.dtype, out_features, packed.shape[0], index, config, schedule_kind)
     stream = loader._current_raw_stream(index)
     if plan.split:
-        ws, counters = _workspace(device, index, stream, plan.ws_numel, plan.counters, reuse_workspace)
+        ws, counters = workspace.zeroed_scratch("decode", index, stream, plan.ws_numel, plan.counters)
         ws_ptr, cnt_ptr = ws.data_ptr(), counters.data_ptr()
     else:
         ws_ptr = cnt_ptr = 0

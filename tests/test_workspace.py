@@ -1,0 +1,97 @@
+"""Persistent split-K scratch buffers (``kbit_linear/backends/workspace.py``).
+
+The GPU tests check what the buffers promise: zeros on first use, kept across launches and
+streams, outgrown buffers kept alive, and a graph captured before any eager call (so its
+buffers are allocated during the capture) replays correctly for both kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kbit_linear import format as fmt
+from kbit_linear.backends import cuda as cuda_backend
+from kbit_linear.backends import decode, loader, workspace
+
+
+
+def gpu(fn):
+    """Mark a test as a GPU test (marker ``cuda``, skipped without a GPU or CuPy)."""
+    fn = pytest.mark.skipif(not loader.cupy_available(), reason="needs CuPy (pip install 'kbit-linear[cuda]')")(fn)
+    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")(fn)
+    return pytest.mark.cuda(fn)
+
+
+def test_rejects_negative_sizes():
+    with pytest.raises(ValueError, match="ws_floats and counters"):
+        workspace.zeroed_scratch("decode", 0, 0, -1, 4)
+    with pytest.raises(ValueError, match="ws_floats and counters"):
+        workspace.zeroed_scratch("decode", 0, 0, 4, -2)
+
+
+@gpu
+def test_buffers_are_zero_kept_and_grow(monkeypatch):
+    monkeypatch.setattr(workspace, "_buffers", {})
+    monkeypatch.setattr(workspace, "_retired", [])
+    stream = torch.cuda.current_stream().cuda_stream
+    ws, cnt = workspace.zeroed_scratch("test", 0, stream, 5000, 70)
+    assert ws.dtype == torch.float32 and cnt.dtype == torch.int32
+    assert ws.numel() >= 5000 and cnt.numel() >= 70
+    assert not ws.any() and not cnt.any()
+    again = workspace.zeroed_scratch("test", 0, stream, 100, 3)
+    assert again[0].data_ptr() == ws.data_ptr() and again[1].data_ptr() == cnt.data_ptr()
+    other_stream = workspace.zeroed_scratch("test", 0, torch.cuda.Stream().cuda_stream, 100, 3)
+    assert other_stream[0].data_ptr() != ws.data_ptr()
+    other_user = workspace.zeroed_scratch("other", 0, stream, 100, 3)
+    assert other_user[0].data_ptr() != ws.data_ptr()
+    grown, _ = workspace.zeroed_scratch("test", 0, stream, 50000, 3)
+    assert grown.numel() >= 50000 and not grown.any()
+    assert any(t.data_ptr() == ws.data_ptr() for t in workspace._retired)  # still alive
+
+
+def _weight(k: int, n: int, bits: int) -> tuple[fmt.KbitWeight, torch.Tensor]:
+    w = torch.randn(n, k, device="cuda")
+    qw = fmt.quantize(w, bits)
+    return qw, fmt.dequantize(qw, torch.float32)
+
+
+@gpu
+@pytest.mark.parametrize("kernel", ("decode", "fused"))
+def test_graph_captured_before_any_eager_call(kernel, monkeypatch):
+    """The buffers are first allocated during the capture; replays with new x stay correct."""
+    monkeypatch.setattr(workspace, "_buffers", {})
+    bits, k, n, m, dtype = 3, 14336, 1024, 4 if kernel == "decode" else 64, torch.float16
+    qw, w = _weight(k, n, bits)
+    static_x = torch.randn(m, k, device="cuda", dtype=dtype)
+    static_out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+
+    def call() -> None:
+        if kernel == "decode":
+            decode.decode_gemm(static_x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n, static_out,
+                               schedule_kind="stream-k")
+        else:
+            cuda_backend.gemm_cuda(static_x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, n, path="fused",
+                                   split_k=4, out=static_out)
+
+    if kernel == "decode":
+        assert decode.decode_plan(m, bits, dtype, n, qw.packed.shape[0], schedule_kind="stream-k").split
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    assert workspace._buffers, "the capture allocated the split-K buffers"
+    for _ in range(3):
+        static_x.copy_(torch.randn(m, k, device="cuda", dtype=dtype))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not torch.isnan(static_out).any()
+        ref = F.linear(static_x.float(), w)
+        err = ((static_out.float() - ref).norm() / ref.norm()).item()
+        assert err < 5e-3, f"relative error {err:.2e}"
+    # An eager call on the current stream afterwards gets its own buffers and agrees.
+    static_out.fill_(float("nan"))
+    call()
+    ref = F.linear(static_x.float(), w)
+    assert ((static_out.float() - ref).norm() / ref.norm()).item() < 5e-3
