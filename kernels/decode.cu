@@ -72,15 +72,7 @@
 //
 // Half-precision values travel as raw bits; no system headers (NVRTC and nvcc both build it).
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-
-#define KD_DEVICE __device__ __forceinline__
-
-// Activation type codes (template argument DT).
-#define KD_F16 0
-#define KD_BF16 1
+#include "common.cuh"  // u32/u16/u8, KBIT_F16/KBIT_BF16, conversions, mul2, mma_16816, e4m4_decode
 
 namespace kbit_decode {
 
@@ -92,23 +84,23 @@ namespace kbit_decode {
 // old contents when off: whatever bits they hold are valid indices, and the scale byte of an
 // absent block is set to 0, so it adds exact zeros.
 // Streaming loads of the weight planes: read once, keep them out of L1.
-KD_DEVICE void ldg_stream(u32 (&v)[4], const u32* p, bool on) {
+KBIT_DEVICE void ldg_stream(u32 (&v)[4], const u32* p, bool on) {
     asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n"
                  " @q ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
                  : "+r"(v[0]), "+r"(v[1]), "+r"(v[2]), "+r"(v[3])
                  : "l"(p), "r"((int)on));
 }
-KD_DEVICE void ldg_stream(u32 (&v)[2], const u32* p, bool on) {
+KBIT_DEVICE void ldg_stream(u32 (&v)[2], const u32* p, bool on) {
     asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n @q ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n}"
                  : "+r"(v[0]), "+r"(v[1])
                  : "l"(p), "r"((int)on));
 }
 // Word loads that do allocate in L1: the BITS = 3 / 5 planes of one block are not 16-byte
 // aligned, so a lane reads them word by word and neighbouring words come from L1.
-KD_DEVICE void ldg_word(u32& v, const u32* p, bool on) {
+KBIT_DEVICE void ldg_word(u32& v, const u32* p, bool on) {
     asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q ld.global.nc.u32 %0, [%1];\n}" : "+r"(v) : "l"(p), "r"((int)on));
 }
-KD_DEVICE u32 ldg_byte_or0(const u8* p, bool on) {
+KBIT_DEVICE u32 ldg_byte_or0(const u8* p, bool on) {
     u32 v;
     asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n mov.u32 %0, 0;\n @q ld.global.nc.u8 %0, [%1];\n}"
                  : "=r"(v)
@@ -116,7 +108,7 @@ KD_DEVICE u32 ldg_byte_or0(const u8* p, bool on) {
     return v;
 }
 // 16 bytes of x, or zeros when off.
-KD_DEVICE void ldg_x16_or0(u32 (&v)[4], const u16* p, bool on) {
+KBIT_DEVICE void ldg_x16_or0(u32 (&v)[4], const u16* p, bool on) {
     asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.u32 %0, 0;\n mov.u32 %1, 0;\n mov.u32 %2, 0;\n"
                  " mov.u32 %3, 0;\n @q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
                  : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
@@ -125,87 +117,35 @@ KD_DEVICE void ldg_x16_or0(u32 (&v)[4], const u16* p, bool on) {
 
 // Orders this thread's earlier memory operations before its later ones for the whole GPU
 // (lighter than __threadfence's sequentially consistent fence, and all the split-K protocol needs).
-KD_DEVICE void fence_acq_rel_gpu() {
+KBIT_DEVICE void fence_acq_rel_gpu() {
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
 // Byte permute in the generic mode: selector nibble = source byte 0..7, +8 = replicate that
 // byte's sign bit (gives 0x00 for a byte below 0x80).
-KD_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
+KBIT_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
     u32 d;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
     return d;
 }
 
 // (a & mask) | (b & ~mask) in one lop3 (the compiler splits the C++ form into two).
-KD_DEVICE u32 bsel(u32 a, u32 b, u32 mask) {
+KBIT_DEVICE u32 bsel(u32 a, u32 b, u32 mask) {
     u32 d;
     asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "r"(mask));
     return d;
 }
 
 // Shared-memory loads from a 32-bit shared-window address (no generic-address arithmetic).
-KD_DEVICE u32 lds32(u32 addr) {
+KBIT_DEVICE u32 lds32(u32 addr) {
     u32 v;
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
     return v;
 }
-KD_DEVICE uint2 lds64(u32 addr) {
+KBIT_DEVICE uint2 lds64(u32 addr) {
     uint2 v;
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
     return v;
-}
-
-template <int DT> KD_DEVICE u32 mul2(u32 a, u32 b);
-template <> KD_DEVICE u32 mul2<KD_F16>(u32 a, u32 b) {
-    u32 d;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-template <> KD_DEVICE u32 mul2<KD_BF16>(u32 a, u32 b) {
-    // fma with -0.0 is the exact product on sm_80 too (mul.bf16x2 needs sm_90).
-    u32 d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-    return d;
-}
-
-template <int DT> KD_DEVICE u32 f32_to_half2(float lo, float hi);  // round to nearest even
-template <> KD_DEVICE u32 f32_to_half2<KD_F16>(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-template <> KD_DEVICE u32 f32_to_half2<KD_BF16>(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-template <int DT> KD_DEVICE u16 f32_to_half(float x) {
-    return (u16)(f32_to_half2<DT>(x, 0.0f) & 0xFFFFu);
-}
-
-template <int DT> KD_DEVICE void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1);
-template <> KD_DEVICE void mma16816<KD_F16>(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-template <> KD_DEVICE void mma16816<KD_BF16>(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// E4M4 code -> float, exactly and without subnormal floats (so -ftz cannot change it): normal
-// codes are placed straight into the fp32 exponent and mantissa fields; e = 0 codes are the
-// small integer m times 2^-14. Used once per code, to build the scale table.
-KD_DEVICE float e4m4_to_f32(u32 code) {
-    const u32 e = code >> 4, m = code & 15u;
-    return e ? __uint_as_float(((e + 116u) << 23) | (m << 19)) : (float)m * 0x1p-14f;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -226,7 +166,7 @@ template <int BITS> struct Lut {
 };
 
 // Codebook indices encoded by a table index (see the gather functions for the bit layout).
-template <int BITS> KD_DEVICE void lut_indices(u32 idx, u32 (&e)[4]) {
+template <int BITS> KBIT_DEVICE void lut_indices(u32 idx, u32 (&e)[4]) {
     if constexpr (BITS == 2) {
         // bit j = plane 0 of weight j, bit 4+j = plane 1 of weight j (j = 0..3)
 #pragma unroll
@@ -254,9 +194,9 @@ template <int BITS> KD_DEVICE void lut_indices(u32 idx, u32 (&e)[4]) {
 // half2 of the block scale). Lane l holds codebook entry l % 2^BITS; entries are gathered with
 // shuffles, so all lanes of a warp run every iteration (stores past the end are skipped).
 template <int BITS, int DT>
-KD_DEVICE void build_tables(u8* lut, u32* stab, const float* __restrict__ codebook, int tid, int nthreads) {
+KBIT_DEVICE void build_tables(u8* lut, u32* stab, const float* __restrict__ codebook, int tid, int nthreads) {
     using L = Lut<BITS>;
-    const u32 cbh = f32_to_half2<DT>(__ldg(codebook + (tid & ((1 << BITS) - 1))), 0.0f);
+    const u32 cbh = pack2<DT>(__ldg(codebook + (tid & ((1 << BITS) - 1))), 0.0f);
     constexpr int kVecPerRow = 32 * L::kEntryBytes / 16;  // 16-byte stores per table row
     constexpr int kVecs = (1 << L::kIdxBits) * kVecPerRow;
     for (int base = 0; base < kVecs; base += nthreads) {
@@ -275,15 +215,15 @@ KD_DEVICE void build_tables(u8* lut, u32* stab, const float* __restrict__ codebo
         if (v < kVecs) *reinterpret_cast<uint4*>(lut + idx * L::kStride + part * 16) = val;
     }
     for (int c = tid; c < 256; c += nthreads) {
-        const float sc = e4m4_to_f32((u32)c);
-        stab[c] = f32_to_half2<DT>(sc, sc);
+        const float sc = e4m4_decode((u32)c);
+        stab[c] = pack2<DT>(sc, sc);
     }
 }
 
 // Gather: plane words of one 32-weight block -> index bytes. q[j] byte m = the pair of weights
 // (8m + 2j, 8m + 2j + 1) for BITS = 3, 4, 5 (r[j] byte m: their plane-4 bits, BITS = 5), or
 // the quad (8m + 4j .. 8m + 4j + 3) for BITS = 2 (j = 0, 1).
-template <int BITS> KD_DEVICE void gather(const u32 (&p)[BITS], u32 (&q)[4], u32 (&r)[4]) {
+template <int BITS> KBIT_DEVICE void gather(const u32 (&p)[BITS], u32 (&q)[4], u32 (&r)[4]) {
     if constexpr (BITS == 2) {
         q[0] = bsel(p[0], p[1] << 4, 0x0F0F0F0Fu);
         q[1] = bsel(p[0] >> 4, p[1], 0x0F0F0F0Fu);
@@ -316,7 +256,7 @@ template <int BITS> KD_DEVICE void gather(const u32 (&p)[BITS], u32 (&q)[4], u32
 // Shared-memory address of the table entry for mma step s (0..7), half h (0: a0/a1, 1: a2/a3;
 // BITS = 2 returns both halves from one quad, h unused). `lanebase` = table base + lane * entry
 // bytes (table base 64 KiB aligned for BITS <= 4).
-template <int BITS> KD_DEVICE u32 lut_addr(const u32 (&q)[4], const u32 (&r)[4], int s, int h, u32 lanebase) {
+template <int BITS> KBIT_DEVICE u32 lut_addr(const u32 (&q)[4], const u32 (&r)[4], int s, int h, u32 lanebase) {
     const u32 m = (u32)(s >> 1);  // index byte within the word
     if constexpr (BITS == 5) {
         const int j = 2 * (s & 1) + h;
@@ -340,7 +280,7 @@ template <int BITS> struct Sub {
     u32 a[2];
 };
 
-template <int BITS> KD_DEVICE void load_sub(Sub<BITS>& d, const u32* __restrict__ pw, const u8* __restrict__ pa, bool ok) {
+template <int BITS> KBIT_DEVICE void load_sub(Sub<BITS>& d, const u32* __restrict__ pw, const u8* __restrict__ pa, bool ok) {
 #pragma unroll
     for (int rho = 0; rho < 2; ++rho) {
         const u32* src = pw + rho * 16 * BITS;  // row c + 8: 8 columns x 2 blocks x BITS words further
@@ -359,7 +299,7 @@ template <int BITS> KD_DEVICE void load_sub(Sub<BITS>& d, const u32* __restrict_
 // out; pieces past K are zero. Rows past M are zero too (only their own output columns would
 // see them, and those are not stored).
 template <int MT>
-KD_DEVICE void load_x(u32 (&bx)[MT][16], const u16* __restrict__ x, int M, int K, int k0, int g) {
+KBIT_DEVICE void load_x(u32 (&bx)[MT][16], const u16* __restrict__ x, int M, int K, int k0, int g) {
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
         const int m = 8 * j + g;
@@ -379,7 +319,7 @@ KD_DEVICE void load_x(u32 (&bx)[MT][16], const u16* __restrict__ x, int M, int K
 template <int BITS> struct Prepped {
     u32 q[2][4], r[2][4], s2[2];
 };
-template <int BITS> KD_DEVICE void prep(const Sub<BITS>& d, Prepped<BITS>& o, u32 stab) {
+template <int BITS> KBIT_DEVICE void prep(const Sub<BITS>& d, Prepped<BITS>& o, u32 stab) {
 #pragma unroll
     for (int rho = 0; rho < 2; ++rho) {
         gather<BITS>(d.p[rho], o.q[rho], o.r[rho]);
@@ -389,7 +329,7 @@ template <int BITS> KD_DEVICE void prep(const Sub<BITS>& d, Prepped<BITS>& o, u3
 
 // Second half: table lookups, block scale, and the mma into acc.
 template <int BITS, int DT, int MT>
-KD_DEVICE void lookup_mma(const Prepped<BITS>& o, const u32 (&bx)[MT][16], float (&acc)[MT][4], u32 lanebase) {
+KBIT_DEVICE void lookup_mma(const Prepped<BITS>& o, const u32 (&bx)[MT][16], float (&acc)[MT][4], u32 lanebase) {
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
         u32 w[2][2];  // [row][h]
@@ -407,8 +347,9 @@ KD_DEVICE void lookup_mma(const Prepped<BITS>& o, const u32 (&bx)[MT][16], float
                 }
             }
         }
+        const u32 a[4] = {w[0][0], w[1][0], w[0][1], w[1][1]};
 #pragma unroll
-        for (int j = 0; j < MT; ++j) mma16816<DT>(acc[j], w[0][0], w[1][0], w[0][1], w[1][1], bx[j][2 * s], bx[j][2 * s + 1]);
+        for (int j = 0; j < MT; ++j) mma_16816<DT>(acc[j], a, bx[j][2 * s], bx[j][2 * s + 1]);
     }
 }
 
@@ -422,7 +363,7 @@ template <int BITS, int NWR, int R> struct Cursor {
     const u8* pa;
     bool khi;  // k-tile 2*ch + t/2 exists (false for t >= 2 in a last, half chunk)
 
-    KD_DEVICE void seek(int it, int kc, int wr, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
+    KBIT_DEVICE void seek(int it, int kc, int wr, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
         item = it;
         rt = it / kc;
         ch = it - rt * kc;
@@ -435,7 +376,7 @@ template <int BITS, int NWR, int R> struct Cursor {
         pa = absmax + tile * 256 + (n0 & 127) * 2 + (t & 1);
     }
     // Move to item `it` (> item): a pointer bump when it is in the same row tile, else seek().
-    KD_DEVICE void step(int it, int kc, int wr, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
+    KBIT_DEVICE void step(int it, int kc, int wr, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
         const int dc = it - item;
         if (dc > 0 && ch + dc < kc) {
             item = it;
@@ -447,13 +388,13 @@ template <int BITS, int NWR, int R> struct Cursor {
             seek(it, kc, wr, t, g, k_tiles, n_tiles, packed, absmax);
         }
     }
-    KD_DEVICE void load(Sub<BITS> (&dst)[R], int rg_valid, bool live) const {
+    KBIT_DEVICE void load(Sub<BITS> (&dst)[R], int rg_valid, bool live) const {
 #pragma unroll
         for (int r = 0; r < R; ++r) load_sub<BITS>(dst[r], pw + r * 32 * BITS, pa + r * 32, live && khi && rg0 + r < rg_valid);
     }
 };
 
-template <int R, int MT> KD_DEVICE void zero_acc(float (&acc)[R][MT][4]) {
+template <int R, int MT> KBIT_DEVICE void zero_acc(float (&acc)[R][MT][4]) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -467,7 +408,7 @@ template <int R, int MT> KD_DEVICE void zero_acc(float (&acc)[R][MT][4]) {
 // 8j + 2t + c % 2. The whole K: store. Part of K: add to the workspace and count; the warp that
 // completes the count (`cnt`, one per row tile and row slot) stores and leaves zeros.
 template <int DT, int MT, int R>
-KD_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, float* __restrict__ ws, int* cnt,
+KBIT_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, float* __restrict__ ws, int* cnt,
                      int rg0, int nch, int kc, int M, int N, float tscale, int lane) {
     const int g = lane >> 2, t = lane & 3;
     constexpr int kMP = 8 * MT;  // workspace row pitch (floats)
@@ -480,7 +421,7 @@ KD_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, float*
                 for (int c = 0; c < 4; ++c) {
                     const int n = (rg0 + r) * 16 + g + 8 * (c >> 1);
                     const int m = 8 * j + 2 * t + (c & 1);
-                    if (n < N && m < M) out[(size_t)m * N + n] = f32_to_half<DT>(acc[r][j][c] * tscale);
+                    if (n < N && m < M) out[(size_t)m * N + n] = f32_to_bits<DT>(acc[r][j][c] * tscale);
                 }
         return;
     }
@@ -512,7 +453,7 @@ KD_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, float*
                 const int m = 8 * j + 2 * t + (c & 1);
                 if (n < N && m < M) {
                     float* p = ws + (size_t)n * kMP + m;
-                    out[(size_t)m * N + n] = f32_to_half<DT>(__ldcg(p) * tscale);
+                    out[(size_t)m * N + n] = f32_to_bits<DT>(__ldcg(p) * tscale);
                     __stcg(p, 0.0f);
                 }
             }
@@ -537,7 +478,7 @@ struct RedCtl {
 // seg_pos0: the segment's first position in the block's sequence (warp wk holds positions
 // p = wk mod KS), so its contributors are the warps (seg_pos0 + q) % KS, q < min(seg_len, KS).
 template <int DT, int MT, int R, int KS>
-KD_DEVICE void reduce_flush(float (&acc)[R][MT][4], RedSlot<KS, R, MT>* slot, RedCtl* ctl, u16* __restrict__ out, float* __restrict__ ws,
+KBIT_DEVICE void reduce_flush(float (&acc)[R][MT][4], RedSlot<KS, R, MT>* slot, RedCtl* ctl, u16* __restrict__ out, float* __restrict__ ws,
                             int* cnt, int seg, int seg_len, int seg_pos0, int nmine, int wk, int rg0, int kc, int M, int N,
                             float tscale, int lane) {
     volatile int* gen = &ctl->gen;
@@ -590,7 +531,7 @@ KD_DEVICE void reduce_flush(float (&acc)[R][MT][4], RedSlot<KS, R, MT>* slot, Re
 //   M, N; K: x's row length, a multiple of 8 (x 16-byte aligned), at most 64 * k_tiles;
 //   align: the block ranges of items are cut on multiples of `align` (1: stream-K, balanced to
 //   one item; kc: whole row tiles per block, never split).
-// Template: BITS 2..5, DT (KD_F16 / KD_BF16), MT = ceil(M / 8) n8 fragments, NW warps per
+// Template: BITS 2..5, DT (KBIT_F16 / KBIT_BF16), MT = ceil(M / 8) n8 fragments, NW warps per
 // block, of them KS side by side along K (so NW/KS row slots of R row groups: a row tile is
 // NW/KS*R*16 rows), D items of loads in flight per warp, MINB blocks per SM (register budget:
 // 65536 / (MINB * NW * 32) per thread).
