@@ -1,8 +1,8 @@
 """Build check for every CUDA kernel instance, with nvcc, for sm_80 and sm_90 (no GPU needed).
 
 At run time the kernels are compiled by NVRTC, one template instance at a time; here every
-instance the backend can launch is instantiated in one translation unit per source file and
-built for both architectures, so a change that breaks any of them fails in CI. The ptxas
+instance the backend can launch is instantiated in one translation unit per source file (the
+text the loader hands NVRTC, headers inlined) and built for both architectures, so a change that breaks any of them fails in CI. The ptxas
 resource report (registers, spills, stack) is printed as a table. Skipped when nvcc is absent.
 """
 
@@ -20,7 +20,7 @@ import pytest
 
 from kbit_linear.backends import cuda as kcuda
 from kbit_linear.backends import decode as kdecode
-from kbit_linear.backends.loader import kernel_source_dir
+from kbit_linear.backends.loader import read_source
 
 NVCC = shutil.which("nvcc")
 ARCHS = ("80", "90")
@@ -47,10 +47,13 @@ def _translation_unit(source: str, instances: list[str]) -> str:
 
 
 def _build(source: str, instances: list[str], workdir: Path) -> subprocess.CompletedProcess:
+    # The source exactly as NVRTC gets it (headers inlined by the loader) and no include path,
+    # so an include the loader does not resolve fails here too.
+    expanded = workdir / f"expanded_{Path(source).stem}.cu"
+    expanded.write_text(read_source(source))
     tu = workdir / f"inst_{Path(source).stem}.cu"
-    tu.write_text(_translation_unit(source, instances))
-    cmd = [NVCC, "-std=c++17", "-c", str(tu), "-o", str(tu.with_suffix(".o")), "-I", str(kernel_source_dir()),
-           "-Xptxas", "-v", "--threads", "2"]
+    tu.write_text(_translation_unit(expanded.name, instances))
+    cmd = [NVCC, "-std=c++17", "-c", str(tu), "-o", str(tu.with_suffix(".o")), "-Xptxas", "-v", "--threads", "2"]
     for a in ARCHS:
         cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=1200)

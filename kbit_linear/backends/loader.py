@@ -39,7 +39,7 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 """Oldest GPU the kernels support (Ampere, sm_80): they use ``cp.async``, ``ldmatrix`` and bf16 ``mma.sync``."""
 
 _BASE_OPTIONS = ("-std=c++17",)
-_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*(?://.*)?$')
 _INSTALL_HINT = (
     'the CUDA kernels need CuPy: pip install "kbit-linear[cuda]" '
     "(or pip install cupy-cuda12x / cupy-cuda13x matching your CUDA major version)"
