@@ -407,8 +407,7 @@ def gemm_cuda(
         stream = loader._current_raw_stream(dev_index)
         ws_ptr = cnt_ptr = 0
         if plan.split:
-            ws, counters = workspace.zeroed_scratch("fused", dev_index, stream, plan.ws_numel, plan.tiles)
-            ws_ptr, cnt_ptr = ws.data_ptr(), counters.data_ptr()
+            ws_ptr, cnt_ptr = workspace.zeroed_scratch("fused", dev_index, stream, plan.ws_numel, plan.tiles)
         _GEMM_ARGS.launch(
             plan.kernel, plan.grid, plan.smem, stream,
             (x2d.data_ptr(), packed.data_ptr(), absmax.data_ptr(), codebook.data_ptr(), tensor_scale.data_ptr(),

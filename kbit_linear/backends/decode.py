@@ -448,8 +448,7 @@ def decode_gemm(
         plan = decode_plan(m, bits, x2d.dtype, out_features, packed.shape[0], index, config, schedule_kind)
     stream = loader._current_raw_stream(index)
     if plan.split:
-        ws, counters = workspace.zeroed_scratch("decode", index, stream, plan.ws_numel, plan.counters)
-        ws_ptr, cnt_ptr = ws.data_ptr(), counters.data_ptr()
+        ws_ptr, cnt_ptr = workspace.zeroed_scratch("decode", index, stream, plan.ws_numel, plan.counters)
     else:
         ws_ptr = cnt_ptr = 0
     if not codebook.is_contiguous():

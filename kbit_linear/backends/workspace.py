@@ -6,11 +6,12 @@ kernel, the workspace) zero when they finish, so one zeroed buffer can serve eve
 without a memset.
 
 The buffers are kept per (user, device, stream): launches on one stream run in order, launches
-on different streams never share a buffer. They are allocated on a private side stream, so
-they never come from a CUDA-graph memory pool (a graph capture or torch.compile's CUDA-graph
-warm-up routes only the capturing stream's allocations there), and zeroed there before first
-use, so a captured graph holds no memset node for them. A buffer that is outgrown is retired
-but never freed: a graph captured earlier may still point at it.
+on different streams never share a buffer. They come straight from the driver (``cuMemAlloc``),
+not from torch's caching allocator, so no CUDA-graph memory pool ever holds them (a capture, or
+torch.compile's CUDA-graph warm-up, would otherwise claim them and flag them as leaked), and
+they are zeroed on a private side stream before first use, so a captured graph holds no memset
+node for them. They are never freed: a graph captured earlier may still point at a buffer that
+was outgrown. (A few MB per device and stream at most.)
 
 Limit: graphs captured on the same stream share that stream's buffers, so they must not be
 replayed concurrently on different streams (replaying them one after another, on any stream,
@@ -28,71 +29,78 @@ import torch
 
 __all__ = ["zeroed_scratch"]
 
-_buffers: dict[tuple[str, int, int, str], torch.Tensor] = {}
-_retired: list[torch.Tensor] = []  # outgrown buffers, kept alive for graphs that captured them
+_buffers: dict[tuple[str, int, int, str], tuple[int, int]] = {}  # key -> (device pointer, bytes)
 _side_streams: dict[int, torch.cuda.Stream] = {}
 _lock = threading.Lock()
-
-
-def _side_stream(index: int) -> torch.cuda.Stream:
-    stream = _side_streams.get(index)
-    if stream is None:
-        stream = _side_streams[index] = torch.cuda.Stream(device=index)
-    return stream
-
-
 _CU_STREAM_CAPTURE_MODE_RELAXED = 2
 _libcuda: ctypes.CDLL | None = None
+
+
+def _driver() -> ctypes.CDLL:
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+        lib.cuMemsetD32Async.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuThreadExchangeStreamCaptureMode.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        _libcuda = lib
+    return _libcuda
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{what} failed with CUDA driver error {result}")
 
 
 @contextlib.contextmanager
 def _relaxed_capture_mode() -> Iterator[None]:
     """Let this thread make calls that a capture in the default ("global") mode forbids.
 
-    The side-stream work below never touches the capturing stream, but creating a stream and
-    synchronising one count as unsafe while this thread captures, and would invalidate the
-    capture (torch relaxes the mode the same way around its own cudaMalloc calls).
+    The side-stream work below never touches the capturing stream, but allocating, creating a
+    stream and synchronising one count as unsafe while this thread captures, and would
+    invalidate the capture (torch relaxes the mode the same way around its own cudaMalloc).
     """
-    global _libcuda
-    if _libcuda is None:
-        _libcuda = ctypes.CDLL("libcuda.so.1")
+    lib = _driver()
     mode = ctypes.c_int(_CU_STREAM_CAPTURE_MODE_RELAXED)
-    if _libcuda.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)) != 0:
-        raise RuntimeError("cuThreadExchangeStreamCaptureMode failed")
+    _check(lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)), "cuThreadExchangeStreamCaptureMode")
     try:
         yield
     finally:
-        _libcuda.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
+        lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
 
 
-def _allocate_zeroed(index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed tensor from the default memory pool, ready when this returns."""
+def _allocate_zeroed(index: int, nbytes: int) -> int:
+    """Device pointer to ``nbytes`` of zeros from the driver, ready when this returns."""
     capturing = torch.cuda.is_current_stream_capturing()
-    with _relaxed_capture_mode() if capturing else contextlib.nullcontext():
-        side = _side_stream(index)
-        with torch.cuda.device(index), torch.cuda.stream(side):
-            buf = torch.zeros(numel, dtype=dtype, device=torch.device("cuda", index))
-        # The zeros are visible to whatever stream (or graph) uses the buffer next.
-        side.synchronize()
-    return buf
+    lib = _driver()
+    with torch.cuda.device(index), _relaxed_capture_mode() if capturing else contextlib.nullcontext():
+        side = _side_streams.get(index)
+        if side is None:
+            side = _side_streams[index] = torch.cuda.Stream(device=index)
+        ptr = ctypes.c_uint64(0)
+        _check(lib.cuMemAlloc_v2(ctypes.byref(ptr), nbytes), f"cuMemAlloc of {nbytes} bytes")
+        _check(lib.cuMemsetD32Async(ptr.value, 0, nbytes // 4, side.cuda_stream), "cuMemsetD32Async")
+        _check(lib.cuStreamSynchronize(side.cuda_stream), "cuStreamSynchronize")
+    return ptr.value
 
 
-def _get(key: tuple[str, int, int, str], numel: int, dtype: torch.dtype) -> torch.Tensor:
+def _get(key: tuple[str, int, int, str], nbytes: int) -> int:
     buf = _buffers.get(key)
-    if buf is not None and buf.numel() >= numel:
-        return buf
+    if buf is not None and buf[1] >= nbytes:
+        return buf[0]
     with _lock:
         buf = _buffers.get(key)
-        if buf is None or buf.numel() < numel:
+        if buf is None or buf[1] < nbytes:
             if buf is not None:
-                _retired.append(buf)
-                numel = max(numel, buf.numel() * 3 // 2)  # grow geometrically: few retired buffers
-            buf = _buffers[key] = _allocate_zeroed(key[1], max(numel, 1024), dtype)
-    return buf
+                nbytes = max(nbytes, buf[1] * 3 // 2)  # grow geometrically: few outgrown buffers
+            nbytes = -(-max(nbytes, 4096) // 256) * 256
+            buf = _buffers[key] = (_allocate_zeroed(key[1], nbytes), nbytes)
+    return buf[0]
 
 
-def zeroed_scratch(user: str, index: int, stream: int, ws_floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 workspace and int32 counters, zero on first use, kept for later launches.
+def zeroed_scratch(user: str, index: int, stream: int, ws_floats: int, counters: int) -> tuple[int, int]:
+    """Device pointers to an fp32 workspace and int32 counters, zero on first use, kept for later launches.
 
     Args:
         user: which kernel family owns the buffers (kernels that leave different parts
@@ -103,12 +111,10 @@ def zeroed_scratch(user: str, index: int, stream: int, ws_floats: int, counters:
         counters: int32 counters needed (may be 0).
 
     Returns:
-        ``(workspace, counters)``: two 1-D tensors with at least the requested sizes (only
-        their start addresses matter to the kernels). The caller's kernel must leave the
-        counters zero (and the workspace too, when it relies on it being zero).
+        ``(workspace pointer, counters pointer)``, each with room for at least the requested
+        elements. The caller's kernel must leave the counters zero (and the workspace too, when
+        it relies on it being zero).
     """
     if ws_floats < 0 or counters < 0:
         raise ValueError(f"ws_floats and counters must be >= 0, got {ws_floats} and {counters}")
-    ws = _get((user, index, stream, "ws"), ws_floats, torch.float32)
-    cnt = _get((user, index, stream, "counters"), counters, torch.int32)
-    return ws, cnt
+    return _get((user, index, stream, "ws"), 4 * ws_floats), _get((user, index, stream, "counters"), 4 * counters)
