@@ -12,8 +12,9 @@ Public entry points: :func:`decode_supported` and :func:`decode_gemm` (used by t
 dispatcher), :func:`decode_plan` (what a launch would do, for benchmarks) and
 :func:`decode_instances` (every template instance, for the build check).
 
-Nothing here syncs the host or allocates through CuPy; launches go on torch's current stream,
-so calls can be captured in a CUDA graph. Split-K launches use a workspace and counters that the
+Nothing here allocates through CuPy or syncs the host on the hot path (only the one-time
+allocation of the split-K buffers waits for their zeroing); launches go on torch's current
+stream, so calls can be captured in a CUDA graph. Split-K launches use a workspace and counters that the
 kernel leaves zeroed (:mod:`.workspace`: kept per device and stream, outside graph memory pools).
 """
 
