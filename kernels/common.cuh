@@ -160,3 +160,28 @@ KBIT_DEVICE float4 ld_cg(const float4* p) {
     asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
     return v;
 }
+
+// ---------------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90+; no-ops on older GPUs and when the launch did not ask
+// for it). A kernel launched with programmatic stream serialization may start while the
+// previous kernel on the stream is still running: it must not read or write memory that kernel
+// may touch before grid_dependency_wait(). allow_dependent_launch() lets the next such kernel
+// start as soon as every block of this one has begun (it still waits for this one to finish
+// before it touches memory), so its launch and prologue overlap this kernel's tail.
+
+KBIT_DEVICE void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+KBIT_DEVICE void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// Pull the 128-byte line holding `p` into L2. Safe before grid_dependency_wait(): the data
+// reaches registers only through loads issued after the wait, and L2 is where every SM's
+// stores land, so a line fetched early is never stale.
+KBIT_DEVICE void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}

@@ -303,6 +303,12 @@ __global__ void __launch_bounds__(kbit::kThreads, MB == 1 ? 3 : (MB <= 4 ? 2 : 1
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int warp_m = warp / S::WN, warp_n = warp % S::WN;
 
+    // Under a programmatic launch this grid may start while the previous kernel on the stream
+    // finishes: let the next one do the same, and wait for the previous one before touching
+    // memory (so only the launch and the block setup overlap).
+    allow_dependent_launch();
+    grid_dependency_wait();
+
     // Each lane holds codebook[lane] (entries past 2^BITS are never selected).
     const float cb_f32 = lane < (1 << BITS) ? codebook[lane] : 0.f;
     u32 cb_reg = 0;

@@ -16,7 +16,9 @@ Usage (from the repository root, on a GPU machine):
 
 Shapes are ``in_features x out_features``. ``--variants`` also times other launch shapes of the
 kernel (warps, warps along K, row groups per warp, loads in flight) for tuning, with each schedule
-of ``--variant-schedules``. The markdown table is printed last.
+of ``--variant-schedules``. ``--overlap`` also times each case without programmatic dependent
+launch, with other L2 prefetch sizes, and behind a torch kernel that writes x. The markdown
+table is printed last.
 """
 
 from __future__ import annotations
@@ -122,17 +124,23 @@ def random_kbit(k: int, n: int, bits: int, copies: int) -> list[fmt.KbitWeight]:
 
 
 def bench_kbit(k: int, n: int, bits: int, m: int, dtype: torch.dtype, cfg: decode.DecodeConfig | None = None,
-               weights: list[fmt.KbitWeight] | None = None, sched: str = "auto") -> tuple[float, int]:
-    """(seconds per call, bytes moved) for the decode kernel."""
+               weights: list[fmt.KbitWeight] | None = None, sched: str = "auto", prefetch: int = decode.L2_PREFETCH_BYTES,
+               writer: bool = False) -> tuple[float, int]:
+    """(seconds per call, bytes moved) for the decode kernel; ``writer``: each call follows a
+    torch kernel that writes x (as in a model, where a norm or activation produces it)."""
     if weights is None:
         wb = random_kbit(k, n, bits, 1)[0]
         weights = random_kbit(k, n, bits, n_copies(wb.packed.nbytes + wb.absmax.nbytes))
     x = torch.randn(m, k, device="cuda", dtype=dtype)
+    x_src = x.clone()
     out = torch.empty(m, n, device="cuda", dtype=dtype)
 
     def call(i: int) -> None:
         w = weights[i]
-        decode.decode_gemm(x, w.packed, w.absmax, w.codebook, w.tensor_scale, bits, n, out, config=cfg, schedule_kind=sched)
+        if writer:
+            torch.mul(x_src, 1.0, out=x)
+        decode.decode_gemm(x, w.packed, w.absmax, w.codebook, w.tensor_scale, bits, n, out, config=cfg, schedule_kind=sched,
+                           prefetch_bytes=prefetch)
 
     nbytes = weights[0].packed.nbytes + weights[0].absmax.nbytes + x.nbytes + out.nbytes
     return time_calls(call, len(weights)), nbytes
@@ -179,6 +187,23 @@ def host_overhead_us(k: int, n: int, bits: int, m: int, dtype: torch.dtype, call
     return (t1 - t0) / calls * 1e6
 
 
+def overlap_row(k: int, n: int, bits: int, m: int, dtype: torch.dtype, weights: list[fmt.KbitWeight], prefetch_kib: list[int],
+                t_on: float) -> dict:
+    """Times (us) of one case without programmatic launch, with other L2 prefetch sizes, and
+    behind a torch kernel that writes x; ``t_on`` is the default launch's time."""
+    row: dict = dict(pdl_on_us=t_on * 1e6, prefetch_us={})
+    old = loader.set_programmatic_launch(False)
+    try:
+        row["pdl_off_us"] = bench_kbit(k, n, bits, m, dtype, weights=weights)[0] * 1e6
+        row["writer_off_us"] = bench_kbit(k, n, bits, m, dtype, weights=weights, writer=True)[0] * 1e6
+    finally:
+        loader.set_programmatic_launch(old)
+    row["writer_on_us"] = bench_kbit(k, n, bits, m, dtype, weights=weights, writer=True)[0] * 1e6
+    for p in prefetch_kib:
+        row["prefetch_us"][str(p)] = bench_kbit(k, n, bits, m, dtype, weights=weights, prefetch=p * 1024)[0] * 1e6
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 5])
@@ -189,6 +214,11 @@ def main() -> None:
     ap.add_argument("--variant-shapes", nargs="+", default=["4096x4096", "8192x28672"], help="shapes --variants applies to")
     ap.add_argument("--variant-schedules", nargs="+", default=["auto"], choices=list(decode.SCHEDULES),
                     help="schedules each --variants launch shape is timed with")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also time each case without programmatic launch, with the L2 prefetch sizes of --prefetch-kib, "
+                         "and behind a torch kernel that writes x (with and without programmatic launch)")
+    ap.add_argument("--prefetch-kib", type=int, nargs="+", default=[0, 16, 64, 256],
+                    help="L2 prefetch per block (KiB) timed by --overlap")
     ap.add_argument("--no-peers", action="store_true", help="skip cuBLAS and tinygemm")
     ap.add_argument("--json", type=Path, help="write all results here")
     ap.add_argument("--profile-calls", type=int, default=0,
@@ -217,7 +247,7 @@ def main() -> None:
             f"date {datetime.date.today()}; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     print(head, flush=True)
     print("command: python3 " + " ".join(sys.argv), flush=True)
-    rows, variant_rows = [], []
+    rows, variant_rows, overlap_rows = [], [], []
     for shape in args.shapes:
         k, n = (int(v) for v in shape.lower().split("x"))
         peers: dict[tuple[str, int], tuple[float | None, float | None]] = {}
@@ -244,6 +274,11 @@ def main() -> None:
                                schedule=plan.schedule, config=plan.name)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                    if args.overlap:
+                        orow = overlap_row(k, n, bits, m, dtype, weights, args.prefetch_kib, t)
+                        orow.update(shape=shape, bits=bits, dtype=dname, m=m, roofline_us=roof * 1e6)
+                        overlap_rows.append(orow)
+                        print("overlap " + json.dumps(orow), flush=True)
                     if args.variants and dname == args.dtypes[0] and shape in args.variant_shapes:
                         for v in VARIANTS.get((bits, 1 if m <= 8 else 2), []):
                             cfg = decode.DecodeConfig(*v)
@@ -262,13 +297,25 @@ def main() -> None:
             torch.cuda.empty_cache()
     overhead = host_overhead_us(576, 192, 4, 1, torch.float16)
     if args.json:
-        args.json.write_text(json.dumps(dict(header=head, copy_bw=bw, rows=rows, variants=variant_rows, host_us=overhead), indent=1))
+        args.json.write_text(json.dumps(dict(header=head, copy_bw=bw, rows=rows, variants=variant_rows, overlap=overlap_rows,
+                                             host_us=overhead), indent=1))
     if variant_rows:
         print("\n| shape | K | M | (warps, warps along K, row groups, depth, blocks/SM) | schedule (grid) | us | % roofline |\n"
               "|---|---|---|---|---|---|---|")
         for v in variant_rows:
             print(f"| {v['shape']} | {v['bits']} | {v['m']} | {tuple(v['config'])} | {v['schedule']} ({v['grid']}) | {v['us']:.1f} | "
                   f"{v['pct_roofline']:.0f} |")
+    if overlap_rows:
+        kibs = args.prefetch_kib
+        print("\nProgrammatic launch (PDL) and L2 prefetch, us per call (back to back; 'behind a writer': each call "
+              "follows a torch kernel that writes x, pair time)")
+        print("| shape | K | dtype | M | roofline | PDL off | PDL on (default) | " + " | ".join(f"prefetch {p} KiB" for p in kibs)
+              + " | writer + call, PDL off | writer + call, PDL on |")
+        print("|---|---|---|---|---|---|---|" + "---|" * len(kibs) + "---|---|")
+        for o in overlap_rows:
+            print(f"| {o['shape']} | {o['bits']} | {o['dtype']} | {o['m']} | {o['roofline_us']:.1f} | {o['pdl_off_us']:.1f} | "
+                  f"{o['pdl_on_us']:.1f} | " + " | ".join(f"{o['prefetch_us'][str(p)]:.1f}" for p in kibs)
+                  + f" | {o['writer_off_us']:.1f} | {o['writer_on_us']:.1f} |")
     print(f"\n{head}\nhost overhead of one eager decode_gemm call (576x192, launch-bound): {overhead:.1f} us")
     print("\n| shape (K x N) | K | dtype | M | us | roofline us | % roofline | cuBLAS us | x vs cuBLAS | tinygemm us | x vs tinygemm |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -266,6 +266,95 @@ def test_unaligned_and_strided_x():
 
 
 
+def _unit_gain(qw: fmt.KbitWeight, w: torch.Tensor) -> tuple[fmt.KbitWeight, torch.Tensor]:
+    """The same weight with its tensor scale set (to a power of two) so that W keeps x's size:
+    a chain of calls then stays in range."""
+    gain = w.norm().item() / w.shape[1] ** 0.5  # how much W scales a random x
+    ts = qw.tensor_scale / 2.0 ** round(torch.log2(torch.tensor(gain)).item())
+    return fmt.KbitWeight(qw.packed, qw.absmax, qw.codebook, ts, qw.bits, qw.out_features, qw.in_features), w * (ts / qw.tensor_scale)
+
+
+@gpu
+@pytest.mark.parametrize("pdl", (True, False), ids=("pdl", "plain"))
+@pytest.mark.parametrize("graph", (False, True), ids=("eager", "graph"))
+def test_back_to_back_calls_wait_for_their_inputs(pdl, graph):
+    """Back-to-back launches (programmatic or not) read what the previous kernel wrote and never
+    write what it still reads: a chain where each call's x is the previous call's output, a last
+    call that overwrites the previous call's x, and weights copied in by the kernel just before
+    the call. Every buffer starts NaN, so reading too early shows up."""
+    old = loader.set_programmatic_launch(pdl)
+    try:
+        bits, dtype, k = 4, torch.float16, 4096
+        qw, w = _unit_gain(*_cached_weight(k, k, bits))
+        other, w_other = _unit_gain(*_cached_weight(k, k, 3 if bits != 3 else 2))
+        packed_buf = torch.empty_like(qw.packed)
+        qw_buf = fmt.KbitWeight(packed_buf, qw.absmax, qw.codebook, qw.tensor_scale, bits, k, k)
+        x0 = torch.randn(2, k, device=DEV, dtype=dtype)
+        bufs = [torch.full((2, k), float("nan"), dtype=dtype, device=DEV) for _ in range(6)]
+        y_other = torch.full((2, k), float("nan"), dtype=dtype, device=DEV)
+
+        def chain() -> None:
+            bufs[0].copy_(x0)
+            packed_buf.fill_(0)
+            for i in range(4):  # x of each call = the previous call's output
+                decode.decode_gemm(bufs[i], qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, k, bufs[i + 1])
+            # out of this call = x of the previous call (it must not start writing early)
+            decode.decode_gemm(bufs[4], qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, bits, k, bufs[3])
+            decode.decode_gemm(bufs[3], other.packed, other.absmax, other.codebook, other.tensor_scale, other.bits, k, y_other)
+            packed_buf.copy_(qw.packed)  # weights written by the kernel just before the call
+            decode.decode_gemm(bufs[1], qw_buf.packed, qw_buf.absmax, qw_buf.codebook, qw_buf.tensor_scale, bits, k, bufs[5])
+
+        if graph:
+            chain()  # warm-up: plans, kernels, split-K buffers
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                chain()
+            for t in bufs + [y_other]:
+                t.fill_(float("nan"))
+            g.replay()
+        else:
+            chain()
+        torch.cuda.synchronize()
+        refs = [x0.float()]
+        for _ in range(5):
+            refs.append(F.linear(refs[-1].to(dtype).float(), w))
+        assert not torch.isnan(torch.stack(bufs[1:3] + bufs[4:])).any(), "a call read its input before it was written"
+        for i in (1, 2, 4):
+            assert _rel_err(bufs[i], refs[i]) < 2e-2, f"call {i}: relative error {_rel_err(bufs[i], refs[i]):.2e}"
+        assert _rel_err(bufs[3], refs[5]) < 3e-2
+        ref_other = F.linear(refs[5].to(dtype).float(), w_other)
+        assert _rel_err(y_other, ref_other) < 3e-2
+        _check_against(bufs[5], bufs[1], w, dtype)
+    finally:
+        loader.set_programmatic_launch(old)
+
+
+@gpu
+def test_prefetch_size_changes_nothing():
+    """The L2 prefetch before the wait is only a hint: any size gives the same output (up to the
+    order in which the warps of a block add their partial sums)."""
+    qw, w = _cached_weight(4096, 4096, 4)
+    x = torch.randn(3, 4096, device=DEV, dtype=torch.bfloat16)
+    outs = [_run(x, qw, schedule_kind="tiles", prefetch_bytes=p) for p in (0, 1000, 64 * 1024, 1 << 24)]
+    _check_against(outs[0], x, w, torch.bfloat16)
+    assert all(_rel_err(o, outs[0]) < 1e-3 for o in outs[1:])
+    with pytest.raises(ValueError, match="prefetch_bytes"):
+        _run(x, qw, prefetch_bytes=-1)
+
+
+def test_programmatic_launch_switch():
+    old = loader.set_programmatic_launch(False)
+    try:
+        assert loader.programmatic_launch_enabled() is False
+        assert loader.set_programmatic_launch(True) is False
+        assert loader.programmatic_launch_enabled() is True
+        with pytest.raises(TypeError, match="enabled"):
+            loader.set_programmatic_launch(1)
+    finally:
+        loader.set_programmatic_launch(old)
+
+
 # ---------------------------------------------------------------------------------------
 # argument checks (no GPU needed: they fail before any launch)
 # ---------------------------------------------------------------------------------------

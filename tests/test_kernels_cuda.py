@@ -270,6 +270,63 @@ def test_cuda_graph_capture_and_replay(path):
         assert _rel_err(static_out, _reference(static_x, qw)) < REL_TOL[torch.float16]
 
 
+@pytest.mark.parametrize("path", ["fused", "fused-splitk"])
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
+def test_back_to_back_fused_calls_wait_for_their_inputs(path, pdl):
+    """Back-to-back fused launches (programmatic or not): each call's x is the previous call's
+    output, one call overwrites the x of the call before it, and the weights of the last call
+    are copied in by the kernel just before it; eagerly and in a CUDA graph."""
+    old = loader.set_programmatic_launch(pdl)
+    try:
+        k, m, dtype = 1024, 48, torch.float16
+        qw = _weight(k, k, 4)
+        w = fmt.dequantize(qw, torch.float32)
+        scale = (k ** 0.5) / w.norm().item()  # keeps a chain of calls in range
+        x0 = torch.randn(m, k, device=DEV, dtype=dtype)
+        ts = qw.tensor_scale * scale
+        packed_buf = torch.zeros_like(qw.packed)
+        bufs = [torch.full((m, k), float("nan"), dtype=dtype, device=DEV) for _ in range(5)]
+
+        def call(x, out, packed=qw.packed):
+            kcuda.gemm_cuda(x, packed, qw.absmax, qw.codebook, ts, 4, k, path=path, out=out)
+
+        def chain():
+            bufs[0].copy_(x0)
+            packed_buf.zero_()
+            call(bufs[0], bufs[1])
+            call(bufs[1], bufs[2])
+            call(bufs[2], bufs[3])
+            call(bufs[3], bufs[1])  # overwrites the x of the call before
+            packed_buf.copy_(qw.packed)
+            call(bufs[2], bufs[4], packed_buf)
+
+        for graph in (False, True):
+            for t in bufs:
+                t.fill_(float("nan"))
+            if graph:
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    chain()
+                for t in bufs:
+                    t.fill_(float("nan"))
+                g.replay()
+            else:
+                chain()
+            torch.cuda.synchronize()
+            ws = w * scale
+            refs = [x0.float()]
+            for _ in range(4):
+                refs.append(F.linear(refs[-1].to(dtype).float(), ws))
+            assert not torch.isnan(torch.stack(bufs[1:])).any()
+            assert _rel_err(bufs[2], refs[2]) < 1e-2
+            assert _rel_err(bufs[3], refs[3]) < 2e-2
+            assert _rel_err(bufs[1], refs[4]) < 2e-2
+            assert _rel_err(bufs[4], refs[3]) < 2e-2
+    finally:
+        loader.set_programmatic_launch(old)
+
+
 class _Tiny(torch.nn.Module):
     def __init__(self, qw: fmt.KbitWeight) -> None:
         super().__init__()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kbit_linear import format as fmt
 from kbit_linear.backends import cuda as cuda_backend
-from kbit_linear.backends import decode, loader, workspace
+from kbit_linear.backends import decode, driver, loader, workspace
 
 
 
@@ -36,9 +36,8 @@ def test_rejects_negative_sizes():
 
 def _read_words(ptr: int, n: int) -> list[int]:
     """n 32-bit words at a device pointer (synchronous driver copy)."""
-    lib = workspace._driver()
+    lib = driver.lib()
     host = (ctypes.c_uint32 * n)()
-    lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
     torch.cuda.synchronize()
     assert lib.cuMemcpyDtoH_v2(ctypes.addressof(host), ptr, 4 * n) == 0
     return list(host)

@@ -413,6 +413,7 @@ def gemm_cuda(
             (x2d.data_ptr(), packed.data_ptr(), absmax.data_ptr(), codebook.data_ptr(), tensor_scale.data_ptr(),
              0 if bias is None else bias.data_ptr(), out.data_ptr(), ws_ptr, cnt_ptr,
              m, out_features, k, ps[1], ps[0], plan.iters),
+            programmatic=True,  # the kernel waits for the previous one before it touches memory
         )
     elif plan.path == "dequant+cublas":
         # The dense weight holds in_features padded to 8 (zero columns beyond the true K).

@@ -8,7 +8,10 @@ so a later process skips the compile.
 
 Launches go straight to the driver (``cuLaunchKernel`` through ``cupy.cuda.driver``) on torch's
 *current* stream of the tensor's device, fetched at every call. Nothing here allocates through
-CuPy or synchronizes the host, so launches can be captured in a CUDA graph.
+CuPy or synchronizes the host, so launches can be captured in a CUDA graph. Kernels written for
+it (they wait with ``griddepcontrol.wait`` before touching memory) can be launched so that they
+overlap the end of the previous kernel (programmatic dependent launch, sm_90+; on by default,
+``KBIT_LINEAR_PDL=0`` or :func:`set_programmatic_launch` turns it off).
 
 CuPy is imported lazily, on the first compile: importing this module needs neither CuPy nor a GPU.
 """
@@ -17,12 +20,16 @@ from __future__ import annotations
 
 import ctypes
 import importlib.resources
+import os
 import re
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+
+from . import driver
 
 __all__ = [
     "MIN_COMPUTE_CAPABILITY",
@@ -31,6 +38,8 @@ __all__ = [
     "read_source",
     "get_kernel",
     "launch",
+    "programmatic_launch_enabled",
+    "set_programmatic_launch",
     "device_properties",
     "cupy_available",
 ]
@@ -127,6 +136,8 @@ class DeviceProperties:
             getattr(p, "shared_memory_per_block_optin", 0) or getattr(p, "max_shared_memory_per_block_optin", 0) or 48 * 1024
         )
         self.shared_per_sm: int = int(getattr(p, "shared_memory_per_multiprocessor", 0) or self.max_shared_per_block)
+        # Programmatic dependent launch (griddepcontrol) exists from Hopper on.
+        self.programmatic_launch: bool = self.capability >= (9, 0)
 
 
 def device_properties(device: torch.device | int) -> DeviceProperties:
@@ -181,9 +192,10 @@ class CudaKernel:
         raw: the ``cupy.RawKernel`` (keeps the module alive).
         func_ptr: the ``CUfunction`` handle, as an int.
         num_regs: registers per thread reported by the driver.
+        programmatic: whether the device supports programmatic dependent launch.
     """
 
-    __slots__ = ("name", "device_index", "raw", "func_ptr", "num_regs", "_max_dynamic_smem", "_lock")
+    __slots__ = ("name", "device_index", "raw", "func_ptr", "num_regs", "programmatic", "_max_dynamic_smem", "_lock")
 
     def __init__(self, name: str, device_index: int, raw: Any) -> None:
         self.name = name
@@ -191,6 +203,7 @@ class CudaKernel:
         self.raw = raw
         self.func_ptr: int = int(raw.kernel.ptr)
         self.num_regs: int = int(raw.num_regs)
+        self.programmatic: bool = device_properties(device_index).programmatic_launch
         self._max_dynamic_smem = 48 * 1024
         self._lock = threading.Lock()
 
@@ -307,21 +320,30 @@ class ArgPack:
             loc.ptrs_addr = ctypes.addressof(loc.ptrs)
         return loc
 
-    def launch(self, kernel: "CudaKernel", grid: int, shared_mem: int, stream: int, values: Sequence[int], threads: int = 256) -> None:
+    def launch(self, kernel: "CudaKernel", grid: int, shared_mem: int, stream: int, values: Sequence[int], threads: int = 256,
+               programmatic: bool = False) -> None:
         """Fast launch for hot paths: ``values`` are already plain non-negative ints (pointers as
         ``data_ptr()``), ``grid``/``threads`` one-dimensional, ``stream`` the raw ``cudaStream_t``
         of the kernel's device. The caller guarantees the kinds and the device; this skips the
-        checks of :func:`launch`."""
+        checks of :func:`launch`.
+
+        ``programmatic=True`` (for kernels that call ``griddepcontrol.wait`` before touching
+        memory) lets the grid start while the previous kernel on the stream finishes, where the
+        GPU supports it and :func:`set_programmatic_launch` has not turned it off."""
         loc = self._storage()
         loc.slots[:] = values
         if shared_mem > kernel._max_dynamic_smem:
             kernel.ensure_shared_memory(shared_mem)
         index = kernel.device_index
+        overlap = programmatic and _programmatic_on and kernel.programmatic
         bound = getattr(_tls, "bound", None)
         if bound is not None and index in bound and torch._C._cuda_getDevice() == index:
-            _cupy_launch(kernel.func_ptr, grid, 1, 1, threads, 1, 1, shared_mem, stream, loc.ptrs_addr, 0)
+            if overlap:
+                _launch_programmatic(kernel, grid, threads, shared_mem, stream, loc.ptrs_addr)
+            else:
+                _cupy_launch(kernel.func_ptr, grid, 1, 1, threads, 1, 1, shared_mem, stream, loc.ptrs_addr, 0)
         else:
-            _launch_binding(kernel, (grid, 1, 1), (threads, 1, 1), shared_mem, stream, loc.ptrs_addr)
+            _launch_binding(kernel, (grid, 1, 1), (threads, 1, 1), shared_mem, stream, loc.ptrs_addr, overlap)
 
     def pointers(self, values: Sequence[Any]) -> int:
         """Store ``values`` in this thread's slots and return the address of the pointer array."""
@@ -390,7 +412,8 @@ def launch(
         _launch_binding(kernel, (gx, gy, gz), (bx, by, bz), shared_mem, stream, params)
 
 
-def _launch_binding(kernel: CudaKernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, stream: int, params: int) -> None:
+def _launch_binding(kernel: CudaKernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, stream: int, params: int,
+                    programmatic: bool = False) -> None:
     """Launch with ``kernel``'s device made current (slow path: first launch on a thread, or
     another device current). cudaSetDevice makes the device's primary context current on this
     thread, which the driver-level launch needs."""
@@ -398,12 +421,56 @@ def _launch_binding(kernel: CudaKernel, grid: tuple[int, int, int], block: tuple
     fn = _get_driver_launch()
     with torch.cuda.device(index):
         _import_cupy().cuda.runtime.setDevice(index)
-        fn(kernel.func_ptr, *grid, *block, shared_mem, stream, params, 0)
+        if programmatic and grid[1] == grid[2] == block[1] == block[2] == 1:
+            _launch_programmatic(kernel, grid[0], block[0], shared_mem, stream, params)
+        else:
+            fn(kernel.func_ptr, *grid, *block, shared_mem, stream, params, 0)
     if torch._C._cuda_getDevice() == index:
         bound = getattr(_tls, "bound", None)
         if bound is None:
             bound = _tls.bound = set()
         bound.add(index)
+
+
+# ---------------------------------------------------------------------------------------
+# programmatic dependent launch
+# ---------------------------------------------------------------------------------------
+
+_programmatic_on: bool = os.environ.get("KBIT_LINEAR_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def programmatic_launch_enabled() -> bool:
+    """Whether kernels that support it are launched with programmatic dependent launch.
+
+    On by default (where the GPU supports it, sm_90+); the environment variable
+    ``KBIT_LINEAR_PDL=0`` starts a process with it off.
+    """
+    return _programmatic_on
+
+
+def set_programmatic_launch(enabled: bool) -> bool:
+    """Turn programmatic dependent launch on or off for later launches; returns the old setting.
+
+    Graphs captured earlier keep the launches they recorded.
+    """
+    global _programmatic_on
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    old, _programmatic_on = _programmatic_on, enabled
+    return old
+
+
+def _launch_programmatic(kernel: CudaKernel, grid: int, threads: int, shared_mem: int, stream: int, params: int) -> None:
+    global _programmatic_on
+    try:
+        driver.launch_programmatic(kernel.func_ptr, grid, threads, shared_mem, stream, params)
+    except driver.DriverError as e:
+        if e.code not in (driver.CUDA_ERROR_NOT_SUPPORTED, driver.CUDA_ERROR_INVALID_VALUE):
+            raise
+        # A driver or setup without the feature: say so once and launch plainly from now on.
+        _programmatic_on = False
+        warnings.warn(f"programmatic dependent launch is unavailable ({e}); kernels launch without it", RuntimeWarning, stacklevel=3)
+        _get_driver_launch()(kernel.func_ptr, grid, 1, 1, threads, 1, 1, shared_mem, stream, params, 0)
 
 
 def _kind_of(a: Any) -> str:

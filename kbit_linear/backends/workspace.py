@@ -27,30 +27,14 @@ from typing import Iterator
 
 import torch
 
+from .driver import check, lib
+
 __all__ = ["zeroed_scratch"]
 
 _buffers: dict[tuple[str, int, int, str], tuple[int, int]] = {}  # key -> (device pointer, bytes)
 _side_streams: dict[int, torch.cuda.Stream] = {}
 _lock = threading.Lock()
 _CU_STREAM_CAPTURE_MODE_RELAXED = 2
-_libcuda: ctypes.CDLL | None = None
-
-
-def _driver() -> ctypes.CDLL:
-    global _libcuda
-    if _libcuda is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
-        lib.cuMemsetD32Async.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
-        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
-        lib.cuThreadExchangeStreamCaptureMode.argtypes = [ctypes.POINTER(ctypes.c_int)]
-        _libcuda = lib
-    return _libcuda
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        raise RuntimeError(f"{what} failed with CUDA driver error {result}")
 
 
 @contextlib.contextmanager
@@ -61,27 +45,27 @@ def _relaxed_capture_mode() -> Iterator[None]:
     stream and synchronising one count as unsafe while this thread captures, and would
     invalidate the capture (torch relaxes the mode the same way around its own cudaMalloc).
     """
-    lib = _driver()
+    cu = lib()
     mode = ctypes.c_int(_CU_STREAM_CAPTURE_MODE_RELAXED)
-    _check(lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)), "cuThreadExchangeStreamCaptureMode")
+    check(cu.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)), "cuThreadExchangeStreamCaptureMode")
     try:
         yield
     finally:
-        lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
+        cu.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
 
 
 def _allocate_zeroed(index: int, nbytes: int) -> int:
     """Device pointer to ``nbytes`` of zeros from the driver, ready when this returns."""
     capturing = torch.cuda.is_current_stream_capturing()
-    lib = _driver()
+    cu = lib()
     with torch.cuda.device(index), _relaxed_capture_mode() if capturing else contextlib.nullcontext():
         side = _side_streams.get(index)
         if side is None:
             side = _side_streams[index] = torch.cuda.Stream(device=index)
         ptr = ctypes.c_uint64(0)
-        _check(lib.cuMemAlloc_v2(ctypes.byref(ptr), nbytes), f"cuMemAlloc of {nbytes} bytes")
-        _check(lib.cuMemsetD32Async(ptr.value, 0, nbytes // 4, side.cuda_stream), "cuMemsetD32Async")
-        _check(lib.cuStreamSynchronize(side.cuda_stream), "cuStreamSynchronize")
+        check(cu.cuMemAlloc_v2(ctypes.byref(ptr), nbytes), f"cuMemAlloc of {nbytes} bytes")
+        check(cu.cuMemsetD32Async(ptr.value, 0, nbytes // 4, side.cuda_stream), "cuMemsetD32Async")
+        check(cu.cuStreamSynchronize(side.cuda_stream), "cuStreamSynchronize")
     return ptr.value
 
 

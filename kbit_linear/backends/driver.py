@@ -1,0 +1,127 @@
+"""The few CUDA driver calls that neither torch nor CuPy expose, through ``ctypes``.
+
+- Raw device memory outside torch's allocator (``cuMemAlloc``, ``cuMemsetD32Async``), for the
+  persistent split-K buffers (:mod:`.workspace`).
+- The thread's stream-capture mode (``cuThreadExchangeStreamCaptureMode``).
+- Kernel launches with programmatic stream serialization (``cuLaunchKernelEx``): the launched
+  grid may start while the previous kernel on the stream is still finishing, and waits for it
+  in the kernel (``griddepcontrol.wait``) before it reads anything that kernel may have
+  written. Hopper (sm_90) and newer; CUDA graphs captured from such launches keep the overlap
+  as a programmatic edge.
+
+``libcuda.so.1`` is opened on first use: importing this module needs no GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+__all__ = ["DriverError", "lib", "check", "launch_programmatic"]
+
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_NOT_SUPPORTED = 801
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class DriverError(RuntimeError):
+    """A CUDA driver call returned an error; ``code`` is the ``CUresult``."""
+
+    def __init__(self, what: str, code: int) -> None:
+        super().__init__(f"{what} failed with CUDA driver error {code}")
+        self.code = code
+
+
+class _LaunchAttributeValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("i32", ctypes.c_int)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [
+        ("gridDimX", ctypes.c_uint),
+        ("gridDimY", ctypes.c_uint),
+        ("gridDimZ", ctypes.c_uint),
+        ("blockDimX", ctypes.c_uint),
+        ("blockDimY", ctypes.c_uint),
+        ("blockDimZ", ctypes.c_uint),
+        ("sharedMemBytes", ctypes.c_uint),
+        ("hStream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("numAttrs", ctypes.c_uint),
+    ]
+
+
+_lib: ctypes.CDLL | None = None
+_lib_lock = threading.Lock()
+_tls = threading.local()
+
+
+def lib() -> ctypes.CDLL:
+    """``libcuda.so.1`` with the argument types of the calls used here (opened once)."""
+    global _lib
+    if _lib is None:
+        with _lib_lock:
+            if _lib is None:
+                cu = ctypes.CDLL("libcuda.so.1")
+                cu.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+                cu.cuMemsetD32Async.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+                cu.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+                cu.cuThreadExchangeStreamCaptureMode.argtypes = [ctypes.POINTER(ctypes.c_int)]
+                cu.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+                cu.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                _lib = cu
+    return _lib
+
+
+def check(result: int, what: str) -> None:
+    """Raise :class:`DriverError` when a driver call did not return ``CUDA_SUCCESS``."""
+    if result != 0:
+        raise DriverError(what, result)
+
+
+def _config() -> tuple[_LaunchConfig, int]:
+    # One launch configuration per thread, its attribute filled once: a launch only sets the
+    # grid, block, shared memory and stream fields.
+    cfg = getattr(_tls, "cfg", None)
+    if cfg is None:
+        attr = _LaunchAttribute()
+        attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.i32 = 1
+        cfg = _LaunchConfig()
+        cfg.gridDimY = cfg.gridDimZ = cfg.blockDimY = cfg.blockDimZ = 1
+        cfg.attrs = ctypes.pointer(attr)
+        cfg.numAttrs = 1
+        _tls.cfg = (cfg, ctypes.addressof(cfg), attr)
+    return _tls.cfg[0], _tls.cfg[1]
+
+
+def launch_programmatic(func: int, grid: int, threads: int, shared_mem: int, stream: int, params: int) -> None:
+    """Launch a one-dimensional grid that may overlap the end of the previous kernel on ``stream``.
+
+    The kernel must execute ``griddepcontrol.wait`` before it reads or writes memory that the
+    previous kernel may touch. The caller makes the function's context current.
+
+    Args:
+        func: the ``CUfunction`` handle.
+        grid: blocks.
+        threads: threads per block.
+        shared_mem: dynamic shared memory per block (bytes).
+        stream: the raw ``CUstream``.
+        params: address of the kernel's parameter-pointer array.
+
+    Raises:
+        DriverError: the launch failed (``code`` ``CUDA_ERROR_NOT_SUPPORTED`` or
+            ``CUDA_ERROR_INVALID_VALUE`` where the GPU or driver lacks the feature).
+    """
+    cfg, addr = _config()
+    cfg.gridDimX = grid
+    cfg.blockDimX = threads
+    cfg.sharedMemBytes = shared_mem
+    cfg.hStream = stream
+    result = lib().cuLaunchKernelEx(addr, func, params, None)
+    if result != 0:
+        raise DriverError("cuLaunchKernelEx", result)
