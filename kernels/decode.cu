@@ -598,6 +598,9 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     const int units = row_tiles * (kc / align);  // the grid's items, in multiples of `align`
     const int i0 = align * (int)(((long long)blockIdx.x * units) / gridDim.x);
     const int i1 = align * (int)(((long long)(blockIdx.x + 1) * units) / gridDim.x);
+    // The next programmatic launch may start (and run up to its own wait) once every block has
+    // passed here: its launch and prologue overlap this grid's work instead of following it.
+    // (Triggering only as blocks exit gains nearly nothing: measured in bench/results/decode.md.)
     allow_dependent_launch();
     if (i0 >= i1) return;  // whole block, before any barrier
     const int rg_valid = (N + 15) >> 4;  // row groups holding real rows

@@ -146,6 +146,7 @@ class _GemmPlan:
     ws_numel: int = 0
     tiles: int = 0
     split: bool = False
+    programmatic: bool = False  # may overlap the previous kernel (see decode.DecodePlan.programmatic)
 
 
 _plans: dict[tuple, _GemmPlan] = {}
@@ -198,7 +199,8 @@ def _plan_fused(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
     m_tiles = -(-m // (16 * mb))
     tiles = m_tiles * n_tiles
     total = tiles * k_tiles
-    slots = props.sm_count * _occupancy(kernel, smem, props)
+    per_sm = _occupancy(kernel, smem, props)
+    slots = props.sm_count * per_sm
     if split_k is None and force_split:
         split_k = max(2, min(k_tiles, -(-slots // tiles)))
     if split_k is not None:
@@ -210,7 +212,7 @@ def _plan_fused(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
     grid = -(-total // iters)
     split = iters % k_tiles != 0
     ws = grid * 2 * _THREADS * _gemm_nacc(mb) if split else 0
-    return _GemmPlan("fused-splitk" if split else "fused", kernel, grid, smem, iters, ws, tiles, split)
+    return _GemmPlan("fused-splitk" if split else "fused", kernel, grid, smem, iters, ws, tiles, split, per_sm == 1 or grid >= slots)
 
 
 def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None) -> _GemmPlan:
@@ -413,7 +415,7 @@ def gemm_cuda(
             (x2d.data_ptr(), packed.data_ptr(), absmax.data_ptr(), codebook.data_ptr(), tensor_scale.data_ptr(),
              0 if bias is None else bias.data_ptr(), out.data_ptr(), ws_ptr, cnt_ptr,
              m, out_features, k, ps[1], ps[0], plan.iters),
-            programmatic=True,  # the kernel waits for the previous one before it touches memory
+            programmatic=plan.programmatic,  # the kernel waits for the previous one before it touches memory
         )
     elif plan.path == "dequant+cublas":
         # The dense weight holds in_features padded to 8 (zero columns beyond the true K).
