@@ -176,12 +176,6 @@ KBIT_DEVICE void grid_dependency_wait() {
 }
 KBIT_DEVICE void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");  // orders no memory access
 #endif
-}
-// Pull the 128-byte line holding `p` into L2. Safe before grid_dependency_wait(): the data
-// reaches registers only through loads issued after the wait, and L2 is where every SM's
-// stores land, so a line fetched early is never stale.
-KBIT_DEVICE void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }

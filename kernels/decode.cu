@@ -58,9 +58,9 @@
 //          BITS 3:  64 pairs x 32 lanes x 4 B, row stride 256 B   (16 KiB)
 //          BITS 4: 256 pairs x 32 lanes x 4 B, row stride 256 B   (64 KiB)
 //          BITS 5: 1024 pairs x 32 lanes x 4 B, row stride 128 B (128 KiB; prmt + one IMAD)
-//      The tables are built once per block from the codebook (persistent grid), while the
-//      block's first weights stream into L2 (and, under a programmatic launch, while the
-//      previous kernel finishes; the codebook is read again after the wait).
+//      The tables are built once per block from the codebook (persistent grid); under a
+//      programmatic launch while the previous kernel finishes (the codebook is read again
+//      after the wait).
 //   3. Scale: one half2 multiply by the block scale, read from a 256-entry table of the E4M4
 //      codes as half2 (built exactly, subnormal codes included). The per-tensor power of two
 //      multiplies the fp32 result.
@@ -404,37 +404,6 @@ template <int BITS, int NWR, int R> struct Cursor {
     }
 };
 
-// Pull this block's first items' weights into L2, in the order its warps consume them, up to
-// `budget` bytes: launched behind another kernel (programmatic launch) the block runs this
-// before grid_dependency_wait(), so its first DRAM round trips overlap the previous kernel's
-// tail. Item (rt, ch) reads, for k-tiles 2ch and 2ch+1, the kRows rows of row tile rt: per
-// 128-row storage tile one contiguous run of plane words and one of scale bytes.
-template <int BITS, int kRows, typename ItemAt>
-KBIT_DEVICE void prefetch_items_l2(ItemAt item_at, int n_items, int budget, int kc, int k_tiles, int n_tiles,
-                                   const u32* packed, const u8* absmax) {
-    constexpr int kPieceRows = kRows < 128 ? kRows : 128;          // rows per storage-tile run
-    constexpr int kPieces = kRows / kPieceRows;
-    constexpr int kPlaneLines = kPieceRows * 8 * BITS / 128;        // 2 words per row and plane
-    constexpr int kScaleLines = kPieceRows * 2 >= 128 ? kPieceRows * 2 / 128 : 1;
-    constexpr int kLinesPerKtile = kPieces * (kPlaneLines + kScaleLines);
-    constexpr int kItemBytes = 2 * kLinesPerKtile * 128;
-    const int n_pref = min(n_items, budget / kItemBytes);
-    for (int i = threadIdx.x; i < n_pref * 2 * kLinesPerKtile; i += blockDim.x) {
-        const int p = i / (2 * kLinesPerKtile), q = i - p * (2 * kLinesPerKtile);
-        const int half = q / kLinesPerKtile, r = q - half * kLinesPerKtile;
-        const int piece = r / (kPlaneLines + kScaleLines), line = r - piece * (kPlaneLines + kScaleLines);
-        const int it = item_at(p), rt = it / kc;
-        const int kt = 2 * (it - rt * kc) + half;
-        const int row0 = rt * kRows + piece * kPieceRows;
-        if (kt >= k_tiles || row0 >= n_tiles * 128) continue;
-        const long long tile = (long long)kt * n_tiles + (row0 >> 7);
-        const char* src = line < kPlaneLines
-                              ? reinterpret_cast<const char*>(packed + tile * (256 * BITS) + (row0 & 127) * 2 * BITS) + line * 128
-                              : reinterpret_cast<const char*>(absmax + tile * 256 + (row0 & 127) * 2) + (line - kPlaneLines) * 128;
-        prefetch_l2(src);
-    }
-}
-
 template <int R, int MT> KBIT_DEVICE void zero_acc(float (&acc)[R][MT][4]) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -571,9 +540,7 @@ KBIT_DEVICE void reduce_flush(float (&acc)[R][MT][4], RedSlot<KS, R, MT>* slot, 
 //   left zero (only touched when a row tile is split over blocks; may be null otherwise);
 //   M, N; K: x's row length, a multiple of 8 (x 16-byte aligned), at most 64 * k_tiles;
 //   align: the block ranges of items are cut on multiples of `align` (1: stream-K, balanced to
-//   one item; kc: whole row tiles per block, never split);
-//   prefetch_bytes: how much of its first items' weights a block pulls into L2 before it waits
-//   for the previous kernel (programmatic launch; 0: none).
+//   one item; kc: whole row tiles per block, never split).
 // Template: BITS 2..5, DT (KBIT_F16 / KBIT_BF16), MT = ceil(M / 8) n8 fragments, NW warps per
 // block, of them KS side by side along K (so NW/KS row slots of R row groups: a row tile is
 // NW/KS*R*16 rows), D items of loads in flight per warp, MINB blocks per SM (register budget:
@@ -582,8 +549,7 @@ template <int BITS, int DT, int MT, int NW, int KS, int R, int D, int MINB>
 __global__ void __launch_bounds__(NW * 32, MINB)
 kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
                  const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
-                 float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K, int k_tiles, int n_tiles, int align,
-                 int prefetch_bytes) {
+                 float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K, int k_tiles, int n_tiles, int align) {
     static_assert(R == 1 || R == 2 || R == 4 || R == 8, "a warp's rows must stay inside one 128-row storage tile");
     static_assert(NW % KS == 0, "KS must divide NW");
     constexpr int NWR = NW / KS;
@@ -629,11 +595,11 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     const int n_mine = wk < n_items ? (n_items - wk + KS - 1) / KS : 0;
 
     // Under a programmatic launch the previous kernel may still be running until
-    // grid_dependency_wait(). Before it: warm L2 with the first weights, build the tables from
-    // the codebook as it reads now (checked again after the wait) and set up the reduction
-    // slots. After it: every load and store that counts (the weights too: nothing says that
-    // kernel did not write them).
-    prefetch_items_l2<BITS, kRows>(item_at, n_items, prefetch_bytes, kc, k_tiles, n_tiles, packed, absmax);
+    // grid_dependency_wait(). Before it: build the tables from the codebook as it reads now
+    // (checked again after the wait) and set up the reduction slots. After it: every load and
+    // store that counts (the weights too: nothing says that kernel did not write them).
+    // (Pulling the first weights into L2 before the wait was tried: no gain at K = 2, 4, 5,
+    // 0.6-1.4 us lost at K = 3.)
     const float* cb_entry = codebook + (threadIdx.x & ((1 << BITS) - 1));
     const u32 cb_early = ldg_cg_word(cb_entry);
     build_tables<BITS, DT>(lut, reinterpret_cast<u32*>(lut + L::kBytes), __uint_as_float(cb_early), threadIdx.x, NW * 32);
@@ -642,6 +608,9 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
         ctls[threadIdx.x].count = 0;
     }
     grid_dependency_wait();
+    // The codebook as it reads now: if the previous kernel changed it, the tables are rebuilt
+    // below (no lookup has happened yet).
+    const bool cb_changed = ldg_cg_word(cb_entry) != cb_early;
 
     // Ring of in-flight plane loads: ring[d] holds the R row groups of this warp's unit (j + d).
     Sub<BITS> ring[D][R];
@@ -661,13 +630,11 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
         pre.load(ring[d], rg_valid, d < n_mine);
         if (d + 1 < n_mine) pre.step(item_at(wk + (d + 1) * KS), kc, wr, t, g, k_tiles, n_tiles, packed, absmax);
     }
-    // x of the first item while the first loads are on their way; then the codebook again: if
-    // the previous kernel changed it, the tables are rebuilt (no lookup has happened yet).
+    // x of the first item while the first loads are on their way.
     u32 bx[MT][16];
     load_x<MT>(bx, x, M, K, cur.ch * 128 + 32 * t, g);
-    const u32 cb_now = ldg_cg_word(cb_entry);
-    if (__syncthreads_or(cb_now != cb_early)) {
-        build_tables<BITS, DT>(lut, reinterpret_cast<u32*>(lut + L::kBytes), __uint_as_float(cb_now), threadIdx.x, NW * 32);
+    if (__syncthreads_or(cb_changed)) {
+        build_tables<BITS, DT>(lut, reinterpret_cast<u32*>(lut + L::kBytes), __ldcg(cb_entry), threadIdx.x, NW * 32);
         __syncthreads();
     }
     if (n_mine == 0) return;

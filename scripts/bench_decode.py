@@ -17,7 +17,7 @@ Usage (from the repository root, on a GPU machine):
 Shapes are ``in_features x out_features``. ``--variants`` also times other launch shapes of the
 kernel (warps, warps along K, row groups per warp, loads in flight) for tuning, with each schedule
 of ``--variant-schedules``. ``--overlap`` also times each case without programmatic dependent
-launch, with other L2 prefetch sizes, and behind a torch kernel that writes x. The markdown
+launch, and behind a torch kernel that writes x. The markdown
 table is printed last.
 """
 
@@ -124,8 +124,7 @@ def random_kbit(k: int, n: int, bits: int, copies: int) -> list[fmt.KbitWeight]:
 
 
 def bench_kbit(k: int, n: int, bits: int, m: int, dtype: torch.dtype, cfg: decode.DecodeConfig | None = None,
-               weights: list[fmt.KbitWeight] | None = None, sched: str = "auto", prefetch: int = decode.L2_PREFETCH_BYTES,
-               writer: bool = False) -> tuple[float, int]:
+               weights: list[fmt.KbitWeight] | None = None, sched: str = "auto", writer: bool = False) -> tuple[float, int]:
     """(seconds per call, bytes moved) for the decode kernel; ``writer``: each call follows a
     torch kernel that writes x (as in a model, where a norm or activation produces it)."""
     if weights is None:
@@ -139,8 +138,7 @@ def bench_kbit(k: int, n: int, bits: int, m: int, dtype: torch.dtype, cfg: decod
         w = weights[i]
         if writer:
             torch.mul(x_src, 1.0, out=x)
-        decode.decode_gemm(x, w.packed, w.absmax, w.codebook, w.tensor_scale, bits, n, out, config=cfg, schedule_kind=sched,
-                           prefetch_bytes=prefetch)
+        decode.decode_gemm(x, w.packed, w.absmax, w.codebook, w.tensor_scale, bits, n, out, config=cfg, schedule_kind=sched)
 
     nbytes = weights[0].packed.nbytes + weights[0].absmax.nbytes + x.nbytes + out.nbytes
     return time_calls(call, len(weights)), nbytes
@@ -187,11 +185,10 @@ def host_overhead_us(k: int, n: int, bits: int, m: int, dtype: torch.dtype, call
     return (t1 - t0) / calls * 1e6
 
 
-def overlap_row(k: int, n: int, bits: int, m: int, dtype: torch.dtype, weights: list[fmt.KbitWeight], prefetch_kib: list[int],
-                t_on: float) -> dict:
-    """Times (us) of one case without programmatic launch, with other L2 prefetch sizes, and
-    behind a torch kernel that writes x; ``t_on`` is the default launch's time."""
-    row: dict = dict(pdl_on_us=t_on * 1e6, prefetch_us={})
+def overlap_row(k: int, n: int, bits: int, m: int, dtype: torch.dtype, weights: list[fmt.KbitWeight], t_on: float) -> dict:
+    """Times (us) of one case without programmatic launch and behind a torch kernel that writes
+    x; ``t_on`` is the default launch's time."""
+    row: dict = dict(pdl_on_us=t_on * 1e6)
     old = loader.set_programmatic_launch(False)
     try:
         row["pdl_off_us"] = bench_kbit(k, n, bits, m, dtype, weights=weights)[0] * 1e6
@@ -199,8 +196,8 @@ def overlap_row(k: int, n: int, bits: int, m: int, dtype: torch.dtype, weights: 
     finally:
         loader.set_programmatic_launch(old)
     row["writer_on_us"] = bench_kbit(k, n, bits, m, dtype, weights=weights, writer=True)[0] * 1e6
-    for p in prefetch_kib:
-        row["prefetch_us"][str(p)] = bench_kbit(k, n, bits, m, dtype, weights=weights, prefetch=p * 1024)[0] * 1e6
+    plan = decode.decode_plan(m, bits, dtype, n, weights[0].packed.shape[0])
+    row["programmatic"] = plan.programmatic
     return row
 
 
@@ -215,10 +212,8 @@ def main() -> None:
     ap.add_argument("--variant-schedules", nargs="+", default=["auto"], choices=list(decode.SCHEDULES),
                     help="schedules each --variants launch shape is timed with")
     ap.add_argument("--overlap", action="store_true",
-                    help="also time each case without programmatic launch, with the L2 prefetch sizes of --prefetch-kib, "
-                         "and behind a torch kernel that writes x (with and without programmatic launch)")
-    ap.add_argument("--prefetch-kib", type=int, nargs="+", default=[0, 16, 64, 256],
-                    help="L2 prefetch per block (KiB) timed by --overlap")
+                    help="also time each case without programmatic launch, and behind a torch kernel that writes x "
+                         "(with and without programmatic launch)")
     ap.add_argument("--no-peers", action="store_true", help="skip cuBLAS and tinygemm")
     ap.add_argument("--json", type=Path, help="write all results here")
     ap.add_argument("--profile-calls", type=int, default=0,
@@ -275,7 +270,7 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if args.overlap:
-                        orow = overlap_row(k, n, bits, m, dtype, weights, args.prefetch_kib, t)
+                        orow = overlap_row(k, n, bits, m, dtype, weights, t)
                         orow.update(shape=shape, bits=bits, dtype=dname, m=m, roofline_us=roof * 1e6)
                         overlap_rows.append(orow)
                         print("overlap " + json.dumps(orow), flush=True)
@@ -306,16 +301,13 @@ def main() -> None:
             print(f"| {v['shape']} | {v['bits']} | {v['m']} | {tuple(v['config'])} | {v['schedule']} ({v['grid']}) | {v['us']:.1f} | "
                   f"{v['pct_roofline']:.0f} |")
     if overlap_rows:
-        kibs = args.prefetch_kib
-        print("\nProgrammatic launch (PDL) and L2 prefetch, us per call (back to back; 'behind a writer': each call "
-              "follows a torch kernel that writes x, pair time)")
-        print("| shape | K | dtype | M | roofline | PDL off | PDL on (default) | " + " | ".join(f"prefetch {p} KiB" for p in kibs)
-              + " | writer + call, PDL off | writer + call, PDL on |")
-        print("|---|---|---|---|---|---|---|" + "---|" * len(kibs) + "---|---|")
+        print("\nProgrammatic dependent launch (PDL), us per call (back to back; 'writer + call': each call follows a "
+              "torch kernel that writes x, pair time; PDL is used only where the plan allows it)")
+        print("| shape | K | dtype | M | roofline | plan uses PDL | PDL off | PDL on | writer + call, PDL off | writer + call, PDL on |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for o in overlap_rows:
-            print(f"| {o['shape']} | {o['bits']} | {o['dtype']} | {o['m']} | {o['roofline_us']:.1f} | {o['pdl_off_us']:.1f} | "
-                  f"{o['pdl_on_us']:.1f} | " + " | ".join(f"{o['prefetch_us'][str(p)]:.1f}" for p in kibs)
-                  + f" | {o['writer_off_us']:.1f} | {o['writer_on_us']:.1f} |")
+            print(f"| {o['shape']} | {o['bits']} | {o['dtype']} | {o['m']} | {o['roofline_us']:.1f} | {'yes' if o['programmatic'] else 'no'} | "
+                  f"{o['pdl_off_us']:.1f} | {o['pdl_on_us']:.1f} | {o['writer_off_us']:.1f} | {o['writer_on_us']:.1f} |")
     print(f"\n{head}\nhost overhead of one eager decode_gemm call (576x192, launch-bound): {overhead:.1f} us")
     print("\n| shape (K x N) | K | dtype | M | us | roofline us | % roofline | cuBLAS us | x vs cuBLAS | tinygemm us | x vs tinygemm |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

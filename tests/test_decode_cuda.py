@@ -332,19 +332,6 @@ def test_back_to_back_calls_wait_for_their_inputs(pdl, graph):
         loader.set_programmatic_launch(old)
 
 
-@gpu
-def test_prefetch_size_changes_nothing():
-    """The L2 prefetch before the wait is only a hint: any size gives the same output (up to the
-    order in which the warps of a block add their partial sums)."""
-    qw, w = _cached_weight(4096, 4096, 4)
-    x = torch.randn(3, 4096, device=DEV, dtype=torch.bfloat16)
-    outs = [_run(x, qw, schedule_kind="tiles", prefetch_bytes=p) for p in (0, 1000, 64 * 1024, 1 << 24)]
-    _check_against(outs[0], x, w, torch.bfloat16)
-    assert all(_rel_err(o, outs[0]) < 1e-3 for o in outs[1:])
-    with pytest.raises(ValueError, match="prefetch_bytes"):
-        _run(x, qw, prefetch_bytes=-1)
-
-
 def test_programmatic_launch_switch():
     old = loader.set_programmatic_launch(False)
     try:

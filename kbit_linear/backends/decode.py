@@ -15,8 +15,8 @@ dispatcher), :func:`decode_plan` (what a launch would do, for benchmarks) and
 Nothing here allocates through CuPy or syncs the host on the hot path (only the one-time
 allocation of the split-K buffers waits for their zeroing); launches go on torch's current
 stream, so calls can be captured in a CUDA graph; on sm_90+ a launch may overlap the end of the
-previous kernel (programmatic dependent launch: each block pulls its first weights into L2, then
-waits for that kernel before any load or store). Split-K launches use a workspace and counters that the
+previous kernel (programmatic dependent launch: each block builds its decode tables, then waits
+for that kernel before any load or store that counts). Split-K launches use a workspace and counters that the
 kernel leaves zeroed (:mod:`.workspace`: kept per device and stream, outside graph memory pools).
 """
 
@@ -32,7 +32,6 @@ from . import loader, workspace
 
 __all__ = [
     "MAX_M",
-    "L2_PREFETCH_BYTES",
     "DecodeConfig",
     "DecodePlan",
     "decode_supported",
@@ -47,13 +46,9 @@ __all__ = [
 MAX_M = 16
 """Most rows of x the decode kernel takes (two n8 fragments)."""
 
-L2_PREFETCH_BYTES = 64 * 1024
-"""Weight bytes of its first items each block pulls into L2 before it waits for the previous
-kernel (under a programmatic launch this overlaps the previous kernel's tail)."""
-
 _SOURCE = "decode.cu"
 _DT = {torch.float16: 0, torch.bfloat16: 1}
-_ARGS = loader.ArgPack("pppppppp" + "iiiiiii")
+_ARGS = loader.ArgPack("pppppppp" + "iiiiii")
 
 
 @dataclass(frozen=True)
@@ -421,7 +416,6 @@ def decode_gemm(
     *,
     config: DecodeConfig | None = None,
     schedule_kind: str = "auto",
-    prefetch_bytes: int = L2_PREFETCH_BYTES,
     checked: bool = False,
 ) -> None:
     """Write ``x2d @ W^T`` into ``out`` with the small-M kernel.
@@ -439,8 +433,6 @@ def decode_gemm(
         config: a launch shape other than the tuned one (benchmarks and tests).
         schedule_kind: how items are spread over blocks, one of :data:`SCHEDULES` (benchmarks
             and tests; default ``"auto"``).
-        prefetch_bytes: weight bytes per block to pull into L2 before waiting for the previous
-            kernel (benchmarks; default :data:`L2_PREFETCH_BYTES`).
         checked: the caller has already validated every argument (the CUDA backend's
             dispatcher does), so skip the checks here.
 
@@ -450,8 +442,6 @@ def decode_gemm(
     """
     if not checked:
         _check(x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out)
-        if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or not 0 <= prefetch_bytes < 2**31:
-            raise ValueError(f"prefetch_bytes must be an int in [0, 2**31), got {prefetch_bytes!r}")
     device = x2d.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     m, k = x2d.shape
@@ -480,7 +470,7 @@ def decode_gemm(
         plan.smem,
         stream,
         (x2d.data_ptr(), packed.data_ptr(), absmax.data_ptr(), codebook.data_ptr(), tensor_scale.data_ptr(), out.data_ptr(),
-         ws_ptr, cnt_ptr, m, out_features, k, packed.shape[0], packed.shape[1], plan.align, prefetch_bytes),
+         ws_ptr, cnt_ptr, m, out_features, k, packed.shape[0], packed.shape[1], plan.align),
         threads=plan.config.warps * 32,
         programmatic=plan.programmatic,  # the kernel waits for the previous one before it touches memory
     )
