@@ -166,8 +166,9 @@ KBIT_DEVICE float4 ld_cg(const float4* p) {
 // for it). A kernel launched with programmatic stream serialization may start while the
 // previous kernel on the stream is still running: it must not read or write memory that kernel
 // may touch before grid_dependency_wait(). allow_dependent_launch() lets the next such kernel
-// start as soon as every block of this one has begun (it still waits for this one to finish
-// before it touches memory), so its launch and prologue overlap this kernel's tail.
+// start as soon as every block of this one has executed it or exited (the next one still waits
+// for this one to finish before it touches memory), so its launch and prologue overlap this
+// kernel's work.
 
 KBIT_DEVICE void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -328,6 +328,57 @@ def test_back_to_back_calls_wait_for_their_inputs(pdl, graph):
         ref_other = F.linear(refs[5].to(dtype).float(), w_other)
         assert _rel_err(y_other, ref_other) < 3e-2
         _check_against(bufs[5], bufs[1], w, dtype)
+        if pdl:
+            assert loader.programmatic_launch_enabled(), "programmatic launch fell back to plain launches"
+    finally:
+        loader.set_programmatic_launch(old)
+
+
+@gpu
+@pytest.mark.parametrize("pdl", (True, False), ids=("pdl", "plain"))
+@pytest.mark.parametrize("graph", (False, True), ids=("eager", "graph"))
+def test_weights_written_by_the_previous_kernel(pdl, graph):
+    """A call whose packed weight is the output of the kernel launched just before it (also a
+    programmatic launch, which lets the next grid start early) reads the weight as that kernel
+    left it: every weight load comes after the wait."""
+    old = loader.set_programmatic_launch(pdl)
+    try:
+        k = n = 1024
+        qw, _ = _cached_weight(k, n, 4)
+        packed_buf = torch.zeros_like(qw.packed)
+        writer_n = packed_buf.numel()  # the writer's fp16 output [2, writer_n] is packed_buf's bytes
+        writer, _ = _cached_weight(64, writer_n, 4)
+        writer_out = packed_buf.view(torch.float16).view(2, writer_n)
+        x_w = torch.randn(2, 64, device=DEV, dtype=torch.float16)
+        x = torch.randn(2, k, device=DEV, dtype=torch.float16)
+        out = torch.full((2, n), float("nan"), dtype=torch.float16, device=DEV)
+        if torch.cuda.get_device_capability() >= (9, 0):
+            assert decode.decode_plan(2, 4, torch.float16, n, qw.packed.shape[0]).programmatic
+            assert decode.decode_plan(2, 4, torch.float16, writer_n, writer.packed.shape[0]).programmatic
+
+        def pair() -> None:
+            decode.decode_gemm(x_w, writer.packed, writer.absmax, writer.codebook, writer.tensor_scale, 4, writer_n, writer_out)
+            decode.decode_gemm(x, packed_buf, qw.absmax, qw.codebook, qw.tensor_scale, 4, n, out)
+
+        if graph:
+            pair()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                pair()
+            packed_buf.zero_()
+            out.fill_(float("nan"))
+            x_w.copy_(torch.randn_like(x_w))
+            torch.cuda.synchronize()
+            g.replay()
+        else:
+            pair()
+        torch.cuda.synchronize()
+        assert packed_buf.any(), "the writer wrote nothing"
+        final = fmt.KbitWeight(packed_buf, qw.absmax, qw.codebook, qw.tensor_scale, 4, n, k)
+        _check_against(out, x, _dequantize_chunked(final), torch.float16)
+        if pdl:
+            assert loader.programmatic_launch_enabled(), "programmatic launch fell back to plain launches"
     finally:
         loader.set_programmatic_launch(old)
 

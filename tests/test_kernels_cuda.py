@@ -278,8 +278,10 @@ def test_back_to_back_fused_calls_wait_for_their_inputs(path, pdl):
     are copied in by the kernel just before it; eagerly and in a CUDA graph."""
     old = loader.set_programmatic_launch(pdl)
     try:
-        k, m, dtype = 1024, 48, torch.float16
+        k, m, dtype = 1024, 130, torch.float16  # one block per SM: the plan launches it programmatically
         qw = _weight(k, k, 4)
+        if torch.cuda.get_device_capability() >= (9, 0):
+            assert kcuda._plan(m, k, k, 4, dtype, torch.cuda.current_device(), path, None).programmatic
         w = fmt.dequantize(qw, torch.float32)
         scale = (k ** 0.5) / w.norm().item()  # keeps a chain of calls in range
         x0 = torch.randn(m, k, device=DEV, dtype=dtype)
@@ -323,6 +325,8 @@ def test_back_to_back_fused_calls_wait_for_their_inputs(path, pdl):
             assert _rel_err(bufs[3], refs[3]) < 2e-2
             assert _rel_err(bufs[1], refs[4]) < 2e-2
             assert _rel_err(bufs[4], refs[3]) < 2e-2
+        if pdl:
+            assert loader.programmatic_launch_enabled(), "programmatic launch fell back to plain launches"
     finally:
         loader.set_programmatic_launch(old)
 

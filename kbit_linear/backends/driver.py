@@ -19,7 +19,6 @@ import threading
 
 __all__ = ["DriverError", "lib", "check", "launch_programmatic"]
 
-CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_NOT_SUPPORTED = 801
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
@@ -71,7 +70,7 @@ def lib() -> ctypes.CDLL:
                 cu.cuMemsetD32Async.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
                 cu.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
                 cu.cuThreadExchangeStreamCaptureMode.argtypes = [ctypes.POINTER(ctypes.c_int)]
-                cu.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+                cu.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]  # tests read buffers back
                 cu.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
                 _lib = cu
     return _lib
@@ -114,8 +113,8 @@ def launch_programmatic(func: int, grid: int, threads: int, shared_mem: int, str
         params: address of the kernel's parameter-pointer array.
 
     Raises:
-        DriverError: the launch failed (``code`` ``CUDA_ERROR_NOT_SUPPORTED`` or
-            ``CUDA_ERROR_INVALID_VALUE`` where the GPU or driver lacks the feature).
+        DriverError: the launch failed (``code`` ``CUDA_ERROR_NOT_SUPPORTED`` where the GPU or
+            driver lacks the feature).
     """
     cfg, addr = _config()
     cfg.gridDimX = grid

@@ -10,8 +10,9 @@ Launches go straight to the driver (``cuLaunchKernel`` through ``cupy.cuda.drive
 *current* stream of the tensor's device, fetched at every call. Nothing here allocates through
 CuPy or synchronizes the host, so launches can be captured in a CUDA graph. Kernels written for
 it (they wait with ``griddepcontrol.wait`` before touching memory) can be launched so that they
-overlap the end of the previous kernel (programmatic dependent launch, sm_90+; on by default,
-``KBIT_LINEAR_PDL=0`` or :func:`set_programmatic_launch` turns it off).
+overlap the end of the previous kernel (programmatic dependent launch, sm_90+, through
+``cuLaunchKernelEx`` in :mod:`.driver`; on by default, ``KBIT_LINEAR_PDL=0`` or
+:func:`set_programmatic_launch` turns it off).
 
 CuPy is imported lazily, on the first compile: importing this module needs neither CuPy nor a GPU.
 """
@@ -192,10 +193,11 @@ class CudaKernel:
         raw: the ``cupy.RawKernel`` (keeps the module alive).
         func_ptr: the ``CUfunction`` handle, as an int.
         num_regs: registers per thread reported by the driver.
-        programmatic: whether the device supports programmatic dependent launch.
+        pdl_capable: whether the device supports programmatic dependent launch (whether a
+            launch uses it is the caller's choice: only kernels that wait may).
     """
 
-    __slots__ = ("name", "device_index", "raw", "func_ptr", "num_regs", "programmatic", "_max_dynamic_smem", "_lock")
+    __slots__ = ("name", "device_index", "raw", "func_ptr", "num_regs", "pdl_capable", "_max_dynamic_smem", "_lock")
 
     def __init__(self, name: str, device_index: int, raw: Any) -> None:
         self.name = name
@@ -203,7 +205,7 @@ class CudaKernel:
         self.raw = raw
         self.func_ptr: int = int(raw.kernel.ptr)
         self.num_regs: int = int(raw.num_regs)
-        self.programmatic: bool = device_properties(device_index).programmatic_launch
+        self.pdl_capable: bool = device_properties(device_index).programmatic_launch
         self._max_dynamic_smem = 48 * 1024
         self._lock = threading.Lock()
 
@@ -335,7 +337,7 @@ class ArgPack:
         if shared_mem > kernel._max_dynamic_smem:
             kernel.ensure_shared_memory(shared_mem)
         index = kernel.device_index
-        overlap = programmatic and _programmatic_on and kernel.programmatic
+        overlap = programmatic and _programmatic_on and kernel.pdl_capable
         bound = getattr(_tls, "bound", None)
         if bound is not None and index in bound and torch._C._cuda_getDevice() == index:
             if overlap:
@@ -465,7 +467,7 @@ def _launch_programmatic(kernel: CudaKernel, grid: int, threads: int, shared_mem
     try:
         driver.launch_programmatic(kernel.func_ptr, grid, threads, shared_mem, stream, params)
     except driver.DriverError as e:
-        if e.code not in (driver.CUDA_ERROR_NOT_SUPPORTED, driver.CUDA_ERROR_INVALID_VALUE):
+        if e.code != driver.CUDA_ERROR_NOT_SUPPORTED:
             raise
         # A driver or setup without the feature: say so once and launch plainly from now on.
         _programmatic_on = False
