@@ -383,6 +383,14 @@ def test_weights_written_by_the_previous_kernel(pdl, graph):
         loader.set_programmatic_launch(old)
 
 
+def test_grid_may_overlap():
+    assert loader.grid_may_overlap(128, 1, 132)  # one block per SM: never two to an SM
+    assert loader.grid_may_overlap(264, 2, 132)  # every slot taken
+    assert loader.grid_may_overlap(300, 2, 132)  # more than one wave
+    assert not loader.grid_may_overlap(128, 2, 132)  # free slots beside its own blocks
+    assert not loader.grid_may_overlap(263, 2, 132)
+
+
 def test_programmatic_launch_switch():
     old = loader.set_programmatic_launch(False)
     try:

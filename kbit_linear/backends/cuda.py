@@ -146,7 +146,7 @@ class _GemmPlan:
     ws_numel: int = 0
     tiles: int = 0
     split: bool = False
-    programmatic: bool = False  # may overlap the previous kernel (see decode.DecodePlan.programmatic)
+    programmatic: bool = False  # may overlap the previous kernel (loader.grid_may_overlap)
 
 
 _plans: dict[tuple, _GemmPlan] = {}
@@ -212,7 +212,8 @@ def _plan_fused(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
     grid = -(-total // iters)
     split = iters % k_tiles != 0
     ws = grid * 2 * _THREADS * _gemm_nacc(mb) if split else 0
-    return _GemmPlan("fused-splitk" if split else "fused", kernel, grid, smem, iters, ws, tiles, split, per_sm == 1 or grid >= slots)
+    return _GemmPlan("fused-splitk" if split else "fused", kernel, grid, smem, iters, ws, tiles, split,
+                     loader.grid_may_overlap(grid, per_sm, props.sm_count))
 
 
 def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None) -> _GemmPlan:

@@ -261,11 +261,8 @@ class DecodePlan:
         split: whether some row tile's K is split over blocks (workspace + counters used).
         ws_numel: fp32 workspace elements (0 without split).
         counters: int32 counters (0 without split).
-        programmatic: launch it so that it may start while the previous kernel finishes. Only
-            where its blocks cannot pile up on a few SMs: one block per SM at most, or a grid
-            that takes every block slot. (A grid of fewer blocks than slots, two per SM, would
-            put its first blocks two to an SM on the SMs the previous kernel leaves idle, and
-            those SMs then finish last: 14336->4096 at K = 3 took 25 us instead of 19.5.)
+        programmatic: launch it so that it may start while the previous kernel finishes
+            (:func:`.loader.grid_may_overlap`).
     """
 
     kernel: object
@@ -315,7 +312,7 @@ def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_til
     ws = row_tiles * cfg.tile_rows * 8 * mt if sch.split else 0
     cnt = row_tiles * cfg.row_slots if sch.split else 0
     return DecodePlan(kernel, name, cfg, sch.grid, smem, row_tiles * kc, sch.align, sch.kind, sch.split, ws, cnt,
-                      per_sm == 1 or sch.grid >= props.sm_count * per_sm)
+                      loader.grid_may_overlap(sch.grid, per_sm, props.sm_count))
 
 
 def decode_plan(

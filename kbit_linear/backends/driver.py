@@ -121,6 +121,4 @@ def launch_programmatic(func: int, grid: int, threads: int, shared_mem: int, str
     cfg.blockDimX = threads
     cfg.sharedMemBytes = shared_mem
     cfg.hStream = stream
-    result = lib().cuLaunchKernelEx(addr, func, params, None)
-    if result != 0:
-        raise DriverError("cuLaunchKernelEx", result)
+    check(lib().cuLaunchKernelEx(addr, func, params, None), "cuLaunchKernelEx")

@@ -41,6 +41,7 @@ __all__ = [
     "launch",
     "programmatic_launch_enabled",
     "set_programmatic_launch",
+    "grid_may_overlap",
     "device_properties",
     "cupy_available",
 ]
@@ -460,6 +461,17 @@ def set_programmatic_launch(enabled: bool) -> bool:
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
     old, _programmatic_on = _programmatic_on, enabled
     return old
+
+
+def grid_may_overlap(grid: int, blocks_per_sm: int, sm_count: int) -> bool:
+    """Whether a grid should be launched so that it may start while the previous kernel finishes.
+
+    Only where its blocks cannot pile up on a few SMs: at most one block per SM, or a grid that
+    takes every block slot. A smaller grid of several blocks per SM would put its first blocks
+    two or more to an SM on the SMs the previous kernel leaves idle, and those SMs then finish
+    last (decode, 14336->4096 at K = 3 on an H100: 25 us instead of 19.5).
+    """
+    return blocks_per_sm <= 1 or grid >= blocks_per_sm * sm_count
 
 
 def _launch_programmatic(kernel: CudaKernel, grid: int, threads: int, shared_mem: int, stream: int, params: int) -> None:
