@@ -17,9 +17,10 @@ from __future__ import annotations
 import ctypes
 import threading
 
-__all__ = ["DriverError", "lib", "check", "launch_programmatic"]
+__all__ = ["DriverError", "lib", "check", "launch_programmatic", "set_max_dynamic_shared_memory"]
 
 CUDA_ERROR_NOT_SUPPORTED = 801
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -72,6 +73,7 @@ def lib() -> ctypes.CDLL:
                 cu.cuThreadExchangeStreamCaptureMode.argtypes = [ctypes.POINTER(ctypes.c_int)]
                 cu.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]  # tests read buffers back
                 cu.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                cu.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
                 _lib = cu
     return _lib
 
@@ -80,6 +82,18 @@ def check(result: int, what: str) -> None:
     """Raise :class:`DriverError` when a driver call did not return ``CUDA_SUCCESS``."""
     if result != 0:
         raise DriverError(what, result)
+
+
+def set_max_dynamic_shared_memory(func: int, nbytes: int) -> None:
+    """Let ``func`` (a ``CUfunction`` handle) launch with up to ``nbytes`` of dynamic shared memory.
+
+    A ``CUfunction`` belongs to the context (so the device) its module was loaded in; setting the
+    attribute through the handle itself reaches exactly that copy of the kernel, whatever device
+    is current. (CuPy's ``RawKernel`` attribute setters look the function up again for the
+    *current* device, which sets the limit on another GPU's copy when that one is current.)
+    """
+    check(lib().cuFuncSetAttribute(func, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
+          f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes})")
 
 
 def _config() -> tuple[_LaunchConfig, int]:

@@ -211,14 +211,20 @@ class CudaKernel:
         self._lock = threading.Lock()
 
     def ensure_shared_memory(self, nbytes: int) -> None:
-        """Raise the kernel's dynamic shared memory limit once when a launch needs more than 48 KB."""
+        """Raise the kernel's dynamic shared memory limit once when a launch needs more than 48 KB.
+
+        The limit is set on this device's copy of the kernel, whichever device is current."""
         if nbytes > self._max_dynamic_smem:
             with self._lock:
                 if nbytes > self._max_dynamic_smem:
                     limit = device_properties(self.device_index).max_shared_per_block
                     if nbytes > limit:
                         raise ValueError(f"{self.name} needs {nbytes} bytes of shared memory; the GPU allows {limit}")
-                    self.raw.max_dynamic_shared_size_bytes = nbytes
+                    # Through this device's own function handle, with its context current: the
+                    # limit is a property of one device's copy of the kernel.
+                    with torch.cuda.device(self.device_index):
+                        _import_cupy().cuda.runtime.setDevice(self.device_index)
+                        driver.set_max_dynamic_shared_memory(self.func_ptr, nbytes)
                     self._max_dynamic_smem = nbytes
 
     def __repr__(self) -> str:
