@@ -1,12 +1,20 @@
-"""A few small kbit GEMM / format-kernel launches for compute-sanitizer (memcheck, racecheck).
+"""A sweep of kbit GEMM and format-kernel launches for compute-sanitizer (memcheck, racecheck).
 
-Covers the fused kernel with and without split-K, every M blocking, bits 2..5, fp16 and bf16,
-shapes that are not tile multiples, a bias, and the quantize / repack / dequantize kernels.
-Exits non-zero if a result is wrong. Run: compute-sanitizer --tool memcheck python3 scripts/sanitize_gemm.py
+Every GEMM path (decode with each schedule, fused, fused-splitk, dequantize + cuBLAS), bits 2..5,
+fp16 and bf16, M from 1 to 300, small odd shapes and Llama-sized ones, a bias, and the quantize /
+repack / dequantize kernels that build each weight. Every result is checked against the float32
+reference; the script exits non-zero if one is wrong.
+
+    compute-sanitizer --tool racecheck --error-exitcode 3 python3 scripts/sanitize_gemm.py
+    compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_gemm.py --quick
+
+``--quick`` keeps the small shapes only (a few seconds under the sanitizers); the default adds
+the Llama-sized ones.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -17,37 +25,88 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kbit_linear import format as fmt  # noqa: E402
 from kbit_linear.backends import cuda as kcuda  # noqa: E402
+from kbit_linear.backends import decode as kdecode  # noqa: E402
 
-CASES = [  # (m, k, n, bits, dtype, kwargs)
-    (1, 200, 300, 4, torch.float16, {"path": "fused", "split_k": 3}),
-    (17, 576, 192, 5, torch.bfloat16, {"path": "fused-splitk"}),
-    (40, 100, 33, 2, torch.float16, {"path": "fused", "split_k": 1}),
-    (100, 1536, 129, 3, torch.bfloat16, {"path": "fused"}),
-    (130, 264, 200, 4, torch.float16, {"path": "fused-splitk"}),
-    (1, 576, 192, 2, torch.float16, {}),  # automatic stream-K: ranges start inside tiles
-    (3, 4096, 1024, 4, torch.bfloat16, {}),
-]
+DTYPES = (torch.float16, torch.bfloat16)
+# (n, k): out_features, in_features. Small ones are not tile multiples; the stream-K ranges of
+# 1000 x 1000 start and end inside row tiles, so short and shared segments both occur.
+SMALL_SHAPES = ((129, 100), (1000, 1000), (192, 576), (33, 264))
+LLAMA_SHAPES = ((4097, 2048), (4096, 4096), (1024, 4096))
+M_ALL = (1, 3, 8, 9, 16, 17, 33, 64, 130, 300)
+M_LLAMA = (1, 16, 64, 300)
+REL_TOL = 2e-2
+
+
+def _weight(n: int, k: int, bits: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    w = torch.randn(n, k, device=dev)
+    w[: max(1, n // 9), : min(k, 40)] *= 20.0  # uneven block scales
+    cb = fmt.create_normal_float_codebook(bits, dev)
+    ts = fmt.compute_tensor_scale(w)
+    pf, af = torch.ops.kbit_linear.quantize(w, cb, ts, bits)
+    packed, absmax = torch.ops.kbit_linear.repack(pf, af, bits)
+    wd = torch.ops.kbit_linear.dequantize(packed, absmax, cb, ts, bits, n, k, torch.float32)
+    return packed, absmax, cb, ts, wd
+
+
+def _calls(m: int, bits: int, dtype: torch.dtype, dev: torch.device, every_path: bool) -> list[tuple[str, dict]]:
+    """(label, keyword arguments) of the launches for one problem: the dispatcher's choice, and
+    with ``every_path`` each other path and decode schedule that applies (else only the split
+    ones, which the large shapes exist to exercise)."""
+    calls = [("auto", {})]
+    if m <= kdecode.MAX_M and kdecode.decode_supported(m, bits, dtype, dev):
+        schedules = ("stream-k", "tiles", "tile-split") if every_path else ("stream-k",)
+        calls += [(f"decode/{s}", {"schedule": s}) for s in schedules]
+    if every_path:
+        calls.append(("fused", {"path": "fused", "split_k": 1}))
+    calls.append(("fused-splitk", {"path": "fused-splitk"}))
+    if every_path and m >= 17:
+        calls.append(("dequant+cublas", {"path": "dequant+cublas"}))
+    return calls
+
+
+def _run(x: torch.Tensor, bias: torch.Tensor, qw: tuple[torch.Tensor, ...], bits: int, n: int, kw: dict) -> torch.Tensor | None:
+    """One launch into a NaN-filled output (None: the decode schedule does not apply)."""
+    packed, absmax, cb, ts, _ = qw
+    out = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
+    if "schedule" in kw:
+        try:
+            kdecode.decode_gemm(x, packed, absmax, cb, ts, bits, n, out, schedule_kind=kw["schedule"])
+        except ValueError:  # this schedule kind does not apply to the shape
+            return None
+        return out + bias
+    return kcuda.gemm_cuda(x, packed, absmax, cb, ts, bits, n, bias, out=out, **kw)
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes only")
+    args = parser.parse_args()
     dev = torch.device("cuda")
-    bad = 0
-    for m, k, n, bits, dtype, kw in CASES:
-        w = torch.randn(n, k, device=dev)
-        cb = fmt.create_normal_float_codebook(bits, dev)
-        ts = fmt.compute_tensor_scale(w)
-        pf, af = torch.ops.kbit_linear.quantize(w, cb, ts, bits)
-        packed, absmax = torch.ops.kbit_linear.repack(pf, af, bits)
-        wd = torch.ops.kbit_linear.dequantize(packed, absmax, cb, ts, bits, n, k, torch.float32)
-        x = torch.randn(m, k, device=dev, dtype=dtype)
-        bias = torch.randn(n, device=dev, dtype=dtype)
-        y = kcuda.gemm_cuda(x, packed, absmax, cb, ts, bits, n, bias, **kw)
-        ref = F.linear(x.float(), wd, bias.float())
-        err = ((y.float() - ref).norm() / ref.norm()).item()
-        ok = err < 2e-2 and not torch.isnan(y).any().item()
-        bad += not ok
-        print(f"M={m} {k}->{n} bits={bits} {dtype} {kw}: rel err {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
+    torch.manual_seed(0)
+    cases = [(s, M_ALL, True) for s in SMALL_SHAPES] + ([] if args.quick else [(s, M_LLAMA, False) for s in LLAMA_SHAPES])
+    bad = launches = 0
+    for (n, k), ms, every_path in cases:
+        for bits in fmt.SUPPORTED_BITS:
+            qw = _weight(n, k, bits, dev)
+            wd = qw[-1]
+            for dtype in DTYPES:
+                bias = torch.randn(n, device=dev, dtype=dtype)
+                for m in ms:
+                    x = torch.randn(m, k, device=dev, dtype=dtype)
+                    ref = F.linear(x.float(), wd, bias.float())
+                    for label, kw in _calls(m, bits, dtype, dev, every_path):
+                        y = _run(x, bias, qw, bits, n, kw)
+                        if y is None:
+                            continue
+                        launches += 1
+                        err = ((y.float() - ref).norm() / ref.norm()).item()
+                        ok = err < REL_TOL and not torch.isnan(y).any().item()
+                        if not ok:
+                            bad += 1
+                            print(f"WRONG: M={m} {k}->{n} bits={bits} {dtype} {label}: rel err {err:.2e}", flush=True)
+            print(f"{k}->{n} bits={bits}: done", flush=True)
     torch.cuda.synchronize()
+    print(f"{launches} GEMM launches checked, {bad} wrong", flush=True)
     return 1 if bad else 0
 
 

@@ -219,6 +219,46 @@ def test_other_launch_shapes(bits, cfg):
 
 
 @gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_in_block_reduction_stress(seed):
+    """Many launches of random shapes, M, bits, launch shapes and schedules, on two streams at once.
+
+    The warps of a block that share a row tile's K meet at a named barrier per shared segment
+    and alternate two shared-memory slots; ranges that start or end inside row tiles, one-item
+    segments and blocks where some warps hold no item all occur here. Each result is checked
+    after both streams finish."""
+    g = torch.Generator().manual_seed(seed)
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    pending = []
+    for i in range(24):
+        bits = BITS[int(torch.randint(0, len(BITS), (1,), generator=g))]
+        k = int(torch.randint(1, 40, (1,), generator=g)) * 64 - int(torch.randint(0, 56, (1,), generator=g)) // 8 * 8
+        n = int(torch.randint(1, 3000, (1,), generator=g))
+        m = int(torch.randint(1, 17, (1,), generator=g))
+        dtype = DTYPES[i % 2]
+        cfg = (None,) + ALT_CONFIGS
+        config = cfg[int(torch.randint(0, len(cfg), (1,), generator=g))]
+        sched = ("auto", "stream-k", "tiles", "tile-split")[int(torch.randint(0, 4, (1,), generator=g))]
+        qw, w = _cached_weight(k, n, bits)
+        try:
+            decode.decode_plan(m, bits, dtype, n, qw.packed.shape[0], config=config, schedule_kind=sched)
+        except ValueError:
+            sched = "auto"
+        x = torch.randn(m, k, device=DEV, dtype=dtype)
+        stream = streams[i % 2]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            outs = [_run(x, qw, config=config, schedule_kind=sched) for _ in range(3)]
+        pending.append((outs, x, w, dtype, (k, n, m, bits, config, sched)))
+    torch.cuda.synchronize()
+    for outs, x, w, dtype, case in pending:
+        for out in outs:
+            assert not torch.isnan(out).any(), f"{case}: unwritten (NaN) output elements"
+            err = _rel_err(out, F.linear(x.float(), w))
+            assert err < REL_TOL[dtype], f"{case}: relative error {err:.2e}"
+
+
+@gpu
 @pytest.mark.parametrize("bits", (2, 5), ids=lambda b: f"k{b}")
 def test_repeated_calls_streams_and_graph(bits):
     """The split-K workspace is left zeroed: repeated calls, a second stream and a CUDA graph agree."""

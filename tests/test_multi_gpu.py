@@ -1,0 +1,191 @@
+"""Every CUDA path on a second GPU (markers ``cuda`` and ``multi_gpu``; skipped with fewer than two).
+
+Per-device state (compiled kernels, their shared-memory limits, launch plans, split-K buffers,
+the thread's bound device) must follow the tensors' device, never the current device or the
+device that happened to be used first. So every path runs on ``cuda:1`` with the current device
+set to 0 and to 1, eagerly and in a CUDA graph, with programmatic launch on and off; a fresh
+process uses ``cuda:1`` before ``cuda:0``; and a small Llama split over both GPUs with
+``device_map="auto"`` generates the same greedy tokens as on one GPU.
+
+Tolerances as in ``test_kernels_cuda.py``: quantize, repack and dequantize bit-identical to the
+reference; the GEMM within a relative Frobenius error of 5e-3 (fp16) / 2e-2 (bf16) of the
+float32 reference, written into NaN-filled outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kbit_linear
+from kbit_linear import format as fmt
+from kbit_linear.backends import cuda as kcuda
+from kbit_linear.backends import loader
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.multi_gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+    pytest.mark.skipif(not loader.cupy_available(), reason="needs CuPy (pip install 'kbit-linear[cuda]')"),
+]
+
+REPO = Path(__file__).resolve().parent.parent
+SECOND = torch.device("cuda", 1)
+REL_TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# (path, rows of x): each forced path at a size where it is the natural choice
+PATHS = (("decode", 3), ("decode", 12), ("fused", 40), ("fused-splitk", 64), ("dequant+cublas", 300))
+N, K = 1000, 1000  # odd tiles on both sides
+
+
+@contextlib.contextmanager
+def _current(index: int) -> Iterator[None]:
+    with torch.cuda.device(index):
+        yield
+
+
+@contextlib.contextmanager
+def _programmatic(on: bool) -> Iterator[None]:
+    old = loader.set_programmatic_launch(on)
+    try:
+        yield
+    finally:
+        loader.set_programmatic_launch(old)
+
+
+def _dense(bits: int, dtype: torch.dtype) -> nn.Linear:
+    torch.manual_seed(bits)
+    lin = nn.Linear(K, N).to(dtype)
+    with torch.no_grad():
+        lin.weight[:50, :40] *= 25.0  # uneven block scales
+    return lin
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def _gemm(layer: kbit_linear.KbitLinear, x: torch.Tensor, path: str) -> torch.Tensor:
+    out = torch.full((x.shape[0], layer.out_features), float("nan"), dtype=x.dtype, device=x.device)
+    kcuda.gemm_cuda(x, layer.weight, layer.absmax, layer.codebook, layer.tensor_scale, layer.bits, layer.out_features,
+                    layer.bias, path=path, out=out)
+    return out
+
+
+@pytest.mark.parametrize("current", [0, 1], ids=["current0", "current1"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
+def test_every_path_on_the_second_gpu(bits, dtype, current):
+    dense = _dense(bits, dtype)
+    ref_layer = kbit_linear.KbitLinear.from_linear(dense, bits=bits)  # CPU reference
+    with _current(current):
+        layer = kbit_linear.KbitLinear.from_linear(dense.to(SECOND), bits=bits)  # quantize + repack on cuda:1
+        for name in ("weight", "absmax", "codebook", "tensor_scale"):
+            t = getattr(layer, name)
+            assert t.device == SECOND and torch.equal(t.cpu(), getattr(ref_layer, name)), name
+        w = layer.dequantize()  # dequantize on cuda:1
+        assert torch.equal(w.cpu(), ref_layer.dequantize())
+        for path, m in PATHS:
+            x = torch.randn(m, K, dtype=dtype, device=SECOND)
+            out = _gemm(layer, x, path)
+            assert not torch.isnan(out).any(), f"{path}: unwritten output elements"
+            err = _rel_err(out, F.linear(x.float(), w, layer.bias.float()))
+            assert err < REL_TOL[dtype], f"{path} M={m}: relative error {err:.2e}"
+            y = layer(x)  # the module's own dispatch
+            assert y.device == SECOND and _rel_err(y, out) < REL_TOL[dtype]
+        assert torch.cuda.current_device() == current
+
+
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
+@pytest.mark.parametrize("current", [0, 1], ids=["current0", "current1"])
+def test_cuda_graph_on_the_second_gpu(pdl, current):
+    dtype = torch.bfloat16
+    layer = kbit_linear.KbitLinear.from_linear(_dense(4, dtype).to(SECOND), bits=4)
+    w = layer.dequantize()
+    with _programmatic(pdl), _current(current):
+        for path, m in PATHS:
+            x = torch.randn(m, K, dtype=dtype, device=SECOND)
+            out = torch.full((m, N), float("nan"), dtype=dtype, device=SECOND)
+            args = (layer.weight, layer.absmax, layer.codebook, layer.tensor_scale, 4, N, layer.bias)
+            with torch.cuda.device(1):  # a capture records on the current device's stream
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    kcuda.gemm_cuda(x, *args, path=path, out=out)  # compile and plan outside the capture
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    kcuda.gemm_cuda(x, *args, path=path, out=out)
+                for _ in range(2):
+                    x.copy_(torch.randn_like(x))
+                    out.fill_(float("nan"))
+                    graph.replay()
+                    torch.cuda.synchronize(1)
+                    assert not torch.isnan(out).any(), f"{path}: unwritten output elements"
+                    err = _rel_err(out, F.linear(x.float(), w, layer.bias.float()))
+                    assert err < REL_TOL[dtype], f"{path} M={m} in a graph: relative error {err:.2e}"
+
+
+_FIRST_USE_SCRIPT = textwrap.dedent(
+    """
+    import torch, torch.nn.functional as F
+    from torch import nn
+    import kbit_linear
+    from kbit_linear.backends import cuda as kcuda
+    torch.manual_seed(0)
+    dense = nn.Linear(1000, 1000).half()
+    for index in (1, 0):  # the second GPU first; the current device stays 0 throughout
+        dev = torch.device("cuda", index)
+        layer = kbit_linear.KbitLinear.from_linear(dense.to(dev), bits=4)
+        w = layer.dequantize()
+        for path, m in (("decode", 3), ("decode", 12), ("fused", 40), ("fused-splitk", 64), ("dequant+cublas", 300)):
+            x = torch.randn(m, 1000, dtype=torch.float16, device=dev)
+            out = kcuda.gemm_cuda(x, layer.weight, layer.absmax, layer.codebook, layer.tensor_scale, 4, 1000,
+                                  layer.bias, path=path)
+            ref = F.linear(x.float(), w, layer.bias.float())
+            err = float((out.float() - ref).norm() / ref.norm())
+            assert err < 5e-3, (index, path, err)
+        assert torch.cuda.current_device() == 0
+    print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "no-pdl"])
+def test_first_use_on_the_second_gpu_in_a_fresh_process(pdl):
+    env = dict(os.environ, KBIT_LINEAR_PDL=pdl,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", _FIRST_USE_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_llama_split_over_two_gpus_generates_the_one_gpu_tokens(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+
+    def load(device_map):
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(tmp_path), quantization_config=kbit_linear.KbitConfig(bits=4), dtype=torch.bfloat16, device_map=device_map)
+
+    one = load({"": 0})
+    split = load("auto")
+    devices = {str(d) for d in split.hf_device_map.values()}
+    assert {"0", "1"} <= devices, f"not split over both GPUs: {split.hf_device_map}"
+    assert {m.weight.device.index for m in split.modules() if isinstance(m, kbit_linear.KbitLinear)} == {0, 1}
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(1))
+    for batch in (ids[:1], ids):  # batch 1 takes the decode kernel, both take the fused one in prefill
+        a = one.generate(batch.to("cuda:0"), max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(batch).to("cuda:0"))
+        b = split.generate(batch.to("cuda:0"), max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(batch).to("cuda:0"))
+        assert torch.equal(a.cpu(), b.cpu())
