@@ -488,9 +488,12 @@ template <int KS, int R, int MT> struct RedSlot {
     float part[KS][R * MT * 4][32];
 };
 
-// Barrier `id` (1..15; 0 is __syncthreads') for `threads` threads, whole warps.
+// Barrier `id` (1..15; 0 is __syncthreads') for `threads` threads, whole warps. The warps of a
+// row slot reach it from different places (a contributor in reduce_flush, a warp without chunks
+// in pass_barriers), so it is the non-.aligned form: bar.sync is barrier.sync.aligned, which
+// requires every thread to execute the same barrier instruction.
 KBIT_DEVICE void named_barrier(int id, int threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+    asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // The segments of one block's range [i0, i1) of items (kc per row tile), in the order the

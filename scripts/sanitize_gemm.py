@@ -84,10 +84,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes only")
     parser.add_argument("--bits", type=int, nargs="+", default=list(fmt.SUPPORTED_BITS), choices=fmt.SUPPORTED_BITS)
+    parser.add_argument("--shapes", nargs="+", help="out x in shapes to run instead of the built-in lists, e.g. 1000x1000")
     args = parser.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    cases = [(s, M_ALL, True) for s in SMALL_SHAPES] + ([] if args.quick else [(s, M_LLAMA, False) for s in LLAMA_SHAPES])
+    if args.shapes:
+        cases = [(tuple(int(v) for v in s.split("x")), M_ALL, True) for s in args.shapes]
+    else:
+        cases = [(s, M_ALL, True) for s in SMALL_SHAPES] + ([] if args.quick else [(s, M_LLAMA, False) for s in LLAMA_SHAPES])
     bad = launches = 0
     for (n, k), ms, every_path in cases:
         for bits in args.bits:
