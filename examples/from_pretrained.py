@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kbit_linear import KbitConfig  # importing kbit_linear registers "kbit" with transformers
-from kbit_linear.models import resolve_model
+from kbit_linear.tools.models import resolve_model
 
 parser = argparse.ArgumentParser(description="Quantize at load with KbitConfig, save, reload and generate.")
 parser.add_argument("--model", default="default", help="'default', a local model folder or a hub id")

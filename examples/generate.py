@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kbit_linear import quantize_model
-from kbit_linear.models import resolve_model
+from kbit_linear.tools.models import resolve_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -1,17 +1,18 @@
-"""Measurement helpers shared by ``bench_gemm.py`` and ``bench_generate.py``.
+"""Measurement helpers shared by every benchmark script (``bench_gemm.py``, ``bench_generate.py``,
+``bench_decode.py``, ``kernel_bench.py``).
 
 One place for: the facts that make a result reproducible (GPU, driver, library versions, the
-exact command), the two hardware ceilings measured in the same run (device-to-device copy
-bandwidth and the fp16 matmul peak), CUDA-graph timing with rotated weight copies, the
-optional peers (bitsandbytes, gemlite) and their availability notes, and the output forms
-(markdown, JSON).
+exact command), the GPU's L2 size (from the device properties), the two hardware ceilings
+measured in the same run (device-to-device copy bandwidth and the fp16 matmul peak), CUDA-graph
+timing with weight copies rotated past L2, the wall time of eager calls, the optional peers
+(bitsandbytes, gemlite) and their availability notes, and the output forms (markdown, JSON).
 
 Timing method (``time_calls``): ``fn(i)`` is one call on weight copy ``i``. Enough copies are
-made that they do not fit in L2 together, many calls cycling through the copies are captured in
-one CUDA graph, the graph is replayed several times with CUDA events around each replay, and the
-median replay time divided by the number of calls is reported. A callable that cannot be
-captured is timed the same way without the graph (``method == "events"``), which includes the
-launch gaps and is marked as such in every table.
+made (``weight_copies``) that they do not fit in L2 together, many calls cycling through the
+copies are captured in one CUDA graph, the graph is replayed several times with CUDA events
+around each replay, and the median replay time divided by the number of calls is reported. A
+callable that cannot be captured is timed the same way without the graph
+(``method == "events"``), which includes the launch gaps and is marked as such in every table.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -43,10 +45,13 @@ __all__ = [
     "Timing",
     "require_cuda",
     "environment",
+    "l2_bytes",
     "measure_copy_bandwidth",
     "measure_matmul_peak",
     "copies_past_l2",
+    "weight_copies",
     "time_calls",
+    "eager_wall_us",
     "tensor_bytes",
     "optional_import",
     "kbit_cuda_status",
@@ -111,7 +116,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": props.name,
         "sm_count": props.multi_processor_count,
-        "l2_bytes": int(getattr(props, "L2_cache_size", 50 * 2**20)),
+        "l2_bytes": l2_bytes(device),
         "gpu_memory_gib": round(props.total_memory / 2**30, 1),
         "driver": _driver_version(),
         "cuda_runtime": torch.version.cuda,
@@ -124,6 +129,17 @@ def environment(device: torch.device) -> dict[str, Any]:
         "gemlite": _version("gemlite"),
         "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
     }
+
+
+def l2_bytes(device: torch.device | int | None = None) -> int:
+    """The L2 cache size of a CUDA device in bytes, from its device properties.
+
+    Args:
+        device: the CUDA device (default: the current one).
+    """
+    if device is None:
+        device = torch.cuda.current_device()
+    return int(torch.cuda.get_device_properties(device).L2_cache_size)
 
 
 def optional_import(name: str) -> tuple[Any | None, str]:
@@ -267,21 +283,62 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def copies_past_l2(bytes_per_copy: int, l2_bytes: int, factor: float = 2.0, max_copies: int = 64) -> int:
-    """How many copies of a weight make a working set of at least ``factor * l2_bytes``.
+def copies_past_l2(bytes_per_copy: int, l2: int, factor: float = 2.0, max_copies: int | None = 64) -> int:
+    """How many copies of a weight make a working set of at least ``factor * l2``.
 
     Args:
         bytes_per_copy: bytes one call reads from its weight copy.
-        l2_bytes: the GPU's L2 size.
+        l2: the GPU's L2 size in bytes (:func:`l2_bytes`).
         factor: working set over L2 (2 leaves no copy resident when the next use of it comes).
-        max_copies: upper bound.
+        max_copies: upper bound, or ``None`` for none (small weights then get many copies).
 
     Returns:
         At least 2.
     """
-    if bytes_per_copy <= 0 or l2_bytes <= 0:
-        raise ValueError(f"bytes_per_copy and l2_bytes must be positive, got {bytes_per_copy}, {l2_bytes}")
-    return int(min(max_copies, max(2, math.ceil(factor * l2_bytes / bytes_per_copy))))
+    if bytes_per_copy <= 0 or l2 <= 0:
+        raise ValueError(f"bytes_per_copy and l2 must be positive, got {bytes_per_copy}, {l2}")
+    n = max(2, math.ceil(factor * l2 / bytes_per_copy))
+    return int(n if max_copies is None else min(max_copies, n))
+
+
+_W = TypeVar("_W")
+
+
+def _clone(weight: Any) -> Any:
+    """A copy of a tensor, or of a tuple of tensors, in fresh memory."""
+    if isinstance(weight, torch.Tensor):
+        return weight.clone()
+    if isinstance(weight, tuple):
+        return tuple(_clone(t) for t in weight)
+    raise TypeError(f"cannot clone a {type(weight).__name__}; pass make= to build the copies")
+
+
+def weight_copies(
+    first: _W,
+    l2: int | None = None,
+    *,
+    nbytes: int | None = None,
+    make: Callable[[], _W] | None = None,
+    max_copies: int | None = 64,
+) -> list[_W]:
+    """``first`` and enough further copies of it that cycling through them reads every call's
+    weight from DRAM, not from L2 (see :func:`copies_past_l2`).
+
+    Args:
+        first: one weight: a tensor, a tuple of tensors, or anything ``make`` builds.
+        l2: the GPU's L2 size in bytes (default: the current device's, :func:`l2_bytes`).
+        nbytes: bytes one call reads from a copy (default: the storage of ``first``'s tensors).
+        make: builds one more copy (default: clones ``first``'s tensors).
+        max_copies: passed to :func:`copies_past_l2`.
+
+    Returns:
+        The copies, ``first`` at index 0.
+    """
+    if nbytes is None:
+        nbytes = tensor_bytes(*(first if isinstance(first, tuple) else (first,)))
+    n = copies_past_l2(nbytes, l2_bytes() if l2 is None else l2, max_copies=max_copies)
+    build = make if make is not None else (lambda: _clone(first))
+    return [first] + [build() for _ in range(n - 1)]
 
 
 def time_calls(
@@ -290,8 +347,10 @@ def time_calls(
     *,
     target_ms: float = 3.0,
     repeats: int = 7,
+    min_calls: int = 1,
     max_calls: int = 1000,
     use_graph: bool = True,
+    fallback: bool = True,
 ) -> Timing:
     """Median time of one call of ``fn``, replayed from a CUDA graph over rotated weight copies.
 
@@ -301,14 +360,19 @@ def time_calls(
         n_copies: number of weight copies ``fn`` cycles through.
         target_ms: GPU time one graph replay should take (sets the calls per graph).
         repeats: timed replays; the median is reported.
+        min_calls: lower bound on calls per graph (wins over ``target_ms`` and ``max_calls``;
+            ``min_calls == max_calls`` fixes the count).
         max_calls: upper bound on calls per graph.
         use_graph: False forces plain event timing.
+        fallback: False raises where the calls cannot be captured in a CUDA graph, instead of
+            timing them with plain events.
 
     Returns:
         A :class:`Timing`.
     """
-    if n_copies < 1 or repeats < 1 or max_calls < 1:
-        raise ValueError(f"n_copies, repeats and max_calls must be >= 1, got {n_copies}, {repeats}, {max_calls}")
+    if min(n_copies, repeats, min_calls, max_calls) < 1:
+        raise ValueError(f"n_copies, repeats, min_calls and max_calls must be >= 1, got "
+                         f"{n_copies}, {repeats}, {min_calls}, {max_calls}")
     # Warm-up: compiles, autotunes and allocates outside the timed region.
     for i in range(min(n_copies, 3)):
         fn(i)
@@ -319,6 +383,7 @@ def time_calls(
     calls = max(1, math.ceil(target_ms / max(est, 1e-4)))
     calls = max(calls, n_copies)  # every copy at least once per replay
     calls = min(calls, max(1, math.ceil(4 * target_ms / max(est, 1e-4))), max_calls)
+    calls = max(calls, min_calls)
 
     def run_all() -> None:
         for j in range(calls):
@@ -342,6 +407,8 @@ def time_calls(
             del graph
             return _timing(per_rep, calls, repeats, "graph", "")
         except Exception as exc:  # noqa: BLE001  (a peer that cannot be captured falls back)
+            if not fallback:
+                raise
             note = f"not capturable: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
             del graph
             torch.cuda.synchronize()
@@ -349,6 +416,40 @@ def time_calls(
     torch.cuda.synchronize()
     per_rep = _event_ms(run_all, repeats)
     return _timing(per_rep, calls, repeats, "events", note)
+
+
+def eager_wall_us(
+    fn: Callable[[], Any], calls: int, *, warmup: int, repeats: int = 1, wait: bool = True
+) -> float:
+    """Wall microseconds per call of ``calls`` back-to-back eager calls of ``fn()``.
+
+    Args:
+        fn: one call; launches on the current stream.
+        calls: calls per timed repeat.
+        warmup: untimed calls first (then a synchronize).
+        repeats: timed repeats; the median is reported.
+        wait: True stops each repeat's clock after the GPU has finished (host and GPU together:
+            on a launch-bound shape, the host's time per call); False stops it when the last
+            call returns (the host's issue time only).
+
+    Returns:
+        Median microseconds per call.
+    """
+    if calls < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(f"calls and repeats must be >= 1 and warmup >= 0, got {calls}, {repeats}, {warmup}")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if wait:
+            torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e6 / calls)
+        torch.cuda.synchronize()
+    return statistics.median(walls)
 
 
 def _timing(per_rep_ms: Sequence[float], calls: int, repeats: int, method: str, note: str) -> Timing:

@@ -1,10 +1,12 @@
 """Time the small-M decode kernel against the memory roofline, cuBLAS and torch's int4 tinygemm.
 
-Method: every kernel call runs on one of several copies of its weight, enough copies that they
-do not fit in the 50 MB L2 together; many calls cycling through the copies are captured in one
-CUDA graph, the graph is replayed several times and the median replay time divided by the number
-of calls is reported. The device-to-device copy bandwidth is measured in the same run and the
-roofline is ``(packed + absmax + x + out bytes) / copy bandwidth`` (bytes read + written).
+Method (``scripts/_bench_common.py``): every kernel call runs on one of several copies of its
+weight, enough copies that together they fill twice the GPU's L2 (its size read from the device
+properties); 200 calls cycling through the copies (more for small weights: every copy once) are
+captured in one CUDA graph, the graph is replayed several times and the median replay time
+divided by the number of calls is reported. The device-to-device copy bandwidth is measured in
+the same run and the roofline is ``(packed + absmax + x + out bytes) / copy bandwidth`` (bytes
+read + written).
 
 Usage (from the repository root, on a GPU machine):
 
@@ -26,8 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -35,12 +35,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench_common as bc  # noqa: E402  (needs the path above; puts the repository on the path)
 
 from kbit_linear import format as fmt  # noqa: E402
 from kbit_linear.backends import decode, loader  # noqa: E402
 
-L2_BYTES = 50 * 2**20
+MIN_CALLS = 200  # calls per CUDA graph (rounded up to whole rotations through the copies)
 DEFAULT_SHAPES = ("4096x4096", "4096x14336", "14336x4096", "8192x28672", "576x192")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -59,68 +60,34 @@ VARIANTS = {
 }
 
 
-def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    a = torch.empty(nbytes // 2, dtype=torch.int16, device="cuda").random_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
-    return 2 * a.numel() * a.element_size() / statistics.median(times)
+def time_calls(fn: Callable[[int], object], copies: int) -> float:
+    """Median seconds per call of ``fn(i % copies)``, from CUDA-graph replays of whole rotations."""
+    calls = -(-max(MIN_CALLS, copies) // copies) * copies
+    return bc.time_calls(fn, copies, min_calls=calls, max_calls=calls, repeats=7, fallback=False).us * 1e-6
 
 
-def time_calls(fn: Callable[[int], object], copies: int, min_calls: int = 200, replays: int = 7) -> float:
-    """Median seconds per call of ``fn(i % copies)``, from CUDA-graph replays."""
-    calls = max(min_calls, copies)
-    calls = -(-calls // copies) * copies
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):  # warm-up: compiles, plans, workspaces
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3 / calls)
-    return statistics.median(times)
+def rotation(make: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+    """``make()`` weights, enough to fill twice the L2 (no cap: small weights get thousands, so
+    that none is still in L2 when its turn comes again)."""
+    return bc.weight_copies(make(), make=make, max_copies=None)
 
 
-def n_copies(nbytes: int) -> int:
-    """Copies of a buffer needed so that they exceed twice the L2 together."""
-    return max(2, math.ceil(2 * L2_BYTES / max(nbytes, 1)) + 1)
-
-
-def random_kbit(k: int, n: int, bits: int, copies: int) -> list[fmt.KbitWeight]:
-    """Random (non-zero) tiled weights: every bit pattern is a valid kbit weight."""
+def random_kbit(k: int, n: int, bits: int) -> fmt.KbitWeight:
+    """A random (non-zero) tiled weight: every bit pattern is a valid kbit weight."""
     n_pad, k_pad = fmt.padded_shape(n, k)
     kt, nt = k_pad // fmt.TILE_K, n_pad // fmt.TILE_N
     cb = fmt.create_normal_float_codebook(bits, "cuda")
     ts = torch.tensor([2.0 ** -6], device="cuda")
-    out = []
-    for _ in range(copies):
-        packed = torch.randint(-(2**31), 2**31 - 1, (kt, nt, fmt.TILE_N, 2, bits), device="cuda", dtype=torch.int32)
-        absmax = torch.randint(0x50, 0xD0, (kt, nt, fmt.TILE_N, 2), device="cuda", dtype=torch.uint8)
-        out.append(fmt.KbitWeight(packed, absmax, cb, ts, bits, n, k))
-    return out
+    packed = torch.randint(-(2**31), 2**31 - 1, (kt, nt, fmt.TILE_N, 2, bits), device="cuda", dtype=torch.int32)
+    absmax = torch.randint(0x50, 0xD0, (kt, nt, fmt.TILE_N, 2), device="cuda", dtype=torch.uint8)
+    return fmt.KbitWeight(packed, absmax, cb, ts, bits, n, k)
+
+
+def kbit_rotation(k: int, n: int, bits: int) -> list[fmt.KbitWeight]:
+    """Random kbit weights of one shape, enough to rotate past L2 (as :func:`rotation`)."""
+    first = random_kbit(k, n, bits)
+    return bc.weight_copies(first, nbytes=bc.tensor_bytes(first.packed, first.absmax),
+                            make=lambda: random_kbit(k, n, bits), max_copies=None)
 
 
 def bench_kbit(k: int, n: int, bits: int, m: int, dtype: torch.dtype, cfg: decode.DecodeConfig | None = None,
@@ -128,8 +95,7 @@ def bench_kbit(k: int, n: int, bits: int, m: int, dtype: torch.dtype, cfg: decod
     """(seconds per call, bytes moved) for the decode kernel; ``writer``: each call follows a
     torch kernel that writes x (as in a model, where a norm or activation produces it)."""
     if weights is None:
-        wb = random_kbit(k, n, bits, 1)[0]
-        weights = random_kbit(k, n, bits, n_copies(wb.packed.nbytes + wb.absmax.nbytes))
+        weights = kbit_rotation(k, n, bits)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     x_src = x.clone()
     out = torch.empty(m, n, device="cuda", dtype=dtype)
@@ -145,23 +111,21 @@ def bench_kbit(k: int, n: int, bits: int, m: int, dtype: torch.dtype, cfg: decod
 
 
 def bench_cublas(k: int, n: int, m: int, dtype: torch.dtype) -> float:
-    copies = n_copies(n * k * 2)
-    ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(copies)]
+    """Seconds per call of ``F.linear`` with a dense weight of the same shape."""
+    ws = rotation(lambda: torch.randn(n, k, device="cuda", dtype=dtype))
     x = torch.randn(m, k, device="cuda", dtype=dtype)
-    return time_calls(lambda i: F.linear(x, ws[i]), copies)
+    return time_calls(lambda i: F.linear(x, ws[i]), len(ws))
 
 
 def bench_tinygemm(k: int, n: int, m: int) -> float | None:
     """torch's int4 tinygemm (group 128, bf16 activations), or None where it is unavailable."""
     try:
-        copies = n_copies(n * k // 2)
-        packs = []
-        for _ in range(copies):
-            q = torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8)
-            packs.append(torch._convert_weight_to_int4pack(q, 8))
+        packs = rotation(
+            lambda: torch._convert_weight_to_int4pack(torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8), 8)
+        )
         sz = torch.randn(k // 128, n, 2, device="cuda", dtype=torch.bfloat16) * 0.01
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        return time_calls(lambda i: torch._weight_int4pack_mm(x, packs[i], 128, sz), copies)
+        return time_calls(lambda i: torch._weight_int4pack_mm(x, packs[i], 128, sz), len(packs))
     except Exception as e:  # noqa: BLE001 - a missing or changed private API only drops the column
         print(f"tinygemm unavailable for {k}x{n}: {type(e).__name__}: {e}", file=sys.stderr)
         return None
@@ -169,20 +133,11 @@ def bench_tinygemm(k: int, n: int, m: int) -> float | None:
 
 def host_overhead_us(k: int, n: int, bits: int, m: int, dtype: torch.dtype, calls: int = 300) -> float:
     """Wall time per eager call (Python + launch), for a shape small enough to be launch-bound."""
-    w = random_kbit(k, n, bits, 1)[0]
+    w = random_kbit(k, n, bits)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     out = torch.empty(m, n, device="cuda", dtype=dtype)
-    import time
-
-    for _ in range(20):
-        decode.decode_gemm(x, w.packed, w.absmax, w.codebook, w.tensor_scale, bits, n, out)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        decode.decode_gemm(x, w.packed, w.absmax, w.codebook, w.tensor_scale, bits, n, out)
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    return bc.eager_wall_us(lambda: decode.decode_gemm(x, w.packed, w.absmax, w.codebook, w.tensor_scale, bits, n, out),
+                            calls, warmup=20, wait=False)
 
 
 def overlap_row(k: int, n: int, bits: int, m: int, dtype: torch.dtype, weights: list[fmt.KbitWeight], t_on: float) -> dict:
@@ -226,7 +181,7 @@ def main() -> None:
         for shape in args.shapes:
             k, n = (int(v) for v in shape.lower().split("x"))
             for bits in args.bits:
-                w = random_kbit(k, n, bits, 1)[0]
+                w = random_kbit(k, n, bits)
                 for dname in args.dtypes:
                     for m in args.m:
                         x = torch.randn(m, k, device="cuda", dtype=DTYPES[dname])
@@ -237,7 +192,7 @@ def main() -> None:
         return
     dev = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
-    bw = copy_bandwidth()
+    bw = bc.measure_copy_bandwidth(torch.device("cuda", dev), nbytes=2**30, repeats=20) * 1e9  # bytes/s
     head = (f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
             f"date {datetime.date.today()}; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     print(head, flush=True)
@@ -254,8 +209,7 @@ def main() -> None:
                     peers[(dname, m)] = (cub, tiny)
             torch.cuda.empty_cache()
         for bits in args.bits:
-            w0 = random_kbit(k, n, bits, 1)[0]
-            weights = random_kbit(k, n, bits, n_copies(w0.packed.nbytes + w0.absmax.nbytes))
+            weights = kbit_rotation(k, n, bits)
             for dname in args.dtypes:
                 dtype = DTYPES[dname]
                 for m in args.m:

@@ -91,9 +91,8 @@ class Impl:
 def make_cublas(w: torch.Tensor, dtype: torch.dtype, l2: int) -> Impl:
     """Dense ``F.linear`` on ``w`` cast to ``dtype``."""
     one = w.to(dtype)
-    n = bc.copies_past_l2(bc.tensor_bytes(one), l2)
-    copies = [one] + [one.clone() for _ in range(n - 1)]
-    return Impl("cuBLAS", "cublas", lambda x, i: F.linear(x, copies[i]), n, bc.tensor_bytes(one))
+    copies = bc.weight_copies(one, l2)
+    return Impl("cuBLAS", "cublas", lambda x, i: F.linear(x, copies[i]), len(copies), bc.tensor_bytes(one))
 
 
 def _tinygemm_pack(w: torch.Tensor, group: int = 128, inner_k_tiles: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,25 +116,24 @@ def _tinygemm_pack(w: torch.Tensor, group: int = 128, inner_k_tiles: int = 8) ->
 def make_tinygemm(w: torch.Tensor, l2: int) -> Impl:
     """torch's int4 tinygemm, group 128 (bf16 activations only)."""
     packed, sz = _tinygemm_pack(w)
-    nbytes = bc.tensor_bytes(packed, sz)
-    n = bc.copies_past_l2(nbytes, l2)
-    copies = [(packed, sz)] + [(packed.clone(), sz.clone()) for _ in range(n - 1)]
+    copies = bc.weight_copies((packed, sz), l2)
     return Impl(
         "tinygemm int4 g128", "peer",
-        lambda x, i: torch._weight_int4pack_mm(x, copies[i][0], 128, copies[i][1]), n, nbytes,
+        lambda x, i: torch._weight_int4pack_mm(x, copies[i][0], 128, copies[i][1]), len(copies), bc.tensor_bytes(packed, sz),
     )
 
 
 def make_bnb(bnb: Any, w: torch.Tensor, dtype: torch.dtype, l2: int) -> Impl:
     """bitsandbytes NF4, blocksize 64, fp32 absmax (no double quantization)."""
-    wq, state = bnb.functional.quantize_4bit(w.to(dtype), blocksize=64, compress_statistics=False, quant_type="nf4")
+    def build() -> tuple[torch.Tensor, Any]:
+        return bnb.functional.quantize_4bit(w.to(dtype), blocksize=64, compress_statistics=False, quant_type="nf4")
+
+    wq, state = build()
     nbytes = bc.tensor_bytes(wq, state.absmax)
-    n = bc.copies_past_l2(nbytes, l2)
-    copies = [(wq, state)]
-    for _ in range(n - 1):
-        q2, s2 = bnb.functional.quantize_4bit(w.to(dtype), blocksize=64, compress_statistics=False, quant_type="nf4")
-        copies.append((q2, s2))
-    return Impl("bnb NF4 b64", "peer", lambda x, i: bnb.matmul_4bit(x, copies[i][0].t(), quant_state=copies[i][1]), n, nbytes)
+    copies = bc.weight_copies((wq, state), l2, nbytes=nbytes, make=build)
+    return Impl(
+        "bnb NF4 b64", "peer", lambda x, i: bnb.matmul_4bit(x, copies[i][0].t(), quant_state=copies[i][1]), len(copies), nbytes
+    )
 
 
 def _hqq_groups(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,9 +159,8 @@ def make_gemlite(gemlite: Any, w: torch.Tensor, dtype: torch.dtype, bits: int, l
 
     first = build()
     nbytes = bc.tensor_bytes(first.W_q, first.scales, getattr(first, "zeros", None))
-    n = bc.copies_past_l2(nbytes, l2)
-    layers = [first] + [build() for _ in range(n - 1)]
-    return Impl(f"gemlite int{bits} g64", "peer", lambda x, i: layers[i](x), n, nbytes)
+    layers = bc.weight_copies(first, l2, nbytes=nbytes, make=build)
+    return Impl(f"gemlite int{bits} g64", "peer", lambda x, i: layers[i](x), len(layers), nbytes)
 
 
 def make_kbit(w: torch.Tensor, bits: int, l2: int, cuda_backend: Any) -> Impl:
@@ -179,9 +176,7 @@ def make_kbit(w: torch.Tensor, bits: int, l2: int, cuda_backend: Any) -> Impl:
         torch.cat([f[0] for f in flats]), torch.cat([f[1] for f in flats]), bits
     )
     del flats
-    nbytes = bc.tensor_bytes(packed, absmax)
-    n = bc.copies_past_l2(nbytes, l2)
-    copies = [(packed, absmax)] + [(packed.clone(), absmax.clone()) for _ in range(n - 1)]
+    copies = bc.weight_copies((packed, absmax), l2)
 
     def call(x: torch.Tensor, i: int) -> torch.Tensor:
         return torch.ops.kbit_linear.gemm(x, copies[i][0], copies[i][1], codebook, ts, bits, n_out, None)
@@ -189,7 +184,7 @@ def make_kbit(w: torch.Tensor, bits: int, l2: int, cuda_backend: Any) -> Impl:
     def path(m: int, dtype: torch.dtype) -> str:
         return str(cuda_backend.gemm_path(m, n_out, k_in, bits, dtype, w.device))
 
-    return Impl(f"kbit K={bits}", "kbit", call, n, nbytes, path)
+    return Impl(f"kbit K={bits}", "kbit", call, len(copies), bc.tensor_bytes(packed, absmax), path)
 
 
 # ---------------------------------------------------------------------------------------
@@ -383,15 +378,7 @@ def host_overhead(device: torch.device, args: argparse.Namespace) -> dict[str, A
     for name, mod in (("KbitLinear", klin), ("nn.Linear", lin)):
         with torch.inference_mode():
             gpu = bc.time_calls(lambda i: mod(x), 1, target_ms=1.0, repeats=args.repeats)
-            n_calls = 2000
-            for _ in range(50):
-                mod(x)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(n_calls):
-                mod(x)
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t) / n_calls * 1e6
+            wall = bc.eager_wall_us(lambda: mod(x), 2000, warmup=50)
         res[name] = {"eager_wall_us": wall, "gpu_us": gpu.us, "host_overhead_us": wall - gpu.us, "gpu_method": gpu.method}
     return res
 

@@ -11,7 +11,7 @@ Steps (on the embedded SmolLM2-135M-Instruct unless ``--model`` names another):
 4. answer a prompt with the reloaded model (chat template, greedy decoding);
 5. print a table: sizes, load and quantize time, tokens/s, perplexity and KL divergence.
 
-Perplexity uses the text and windows of :mod:`kbit_linear.evaluation` (CPython's
+Perplexity uses the text and windows of :mod:`kbit_linear.tools.evaluation` (CPython's
 ``pydoc_data.topics``, non-overlapping 512-token windows). The demo scores the first 4 windows
 to stay within a few minutes on a laptop CPU; ``--ppl-windows 16`` gives the figures of
 ``scripts/eval_ppl.py``.
@@ -30,10 +30,10 @@ import torch
 
 from _bench_common import markdown_table  # (importing it puts the repo on sys.path)
 
-from kbit_linear.evaluation import evaluate, stored_bits_per_weight, token_windows
+from kbit_linear.tools.evaluation import evaluate, stored_bits_per_weight, token_windows
 from kbit_linear.integrations.transformers import KbitConfig, register
 from kbit_linear.linear import KbitLinear
-from kbit_linear.models import DEFAULT_MODEL, resolve_model
+from kbit_linear.tools.models import DEFAULT_MODEL, resolve_model
 from kbit_linear.patch import module_bytes
 
 DEFAULT_PROMPT = "In two sentences, what is a large language model?"

@@ -11,7 +11,7 @@ evaluation dtype afterwards (the quantized tensors are unaffected by the cast);
 ``from_pretrained(..., dtype=torch.bfloat16)`` does. bitsandbytes NF4 (blocksize 64) is added
 when bitsandbytes is importable and works on the device.
 
-The text and windows are those of :mod:`kbit_linear.evaluation` (CPython's
+The text and windows are those of :mod:`kbit_linear.tools.evaluation` (CPython's
 ``pydoc_data.topics``, first 16 non-overlapping 512-token windows). The KL column is the mean
 ``KL(baseline || variant)`` of the next-token distributions, in nats per token.
 
@@ -35,9 +35,9 @@ import torch
 
 from _bench_common import markdown_table, optional_import  # (importing it puts the repo on sys.path)
 
-from kbit_linear.evaluation import EvalResult, evaluate, stored_bits_per_weight, token_windows
+from kbit_linear.tools.evaluation import EvalResult, evaluate, stored_bits_per_weight, token_windows
 from kbit_linear.integrations.transformers import KbitConfig, register
-from kbit_linear.models import DEFAULT_MODEL, resolve_model
+from kbit_linear.tools.models import DEFAULT_MODEL, resolve_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

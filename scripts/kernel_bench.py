@@ -1,8 +1,9 @@
 """Timing table of the kbit CUDA GEMM paths against cuBLAS fp16, and the host overhead of a call.
 
-Each number is microseconds per call: many calls cycling through enough weight copies to spill
-L2 are captured in one CUDA graph, the graph is replayed several times between CUDA events, and
-the median replay time is divided by the number of calls. Inputs are random (never zeros).
+Each number is microseconds per call (``scripts/_bench_common.py``): many calls cycling through
+enough weight copies to fill twice the GPU's L2 are captured in one CUDA graph, the graph is
+replayed several times between CUDA events, and the median replay time is divided by the number
+of calls. Inputs are random (never zeros).
 
 Host overhead: the wall time of many eager calls at M = 1 on a small layer (whose GPU time is a
 few microseconds) minus the GPU time of the same call from a graph replay; reported for
@@ -15,75 +16,47 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench_common as bc  # noqa: E402  (needs the path above; puts the repository on the path)
 
 import kbit_linear  # noqa: E402,F401
 from kbit_linear import format as fmt  # noqa: E402
 from kbit_linear.backends import cuda as kcuda  # noqa: E402
 
 DEV = torch.device("cuda")
-L2_SPILL_BYTES = 120 * 2**20  # comfortably past the H100's 50 MB L2
+MAX_CALLS = 200  # calls per CUDA graph at most
 
 
-def _graph_time(fn, n_copies: int, target_ms: float = 4.0) -> float:
-    """Median microseconds per call of fn(i) (i = weight copy), via CUDA-graph replay."""
-    for i in range(n_copies):  # warm up: compile, allocate
-        fn(i)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for i in range(n_copies):
-        fn(i)
-    e.record()
-    torch.cuda.synchronize()
-    est = max(s.elapsed_time(e) / n_copies, 1e-3)
-    calls = int(min(200, max(2 * n_copies, math.ceil(target_ms / est))))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in range(calls):
-            fn(c % n_copies)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1000.0 / calls)
-    del g
-    return statistics.median(times)
+def _graph_time(fn: Callable[[int], Any], n_copies: int, target_ms: float = 4.0) -> float:
+    """Median microseconds per call of fn(i) (i = weight copy), via CUDA-graph replay; every
+    copy runs at least twice per replay."""
+    return bc.time_calls(fn, n_copies, target_ms=target_ms, repeats=7, min_calls=min(2 * n_copies, MAX_CALLS),
+                         max_calls=MAX_CALLS, fallback=False).us
 
 
-def _copies(nbytes: int) -> int:
-    return max(2, math.ceil(L2_SPILL_BYTES / max(nbytes, 1)))
-
-
-def _kbit_weights(n: int, k: int, bits: int, copies: int) -> list[fmt.KbitWeight]:
+def _kbit_weights(n: int, k: int, bits: int) -> list[fmt.KbitWeight]:
+    """A quantized random weight and copies of its planes and scales, enough to rotate past L2."""
     w = torch.randn(n, k, device=DEV) * 0.02
     qw = fmt.quantize(w, bits)
-    out = [qw]
-    for _ in range(copies - 1):
-        out.append(fmt.KbitWeight(qw.packed.clone(), qw.absmax.clone(), qw.codebook, qw.tensor_scale, bits, n, k))
-    return out
+    return bc.weight_copies(
+        qw, nbytes=bc.tensor_bytes(qw.packed, qw.absmax),
+        make=lambda: fmt.KbitWeight(qw.packed.clone(), qw.absmax.clone(), qw.codebook, qw.tensor_scale, bits, n, k),
+    )
 
 
 def bench_shape(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int], cublas: bool = True) -> list[dict]:
+    """Time every GEMM path (and cuBLAS) at one shape and width for each M; prints a row per M."""
     wbytes = n * k * (bits / 8 + 1 / 32)
-    qws = _kbit_weights(n, k, bits, _copies(wbytes))
-    dense = None
-    if cublas:
-        d0 = torch.randn(n, k, device=DEV, dtype=dtype) * 0.02
-        dense = [d0] + [d0.clone() for _ in range(_copies(n * k * 2) - 1)]
+    qws = _kbit_weights(n, k, bits)
+    dense = bc.weight_copies(torch.randn(n, k, device=DEV, dtype=dtype) * 0.02) if cublas else None
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=DEV, dtype=dtype)
@@ -125,13 +98,6 @@ HEADER = ("| K_in x N_out | bits | dtype | M | decode us | fused us | dequant+cu
           "weight GB/s |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
-def copy_bandwidth() -> float:
-    a = torch.empty(2**30 // 4, dtype=torch.float32, device=DEV).normal_()
-    b = torch.empty_like(a)
-    t = _graph_time(lambda i: b.copy_(a), 1, target_ms=20)
-    return 2 * a.numel() * 4 / (t * 1e-6) / 1e9
-
-
 def host_overhead(n_calls: int = 3000) -> dict:
     """Wall time per eager call minus GPU time per call, M = 1, 576 -> 192, bits 4, fp16."""
     k, n, bits = 576, 192, 4
@@ -150,17 +116,7 @@ def host_overhead(n_calls: int = 3000) -> dict:
     res = {}
     for name, fn in calls.items():
         gpu = _graph_time(lambda i, fn=fn: fn(), 1, target_ms=2.0)
-        for _ in range(200):
-            fn()
-        torch.cuda.synchronize()
-        walls = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(n_calls):
-                fn()
-            torch.cuda.synchronize()
-            walls.append((time.perf_counter() - t0) * 1e6 / n_calls)
-        wall = statistics.median(walls)
+        wall = bc.eager_wall_us(fn, n_calls, warmup=200, repeats=5)
         res[name] = {"wall_us": wall, "gpu_us": gpu, "host_overhead_us": wall - gpu}
     return res
 
@@ -176,7 +132,7 @@ def main() -> None:
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
           f"date {time.strftime('%Y-%m-%d')}", flush=True)
     result: dict = {"device": props.name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
-    result["copy_GBps"] = copy_bandwidth()
+    result["copy_GBps"] = bc.measure_copy_bandwidth(DEV, nbytes=2**30)
     print(f"device-to-device copy: {result['copy_GBps']:.0f} GB/s (read + write)", flush=True)
 
     print("\n" + HEADER)

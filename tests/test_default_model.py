@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kbit_linear import models
-from kbit_linear.models import DefaultModelUnavailableError, cache_dir, default_model_path, find_default_gguf, resolve_model
+from kbit_linear.tools import models
+from kbit_linear.tools.models import DefaultModelUnavailableError, cache_dir, default_model_path, find_default_gguf, resolve_model
 
 
 def _fake_package(root: Path, files: tuple[str, ...] = (models.DEFAULT_GGUF_FILE,)) -> Path:

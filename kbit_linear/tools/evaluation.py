@@ -174,7 +174,7 @@ def stored_bits_per_weight(model: nn.Module) -> float | None:
     Returns:
         The ratio, or ``None`` when the model has no quantized layer.
     """
-    from .linear import KbitLinear
+    from ..linear import KbitLinear
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
