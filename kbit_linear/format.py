@@ -9,7 +9,9 @@ byte layout is described in ``docs/format.md``; the short version:
   power-of-two ``tensor_scale``) and 32 codebook indices stored as ``bits`` uint32 bit-planes
   (bit ``i`` of plane ``b`` = bit ``b`` of element ``i``);
 * for the GEMM, blocks are tiled ``[K_pad/64, N_pad/128, 128, 2, bits]`` (planes) and
-  ``[K_pad/64, N_pad/128, 128, 2]`` (scales), padded with zero blocks.
+  ``[K_pad/64, N_pad/128, 128, 2]`` (scales), padded with zero blocks. :func:`tiled_shapes`
+  is the one place these shapes are computed and :func:`check_tiled` the one place a pair is
+  checked against them; the ops, the module and the checkpoint checks ask these two.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ __all__ = [
     "KbitWeight",
     "create_normal_float_codebook",
     "validate_codebook",
+    "resolve_codebook",
     "codebook_covering_radius",
     "e4m4_table",
     "encode_e4m4",
@@ -44,6 +47,8 @@ __all__ = [
     "tile_blocks",
     "untile_blocks",
     "padded_shape",
+    "tiled_shapes",
+    "check_tiled",
     "quantize",
     "dequantize",
     "matmul",
@@ -66,17 +71,25 @@ E4M4_MAX = 31.0
 # ---------------------------------------------------------------------------------------
 
 
+# torch.compile may pass the ops' int arguments as SymInt: accept them where an int is checked.
+_INTS = (int, torch.SymInt)
+
+
 def check_bits(bits: int, name: str = "bits") -> int:
     """Return ``bits`` if it is an int in 2..5, else raise naming ``name``."""
-    if isinstance(bits, bool) or not isinstance(bits, int):
+    if isinstance(bits, bool) or not isinstance(bits, _INTS):
         raise TypeError(f"{name} must be an int in {SUPPORTED_BITS}, got {type(bits).__name__}")
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits}")
     return bits
 
 
-def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
-    """Raise unless ``weight`` is a finite, non-empty 2-D floating-point tensor."""
+def check_weight(weight: torch.Tensor, name: str = "weight", *, finite: bool = True) -> None:
+    """Raise unless ``weight`` is a non-empty 2-D floating-point tensor (and, with ``finite``, has no NaN/Inf).
+
+    ``finite=False`` checks the metadata only (no pass over the data, no host sync): what the op
+    layer checks on every call. Meta tensors are never scanned.
+    """
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
     if not weight.is_floating_point():
@@ -86,7 +99,7 @@ def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
     if weight.numel() == 0:
         raise ValueError(f"{name} must not be empty, got shape {tuple(weight.shape)}")
     # min and max propagate NaN and show Inf: one reduction pass, no boolean temporary.
-    if weight.device.type != "meta" and not bool(torch.isfinite(torch.stack(torch.aminmax(weight))).all()):
+    if finite and weight.device.type != "meta" and not bool(torch.isfinite(torch.stack(torch.aminmax(weight))).all()):
         raise ValueError(f"{name} contains NaN or Inf values; cannot quantize")
 
 
@@ -291,6 +304,11 @@ def pack_bitplanes(indices: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError(f"indices must have a last dimension of {BLOCK_SIZE}, got shape {tuple(indices.shape)}")
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= (1 << bits)):
         raise ValueError(f"indices must lie in [0, {1 << bits}) for bits={bits}")
+    return _pack_bitplanes(indices, bits)
+
+
+def _pack_bitplanes(indices: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack_bitplanes` without its checks (indices known to be in range)."""
     _check_little_endian()
     lead = indices.shape[:-1]
     idx = indices.to(torch.uint8)
@@ -368,6 +386,18 @@ def quantize_blockwise(
     ts = compute_tensor_scale(weight) if tensor_scale is None else tensor_scale
     _check_tensor_scale(ts)
     ts = ts.to(device=weight.device)
+    packed, codes = _quantize_blocks(weight, bits, cb, ts)
+    return packed, codes, ts
+
+
+def _quantize_blocks(weight: torch.Tensor, bits: int, cb: torch.Tensor, ts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_blockwise` on arguments already checked: a finite 2-D weight, a valid
+    float32 codebook and a float32 ``[1]`` tensor scale, both on the weight's device.
+
+    The reference ``kbit_linear::quantize`` op calls this after its metadata checks, so the
+    values are scanned once, by whoever validated them (``quantize_blockwise`` or
+    ``kbit_linear.quantizer.quantize_weight``), not again per layer.
+    """
     blocks = _blocks_of(weight)  # [N, nblk, 32]
     amax = blocks.abs().amax(dim=-1)
     codes = _encode_e4m4_unchecked(amax / ts.reshape(()))
@@ -376,7 +406,7 @@ def quantize_blockwise(
     mids = (cb[:-1] + cb[1:]) * 0.5
     # searchsorted(left) counts the midpoints strictly below x: nearest entry, ties to the lower index.
     idx = torch.searchsorted(mids, x.contiguous().reshape(-1), right=False).reshape(x.shape)
-    return pack_bitplanes(idx, bits), codes, ts
+    return _pack_bitplanes(idx, bits), codes
 
 
 def dequantize_blockwise(
@@ -419,9 +449,22 @@ def _check_flat(packed_flat: torch.Tensor, absmax_flat: torch.Tensor, bits: int)
 
 
 def _resolve_codebook(codebook: torch.Tensor | None, bits: int, device: torch.device) -> torch.Tensor:
+    # may return the cached default or the caller's tensor: read-only use only
     if codebook is None:
         return _normal_float_codebook(bits, device)
     return validate_codebook(codebook, bits).to(device)
+
+
+def resolve_codebook(codebook: torch.Tensor | None, bits: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The codebook to quantize with, as a fresh float32 tensor on ``device`` (default CPU).
+
+    ``None`` gives the normal-float codebook of ``bits``; a tensor is checked by
+    :func:`validate_codebook` and copied (the result never aliases the caller's tensor).
+    """
+    if codebook is None:
+        return create_normal_float_codebook(bits, device)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return validate_codebook(codebook, bits).to(dev).clone()
 
 
 # ---------------------------------------------------------------------------------------
@@ -429,12 +472,39 @@ def _resolve_codebook(codebook: torch.Tensor | None, bits: int, device: torch.de
 # ---------------------------------------------------------------------------------------
 
 
+def _round_up(name: str, value: int, tile: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, _INTS) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return -(-value // tile) * tile
+
+
 def padded_shape(out_features: int, in_features: int) -> tuple[int, int]:
     """``(N_pad, K_pad)``: out_features rounded up to 128, in_features to 64."""
-    for name, v in (("out_features", out_features), ("in_features", in_features)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return -(-out_features // TILE_N) * TILE_N, -(-in_features // TILE_K) * TILE_K
+    return _round_up("out_features", out_features, TILE_N), _round_up("in_features", in_features, TILE_K)
+
+
+def tiled_shapes(out_features: int, in_features: int, bits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the tiled planes and scales of an ``out_features x in_features`` weight.
+
+    The one place these shapes are computed: the tiler, the op schemas' fake implementations,
+    ``KbitLinear`` and the checkpoint checks all ask here.
+
+    Args:
+        out_features: N, a positive int.
+        in_features: K, a positive int.
+        bits: index width, 2..5.
+
+    Returns:
+        ``((K_pad/64, N_pad/128, 128, 2, bits), (K_pad/64, N_pad/128, 128, 2))``: the shapes of
+        ``packed`` (int32) and ``absmax`` (uint8).
+    """
+    check_bits(bits)
+    return _tiled_shapes(*padded_shape(out_features, in_features), bits)
+
+
+def _tiled_shapes(n_pad: int, k_pad: int, bits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    absmax_shape = (k_pad // TILE_K, n_pad // TILE_N, TILE_N, TILE_K // BLOCK_SIZE)
+    return (*absmax_shape, bits), absmax_shape
 
 
 def tile_blocks(packed_flat: torch.Tensor, absmax_flat: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -447,23 +517,37 @@ def tile_blocks(packed_flat: torch.Tensor, absmax_flat: torch.Tensor, bits: int)
 
     Returns:
         ``(packed, absmax)``: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` and uint8
-        ``[K_pad/64, N_pad/128, 128, 2]``, contiguous.
+        ``[K_pad/64, N_pad/128, 128, 2]`` (see :func:`tiled_shapes`), contiguous.
     """
     check_bits(bits)
     _check_flat(packed_flat, absmax_flat, bits)
     n, nblk, _ = packed_flat.shape
-    n_pad, k_pad = padded_shape(n, nblk * BLOCK_SIZE)
-    kt, nt, kb = k_pad // TILE_K, n_pad // TILE_N, TILE_K // BLOCK_SIZE
-    p = F.pad(packed_flat, (0, 0, 0, kt * kb - nblk, 0, n_pad - n))
-    a = F.pad(absmax_flat, (0, kt * kb - nblk, 0, n_pad - n))
+    kt, nt, _, kb, _ = _tiled_shapes(*padded_shape(n, nblk * BLOCK_SIZE), bits)[0]
+    p = F.pad(packed_flat, (0, 0, 0, kt * kb - nblk, 0, nt * TILE_N - n))
+    a = F.pad(absmax_flat, (0, kt * kb - nblk, 0, nt * TILE_N - n))
     # [N_pad, K_pad/32, bits] -> [nt, 128, kt, 2, bits] -> [kt, nt, 128, 2, bits]
     p = p.reshape(nt, TILE_N, kt, kb, bits).permute(2, 0, 1, 3, 4).contiguous()
     a = a.reshape(nt, TILE_N, kt, kb).permute(2, 0, 1, 3).contiguous()
     return p, a
 
 
-def check_tiled(packed: torch.Tensor, absmax: torch.Tensor, bits: int) -> tuple[int, int]:
-    """Validate a tiled pair and return ``(N_pad, K_pad)``."""
+def check_tiled(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    bits: int,
+    out_features: int | None = None,
+    in_features: int | None = None,
+) -> tuple[int, int]:
+    """Validate a tiled pair and return ``(N_pad, K_pad)``.
+
+    Checks dtypes (int32 planes, uint8 scales), the tile shape of ``packed`` for ``bits``, that
+    ``absmax`` has the same tiles, and, where given, that ``out_features`` / ``in_features``
+    pad to exactly these tiles (:func:`tiled_shapes`). Metadata only: no pass over the data.
+
+    Raises:
+        TypeError: wrong type or dtype.
+        ValueError: any shape that does not match, named.
+    """
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
         raise TypeError(f"packed must be an int32 torch.Tensor, got {getattr(packed, 'dtype', type(packed).__name__)}")
     if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.uint8:
@@ -473,20 +557,21 @@ def check_tiled(packed: torch.Tensor, absmax: torch.Tensor, bits: int) -> tuple[
         raise ValueError(f"packed must have shape [k_tiles, n_tiles, {TILE_N}, {kb}, bits={bits}], got {tuple(packed.shape)}")
     if tuple(absmax.shape) != tuple(packed.shape[:4]):
         raise ValueError(f"absmax shape {tuple(absmax.shape)} does not match packed {tuple(packed.shape)} (expected {tuple(packed.shape[:4])})")
-    return packed.shape[1] * TILE_N, packed.shape[0] * TILE_K
+    n_pad, k_pad = packed.shape[1] * TILE_N, packed.shape[0] * TILE_K
+    if out_features is not None and _round_up("out_features", out_features, TILE_N) != n_pad:
+        raise ValueError(f"out_features={out_features} does not match packed tiles padded to {n_pad}")
+    if in_features is not None and _round_up("in_features", in_features, TILE_K) != k_pad:
+        raise ValueError(f"in_features={in_features} does not match tiles padded to {k_pad}")
+    return n_pad, k_pad
 
 
 def untile_blocks(packed: torch.Tensor, absmax: torch.Tensor, bits: int, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`tile_blocks`: back to flat ``[N, ceil(K/32), bits]`` and ``[N, ceil(K/32)]``."""
     check_bits(bits)
-    n_pad, k_pad = check_tiled(packed, absmax, bits)
-    if padded_shape(out_features, in_features) != (n_pad, k_pad):
-        raise ValueError(f"shape ({out_features}, {in_features}) does not match tiled tensors padded to ({n_pad}, {k_pad})")
-    kt, nt = packed.shape[0], packed.shape[1]
-    kb = TILE_K // BLOCK_SIZE
-    nblk = -(-in_features // BLOCK_SIZE)
-    p = packed.permute(1, 2, 0, 3, 4).reshape(n_pad, kt * kb, bits)[:out_features, :nblk].contiguous()
-    a = absmax.permute(1, 2, 0, 3).reshape(n_pad, kt * kb)[:out_features, :nblk].contiguous()
+    n_pad, k_pad = check_tiled(packed, absmax, bits, out_features, in_features)
+    nblk_pad, nblk = k_pad // BLOCK_SIZE, -(-in_features // BLOCK_SIZE)
+    p = packed.permute(1, 2, 0, 3, 4).reshape(n_pad, nblk_pad, bits)[:out_features, :nblk].contiguous()
+    a = absmax.permute(1, 2, 0, 3).reshape(n_pad, nblk_pad)[:out_features, :nblk].contiguous()
     return p, a
 
 
@@ -519,10 +604,7 @@ class KbitWeight:
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
-        if check_tiled(self.packed, self.absmax, self.bits) != padded_shape(self.out_features, self.in_features):
-            raise ValueError(
-                f"packed {tuple(self.packed.shape)} does not match shape ({self.out_features}, {self.in_features})"
-            )
+        check_tiled(self.packed, self.absmax, self.bits, self.out_features, self.in_features)
         self.codebook = validate_codebook(self.codebook, self.bits)
         _check_tensor_scale(self.tensor_scale)
 
@@ -538,9 +620,11 @@ class KbitWeight:
 
 def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = None) -> KbitWeight:
     """Quantize an ``nn.Linear``-style weight ``[out, in]`` to the tiled kbit format."""
-    packed_flat, absmax_flat, ts = quantize_blockwise(weight, bits, codebook)
-    packed, absmax = tile_blocks(packed_flat, absmax_flat, bits)
-    cb = _resolve_codebook(codebook, bits, weight.device).clone()
+    check_bits(bits)
+    check_weight(weight)
+    cb = resolve_codebook(codebook, bits, weight.device)
+    ts = compute_tensor_scale(weight)
+    packed, absmax = tile_blocks(*_quantize_blocks(weight, bits, cb, ts), bits)
     return KbitWeight(packed, absmax, cb, ts, bits, weight.shape[0], weight.shape[1])
 
 

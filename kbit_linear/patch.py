@@ -1,10 +1,18 @@
-"""``quantize_model``: replace the ``nn.Linear`` layers of any model by ``KbitLinear`` in place.
+"""``quantize_model``: replace the ``nn.Linear`` layers of any model by ``KbitLinear`` in place,
+and the module-swap rules every swap in kbit_linear follows.
 
-Which layers are converted:
+The swap rule (:func:`is_convertible`), one for ``quantize_model``, the transformers plug-in and
+``serialization.load_into``: a module is swapped for a ``KbitLinear`` only when its type is
+exactly ``nn.Linear``. Subclasses carry behaviour a ``KbitLinear`` would drop: the ``out_proj``
+of ``nn.MultiheadAttention`` (``NonDynamicallyQuantizableLinear``) is never called, its owner
+reads ``.weight`` directly; adapter or fused layers built on ``nn.Linear`` override ``forward``.
+transformers' own bitsandbytes and fine-grained FP8 quantizers use the same exact-type rule.
+(:meth:`KbitLinear.from_linear` converts any ``nn.Linear`` it is handed: that is the caller's
+explicit choice, not a swap.)
 
-* modules whose type is exactly ``nn.Linear`` (subclasses such as the ``out_proj`` of
-  ``nn.MultiheadAttention`` may read ``.weight`` directly instead of calling ``forward``, so they
-  are skipped with a reason);
+Which layers :func:`convertible_layers` (and so ``quantize_model`` and the plug-in) converts:
+
+* modules that pass :func:`is_convertible`;
 * not matched by ``skip`` (rules in :func:`matches_skip`: whole dotted-name components, or a
   regular expression);
 * not tied: a Linear whose weight Parameter (or its storage) also belongs to another module,
@@ -14,7 +22,7 @@ Which layers are converted:
 Every layer left alone gets a reason in the returned :class:`QuantizationSummary`. Layers are
 quantized one at a time on the weight's own device (or ``device``), and each dense layer is
 dropped from the model before the next is quantized, so peak memory stays near the model's
-size plus one layer.
+size plus one layer. :func:`replace_module` is the one way a layer is put into its parent.
 """
 
 from __future__ import annotations
@@ -31,7 +39,17 @@ from tqdm.auto import tqdm
 from . import format as fmt
 from .linear import KbitLinear
 
-__all__ = ["QuantizationSummary", "quantize_model", "matches_skip", "module_bytes"]
+__all__ = [
+    "QuantizationSummary",
+    "quantize_model",
+    "matches_skip",
+    "check_skip_rules",
+    "module_bytes",
+    "is_convertible",
+    "convertible_layers",
+    "replace_module",
+    "kbit_placeholder",
+]
 
 SkipRule = str | re.Pattern[str]
 
@@ -106,7 +124,18 @@ def matches_skip(name: str, rules: Iterable[SkipRule]) -> SkipRule | None:
     return None
 
 
-def _check_skip(skip: Iterable[SkipRule] | str | None) -> tuple[SkipRule, ...]:
+def check_skip_rules(skip: Iterable[SkipRule] | str | None, name: str = "skip") -> tuple[SkipRule, ...]:
+    """Validate skip rules (see :func:`matches_skip`) and return them as a tuple.
+
+    Args:
+        skip: ``None``, one rule, or an iterable of rules (non-empty strings, ``"re:"`` strings
+            holding a valid regular expression, or compiled regexes).
+        name: the argument name used in error messages.
+
+    Raises:
+        TypeError: not a rule or an iterable of rules, or an empty / non-string entry.
+        ValueError: a ``"re:"`` entry that does not compile.
+    """
     if skip is None:
         return ()
     if isinstance(skip, (str, re.Pattern)):
@@ -114,17 +143,17 @@ def _check_skip(skip: Iterable[SkipRule] | str | None) -> tuple[SkipRule, ...]:
     try:
         rules = tuple(skip)
     except TypeError:
-        raise TypeError(f"skip must be a string, a compiled regex or an iterable of them, got {type(skip).__name__}") from None
+        raise TypeError(f"{name} must be a string, a compiled regex or an iterable of them, got {type(skip).__name__}") from None
     for rule in rules:
         if isinstance(rule, re.Pattern):
             continue
         if not isinstance(rule, str) or not rule:
-            raise TypeError(f"skip entries must be non-empty strings or compiled regexes, got {rule!r}")
+            raise TypeError(f"{name} entries must be non-empty strings or compiled regexes, got {rule!r}")
         if rule.startswith(_REGEX_PREFIX):
             try:
                 re.compile(rule[len(_REGEX_PREFIX) :])
             except re.error as e:
-                raise ValueError(f"skip entry {rule!r} is not a valid regular expression: {e}") from None
+                raise ValueError(f"{name} entry {rule!r} is not a valid regular expression: {e}") from None
     return rules
 
 
@@ -177,9 +206,19 @@ def _tied_linears(model: nn.Module, linears: dict[str, nn.Linear]) -> dict[str, 
     return reasons
 
 
+def is_convertible(module: nn.Module) -> bool:
+    """The swap rule: ``True`` when ``module``'s type is exactly ``nn.Linear``.
+
+    Subclasses (``NonDynamicallyQuantizableLinear``, adapter or fused layers) may read
+    ``.weight`` directly or override ``forward``; swapping them would silently drop that
+    behaviour, so no automatic swap takes them (see the module docstring).
+    """
+    return type(module) is nn.Linear
+
+
 def _unsupported_reason(linear: nn.Module) -> str | None:
     """Why this Linear cannot be quantized, or ``None``."""
-    if type(linear) is not nn.Linear:
+    if not is_convertible(linear):
         return f"{type(linear).__name__} is a subclass of nn.Linear (its users may read .weight directly)"
     w = linear.weight
     if w is None:
@@ -191,10 +230,78 @@ def _unsupported_reason(linear: nn.Module) -> str | None:
     return None
 
 
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` at the dotted ``name`` inside ``root``, in place of what is there.
+
+    Args:
+        root: the model.
+        name: a qualified module name as in ``root.named_modules()`` (not ``""``: the root
+            itself cannot be replaced in place).
+        new: the module to put there.
+    """
+    if not name:
+        raise ValueError("cannot replace the root module in place; give the name of a submodule")
     parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+def kbit_placeholder(
+    linear: nn.Linear, bits: int, *, bias: bool | None = None, device: torch.device | str | None = None
+) -> KbitLinear:
+    """An unfilled :class:`KbitLinear` standing in for ``linear``, to be filled by a state dict.
+
+    Same shape and training mode as ``linear``, the bias in ``linear``'s dtype; zero blocks
+    and the default codebook until loaded (on ``"meta"`` nothing is allocated).
+
+    Args:
+        linear: the dense layer it replaces (only its shape, dtype and mode are read).
+        bits: index width, 2..5.
+        bias: whether it has a bias (default: as ``linear``).
+        device: where its tensors live (default: ``linear.weight``'s device).
+    """
+    ref = linear.bias if linear.bias is not None else linear.weight
+    layer = KbitLinear(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None if bias is None else bias,
+        bits=bits,
+        device=linear.weight.device if device is None else device,
+        dtype=ref.dtype,
+    )
+    layer.train(linear.training)
+    return layer
+
+
+def convertible_layers(model: nn.Module, skip: Iterable[SkipRule] | str | None = ()) -> tuple[list[str], dict[str, str]]:
+    """Which ``nn.Linear`` layers of ``model`` a swap converts, and why the others stay.
+
+    Args:
+        model: any module.
+        skip: rules of :func:`matches_skip` (names or regexes to keep dense).
+
+    Returns:
+        ``(names, skipped)``: the qualified names to convert, in ``named_modules`` order (a
+        module reused under several names appears under each), and name -> reason for every
+        ``nn.Linear`` or subclass left alone (skip rule, tied weight, :func:`is_convertible`,
+        unsupported weight).
+    """
+    rules = check_skip_rules(skip)
+    linears = {name: m for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear)}
+    tied = _tied_linears(model, linears)
+    names: list[str] = []
+    skipped: dict[str, str] = {}
+    for name, linear in linears.items():
+        rule = matches_skip(name, rules)
+        if rule is not None:
+            skipped[name] = f"matches skip rule {rule.pattern if isinstance(rule, re.Pattern) else rule!r}"
+        elif name in tied:
+            skipped[name] = tied[name]
+        elif (reason := _unsupported_reason(linear)) is not None:
+            skipped[name] = reason
+        else:
+            names.append(name)
+    return names, skipped
 
 
 def quantize_model(
@@ -239,33 +346,21 @@ def quantize_model(
     if isinstance(model, nn.Linear):
         raise TypeError("model is a bare nn.Linear, which cannot be replaced in place; use KbitLinear.from_linear(model, bits)")
     fmt.check_bits(bits)
-    rules = _check_skip(skip)
+    rules = check_skip_rules(skip)
     if codebook is not None:
+        # fail before the first layer is touched, not halfway through the model
         codebook = fmt.validate_codebook(codebook, bits)
     target = torch.device(device) if device is not None else None
 
     summary = QuantizationSummary(bits=bits, bytes_before=module_bytes(model))
-    linears = {name: m for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear)}
-    tied = _tied_linears(model, linears)
-    to_convert: list[str] = []
-    for name, linear in linears.items():
-        rule = matches_skip(name, rules)
-        if rule is not None:
-            summary.skipped[name] = f"matches skip rule {rule.pattern if isinstance(rule, re.Pattern) else rule!r}"
-        elif name in tied:
-            summary.skipped[name] = tied[name]
-        elif (reason := _unsupported_reason(linear)) is not None:
-            summary.skipped[name] = reason
-        else:
-            to_convert.append(name)
-    # Hold names, not modules: a dense layer must be unreferenced once swapped out.
-    del linears
+    # Names, not modules: a dense layer must be unreferenced once swapped out.
+    to_convert, summary.skipped = convertible_layers(model, rules)
 
     converted: dict[int, KbitLinear] = {}  # a Linear reused under several names -> one KbitLinear
     for name in tqdm(to_convert, desc=f"kbit quantize ({bits} bits)", unit="layer", disable=not progress):
         linear = model.get_submodule(name)
         if id(linear) in converted:
-            _set_submodule(model, name, converted[id(linear)])
+            replace_module(model, name, converted[id(linear)])
             summary.converted.append(name)
             del linear
             continue
@@ -281,7 +376,7 @@ def quantize_model(
         except (TypeError, ValueError) as e:
             raise ValueError(f"cannot quantize layer {name!r} ({linear.out_features}x{linear.in_features}): {e}") from e
         new.train(linear.training)
-        _set_submodule(model, name, new)
+        replace_module(model, name, new)
         converted[id(linear)] = new
         summary.converted.append(name)
         summary.converted_bytes_before += before

@@ -21,6 +21,11 @@ On-disk format (version ``"1"``), one ``.safetensors`` file:
     JSON), so an edited header is detected like edited tensor bytes;
   - any other key: the caller's ``metadata``, returned by :func:`load_quantized`.
 
+The header schema (these keys, the version, how they are written and parsed) lives here only:
+:func:`header_metadata` writes the kbit entries and :func:`parse_header` checks and parses them,
+for this single-file format and for the transformers plug-in's sharded ``save_pretrained`` files
+(which carry the version, layers and sha256 entries in every shard's header).
+
 Loading checks the version, every layer's metadata, tensor names, dtypes, shapes, codebook
 values, the tensor scale, that the padding is made of zero blocks, and the checksums, and
 raises :class:`CheckpointError` naming the file, the layer and what is wrong. Writes go to a
@@ -44,17 +49,23 @@ import torch
 from torch import nn
 
 from . import format as fmt
-from .linear import KbitLinear, tiled_shapes
+from .linear import KbitLinear
+from .patch import is_convertible, kbit_placeholder, replace_module
 
 __all__ = [
     "FORMAT_VERSION",
     "LAYER_TENSORS",
+    "QUANTIZED_TENSORS",
     "CheckpointError",
+    "CheckpointHeader",
     "QuantizedCheckpoint",
+    "header_metadata",
+    "parse_header",
     "layer_metadata",
     "validate_layer_metadata",
     "validate_layer_tensors",
     "tensor_sha256",
+    "verify_sha256",
     "save_quantized",
     "load_quantized",
     "load_into",
@@ -64,6 +75,8 @@ FORMAT_VERSION = "1"
 """The on-disk format version this code writes and reads."""
 LAYER_TENSORS = ("weight", "absmax", "codebook", "tensor_scale", "bias")
 """Tensor names of one quantized linear (``bias`` optional)."""
+QUANTIZED_TENSORS = LAYER_TENSORS[:4]
+"""The tensors of one quantized linear that hold the format (all but the bias)."""
 
 _KEY_VERSION = "kbit_linear.version"
 _KEY_LAYERS = "kbit_linear.layers"
@@ -113,17 +126,24 @@ def layer_metadata(layer: KbitLinear) -> dict[str, Any]:
     """
     if not isinstance(layer, KbitLinear):
         raise TypeError(f"layer must be a KbitLinear, got {type(layer).__name__}")
-    n_pad, k_pad = fmt.padded_shape(layer.out_features, layer.in_features)
     return {
         "bits": layer.bits,
         "in_features": layer.in_features,
         "out_features": layer.out_features,
+        **_layout_metadata(layer.out_features, layer.in_features),
+        "bias": layer.bias is not None,
+    }
+
+
+def _layout_metadata(out_features: int, in_features: int) -> dict[str, int]:
+    """The entries of a layer's metadata that follow from its shape and the format's tiling."""
+    n_pad, k_pad = fmt.padded_shape(out_features, in_features)
+    return {
         "in_features_padded": k_pad,
         "out_features_padded": n_pad,
         "block_size": fmt.BLOCK_SIZE,
         "tile_k": fmt.TILE_K,
         "tile_n": fmt.TILE_N,
-        "bias": layer.bias is not None,
     }
 
 
@@ -165,14 +185,7 @@ def validate_layer_metadata(prefix: str, meta: Mapping[str, Any], *, where: str 
     k, n = get_int("in_features"), get_int("out_features")
     if k <= 0 or n <= 0:
         raise _fail(ctx, f"in_features and out_features must be positive, got ({n}, {k})")
-    n_pad, k_pad = fmt.padded_shape(n, k)
-    expected = {
-        "in_features_padded": k_pad,
-        "out_features_padded": n_pad,
-        "block_size": fmt.BLOCK_SIZE,
-        "tile_k": fmt.TILE_K,
-        "tile_n": fmt.TILE_N,
-    }
+    expected = _layout_metadata(n, k)
     for key, want in expected.items():
         if key in meta and get_int(key) != want:
             raise _fail(ctx, f"metadata {key}={meta[key]} does not match this format (expected {want} for shape ({n}, {k}))")
@@ -219,7 +232,7 @@ def validate_layer_tensors(
     unknown = set(tensors) - set(LAYER_TENSORS)
     if unknown:
         raise _fail(ctx, f"unexpected tensors {sorted(unknown)} (a quantized layer holds {list(LAYER_TENSORS)})")
-    packed_shape, absmax_shape = tiled_shapes(n, k, bits)
+    packed_shape, absmax_shape = fmt.tiled_shapes(n, k, bits)
     want = {
         "weight": (torch.int32, packed_shape),
         "absmax": (torch.uint8, absmax_shape),
@@ -297,6 +310,19 @@ def tensor_sha256(t: torch.Tensor) -> str:
 
 
 _sha256 = tensor_sha256
+
+
+def verify_sha256(name: str, tensor: torch.Tensor, sums: Mapping[str, str], *, where: str = "") -> None:
+    """Check ``tensor`` against its entry in a header's ``{name: sha256}`` table.
+
+    Raises:
+        CheckpointError: no entry for ``name``, or the bytes do not hash to it.
+    """
+    want = sums.get(name)
+    if want is None:
+        raise _fail(where, f"tensor {name!r} has no checksum in the checkpoint header")
+    if _sha256(tensor) != want:
+        raise _fail(where, f"tensor {name!r} fails its sha256 check: the checkpoint is corrupted or was modified")
 
 
 def _header_digest(header: Mapping[str, str]) -> str:
@@ -453,9 +479,7 @@ def save_quantized(
     tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     header = {
         "format": "pt",
-        _KEY_VERSION: FORMAT_VERSION,
-        _KEY_LAYERS: json.dumps(layer_meta, sort_keys=True),
-        _KEY_SHA256: json.dumps({name: _sha256(t) for name, t in tensors.items()}, sort_keys=True),
+        **header_metadata(layer_meta, {name: _sha256(t) for name, t in tensors.items()}),
         **user,
     }
     if aliases:
@@ -472,6 +496,8 @@ def save_quantized(
 
 def _parse_json(where: str, key: str, text: str | None, default: Any) -> Any:
     if text is None:
+        if default is None:
+            raise CheckpointError(f"{where}: header lacks {key!r}")
         return default
     try:
         value = json.loads(text)
@@ -480,6 +506,69 @@ def _parse_json(where: str, key: str, text: str | None, default: Any) -> Any:
     if not isinstance(value, dict):
         raise CheckpointError(f"{where}: header entry {key!r} must be a JSON object, got {type(value).__name__}")
     return value
+
+
+@dataclass
+class CheckpointHeader:
+    """The kbit entries of one safetensors header, parsed by :func:`parse_header`.
+
+    Attributes:
+        layers: prefix -> layer metadata as stored (check each with :func:`validate_layer_metadata`).
+        sha256: tensor name -> hex sha256 of its bytes.
+        aliases: name -> stored name, for tensors stored once (single-file format; else empty).
+    """
+
+    layers: dict[str, Any]
+    sha256: dict[str, str]
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+def header_metadata(layers: Mapping[str, Mapping[str, Any]], sha256: Mapping[str, str]) -> dict[str, str]:
+    """The kbit entries of a safetensors header: format version, layer metadata, checksums.
+
+    Args:
+        layers: prefix -> layer metadata (as :func:`layer_metadata` returns).
+        sha256: tensor name -> hex sha256 (:func:`tensor_sha256`).
+
+    Returns:
+        str -> str entries, as safetensors requires; the caller adds ``format`` and any others.
+    """
+    return {
+        _KEY_VERSION: FORMAT_VERSION,
+        _KEY_LAYERS: json.dumps(layers, sort_keys=True),
+        _KEY_SHA256: json.dumps(dict(sha256), sort_keys=True),
+    }
+
+
+def parse_header(header: Mapping[str, str], where: str, *, verify_digest: bool = False) -> CheckpointHeader:
+    """Check the format version of a safetensors header and parse its kbit entries.
+
+    Args:
+        header: the file's metadata (``safe_open(...).metadata()``).
+        where: the file, for messages.
+        verify_digest: also check ``kbit_linear.header_sha256`` (written by
+            :func:`save_quantized`), so an edited header is detected.
+
+    Raises:
+        CheckpointError: no version (not written by kbit_linear), an unknown version, a failed
+            header digest, or a missing or malformed layers / sha256 / aliases entry.
+    """
+    version = header.get(_KEY_VERSION)
+    if version is None:
+        raise CheckpointError(
+            f"{where}: not a kbit_linear checkpoint: the safetensors header has no {_KEY_VERSION!r} (not written by kbit_linear)"
+        )
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where}: format version {version!r} is not supported (this version of kbit_linear reads {FORMAT_VERSION!r})"
+        )
+    if verify_digest and header.get(_KEY_HEADER_SHA256) != _header_digest(header):
+        raise CheckpointError(f"{where}: the header metadata fails its sha256 check: the file is corrupted or was modified")
+    return CheckpointHeader(
+        layers=_parse_json(where, _KEY_LAYERS, header.get(_KEY_LAYERS), None),
+        sha256=_parse_json(where, _KEY_SHA256, header.get(_KEY_SHA256), None),
+        aliases=_parse_json(where, _KEY_ALIASES, header.get(_KEY_ALIASES), {}),
+    )
 
 
 def load_quantized(
@@ -517,29 +606,15 @@ def load_quantized(
     try:
         with safe_open(where, framework="pt", device="cpu") as f:
             header = dict(f.metadata() or {})
-            names = list(f.keys())
-            if header.get(_KEY_VERSION) is None:
-                raise CheckpointError(f"{where}: not a kbit_linear checkpoint (no {_KEY_VERSION!r} in the safetensors header)")
-            if header[_KEY_VERSION] != FORMAT_VERSION:
-                raise CheckpointError(
-                    f"{where}: format version {header[_KEY_VERSION]!r} is not supported (this version of kbit_linear reads {FORMAT_VERSION!r})"
-                )
-            for name in names:
+            # the header is checked before any tensor is read
+            parsed = parse_header(header, where, verify_digest=verify_checksums)
+            for name in f.keys():
                 tensors[name] = f.get_tensor(name)
     except CheckpointError:
         raise
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise CheckpointError(f"{where}: cannot read the file as safetensors (truncated or damaged?): {e}") from e
-
-    if verify_checksums and header.get(_KEY_HEADER_SHA256) != _header_digest(header):
-        raise CheckpointError(f"{where}: the header metadata fails its sha256 check: the file is corrupted or was modified")
-    layers_raw = _parse_json(where, _KEY_LAYERS, header.get(_KEY_LAYERS), None)
-    if layers_raw is None:
-        raise CheckpointError(f"{where}: header lacks {_KEY_LAYERS!r}")
-    sums = _parse_json(where, _KEY_SHA256, header.get(_KEY_SHA256), None)
-    if sums is None:
-        raise CheckpointError(f"{where}: header lacks {_KEY_SHA256!r}")
-    aliases = _parse_json(where, _KEY_ALIASES, header.get(_KEY_ALIASES), {})
+    layers_raw, sums, aliases = parsed.layers, parsed.sha256, parsed.aliases
 
     missing = sorted(set(sums) - set(tensors))
     if missing:
@@ -549,8 +624,7 @@ def load_quantized(
         raise CheckpointError(f"{where}: tensors not listed in the header (file modified?): {extra}")
     if verify_checksums:
         for name, t in tensors.items():
-            if _sha256(t) != sums[name]:
-                raise CheckpointError(f"{where}: tensor {name!r} fails its sha256 check: the file is corrupted or was modified")
+            verify_sha256(name, t, sums, where=where)
     for alias, stored in aliases.items():
         if not isinstance(alias, str) or stored not in tensors:
             raise CheckpointError(f"{where}: alias {alias!r} refers to {stored!r}, which is not in the file")
@@ -621,18 +695,18 @@ def load_into(
                 raise CheckpointError(
                     f"{where}: layer {prefix!r} is (bits, in, out, bias)={(bits, k, n, has_bias)} in the checkpoint but {got} in the model"
                 )
-        elif isinstance(module, nn.Linear):
+        elif is_convertible(module):
             if (module.in_features, module.out_features) != (k, n):
                 raise CheckpointError(
                     f"{where}: layer {prefix!r} is {n}x{k} in the checkpoint but {module.out_features}x{module.in_features} in the model"
                 )
-            ref = module.bias if module.bias is not None else module.weight
-            new = KbitLinear(k, n, bias=has_bias, bits=bits, device=module.weight.device, dtype=ref.dtype)
-            new.train(module.training)
-            parent_name, _, child = prefix.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+            replace_module(model, prefix, kbit_placeholder(module, bits, bias=has_bias))
         else:
-            raise CheckpointError(f"{where}: layer {prefix!r} is a {type(module).__name__} in the model, not nn.Linear or KbitLinear")
+            # the swap rule of kbit_linear.patch.is_convertible: exact nn.Linear only
+            raise CheckpointError(
+                f"{where}: layer {prefix!r} is a {type(module).__name__} in the model, not nn.Linear or KbitLinear "
+                "(subclasses of nn.Linear are never swapped)"
+            )
         del module
 
     # Remember which names share one Parameter: assign=True would untie them.

@@ -211,6 +211,43 @@ def test_tile_untile_roundtrip(bits, n, k):
     assert not bool(flat_a[n:].any()) and not bool(flat_a[:, nblk:].any())
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("n, k", [(1, 1), (128, 64), (129, 65), (192, 576), (33, 100)], ids=str)
+def test_tiled_shapes_are_the_shapes_the_tiler_makes(bits, n, k):
+    qw = fmt.quantize(torch.randn(n, k), bits)
+    packed_shape, absmax_shape = fmt.tiled_shapes(n, k, bits)
+    assert (qw.packed.shape, qw.absmax.shape) == (packed_shape, absmax_shape)
+    n_pad, k_pad = fmt.padded_shape(n, k)
+    assert packed_shape == (k_pad // fmt.TILE_K, n_pad // fmt.TILE_N, fmt.TILE_N, fmt.TILE_K // fmt.BLOCK_SIZE, bits)
+    assert fmt.check_tiled(qw.packed, qw.absmax, bits, n, k) == (n_pad, k_pad)
+
+
+@pytest.mark.parametrize(
+    "args, err, match",
+    [
+        ((0, 64, 4), ValueError, "out_features must be a positive int"),
+        ((64, 6.5, 4), ValueError, "in_features must be a positive int"),
+        ((64, 64, 6), ValueError, "bits must be one of"),
+        ((64, 64, "4"), TypeError, "bits must be an int"),
+    ],
+)
+def test_tiled_shapes_bad_arguments(args, err, match):
+    with pytest.raises(err, match=match):
+        fmt.tiled_shapes(*args)
+
+
+def test_check_tiled_against_a_layer_shape():
+    qw = fmt.quantize(torch.randn(130, 70), 3)
+    assert fmt.check_tiled(qw.packed, qw.absmax, 3) == (256, 128)
+    assert fmt.check_tiled(qw.packed, qw.absmax, 3, 256, 65) == (256, 128)  # same tiles
+    with pytest.raises(ValueError, match="out_features=257 does not match packed tiles padded to 256"):
+        fmt.check_tiled(qw.packed, qw.absmax, 3, out_features=257)
+    with pytest.raises(ValueError, match="in_features=64 does not match tiles padded to 128"):
+        fmt.check_tiled(qw.packed, qw.absmax, 3, in_features=64)
+    with pytest.raises(ValueError, match="out_features must be a positive int"):
+        fmt.check_tiled(qw.packed, qw.absmax, 3, out_features=0)
+
+
 def test_untile_shape_mismatch():
     tp, ta = fmt.tile_blocks(torch.zeros(10, 2, 3, dtype=torch.int32), torch.zeros(10, 2, dtype=torch.uint8), 3)
     with pytest.raises(ValueError, match="does not match"):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kbit_linear import format as fmt
-from kbit_linear.linear import KbitLinear, tiled_shapes
+from kbit_linear.linear import KbitLinear
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (out_features, in_features, bits): odd sizes that fill no tile, and sizes of real models.
@@ -36,7 +36,7 @@ def test_from_linear_matches_reference_quantize(shape):
     lin = _linear(n, k)
     layer = KbitLinear.from_linear(lin, bits=bits)
     ref = fmt.quantize(lin.weight.detach(), bits)
-    assert layer.weight.shape == tiled_shapes(n, k, bits)[0] == ref.packed.shape
+    assert layer.weight.shape == fmt.tiled_shapes(n, k, bits)[0] == ref.packed.shape
     assert torch.equal(layer.weight, ref.packed)
     assert torch.equal(layer.absmax, ref.absmax)
     assert torch.equal(layer.codebook, fmt.create_normal_float_codebook(bits))
@@ -189,7 +189,7 @@ def test_meta_construction_and_load():
 def test_from_linear_on_meta_gives_meta_layer():
     lin = nn.Linear(100, 33, device="meta")
     layer = KbitLinear.from_linear(lin, bits=5)
-    assert layer.weight.device.type == "meta" and layer.weight.shape == tiled_shapes(33, 100, 5)[0]
+    assert layer.weight.device.type == "meta" and layer.weight.shape == fmt.tiled_shapes(33, 100, 5)[0]
     assert layer.codebook.shape == (32,) and layer.bias.device.type == "meta"
 
 

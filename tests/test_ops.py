@@ -67,6 +67,38 @@ def test_fake_shapes_on_meta():
     assert p.shape == qw.packed.shape and a.shape == qw.absmax.shape
 
 
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
+@pytest.mark.parametrize("n, k", [(1, 1), (129, 65), (300, 200)], ids=str)
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_tiled_shapes_match_what_the_ops_produce(bits, n, k, device):
+    w = torch.randn(n, k).to(device)
+    cb = fmt.create_normal_float_codebook(bits, device=device)
+    pf, af = ops.quantize(w, cb, fmt.compute_tensor_scale(w), bits)
+    p, a = ops.repack(pf, af, bits)
+    assert (p.shape, a.shape) == fmt.tiled_shapes(n, k, bits)
+    assert (p.dtype, a.dtype) == (torch.int32, torch.uint8)
+    d = ops.dequantize(p, a, cb, fmt.compute_tensor_scale(w), bits, n, k, torch.float32)
+    assert d.shape == (n, k)
+
+
+def test_quantize_op_checks_metadata_only():
+    """Values (NaN, codebook order) are validated once, before the op, by quantize_weight."""
+    w = torch.randn(8, 64)
+    cb, ts = fmt.create_normal_float_codebook(2), fmt.compute_tensor_scale(w)
+    with pytest.raises(TypeError, match="floating-point"):
+        ops.quantize(w.to(torch.int32), cb, ts, 2)
+    with pytest.raises(ValueError, match="2-D"):
+        ops.quantize(w[0], cb, ts, 2)
+    with pytest.raises(ValueError, match=r"shape \[4\]"):
+        ops.quantize(w, cb[:3], ts, 2)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        ops.quantize(w, cb, ts, 6)
+    # a weight with NaN passes the op's checks (no pass over the data, no host sync)
+    w[0, 0] = float("nan")
+    pf, af = ops.quantize(w, cb, ts, 2)
+    assert pf.shape == (8, 2, 2) and af.shape == (8, 2)
+
+
 @pytest.mark.parametrize(
     "mutate, match",
     [

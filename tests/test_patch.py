@@ -13,7 +13,17 @@ from torch import nn
 
 from kbit_linear import format as fmt
 from kbit_linear.linear import KbitLinear
-from kbit_linear.patch import QuantizationSummary, matches_skip, module_bytes, quantize_model
+from kbit_linear.patch import (
+    QuantizationSummary,
+    check_skip_rules,
+    convertible_layers,
+    is_convertible,
+    kbit_placeholder,
+    matches_skip,
+    module_bytes,
+    quantize_model,
+    replace_module,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -257,3 +267,61 @@ def test_device_argument_moves_the_new_layers():
     quantize_model(model, skip=None, progress=False, device="meta")
     assert all(t.device.type == "meta" for t in model.state_dict().values())
     assert isinstance(model[0], KbitLinear)
+
+
+# ---------------------------------------------------------------------------------------
+# the swap rule and the swap helpers (shared with load_into and the transformers plug-in)
+# ---------------------------------------------------------------------------------------
+
+
+class _SubLinear(nn.Linear):
+    """A subclass that changes forward: a swap would silently drop the change."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_is_convertible_takes_exact_nn_linear_only():
+    assert is_convertible(nn.Linear(4, 4))
+    assert not is_convertible(_SubLinear(4, 4))
+    assert not is_convertible(nn.MultiheadAttention(8, 2).out_proj)  # NonDynamicallyQuantizableLinear
+    assert not is_convertible(KbitLinear.from_linear(nn.Linear(32, 8)))
+    assert not is_convertible(nn.Conv1d(3, 3, 1))
+    assert not is_convertible(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_convertible_layers_gives_names_and_reasons():
+    model = nn.ModuleDict({"a": nn.Linear(32, 16), "sub": _SubLinear(32, 16), "b": nn.Sequential(nn.Linear(16, 8)), "skipme": nn.Linear(8, 8)})
+    names, skipped = convertible_layers(model, ["skipme"])
+    assert names == ["a", "b.0"]
+    assert set(skipped) == {"sub", "skipme"}
+    assert "subclass of nn.Linear" in skipped["sub"] and "skip rule 'skipme'" in skipped["skipme"]
+    summary = quantize_model(model, skip=["skipme"], progress=False)
+    assert summary.converted == names and summary.skipped == skipped
+    assert type(model["sub"]) is _SubLinear
+
+
+def test_replace_module_and_placeholders():
+    model = nn.Sequential(nn.Sequential(nn.Linear(40, 24).to(torch.float16)), nn.Linear(24, 10, bias=False))
+    model[0][0].eval()
+    layer = kbit_placeholder(model[0][0], 3)
+    assert (layer.in_features, layer.out_features, layer.bits) == (40, 24, 3)
+    assert layer.bias.dtype == torch.float16 and not layer.training
+    assert layer.weight.shape == fmt.tiled_shapes(24, 40, 3)[0] and layer.weight.dtype == torch.int32
+    replace_module(model, "0.0", layer)
+    assert model[0][0] is layer
+    meta = kbit_placeholder(model[1], 2, device="meta")
+    assert meta.bias is None and meta.weight.device.type == "meta"
+    assert kbit_placeholder(model[1], 2, bias=True).bias.shape == (10,)
+    replace_module(model, "1", meta)
+    assert model[1] is meta
+    with pytest.raises(ValueError, match="root"):
+        replace_module(model, "", meta)
+
+
+def test_check_skip_rules_names_the_argument():
+    assert check_skip_rules(None) == () and check_skip_rules("lm_head") == ("lm_head",)
+    with pytest.raises(TypeError, match="skip_modules entries"):
+        check_skip_rules([""], name="skip_modules")
+    with pytest.raises(ValueError, match="skip_modules entry 're:\\(' is not a valid regular expression"):
+        check_skip_rules(["re:("], name="skip_modules")

@@ -16,12 +16,16 @@ from kbit_linear import serialization as ser
 from kbit_linear.linear import KbitLinear
 from kbit_linear.patch import quantize_model
 from kbit_linear.serialization import (
+    FORMAT_VERSION,
     CheckpointError,
+    header_metadata,
     layer_metadata,
     load_into,
     load_quantized,
+    parse_header,
     save_quantized,
     validate_layer_tensors,
+    verify_sha256,
 )
 
 
@@ -308,6 +312,75 @@ def test_load_into_mismatched_model(saved):
     extra = nn.Sequential(*_mlp(), nn.Linear(7, 2))
     with pytest.raises(CheckpointError, match=r"(?s)does not match the model.*Missing key"):
         load_into(extra, path)
+
+
+class _SubLinear(nn.Linear):
+    pass
+
+
+def test_load_into_refuses_a_subclass_of_linear(saved):
+    """The swap rule of kbit_linear.patch.is_convertible: exact nn.Linear only."""
+    _, path = saved
+    model = _mlp()
+    model[2] = _SubLinear(33, 300, bias=False)
+    with pytest.raises(CheckpointError, match=r"layer '2' is a _SubLinear in the model.*never swapped"):
+        load_into(model, path)
+
+
+# ---------------------------------------------------------------------------------------
+# the header schema (shared with the transformers plug-in)
+# ---------------------------------------------------------------------------------------
+
+
+def test_header_metadata_and_parse_header_round_trip(saved):
+    model, path = saved
+    layers = {"0": layer_metadata(model[0])}
+    sums = {"0.weight": ser.tensor_sha256(model[0].weight)}
+    header = header_metadata(layers, sums)
+    assert header[ser._KEY_VERSION] == FORMAT_VERSION and all(isinstance(v, str) for v in header.values())
+    parsed = parse_header(header, "x.safetensors")
+    assert parsed.layers == layers and parsed.sha256 == sums and parsed.aliases == {}
+    # what save_quantized wrote parses the same way, with its header digest
+    _, written = _read(path)
+    parsed = parse_header(written, str(path), verify_digest=True)
+    assert set(parsed.layers) == {"0", "2", "4"} and set(parsed.sha256) == set(model.state_dict())
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda h: h.pop(ser._KEY_VERSION), r"x.safetensors: not a kbit_linear checkpoint.*not written by kbit_linear"),
+        (lambda h: h.update({ser._KEY_VERSION: "9"}), r"format version '9' is not supported"),
+        (lambda h: h.pop(ser._KEY_LAYERS), r"header lacks 'kbit_linear.layers'"),
+        (lambda h: h.pop(ser._KEY_SHA256), r"header lacks 'kbit_linear.sha256'"),
+        (lambda h: h.update({ser._KEY_LAYERS: "[1, 2]"}), r"'kbit_linear.layers' must be a JSON object"),
+        (lambda h: h.update({ser._KEY_SHA256: "{"}), r"'kbit_linear.sha256' is not valid JSON"),
+    ],
+    ids=["no-version", "version", "no-layers", "no-sha256", "layers-not-object", "bad-json"],
+)
+def test_parse_header_errors(edit, match):
+    header = header_metadata({}, {})
+    edit(header)
+    with pytest.raises(CheckpointError, match=match):
+        parse_header(header, "x.safetensors")
+
+
+def test_parse_header_digest():
+    header = header_metadata({}, {})
+    with pytest.raises(CheckpointError, match="header metadata fails its sha256 check"):
+        parse_header(header, "x.safetensors", verify_digest=True)
+    header[ser._KEY_HEADER_SHA256] = ser._header_digest(header)
+    assert parse_header(header, "x.safetensors", verify_digest=True).layers == {}
+
+
+def test_verify_sha256():
+    t = torch.arange(10, dtype=torch.int32)
+    sums = {"a": ser.tensor_sha256(t)}
+    verify_sha256("a", t, sums)
+    with pytest.raises(CheckpointError, match=r"f.safetensors: tensor 'a' fails its sha256 check"):
+        verify_sha256("a", t + 1, sums, where="f.safetensors")
+    with pytest.raises(CheckpointError, match=r"tensor 'b' has no checksum"):
+        verify_sha256("b", t, sums)
 
 
 # ---------------------------------------------------------------------------------------

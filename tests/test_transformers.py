@@ -26,8 +26,8 @@ transformers = pytest.importorskip("transformers")
 from kbit_linear import format as fmt  # noqa: E402
 from kbit_linear.integrations.transformers import QUANT_METHOD, KbitConfig, KbitHfQuantizer, register  # noqa: E402
 from kbit_linear.linear import KbitLinear  # noqa: E402
-from kbit_linear.patch import quantize_model  # noqa: E402
-from kbit_linear.serialization import CheckpointError  # noqa: E402
+from kbit_linear.patch import quantize_model, replace_module  # noqa: E402
+from kbit_linear.serialization import CheckpointError, load_into, parse_header, save_quantized  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 LINEARS_PER_BLOCK = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -211,6 +211,80 @@ def test_quantize_at_load_keeps_no_dense_weight_alive(dense_dir):
     assert any(t is control for t in _dense_weights_alive(shapes))
 
 
+def test_no_dense_tensor_is_ever_set_on_a_kbit_linear(dense_dir, monkeypatch):
+    """Quantizing at load, a KbitLinear's ``weight`` is only ever the int32 planes."""
+    assigned: list[tuple[str, torch.dtype]] = []
+
+    def checked_setattr(self, name, value):
+        if isinstance(value, torch.Tensor):
+            assigned.append((name, value.dtype))
+            if name == "weight":
+                assert value.dtype == torch.int32, f"a {value.dtype} tensor was set as a KbitLinear's weight"
+        nn.Module.__setattr__(self, name, value)
+
+    monkeypatch.setattr(KbitLinear, "__setattr__", checked_setattr)
+    q = _load(dense_dir, quantization_config=KbitConfig(bits=3), dtype=torch.bfloat16)
+    assert ("weight", torch.int32) in assigned
+    assert all(m.weight.dtype == torch.int32 for m in _kbit_layers(q).values())
+
+
+class _SubLinear(nn.Linear):
+    """A subclass of nn.Linear that changes forward: no swap may take it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def _with_subclass(model: nn.Module, name: str) -> nn.Module:
+    old = model.get_submodule(name)
+    sub = _SubLinear(old.in_features, old.out_features, bias=old.bias is not None)
+    sub.load_state_dict(old.state_dict())
+    replace_module(model, name, sub)
+    return model
+
+
+def test_swap_rule_is_the_same_for_quantize_model_the_plug_in_and_load_into(tmp_path):
+    sub = "model.layers.0.mlp.up_proj"
+    quantized = _with_subclass(_tiny_llama(), sub)
+    summary = quantize_model(quantized, bits=4, progress=False)
+    assert sub not in summary.converted and "subclass" in summary.skipped[sub]
+    assert type(quantized.get_submodule(sub)) is _SubLinear
+
+    hfq = KbitHfQuantizer(KbitConfig(bits=4), pre_quantized=False)
+    hfq._process_model_before_weight_loading(_with_subclass(_tiny_llama(), sub))
+    assert hfq.pending == set(summary.converted) == _block_names() - {sub}
+
+    path = save_quantized(quantized, tmp_path / "q.safetensors")
+    loaded = load_into(_with_subclass(_tiny_llama(seed=5), sub), path)
+    assert set(_kbit_layers(loaded)) == set(summary.converted)
+    assert type(loaded.get_submodule(sub)) is _SubLinear
+    # a layer the checkpoint holds quantized but the model has as a subclass is refused, not swapped
+    with pytest.raises(CheckpointError, match="never swapped"):
+        load_into(_with_subclass(_tiny_llama(), "model.layers.1.mlp.up_proj"), path)
+
+
+def test_a_layer_missing_from_the_checkpoint_is_quantized_after_loading(dense_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "partial"
+    shutil.copytree(dense_dir, path)
+    sd = load_file(str(path / "model.safetensors"))
+    del sd["model.layers.0.mlp.up_proj.weight"]  # transformers initializes it
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    q = _load(path, quantization_config=KbitConfig(bits=4))
+    assert set(_kbit_layers(q)) == _block_names()
+    assert bool(torch.isfinite(_logits(q, _ids())).all())
+
+
+def test_saved_headers_use_the_serialization_schema(saved_dir):
+    from safetensors import safe_open
+
+    with safe_open(str(saved_dir / "model.safetensors"), "pt") as f:
+        parsed = parse_header(dict(f.metadata()), "model.safetensors")
+    assert set(parsed.layers) == _block_names()
+    assert set(parsed.sha256) == {f"{n}.{t}" for n in _block_names() for t in QUANTIZED}
+
+
 def test_untied_lm_head_and_user_skips_keep_default_skips(untied_dir):
     q = _load(untied_dir, quantization_config=KbitConfig(bits=4, skip_modules=["mlp"]))
     layers = _kbit_layers(q)
@@ -320,9 +394,10 @@ def test_reload_with_dtype_and_device_map_keeps_the_quantized_tensors(saved_dir,
     r = _load(saved_dir, dtype=dtype, device_map=device_map)
     for name, layer in _kbit_layers(r).items():
         for t in QUANTIZED:
-            assert torch.equal(getattr(layer, t), stored[f"{name}.{t}"]), f"{name}.{t}"
+            # .cpu(): device_map="auto" puts the layers on a GPU where there is one
+            assert torch.equal(getattr(layer, t).cpu(), stored[f"{name}.{t}"]), f"{name}.{t}"
         assert layer.bias is None or layer.bias.dtype == dtype
-    out = _logits(r, _ids())
+    out = _logits(r, _ids().to(r.device))
     assert out.dtype == dtype and bool(torch.isfinite(out).all())
 
 
@@ -473,7 +548,7 @@ def _smollm2_available() -> bool:
 def test_smollm2_quantize_at_load_save_reload_generate(tmp_path):
     from transformers import AutoTokenizer
 
-    from kbit_linear.models import default_model_path
+    from kbit_linear.tools.models import default_model_path
 
     path = default_model_path()
     q = _load(path, quantization_config=KbitConfig(bits=4), dtype=torch.bfloat16)

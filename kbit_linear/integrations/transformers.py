@@ -10,20 +10,25 @@ Usage (``import kbit_linear`` registers the plug-in)::
 How it plugs into the transformers 5.x loader:
 
 * quantize at load (``from_pretrained(dense, quantization_config=KbitConfig(...))``): before the
-  weights load, every ``nn.Linear`` not skipped becomes a :class:`~kbit_linear.KbitLinear`
-  placeholder on the meta device that still exposes the dense ``[out, in]`` ``weight`` (so
-  the loader materializes the checkpoint tensor in the load dtype); as each weight arrives,
-  :class:`KbitQuantize` quantizes it on its target device and returns the layer's packed
-  ``weight``, ``absmax``, ``codebook`` and ``tensor_scale``. Only one dense weight exists at a
-  time, so the live tensors stay near the quantized model plus one dense layer (on CPU the
-  process may still hold freed temporaries in its allocator).
+  weights load, the layers to convert are chosen by :func:`kbit_linear.patch.convertible_layers`
+  (the swap rule every swap in kbit_linear uses) and stay the model's own dense ``nn.Linear``
+  on the meta device, so every transformers 5.x loader materializes the checkpoint weight as
+  the dense ``[out, in]`` tensor it is, in the load dtype. As each weight arrives,
+  :class:`KbitQuantize` quantizes it on its target device with
+  :func:`kbit_linear.quantizer.quantize_weight`, swaps a meta
+  :class:`~kbit_linear.KbitLinear` in for the layer (the bias moves over) and hands the loader
+  the packed ``weight``, ``absmax``, ``codebook`` and ``tensor_scale`` to set on it. No dense
+  tensor is ever set on a ``KbitLinear``. Only one dense weight exists at a time, so the live
+  tensors stay near the quantized model plus one dense layer (on CPU the process may still
+  hold freed temporaries in its allocator).
 * save: the quantized tensors are the layers' state dict (``weight`` is the tiled int32
   planes, a shape no dense loader accepts); ``config.json`` gets ``quantization_config`` and
   every safetensors header gets the format version, the per-layer metadata and a sha256 of
   every quantized tensor.
-* reload (``config.json`` has ``quant_method: "kbit"``): the placeholders take the quantized
-  shapes and the tensors load as they are; the headers are checked before loading (version,
-  layer shapes, tensor names, dtypes and shapes) and the loaded tensors after (values,
+* reload (``config.json`` has ``quant_method: "kbit"``): the layers become meta ``KbitLinear``
+  placeholders and the tensors load as they are; the headers are checked before loading
+  (version, layer shapes, tensor names, dtypes and shapes, through
+  :func:`kbit_linear.serialization.parse_header`) and the loaded tensors after (values,
   padding, checksums), so a damaged or edited checkpoint raises :class:`CheckpointError`
   instead of producing a model that runs on garbage.
 
@@ -33,8 +38,6 @@ How it plugs into the transformers 5.x loader:
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any
 
 import torch
@@ -42,13 +45,19 @@ from torch import nn
 
 from .. import format as fmt
 from ..linear import KbitLinear
-from ..patch import matches_skip
+from ..patch import check_skip_rules, convertible_layers, is_convertible, kbit_placeholder, replace_module
+from ..quantizer import quantize_weight
 from ..serialization import (
     FORMAT_VERSION,
+    QUANTIZED_TENSORS,
     CheckpointError,
+    header_metadata,
     layer_metadata,
+    parse_header,
+    tensor_sha256,
     validate_layer_metadata,
     validate_layer_tensors,
+    verify_sha256,
 )
 
 try:
@@ -66,11 +75,6 @@ __all__ = ["QUANT_METHOD", "KbitConfig", "KbitHfQuantizer", "KbitQuantize", "reg
 QUANT_METHOD = "kbit"
 """The ``quant_method`` written to ``config.json``."""
 
-# safetensors header keys, shared with kbit_linear.serialization's single-file format.
-_KEY_VERSION = "kbit_linear.version"
-_KEY_LAYERS = "kbit_linear.layers"
-_KEY_SHA256 = "kbit_linear.sha256"
-_QUANTIZED = ("weight", "absmax", "codebook", "tensor_scale")
 # safetensors dtype names of the quantized tensors (anything else is reported by its raw name)
 _SAFETENSORS_DTYPES = {"I32": torch.int32, "U8": torch.uint8, "F32": torch.float32}
 
@@ -137,17 +141,12 @@ def _check_skip_modules(skip: Any) -> list[str] | None:
         return None
     if isinstance(skip, str):
         skip = [skip]
+    # a list of strings: the config is stored as JSON (no compiled regexes)
     if not isinstance(skip, (list, tuple)):
         raise TypeError(f"skip_modules must be a list of module names, got {type(skip).__name__}")
-    for name in skip:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"skip_modules entries must be non-empty strings, got {name!r}")
-        if name.startswith("re:"):
-            try:
-                re.compile(name[3:])
-            except re.error as e:
-                raise ValueError(f"skip_modules entry {name!r} is not a valid regular expression: {e}") from None
-    return list(skip)
+    if not all(isinstance(rule, str) for rule in skip):
+        raise TypeError(f"skip_modules entries must be non-empty strings, got {list(skip)!r}")
+    return list(check_skip_rules(skip, name="skip_modules"))
 
 
 def _check_codebook(codebook: Any, bits: int) -> list[float] | None:
@@ -171,8 +170,9 @@ def _check_codebook(codebook: Any, bits: int) -> list[float] | None:
 class KbitQuantize(ConversionOps):
     """Loader op: dense ``<layer>.weight`` -> the layer's ``weight``/``absmax``/``codebook``/``tensor_scale``.
 
-    Runs the ``kbit_linear::quantize`` and ``::repack`` ops on the tensor's device (the device
-    the layer is loaded to), through :meth:`KbitLinear.from_linear`.
+    Quantizes with :func:`kbit_linear.quantizer.quantize_weight` on the tensor's device (the
+    device the layer is loaded to), swaps a meta :class:`KbitLinear` in for the dense layer and
+    returns the four tensors for the loader to set on it.
     """
 
     def __init__(self, hf_quantizer: "KbitHfQuantizer") -> None:
@@ -183,29 +183,31 @@ class KbitQuantize(ConversionOps):
         """Quantize every ``name -> tensor`` (or ``name -> [tensor]``) entry of ``input_dict``."""
         if model is None:
             raise ValueError("KbitQuantize needs the model being loaded (model=...)")
+        hfq = self.hf_quantizer
+        bits = hfq.quantization_config.bits
         out: dict[str, torch.Tensor] = {}
         for key, value in input_dict.items():
             tensor = value[0] if isinstance(value, (list, tuple)) else value
             prefix, _, name = key.rpartition(".")
-            module = model.get_submodule(prefix) if prefix else model
-            if name != "weight" or not isinstance(module, KbitLinear):
-                raise ValueError(f"{key}: only the weight of a KbitLinear layer can be quantized at load")
-            if tuple(tensor.shape) != (module.out_features, module.in_features):
+            if name != "weight" or prefix not in hfq.pending:
+                raise ValueError(f"{key}: only the weight of a layer chosen for quantization can be quantized at load")
+            linear = model.get_submodule(prefix)
+            if tuple(tensor.shape) != (linear.out_features, linear.in_features):
                 raise ValueError(
                     f"{key}: the checkpoint weight has shape {tuple(tensor.shape)}, expected "
-                    f"[{module.out_features}, {module.in_features}] (is this checkpoint already quantized?)"
+                    f"[{linear.out_features}, {linear.in_features}] (is this checkpoint already quantized?)"
                 )
-            dense = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
-            dense.weight = nn.Parameter(tensor, requires_grad=False)
             try:
-                q = KbitLinear.from_linear(dense, bits=module.bits, codebook=self.hf_quantizer.codebook)
+                q = quantize_weight(tensor, bits, hfq.codebook, name=key)
             except (TypeError, ValueError) as e:
-                raise ValueError(f"cannot quantize {key} ({module.out_features}x{module.in_features}): {e}") from e
-            del dense, tensor
-            out[f"{prefix}.weight"] = q.weight.data
-            out[f"{prefix}.absmax"] = q.absmax
-            out[f"{prefix}.codebook"] = q.codebook
-            out[f"{prefix}.tensor_scale"] = q.tensor_scale
+                raise ValueError(f"cannot quantize {key} ({linear.out_features}x{linear.in_features}): {e}") from e
+            del tensor, value
+            layer = kbit_placeholder(linear, bits, bias=False, device="meta")
+            layer.bias = linear.bias  # loaded already, or still meta and set on the new layer later
+            replace_module(model, prefix, layer)
+            hfq.pending.discard(prefix)
+            del linear
+            out.update({f"{prefix}.{t}": v for t, v in zip(QUANTIZED_TENSORS, q)})
         return out
 
 
@@ -224,6 +226,8 @@ class KbitHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.codebook = quantization_config.codebook_tensor()
         self.modules_to_not_convert: list[str] = []
+        # quantize at load: names of the dense layers still waiting for their weight
+        self.pending: set[str] = set()
         # sha256 of every quantized tensor, from the headers of a pre-quantized checkpoint
         self._header_sha256: dict[str, str] = {}
 
@@ -244,53 +248,34 @@ class KbitHfQuantizer(HfQuantizer):
     # --- before loading: placeholders ----------------------------------------------------
 
     def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
-        """True for the dense ``weight`` of a :class:`KbitLinear` placeholder when quantizing at load."""
-        if self.pre_quantized:
-            return False
+        """True for the dense ``weight`` of a layer still waiting to be quantized at load."""
         prefix, _, name = param_name.rpartition(".")
-        try:
-            module = model.get_submodule(prefix) if prefix else model
-        except AttributeError:
-            return False
-        return name == "weight" and isinstance(module, KbitLinear)
+        return not self.pre_quantized and name == "weight" and prefix in self.pending
 
     def get_quantize_ops(self) -> KbitQuantize:
         """The op that quantizes each dense weight as the loader reads it."""
         return KbitQuantize(self)
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
-        """Replace every ``nn.Linear`` that is not skipped by a meta ``KbitLinear`` placeholder."""
+        """Choose the layers to quantize; for a pre-quantized checkpoint, swap in meta ``KbitLinear`` placeholders.
+
+        Quantizing at load, the chosen layers stay dense (meta) until :class:`KbitQuantize`
+        swaps each one as its weight arrives.
+        """
         config = self.quantization_config
         self.modules_to_not_convert = self.get_modules_to_not_convert(
             model, config.skip_modules, getattr(model, "_keep_in_fp32_modules", None), add_default_skips=True
         )
-        names = [
-            name
-            for name, module in model.named_modules()
-            if type(module) is nn.Linear and matches_skip(name, self.modules_to_not_convert) is None
-        ]
+        names, _ = convertible_layers(model, [rule for rule in self.modules_to_not_convert if rule])
+        # a layer reused under several names is swapped once, under the name transformers loads
+        unique = {name for name, _ in model.named_modules()}
+        names = [name for name in names if name in unique]
+        if not self.pre_quantized:
+            self.pending = set(names)
+            return model
         for name in names:
-            linear = model.get_submodule(name)
-            ref = linear.bias if linear.bias is not None else linear.weight
-            layer = KbitLinear(
-                linear.in_features,
-                linear.out_features,
-                bias=linear.bias is not None,
-                bits=config.bits,
-                codebook=self.codebook,
-                device="meta",
-                dtype=ref.dtype,
-            )
-            if not self.pre_quantized:
-                # The loader must see the dense [out, in] weight in the load dtype (transformers
-                # casts a checkpoint tensor to the placeholder's dtype in some versions); the
-                # quantize op replaces it with the packed planes.
-                layer.weight = nn.Parameter(torch.empty_like(linear.weight, device="meta"), requires_grad=False)
-            layer.train(linear.training)
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-        if self.pre_quantized:
-            self._check_headers(model, kwargs.get("checkpoint_files"))
+            replace_module(model, name, kbit_placeholder(model.get_submodule(name), config.bits, device="meta"))
+        self._check_headers(model, kwargs.get("checkpoint_files"))
         return model
 
     def _check_headers(self, model: nn.Module, checkpoint_files: Any) -> None:
@@ -315,22 +300,9 @@ class KbitHfQuantizer(HfQuantizer):
                         shapes[key] = (_SAFETENSORS_DTYPES.get(raw, raw), tuple(sl.get_shape()))
             except Exception as e:  # safetensors raises its own types for damaged files
                 raise CheckpointError(f"{path}: cannot read the file as safetensors (truncated or damaged?): {e}") from e
-            version = header.get(_KEY_VERSION)
-            if version is None:
-                raise CheckpointError(
-                    f"{path}: config.json says the model is kbit-quantized but this file has no {_KEY_VERSION!r} "
-                    "in its safetensors header (not written by kbit_linear)"
-                )
-            if version != FORMAT_VERSION:
-                raise CheckpointError(f"{path}: format version {version!r} is not supported (this kbit_linear reads {FORMAT_VERSION!r})")
-            for key, target in ((_KEY_LAYERS, layers), (_KEY_SHA256, sums)):
-                try:
-                    value = json.loads(header.get(key, "{}"))
-                except json.JSONDecodeError as e:
-                    raise CheckpointError(f"{path}: header entry {key!r} is not valid JSON ({e})") from None
-                if not isinstance(value, dict):
-                    raise CheckpointError(f"{path}: header entry {key!r} must be a JSON object")
-                target.update(value)
+            parsed = parse_header(header, path)
+            layers.update(parsed.layers)
+            sums.update(parsed.sha256)
         where = str(checkpoint_files[0]) if len(checkpoint_files) == 1 else f"checkpoint ({len(checkpoint_files)} files)"
         placeholders = {n: m for n, m in model.named_modules() if isinstance(m, KbitLinear)}
         for name, module in placeholders.items():
@@ -343,7 +315,7 @@ class KbitHfQuantizer(HfQuantizer):
                 raise CheckpointError(
                     f"{where}: layer {name!r} is {got} in the checkpoint but the model (config.json) expects {want}"
                 )
-            for tensor in _QUANTIZED:
+            for tensor in QUANTIZED_TENSORS:
                 key = f"{name}.{tensor}"
                 expected = getattr(module, tensor)
                 if key not in shapes:
@@ -367,13 +339,22 @@ class KbitHfQuantizer(HfQuantizer):
     # --- after loading: checks and freezing -----------------------------------------------
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
-        """Validate every quantized layer and freeze the float parameters of the quantized layers."""
-        from ..serialization import tensor_sha256 as _sha256
+        """Validate every quantized layer and freeze the float parameters of the quantized layers.
 
+        A layer chosen for quantization whose weight was not in the checkpoint (transformers
+        initialized it) is quantized now, like every other chosen layer.
+        """
+        for name in sorted(self.pending):
+            linear = model.get_submodule(name)
+            if is_convertible(linear):
+                layer = KbitLinear.from_linear(linear, self.quantization_config.bits, self.codebook)
+                layer.train(linear.training)
+                replace_module(model, name, layer)
+        self.pending = set()
         for name, module in model.named_modules():
             if not isinstance(module, KbitLinear):
                 continue
-            tensors = {t: getattr(module, t) for t in (*_QUANTIZED, "bias") if getattr(module, t) is not None}
+            tensors = {t: getattr(module, t) for t in (*QUANTIZED_TENSORS, "bias") if getattr(module, t) is not None}
             for t_name, t in tensors.items():
                 if t.device.type == "meta":
                     raise CheckpointError(f"layer {name!r}: tensor {t_name!r} was not loaded (still on the meta device)")
@@ -382,13 +363,8 @@ class KbitHfQuantizer(HfQuantizer):
             except CheckpointError as e:
                 raise CheckpointError(f"after loading: {e}") from None
             if self.pre_quantized and self._header_sha256:
-                for t_name in _QUANTIZED:
-                    key = f"{name}.{t_name}"
-                    want = self._header_sha256.get(key)
-                    if want is None:
-                        raise CheckpointError(f"tensor {key!r} has no checksum in the checkpoint header")
-                    if _sha256(tensors[t_name]) != want:
-                        raise CheckpointError(f"tensor {key!r} fails its sha256 check: the checkpoint is corrupted or was modified")
+                for t_name in QUANTIZED_TENSORS:
+                    verify_sha256(f"{name}.{t_name}", tensors[t_name], self._header_sha256)
             for p in module.parameters(recurse=False):
                 p.requires_grad_(False)
         self._header_sha256 = {}
@@ -397,21 +373,15 @@ class KbitHfQuantizer(HfQuantizer):
     # --- saving ------------------------------------------------------------------------
 
     def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[None, dict[str, str]]:
-        """Header metadata for ``save_pretrained``: version, per-layer metadata, checksums."""
-        from ..serialization import tensor_sha256 as _sha256
-
+        """Header metadata for ``save_pretrained`` (:func:`kbit_linear.serialization.header_metadata`):
+        version, per-layer metadata, checksums of the quantized tensors."""
         layers, sums = {}, {}
         for name, module in model.named_modules():
             if isinstance(module, KbitLinear):
                 layers[name] = layer_metadata(module)
-                for t_name in _QUANTIZED:
-                    sums[f"{name}.{t_name}"] = _sha256(getattr(module, t_name))
-        metadata = {
-            _KEY_VERSION: FORMAT_VERSION,
-            _KEY_LAYERS: json.dumps(layers, sort_keys=True),
-            _KEY_SHA256: json.dumps(sums, sort_keys=True),
-        }
-        return None, metadata
+                for t_name in QUANTIZED_TENSORS:
+                    sums[f"{name}.{t_name}"] = tensor_sha256(getattr(module, t_name))
+        return None, header_metadata(layers, sums)
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         """Quantized models save to safetensors and load back without re-quantizing."""

@@ -1,0 +1,86 @@
+"""``quantize_weight``: a dense ``[out, in]`` weight -> the four stored tensors of a quantized layer.
+
+The one path from a dense weight to the tiled format that the modules use:
+:meth:`KbitLinear.from_linear <kbit_linear.linear.KbitLinear.from_linear>` (and through it
+``quantize_model``) and the transformers plug-in's quantize-at-load all call it. It validates
+its arguments once (bits, the weight's dtype, shape and values, the codebook's values), then runs
+the ``kbit_linear::quantize`` and ``::repack`` ops on the weight's device, which check metadata
+only (the CUDA kernels where the CUDA backend is registered, the format reference elsewhere).
+
+Layering: above the op schemas (``_ops``), below the module (``linear``); pure functions, no
+``nn.Module``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import _ops  # noqa: F401  (registers the torch.library ops used below)
+from . import format as fmt
+
+__all__ = ["KbitTensors", "quantize_weight"]
+
+# Resolved once: an OpOverload call skips the overload lookup of the packet on every call.
+_QUANTIZE = torch.ops.kbit_linear.quantize.default
+_REPACK = torch.ops.kbit_linear.repack.default
+
+
+class KbitTensors(NamedTuple):
+    """The stored tensors of one quantized ``[out_features, in_features]`` weight (``docs/format.md``).
+
+    Attributes:
+        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` tiled bit-planes
+            (:func:`kbit_linear.format.tiled_shapes`); a ``KbitLinear`` holds it as ``weight``.
+        absmax: uint8 ``[K_pad/64, N_pad/128, 128, 2]`` E4M4 block scales.
+        codebook: float32 ``[2**bits]``, a fresh tensor (never the caller's).
+        tensor_scale: float32 ``[1]``, a power of two.
+    """
+
+    packed: torch.Tensor
+    absmax: torch.Tensor
+    codebook: torch.Tensor
+    tensor_scale: torch.Tensor
+
+
+def quantize_weight(
+    weight: torch.Tensor,
+    bits: int,
+    codebook: torch.Tensor | None = None,
+    *,
+    name: str = "weight",
+) -> KbitTensors:
+    """Quantize a dense weight to the tiled kbit format, on the weight's device.
+
+    Validates once, here: ``bits``, the weight (floating point, 2-D, non-empty, no NaN/Inf) and
+    a user ``codebook`` (size, order, range). The ops it then calls (``kbit_linear::quantize``,
+    ``::repack``) check only metadata, so no value is scanned twice. A weight on the meta device
+    gives meta tensors of the right shapes (no value checks, nothing allocated).
+
+    Args:
+        weight: floating-point ``[out_features, in_features]``; not modified, not kept.
+        bits: index width, 2..5.
+        codebook: ``[2**bits]`` strictly increasing floats in [-1, 1] (default: the
+            normal-float codebook of ``bits``); copied, never aliased.
+        name: what to call ``weight`` in error messages (e.g. ``"model.layers.0.q_proj.weight"``).
+
+    Returns:
+        :class:`KbitTensors` ``(packed, absmax, codebook, tensor_scale)``, all on ``weight``'s device.
+
+    Raises:
+        TypeError: ``bits`` not an int, ``weight`` not a floating-point tensor, ``codebook`` not
+            a floating-point tensor.
+        ValueError: ``bits`` not in 2..5; ``weight`` not 2-D, empty or not finite; ``codebook``
+            of the wrong size, not strictly increasing, or outside [-1, 1]. Every message names
+            the argument.
+    """
+    fmt.check_bits(bits)
+    fmt.check_weight(weight, name=name)
+    with torch.no_grad():
+        w = weight.detach()
+        cb = fmt.resolve_codebook(codebook, bits, w.device)
+        ts = fmt.compute_tensor_scale(w)
+        packed_flat, absmax_flat = _QUANTIZE(w, cb, ts, bits)
+        packed, absmax = _REPACK(packed_flat, absmax_flat, bits)
+    return KbitTensors(packed, absmax, cb, ts)

@@ -1,0 +1,123 @@
+"""``quantize_weight`` on CPU: the one path from a dense weight to the stored tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kbit_linear import format as fmt
+from kbit_linear import quantizer
+from kbit_linear.quantizer import KbitTensors, quantize_weight
+
+
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
+@pytest.mark.parametrize("n, k", [(33, 100), (192, 576), (1, 1), (130, 65)], ids=str)
+def test_matches_the_format_reference(bits, n, k):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k + bits))
+    q = quantize_weight(w, bits)
+    ref = fmt.quantize(w, bits)
+    assert isinstance(q, KbitTensors)
+    for got, want in zip(q, (ref.packed, ref.absmax, ref.codebook, ref.tensor_scale)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert (q.packed.shape, q.absmax.shape) == fmt.tiled_shapes(n, k, bits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_weights(dtype):
+    w = torch.randn(48, 96).to(dtype)
+    q = quantize_weight(w, 3)
+    assert torch.equal(q.packed, fmt.quantize(w, 3).packed)
+
+
+def test_user_codebook_is_copied_not_aliased():
+    cb = torch.tensor([-1.0, -0.3, 0.2, 1.0])
+    q = quantize_weight(torch.randn(8, 40), 2, cb)
+    assert torch.equal(q.codebook, cb) and q.codebook.data_ptr() != cb.data_ptr()
+    # the default codebook is a fresh tensor too (the cached one must never be handed out)
+    a, b = quantize_weight(torch.randn(8, 40), 2), quantize_weight(torch.randn(8, 40), 2)
+    assert a.codebook.data_ptr() != b.codebook.data_ptr()
+
+
+def test_meta_weight_gives_meta_tensors_of_the_tiled_shapes():
+    q = quantize_weight(torch.empty(300, 200, device="meta"), 5)
+    assert all(t.device.type == "meta" for t in q)
+    assert (q.packed.shape, q.absmax.shape) == fmt.tiled_shapes(300, 200, 5)
+    assert q.codebook.shape == (32,) and q.tensor_scale.shape == (1,)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(bits=6), ValueError, "bits"),
+        (dict(bits=4.0), TypeError, "bits"),
+        (dict(bits=True), TypeError, "bits"),
+        (dict(bits=2, codebook=torch.tensor([1.0, 0.5, 0.0, -1.0])), ValueError, "codebook must be sorted"),
+        (dict(bits=2, codebook=torch.tensor([-2.0, -0.5, 0.5, 2.0])), ValueError, r"codebook values must lie in \[-1, 1\]"),
+        (dict(bits=3, codebook=torch.linspace(-1, 1, 16)), ValueError, r"codebook must have shape \[8\]"),
+        (dict(bits=2, codebook=[-1.0, 0.0, 0.5, 1.0]), TypeError, "codebook must be a torch.Tensor"),
+        (dict(bits=2, codebook=torch.tensor([-1, 0, 1, 2])), TypeError, "codebook must be a floating-point"),
+        (dict(weight=torch.tensor([[1.0, float("nan")]])), ValueError, "weight contains NaN or Inf"),
+        (dict(weight=torch.tensor([[1.0, float("inf")]])), ValueError, "weight contains NaN or Inf"),
+        (dict(weight=torch.randint(0, 3, (4, 32))), TypeError, "weight must be a floating-point"),
+        (dict(weight=torch.randn(32)), ValueError, "weight must be 2-D"),
+        (dict(weight=torch.randn(0, 32)), ValueError, "weight must not be empty"),
+        (dict(weight=[[1.0]]), TypeError, "weight must be a torch.Tensor"),
+    ],
+    ids=["bits-6", "bits-float", "bits-bool", "cb-descending", "cb-range", "cb-size", "cb-list", "cb-int",
+         "nan", "inf", "int-weight", "1-d", "empty", "list"],
+)
+def test_bad_arguments_raise_naming_the_argument(kwargs, error, match):
+    args = dict(weight=torch.randn(4, 32), bits=2)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        quantize_weight(**args)
+
+
+def test_error_messages_use_the_given_name():
+    with pytest.raises(ValueError, match=r"model.q_proj.weight contains NaN"):
+        quantize_weight(torch.full((2, 32), float("nan")), 4, name="model.q_proj.weight")
+
+
+def test_values_are_validated_once(monkeypatch):
+    """One NaN/Inf scan of the weight and one codebook check per call; the ops check metadata only."""
+    calls = {"scan": 0, "codebook": 0}
+    check_weight, validate_codebook = fmt.check_weight, fmt.validate_codebook
+
+    def counting_check_weight(weight, name="weight", *, finite=True):
+        calls["scan"] += finite
+        return check_weight(weight, name, finite=finite)
+
+    def counting_validate_codebook(codebook, bits, name="codebook"):
+        calls["codebook"] += 1
+        return validate_codebook(codebook, bits, name)
+
+    monkeypatch.setattr(fmt, "check_weight", counting_check_weight)
+    monkeypatch.setattr(fmt, "validate_codebook", counting_validate_codebook)
+    q = quantize_weight(torch.randn(40, 96), 3, torch.linspace(-1, 1, 8))
+    assert calls == {"scan": 1, "codebook": 1}
+    assert q.packed.dtype == torch.int32
+
+
+def test_runs_the_quantize_and_repack_ops(monkeypatch):
+    # through the torch ops, so a backend registered for the weight's device (CUDA) runs
+    seen = []
+    for attr in ("_QUANTIZE", "_REPACK"):
+        op = getattr(quantizer, attr)
+        assert op in (torch.ops.kbit_linear.quantize.default, torch.ops.kbit_linear.repack.default)
+        monkeypatch.setattr(quantizer, attr, lambda *args, _op=op: seen.append(_op) or _op(*args))
+    quantize_weight(torch.randn(8, 40), 4)
+    assert seen == [torch.ops.kbit_linear.quantize.default, torch.ops.kbit_linear.repack.default]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
+def test_cuda_matches_the_cpu_reference_bit_for_bit(bits):
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(bits)).to(torch.bfloat16)
+    cb = torch.linspace(-1, 1, 1 << bits)
+    got = quantize_weight(w.cuda(), bits, cb)
+    want = quantize_weight(w, bits, cb)
+    for g, r in zip(got, want):
+        assert g.is_cuda and torch.equal(g.cpu(), r)
+    with pytest.raises(ValueError, match="weight contains NaN"):
+        quantize_weight(torch.full((4, 64), float("nan"), device="cuda"), bits)
