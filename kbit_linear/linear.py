@@ -34,17 +34,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import _ops  # noqa: F401  (registers the torch.library ops used below)
+from . import _ops  # the op schemas and the gemm entry point (with its eager fast path)
 from . import format as fmt
-from .backends import cuda as _cuda_backend
+from .quantizer import quantize_weight
 
-__all__ = ["KbitLinear", "tiled_shapes"]
+__all__ = ["KbitLinear"]
 
-# Resolved once: an OpOverload call skips the overload lookup of the packet on every forward.
-_GEMM = torch.ops.kbit_linear.gemm.default
+# Resolved once: an OpOverload call skips the overload lookup of the packet on every call.
 _DEQUANTIZE = torch.ops.kbit_linear.dequantize.default
-_QUANTIZE = torch.ops.kbit_linear.quantize.default
-_REPACK = torch.ops.kbit_linear.repack.default
 
 # Buffers that are part of the format and must stay float32 whatever the model dtype.
 _FLOAT32_BUFFERS = ("codebook", "tensor_scale")
@@ -56,24 +53,6 @@ def _check_features(name: str, value: Any) -> int:
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {value}")
     return value
-
-
-def tiled_shapes(out_features: int, in_features: int, bits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of the tiled ``weight`` and ``absmax`` for a layer.
-
-    Args:
-        out_features: N.
-        in_features: K.
-        bits: index width, 2..5.
-
-    Returns:
-        ``((K_pad/64, N_pad/128, 128, 2, bits), (K_pad/64, N_pad/128, 128, 2))``.
-    """
-    fmt.check_bits(bits)
-    n_pad, k_pad = fmt.padded_shape(out_features, in_features)
-    kb = fmt.TILE_K // fmt.BLOCK_SIZE
-    absmax_shape = (k_pad // fmt.TILE_K, n_pad // fmt.TILE_N, fmt.TILE_N, kb)
-    return (*absmax_shape, bits), absmax_shape
 
 
 class KbitLinear(nn.Module):
@@ -116,19 +95,16 @@ class KbitLinear(nn.Module):
         super().__init__()
         self.in_features = _check_features("in_features", in_features)
         self.out_features = _check_features("out_features", out_features)
-        self.bits = fmt.check_bits(bits)
+        # tiled_shapes checks bits
+        packed_shape, absmax_shape = fmt.tiled_shapes(out_features, in_features, bits)
+        self.bits = bits
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-        packed_shape, absmax_shape = tiled_shapes(out_features, in_features, bits)
         self.weight = nn.Parameter(torch.zeros(packed_shape, dtype=torch.int32, device=device), requires_grad=False)
         self.register_buffer("absmax", torch.zeros(absmax_shape, dtype=torch.uint8, device=device))
-        if codebook is None:
-            cb = fmt.create_normal_float_codebook(bits, device=self.weight.device)
-        else:
-            cb = fmt.validate_codebook(codebook, bits).to(device=self.weight.device).clone()
-        self.register_buffer("codebook", cb)
+        self.register_buffer("codebook", fmt.resolve_codebook(codebook, bits, self.weight.device))
         self.register_buffer("tensor_scale", torch.ones(1, dtype=torch.float32, device=device))
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
@@ -143,10 +119,14 @@ class KbitLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, bits: int = 4, codebook: torch.Tensor | None = None) -> "KbitLinear":
         """Quantize an ``nn.Linear`` into a new ``KbitLinear`` on the same device.
 
-        Runs the ``kbit_linear::quantize`` and ``::repack`` ops on the weight's device (the
-        CUDA kernels when the weight is on a GPU with the CUDA backend). A weight on the meta
-        device gives a meta layer (shapes only). The bias is shared with ``linear`` (same
-        Parameter); ``linear`` itself is left unchanged.
+        The weight goes through :func:`kbit_linear.quantizer.quantize_weight` (validated once,
+        then the ``kbit_linear::quantize`` and ``::repack`` ops on the weight's device: the CUDA
+        kernels when the weight is on a GPU with the CUDA backend). A weight on the meta device
+        gives a meta layer (shapes only). The bias is shared with ``linear`` (same Parameter);
+        ``linear`` itself is left unchanged.
+
+        Any ``nn.Linear``, subclasses included: converting one layer by hand is the caller's
+        choice (the automatic swaps of :mod:`kbit_linear.patch` take exact ``nn.Linear`` only).
 
         Args:
             linear: the layer; its weight must be a finite floating-point ``[out, in]`` tensor.
@@ -162,27 +142,15 @@ class KbitLinear(nn.Module):
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        fmt.check_bits(bits)
-        weight = linear.weight
-        fmt.check_weight(weight, name=f"linear.weight ({linear.out_features}x{linear.in_features})")
-        device = weight.device
-        with torch.no_grad():
-            w = weight.detach()
-            if codebook is None:
-                cb = fmt.create_normal_float_codebook(bits, device=device)
-            else:
-                # clone: the layer must not alias the caller's tensor
-                cb = fmt.validate_codebook(codebook, bits).to(device).clone()
-            ts = fmt.compute_tensor_scale(w)
-            packed_flat, absmax_flat = _QUANTIZE(w, cb, ts, bits)
-            packed, absmax = _REPACK(packed_flat, absmax_flat, bits)
-            del packed_flat, absmax_flat
+        q = quantize_weight(
+            linear.weight, bits, codebook, name=f"linear.weight ({linear.out_features}x{linear.in_features})"
+        )
         # Built on meta (allocates nothing), then given the real tensors.
         layer = cls(linear.in_features, linear.out_features, bias=False, bits=bits, device="meta")
-        layer.weight = nn.Parameter(packed, requires_grad=False)
-        layer.absmax = absmax
-        layer.codebook = cb
-        layer.tensor_scale = ts
+        layer.weight = nn.Parameter(q.packed, requires_grad=False)
+        layer.absmax = q.absmax
+        layer.codebook = q.codebook
+        layer.tensor_scale = q.tensor_scale
         layer.bias = linear.bias
         return layer
 
@@ -203,19 +171,7 @@ class KbitLinear(nn.Module):
         # accept a slightly too wide x and read the padding: one int compare refuses it.
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x's last dimension must be in_features={self.in_features}, got shape {tuple(x.shape)}")
-        # Eager fast path: CUDA inputs outside torch.compile tracing go straight to the CUDA
-        # backend, skipping the dispatcher's Python round trip (~11 us of a ~25 us call on an
-        # H100 host). Not when autograd records: the kernels have no backward, and the op path
-        # then reports that instead of silently dropping gradients.
-        if (
-            x.is_cuda
-            and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)))
-        ):
-            return _cuda_backend.gemm_cuda(
-                x, self.weight, self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features, self.bias
-            )
-        return _GEMM(x, self.weight, self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features, self.bias)
+        return _ops.gemm(x, self.weight, self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features, self.bias)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense weight this layer represents.

@@ -470,119 +470,96 @@ KBIT_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, floa
     if (lane == 0) atomicExch(cnt, 0);
 }
 
-// In-block reduction. A block's items form "segments": its items of one row tile (the partial
-// tile taken first, then the row tiles of its range in order). The KS warps of a row slot deal
-// a segment's positions round-robin, so a segment of length L has min(L, KS) contributors:
-//   - one contributor (L = 1): it flushes its sums alone, no synchronisation;
-//   - several ("shared" segment): every contributor but the segment's owner (the warp at its
-//     first position) stores its partial sums in its own slice of a shared-memory slot, then
-//     ALL KS warps of the row slot meet at the row slot's named barrier (warps without chunks
-//     in the segment too, so the barrier count is fixed); the owner then adds the slices to its
-//     own sums and flushes. Plain stores: shared fp32 atomics are CAS loops on sm_80/90 and
-//     collide when 16 warps finish together.
-// Every warp of a row slot passes the barriers of all the block's shared segments, in segment
-// order, so each barrier phase is exactly one segment. Shared segments alternate between two
-// slots: slot (q & 1) is written again for shared segment q + 2 only after the barrier of
-// q + 1, which the owner of q reaches after it has read the slot.
+// In-block reduction of one segment (the block's chunks of one row tile) for one row slot.
+// The KS warps of a row slot share K: each stores its partial sums in its own slice of a
+// shared-memory slot (plain stores: shared fp32 atomics are CAS loops on sm_80/90 and collide
+// when 16 warps finish together) and counts its chunks; the warp that completes the segment's
+// count adds the other contributors' slices to its own sums and flushes them. Two slots
+// alternate between consecutive segments; a slot's generation word names the segment that may
+// use it, so a warp that runs two segments ahead waits (spins) until the slot is released. No
+// block barrier: warps without chunks in a segment never take part.
+//
+// Why this is race-free although compute-sanitizer's racecheck reports it (it models barriers,
+// not flags and atomics):
+//   - Slot reuse. Slot (seg & 1) serves segments seg, seg + 2, ...; a warp touches it for
+//     segment seg only once `gen == seg`, and `gen` moves to seg + 2 only after the warp that
+//     completed segment seg's count has read every slice and flushed (the __threadfence_block
+//     before the store orders those reads first). So no slice is overwritten while it is read.
+//   - Slice hand-over. A contributor stores its slice, fences (cta scope), then its lane 0 adds
+//     its chunk count to `count` with an atomic; the warp whose atomic returns seg_len - nmine
+//     saw every other contributor's add, each ordered after that contributor's slice stores, and
+//     fences again before reading. The lanes of a warp are ordered among themselves by
+//     __syncwarp / __shfl_sync around the lane-0 atomic.
+//   - Exactly one warp finalises: the atomic adds of the contributors' chunk counts reach
+//     seg_len once, in the one add that completes it; `count` is reset by that warp before it
+//     releases the slot.
+// tests/test_decode_cuda.py::test_in_block_reduction_stress runs random shapes, M, launch shapes
+// and schedules on two streams at once against the reference. Replacing the protocol with named
+// barriers or mbarriers (which racecheck understands) cost 5-20 % on the largest shapes on an
+// H100 (bench/results/decode.md, "racecheck"): the owner of a segment then waits for the
+// slowest contributor instead of the last contributor doing the work.
 template <int KS, int R, int MT> struct RedSlot {
     float part[KS][R * MT * 4][32];
 };
-
-// Barrier `id` (1..15; 0 is __syncthreads') for `threads` threads, whole warps. The warps of a
-// row slot reach it from different places (a contributor in reduce_flush, a warp without chunks
-// in pass_barriers), so it is the non-.aligned form: bar.sync is barrier.sync.aligned, which
-// requires every thread to execute the same barrier instruction.
-KBIT_DEVICE void named_barrier(int id, int threads) {
-    asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-// The segments of one block's range [i0, i1) of items (kc per row tile), in the order the
-// block takes them: the partial row tile at the end of the range first (when the range does
-// not also start in it), then the range from its start. Positions count along that order.
-// Only the tail, the first and the last body segment can be shorter than kc.
-struct Segments {
-    int i0, kc, n_tail, tail_start, body_end;
-
-    KBIT_DEVICE Segments(int i0_, int i1, int kc_) : i0(i0_), kc(kc_) {
-        tail_start = ((i1 - 1) / kc) * kc;
-        n_tail = (i1 % kc != 0 && tail_start > i0) ? i1 - tail_start : 0;
-        body_end = n_tail ? tail_start : i1;
-    }
-    KBIT_DEVICE int count() const { return (n_tail > 0) + (body_end - 1) / kc - i0 / kc + 1; }
-    KBIT_DEVICE int item_at(int p) const { return p < n_tail ? tail_start + p : i0 + (p - n_tail); }
-    // Segment of the item at position p (row tile rt).
-    KBIT_DEVICE int of(int p, int rt) const { return p < n_tail ? 0 : (n_tail > 0) + rt - i0 / kc; }
-    // First position and length of segment s.
-    KBIT_DEVICE void get(int s, int& pos0, int& len) const {
-        if (n_tail > 0 && s == 0) {
-            pos0 = 0;
-            len = n_tail;
-            return;
-        }
-        const int rt = i0 / kc + s - (n_tail > 0);
-        const int lo = max(i0, rt * kc);
-        len = min(body_end, (rt + 1) * kc) - lo;
-        pos0 = n_tail + lo - i0;
-    }
-    // Shared segments (length >= 2) before segment s: all but a one-item tail and a one-item
-    // first body segment (kc = 1 has no shared segment at all).
-    KBIT_DEVICE int shared_before(int s) const {
-        const int b0 = n_tail > 0;
-        const int b0_len = min(body_end, (i0 / kc + 1) * kc) - i0;
-        return s - (n_tail == 1 && s > 0) - (b0_len == 1 && s > b0);
-    }
+struct RedCtl {
+    int gen, count;
 };
 
-// Pass the row slot's barriers of the shared segments in [from, to) (a warp with no chunks in
-// them); returns `to`, the next segment whose barrier the warp has not passed.
-template <int KS> KBIT_DEVICE int pass_barriers(const Segments& segs, int from, int to, int bar_id) {
-    for (int s = from; s < to; ++s) {
-        int pos0, len;
-        segs.get(s, pos0, len);
-        if (KS > 1 && len > 1) named_barrier(bar_id, KS * 32);
+// seg_pos0: the segment's first position in the block's sequence (warp wk holds positions
+// p = wk mod KS), so its contributors are the warps (seg_pos0 + q) % KS, q < min(seg_len, KS).
+template <int DT, int MT, int R, int KS>
+KBIT_DEVICE void reduce_flush(float (&acc)[R][MT][4], RedSlot<KS, R, MT>* slot, RedCtl* ctl, u16* __restrict__ out, float* __restrict__ ws,
+                            int* cnt, int seg, int seg_len, int seg_pos0, int nmine, int wk, int rg0, int kc, int M, int N,
+                            float tscale, int lane) {
+    volatile int* gen = &ctl->gen;
+    if (lane == 0) {
+        while (*gen != seg) {
+        }
+        __threadfence_block();
     }
-    return to;
-}
-
-// This warp's sums (acc) for segment `seg`, in which it holds some chunks; `seg_next` is the
-// first segment whose barrier it has not passed. Reduce over the row slot's warps when the
-// segment is shared, then flush (the owner) or leave it to the owner. Returns seg + 1.
-template <int DT, int MT, int R, int KS, int NWR>
-KBIT_DEVICE int reduce_flush(float (&acc)[R][MT][4], RedSlot<KS, R, MT>* slots, const Segments& segs, int seg, int seg_next,
-                             int wr, int wk, u16* __restrict__ out, float* __restrict__ ws, int* cnt, int rg0, int M, int N,
-                             float tscale, int lane) {
-    pass_barriers<KS>(segs, seg_next, seg, 1 + wr);
-    int pos0, len;
-    segs.get(seg, pos0, len);
-    if (KS == 1 || len == 1) {  // the only contributor
-        flush<DT, MT, R>(acc, out, ws, cnt, rg0, len, segs.kc, M, N, tscale, lane);
-        return seg + 1;
-    }
-    RedSlot<KS, R, MT>* slot = slots + (segs.shared_before(seg) & 1) * NWR + wr;
-    const bool owner = pos0 % KS == wk;
-    if (!owner) {
+    __syncwarp();
+    if (nmine != seg_len) {
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
             for (int j = 0; j < MT; ++j)
 #pragma unroll
                 for (int c = 0; c < 4; ++c) slot->part[wk][(r * MT + j) * 4 + c][lane] = acc[r][j][c];
+        __threadfence_block();
+        __syncwarp();
+        int old = 0;
+        if (lane == 0) old = atomicAdd(&ctl->count, nmine);
+        old = __shfl_sync(0xffffffffu, old, 0);
+        if (old + nmine != seg_len) return;
+        // Last of the segment: add the other contributors' slices.
+        __threadfence_block();
+        const int nc = min(seg_len, KS);
+        for (int q = 0; q < nc; ++q) {
+            const int w = (seg_pos0 + q) % KS;
+            if (w == wk) continue;
+            const volatile float* src = &slot->part[w][0][0];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int j = 0; j < MT; ++j)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) acc[r][j][c] += src[((r * MT + j) * 4 + c) * 32 + lane];
+        }
+        if (lane == 0) ctl->count = 0;
     }
-    named_barrier(1 + wr, KS * 32);
-    if (!owner) return seg + 1;
-    const int nc = min(len, KS);
-    for (int q = 1; q < nc; ++q) {
-        const int w = (pos0 + q) % KS;
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int j = 0; j < MT; ++j)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) acc[r][j][c] += slot->part[w][(r * MT + j) * 4 + c][lane];
-    }
-    flush<DT, MT, R>(acc, out, ws, cnt, rg0, len, segs.kc, M, N, tscale, lane);
-    return seg + 1;
+    flush<DT, MT, R>(acc, out, ws, cnt, rg0, seg_len, kc, M, N, tscale, lane);
+    __threadfence_block();
+    __syncwarp();
+    if (lane == 0) *gen = seg + 2;  // release the slot to the segment two ahead
 }
+
+// Dynamic shared memory of one instance, what the host sizes the launch with (the worst-case
+// alignment padding of the table included): the tables, then two reduction slots and their
+// control words per row slot. tests/test_kernels_compile.py checks the host's copy of this
+// against every instance.
+template <int BITS, int MT, int NW, int KS, int R> struct DecodeSmem {
+    static constexpr int kBytes = Lut<BITS>::kSmem + 2 * (NW / KS) * (int)(sizeof(RedSlot<KS, R, MT>) + sizeof(RedCtl));
+};
 
 // Kernel parameters:
 //   x [M, K] (fp16/bf16 bits), packed/absmax tiled (k_tiles x n_tiles storage tiles),
@@ -604,7 +581,6 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     static_assert(R == 1 || R == 2 || R == 4 || R == 8, "a warp's rows must stay inside one 128-row storage tile");
     static_assert(NW % KS == 0, "KS must divide NW");
     constexpr int NWR = NW / KS;
-    static_assert(NWR < 16, "one named barrier per row slot (ids 1..15)");
     using L = Lut<BITS>;
     extern __shared__ __align__(16) u8 smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -631,7 +607,8 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     const u32 stab_win = lut_win + (u32)L::kBytes;
     const u32 lanebase = lut_win + (u32)lane * L::kEntryBytes;
     using Slot = RedSlot<KS, R, MT>;
-    Slot* slots = reinterpret_cast<Slot*>(lut + L::kBytes + 1024);  // [2][NWR]
+    Slot* slots = reinterpret_cast<Slot*>(lut + L::kBytes + 1024);        // [2][NWR]
+    RedCtl* ctls = reinterpret_cast<RedCtl*>(slots + 2 * NWR);              // [2][NWR]
 
     // Order of this block's items: when its range ends inside a row tile that it does not also
     // start in, that partial tile goes first; then the range from its start. A range holding a
@@ -639,19 +616,25 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     // tiles happens early instead of on the kernel's critical path. Segment = the block's items
     // of one row tile; warp (wr, wk) takes positions wk, wk + KS, ... of the sequence.
     const int n_items = i1 - i0;
-    const Segments segs(i0, i1, kc);
-    auto item_at = [&](int p) { return segs.item_at(p); };
+    const int last_rt_start = ((i1 - 1) / kc) * kc;
+    const int n_tail = (i1 % kc != 0 && last_rt_start > i0) ? i1 - last_rt_start : 0;
+    const int body_end = n_tail ? last_rt_start : i1;
+    auto item_at = [&](int p) { return p < n_tail ? last_rt_start + p : i0 + (p - n_tail); };
     const int n_mine = wk < n_items ? (n_items - wk + KS - 1) / KS : 0;
 
     // Under a programmatic launch the previous kernel may still be running until
     // grid_dependency_wait(). Before it: build the tables from the codebook as it reads now
-    // (checked again after the wait). After it: every load and
+    // (checked again after the wait) and set up the reduction slots. After it: every load and
     // store that counts (the weights too: nothing says that kernel did not write them).
     // (Pulling the first weights into L2 before the wait was tried: no gain at K = 2, 4, 5,
     // 0.6-1.4 us lost at K = 3.)
     const float* cb_entry = codebook + (threadIdx.x & ((1 << BITS) - 1));
     const u32 cb_early = ldg_cg_word(cb_entry);
     build_tables<BITS, DT>(lut, reinterpret_cast<u32*>(lut + L::kBytes), __uint_as_float(cb_early), threadIdx.x, NW * 32);
+    if (threadIdx.x < 2 * NWR) {
+        ctls[threadIdx.x].gen = threadIdx.x / NWR;  // slot 0 starts with segment 0, slot 1 with 1
+        ctls[threadIdx.x].count = 0;
+    }
     grid_dependency_wait();
     // The codebook as it reads now: if the previous kernel changed it, the tables are rebuilt
     // below (no lookup has happened yet).
@@ -682,15 +665,12 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
         build_tables<BITS, DT>(lut, reinterpret_cast<u32*>(lut + L::kBytes), __ldcg(cb_entry), threadIdx.x, NW * 32);
         __syncthreads();
     }
-    if (n_mine == 0) {  // no chunks: only the row slot's barriers
-        pass_barriers<KS>(segs, 0, segs.count(), 1 + wr);
-        return;
-    }
+    if (n_mine == 0) return;
     const float tscale = __ldg(tensor_scale);
 
     float acc[R][MT][4];
     zero_acc<R, MT>(acc);
-    int seg_next = 0;  // the first segment whose barrier this warp has not passed
+    int j_first = 0;  // first unit of the current segment
     for (int jb = 0; jb < n_mine; jb += D) {
 #pragma unroll
         for (int d = 0; d < D; ++d) {
@@ -717,12 +697,24 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
                 seg_ends = cur.rt != rt;
             }
             if (!seg_ends) continue;
-            seg_next = reduce_flush<DT, MT, R, KS, NWR>(acc, slots, segs, segs.of(pos, rt), seg_next, wr, wk, out, ws,
-                                                        counters + rt * NWR + wr, rg0, M, N, tscale, lane);
+            int seg, seg_len, seg_pos0;
+            if (pos < n_tail) {
+                seg = 0;
+                seg_len = n_tail;
+                seg_pos0 = 0;
+            } else {
+                const int lo = max(i0, rt * kc);
+                seg = (n_tail > 0 ? 1 : 0) + rt - i0 / kc;
+                seg_len = min(body_end, (rt + 1) * kc) - lo;
+                seg_pos0 = n_tail + lo - i0;
+            }
+            const int s2 = (seg & 1) * NWR + wr;
+            reduce_flush<DT, MT, R, KS>(acc, slots + s2, ctls + s2, out, ws, counters + rt * NWR + wr, seg, seg_len, seg_pos0,
+                                        j - j_first + 1, wk, rg0, kc, M, N, tscale, lane);
             zero_acc<R, MT>(acc);
+            j_first = j + 1;
         }
     }
-    pass_barriers<KS>(segs, seg_next, segs.count(), 1 + wr);  // the shared segments after this warp's last chunk
 }
 
 }  // namespace kbit_decode

@@ -39,25 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402  (needs the path above; puts the repository on the path)
 
 from kbit_linear import format as fmt  # noqa: E402
-from kbit_linear.backends import decode, loader  # noqa: E402
+from kbit_linear.backends.cuda import decode, loader  # noqa: E402
+from kbit_linear.backends.cuda.tuning import DECODE_VARIANTS  # noqa: E402
 
 MIN_CALLS = 200  # calls per CUDA graph (rounded up to whole rotations through the copies)
 DEFAULT_SHAPES = ("4096x4096", "4096x14336", "14336x4096", "8192x28672", "576x192")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-# Launch shapes tried by --variants: (warps, warps along K, row groups, depth, min blocks per
-# SM), each timed with the schedules of --variant-schedules ("auto": the cheapest for that shape).
-VARIANTS = {
-    (2, 1): [(16, 16, 2, 1, 1), (16, 16, 2, 2, 1), (16, 4, 2, 2, 1), (16, 4, 2, 3, 1), (16, 1, 2, 1, 1), (16, 1, 2, 2, 1)],
-    (3, 1): [(8, 8, 2, 2, 2), (16, 4, 2, 2, 1), (16, 1, 2, 1, 1), (16, 1, 2, 2, 1)],
-    (4, 1): [(16, 16, 2, 1, 1), (16, 16, 2, 2, 1), (16, 4, 2, 2, 1), (16, 4, 4, 1, 1), (16, 8, 2, 2, 1), (16, 1, 2, 1, 1),
-             (16, 1, 2, 2, 1)],
-    (5, 1): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
-    (2, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 2, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
-    (3, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
-    (4, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
-    (5, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
-}
 
 
 def time_calls(fn: Callable[[int], object], copies: int) -> float:
@@ -229,7 +217,7 @@ def main() -> None:
                         overlap_rows.append(orow)
                         print("overlap " + json.dumps(orow), flush=True)
                     if args.variants and dname == args.dtypes[0] and shape in args.variant_shapes:
-                        for v in VARIANTS.get((bits, 1 if m <= 8 else 2), []):
+                        for v in DECODE_VARIANTS.get((bits, 1 if m <= 8 else 2), []):
                             cfg = decode.DecodeConfig(*v)
                             for sched in args.variant_schedules:
                                 try:

@@ -80,7 +80,7 @@ def bench_shape(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int], cu
 
 def _decode_ok(m: int, bits: int, dtype: torch.dtype) -> bool:
     try:
-        from kbit_linear.backends import decode  # noqa: PLC0415
+        from kbit_linear.backends.cuda import decode  # noqa: PLC0415
     except ImportError:
         return False
     return decode.decode_supported(m, bits, dtype)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kbit_linear import format as fmt  # noqa: E402
 from kbit_linear.backends import cuda as kcuda  # noqa: E402
-from kbit_linear.backends import decode as kdecode  # noqa: E402
+from kbit_linear.backends.cuda import decode as kdecode  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
 # (n, k): out_features, in_features. Small ones are not tile multiples; the stream-K ranges of
@@ -51,11 +51,13 @@ def _weight(n: int, k: int, bits: int, dev: torch.device) -> tuple[torch.Tensor,
     return packed, absmax, cb, ts, wd
 
 
-def _calls(m: int, bits: int, dtype: torch.dtype, dev: torch.device, every_path: bool) -> list[tuple[str, dict]]:
+def _calls(m: int, n: int, k: int, bits: int, dtype: torch.dtype, dev: torch.device, every_path: bool) -> list[tuple[str, dict]]:
     """(label, keyword arguments) of the launches for one problem: the dispatcher's choice, and
     with ``every_path`` each other path and decode schedule that applies (else only the split
     ones, which the large shapes exist to exercise)."""
-    calls = [("auto", {})]
+    # The dequant+cublas path's matmul is cuBLAS's kernel, not ours (and cuBLAS fails under
+    # racecheck): the sweep runs our dequantize kernel for it instead.
+    calls = [] if kcuda.gemm_path(m, n, k, bits, dtype, dev) == "dequant+cublas" else [("auto", {})]
     if m <= kdecode.MAX_M and kdecode.decode_supported(m, bits, dtype, dev):
         schedules = ("stream-k", "tiles", "tile-split") if every_path else ("stream-k",)
         calls += [(f"decode/{s}", {"schedule": s}) for s in schedules]
@@ -63,13 +65,17 @@ def _calls(m: int, bits: int, dtype: torch.dtype, dev: torch.device, every_path:
         calls.append(("fused", {"path": "fused", "split_k": 1}))
     calls.append(("fused-splitk", {"path": "fused-splitk"}))
     if every_path and m >= 17:
-        calls.append(("dequant+cublas", {"path": "dequant+cublas"}))
+        calls.append(("dequantize", {"dequantize": True}))  # the dequant+cublas path's own kernel
     return calls
 
 
 def _run(x: torch.Tensor, bias: torch.Tensor, qw: tuple[torch.Tensor, ...], bits: int, n: int, kw: dict) -> torch.Tensor | None:
-    """One launch into a NaN-filled output (None: the decode schedule does not apply)."""
+    """One launch into a NaN-filled output (None: the decode schedule does not apply); for
+    ``dequantize``, the dense weight multiplied in fp32."""
     packed, absmax, cb, ts, _ = qw
+    if kw.get("dequantize"):  # dense weight in x's dtype, multiplied here in fp32
+        w = kcuda.dequantize_cuda(packed, absmax, cb, ts, bits, n, x.shape[1], x.dtype)
+        return (x.float() @ w.float().t() + bias.float()).to(x.dtype)
     out = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
     if "schedule" in kw:
         try:
@@ -85,6 +91,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small shapes only")
     parser.add_argument("--bits", type=int, nargs="+", default=list(fmt.SUPPORTED_BITS), choices=fmt.SUPPORTED_BITS)
     parser.add_argument("--shapes", nargs="+", help="out x in shapes to run instead of the built-in lists, e.g. 1000x1000")
+    parser.add_argument("--verbose", action="store_true", help="name each launch before it runs (with CUDA_LAUNCH_BLOCKING=1 the last name is the culprit)")
     args = parser.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -102,7 +109,9 @@ def main() -> int:
                 for m in ms:
                     x = torch.randn(m, k, device=dev, dtype=dtype)
                     ref = F.linear(x.float(), wd, bias.float())
-                    for label, kw in _calls(m, bits, dtype, dev, every_path):
+                    for label, kw in _calls(m, n, k, bits, dtype, dev, every_path):
+                        if args.verbose:
+                            print(f"launch: M={m} {k}->{n} bits={bits} {dtype} {label}", flush=True)
                         y = _run(x, bias, qw, bits, n, kw)
                         if y is None:
                             continue

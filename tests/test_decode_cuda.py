@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kbit_linear import format as fmt
-from kbit_linear.backends import decode, loader
+from kbit_linear.backends.cuda import decode, loader, plans
 
 _GPU_MARKS = (
     pytest.mark.cuda,
@@ -528,9 +528,12 @@ def test_plan_picks_the_launch_shape_by_cost(monkeypatch):
     props = SimpleNamespace(sm_count=132, shared_per_sm=233472, max_shared_per_block=232448)
     monkeypatch.setattr(loader, "device_properties", lambda index: props)
     monkeypatch.setattr(loader, "get_kernel", lambda src, name, dev: name)
-    monkeypatch.setattr(decode, "_plans", {})
-    narrow = decode.decode_plan(1, 4, torch.float16, 4096, 64, device=0)
-    wide = decode.decode_plan(1, 4, torch.float16, 14336, 64, device=0)
+    plans.clear()
+    try:
+        narrow = decode.decode_plan(1, 4, torch.float16, 4096, 64, device=0)
+        wide = decode.decode_plan(1, 4, torch.float16, 14336, 64, device=0)
+    finally:
+        plans.clear()  # the plans hold the faked kernels: keep them from later tests
     assert narrow.config.tile_rows < wide.config.tile_rows
     assert not narrow.split and not wide.split
     assert narrow.kernel == narrow.name

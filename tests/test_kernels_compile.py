@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from kbit_linear.backends import cuda as kcuda
-from kbit_linear.backends import decode as kdecode
-from kbit_linear.backends.loader import read_source
+from kbit_linear.backends.cuda import decode as kdecode
+from kbit_linear import format as fmt
+from kbit_linear.backends.cuda.loader import read_source
 
 NVCC = shutil.which("nvcc")
 ARCHS = ("80", "90")
@@ -87,3 +88,70 @@ def test_every_kernel_instance_builds_for_sm80_and_sm90():
         print(f"| {name} | sm_{arch} | {regs} | {spill} | {stack} |")
     expected = sum(len(v) for v in jobs.values()) * len(ARCHS)
     assert len(rows) == expected, f"ptxas reported {len(rows)} entry points, expected {expected}"
+
+
+# ---------------------------------------------------------------------------------------
+# the host's copies of kernel facts: parameter lists and shared-memory sizes
+# ---------------------------------------------------------------------------------------
+
+# A kernel's name and parameter list: the first "name(params) {" after __global__ (the
+# parameters hold no parentheses; __launch_bounds__(...) before the name may).
+_SIGNATURE = re.compile(r"(\w+)\s*\(([^()]*)\)\s*\{")
+
+
+def _kernel_params(source: str) -> dict[str, list[tuple[str, str]]]:
+    """``{kernel name: [(parameter name, kind p/i/f), ...]}`` from a ``.cu`` source's ``__global__`` functions."""
+    out = {}
+    text = read_source(source)
+    for start in [m.end() for m in re.finditer(r"__global__", text)]:
+        name, params = _SIGNATURE.search(text, start).groups()
+        parsed = []
+        for decl in params.split(","):
+            decl = " ".join(decl.split())
+            pname = re.findall(r"(\w+)\s*$", decl)[0]
+            kind = "p" if "*" in decl else ("f" if re.match(r"^(const\s+)?float\b", decl) else "i")
+            parsed.append((pname, kind))
+        out[name] = parsed
+    return out
+
+
+def test_kernel_argument_packs_match_the_kernel_signatures():
+    """Every ArgPack names the kernel's parameters, in its order, with the right kinds."""
+    packs = [kcuda.ops._GEMM_ARGS, kcuda.ops._QUANT_ARGS, kcuda.ops._REPACK_ARGS, kcuda.ops._DEQUANT_ARGS, kdecode._ARGS]
+    sources = {**_kernel_params("gemm.cu"), **_kernel_params("quantize.cu"), **_kernel_params("decode.cu")}
+    assert {p.kernel for p in packs} <= set(sources), f"kernels found: {sorted(sources)}"
+    for pack in packs:
+        expected = sources[pack.kernel]
+        assert list(zip(pack.names, pack.kinds)) == expected, f"{pack.kernel}: host {list(zip(pack.names, pack.kinds))}, kernel {expected}"
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: kernel geometry check skipped")
+def test_host_shared_memory_sizes_match_the_kernels(tmp_path):
+    """The host's shared-memory sizes (what a launch asks for) equal the kernels' own, for every
+    instance the dispatcher can launch and the other decode launch shapes the tests use: an
+    underestimate would let a kernel write past its shared memory."""
+    gemm = [(b, mb) for b in fmt.SUPPORTED_BITS for mb in kcuda.tuning.FUSED_ROW_BLOCKS]
+    configs = {(b, mt, c) for (b, mt), cs in kcuda.tuning.DECODE_CONFIGS.items() for c in cs}
+    configs |= {(b, mt, kcuda.tuning.DecodeConfig(*v)) for (b, mt), vs in kcuda.tuning.DECODE_VARIANTS.items() for v in vs}
+    configs = sorted(configs, key=lambda t: (t[0], t[1], t[2].warps, t[2].k_warps, t[2].row_groups))
+    programs = {
+        "gemm.cu": [f'printf("gemm {b} {mb} %d\\n", (int)kbit::GemmShape<{b}, {mb}>::SMEM_BYTES);' for b, mb in gemm],
+        "decode.cu": [f'printf("decode {b} {mt} {c.warps} {c.k_warps} {c.row_groups} %d\\n", '
+                      f'kbit_decode::DecodeSmem<{b}, {mt}, {c.warps}, {c.k_warps}, {c.row_groups}>::kBytes);' for b, mt, c in configs],
+    }
+    kernel = {}
+    for source, lines in programs.items():  # one program per source: each inlines common.cuh
+        stem = Path(source).stem
+        (tmp_path / source).write_text(read_source(source))
+        main = tmp_path / f"main_{stem}.cu"
+        main.write_text(f'#include <cstdio>\n#include "{source}"\nint main() {{\n' + "\n".join(lines) + "\nreturn 0;\n}\n")
+        exe = tmp_path / f"geometry_{stem}"
+        build = subprocess.run([NVCC, "-std=c++17", "-arch=sm_80", str(main), "-o", str(exe)], capture_output=True, text=True, timeout=600)
+        assert build.returncode == 0, build.stderr[-4000:]
+        for line in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines():
+            *key, value = line.split()
+            kernel[tuple(key)] = int(value)
+    for b, mb in gemm:
+        assert kcuda.ops._gemm_smem(b, mb) == kernel[("gemm", str(b), str(mb))], f"gemm bits={b} MB={mb}"
+    for b, mt, c in configs:
+        assert kdecode._smem(b, mt, c) == kernel[("decode", str(b), str(mt), str(c.warps), str(c.k_warps), str(c.row_groups))], (b, mt, c)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import kbit_linear  # noqa: F401  (op schemas)
 from kbit_linear import format as fmt
 from kbit_linear.backends import cuda as kcuda
-from kbit_linear.backends import loader
+from kbit_linear.backends.cuda import loader, ops
 
 pytestmark = [
     pytest.mark.cuda,
@@ -281,7 +281,7 @@ def test_back_to_back_fused_calls_wait_for_their_inputs(path, pdl):
         k, m, dtype = 1024, 130, torch.float16  # one block per SM: the plan launches it programmatically
         qw = _weight(k, k, 4)
         if torch.cuda.get_device_capability() >= (9, 0):
-            assert kcuda._plan(m, k, k, 4, dtype, torch.cuda.current_device(), path, None).programmatic
+            assert ops._plan(m, k, k, 4, dtype, torch.cuda.current_device(), path, None).programmatic
         w = fmt.dequantize(qw, torch.float32)
         scale = (k ** 0.5) / w.norm().item()  # keeps a chain of calls in range
         x0 = torch.randn(m, k, device=DEV, dtype=dtype)

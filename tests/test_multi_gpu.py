@@ -30,7 +30,7 @@ from torch import nn
 import kbit_linear
 from kbit_linear import format as fmt
 from kbit_linear.backends import cuda as kcuda
-from kbit_linear.backends import loader
+from kbit_linear.backends.cuda import loader
 
 pytestmark = [
     pytest.mark.cuda,

@@ -1,4 +1,4 @@
-"""Persistent split-K scratch buffers (``kbit_linear/backends/workspace.py``).
+"""Persistent split-K scratch buffers (``kbit_linear/backends/cuda/workspace.py``).
 
 The GPU tests check what the buffers promise: zeros on first use, one per stream and user,
 outgrown buffers still valid, and a graph captured before any eager call (so its buffers are
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kbit_linear import format as fmt
 from kbit_linear.backends import cuda as cuda_backend
-from kbit_linear.backends import decode, driver, loader, workspace
+from kbit_linear.backends.cuda import decode, driver, loader, workspace
 
 
 

@@ -3,17 +3,16 @@
 Importing this module registers ``torch.library`` CUDA kernels for ``kbit_linear::quantize``,
 ``::repack``, ``::dequantize`` and ``::gemm``. It needs neither CuPy nor a GPU to import: CuPy
 is loaded, and each kernel instance compiled, on the first call that needs it
-(:mod:`kbit_linear.backends.loader`).
+(:mod:`.loader`).
 
 GEMM paths (:func:`gemm_path` names the one a problem takes):
 
-* ``"decode"``: the small-M kernel of :mod:`kbit_linear.backends.decode`, when that module exists,
-  says it supports the problem and M is at most :data:`DECODE_MAX_M` for the GPU (a smaller
-  limit for weights of :data:`DECODE_LARGE_WEIGHT` elements or more);
+* ``"decode"``: the small-M kernel of :mod:`.decode`, when it supports the problem and M is at most :data:`.tuning.DECODE_MAX_M` for the GPU (a smaller
+  limit for weights of :data:`.tuning.DECODE_LARGE_WEIGHT` elements or more);
 * ``"fused"`` / ``"fused-splitk"``: ``kernels/gemm.cu``, dequantization fused into an mma.sync
   GEMM; "-splitk" when some output tiles are reduced over several blocks;
 * ``"dequant+cublas"``: ``kernels/quantize.cu``'s dequantize kernel writes the dense weight in
-  x's dtype, then ``F.linear`` (cuBLAS) multiplies. Taken from :data:`DEQUANT_CUBLAS_MIN_M`
+  x's dtype, then ``F.linear`` (cuBLAS) multiplies. Taken from :data:`.tuning.DEQUANT_CUBLAS_MIN_M`
   rows on, where cuBLAS's tensor-core GEMM beats the fused mma.sync kernel; it needs a
   temporary dense weight (``N * K`` elements).
 
@@ -24,22 +23,18 @@ zero-padded to one on the host (a copy of x per call: a slow path for rare shape
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from .. import _ops  # noqa: F401  (defines the op schemas before the registrations below)
-from .. import format as fmt
-from . import loader, workspace
+from ... import _ops  # defines the op schemas before the registrations below
+from ... import format as fmt
+from . import decode, loader, plans, tuning, workspace
+from .tensors import aligned16, kernel_rows
 
 __all__ = [
     "GEMM_PATHS",
-    "DEQUANT_CUBLAS_MIN_M",
-    "DECODE_MAX_M",
-    "DECODE_LARGE_WEIGHT",
     "gemm_path",
     "gemm_cuda",
     "gemm_instances",
@@ -48,43 +43,19 @@ __all__ = [
 
 GEMM_PATHS = ("fused", "fused-splitk", "dequant+cublas", "decode")
 
-# Rows from which the dequantize + cuBLAS path is taken instead of the fused kernel, per GPU
-# (matched as a substring of the device name), by bits. Measured on an H100 80GB HBM3
-# (2026-11-22, scripts/kernel_bench.py, bench/results/kernels-first-version.md): fused vs
-# dequantize + F.linear at M = 128 / 256, us, bits 4 fp16:
-#   4096->4096 27.6 vs 30.3 / 42.6 vs 35.8;  4096->14336 70.8 vs 108.7 / 130.3 vs 115.7;
-#   14336->4096 69.3 vs 113.7 / 125.0 vs 122.6;  8192->28672 236.8 vs 412.9 / 483.4 vs 438.3;
-#   bits 2, 3, 5 and bf16 on 4096->14336 cross between the same two sizes.
-# Other GPUs use the same until measured.
-DEQUANT_CUBLAS_MIN_M: dict[str, dict[int, int]] = {
-    "H100": {2: 256, 3: 256, 4: 256, 5: 256},
-    "default": {2: 256, 3: 256, 4: 256, 5: 256},
-}
-
-# Largest M handed to the decode kernel (kbit_linear.backends.decode) where that module supports
-# it, per GPU, and the smaller limit for weights of at least DECODE_LARGE_WEIGHT elements; GPUs
-# not listed take it wherever decode_supported says so. H100, fp16, decode vs fused(-splitk) us,
-# one run (`python3 scripts/kernel_bench.py --dispatch`, bench/results/decode.md): decode is
-# faster or equal at M = 4..16 on 4096->4096, 4096->14336 and 14336->4096 for bits 2..5 (e.g.
-# bits 4 M = 16: 11.9 vs 18.4, 24.7 vs 28.1, 23.7 vs 29.7), while on 8192->28672 the fused
-# kernel wins from M = 12 (bits 4 M = 16: 87.4 vs 78.9).
-DECODE_MAX_M: dict[str, tuple[int, int]] = {"H100": (16, 8)}
-DECODE_LARGE_WEIGHT = 128 * 2**20
-
 _THREADS = 256
 _TILE_N = fmt.TILE_N
 _TILE_K = fmt.TILE_K
 _STAGES = 4
-_MIN_SPLIT_ITERS = 4  # fewest k-tiles per block when splitting K (pipeline fill costs ~2)
-_MB_CHOICES = (1, 2, 4, 8)
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _ACT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _BITS = frozenset(fmt.SUPPORTED_BITS)
 _CB_SHAPES = {b: torch.Size([1 << b]) for b in fmt.SUPPORTED_BITS}
-_GEMM_ARGS = loader.ArgPack("ppppppppp" + "iiiiii")
-_QUANT_ARGS = loader.ArgPack("ppppp" + "iii")
-_REPACK_ARGS = loader.ArgPack("pppp" + "iiii")
-_DEQUANT_ARGS = loader.ArgPack("ppppp" + "iiii")
+_GEMM_ARGS = loader.ArgPack("kbit_gemm", "x:p packed:p absmax:p codebook:p tensor_scale:p bias:p out:p workspace:p counters:p "
+                                         "M:i N:i K:i n_tiles:i k_tiles:i iters:i")
+_QUANT_ARGS = loader.ArgPack("kbit_quantize", "w:p codebook:p tensor_scale:p packed_flat:p absmax_flat:p N:i K:i nblk:i")
+_REPACK_ARGS = loader.ArgPack("kbit_repack", "packed_flat:p absmax_flat:p packed:p absmax:p N:i nblk:i n_tiles:i k_tiles:i")
+_DEQUANT_ARGS = loader.ArgPack("kbit_dequantize", "packed:p absmax:p codebook:p tensor_scale:p out:p N:i K:i n_tiles:i k_tiles:i")
 
 
 # ---------------------------------------------------------------------------------------
@@ -98,7 +69,7 @@ def _gemm_name(bits: int, mb: int, dtype: torch.dtype) -> str:
 
 def gemm_instances() -> list[str]:
     """Every GEMM template instance the dispatcher can launch (name expressions in ``gemm.cu``)."""
-    return [_gemm_name(b, mb, dt) for b in fmt.SUPPORTED_BITS for mb in _MB_CHOICES for dt in (torch.float16, torch.bfloat16)]
+    return [_gemm_name(b, mb, dt) for b in fmt.SUPPORTED_BITS for mb in tuning.FUSED_ROW_BLOCKS for dt in (torch.float16, torch.bfloat16)]
 
 
 def format_instances() -> list[str]:
@@ -125,10 +96,10 @@ def _gemm_nacc(mb: int) -> int:
 
 
 def _pick_mb(m: int) -> int:
-    for mb in _MB_CHOICES:
+    for mb in tuning.FUSED_ROW_BLOCKS:
         if m <= 16 * mb:
             return mb
-    return _MB_CHOICES[-1]
+    return tuning.FUSED_ROW_BLOCKS[-1]
 
 
 # ---------------------------------------------------------------------------------------
@@ -147,40 +118,7 @@ class _GemmPlan:
     tiles: int = 0
     split: bool = False
     programmatic: bool = False  # may overlap the previous kernel (loader.grid_may_overlap)
-
-
-_plans: dict[tuple, _GemmPlan] = {}
-_plan_lock = threading.Lock()
-_decode_mod: Any = None
-_decode_checked = False
-
-
-def _decode_module() -> Any:
-    """The optional small-M backend (``kbit_linear.backends.decode``), or None."""
-    global _decode_mod, _decode_checked
-    if not _decode_checked:
-        try:
-            from . import decode as mod  # noqa: PLC0415
-        except ImportError:
-            mod = None
-        _decode_mod, _decode_checked = mod, True
-    return _decode_mod
-
-
-def _crossover(bits: int, device_index: int) -> int:
-    name = loader.device_properties(device_index).name
-    for key, table in DEQUANT_CUBLAS_MIN_M.items():
-        if key != "default" and key in name:
-            return table[bits]
-    return DEQUANT_CUBLAS_MIN_M["default"][bits]
-
-
-def _decode_max_m(device_index: int, weight_elements: int) -> int:
-    name = loader.device_properties(device_index).name
-    for key, (limit, large_limit) in DECODE_MAX_M.items():
-        if key in name:
-            return large_limit if weight_elements >= DECODE_LARGE_WEIGHT else limit
-    return 1 << 30
+    decode: Any = None  # decode.DecodePlan for the decode path
 
 
 def _occupancy(kernel: loader.CudaKernel, smem: int, props: loader.DeviceProperties) -> int:
@@ -208,7 +146,7 @@ def _plan_fused(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
     elif tiles >= 4 * slots or k_tiles == 1:
         iters = k_tiles
     else:
-        iters = max(-(-total // slots), min(k_tiles, _MIN_SPLIT_ITERS))
+        iters = max(-(-total // slots), min(k_tiles, tuning.FUSED_MIN_SPLIT_ITERS))
     grid = -(-total // iters)
     split = iters % k_tiles != 0
     ws = grid * 2 * _THREADS * _gemm_nacc(mb) if split else 0
@@ -217,39 +155,36 @@ def _plan_fused(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
 
 
 def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None) -> _GemmPlan:
-    key = (device_index, m, n, k, bits, dtype, path, split_k)
-    plan = _plans.get(key)
+    """The cached plan of a problem (``k`` a multiple of 8: x's row length as the kernels see it)."""
+    key = ("gemm", device_index, m, n, k, bits, dtype, path, split_k)
+    plan = plans.lookup(key)
     if plan is not None:
         return plan
     if path is not None and path not in GEMM_PATHS:
         raise ValueError(f"path must be one of {GEMM_PATHS} or None, got {path!r}")
     if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be a positive int or None, got {split_k!r}")
+    return plans.get_or_make(key, lambda: _make_plan(m, n, k, bits, dtype, device_index, path, split_k))
+
+
+def _make_plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None) -> _GemmPlan:
     n_pad, k_pad = fmt.padded_shape(n, k)
     n_tiles, k_tiles = n_pad // _TILE_N, k_pad // _TILE_K
-    dec = _decode_module()
+    gpu = loader.device_properties(device_index).name
     if path is None:
-        if dec is not None and m <= _decode_max_m(device_index, n * k) and dec.decode_supported(m, bits, dtype, device_index):
+        if m <= tuning.decode_max_m(gpu, n * k) and decode.decode_supported(m, bits, dtype, device_index):
             path = "decode"
-        elif m >= _crossover(bits, device_index):
+        elif m >= tuning.dequant_cublas_min_m(gpu, bits):
             path = "dequant+cublas"
         else:
             path = "fused"
     if path == "decode":
-        if dec is None:
-            raise ValueError("path='decode' needs kbit_linear.backends.decode, which is not available")
-        if not dec.decode_supported(m, bits, dtype, device_index):
+        if not decode.decode_supported(m, bits, dtype, device_index):
             raise ValueError(f"the decode kernel does not support m={m}, bits={bits}, dtype={dtype}")
-        plan = _GemmPlan("decode")
-    elif path == "dequant+cublas":
-        plan = _GemmPlan("dequant+cublas")
-    else:
-        plan = _plan_fused(m, n_tiles, k_tiles, bits, dtype, device_index, split_k, path == "fused-splitk")
-    with _plan_lock:
-        if len(_plans) > 4096:  # many distinct M (prefill lengths): start over rather than grow
-            _plans.clear()
-        _plans[key] = plan
-    return plan
+        return _GemmPlan("decode", decode=decode.decode_plan(m, bits, dtype, n, k_tiles, device_index))
+    if path == "dequant+cublas":
+        return _GemmPlan("dequant+cublas")
+    return _plan_fused(m, n_tiles, k_tiles, bits, dtype, device_index, split_k, path == "fused-splitk")
 
 
 def gemm_path(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device: torch.device | str | int | None = None) -> str:
@@ -300,15 +235,6 @@ def _check_gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, cod
     _ops.check_gemm_args(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
     if bias is not None and not bias.is_floating_point():
         raise TypeError(f"bias must be floating point, got {bias.dtype}")
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous with a 16-byte aligned start (the kernels copy 16 bytes at a time)."""
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.data_ptr() % 16:
-        t = t.clone()
-    return t
 
 
 def gemm_cuda(
@@ -387,17 +313,16 @@ def gemm_cuda(
     dtype = in_dtype if in_dtype is torch.float16 or in_dtype is torch.bfloat16 else torch.bfloat16
     if dtype is not in_dtype:
         x2d = x2d.to(dtype)
-    if k % 8:
-        # The kernels read x in 16-byte rows; zero columns meet the weight's zero padding.
-        x2d = F.pad(x2d, (0, 8 - k % 8))
+    if k % 8 or x2d.data_ptr() % 16 or not x2d.is_contiguous():
+        x2d = kernel_rows(x2d)
         k = x2d.shape[1]
-    if not x2d.is_contiguous() or x2d.data_ptr() % 16:
-        x2d = _aligned(x2d)
     if packed.data_ptr() % 16 or absmax.data_ptr() % 16 or not (packed.is_contiguous() and absmax.is_contiguous()):
-        packed, absmax = _aligned(packed), _aligned(absmax)
+        packed, absmax = aligned16(packed), aligned16(absmax)
+    if not codebook.is_contiguous():
+        codebook = codebook.contiguous()
     if bias is not None and (bias.dtype is not dtype or not bias.is_contiguous()):
         bias = bias.to(dtype).contiguous()
-    plan = _plans.get((dev_index, m, out_features, k, bits, dtype, path, split_k))
+    plan = plans.lookup(("gemm", dev_index, m, out_features, k, bits, dtype, path, split_k))
     if plan is None:
         plan = _plan(m, out_features, k, bits, dtype, dev_index, path, split_k)
 
@@ -413,9 +338,10 @@ def gemm_cuda(
             ws_ptr, cnt_ptr = workspace.zeroed_scratch("fused", dev_index, stream, plan.ws_numel, plan.tiles)
         _GEMM_ARGS.launch(
             plan.kernel, plan.grid, plan.smem, stream,
-            (x2d.data_ptr(), packed.data_ptr(), absmax.data_ptr(), codebook.data_ptr(), tensor_scale.data_ptr(),
-             0 if bias is None else bias.data_ptr(), out.data_ptr(), ws_ptr, cnt_ptr,
-             m, out_features, k, ps[1], ps[0], plan.iters),
+            _GEMM_ARGS.Values(x=x2d.data_ptr(), packed=packed.data_ptr(), absmax=absmax.data_ptr(), codebook=codebook.data_ptr(),
+                              tensor_scale=tensor_scale.data_ptr(), bias=0 if bias is None else bias.data_ptr(), out=out.data_ptr(),
+                              workspace=ws_ptr, counters=cnt_ptr, M=m, N=out_features, K=k, n_tiles=ps[1], k_tiles=ps[0],
+                              iters=plan.iters),
             programmatic=plan.programmatic,  # the kernel waits for the previous one before it touches memory
         )
     elif plan.path == "dequant+cublas":
@@ -427,9 +353,7 @@ def gemm_cuda(
             else:
                 torch.addmm(bias, x2d, w.t(), out=out)
     else:  # decode
-        _decode_module().decode_gemm(
-            x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out, checked=True
-        )
+        decode.launch(plan.decode, x2d, packed, absmax, codebook, tensor_scale, out)
         if bias is not None:
             out += bias
     if user_out is not None:
@@ -458,7 +382,8 @@ def _dequantize_into(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch
     kern = loader.get_kernel("quantize.cu", f"kbit_dequantize<{bits}, {_DT[dtype]}>", device)
     warps = out_features * (-(-kt // 4))  # one warp per (row, 4 k-tiles)
     loader.launch(kern, max(1, -(-warps // 8)), _THREADS,
-                  (packed, absmax, codebook, tensor_scale, out, out_features, in_features, nt, kt),
+                  _DEQUANT_ARGS.Values(packed=packed, absmax=absmax, codebook=codebook, tensor_scale=tensor_scale, out=out,
+                                       N=out_features, K=in_features, n_tiles=nt, k_tiles=kt),
                   0, device, pack=_DEQUANT_ARGS)
     return out
 
@@ -479,7 +404,7 @@ def dequantize_cuda(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     kdtype = dtype if dtype in _DT else torch.float32
-    w = _dequantize_into(_aligned(packed), _aligned(absmax), codebook.contiguous(), tensor_scale.contiguous(), bits, out_features, in_features, kdtype)
+    w = _dequantize_into(aligned16(packed), aligned16(absmax), codebook.contiguous(), tensor_scale.contiguous(), bits, out_features, in_features, kdtype)
     return w if kdtype is dtype else w.to(dtype)
 
 
@@ -487,14 +412,13 @@ def quantize_cuda(weight: torch.Tensor, codebook: torch.Tensor, tensor_scale: to
     """CUDA ``kbit_linear::quantize``: flat ``(packed_flat int32 [N, nblk, bits], absmax_flat uint8 [N, nblk])``.
 
     Bit-identical to :func:`kbit_linear.format.quantize_blockwise` with the same codebook and
-    tensor scale. Checks that the weight is finite and the codebook valid (this syncs the host;
-    quantization is not on the hot path).
+    tensor scale. Like every op it checks metadata only; the values (a finite weight, a valid
+    codebook) are validated once before it, by :func:`kbit_linear.quantizer.quantize_weight`.
     """
     _ops.check_weight_args(weight, codebook, tensor_scale, bits)
     if weight.device.type != "cuda":
         raise ValueError(f"weight must be on a CUDA device, got {weight.device}")
-    fmt.check_weight(weight)
-    cb = fmt.validate_codebook(codebook, bits)
+    cb = codebook.contiguous()
     w = weight.detach()
     if w.dtype not in _DT:
         w = w.to(torch.float32)
@@ -505,7 +429,8 @@ def quantize_cuda(weight: torch.Tensor, codebook: torch.Tensor, tensor_scale: to
     absmax = torch.empty((n, nblk), dtype=torch.uint8, device=w.device)
     kern = loader.get_kernel("quantize.cu", f"kbit_quantize<{bits}, {_DT[w.dtype]}>", w.device)
     loader.launch(kern, max(1, -(-n * nblk // 8)), _THREADS,
-                  (w, cb, tensor_scale.contiguous(), packed, absmax, n, k, nblk), 0, w.device, pack=_QUANT_ARGS)
+                  _QUANT_ARGS.Values(w=w, codebook=cb, tensor_scale=tensor_scale.contiguous(), packed_flat=packed, absmax_flat=absmax,
+                                     N=n, K=k, nblk=nblk), 0, w.device, pack=_QUANT_ARGS)
     return packed, absmax
 
 
@@ -516,14 +441,15 @@ def repack_cuda(packed_flat: torch.Tensor, absmax_flat: torch.Tensor, bits: int)
     if packed_flat.device.type != "cuda" or absmax_flat.device != packed_flat.device:
         raise ValueError(f"packed_flat and absmax_flat must be on the same CUDA device, got {packed_flat.device}, {absmax_flat.device}")
     n, nblk, _ = packed_flat.shape
-    n_pad, k_pad = fmt.padded_shape(n, nblk * fmt.BLOCK_SIZE)
-    kt, nt = k_pad // _TILE_K, n_pad // _TILE_N
+    packed_shape, absmax_shape = fmt.tiled_shapes(n, nblk * fmt.BLOCK_SIZE, bits)
+    kt, nt = absmax_shape[0], absmax_shape[1]
     dev = packed_flat.device
-    packed = torch.empty((kt, nt, _TILE_N, 2, bits), dtype=torch.int32, device=dev)
-    absmax = torch.empty((kt, nt, _TILE_N, 2), dtype=torch.uint8, device=dev)
+    packed = torch.empty(packed_shape, dtype=torch.int32, device=dev)
+    absmax = torch.empty(absmax_shape, dtype=torch.uint8, device=dev)
     kern = loader.get_kernel("quantize.cu", f"kbit_repack<{bits}>", dev)
     loader.launch(kern, _blocks(kt * nt * 256), _THREADS,
-                  (packed_flat.contiguous(), absmax_flat.contiguous(), packed, absmax, n, nblk, nt, kt), 0, dev, pack=_REPACK_ARGS)
+                  _REPACK_ARGS.Values(packed_flat=packed_flat.contiguous(), absmax_flat=absmax_flat.contiguous(), packed=packed,
+                                      absmax=absmax, N=n, nblk=nblk, n_tiles=nt, k_tiles=kt), 0, dev, pack=_REPACK_ARGS)
     return packed, absmax
 
 
@@ -550,3 +476,6 @@ def _quantize_op(weight, codebook, tensor_scale, bits):
 @torch.library.impl("kbit_linear::repack", "CUDA")
 def _repack_op(packed_flat, absmax_flat, bits):
     return repack_cuda(packed_flat, absmax_flat, bits)
+
+
+_ops.register_eager_cuda_gemm(gemm_cuda)

@@ -22,13 +22,14 @@ kernel leaves zeroed (:mod:`.workspace`: kept per device and stream, outside gra
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
 
-from .. import format as fmt
-from . import loader, workspace
+from ... import format as fmt
+from . import loader, plans, workspace
+from .tensors import aligned16, kernel_rows
+from .tuning import DECODE_CONFIGS, DECODE_SEGMENT_COST_BYTES, DECODE_SPLIT_COST_BYTES, DecodeConfig
 
 __all__ = [
     "MAX_M",
@@ -48,76 +49,24 @@ MAX_M = 16
 
 _SOURCE = "decode.cu"
 _DT = {torch.float16: 0, torch.bfloat16: 1}
-_ARGS = loader.ArgPack("pppppppp" + "iiiiii")
+_ARGS = loader.ArgPack("kbit_decode_gemm", "x:p packed:p absmax:p codebook:p tensor_scale:p out:p ws:p counters:p "
+                                          "M:i N:i K:i k_tiles:i n_tiles:i align:i")
 
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Launch shape of one kernel instance.
-
-    Attributes:
-        warps: warps per block (NW).
-        k_warps: of them, warps side by side along K (KS; divides ``warps``). They share the
-            rows of a row tile, each taking every KS-th chunk of the block's range, and sum
-            their partials in shared memory. A row tile is ``warps // k_warps * row_groups * 16``
-            output rows.
-        row_groups: 16-row groups per warp (R): x fragments are reused over them.
-        depth: work items of plane loads kept in flight per warp (D), i.e. ``depth * row_groups``
-            row groups of one 128-wide chunk each.
-        min_blocks: blocks per SM the register budget is sized for (MINB).
-    """
-
-    warps: int
-    k_warps: int
-    row_groups: int
-    depth: int
-    min_blocks: int
-
-    def __post_init__(self) -> None:
-        if min(self.warps, self.k_warps, self.row_groups, self.depth, self.min_blocks) < 1 or self.warps % self.k_warps:
-            raise ValueError(f"{self}: every field must be >= 1 and k_warps must divide warps")
-
-    @property
-    def row_slots(self) -> int:
-        """Warps side by side along N in a row tile (NW / KS)."""
-        return self.warps // self.k_warps
-
-    @property
-    def tile_rows(self) -> int:
-        """Output rows of one row tile."""
-        return self.row_slots * self.row_groups * 16
-
-
-# Per (bits, n8 fragments): the launch shapes a plan chooses from (by the cost in schedule()):
-# narrow row tiles (32 rows, all 16 warps along K) for shapes with few output rows, wide ones
-# (128 rows, 4 x 4 warps) for wide shapes. All fit 128 registers per thread (16 warps per SM;
-# `nvcc -Xptxas -v`, sm_90), timed with scripts/bench_decode.py --variants
-# (bench/results/decode.md).
-_CONFIGS: dict[tuple[int, int], tuple[DecodeConfig, ...]] = {
-    (2, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
-    (3, 1): (DecodeConfig(8, 8, 2, 2, 2), DecodeConfig(16, 4, 2, 2, 1)),
-    (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
-    (5, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
-    (2, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
-    (3, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
-    (4, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
-    (5, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
-}
 
 # Dynamic shared memory per block (kernels/decode.cu): the pair/quad table (Lut<BITS>::kSmem:
 # BITS 2..4 on a 64 KiB boundary of the shared window, so up to 64 KiB of padding, plus the
 # 1 KiB scale table), then two reduction slots per row slot (RedSlot: one slice of R*MT*4*32
-# floats per warp along K).
+# floats per warp along K) and their (generation, count) words.
 _TABLE_SMEM = {2: 65536 + 256 * 256 + 1024, 3: 65536 + 64 * 256 + 1024, 4: 65536 + 256 * 256 + 1024, 5: 1024 * 128 + 1024}
 _RESERVED_SMEM = 1024  # per block, taken by the runtime on sm_80+
 
 
 def _smem(bits: int, mt: int, cfg: DecodeConfig) -> int:
-    return _TABLE_SMEM[bits] + 2 * cfg.row_slots * cfg.k_warps * cfg.row_groups * mt * 4 * 32 * 4
+    return _TABLE_SMEM[bits] + 2 * cfg.row_slots * (cfg.k_warps * cfg.row_groups * mt * 4 * 32 * 4 + 8)
 
 
 # Most shared memory any tuned launch shape of a bit width needs (what decode_supported checks).
-_MAX_SMEM = {bits: max(_smem(bits, mt, cfg) for (b, mt), cfgs in _CONFIGS.items() if b == bits for cfg in cfgs) for bits in _TABLE_SMEM}
+_MAX_SMEM = {bits: max(_smem(bits, mt, cfg) for (b, mt), cfgs in DECODE_CONFIGS.items() if b == bits for cfg in cfgs) for bits in _TABLE_SMEM}
 
 
 def _name(bits: int, dtype: torch.dtype, mt: int, cfg: DecodeConfig) -> str:
@@ -127,7 +76,7 @@ def _name(bits: int, dtype: torch.dtype, mt: int, cfg: DecodeConfig) -> str:
 
 def decode_instances() -> list[str]:
     """Every kernel template instance :func:`decode_gemm` can launch (name expressions in ``decode.cu``)."""
-    return [_name(b, dt, mt, cfg) for (b, mt), cfgs in sorted(_CONFIGS.items()) for cfg in cfgs for dt in _DT]
+    return [_name(b, dt, mt, cfg) for (b, mt), cfgs in sorted(DECODE_CONFIGS.items()) for cfg in cfgs for dt in _DT]
 
 
 def decode_supported(m: int, bits: int, dtype: torch.dtype, device: torch.device | int | None = None) -> bool:
@@ -168,20 +117,6 @@ def decode_supported(m: int, bits: int, dtype: torch.dtype, device: torch.device
 SCHEDULES = ("auto", "stream-k", "tiles", "tile-split")
 """How a plan spreads (row tile, chunk) items over blocks; see :func:`schedule`."""
 
-# Cost of splitting row tiles over blocks, in bytes of weight one SM streams in that time
-# (3 TB/s over 132 SMs: ~23 KB/us): the finalisation chain (workspace atomics, counter, last
-# contributor's reads and store). Fitted with `scripts/bench_decode.py --variants
-# --variant-schedules auto stream-k tiles` on an H100 in CUDA graphs (bench/results/decode.md):
-# it picks the fastest measured (launch shape, schedule) within 2 us in total over 24 cases.
-# (Before the split-K buffers persisted, a captured split launch also zeroed a fresh workspace
-# and this cost was ~3x higher.)
-SPLIT_COST_BYTES = 40 * 1024
-
-# Cost of each segment (the block's chunks of one row tile) on a block, in the same bytes:
-# the in-block reduction and a pipeline restart. Fitted to the same run.
-SEGMENT_COST_BYTES = 20 * 1024
-
-
 @dataclass(frozen=True)
 class Schedule:
     """A grid: ``grid`` blocks, each taking a contiguous range of items cut on multiples of
@@ -201,8 +136,8 @@ def schedule(row_tiles: int, kc: int, sm_count: int, per_sm: int, item_bytes: fl
     Candidates: ``"stream-k"`` (one block per SM slot, equal ranges), ``"tiles"`` (whole row
     tiles per block, the fewest blocks with the same largest share, never split) and
     ``"tile-split"`` (every row tile cut into s equal parts, ``row_tiles * s`` blocks). The
-    cost of each is the items of its busiest SM in bytes, plus :data:`SEGMENT_COST_BYTES` per
-    row tile a block touches and :data:`SPLIT_COST_BYTES` when a row tile is split; ``"auto"``
+    cost of each is the items of its busiest SM in bytes, plus :data:`.tuning.DECODE_SEGMENT_COST_BYTES` per
+    row tile a block touches and :data:`.tuning.DECODE_SPLIT_COST_BYTES` when a row tile is split; ``"auto"``
     takes the cheapest.
 
     Args:
@@ -224,7 +159,7 @@ def schedule(row_tiles: int, kc: int, sm_count: int, per_sm: int, item_bytes: fl
     def cost(grid: int, most: int, segments: int, split: bool) -> float:
         # blocks of one SM share its bandwidth; segments and a split add their finalisation
         share = -(-grid // sm_count)
-        return share * (most * item_bytes + segments * SEGMENT_COST_BYTES) + (SPLIT_COST_BYTES if split else 0)
+        return share * (most * item_bytes + segments * DECODE_SEGMENT_COST_BYTES) + (DECODE_SPLIT_COST_BYTES if split else 0)
 
     cands: list[Schedule] = []
     g = min(total, slots)
@@ -279,8 +214,6 @@ class DecodePlan:
     programmatic: bool
 
 
-_plans: dict[tuple, DecodePlan] = {}
-_plan_lock = threading.Lock()
 
 
 def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_tiles: int, configs: tuple[DecodeConfig, ...],
@@ -347,17 +280,9 @@ def decode_plan(
         raise ValueError(f"the decode kernel does not support m={m}, bits={bits}, dtype={dtype}")
     index = torch.cuda.current_device() if device is None else (device if isinstance(device, int) else loader._device_index(device))
     mt = 1 if m <= 8 else 2
-    key = (index, mt, bits, dtype, out_features, k_tiles, config, schedule_kind)
-    plan = _plans.get(key)
-    if plan is None:
-        with _plan_lock:
-            plan = _plans.get(key)
-            if plan is None:
-                if len(_plans) > 4096:
-                    _plans.clear()
-                configs = (config,) if config is not None else _CONFIGS[(bits, mt)]
-                plan = _plans[key] = _make_plan(index, mt, bits, dtype, out_features, k_tiles, configs, schedule_kind)
-    return plan
+    configs = (config,) if config is not None else DECODE_CONFIGS[(bits, mt)]
+    return plans.get_or_make(("decode", index, mt, bits, dtype, out_features, k_tiles, config, schedule_kind),
+                             lambda: _make_plan(index, mt, bits, dtype, out_features, k_tiles, configs, schedule_kind))
 
 
 # ---------------------------------------------------------------------------------------
@@ -394,13 +319,6 @@ def _check(x2d: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebo
             raise ValueError(f"{name} is on {t.device}, x2d on {x2d.device}: all tensors must be on one device")
 
 
-def _aligned16(t: torch.Tensor) -> torch.Tensor:
-    if t.is_contiguous() and t.data_ptr() % 16 == 0:
-        return t
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 def decode_gemm(
     x2d: torch.Tensor,
     packed: torch.Tensor,
@@ -413,7 +331,6 @@ def decode_gemm(
     *,
     config: DecodeConfig | None = None,
     schedule_kind: str = "auto",
-    checked: bool = False,
 ) -> None:
     """Write ``x2d @ W^T`` into ``out`` with the small-M kernel.
 
@@ -430,44 +347,37 @@ def decode_gemm(
         config: a launch shape other than the tuned one (benchmarks and tests).
         schedule_kind: how items are spread over blocks, one of :data:`SCHEDULES` (benchmarks
             and tests; default ``"auto"``).
-        checked: the caller has already validated every argument (the CUDA backend's
-            dispatcher does), so skip the checks here.
 
     Raises:
         TypeError / ValueError: a tensor has the wrong dtype, shape, device or layout, or the
             problem is outside :func:`decode_supported`.
     """
-    if not checked:
-        _check(x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out)
-    device = x2d.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    m, k = x2d.shape
-    if k % 8 or not x2d.is_contiguous() or x2d.data_ptr() % 16:
-        # The kernel reads x rows 16 bytes at a time; zero columns meet the weight's padding.
-        k8 = -(-k // 8) * 8
-        xp = torch.zeros((m, k8), dtype=x2d.dtype, device=device)
-        xp[:, :k] = x2d
-        x2d, k = xp, k8
-    packed, absmax = _aligned16(packed), _aligned16(absmax)
-    mt = 1 if m <= 8 else 2
-    plan = _plans.get((index, mt, bits, x2d.dtype, out_features, packed.shape[0], config, schedule_kind))
-    if plan is None:
-        plan = decode_plan(m, bits, x2d.dtype, out_features, packed.shape[0], index, config, schedule_kind)
+    _check(x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out)
+    x2d = kernel_rows(x2d)
+    plan = decode_plan(x2d.shape[0], bits, x2d.dtype, out_features, packed.shape[0], x2d.device, config, schedule_kind)
+    launch(plan, x2d, aligned16(packed), aligned16(absmax), codebook.contiguous(), tensor_scale, out)
+
+
+def launch(plan: DecodePlan, x2d: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
+           tensor_scale: torch.Tensor, out: torch.Tensor) -> None:
+    """Launch ``plan`` on tensors that meet every requirement already (the dispatcher's fast path:
+    checked, x rows padded to 8 and every tensor contiguous and 16-byte aligned, on the plan's
+    device); writes ``x2d @ W^T`` into ``out``."""
+    index = plan.kernel.device_index
     stream = loader._current_raw_stream(index)
     if plan.split:
         ws_ptr, cnt_ptr = workspace.zeroed_scratch("decode", index, stream, plan.ws_numel, plan.counters)
     else:
         ws_ptr = cnt_ptr = 0
-    if not codebook.is_contiguous():
-        codebook = codebook.contiguous()
-    # Every value is a plain int already checked above (or by the caller): the fast launch.
+    # Every value is a plain int already checked by the caller: the fast launch.
     _ARGS.launch(
         plan.kernel,
         plan.grid,
         plan.smem,
         stream,
-        (x2d.data_ptr(), packed.data_ptr(), absmax.data_ptr(), codebook.data_ptr(), tensor_scale.data_ptr(), out.data_ptr(),
-         ws_ptr, cnt_ptr, m, out_features, k, packed.shape[0], packed.shape[1], plan.align),
+        _ARGS.Values(x=x2d.data_ptr(), packed=packed.data_ptr(), absmax=absmax.data_ptr(), codebook=codebook.data_ptr(),
+                     tensor_scale=tensor_scale.data_ptr(), out=out.data_ptr(), ws=ws_ptr, counters=cnt_ptr, M=x2d.shape[0],
+                     N=out.shape[1], K=x2d.shape[1], k_tiles=packed.shape[0], n_tiles=packed.shape[1], align=plan.align),
         threads=plan.config.warps * 32,
         programmatic=plan.programmatic,  # the kernel waits for the previous one before it touches memory
     )

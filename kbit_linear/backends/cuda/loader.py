@@ -19,6 +19,7 @@ CuPy is imported lazily, on the first compile: importing this module needs neith
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import importlib.resources
 import os
@@ -80,7 +81,7 @@ def kernel_source_dir() -> Path:
             return path
     except (ModuleNotFoundError, TypeError):
         pass
-    path = Path(__file__).resolve().parents[2] / "kernels"
+    path = Path(__file__).resolve().parents[3] / "kernels"
     if path.is_dir():
         return path
     raise FileNotFoundError("cannot find the CUDA kernel sources (neither kbit_linear._kernels nor the checkout's kernels/)")
@@ -301,22 +302,32 @@ def _get_driver_launch():
 
 
 class ArgPack:
-    """Reusable kernel-parameter storage for one kernel signature.
+    """Reusable kernel-parameter storage for one kernel signature, with the parameters' names.
 
     ``cuLaunchKernel`` takes an array of pointers, one per parameter, and copies the values at
     the call; building that array costs microseconds in Python, so it is built once here. Each
     parameter gets an 8-byte slot: pointers fill it, 32-bit ints use the low half (little-endian),
     floats are stored as their 32-bit pattern.
 
+    Call sites name the values (``pack.Values(x=..., packed=..., ...)``, a named tuple in the
+    kernel's parameter order), and ``tests/test_kernels_compile.py`` checks every pack's names
+    and kinds against the kernel's parameter list in its ``.cu`` source.
+
     Args:
-        kinds: one letter per kernel parameter: ``"p"`` pointer (tensor or int address or None),
-            ``"i"`` 32-bit int, ``"f"`` 32-bit float.
+        kernel: the ``__global__`` function's name in its source (``"kbit_gemm"``).
+        params: the parameters in order, ``"name:kind"`` separated by spaces, kind ``p``
+            (pointer: tensor, int address or None), ``i`` (32-bit int) or ``f`` (32-bit float),
+            e.g. ``"x:p packed:p M:i"``.
     """
 
-    def __init__(self, kinds: str) -> None:
-        if not kinds or any(c not in "pif" for c in kinds):
-            raise ValueError(f"kinds must be a non-empty string of 'p', 'i', 'f', got {kinds!r}")
-        self.kinds = kinds
+    def __init__(self, kernel: str, params: str) -> None:
+        pairs = [p.split(":") for p in params.split()] if isinstance(params, str) else []
+        if not pairs or any(len(p) != 2 or not p[0].isidentifier() or p[1] not in ("p", "i", "f") for p in pairs):
+            raise ValueError(f"params must be 'name:kind' pairs (kind p, i or f) separated by spaces, got {params!r}")
+        self.kernel = kernel
+        self.names: tuple[str, ...] = tuple(p[0] for p in pairs)
+        self.kinds = "".join(p[1] for p in pairs)
+        self.Values = collections.namedtuple(f"{kernel}_args", self.names)  # type: ignore[misc]
         self._local = threading.local()
 
     def _storage(self) -> Any:
@@ -408,7 +419,7 @@ def launch(
     if shared_mem > 48 * 1024:
         kernel.ensure_shared_memory(shared_mem)
     if pack is None:
-        pack = ArgPack("".join(_kind_of(a) for a in args))
+        pack = ArgPack(kernel.name.split("<")[0], " ".join(f"a{i}:{_kind_of(a)}" for i, a in enumerate(args)))
     gx, gy, gz = _dims(grid, "grid")
     bx, by, bz = _dims(block, "block")
     params = pack.pointers(args)

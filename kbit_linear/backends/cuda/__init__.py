@@ -1,0 +1,38 @@
+"""The CUDA backend: kernels in ``kernels/`` compiled at run time through CuPy, and the ops on them.
+
+Importing this package registers the ``torch.library`` CUDA implementations of the
+``kbit_linear`` ops (:mod:`.ops`); it needs neither CuPy nor a GPU to import. Its modules, each
+with one job:
+
+* :mod:`.ops`: the op implementations and the GEMM dispatcher (which path a problem takes, the
+  fused kernel's launch plan);
+* :mod:`.decode`: the small-M decode kernel's launch plans and schedules;
+* :mod:`.tuning`: every dispatch threshold and launch-shape table, with its provenance;
+* :mod:`.loader`: finding, compiling (NVRTC through CuPy) and launching kernels, per device;
+* :mod:`.driver`: the few CUDA driver calls that neither torch nor CuPy expose;
+* :mod:`.workspace`: the persistent split-K scratch buffers.
+"""
+
+from __future__ import annotations
+
+from .ops import (
+    GEMM_PATHS,
+    dequantize_cuda,
+    format_instances,
+    gemm_cuda,
+    gemm_instances,
+    gemm_path,
+    quantize_cuda,
+    repack_cuda,
+)
+
+__all__ = [
+    "GEMM_PATHS",
+    "dequantize_cuda",
+    "format_instances",
+    "gemm_cuda",
+    "gemm_instances",
+    "gemm_path",
+    "quantize_cuda",
+    "repack_cuda",
+]

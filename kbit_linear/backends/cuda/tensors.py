@@ -1,0 +1,30 @@
+"""What the kernels ask of their tensor arguments, made true with as few copies as possible.
+
+Every kernel copies 16 bytes at a time, so each tensor it reads must be contiguous and start on
+a 16-byte boundary, and x's rows must hold a multiple of 8 fp16/bf16 elements (the zero columns
+added here meet the weight's zero padding, so they add nothing).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["aligned16", "kernel_rows"]
+
+
+def aligned16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when contiguous and 16-byte aligned, else a copy that is."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def kernel_rows(x2d: torch.Tensor) -> torch.Tensor:
+    """``x2d`` (``[M, K]``) with K zero-padded to a multiple of 8, contiguous and 16-byte aligned
+    (``x2d`` itself when it already is)."""
+    k = x2d.shape[1]
+    if k % 8:
+        x2d = F.pad(x2d, (0, 8 - k % 8))
+    return aligned16(x2d)

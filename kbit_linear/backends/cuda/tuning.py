@@ -1,0 +1,170 @@
+"""Every dispatch threshold and launch-shape table of the CUDA backend, with where it came from.
+
+The kernels' correctness never depends on a number here: any value gives right results, only
+the speed changes. Each table says on which GPU and with which command it was measured; GPUs
+not listed take the ``"default"`` row (or, where there is none, no limit). The benchmark
+scripts import their candidate lists from here, so a re-tune edits one file.
+
+Which GPU a row applies to: a row's key is matched as a substring of the device name
+(``torch.cuda.get_device_properties(i).name``, e.g. ``"NVIDIA H100 80GB HBM3"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "DEQUANT_CUBLAS_MIN_M",
+    "DECODE_MAX_M",
+    "DECODE_LARGE_WEIGHT",
+    "FUSED_ROW_BLOCKS",
+    "FUSED_MIN_SPLIT_ITERS",
+    "DecodeConfig",
+    "DECODE_CONFIGS",
+    "DECODE_SPLIT_COST_BYTES",
+    "DECODE_SEGMENT_COST_BYTES",
+    "DECODE_VARIANTS",
+    "dequant_cublas_min_m",
+    "decode_max_m",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# dispatch between the paths (kbit_linear.backends.cuda.ops)
+# ---------------------------------------------------------------------------------------
+
+# Rows from which the dequantize + cuBLAS path is taken instead of the fused kernel, per GPU,
+# by bits. Measured on an H100 80GB HBM3 (2026-11-22, scripts/kernel_bench.py,
+# bench/results/kernels-first-version.md): fused vs dequantize + F.linear at M = 128 / 256, us,
+# bits 4 fp16:
+#   4096->4096 27.6 vs 30.3 / 42.6 vs 35.8;  4096->14336 70.8 vs 108.7 / 130.3 vs 115.7;
+#   14336->4096 69.3 vs 113.7 / 125.0 vs 122.6;  8192->28672 236.8 vs 412.9 / 483.4 vs 438.3;
+#   bits 2, 3, 5 and bf16 on 4096->14336 cross between the same two sizes.
+# Other GPUs use the same until measured.
+DEQUANT_CUBLAS_MIN_M: dict[str, dict[int, int]] = {
+    "H100": {2: 256, 3: 256, 4: 256, 5: 256},
+    "default": {2: 256, 3: 256, 4: 256, 5: 256},
+}
+
+# Largest M handed to the decode kernel where it supports the problem, per GPU, and the smaller
+# limit for weights of at least DECODE_LARGE_WEIGHT elements; GPUs not listed take it wherever
+# decode_supported says so. H100, fp16, decode vs fused(-splitk) us, one run
+# (`python3 scripts/kernel_bench.py --dispatch`, bench/results/decode.md): decode is faster or
+# equal at M = 4..16 on 4096->4096, 4096->14336 and 14336->4096 for bits 2..5 (e.g. bits 4
+# M = 16: 11.9 vs 18.4, 24.7 vs 28.1, 23.7 vs 29.7), while on 8192->28672 the fused kernel wins
+# from M = 12 (bits 4 M = 16: 87.4 vs 78.9).
+DECODE_MAX_M: dict[str, tuple[int, int]] = {"H100": (16, 8)}
+DECODE_LARGE_WEIGHT = 128 * 2**20
+
+
+def dequant_cublas_min_m(device_name: str, bits: int) -> int:
+    """Rows from which a GPU named ``device_name`` takes the dequantize + cuBLAS path."""
+    for key, table in DEQUANT_CUBLAS_MIN_M.items():
+        if key != "default" and key in device_name:
+            return table[bits]
+    return DEQUANT_CUBLAS_MIN_M["default"][bits]
+
+
+def decode_max_m(device_name: str, weight_elements: int) -> int:
+    """Largest M the dispatcher hands the decode kernel on a GPU named ``device_name``."""
+    for key, (limit, large_limit) in DECODE_MAX_M.items():
+        if key in device_name:
+            return large_limit if weight_elements >= DECODE_LARGE_WEIGHT else limit
+    return 1 << 30
+
+
+# ---------------------------------------------------------------------------------------
+# the fused mma.sync kernel (kernels/gemm.cu)
+# ---------------------------------------------------------------------------------------
+
+# Block tile heights in 16-row units (the MB template argument, one kernel instance each); a
+# problem takes the smallest that holds its M (kernel_bench.py, kernels-first-version.md).
+FUSED_ROW_BLOCKS = (1, 2, 4, 8)
+
+# Fewest k-tiles per block when splitting K: the cp.async pipeline fill costs about 2.
+FUSED_MIN_SPLIT_ITERS = 4
+
+
+# ---------------------------------------------------------------------------------------
+# the decode kernel (kernels/decode.cu)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of one decode kernel instance.
+
+    Attributes:
+        warps: warps per block (NW).
+        k_warps: of them, warps side by side along K (KS; divides ``warps``). They share the
+            rows of a row tile, each taking every KS-th chunk of the block's range, and sum
+            their partials in shared memory. A row tile is ``warps // k_warps * row_groups * 16``
+            output rows.
+        row_groups: 16-row groups per warp (R): x fragments are reused over them.
+        depth: work items of plane loads kept in flight per warp (D), i.e. ``depth * row_groups``
+            row groups of one 128-wide chunk each.
+        min_blocks: blocks per SM the register budget is sized for (MINB).
+    """
+
+    warps: int
+    k_warps: int
+    row_groups: int
+    depth: int
+    min_blocks: int
+
+    def __post_init__(self) -> None:
+        if min(self.warps, self.k_warps, self.row_groups, self.depth, self.min_blocks) < 1 or self.warps % self.k_warps:
+            raise ValueError(f"{self}: every field must be >= 1 and k_warps must divide warps")
+
+    @property
+    def row_slots(self) -> int:
+        """Warps side by side along N in a row tile (NW / KS)."""
+        return self.warps // self.k_warps
+
+    @property
+    def tile_rows(self) -> int:
+        """Output rows of one row tile."""
+        return self.row_slots * self.row_groups * 16
+
+
+# Per (bits, n8 fragments): the launch shapes a plan chooses from (by the cost in
+# decode.schedule()): narrow row tiles (32 rows, all 16 warps along K) for shapes with few
+# output rows, wide ones (128 rows, 4 x 4 warps) for wide shapes. All fit 128 registers per
+# thread (16 warps per SM; `nvcc -Xptxas -v`, sm_90), timed with
+# `scripts/bench_decode.py --variants` on an H100 (bench/results/decode.md).
+DECODE_CONFIGS: dict[tuple[int, int], tuple[DecodeConfig, ...]] = {
+    (2, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
+    (3, 1): (DecodeConfig(8, 8, 2, 2, 2), DecodeConfig(16, 4, 2, 2, 1)),
+    (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
+    (5, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
+    (2, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
+    (3, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
+    (4, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
+    (5, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
+}
+
+# Cost of splitting row tiles over blocks, in bytes of weight one SM streams in that time
+# (3 TB/s over 132 SMs: ~23 KB/us): the finalisation chain (workspace atomics, counter, last
+# contributor's reads and store). Fitted with `scripts/bench_decode.py --variants
+# --variant-schedules auto stream-k tiles` on an H100 in CUDA graphs (bench/results/decode.md):
+# it picks the fastest measured (launch shape, schedule) within 2 us in total over 24 cases.
+DECODE_SPLIT_COST_BYTES = 40 * 1024
+
+# Cost of each segment (the block's chunks of one row tile) on a block, in the same bytes: the
+# in-block reduction and a pipeline restart. Fitted to the same run.
+DECODE_SEGMENT_COST_BYTES = 20 * 1024
+
+# The launch shapes `scripts/bench_decode.py --variants` times, per (bits, n8 fragments), as
+# (warps, warps along K, row groups, depth, min blocks per SM): the tuned ones above and their
+# neighbours.
+DECODE_VARIANTS: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {
+    (2, 1): [(16, 16, 2, 1, 1), (16, 16, 2, 2, 1), (16, 4, 2, 2, 1), (16, 4, 2, 3, 1), (16, 1, 2, 1, 1), (16, 1, 2, 2, 1)],
+    (3, 1): [(8, 8, 2, 2, 2), (16, 4, 2, 2, 1), (16, 1, 2, 1, 1), (16, 1, 2, 2, 1)],
+    (4, 1): [(16, 16, 2, 1, 1), (16, 16, 2, 2, 1), (16, 4, 2, 2, 1), (16, 4, 4, 1, 1), (16, 8, 2, 2, 1), (16, 1, 2, 1, 1),
+             (16, 1, 2, 2, 1)],
+    (5, 1): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
+    (2, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 2, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
+    (3, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
+    (4, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
+    (5, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
+}
