@@ -28,17 +28,21 @@ def lookup(key: tuple) -> Any:
 
 
 def get_or_make(key: tuple, make: Callable[[], _P]) -> _P:
-    """The plan under ``key``, made by ``make()`` (once, under a lock) if there is none yet."""
+    """The plan under ``key``, made by ``make()`` if there is none yet.
+
+    ``make`` runs outside the lock: planners nest (the dispatcher's plan of a decode problem
+    holds the decode kernel's plan), and two threads that plan the same problem at once both
+    make it, the first one stored wins, and both return it."""
     plan = _plans.get(key)
     if plan is not None:
         return plan
+    made = make()
     with _lock:
         plan = _plans.get(key)
         if plan is None:
-            plan = make()
             if len(_plans) >= MAX_PLANS:
                 _plans.clear()
-            _plans[key] = plan
+            plan = _plans[key] = made
     return plan
 
 
