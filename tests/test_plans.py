@@ -20,7 +20,7 @@ def test_nested_planning_does_not_deadlock_and_plans_are_made_once():
         return ("outer plan", plans.get_or_make(("test", "inner"), inner))  # a planner calling another
 
     result = []
-    t = threading.Thread(target=lambda: result.append(plans.get_or_make(("test", "outer"), outer)))
+    t = threading.Thread(target=lambda: result.append(plans.get_or_make(("test", "outer"), outer)), daemon=True)
     t.start()
     t.join(timeout=10)
     try:
