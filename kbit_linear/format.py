@@ -409,6 +409,73 @@ def _quantize_blocks(weight: torch.Tensor, bits: int, cb: torch.Tensor, ts: torc
     return _pack_bitplanes(idx, bits), codes
 
 
+SCALE_SEARCH_CANDIDATES = 8
+"""E4M4 codes a block scale search tries: the round-up code of the block's absmax and the next
+lower ones (each about 6 % smaller)."""
+
+
+def search_block_codes(weight: torch.Tensor, codebook: torch.Tensor, tensor_scale: torch.Tensor,
+                       candidates: int = SCALE_SEARCH_CANDIDATES) -> torch.Tensor:
+    """Block scales chosen for the least squared error of each block, instead of its absmax.
+
+    For every 32-weight block, each of ``candidates`` E4M4 codes (the round-up code of the
+    block's absmax and the next lower ones) is tried: the block is quantized with that scale
+    (weights beyond it land on the codebook's end levels) and the code with the smallest
+    squared error is kept (ties: the larger scale). A lower scale gives the middle levels finer
+    steps at the cost of clipping the block's largest weight or two, which wins when the
+    codebook crowds its levels near zero (K = 2, 3).
+
+    Args:
+        weight: finite floating-point ``[N, K]`` (checked by the caller).
+        codebook: float32 ``[2**bits]``, strictly increasing, on ``weight``'s device.
+        tensor_scale: float32 ``[1]`` power of two with ``max|W| / tensor_scale <= 31``.
+        candidates: codes tried per block, >= 1 (1 = the round-up code alone).
+
+    Returns:
+        uint8 ``[N, ceil(K/32)]`` E4M4 codes, for :func:`quantize_with_codes`.
+    """
+    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+        raise ValueError(f"candidates must be a positive int, got {candidates!r}")
+    blocks = _blocks_of(weight)
+    ts = tensor_scale.to(torch.float32).reshape(())
+    first = _encode_e4m4_unchecked(blocks.abs().amax(dim=-1) / ts).to(torch.int64)  # [N, nblk]
+    table = _e4m4_table(weight.device)
+    mids = (codebook[:-1] + codebook[1:]) * 0.5
+    # The zero padding of a last, partial block is not a weight: its error does not count.
+    valid = (torch.arange(blocks.shape[1] * BLOCK_SIZE, device=weight.device) < weight.shape[1]).reshape(-1, BLOCK_SIZE)
+    best_code = first.clone()
+    best_err = torch.full(first.shape, float("inf"), device=weight.device)
+    # Rows in slices: every candidate needs a block-sized temporary.
+    rows = max(1, (1 << 22) // max(1, blocks.shape[1] * BLOCK_SIZE))
+    for r0 in range(0, blocks.shape[0], rows):
+        b = blocks[r0 : r0 + rows]
+        for step in range(candidates):
+            code = (first[r0 : r0 + rows] - step).clamp(min=0)
+            scale = (table[code] * ts).unsqueeze(-1)
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            x = torch.where(scale > 0, b / safe, torch.zeros_like(b))
+            idx = torch.searchsorted(mids, x.contiguous().reshape(-1), right=False).reshape(x.shape)
+            err = torch.where(valid, (codebook[idx] * scale - b) ** 2, 0.0).sum(dim=-1)
+            better = (err < best_err[r0 : r0 + rows]) & (code > 0) | (step == 0)
+            best_err[r0 : r0 + rows] = torch.where(better, err, best_err[r0 : r0 + rows])
+            best_code[r0 : r0 + rows] = torch.where(better, code, best_code[r0 : r0 + rows])
+    return best_code.to(torch.uint8)
+
+
+def quantize_with_codes(weight: torch.Tensor, bits: int, codebook: torch.Tensor, tensor_scale: torch.Tensor,
+                        codes: torch.Tensor) -> torch.Tensor:
+    """Flat bit-planes ``[N, ceil(K/32), bits]`` of ``weight`` with given block scale ``codes``
+    (uint8 ``[N, ceil(K/32)]``): each weight goes to the nearest codebook entry of
+    ``w / scale`` (ties to the lower index; beyond the scale, the end levels). Arguments checked
+    by the caller, as for :func:`search_block_codes`."""
+    blocks = _blocks_of(weight)
+    scale = _block_scales(codes, tensor_scale).unsqueeze(-1)
+    x = torch.where(scale > 0, blocks / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(blocks))
+    mids = (codebook[:-1] + codebook[1:]) * 0.5
+    idx = torch.searchsorted(mids, x.contiguous().reshape(-1), right=False).reshape(x.shape)
+    return _pack_bitplanes(idx, bits)
+
+
 def dequantize_blockwise(
     packed_flat: torch.Tensor,
     absmax_flat: torch.Tensor,

@@ -116,7 +116,8 @@ class KbitLinear(nn.Module):
     # -----------------------------------------------------------------------------------
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int = 4, codebook: torch.Tensor | None = None) -> "KbitLinear":
+    def from_linear(cls, linear: nn.Linear, bits: int = 4, codebook: torch.Tensor | None = None, *,
+                    scale_search: bool = False) -> "KbitLinear":
         """Quantize an ``nn.Linear`` into a new ``KbitLinear`` on the same device.
 
         The weight goes through :func:`kbit_linear.quantizer.quantize_weight` (validated once,
@@ -132,6 +133,8 @@ class KbitLinear(nn.Module):
             linear: the layer; its weight must be a finite floating-point ``[out, in]`` tensor.
             bits: index width, 2..5.
             codebook: float ``[2**bits]`` (default: the normal-float codebook).
+            scale_search: choose block scales for the least error instead of the round-up
+                absmax (:func:`kbit_linear.quantizer.quantize_weight`).
 
         Returns:
             The quantized layer.
@@ -143,7 +146,8 @@ class KbitLinear(nn.Module):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         q = quantize_weight(
-            linear.weight, bits, codebook, name=f"linear.weight ({linear.out_features}x{linear.in_features})"
+            linear.weight, bits, codebook, scale_search=scale_search,
+            name=f"linear.weight ({linear.out_features}x{linear.in_features})",
         )
         # Built on meta (allocates nothing), then given the real tensors.
         layer = cls(linear.in_features, linear.out_features, bias=False, bits=bits, device="meta")

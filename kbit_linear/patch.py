@@ -310,6 +310,7 @@ def quantize_model(
     skip: Iterable[SkipRule] | str | None = ("lm_head",),
     codebook: torch.Tensor | None = None,
     progress: bool = True,
+    scale_search: bool = False,
     device: torch.device | str | None = None,
 ) -> QuantizationSummary:
     """Replace the ``nn.Linear`` layers of ``model`` by :class:`KbitLinear`, in place.
@@ -331,6 +332,9 @@ def quantize_model(
         codebook: float ``[2**bits]`` shared by every layer (each layer stores its own
             copy); default the normal-float codebook.
         progress: show a tqdm progress bar.
+        scale_search: choose each block's scale for the least error instead of rounding its
+            absmax up (:func:`kbit_linear.quantizer.quantize_weight`): better at 2 and 3 bits,
+            slower to quantize.
         device: where to quantize and keep the new layers (default: each weight's device).
 
     Returns:
@@ -372,7 +376,7 @@ def quantize_model(
             if linear.bias is not None:
                 src.bias = nn.Parameter(linear.bias.detach().to(target), requires_grad=linear.bias.requires_grad)
         try:
-            new = KbitLinear.from_linear(src, bits=bits, codebook=codebook)
+            new = KbitLinear.from_linear(src, bits=bits, codebook=codebook, scale_search=scale_search)
         except (TypeError, ValueError) as e:
             raise ValueError(f"cannot quantize layer {name!r} ({linear.out_features}x{linear.in_features}): {e}") from e
         new.train(linear.training)

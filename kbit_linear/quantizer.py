@@ -49,6 +49,7 @@ def quantize_weight(
     bits: int,
     codebook: torch.Tensor | None = None,
     *,
+    scale_search: bool = False,
     name: str = "weight",
 ) -> KbitTensors:
     """Quantize a dense weight to the tiled kbit format, on the weight's device.
@@ -63,6 +64,10 @@ def quantize_weight(
         bits: index width, 2..5.
         codebook: ``[2**bits]`` strictly increasing floats in [-1, 1] (default: the
             normal-float codebook of ``bits``); copied, never aliased.
+        scale_search: choose each block's scale for the least squared error
+            (:func:`kbit_linear.format.search_block_codes`, in PyTorch on the weight's device)
+            instead of rounding its absmax up (the quantize kernel); +1 to +2 dB SQNR on normal
+            weights, several times slower.
         name: what to call ``weight`` in error messages (e.g. ``"model.layers.0.q_proj.weight"``).
 
     Returns:
@@ -81,6 +86,12 @@ def quantize_weight(
         w = weight.detach()
         cb = fmt.resolve_codebook(codebook, bits, w.device)
         ts = fmt.compute_tensor_scale(w)
-        packed_flat, absmax_flat = _QUANTIZE(w, cb, ts, bits)
+        if not isinstance(scale_search, bool):
+            raise TypeError(f"scale_search must be a bool, got {type(scale_search).__name__}")
+        if scale_search and w.device.type != "meta":
+            absmax_flat = fmt.search_block_codes(w, cb, ts)
+            packed_flat = fmt.quantize_with_codes(w, bits, cb, ts, absmax_flat)
+        else:
+            packed_flat, absmax_flat = _QUANTIZE(w, cb, ts, bits)
         packed, absmax = _REPACK(packed_flat, absmax_flat, bits)
     return KbitTensors(packed, absmax, cb, ts)

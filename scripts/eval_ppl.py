@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=16, help="number of 512-token windows")
     p.add_argument("--window", type=int, default=512, help="tokens per window")
     p.add_argument("--no-nf4", action="store_true", help="skip the bitsandbytes NF4 row")
+    p.add_argument("--scale-search", choices=["off", "on", "both"], default="off",
+                   help="kbit rows with round-up absmax scales (off), with the block scale search (on), or both")
     p.add_argument("--out", type=Path, help="also write the table (with date, command and machine) to this markdown file")
     return p.parse_args(argv)
 
@@ -113,15 +115,19 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(_row(args.dtype, str(torch.finfo(dtype).bits), base, load_s))
     print(f"{args.dtype}: perplexity {base.perplexity:.3f}", file=sys.stderr)
 
+    searches = {"off": [False], "on": [True], "both": [False, True]}[args.scale_search]
     for bits in args.bits:
-        model, load_s = _load(path, DTYPES[args.quantize_dtype], device, KbitConfig(bits=bits))
-        model.to(dtype)  # casts what stayed dense; the quantized tensors keep their dtypes
-        result = evaluate(model, windows, reference=baseline, progress=True)
-        bpw = stored_bits_per_weight(model)
-        rows.append(_row(f"kbit K={bits}", f"{bpw:.2f}", result, load_s, "load includes quantization"))
-        print(f"kbit K={bits}: perplexity {result.perplexity:.3f}, KL {result.kl:.4f}", file=sys.stderr)
-        del model
-        gc.collect()
+        for search in searches:
+            config = KbitConfig(bits=bits, scale_search=search)
+            model, load_s = _load(path, DTYPES[args.quantize_dtype], device, config)
+            model.to(dtype)  # casts what stayed dense; the quantized tensors keep their dtypes
+            result = evaluate(model, windows, reference=baseline, progress=True)
+            bpw = stored_bits_per_weight(model)
+            name = f"kbit K={bits}" + (", scale search" if search else "")
+            rows.append(_row(name, f"{bpw:.2f}", result, load_s, "load includes quantization"))
+            print(f"{name}: perplexity {result.perplexity:.3f}, KL {result.kl:.4f}", file=sys.stderr)
+            del model
+            gc.collect()
 
     if not args.no_nf4:
         rows.append(_nf4_row(path, dtype, device, windows, baseline))

@@ -230,10 +230,10 @@ def test_each_dense_weight_is_freed_before_the_next_layer_is_quantized(monkeypat
         weakref.finalize(model[i].weight, events.append, f"freed {i}")
     original = KbitLinear.from_linear.__func__
 
-    def spy(cls, linear, bits=4, codebook=None):
+    def spy(cls, linear, bits=4, codebook=None, **kwargs):
         gc.collect()
         events.append("quantize")
-        return original(cls, linear, bits, codebook)
+        return original(cls, linear, bits, codebook, **kwargs)
 
     monkeypatch.setattr(KbitLinear, "from_linear", classmethod(spy))
     quantize_model(model, skip=None, progress=False)

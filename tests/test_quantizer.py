@@ -121,3 +121,70 @@ def test_cuda_matches_the_cpu_reference_bit_for_bit(bits):
         assert g.is_cuda and torch.equal(g.cpu(), r)
     with pytest.raises(ValueError, match="weight contains NaN"):
         quantize_weight(torch.full((4, 64), float("nan"), device="cuda"), bits)
+
+
+# ---------------------------------------------------------------------------------------
+# block scale search
+# ---------------------------------------------------------------------------------------
+
+
+def _relative_error(q, w: torch.Tensor, bits: int) -> float:
+    qw = fmt.KbitWeight(q.packed, q.absmax, q.codebook, q.tensor_scale, bits, *w.shape)
+    return float((fmt.dequantize(qw) - w).pow(2).sum() / w.pow(2).sum())
+
+
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
+def test_scale_search_lowers_the_error_of_every_block(bits):
+    torch.manual_seed(bits)
+    w = torch.randn(67, 200) * torch.logspace(-3, 1, 67).unsqueeze(1)
+    w[3, :32] = 0.0  # an all-zero block keeps code 0
+    plain = quantize_weight(w, bits)
+    searched = quantize_weight(w, bits, scale_search=True)
+    assert _relative_error(searched, w, bits) < _relative_error(plain, w, bits)
+    # per block: never a larger scale than the round-up absmax, never a larger error
+    cb, ts = plain.codebook, plain.tensor_scale
+    codes = fmt.search_block_codes(w, cb, ts)
+    p0, c0, _ = fmt.quantize_blockwise(w, bits, cb, ts)
+    assert bool((codes <= c0).all()) and int(codes[3, 0]) == 0
+    def block_err(c):
+        blocks = fmt.KbitWeight(*fmt.tile_blocks(fmt.quantize_with_codes(w, bits, cb, ts, c), c, bits), cb, ts, bits, 67, 200)
+        d = torch.nn.functional.pad(fmt.dequantize(blocks) - w, (0, 24)).reshape(67, -1, 32)
+        return d.pow(2).sum(-1)
+    assert bool((block_err(codes) <= block_err(c0) * (1 + 1e-5) + 1e-12).all())  # fp32 sums in another order
+    # the stored tensors are what quantize_with_codes gives
+    packed, absmax = fmt.tile_blocks(fmt.quantize_with_codes(w, bits, cb, ts, codes), codes, bits)
+    assert torch.equal(searched.packed, packed) and torch.equal(searched.absmax, absmax)
+
+
+def test_scale_search_with_one_candidate_is_the_round_up_code():
+    w = torch.randn(10, 96)
+    cb = fmt.create_normal_float_codebook(3)
+    ts = fmt.compute_tensor_scale(w)
+    _, c0, _ = fmt.quantize_blockwise(w, 3, cb, ts)
+    assert torch.equal(fmt.search_block_codes(w, cb, ts, candidates=1), c0)
+    with pytest.raises(ValueError, match="candidates"):
+        fmt.search_block_codes(w, cb, ts, candidates=0)
+
+
+def test_scale_search_argument_is_checked_and_meta_works():
+    with pytest.raises(TypeError, match="scale_search"):
+        quantize_weight(torch.randn(4, 32), 3, scale_search=1)
+    q = quantize_weight(torch.empty(300, 100, device="meta"), 2, scale_search=True)
+    assert q.packed.device.type == "meta" and tuple(q.packed.shape) == fmt.tiled_shapes(300, 100, 2)[0]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
+def test_scale_search_on_cuda_agrees_with_cpu(bits):
+    """The search runs in PyTorch on the weight's device. GPU sums may order their additions
+    differently, so a near tie can go the other way: nearly every code agrees, and the planes
+    always match the codes the GPU chose."""
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(bits))
+    got = quantize_weight(w.cuda(), bits, scale_search=True)
+    want = quantize_weight(w, bits, scale_search=True)
+    assert got.packed.is_cuda
+    assert float((got.absmax.cpu() == want.absmax).float().mean()) > 0.99
+    codes = fmt.untile_blocks(got.packed.cpu(), got.absmax.cpu(), bits, 300, 200)[1]
+    planes = fmt.quantize_with_codes(w, bits, want.codebook, want.tensor_scale, codes)
+    assert torch.equal(fmt.tile_blocks(planes, codes, bits)[0], got.packed.cpu())

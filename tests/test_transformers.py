@@ -112,6 +112,7 @@ def test_config_round_trips_through_json():
         "bits": 3,
         "skip_modules": ["mlp", "re:layers\\.0\\."],
         "codebook": [float(v) for v in cb.tolist()],
+        "scale_search": False,
         "format_version": "1",
     }
     back = KbitConfig.from_dict(d)
@@ -191,6 +192,30 @@ def test_quantize_at_load_equals_quantize_model(dense_dir, bits):
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, _logits(ref, ids))
     assert q.config.quantization_config.bits == bits
+
+
+def test_scale_search_at_load_equals_quantize_model_and_round_trips(dense_dir, tmp_path):
+    q = _load(dense_dir, quantization_config=KbitConfig(bits=3, scale_search=True), dtype=torch.bfloat16)
+    ref = _load(dense_dir, dtype=torch.bfloat16)
+    quantize_model(ref, bits=3, progress=False, scale_search=True)
+    plain = _load(dense_dir, quantization_config=KbitConfig(bits=3), dtype=torch.bfloat16)
+    lower = 0
+    for name, layer in _kbit_layers(q).items():
+        for t in QUANTIZED:
+            assert torch.equal(getattr(layer, t), getattr(ref.get_submodule(name), t)), f"{name}.{t}"
+        lower += int((layer.absmax < _kbit_layers(plain)[name].absmax).sum())
+    assert lower > 0  # some blocks took a scale below their absmax
+    assert q.config.quantization_config.scale_search is True
+    q.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["scale_search"] is True
+    r = _load(tmp_path)
+    ids = _ids()
+    assert torch.equal(_logits(r, ids).float(), _logits(q, ids).float())
+
+
+def test_config_rejects_a_non_bool_scale_search():
+    with pytest.raises(TypeError, match="scale_search"):
+        KbitConfig(bits=3, scale_search="yes")
 
 
 def _dense_weights_alive(shapes: set[tuple[int, int]]) -> list[torch.Tensor]:
@@ -362,7 +387,8 @@ def test_save_then_reload_in_a_fresh_process_is_bit_identical(dense_dir, tmp_pat
     q.save_pretrained(out)
 
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["quantization_config"] == {"quant_method": "kbit", "bits": 4, "skip_modules": None, "codebook": None, "format_version": "1"}
+    assert cfg["quantization_config"] == {"quant_method": "kbit", "bits": 4, "skip_modules": None, "codebook": None, "scale_search": False,
+                                         "format_version": "1"}
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), "pt") as f:
