@@ -399,14 +399,18 @@ def _quantize_blocks(weight: torch.Tensor, bits: int, cb: torch.Tensor, ts: torc
     ``kbit_linear.quantizer.quantize_weight``), not again per layer.
     """
     blocks = _blocks_of(weight)  # [N, nblk, 32]
-    amax = blocks.abs().amax(dim=-1)
-    codes = _encode_e4m4_unchecked(amax / ts.reshape(()))
-    scale = _block_scales(codes, ts).unsqueeze(-1)
+    codes = _encode_e4m4_unchecked(blocks.abs().amax(dim=-1) / ts.reshape(()))
+    return _pack_bitplanes(_nearest_indices(blocks, _block_scales(codes, ts).unsqueeze(-1), cb), bits), codes
+
+
+def _nearest_indices(blocks: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """int64 codebook index of every weight of ``blocks`` (``[..., 32]``) with block scales
+    ``scale`` (``[..., 1]``): the nearest entry of ``w / scale``, ties to the lower index (a
+    zero scale gives the entry nearest 0); beyond the scale, the end levels."""
     x = torch.where(scale > 0, blocks / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(blocks))
-    mids = (cb[:-1] + cb[1:]) * 0.5
+    mids = (codebook[:-1] + codebook[1:]) * 0.5
     # searchsorted(left) counts the midpoints strictly below x: nearest entry, ties to the lower index.
-    idx = torch.searchsorted(mids, x.contiguous().reshape(-1), right=False).reshape(x.shape)
-    return _pack_bitplanes(idx, bits), codes
+    return torch.searchsorted(mids, x.contiguous().reshape(-1), right=False).reshape(x.shape)
 
 
 SCALE_SEARCH_CANDIDATES = 8
@@ -440,7 +444,6 @@ def search_block_codes(weight: torch.Tensor, codebook: torch.Tensor, tensor_scal
     ts = tensor_scale.to(torch.float32).reshape(())
     first = _encode_e4m4_unchecked(blocks.abs().amax(dim=-1) / ts).to(torch.int64)  # [N, nblk]
     table = _e4m4_table(weight.device)
-    mids = (codebook[:-1] + codebook[1:]) * 0.5
     # The zero padding of a last, partial block is not a weight: its error does not count.
     valid = (torch.arange(blocks.shape[1] * BLOCK_SIZE, device=weight.device) < weight.shape[1]).reshape(-1, BLOCK_SIZE)
     best_code = first.clone()
@@ -452,9 +455,7 @@ def search_block_codes(weight: torch.Tensor, codebook: torch.Tensor, tensor_scal
         for step in range(candidates):
             code = (first[r0 : r0 + rows] - step).clamp(min=0)
             scale = (table[code] * ts).unsqueeze(-1)
-            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-            x = torch.where(scale > 0, b / safe, torch.zeros_like(b))
-            idx = torch.searchsorted(mids, x.contiguous().reshape(-1), right=False).reshape(x.shape)
+            idx = _nearest_indices(b, scale, codebook)
             err = torch.where(valid, (codebook[idx] * scale - b) ** 2, 0.0).sum(dim=-1)
             better = (err < best_err[r0 : r0 + rows]) & (code > 0) | (step == 0)
             best_err[r0 : r0 + rows] = torch.where(better, err, best_err[r0 : r0 + rows])
@@ -468,12 +469,8 @@ def quantize_with_codes(weight: torch.Tensor, bits: int, codebook: torch.Tensor,
     (uint8 ``[N, ceil(K/32)]``): each weight goes to the nearest codebook entry of
     ``w / scale`` (ties to the lower index; beyond the scale, the end levels). Arguments checked
     by the caller, as for :func:`search_block_codes`."""
-    blocks = _blocks_of(weight)
     scale = _block_scales(codes, tensor_scale).unsqueeze(-1)
-    x = torch.where(scale > 0, blocks / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(blocks))
-    mids = (codebook[:-1] + codebook[1:]) * 0.5
-    idx = torch.searchsorted(mids, x.contiguous().reshape(-1), right=False).reshape(x.shape)
-    return _pack_bitplanes(idx, bits)
+    return _pack_bitplanes(_nearest_indices(_blocks_of(weight), scale, codebook), bits)
 
 
 def dequantize_blockwise(
