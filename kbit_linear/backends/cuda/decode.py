@@ -8,8 +8,9 @@ a few schedules (:func:`schedule`): whole row tiles per block where that balance
 K split over blocks too ("stream-K"), the rows of a split tile summed in an fp32 workspace with
 atomics and converted by the last contributor, all in one launch.
 
-Public entry points: :func:`decode_supported` and :func:`decode_gemm` (used by the CUDA backend's
-dispatcher), :func:`decode_plan` (what a launch would do, for benchmarks) and
+Public entry points: :func:`decode_supported`, :func:`decode_plan` and :func:`launch` (the CUDA
+backend's dispatcher plans once and launches on tensors it has checked and aligned),
+:func:`decode_gemm` (checks, aligns, plans and launches: benchmarks and tests) and
 :func:`decode_instances` (every template instance, for the build check).
 
 Nothing here allocates through CuPy or syncs the host on the hot path (only the one-time
@@ -38,6 +39,7 @@ __all__ = [
     "decode_supported",
     "decode_gemm",
     "decode_plan",
+    "launch",
     "decode_instances",
     "Schedule",
     "schedule",
@@ -116,6 +118,7 @@ def decode_supported(m: int, bits: int, dtype: torch.dtype, device: torch.device
 
 SCHEDULES = ("auto", "stream-k", "tiles", "tile-split")
 """How a plan spreads (row tile, chunk) items over blocks; see :func:`schedule`."""
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -212,8 +215,6 @@ class DecodePlan:
     ws_numel: int
     counters: int
     programmatic: bool
-
-
 
 
 def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_tiles: int, configs: tuple[DecodeConfig, ...],

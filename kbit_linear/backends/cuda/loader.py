@@ -20,6 +20,7 @@ CuPy is imported lazily, on the first compile: importing this module needs neith
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import importlib.resources
 import os
@@ -27,7 +28,7 @@ import re
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -223,8 +224,7 @@ class CudaKernel:
                         raise ValueError(f"{self.name} needs {nbytes} bytes of shared memory; the GPU allows {limit}")
                     # Through this device's own function handle, with its context current: the
                     # limit is a property of one device's copy of the kernel.
-                    with torch.cuda.device(self.device_index):
-                        _import_cupy().cuda.runtime.setDevice(self.device_index)
+                    with _context_of(self.device_index):
                         driver.set_max_dynamic_shared_memory(self.func_ptr, nbytes)
                     self._max_dynamic_smem = nbytes
 
@@ -432,15 +432,22 @@ def launch(
         _launch_binding(kernel, (gx, gy, gz), (bx, by, bz), shared_mem, stream, params)
 
 
+@contextlib.contextmanager
+def _context_of(index: int) -> Iterator[None]:
+    """Make device ``index`` current for torch and its primary context current for the driver
+    calls inside (cudaSetDevice does the latter); torch restores the previous device after."""
+    with torch.cuda.device(index):
+        _import_cupy().cuda.runtime.setDevice(index)
+        yield
+
+
 def _launch_binding(kernel: CudaKernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, stream: int, params: int,
                     programmatic: bool = False) -> None:
     """Launch with ``kernel``'s device made current (slow path: first launch on a thread, or
-    another device current). cudaSetDevice makes the device's primary context current on this
-    thread, which the driver-level launch needs."""
+    another device current): the driver-level launch needs the device's context current."""
     index = kernel.device_index
     fn = _get_driver_launch()
-    with torch.cuda.device(index):
-        _import_cupy().cuda.runtime.setDevice(index)
+    with _context_of(index):
         if programmatic and grid[1] == grid[2] == block[1] == block[2] == 1:
             _launch_programmatic(kernel, grid[0], block[0], shared_mem, stream, params)
         else:
