@@ -58,7 +58,7 @@
 // accumulators in the epilogue.
 //
 // Shared memory: STAGES x [A tile | plane words | scale codes] | pair table | scale table | flag
-#include "common.cuh"
+#include "dequant.cuh"  // load_planes, dequant_block, build_dequant_tables (includes common.cuh)
 
 namespace kbit {
 
@@ -78,9 +78,8 @@ struct GemmShape {
     static constexpr int B_BYTES = kTileN * 2 * BITS * 4;  // one storage tile of planes
     static constexpr int S_BYTES = kTileN * 2;              // its scale bytes
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES + S_BYTES;
-    static constexpr int LUT_ENTRIES = BITS <= 4 ? (1 << (2 * BITS)) : 0;
     static constexpr int LUT_OFFSET = STAGES * STAGE_BYTES;
-    static constexpr int LUT_BYTES = LUT_ENTRIES * 32 * 4;  // 32 bank-private copies
+    static constexpr int LUT_BYTES = pair_table_bytes<BITS>();  // 32 bank-private copies
     static constexpr int SCALE_OFFSET = LUT_OFFSET + LUT_BYTES;  // 256 packed scale pairs
     static constexpr int FLAG_OFFSET = SCALE_OFFSET + 256 * 4;
     static constexpr int SMEM_BYTES = FLAG_OFFSET + 16;
@@ -153,54 +152,6 @@ struct StageLoader {
         s_src += s_step;
     }
 };
-
-// The BITS plane words of one (column, 32-block) from shared memory, as wide as alignment allows.
-template <int BITS>
-__device__ __forceinline__ void load_planes(u32 (&w)[BITS], const u32* p) {
-    if constexpr (BITS == 4) {
-        const uint4 v = *reinterpret_cast<const uint4*>(p);
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-    } else if constexpr (BITS == 2) {
-        const uint2 v = *reinterpret_cast<const uint2*>(p);
-        w[0] = v.x; w[1] = v.y;
-    } else {
-#pragma unroll
-        for (int b = 0; b < BITS; ++b) w[b] = p[b];
-    }
-}
-
-// Dequantizes the 8 weights of one lane in one (column, 32-block) into four B-fragment
-// registers: out[j] holds rows (2i + 8j, 2i + 8j + 1) as a packed pair, already times the block
-// scale `s2` (both halves). j = 0, 1 are b0, b1 of the first k16 step; j = 2, 3 of the second.
-// lut: the pair table (BITS <= 4); lane4 = 4 * lane selects this lane's bank-private copy.
-template <int BITS, int DT>
-__device__ __forceinline__ void dequant_block(const u32 (&w)[BITS], u32 i, u32 s2, const u8* lut, u32 lane4, u32 cb_reg,
-                                              u32 (&out)[4]) {
-    if constexpr (BITS <= 4) {
-        u32 pairs = 0;
-#pragma unroll
-        for (int b = 0; b < BITS; ++b) pairs |= rotr(w[b], (2 * i - 2 * b) & 31) & (0x03030303u << (2 * b));
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            // byte j of `pairs` times 128 (32 copies x 4 bytes), plus this lane's copy
-            const u32 off = and_or(j == 0 ? pairs << 7 : pairs >> (8 * j - 7), 0x7f80u, lane4);
-            out[j] = mul2<DT>(*reinterpret_cast<const u32*>(lut + off), s2);
-        }
-    } else {
-        u32 even = 0, odd = 0;
-#pragma unroll
-        for (int b = 0; b < BITS; ++b) {
-            even |= rotr(w[b], (2 * i - b) & 31) & (0x01010101u << b);
-            odd |= rotr(w[b], (2 * i + 1 - b) & 31) & (0x01010101u << b);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const u32 lo = shfl_idx(cb_reg, even >> (8 * j));
-            const u32 hi = shfl_idx(cb_reg, odd >> (8 * j));
-            out[j] = mul2<DT>((lo & 0xffffu) | (hi << 16), s2);
-        }
-    }
-}
 
 // One k-tile of MMAs from pipeline stage `stage`. a_off[fm]: this lane's ldmatrix row offset
 // with its swizzle bits, XOR-ed with the k16 chunk below.
@@ -309,38 +260,8 @@ __global__ void __launch_bounds__(kbit::kThreads, MB == 1 ? 3 : (MB <= 4 ? 2 : 1
     allow_dependent_launch();
     grid_dependency_wait();
 
-    // Each lane holds codebook[lane] (entries past 2^BITS are never selected).
-    const float cb_f32 = lane < (1 << BITS) ? codebook[lane] : 0.f;
-    u32 cb_reg = 0;
-    if constexpr (BITS <= 4) {
-        // Pair table: entry e (lo bits at even positions, hi bits at odd) = (cb[lo], cb[hi]),
-        // written as 32 copies so that lane l always reads bank l. Work item = (entry, 4 copies).
-        u32* lut = reinterpret_cast<u32*>(smem + S::LUT_OFFSET);
-        constexpr int ITEMS = S::LUT_ENTRIES * 8;
-#pragma unroll
-        for (int it = 0; it < (ITEMS + kThreads - 1) / kThreads; ++it) {
-            const int item = it * kThreads + tid;
-            const int e = (item >> 3) & (S::LUT_ENTRIES - 1);
-            int lo = 0, hi = 0;
-#pragma unroll
-            for (int b = 0; b < BITS; ++b) {
-                lo |= ((e >> (2 * b)) & 1) << b;
-                hi |= ((e >> (2 * b + 1)) & 1) << b;
-            }
-            // all lanes shuffle (convergent), only in-range items store
-            const float vlo = __uint_as_float(shfl_idx(__float_as_uint(cb_f32), lo));
-            const float vhi = __uint_as_float(shfl_idx(__float_as_uint(cb_f32), hi));
-            const u32 v = pack2<DT>(vlo, vhi);
-            if (item < ITEMS) *reinterpret_cast<uint4*>(lut + e * 32 + (item & 7) * 4) = make_uint4(v, v, v, v);
-        }
-    } else {
-        cb_reg = f32_to_bits<DT>(cb_f32);
-    }
-    {
-        // Scale table: E4M4 code -> its value as a packed pair (exact in fp16 and bf16).
-        const u32 h = f32_to_bits<DT>(e4m4_decode(tid));
-        reinterpret_cast<u32*>(smem + S::SCALE_OFFSET)[tid] = h | (h << 16);
-    }
+    const u32 cb_reg = build_dequant_tables<BITS, DT, kThreads>(smem + S::LUT_OFFSET, reinterpret_cast<u32*>(smem + S::SCALE_OFFSET),
+                                                               codebook);
     // ldmatrix row offsets: lane l gives row (l & 7) of 8x8 matrix l / 8; matrices 0..3 are
     // (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
     u32 a_off[S::FM];

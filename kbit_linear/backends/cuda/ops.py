@@ -9,12 +9,15 @@ GEMM paths (:func:`gemm_path` names the one a problem takes):
 
 * ``"decode"``: the small-M kernel of :mod:`.decode`, when it supports the problem and M is at most :data:`.tuning.DECODE_MAX_M` for the GPU (a smaller
   limit for weights of :data:`.tuning.DECODE_LARGE_WEIGHT` elements or more);
+* ``"wgmma"`` / ``"wgmma-splitk"``: ``kernels/gemm_sm90.cu`` (:mod:`.hopper`), GPUs of compute
+  capability 9.0 only (H100, H200): the weights dequantized into registers as the A operand of
+  Hopper's warpgroup MMA; from :data:`.tuning.WGMMA_MIN_M` rows on, where decode stops;
 * ``"fused"`` / ``"fused-splitk"``: ``kernels/gemm.cu``, dequantization fused into an mma.sync
-  GEMM; "-splitk" when some output tiles are reduced over several blocks;
+  GEMM (every other GPU); "-splitk" when some output tiles are reduced over several blocks;
 * ``"dequant+cublas"``: ``kernels/quantize.cu``'s dequantize kernel writes the dense weight in
   x's dtype, then ``F.linear`` (cuBLAS) multiplies. Taken from :data:`.tuning.DEQUANT_CUBLAS_MIN_M`
-  rows on, where cuBLAS's tensor-core GEMM beats the fused mma.sync kernel; it needs a
-  temporary dense weight (``N * K`` elements).
+  rows on, on GPUs without the wgmma kernel, where cuBLAS's tensor-core GEMM beats the fused
+  mma.sync kernel; it needs a temporary dense weight (``N * K`` elements).
 
 Activations: fp16 and bf16 run as they are; any other floating dtype (fp32) is cast to bf16
 (same range as fp32) and the result cast back. ``in_features`` that is not a multiple of 8 is
@@ -30,7 +33,7 @@ import torch
 
 from ... import _ops  # defines the op schemas before the registrations below
 from ... import format as fmt
-from . import decode, loader, plans, tuning, workspace
+from . import decode, hopper, loader, plans, tuning, workspace
 from .tensors import aligned16, kernel_rows
 
 __all__ = [
@@ -41,7 +44,7 @@ __all__ = [
     "format_instances",
 ]
 
-GEMM_PATHS = ("fused", "fused-splitk", "dequant+cublas", "decode")
+GEMM_PATHS = ("fused", "fused-splitk", "wgmma", "wgmma-splitk", "dequant+cublas", "decode")
 
 _THREADS = 256
 _TILE_N = fmt.TILE_N
@@ -51,8 +54,10 @@ _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _ACT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _BITS = frozenset(fmt.SUPPORTED_BITS)
 _CB_SHAPES = {b: torch.Size([1 << b]) for b in fmt.SUPPORTED_BITS}
-_GEMM_ARGS = loader.ArgPack("kbit_gemm", "x:p packed:p absmax:p codebook:p tensor_scale:p bias:p out:p workspace:p counters:p "
-                                         "M:i N:i K:i n_tiles:i k_tiles:i iters:i")
+# Both tensor-core GEMM kernels take the same parameters.
+_GEMM_ARGS_SPEC = "x:p packed:p absmax:p codebook:p tensor_scale:p bias:p out:p workspace:p counters:p M:i N:i K:i n_tiles:i k_tiles:i iters:i"
+_GEMM_ARGS = loader.ArgPack("kbit_gemm", _GEMM_ARGS_SPEC)
+_SM90_ARGS = loader.ArgPack("kbit_gemm_sm90", _GEMM_ARGS_SPEC)
 _QUANT_ARGS = loader.ArgPack("kbit_quantize", "w:p codebook:p tensor_scale:p packed_flat:p absmax_flat:p N:i K:i nblk:i")
 _REPACK_ARGS = loader.ArgPack("kbit_repack", "packed_flat:p absmax_flat:p packed:p absmax:p N:i nblk:i n_tiles:i k_tiles:i")
 _DEQUANT_ARGS = loader.ArgPack("kbit_dequantize", "packed:p absmax:p codebook:p tensor_scale:p out:p N:i K:i n_tiles:i k_tiles:i")
@@ -110,7 +115,8 @@ def _pick_mb(m: int) -> int:
 @dataclass
 class _GemmPlan:
     path: str
-    kernel: Any = None  # loader.CudaKernel for the fused path
+    kernel: Any = None  # loader.CudaKernel for the fused and wgmma paths
+    args: Any = None  # its loader.ArgPack
     grid: int = 0
     smem: int = 0
     iters: int = 0
@@ -129,13 +135,11 @@ def _occupancy(kernel: loader.CudaKernel, smem: int, props: loader.DevicePropert
     return max(1, min(by_smem, by_regs, 2048 // _THREADS))
 
 
-def _plan_fused(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtype, device_index: int, split_k: int | None, force_split: bool) -> _GemmPlan:
+def _plan_stream_k(path: str, kernel: loader.CudaKernel, args: loader.ArgPack, smem: int, nacc: int, tiles: int, k_tiles: int,
+                   device_index: int, split_k: int | None, force_split: bool) -> _GemmPlan:
+    """Launch plan of a stream-K tensor-core kernel (gemm.cu, gemm_sm90.cu): the k-iterations
+    per block, the grid, and the split-K workspace (``nacc`` fp32 accumulators per thread)."""
     props = loader.device_properties(device_index)
-    mb = _pick_mb(m)
-    kernel = loader.get_kernel("gemm.cu", _gemm_name(bits, mb, dtype), torch.device("cuda", device_index))
-    smem = _gemm_smem(bits, mb)
-    m_tiles = -(-m // (16 * mb))
-    tiles = m_tiles * n_tiles
     total = tiles * k_tiles
     per_sm = _occupancy(kernel, smem, props)
     slots = props.sm_count * per_sm
@@ -149,9 +153,29 @@ def _plan_fused(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
         iters = max(-(-total // slots), min(k_tiles, tuning.FUSED_MIN_SPLIT_ITERS))
     grid = -(-total // iters)
     split = iters % k_tiles != 0
-    ws = grid * 2 * _THREADS * _gemm_nacc(mb) if split else 0
-    return _GemmPlan("fused-splitk" if split else "fused", kernel, grid, smem, iters, ws, tiles, split,
+    ws = grid * 2 * _THREADS * nacc if split else 0
+    return _GemmPlan(path + "-splitk" if split else path, kernel, args, grid, smem, iters, ws, tiles, split,
                      loader.grid_may_overlap(grid, per_sm, props.sm_count))
+
+
+def _plan_fused(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtype, device_index: int, split_k: int | None, force_split: bool) -> _GemmPlan:
+    mb = _pick_mb(m)
+    kernel = loader.get_kernel("gemm.cu", _gemm_name(bits, mb, dtype), torch.device("cuda", device_index))
+    tiles = -(-m // (16 * mb)) * n_tiles
+    return _plan_stream_k("fused", kernel, _GEMM_ARGS, _gemm_smem(bits, mb), _gemm_nacc(mb), tiles, k_tiles, device_index, split_k,
+                          force_split)
+
+
+def _plan_wgmma(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtype, device_index: int, split_k: int | None, force_split: bool) -> _GemmPlan:
+    if not hopper.supported(device_index):
+        raise ValueError(f"the wgmma path needs a GPU of compute capability 9.0, cuda:{device_index} is "
+                         f"{loader.device_properties(device_index).arch}")
+    bt = hopper.token_tile(m, loader.device_properties(device_index).name)
+    kernel = loader.get_kernel("gemm_sm90.cu", hopper.instance_name(bits, bt, dtype), torch.device("cuda", device_index),
+                               hopper.ARCH_OPTIONS)
+    tiles = -(-m // bt) * n_tiles
+    return _plan_stream_k("wgmma", kernel, _SM90_ARGS, hopper.smem_bytes(bits, bt), hopper.accumulators(bt), tiles, k_tiles,
+                          device_index, split_k, force_split)
 
 
 def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None) -> _GemmPlan:
@@ -174,6 +198,8 @@ def _make_plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_ind
     if path is None:
         if m <= tuning.decode_max_m(gpu, n * k) and decode.decode_supported(m, bits, dtype, device_index):
             path = "decode"
+        elif hopper.supported(device_index) and m >= tuning.wgmma_min_m(gpu):
+            path = "wgmma"
         elif m >= tuning.dequant_cublas_min_m(gpu, bits):
             path = "dequant+cublas"
         else:
@@ -182,6 +208,8 @@ def _make_plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_ind
         return _GemmPlan("decode", decode=decode.decode_plan(m, bits, dtype, n, k_tiles, device_index))
     if path == "dequant+cublas":
         return _GemmPlan("dequant+cublas")
+    if path in ("wgmma", "wgmma-splitk"):
+        return _plan_wgmma(m, n_tiles, k_tiles, bits, dtype, device_index, split_k, path == "wgmma-splitk")
     return _plan_fused(m, n_tiles, k_tiles, bits, dtype, device_index, split_k, path == "fused-splitk")
 
 
@@ -197,9 +225,8 @@ def gemm_path(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device: tor
         device: the CUDA device (default: the current one).
 
     Returns:
-        One of :data:`GEMM_PATHS`: ``"decode"``, ``"fused"``, ``"fused-splitk"`` or
-        ``"dequant+cublas"``. Compiles the fused kernel instance if needed (to read its
-        register count for the occupancy estimate).
+        One of :data:`GEMM_PATHS`. Compiles the tensor-core kernel instance if needed (to read
+        its register count for the occupancy estimate).
     """
     fmt.check_bits(bits)
     for name, v in (("m", m), ("n", n), ("k", k)):
@@ -262,7 +289,7 @@ def gemm_cuda(
         out_features: N (``N_pad - 128 < N <= N_pad``).
         bias: optional ``[N]``.
         path: force a path from :data:`GEMM_PATHS` (None: dispatch by M).
-        split_k: fused paths only: None = automatic, 1 = never split a tile over blocks,
+        split_k: fused and wgmma paths only: None = automatic, 1 = never split a tile over blocks,
             s > 1 = split each tile's K range over about s blocks.
         out: optional contiguous ``[..., out_features]`` tensor of x's dtype to write into
             (tests pass a NaN-filled one to catch unwritten elements).
@@ -329,14 +356,14 @@ def gemm_cuda(
         out = out.view(m, out_features)
     else:
         out = x2d.new_empty((m, out_features))
-    if plan.kernel is not None:  # fused
+    if plan.kernel is not None:  # fused or wgmma (both leave the counters zero, so they share the scratch)
         stream = loader._current_raw_stream(dev_index)
         ws_ptr = cnt_ptr = 0
         if plan.split:
             ws_ptr, cnt_ptr = workspace.zeroed_scratch("fused", dev_index, stream, plan.ws_numel, plan.tiles)
-        _GEMM_ARGS.launch(
+        plan.args.launch(
             plan.kernel, plan.grid, plan.smem, stream,
-            _GEMM_ARGS.Values(x=x2d.data_ptr(), packed=packed.data_ptr(), absmax=absmax.data_ptr(), codebook=codebook.data_ptr(),
+            plan.args.Values(x=x2d.data_ptr(), packed=packed.data_ptr(), absmax=absmax.data_ptr(), codebook=codebook.data_ptr(),
                               tensor_scale=tensor_scale.data_ptr(), bias=0 if bias is None else bias.data_ptr(), out=out.data_ptr(),
                               workspace=ws_ptr, counters=cnt_ptr, M=m, N=out_features, K=k, n_tiles=ps[1], k_tiles=ps[0],
                               iters=plan.iters),

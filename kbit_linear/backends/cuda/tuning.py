@@ -18,6 +18,8 @@ __all__ = [
     "DECODE_MAX_M",
     "DECODE_LARGE_WEIGHT",
     "FUSED_ROW_BLOCKS",
+    "WGMMA_MIN_M",
+    "WGMMA_TOKEN_TILES",
     "FUSED_MIN_SPLIT_ITERS",
     "DecodeConfig",
     "DECODE_CONFIGS",
@@ -26,6 +28,8 @@ __all__ = [
     "DECODE_VARIANTS",
     "dequant_cublas_min_m",
     "decode_max_m",
+    "wgmma_min_m",
+    "wgmma_token_tiles",
 ]
 
 
@@ -83,6 +87,36 @@ FUSED_ROW_BLOCKS = (1, 2, 4, 8)
 
 # Fewest k-tiles per block when splitting K: the cp.async pipeline fill costs about 2.
 FUSED_MIN_SPLIT_ITERS = 4
+
+
+# ---------------------------------------------------------------------------------------
+# the Hopper warpgroup-MMA kernel (kernels/gemm_sm90.cu), sm_90 GPUs only
+# ---------------------------------------------------------------------------------------
+
+# Rows from which a GPU of compute capability 9.0 takes the wgmma kernel (below: decode or the
+# mma.sync kernel), per GPU. PROVISIONAL until measured.
+WGMMA_MIN_M: dict[str, int] = {"default": 17}
+
+# Token tiles (the kernel's BT) by rows, per GPU: (tile, largest M that takes it), in order; an M
+# above every limit takes the largest tile, 256. PROVISIONAL until measured.
+WGMMA_TOKEN_TILES: dict[str, tuple[tuple[int, int], ...]] = {"default": ((64, 64), (128, 128))}
+
+
+def wgmma_min_m(device_name: str) -> int:
+    """Rows from which an sm_90 GPU named ``device_name`` takes the wgmma kernel."""
+    return _row(WGMMA_MIN_M, device_name)
+
+
+def wgmma_token_tiles(device_name: str) -> tuple[tuple[int, int], ...]:
+    """``(token tile, largest M)`` pairs, in order, for a GPU named ``device_name``."""
+    return _row(WGMMA_TOKEN_TILES, device_name)
+
+
+def _row(table: dict, device_name: str):
+    for key, value in table.items():
+        if key != "default" and key in device_name:
+            return value
+    return table["default"]
 
 
 # ---------------------------------------------------------------------------------------

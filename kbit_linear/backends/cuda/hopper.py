@@ -1,0 +1,82 @@
+"""Host-side facts of the Hopper warpgroup-MMA GEMM (``kernels/gemm_sm90.cu``).
+
+The kernel is built for ``sm_90a`` only (wgmma has no other target; Blackwell and newer run the
+mma.sync kernel instead). This module names its template instances, mirrors its shared-memory
+size (``Shape<BITS, BT>::SMEM_BYTES``; ``tests/test_kernels_compile.py`` checks the mirror against
+the kernel) and says which GPUs can run it. The dispatcher in :mod:`.ops` plans its launches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import format as fmt
+from . import loader, tuning
+
+__all__ = [
+    "ARCH_OPTIONS",
+    "TOKEN_TILES",
+    "supported",
+    "instance_name",
+    "instances",
+    "token_tile",
+    "smem_bytes",
+    "accumulators",
+    "min_blocks_per_sm",
+]
+
+ARCH_OPTIONS = ("-arch=sm_90a",)
+"""NVRTC options of every instance (CuPy's own ``-arch=sm_90`` comes after and does not override it)."""
+
+TOKEN_TILES = (64, 128, 256)
+"""The token tiles (wgmma's N, the BT template argument) the kernel is instantiated for."""
+
+_DT = {torch.float16: 0, torch.bfloat16: 1}
+_TILE_N, _TILE_K = fmt.TILE_N, fmt.TILE_K
+
+
+def supported(device_index: int) -> bool:
+    """Whether GPU ``device_index`` runs the kernel: compute capability 9.0 exactly (H100, H200, GH200)."""
+    return loader.device_properties(device_index).capability == (9, 0)
+
+
+def instance_name(bits: int, token_tile: int, dtype: torch.dtype) -> str:
+    """The name expression of one instance, e.g. ``"kbit_gemm_sm90<4, 128, 0>"``."""
+    return f"kbit_gemm_sm90<{bits}, {token_tile}, {_DT[dtype]}>"
+
+
+def instances() -> list[str]:
+    """Every instance the dispatcher can launch."""
+    return [instance_name(b, bt, dt) for b in fmt.SUPPORTED_BITS for bt in TOKEN_TILES for dt in _DT]
+
+
+def token_tile(m: int, device_name: str) -> int:
+    """The token tile a problem of ``m`` rows takes on a GPU named ``device_name``: the first of
+    :data:`.tuning.WGMMA_TOKEN_TILES` whose row limit holds ``m``."""
+    for tile, max_m in tuning.wgmma_token_tiles(device_name):
+        if m <= max_m:
+            return tile
+    return TOKEN_TILES[-1]
+
+
+def _stages(token_tile: int) -> int:
+    return 5 if token_tile == 256 else 6
+
+
+def smem_bytes(bits: int, token_tile: int) -> int:
+    """Dynamic shared memory of an instance (mirrors ``Shape::SMEM_BYTES``)."""
+    stage = token_tile * _TILE_K * 2 + _TILE_N * 2 * bits * 4 + _TILE_N * 2
+    stage = -(-stage // 1024) * 1024
+    lut = (1 << (2 * bits)) * 32 * 4 if bits <= 4 else 0
+    return _stages(token_tile) * stage + lut + 256 * 4 + 16 + 1024
+
+
+def accumulators(token_tile: int) -> int:
+    """fp32 accumulators per thread (``Shape::NACC``): the split-K workspace holds 256 of them per slot."""
+    return token_tile // 2
+
+
+def min_blocks_per_sm(token_tile: int) -> int:
+    """Blocks per SM the kernel's register budget is sized for (``Shape::MIN_BLOCKS``)."""
+    return 2 if token_tile == 64 else 1
+

@@ -1,0 +1,137 @@
+"""The Hopper warpgroup-MMA GEMM (``kernels/gemm_sm90.cu``) against the reference (marker ``cuda``).
+
+Runs on GPUs of compute capability 9.0 only (H100, H200); skipped elsewhere. Same tolerances as
+``test_kernels_cuda.py`` (fp32 reference of the dequantized weight; outputs NaN-poisoned first).
+M covers every token tile (64: M <= 64, 128: M <= 128, 256 above) with full and ragged last tiles.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import kbit_linear  # noqa: F401  (op schemas)
+from kbit_linear import format as fmt
+from kbit_linear.backends import cuda as kcuda
+from kbit_linear.backends.cuda import hopper, loader, ops
+
+from test_kernels_cuda import DEV, DTYPES, REL_TOL, _check_gemm, _gemm, _reference, _rel_err, _weight
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+    pytest.mark.skipif(not loader.cupy_available(), reason="needs CuPy (pip install 'kbit-linear[cuda]')"),
+    pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                       reason="the wgmma kernel needs compute capability 9.0"),
+]
+
+BITS = fmt.SUPPORTED_BITS
+SHAPES = [(576, 192), (100, 33), (200, 300), (1536, 576)]  # (in, out): odd K and N included
+M_VALUES = [1, 17, 63, 64, 65, 128, 129, 256, 300, 777]
+SPLITS = [{"path": "wgmma"}, {"path": "wgmma", "split_k": 1}, {"path": "wgmma-splitk"}, {"path": "wgmma", "split_k": 3}]
+
+
+def _cases():
+    for i, (bits, dtype, m) in enumerate(itertools.product(BITS, DTYPES, M_VALUES)):
+        k, n = SHAPES[i % len(SHAPES)]
+        yield pytest.param(m, k, n, bits, dtype, SPLITS[i % len(SPLITS)],
+                           id=f"b{bits}-{str(dtype)[6:]}-{k}x{n}-M{m}-s{i % len(SPLITS)}")
+
+
+@pytest.mark.parametrize("m,k,n,bits,dtype,kw", list(_cases()))
+def test_wgmma_gemm(m, k, n, bits, dtype, kw):
+    _check_gemm(m, k, n, bits, dtype, **kw)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("m", [64, 256, 2048])
+def test_wgmma_llama_shape(bits, m):
+    _check_gemm(m, 4096, 14336 if m == 256 else 4096, bits, torch.float16, path="wgmma")
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [64, 200])
+def test_wgmma_identity_gives_dequantized_weight(bits, dtype, m):
+    # x = rows of I: out = rows of W_hat^T up to the rounding of each weight (isolates the
+    # dequantization and the fragment layout from accumulation error).
+    k, n = 200, 300
+    qw = _weight(n, k, bits)
+    x = torch.eye(k, device=DEV, dtype=dtype)[:m]
+    out = _gemm(x, qw, path="wgmma")
+    ref = fmt.dequantize(qw, torch.float32).t()[:m]
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item() * 1e-3)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", ["wgmma", "wgmma-splitk"])
+def test_wgmma_bias_and_leading_dims(bits, dtype, path):
+    qw = _weight(300, 200, bits)
+    x = torch.randn(3, 41, 200, device=DEV, dtype=dtype)
+    bias = torch.randn(300, device=DEV, dtype=dtype)
+    out = _gemm(x, qw, bias, path=path)
+    assert out.shape == (3, 41, 300)
+    assert _rel_err(out, _reference(x, qw, bias)) < REL_TOL[dtype]
+
+
+def test_wgmma_custom_codebook():
+    n, k, bits = 260, 320, 3
+    w = torch.randn(n, k, device=DEV)
+    qw = fmt.quantize(w, bits, codebook=torch.linspace(-0.9, 1.0, 1 << bits, device=DEV))
+    x = torch.randn(100, k, device=DEV, dtype=torch.bfloat16)
+    assert _rel_err(_gemm(x, qw, path="wgmma"), _reference(x, qw)) < REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("m", [17, 100, 1000])
+def test_dispatch_takes_wgmma_from_its_threshold(m):
+    dev = torch.cuda.current_device()
+    gpu = loader.device_properties(dev).name
+    expected = "wgmma" if m >= kcuda.tuning.wgmma_min_m(gpu) else None
+    path = kcuda.gemm_path(m, 4096, 4096, 4, torch.float16)
+    if expected is not None:
+        assert path.startswith("wgmma"), path
+    _check_gemm(m, 4096, 4096, 4, torch.float16)
+
+
+def test_wgmma_path_refused_without_sm90(monkeypatch):
+    # Planned directly (the plan cache may already hold this problem): a GPU without wgmma is
+    # refused when the path is forced, and the automatic dispatch does not pick it.
+    monkeypatch.setattr(hopper, "supported", lambda index: False)
+    dev = torch.cuda.current_device()
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        ops._make_plan(40, 192, 576, 4, torch.float16, dev, "wgmma", None)
+    assert not ops._make_plan(40, 192, 576, 4, torch.float16, dev, None, None).path.startswith("wgmma")
+
+
+@pytest.mark.parametrize("path", ["wgmma", "wgmma-splitk"])
+def test_wgmma_cuda_graph_capture_and_replay(path):
+    qw = _weight(4096, 4096, 4)
+    static_x = torch.randn(96, 4096, device=DEV, dtype=torch.float16)
+    kcuda.gemm_cuda(static_x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 4, 4096, path=path)  # compile outside
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out = kcuda.gemm_cuda(static_x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 4, 4096, path=path)
+    for _ in range(3):
+        static_x.copy_(torch.randn_like(static_x))
+        static_out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert not torch.isnan(static_out).any()
+        assert _rel_err(static_out, _reference(static_x, qw)) < REL_TOL[torch.float16]
+
+
+def test_wgmma_under_torch_compile():
+    qw = _weight(576, 1536, 2)
+
+    def f(x):
+        y = torch.ops.kbit_linear.gemm(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 2, 576, None)
+        return torch.relu(y) * 2.0
+
+    x = torch.randn(130, 1536, device=DEV, dtype=torch.bfloat16)
+    assert kcuda.gemm_path(130, 576, 1536, 2, torch.bfloat16).startswith("wgmma")
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), f(x), rtol=0, atol=0)
