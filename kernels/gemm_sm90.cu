@@ -128,7 +128,9 @@ struct StageLoader {
 
 // One k-tile of one warpgroup: two 32-blocks, each dequantized into an A register set and
 // multiplied by two wgmmas (one commit group). a[kb] is the register set of block kb; on entry
-// the group of the previous k-tile's block 1 (a[1]) may still be in flight.
+// the group of the previous k-tile's block 1 (a[1]) may still be in flight. The shared-memory
+// words of both blocks (planes and scales) are loaded first, so block 1's loads are in flight
+// while block 0 is decoded and issued.
 template <int BITS, int BT, int DT>
 __device__ __forceinline__ void compute_stage(const u8* stage, const u8* lut, const u32* scale_tab, u32 cb_reg, int col0,
                                               float (&acc)[Shape<BITS, BT>::NACC], u32 (&a)[2][2][4]) {
@@ -137,16 +139,20 @@ __device__ __forceinline__ void compute_stage(const u8* stage, const u8* lut, co
     const u32* ps = reinterpret_cast<const u32*>(stage + S::X_BYTES);
     const u8* ss = stage + S::X_BYTES + S::P_BYTES;
     const u64 desc = sw128_kmajor_desc(smem_addr(stage));
+    u32 w[2][2][BITS], s2[2][2];  // [block][row]: plane words, scale pair
+#pragma unroll
+    for (int kb = 0; kb < 2; ++kb)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int col = col0 + 8 * r;
+            load_planes<BITS>(w[kb][r], ps + (col * 2 + kb) * BITS);
+            s2[kb][r] = scale_tab[ss[col * 2 + kb]];
+        }
 #pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
         u32 q[2][4];  // q[r]: feature col0 + 8r, the block's four pairs
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int col = col0 + 8 * r;
-            u32 w[BITS];
-            load_planes<BITS>(w, ps + (col * 2 + kb) * BITS);
-            dequant_block<BITS, DT>(w, lane & 3, scale_tab[ss[col * 2 + kb]], lut, lane * 4, cb_reg, q[r]);
-        }
+        for (int r = 0; r < 2; ++r) dequant_block<BITS, DT>(w[kb][r], lane & 3, s2[kb][r], lut, lane * 4, cb_reg, q[r]);
 #pragma unroll
         for (int sub = 0; sub < 2; ++sub) {
             a[kb][sub][0] = q[0][2 * sub];

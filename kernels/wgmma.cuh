@@ -36,14 +36,15 @@ KBIT_DEVICE void fence_proxy_async_shared() {
 }
 
 // Keeps registers where they are across this point (no code motion of their reads and writes
-// over it): placed around the asynchronous MMAs that read and write them.
+// over it): placed around the asynchronous MMAs that read and write them. No memory clobber:
+// shared-memory loads may still move across it.
 template <int N> KBIT_DEVICE void hold_registers(float (&r)[N]) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]));
 }
 template <int N> KBIT_DEVICE void hold_registers(u32 (&r)[N]) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]));
 }
 
 // Descriptor of a K-major operand tile in shared memory with the 128-byte swizzle: rows of 64

@@ -3,7 +3,7 @@
 For every (shape, bits, M) the wgmma kernel is timed with each token tile of
 ``hopper.TOKEN_TILES`` forced (automatic split), beside cuBLAS fp16 on the dense weight, the
 decode kernel (where it supports the problem), the mma.sync kernel and dequantize + cuBLAS. This
-is the measurement behind ``tuning.WGMMA_TOKEN_TILES`` and ``tuning.WGMMA_MIN_M``.
+is the measurement behind ``tuning.WGMMA_TOKEN_TILES`` and ``tuning.WGMMA_ROWS``.
 
 Method (``scripts/_bench_common.py``): weight copies rotated past twice the L2, calls replayed
 from one CUDA graph, median of 7 replays, microseconds per call.

@@ -86,14 +86,11 @@ def test_wgmma_custom_codebook():
     assert _rel_err(_gemm(x, qw, path="wgmma"), _reference(x, qw)) < REL_TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("m", [17, 100, 1000])
-def test_dispatch_takes_wgmma_from_its_threshold(m):
-    dev = torch.cuda.current_device()
-    gpu = loader.device_properties(dev).name
-    expected = "wgmma" if m >= kcuda.tuning.wgmma_min_m(gpu) else None
+@pytest.mark.parametrize("m", [17, 100, 300, 1000])
+def test_dispatch_takes_wgmma_for_its_rows(m):
+    first, last = kcuda.tuning.wgmma_rows(loader.device_properties(torch.cuda.current_device()).name)
     path = kcuda.gemm_path(m, 4096, 4096, 4, torch.float16)
-    if expected is not None:
-        assert path.startswith("wgmma"), path
+    assert path.startswith("wgmma") == (first <= m <= last), path
     _check_gemm(m, 4096, 4096, 4, torch.float16)
 
 

@@ -11,13 +11,13 @@ GEMM paths (:func:`gemm_path` names the one a problem takes):
   limit for weights of :data:`.tuning.DECODE_LARGE_WEIGHT` elements or more);
 * ``"wgmma"`` / ``"wgmma-splitk"``: ``kernels/gemm_sm90.cu`` (:mod:`.hopper`), GPUs of compute
   capability 9.0 only (H100, H200): the weights dequantized into registers as the A operand of
-  Hopper's warpgroup MMA; from :data:`.tuning.WGMMA_MIN_M` rows on, where decode stops;
+  Hopper's warpgroup MMA; for the rows :data:`.tuning.WGMMA_ROWS` names;
 * ``"fused"`` / ``"fused-splitk"``: ``kernels/gemm.cu``, dequantization fused into an mma.sync
   GEMM (every other GPU); "-splitk" when some output tiles are reduced over several blocks;
 * ``"dequant+cublas"``: ``kernels/quantize.cu``'s dequantize kernel writes the dense weight in
   x's dtype, then ``F.linear`` (cuBLAS) multiplies. Taken from :data:`.tuning.DEQUANT_CUBLAS_MIN_M`
-  rows on, on GPUs without the wgmma kernel, where cuBLAS's tensor-core GEMM beats the fused
-  mma.sync kernel; it needs a temporary dense weight (``N * K`` elements).
+  rows on (above the wgmma kernel's rows on sm_90), where cuBLAS's tensor-core GEMM beats the
+  fused kernels; it needs a temporary dense weight (``N * K`` elements).
 
 Activations: fp16 and bf16 run as they are; any other floating dtype (fp32) is cast to bf16
 (same range as fp32) and the result cast back. ``in_features`` that is not a multiple of 8 is
@@ -198,7 +198,7 @@ def _make_plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_ind
     if path is None:
         if m <= tuning.decode_max_m(gpu, n * k) and decode.decode_supported(m, bits, dtype, device_index):
             path = "decode"
-        elif hopper.supported(device_index) and m >= tuning.wgmma_min_m(gpu):
+        elif hopper.supported(device_index) and tuning.wgmma_rows(gpu)[0] <= m <= tuning.wgmma_rows(gpu)[1]:
             path = "wgmma"
         elif m >= tuning.dequant_cublas_min_m(gpu, bits):
             path = "dequant+cublas"

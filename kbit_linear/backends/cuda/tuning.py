@@ -18,7 +18,7 @@ __all__ = [
     "DECODE_MAX_M",
     "DECODE_LARGE_WEIGHT",
     "FUSED_ROW_BLOCKS",
-    "WGMMA_MIN_M",
+    "WGMMA_ROWS",
     "WGMMA_TOKEN_TILES",
     "FUSED_MIN_SPLIT_ITERS",
     "DecodeConfig",
@@ -28,7 +28,7 @@ __all__ = [
     "DECODE_VARIANTS",
     "dequant_cublas_min_m",
     "decode_max_m",
-    "wgmma_min_m",
+    "wgmma_rows",
     "wgmma_token_tiles",
 ]
 
@@ -93,18 +93,18 @@ FUSED_MIN_SPLIT_ITERS = 4
 # the Hopper warpgroup-MMA kernel (kernels/gemm_sm90.cu), sm_90 GPUs only
 # ---------------------------------------------------------------------------------------
 
-# Rows from which a GPU of compute capability 9.0 takes the wgmma kernel (below: decode or the
-# mma.sync kernel), per GPU. PROVISIONAL until measured.
-WGMMA_MIN_M: dict[str, int] = {"default": 17}
+# Rows a GPU of compute capability 9.0 hands the wgmma kernel, per GPU, as (first, last): below,
+# the decode or mma.sync kernel; above, dequantize + cuBLAS. PROVISIONAL until measured.
+WGMMA_ROWS: dict[str, tuple[int, int]] = {"default": (48, 512)}
 
 # Token tiles (the kernel's BT) by rows, per GPU: (tile, largest M that takes it), in order; an M
 # above every limit takes the largest tile, 256. PROVISIONAL until measured.
 WGMMA_TOKEN_TILES: dict[str, tuple[tuple[int, int], ...]] = {"default": ((64, 64), (128, 128))}
 
 
-def wgmma_min_m(device_name: str) -> int:
-    """Rows from which an sm_90 GPU named ``device_name`` takes the wgmma kernel."""
-    return _row(WGMMA_MIN_M, device_name)
+def wgmma_rows(device_name: str) -> tuple[int, int]:
+    """``(first, last)`` rows an sm_90 GPU named ``device_name`` hands the wgmma kernel."""
+    return _row(WGMMA_ROWS, device_name)
 
 
 def wgmma_token_tiles(device_name: str) -> tuple[tuple[int, int], ...]:
