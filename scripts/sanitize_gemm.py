@@ -1,6 +1,7 @@
 """A sweep of kbit GEMM and format-kernel launches for compute-sanitizer (memcheck, racecheck).
 
-Every GEMM path (decode with each schedule, fused, fused-splitk, dequantize + cuBLAS), bits 2..5,
+Every GEMM path (decode with each schedule, fused, fused-splitk, wgmma and wgmma-splitk on GPUs
+of compute capability 9.0, dequantize + cuBLAS), bits 2..5,
 fp16 and bf16, M from 1 to 300, small odd shapes and Llama-sized ones, a bias, and the quantize /
 repack / dequantize kernels that build each weight. Every result is checked against the float32
 reference; the script exits non-zero if one is wrong.
@@ -12,7 +13,8 @@ reference; the script exits non-zero if one is wrong.
 picks bit widths, so that one process per width can run side by side (the sanitizers are
 slow: racecheck takes about a second per Llama-sized decode launch). ``--kernel-name kns=kbit_``
 keeps the sanitizer to this package's kernels (cuBLAS's own kernels, taken by the
-dequantize + cuBLAS path, are not ours to check).
+dequantize + cuBLAS path, are not ours to check). ``--only wgmma`` keeps the launches whose
+label starts with the given prefixes.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kbit_linear import format as fmt  # noqa: E402
 from kbit_linear.backends import cuda as kcuda  # noqa: E402
 from kbit_linear.backends.cuda import decode as kdecode  # noqa: E402
+from kbit_linear.backends.cuda import hopper  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
 # (n, k): out_features, in_features. Small ones are not tile multiples; the stream-K ranges of
@@ -64,6 +67,10 @@ def _calls(m: int, n: int, k: int, bits: int, dtype: torch.dtype, dev: torch.dev
     if every_path:
         calls.append(("fused", {"path": "fused", "split_k": 1}))
     calls.append(("fused-splitk", {"path": "fused-splitk"}))
+    if hopper.supported(dev.index if dev.index is not None else torch.cuda.current_device()):
+        if every_path:
+            calls.append(("wgmma", {"path": "wgmma", "split_k": 1}))
+        calls.append(("wgmma-splitk", {"path": "wgmma-splitk"}))
     if every_path and m >= 17:
         calls.append(("dequantize", {"dequantize": True}))  # the dequant+cublas path's own kernel
     return calls
@@ -91,6 +98,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small shapes only")
     parser.add_argument("--bits", type=int, nargs="+", default=list(fmt.SUPPORTED_BITS), choices=fmt.SUPPORTED_BITS)
     parser.add_argument("--shapes", nargs="+", help="out x in shapes to run instead of the built-in lists, e.g. 1000x1000")
+    parser.add_argument("--only", nargs="+", help="run only the launches whose label starts with one of these (e.g. wgmma decode)")
     parser.add_argument("--verbose", action="store_true", help="name each launch before it runs (with CUDA_LAUNCH_BLOCKING=1 the last name is the culprit)")
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -110,6 +118,8 @@ def main() -> int:
                     x = torch.randn(m, k, device=dev, dtype=dtype)
                     ref = F.linear(x.float(), wd, bias.float())
                     for label, kw in _calls(m, n, k, bits, dtype, dev, every_path):
+                        if args.only and not label.startswith(tuple(args.only)):
+                            continue
                         if args.verbose:
                             print(f"launch: M={m} {k}->{n} bits={bits} {dtype} {label}", flush=True)
                         y = _run(x, bias, qw, bits, n, kw)
