@@ -11,6 +11,7 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 typedef long long i64;
+typedef unsigned long long u64;
 
 // Activation / output element type codes used as template arguments (kept as ints so NVRTC
 // name expressions stay simple: "kbit_gemm<4, 1, 0>").

@@ -24,29 +24,42 @@
 //
 // B operand: a stage's activation tile is BT rows (tokens) x 64 in-features (128 bytes), 16-byte
 // chunk c of row r stored at chunk c ^ (r % 8): the 128-byte swizzle of wgmma's K-major
-// descriptor (wgmma.cuh). Rows past M and in-features past K are zero-filled by cp.async.
+// descriptor (wgmma.cuh), written so by the tensor copy (TMA) of the host-built tensor map of x,
+// which also reads rows past M and in-features past K as zeros.
 //
-// Pipeline (every thread copies, both warpgroups compute): STAGES stage buffers, filled by
-// cp.async STAGES - 2 k-tiles ahead. Per k-tile a warpgroup dequantizes 32-block kb into one of
-// two A register sets, issues its two wgmmas as one commit group and then waits until at most one
-// group is in flight: the decode of the next block overlaps the MMAs of this one. A stage is
-// refilled two iterations after its last wgmma was issued: by then every thread has retired that
-// wgmma (wait_group 1 one block later) and passed the iteration's barrier.
+// Warp roles (288 threads): warps 0..7 are the two consumer warpgroups above; warp 8 is the
+// producer, one thread of which issues every copy:
+//
+//   producer, per k-tile:  wait empty[s] -> expect_tx(full[s], stage bytes) -> TMA x tile,
+//                          bulk copies of the tile's plane words and scale codes -> full[s]
+//   consumers, per k-tile: wait full[s] -> decode + wgmma (compute_stage) -> release the
+//                          previous stage (its wgmmas are retired by now): arrive on empty[s']
+//
+// STAGES stage buffers in a ring; the j-th use of stage s waits for phase parity j & 1 of
+// full[s] (consumers) and for the release of use j - 1 on empty[s] (producer). No block-wide
+// barrier in the main loop: the warpgroups and the copies run as far ahead of each other as the
+// ring allows. Within a k-tile a warpgroup decodes 32-block kb into one of two A register sets,
+// issues its two wgmmas as one commit group and then waits until at most one group is in flight:
+// the decode of the next block overlaps the MMAs of this one.
 //
 // Epilogue: acc * tensor_scale (+ bias) stored straight from the accumulators (each store is 8
 // consecutive features of one token per 8 lanes), or, for a tile split over several blocks, the
-// fp32 partials summed in the workspace exactly as in gemm.cu.
+// fp32 partials summed in the workspace exactly as in gemm.cu (the consumers synchronize among
+// themselves with a named barrier).
 //
 // Shared memory (base aligned up to 1024 bytes at run time):
 //   STAGES x [x tile BT*128 | plane words 128*2*BITS*4 | scale codes 256] (each 1024-aligned)
-//   | pair table | scale table | flag
+//   | pair table | scale table | full[STAGES], empty[STAGES] barriers | flag
 #include "dequant.cuh"  // load_planes, dequant_block, build_dequant_tables
 #include "wgmma.cuh"    // wgmma_rs, fences, sw128_kmajor_desc
+#include "async_copy.cuh"  // mbarriers, TMA, bulk copies, named barriers
 
 namespace kbit {
 namespace sm90 {
 
-constexpr int kThreads = 256;  // two warpgroups
+constexpr int kConsumers = 256;           // two warpgroups
+constexpr int kThreads = kConsumers + 32;  // + the producer warp
+constexpr int kConsumerBarrier = 1;       // named barrier of the consumer threads
 constexpr int kTileN = 128;    // features per block tile = one storage n-tile
 constexpr int kTileK = 64;     // in-features per k-tile = one storage k-tile (two 32-blocks)
 
@@ -60,70 +73,16 @@ struct Shape {
     static constexpr int STAGE_BYTES = (X_BYTES + P_BYTES + S_BYTES + 1023) / 1024 * 1024;
     static constexpr int LUT_OFFSET = STAGES * STAGE_BYTES;
     static constexpr int SCALE_OFFSET = LUT_OFFSET + pair_table_bytes<BITS>();
-    static constexpr int FLAG_OFFSET = SCALE_OFFSET + 256 * 4;
+    static constexpr int BARRIER_OFFSET = SCALE_OFFSET + 256 * 4;  // full[STAGES], then empty[STAGES]
+    static constexpr int FLAG_OFFSET = BARRIER_OFFSET + 2 * STAGES * 8;
     static constexpr int SMEM_BYTES = FLAG_OFFSET + 16 + 1024;  // + the run-time alignment of the base
+    static constexpr u32 STAGE_TX = X_BYTES + P_BYTES + S_BYTES;  // bytes the copies of one stage bring
     static constexpr int NACC = BT / 2;                         // fp32 accumulators per thread
-    static constexpr int X_ITERS = BT * 8 / kThreads;           // 16-byte chunks of the x tile per thread
-    static constexpr int P_CHUNKS = P_BYTES / 16;
-    static constexpr int P_ITERS = (P_CHUNKS + kThreads - 1) / kThreads;
     static constexpr int MIN_BLOCKS = BT == 64 ? 2 : 1;  // blocks per SM the registers are sized for
-    static_assert(X_ITERS * kThreads == BT * 8, "whole rows per pass");
+    // Registers per thread that fit MIN_BLOCKS blocks of 9 warps (__launch_bounds__ would size
+    // them for 12 warps: ptxas rounds the block up to whole warpgroups).
+    static constexpr int MAX_REGISTERS = (65536 / (MIN_BLOCKS * kThreads)) / 8 * 8;
     static_assert(X_BYTES % 1024 == 0, "swizzle atoms");
-};
-
-// Per-thread copy plan for one range of k-tiles of one block tile. Thread tid copies chunk
-// tid % 8 of tile rows tid / 8 + 32 i (i < X_ITERS): one source pointer and one swizzled
-// destination serve all of them (rows 32 apart share the swizzle phase).
-template <int BITS, int BT>
-struct StageLoader {
-    using S = Shape<BITS, BT>;
-    const u16* x;      // any valid address (source of the zero-filling copies)
-    const u16* x_src;  // row m0 + tid / 8, in-feature x_col
-    i64 x_row_step;    // 32 rows
-    int x_col;
-    int x_rows;  // copies i < x_rows are real rows (< M)
-    u32 x_dst;
-    const u32* p_src;
-    const u8* s_src;
-    i64 p_step, s_step;  // between consecutive k-tiles of one n-tile
-    int K;
-
-    __device__ __forceinline__ StageLoader(const u16* x_, const u32* packed, const u8* absmax, int M, int K_, int n_tiles,
-                                           int m0, int nt, int kt0)
-        : x(x_), K(K_) {
-        const int tid = threadIdx.x;
-        const int r = tid >> 3, ch = tid & 7;
-        const int left = M - m0 - r;  // real rows from this thread's first one, 32 apart
-        x_rows = left <= 0 ? 0 : (left + 31) / 32;
-        x_col = kt0 * kTileK + ch * 8;
-        x_src = x_ + (x_rows > 0 ? (i64)(m0 + r) * K_ + x_col : 0);
-        x_row_step = (i64)32 * K_;
-        x_dst = r * 128 + ((ch ^ (r & 7)) << 4);
-        const i64 tile = (i64)kt0 * n_tiles + nt;
-        p_src = packed + tile * (kTileN * 2 * BITS) + tid * 4;
-        s_src = absmax + tile * S::S_BYTES + tid * 16;
-        p_step = (i64)n_tiles * (kTileN * 2 * BITS);
-        s_step = (i64)n_tiles * S::S_BYTES;
-    }
-
-    // Issues the copies of the next k-tile into `stage` and advances.
-    __device__ __forceinline__ void issue(u8* stage) {
-        const bool col_ok = x_col < K;
-#pragma unroll
-        for (int i = 0; i < S::X_ITERS; ++i) {
-            const bool ok = col_ok && i < x_rows;
-            cp_async16(stage + x_dst + i * 32 * 128, ok ? x_src + i * x_row_step : x, ok ? 16u : 0u);
-        }
-        x_src += kTileK;
-        x_col += kTileK;
-        const int tid = threadIdx.x;
-#pragma unroll
-        for (int i = 0; i < S::P_ITERS; ++i)
-            if (i * kThreads + tid < S::P_CHUNKS) cp_async16(stage + S::X_BYTES + (i * kThreads + tid) * 16, p_src + i * kThreads * 4);
-        if (tid < S::S_BYTES / 16) cp_async16(stage + S::X_BYTES + S::P_BYTES + tid * 16, s_src);
-        p_src += p_step;
-        s_src += s_step;
-    }
 };
 
 // One k-tile of one warpgroup: two 32-blocks, each dequantized into an A register set and
@@ -194,6 +153,33 @@ __device__ __forceinline__ void store_tile(const float (&acc)[Shape<BITS, BT>::N
         }
 }
 
+// The k-tiles a block works through, in order: its stream-K range [it, it_end) of the flat
+// (tile, k-tile) list cut into one segment per tile. Producer and consumers walk the same list.
+struct RangeWalk {
+    i64 it, it_end;
+    int k_tiles, m_tiles;
+    int tile, kb0, kb1, mt, nt;
+
+    __device__ __forceinline__ RangeWalk(int iters, int total_tiles, int k_tiles_, int m_tiles_)
+        : k_tiles(k_tiles_), m_tiles(m_tiles_) {
+        const i64 total = (i64)total_tiles * k_tiles_;
+        it = (i64)blockIdx.x * iters;
+        it_end = it + iters < total ? it + iters : total;
+    }
+    // Loads the next segment; false when the range is done.
+    __device__ __forceinline__ bool next() {
+        if (it >= it_end) return false;
+        tile = (int)(it / k_tiles);
+        kb0 = (int)(it - (i64)tile * k_tiles);
+        const i64 left = it_end - (i64)tile * k_tiles;
+        kb1 = (int)((i64)k_tiles < left ? k_tiles : left);
+        mt = tile % m_tiles;
+        nt = tile / m_tiles;
+        it += kb1 - kb0;
+        return true;
+    }
+};
+
 }  // namespace sm90
 }  // namespace kbit
 
@@ -201,16 +187,16 @@ __device__ __forceinline__ void store_tile(const float (&acc)[Shape<BITS, BT>::N
 //   BITS  index width, 2..5
 //   BT    tokens per block tile (wgmma's N): 64, 128 or 256
 //   DT    activation/output type: KBIT_F16 or KBIT_BF16
-// Arguments: as kbit_gemm in gemm.cu (x [M, K] row-major with K % 8 == 0 and 16-byte aligned rows;
-//   the tiled weight; codebook, tensor_scale, bias or null, out [M, N]; workspace of
-//   gridDim.x * 2 * 256 * BT / 2 floats, touched only for split tiles; counters [m_tiles * n_tiles],
-//   zero on entry and left zero; M, N, K true sizes; n_tiles, k_tiles of the padded weight; iters:
-//   k-iterations per block), with m_tiles = ceil(M / BT).
-// Launch: 256 threads, Shape::SMEM_BYTES of dynamic shared memory, ceil(total / iters) blocks
+// Arguments: x_map: tensor map of x [M, K] (16-bit elements, row stride K * 2 bytes, box 64 x BT,
+//   128-byte swizzle, zero fill; hopper.py builds it); the tiled weight; codebook, tensor_scale,
+//   bias or null, out [M, N]; workspace of gridDim.x * 2 * 256 * BT / 2 floats, touched only for
+//   split tiles; counters [m_tiles * n_tiles], zero on entry and left zero; M, N, K true sizes;
+//   n_tiles, k_tiles of the padded weight; iters: k-iterations per block; m_tiles = ceil(M / BT).
+// Launch: 288 threads, Shape::SMEM_BYTES of dynamic shared memory, ceil(total / iters) blocks
 // where total = m_tiles * n_tiles * k_tiles.
 template <int BITS, int BT, int DT>
-__global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, BT>::MIN_BLOCKS)
-    kbit_gemm_sm90(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
+__global__ void __maxnreg__((kbit::sm90::Shape<BITS, BT>::MAX_REGISTERS))
+    kbit_gemm_sm90(const __grid_constant__ kbit::TensorMap x_map, const u32* __restrict__ packed, const u8* __restrict__ absmax,
                    const float* __restrict__ codebook, const float* __restrict__ tensor_scale, const u16* __restrict__ bias,
                    u16* __restrict__ out, float* __restrict__ workspace, int* __restrict__ counters, int M, int N, int K,
                    int n_tiles, int k_tiles, int iters) {
@@ -220,11 +206,12 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
     extern __shared__ __align__(1024) u8 smem_raw[];
     u8* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     int* flag = reinterpret_cast<int*>(smem + S::FLAG_OFFSET);
+    u64* full = reinterpret_cast<u64*>(smem + S::BARRIER_OFFSET);
+    u64* empty = full + S::STAGES;
     const u8* lut = smem + S::LUT_OFFSET;
     const u32* scale_tab = reinterpret_cast<const u32*>(smem + S::SCALE_OFFSET);
-
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int col0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);  // this lane's first feature in the tile
+    const int m_tiles = (M + BT - 1) / BT;
 
     // Programmatic dependent launch, as in gemm.cu.
     allow_dependent_launch();
@@ -232,47 +219,60 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
 
     const u32 cb_reg = build_dequant_tables<BITS, DT, kThreads>(smem + S::LUT_OFFSET, reinterpret_cast<u32*>(smem + S::SCALE_OFFSET),
                                                                codebook);
-    const float ts = *tensor_scale;
+    if (tid == 0) {
+        for (int s = 0; s < S::STAGES; ++s) {
+            mbar_init(full + s, 1);                // the producer's expect_tx arrival (+ the bytes)
+            mbar_init(empty + s, kConsumers / 32);  // one arrival per consumer warp
+        }
+        fence_mbar_init();
+    }
     __syncthreads();
+    RangeWalk walk(iters, m_tiles * n_tiles, k_tiles, m_tiles);
 
-    const int m_tiles = (M + BT - 1) / BT;
-    const i64 total = (i64)m_tiles * n_tiles * k_tiles;
-    i64 it = (i64)blockIdx.x * iters;
-    const i64 it_end = it + iters < total ? it + iters : total;
+    if (warp == kConsumers / 32) {
+        // Producer: one thread issues the copies of every k-tile of the range.
+        if (lane == 0) {
+            u32 use = 0;  // k-tiles issued so far: stage use % STAGES, its (use / STAGES)-th use
+            while (walk.next()) {
+                for (int kt = walk.kb0; kt < walk.kb1; ++kt, ++use) {
+                    const int s = use % S::STAGES;
+                    if (use >= S::STAGES) mbar_wait(empty + s, ((use / S::STAGES) & 1) ^ 1);
+                    u8* stage = smem + s * S::STAGE_BYTES;
+                    mbar_arrive_expect_tx(full + s, S::STAGE_TX);
+                    tma_load_2d(stage, &x_map, full + s, kt * kTileK, walk.mt * BT);
+                    const i64 wt = (i64)kt * n_tiles + walk.nt;
+                    bulk_load(stage + S::X_BYTES, packed + wt * (kTileN * 2 * BITS), S::P_BYTES, full + s);
+                    bulk_load(stage + S::X_BYTES + S::P_BYTES, absmax + wt * S::S_BYTES, S::S_BYTES, full + s);
+                }
+            }
+        }
+        return;
+    }
 
+    // Consumers.
+    const int col0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);  // this lane's first feature in the tile
+    const float ts = *tensor_scale;
     u32 a[2][2][4] = {};  // A registers: [32-block of the k-tile][k16 step][fragment]
-    while (it < it_end) {
-        const int tile = (int)(it / k_tiles);
-        const int kb0 = (int)(it - (i64)tile * k_tiles);
-        const int kb1 = (int)((i64)k_tiles < (it_end - (i64)tile * k_tiles) ? k_tiles : it_end - (i64)tile * k_tiles);
-        const int nk = kb1 - kb0;
-        const int mt = tile % m_tiles, nt = tile / m_tiles;
-        const int m0 = mt * BT;
-
+    u32 use = 0;
+    while (walk.next()) {
+        const int tile = walk.tile, kb0 = walk.kb0, kb1 = walk.kb1;
+        const int m0 = walk.mt * BT;
         float acc[S::NACC];
 #pragma unroll
         for (int i = 0; i < S::NACC; ++i) acc[i] = 0.f;
 
-        StageLoader<BITS, BT> loader(x, packed, absmax, M, K, n_tiles, m0, nt, kb0);
-#pragma unroll
-        for (int s = 0; s < S::STAGES - 2; ++s) {
-            if (s < nk) loader.issue(smem + s * S::STAGE_BYTES);
-            cp_async_commit();
-        }
-        for (int i = 0; i < nk; ++i) {
-            cp_async_wait<S::STAGES - 3>();
-            fence_proxy_async_shared();  // this thread's copies of stage i, before wgmma reads them
-            __syncthreads();             // stage i landed for everyone; stage i - 2 is retired by everyone
-            if (i + S::STAGES - 2 < nk) loader.issue(smem + ((i + S::STAGES - 2) % S::STAGES) * S::STAGE_BYTES);
-            cp_async_commit();
-            compute_stage<BITS, BT, DT>(smem + (i % S::STAGES) * S::STAGE_BYTES, lut, scale_tab, cb_reg, col0, acc, a);
+        for (int kt = kb0; kt < kb1; ++kt, ++use) {
+            const int s = use % S::STAGES;
+            mbar_wait(full + s, (use / S::STAGES) & 1);
+            compute_stage<BITS, BT, DT>(smem + s * S::STAGE_BYTES, lut, scale_tab, cb_reg, col0, acc, a);
+            // compute_stage retired every wgmma of the previous k-tile: release its stage.
+            if (kt > kb0 && lane == 0) mbar_arrive(empty + (use + S::STAGES - 1) % S::STAGES);
         }
         wgmma_wait<0>();
         hold_registers(acc);
-        cp_async_wait<0>();
-        __syncthreads();  // all reads of the stages done before the next range refills them
+        if (lane == 0) mbar_arrive(empty + (use + S::STAGES - 1) % S::STAGES);
 
-        const int n = nt * kTileN + col0;
+        const int n = walk.nt * kTileN + col0;
         if (kb0 == 0 && kb1 == k_tiles) {
             store_tile<BITS, BT, DT>(acc, out, bias, ts, M, N, m0, n);
         } else {
@@ -280,29 +280,29 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
             const i64 t0 = (i64)tile * k_tiles;
             const int first = (int)(t0 / iters), last = (int)((t0 + k_tiles - 1) / iters);
             const int side = tile == (int)(((i64)blockIdx.x * iters) / k_tiles) ? 0 : 1;
-            float4* slot = reinterpret_cast<float4*>(workspace) + ((i64)blockIdx.x * 2 + side) * (S::NACC / 4) * kThreads;
+            float4* slot = reinterpret_cast<float4*>(workspace) + ((i64)blockIdx.x * 2 + side) * (S::NACC / 4) * kConsumers;
 #pragma unroll
             for (int v = 0; v < S::NACC / 4; ++v)
-                slot[v * kThreads + tid] = make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]);
+                slot[v * kConsumers + tid] = make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]);
             __threadfence();
-            __syncthreads();
+            named_barrier(kConsumerBarrier, kConsumers);
             if (tid == 0) {
                 const int arrived = atomicAdd(counters + tile, 1);
                 const int is_last = arrived == last - first;
                 if (is_last) counters[tile] = 0;  // every contributor has counted: reset for the next launch
                 *flag = is_last;
             }
-            __syncthreads();
+            named_barrier(kConsumerBarrier, kConsumers);
             if (*flag) {
                 __threadfence();
 #pragma unroll
                 for (int i = 0; i < S::NACC; ++i) acc[i] = 0.f;
                 for (int cta = first; cta <= last; ++cta) {
                     const int cside = tile == (int)(((i64)cta * iters) / k_tiles) ? 0 : 1;
-                    const float4* cs = reinterpret_cast<const float4*>(workspace) + ((i64)cta * 2 + cside) * (S::NACC / 4) * kThreads;
+                    const float4* cs = reinterpret_cast<const float4*>(workspace) + ((i64)cta * 2 + cside) * (S::NACC / 4) * kConsumers;
 #pragma unroll
                     for (int v = 0; v < S::NACC / 4; ++v) {
-                        const float4 p = ld_cg(cs + v * kThreads + tid);
+                        const float4 p = ld_cg(cs + v * kConsumers + tid);
                         acc[4 * v] += p.x;
                         acc[4 * v + 1] += p.y;
                         acc[4 * v + 2] += p.z;
@@ -312,6 +312,5 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
                 store_tile<BITS, BT, DT>(acc, out, bias, ts, M, N, m0, n);
             }
         }
-        it += nk;
     }
 }

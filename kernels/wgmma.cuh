@@ -15,8 +15,6 @@
 #pragma once
 #include "common.cuh"
 
-typedef unsigned long long u64;
-
 namespace kbit {
 
 KBIT_DEVICE void wgmma_fence() {

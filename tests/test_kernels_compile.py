@@ -118,7 +118,7 @@ def _kernel_params(source: str) -> dict[str, list[tuple[str, str]]]:
         for decl in params.split(","):
             decl = " ".join(decl.split())
             pname = re.findall(r"(\w+)\s*$", decl)[0]
-            kind = "p" if "*" in decl else ("f" if re.match(r"^(const\s+)?float\b", decl) else "i")
+            kind = "p" if "*" in decl else ("m" if "TensorMap" in decl else ("f" if re.match(r"^(const\s+)?float\b", decl) else "i"))
             parsed.append((pname, kind))
         out[name] = parsed
     return out

@@ -3,6 +3,8 @@
 - Raw device memory outside torch's allocator (``cuMemAlloc``, ``cuMemsetD32Async``), for the
   persistent split-K buffers (:mod:`.workspace`).
 - The thread's stream-capture mode (``cuThreadExchangeStreamCaptureMode``).
+- Tensor maps for the Hopper tensor copy (``cuTensorMapEncodeTiled``): a pure host call that
+  describes a 2-D tensor in global memory and the box one copy moves.
 - Kernel launches with programmatic stream serialization (``cuLaunchKernelEx``): the launched
   grid may start while the previous kernel on the stream is still finishing, and waits for it
   in the kernel (``griddepcontrol.wait``) before it reads anything that kernel may have
@@ -17,7 +19,8 @@ from __future__ import annotations
 import ctypes
 import threading
 
-__all__ = ["DriverError", "lib", "check", "launch_programmatic", "set_max_dynamic_shared_memory"]
+__all__ = ["DriverError", "lib", "check", "launch_programmatic", "set_max_dynamic_shared_memory", "TENSOR_MAP_BYTES",
+           "encode_tensor_map_2d"]
 
 CUDA_ERROR_NOT_SUPPORTED = 801
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -74,6 +77,11 @@ def lib() -> ctypes.CDLL:
                 cu.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]  # tests read buffers back
                 cu.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
                 cu.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+                cu.cuTensorMapEncodeTiled.argtypes = [
+                    ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                    ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                ]
                 _lib = cu
     return _lib
 
@@ -136,3 +144,32 @@ def launch_programmatic(func: int, grid: int, threads: int, shared_mem: int, str
     cfg.sharedMemBytes = shared_mem
     cfg.hStream = stream
     check(lib().cuLaunchKernelEx(addr, func, params, None), "cuLaunchKernelEx")
+
+
+TENSOR_MAP_BYTES = 128
+"""Size of a ``CUtensorMap`` (the driver wants it 64-byte aligned)."""
+
+_CU_TENSOR_MAP_DATA_TYPE_UINT16 = 1
+_CU_TENSOR_MAP_INTERLEAVE_NONE = 0
+_CU_TENSOR_MAP_SWIZZLE_128B = 3
+_CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
+_CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # elements outside the tensor read as zero
+
+
+def encode_tensor_map_2d(out_address: int, base: int, rows: int, cols: int, box_rows: int, box_cols: int) -> None:
+    """Write the tensor map of a row-major ``[rows, cols]`` tensor of 16-bit elements at ``base``
+    to the 128 bytes at ``out_address`` (64-byte aligned host memory).
+
+    One copy through the map moves a box of ``box_rows x box_cols`` elements (``box_cols * 2``
+    must be 128: one row of the 128-byte swizzle), swizzled with the 128-byte pattern; elements
+    outside the tensor read as zero. ``base`` must be 16-byte aligned and ``cols * 2`` a multiple
+    of 16 (the driver's rules).
+    """
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(cols * 2)
+    box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    check(lib().cuTensorMapEncodeTiled(out_address, _CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, base, dims, strides, box, elem,
+                                       _CU_TENSOR_MAP_INTERLEAVE_NONE, _CU_TENSOR_MAP_SWIZZLE_128B,
+                                       _CU_TENSOR_MAP_L2_PROMOTION_L2_256B, _CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+          f"cuTensorMapEncodeTiled([{rows}, {cols}], box [{box_rows}, {box_cols}])")

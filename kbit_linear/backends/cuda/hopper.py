@@ -3,15 +3,19 @@
 The kernel is built for ``sm_90a`` only (wgmma has no other target; Blackwell and newer run the
 mma.sync kernel instead). This module names its template instances, mirrors its shared-memory
 size (``Shape<BITS, BT>::SMEM_BYTES``; ``tests/test_kernels_compile.py`` checks the mirror against
-the kernel) and says which GPUs can run it. The dispatcher in :mod:`.ops` plans its launches.
+the kernel), says which GPUs can run it and builds the tensor map of the activations that its
+copies read x through. The dispatcher in :mod:`.ops` plans its launches.
 """
 
 from __future__ import annotations
 
+import ctypes
+import threading
+
 import torch
 
 from ... import format as fmt
-from . import loader, tuning
+from . import driver, loader, tuning
 
 __all__ = [
     "ARCH_OPTIONS",
@@ -23,7 +27,12 @@ __all__ = [
     "smem_bytes",
     "accumulators",
     "min_blocks_per_sm",
+    "THREADS",
+    "activation_map",
 ]
+
+THREADS = 288
+"""Threads per block: two consumer warpgroups and one producer warp (``kThreads``)."""
 
 ARCH_OPTIONS = ("-arch=sm_90a",)
 """NVRTC options of every instance (CuPy's own ``-arch=sm_90`` comes after and does not override it)."""
@@ -68,7 +77,8 @@ def smem_bytes(bits: int, token_tile: int) -> int:
     stage = token_tile * _TILE_K * 2 + _TILE_N * 2 * bits * 4 + _TILE_N * 2
     stage = -(-stage // 1024) * 1024
     lut = (1 << (2 * bits)) * 32 * 4 if bits <= 4 else 0
-    return _stages(token_tile) * stage + lut + 256 * 4 + 16 + 1024
+    barriers = 2 * _stages(token_tile) * 8
+    return _stages(token_tile) * stage + lut + 256 * 4 + barriers + 16 + 1024
 
 
 def accumulators(token_tile: int) -> int:
@@ -80,3 +90,30 @@ def min_blocks_per_sm(token_tile: int) -> int:
     """Blocks per SM the kernel's register budget is sized for (``Shape::MIN_BLOCKS``)."""
     return 2 if token_tile == 64 else 1
 
+
+
+_MAPS_KEPT = 1024
+_maps: dict[tuple[int, int, int, int], tuple[ctypes.Array, int]] = {}
+_maps_lock = threading.Lock()
+
+
+def activation_map(x_address: int, rows: int, cols: int, token_tile: int) -> int:
+    """Address of the tensor map the kernel reads ``x [rows, cols]`` (16-bit, row-major, at
+    ``x_address``) through: boxes of ``token_tile`` rows x 64 columns, 128-byte swizzle, zeros
+    outside the tensor.
+
+    The map depends only on these four numbers, so maps are kept per (address, rows, cols, tile)
+    and a forward pass that reuses its activation buffers encodes each once; the launch copies
+    the map into the kernel's parameters, so a map may be dropped after it.
+    """
+    key = (x_address, rows, cols, token_tile)
+    buf = _maps.get(key)
+    if buf is None:
+        raw = ctypes.create_string_buffer(driver.TENSOR_MAP_BYTES + 64)
+        address = (ctypes.addressof(raw) + 63) // 64 * 64
+        driver.encode_tensor_map_2d(address, x_address, rows, cols, token_tile, _TILE_K)
+        with _maps_lock:
+            if len(_maps) >= _MAPS_KEPT:
+                _maps.clear()
+            _maps[key] = buf = (raw, address)
+    return buf[1]

@@ -316,17 +316,19 @@ class ArgPack:
     Args:
         kernel: the ``__global__`` function's name in its source (``"kbit_gemm"``).
         params: the parameters in order, ``"name:kind"`` separated by spaces, kind ``p``
-            (pointer: tensor, int address or None), ``i`` (32-bit int) or ``f`` (32-bit float),
-            e.g. ``"x:p packed:p M:i"``.
+            (pointer: tensor, int address or None), ``i`` (32-bit int), ``f`` (32-bit float) or
+            ``m`` (a 128-byte tensor map passed by value: the value is the address of host
+            memory holding it, which the launch copies), e.g. ``"x:p packed:p M:i"``.
     """
 
     def __init__(self, kernel: str, params: str) -> None:
         pairs = [p.split(":") for p in params.split()] if isinstance(params, str) else []
-        if not pairs or any(len(p) != 2 or not p[0].isidentifier() or p[1] not in ("p", "i", "f") for p in pairs):
-            raise ValueError(f"params must be 'name:kind' pairs (kind p, i or f) separated by spaces, got {params!r}")
+        if not pairs or any(len(p) != 2 or not p[0].isidentifier() or p[1] not in ("p", "i", "f", "m") for p in pairs):
+            raise ValueError(f"params must be 'name:kind' pairs (kind p, i, f or m) separated by spaces, got {params!r}")
         self.kernel = kernel
         self.names: tuple[str, ...] = tuple(p[0] for p in pairs)
         self.kinds = "".join(p[1] for p in pairs)
+        self._by_address = tuple(i for i, k in enumerate(self.kinds) if k == "m")
         self.Values = collections.namedtuple(f"{kernel}_args", self.names)  # type: ignore[misc]
         self._local = threading.local()
 
@@ -352,6 +354,8 @@ class ArgPack:
         GPU supports it and :func:`set_programmatic_launch` has not turned it off."""
         loc = self._storage()
         loc.slots[:] = values
+        for i in self._by_address:  # passed by value from the host memory the value points at
+            loc.ptrs[i] = values[i]
         if shared_mem > kernel._max_dynamic_smem:
             kernel.ensure_shared_memory(shared_mem)
         index = kernel.device_index
@@ -376,6 +380,8 @@ class ArgPack:
                 slots[i] = 0 if v is None else (v.data_ptr() if isinstance(v, torch.Tensor) else int(v))
             elif k == "i":
                 slots[i] = int(v) & 0xFFFFFFFF
+            elif k == "m":
+                loc.ptrs[i] = int(v)
             else:
                 slots[i] = _f32_bits(float(v))
         return loc.ptrs_addr

@@ -54,10 +54,10 @@ _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _ACT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _BITS = frozenset(fmt.SUPPORTED_BITS)
 _CB_SHAPES = {b: torch.Size([1 << b]) for b in fmt.SUPPORTED_BITS}
-# Both tensor-core GEMM kernels take the same parameters.
 _GEMM_ARGS_SPEC = "x:p packed:p absmax:p codebook:p tensor_scale:p bias:p out:p workspace:p counters:p M:i N:i K:i n_tiles:i k_tiles:i iters:i"
 _GEMM_ARGS = loader.ArgPack("kbit_gemm", _GEMM_ARGS_SPEC)
-_SM90_ARGS = loader.ArgPack("kbit_gemm_sm90", _GEMM_ARGS_SPEC)
+# The wgmma kernel reads x through a tensor map (passed by value) instead of a pointer.
+_SM90_ARGS = loader.ArgPack("kbit_gemm_sm90", _GEMM_ARGS_SPEC.replace("x:p", "x_map:m", 1))
 _QUANT_ARGS = loader.ArgPack("kbit_quantize", "w:p codebook:p tensor_scale:p packed_flat:p absmax_flat:p N:i K:i nblk:i")
 _REPACK_ARGS = loader.ArgPack("kbit_repack", "packed_flat:p absmax_flat:p packed:p absmax:p N:i nblk:i n_tiles:i k_tiles:i")
 _DEQUANT_ARGS = loader.ArgPack("kbit_dequantize", "packed:p absmax:p codebook:p tensor_scale:p out:p N:i K:i n_tiles:i k_tiles:i")
@@ -125,23 +125,25 @@ class _GemmPlan:
     split: bool = False
     programmatic: bool = False  # may overlap the previous kernel (loader.grid_may_overlap)
     decode: Any = None  # decode.DecodePlan for the decode path
+    threads: int = _THREADS
+    token_tile: int = 0  # wgmma: rows of x per tile (its tensor map's box)
 
 
-def _occupancy(kernel: loader.CudaKernel, smem: int, props: loader.DeviceProperties) -> int:
+def _occupancy(kernel: loader.CudaKernel, smem: int, props: loader.DeviceProperties, threads: int = _THREADS) -> int:
     """Resident blocks per SM, from shared memory and registers."""
     by_smem = max(1, props.shared_per_sm // (smem + 1024))
     regs_per_warp = -(-max(kernel.num_regs, 1) * 32 // 256) * 256
-    by_regs = max(1, 65536 // (regs_per_warp * (_THREADS // 32)))
-    return max(1, min(by_smem, by_regs, 2048 // _THREADS))
+    by_regs = max(1, 65536 // (regs_per_warp * (threads // 32)))
+    return max(1, min(by_smem, by_regs, 2048 // threads))
 
 
 def _plan_stream_k(path: str, kernel: loader.CudaKernel, args: loader.ArgPack, smem: int, nacc: int, tiles: int, k_tiles: int,
-                   device_index: int, split_k: int | None, force_split: bool) -> _GemmPlan:
+                   device_index: int, split_k: int | None, force_split: bool, threads: int = _THREADS) -> _GemmPlan:
     """Launch plan of a stream-K tensor-core kernel (gemm.cu, gemm_sm90.cu): the k-iterations
     per block, the grid, and the split-K workspace (``nacc`` fp32 accumulators per thread)."""
     props = loader.device_properties(device_index)
     total = tiles * k_tiles
-    per_sm = _occupancy(kernel, smem, props)
+    per_sm = _occupancy(kernel, smem, props, threads)
     slots = props.sm_count * per_sm
     if split_k is None and force_split:
         split_k = max(2, min(k_tiles, -(-slots // tiles)))
@@ -153,9 +155,9 @@ def _plan_stream_k(path: str, kernel: loader.CudaKernel, args: loader.ArgPack, s
         iters = max(-(-total // slots), min(k_tiles, tuning.FUSED_MIN_SPLIT_ITERS))
     grid = -(-total // iters)
     split = iters % k_tiles != 0
-    ws = grid * 2 * _THREADS * nacc if split else 0
+    ws = grid * 2 * 256 * nacc if split else 0  # 256 accumulating threads in both kernels
     return _GemmPlan(path + "-splitk" if split else path, kernel, args, grid, smem, iters, ws, tiles, split,
-                     loader.grid_may_overlap(grid, per_sm, props.sm_count))
+                     loader.grid_may_overlap(grid, per_sm, props.sm_count), threads=threads)
 
 
 def _plan_fused(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtype, device_index: int, split_k: int | None, force_split: bool) -> _GemmPlan:
@@ -174,8 +176,10 @@ def _plan_wgmma(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
     kernel = loader.get_kernel("gemm_sm90.cu", hopper.instance_name(bits, bt, dtype), torch.device("cuda", device_index),
                                hopper.ARCH_OPTIONS)
     tiles = -(-m // bt) * n_tiles
-    return _plan_stream_k("wgmma", kernel, _SM90_ARGS, hopper.smem_bytes(bits, bt), hopper.accumulators(bt), tiles, k_tiles,
-                          device_index, split_k, force_split)
+    plan = _plan_stream_k("wgmma", kernel, _SM90_ARGS, hopper.smem_bytes(bits, bt), hopper.accumulators(bt), tiles, k_tiles,
+                          device_index, split_k, force_split, hopper.THREADS)
+    plan.token_tile = bt
+    return plan
 
 
 def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None) -> _GemmPlan:
@@ -361,12 +365,13 @@ def gemm_cuda(
         ws_ptr = cnt_ptr = 0
         if plan.split:
             ws_ptr, cnt_ptr = workspace.zeroed_scratch("fused", dev_index, stream, plan.ws_numel, plan.tiles)
+        # x: a pointer (mma.sync kernel) or the address of its tensor map (wgmma kernel)
+        x_arg = x2d.data_ptr() if plan.token_tile == 0 else hopper.activation_map(x2d.data_ptr(), m, k, plan.token_tile)
         plan.args.launch(
             plan.kernel, plan.grid, plan.smem, stream,
-            plan.args.Values(x=x2d.data_ptr(), packed=packed.data_ptr(), absmax=absmax.data_ptr(), codebook=codebook.data_ptr(),
-                              tensor_scale=tensor_scale.data_ptr(), bias=0 if bias is None else bias.data_ptr(), out=out.data_ptr(),
-                              workspace=ws_ptr, counters=cnt_ptr, M=m, N=out_features, K=k, n_tiles=ps[1], k_tiles=ps[0],
-                              iters=plan.iters),
+            (x_arg, packed.data_ptr(), absmax.data_ptr(), codebook.data_ptr(), tensor_scale.data_ptr(),
+             0 if bias is None else bias.data_ptr(), out.data_ptr(), ws_ptr, cnt_ptr, m, out_features, k, ps[1], ps[0], plan.iters),
+            threads=plan.threads,
             programmatic=plan.programmatic,  # the kernel waits for the previous one before it touches memory
         )
     elif plan.path == "dequant+cublas":

@@ -1,0 +1,67 @@
+// Hopper (sm_90) asynchronous copies that complete on shared-memory barriers.
+//
+//   mbarrier: a 64-bit shared-memory object counting arrivals (and, for copies, bytes) of one
+//     phase; when both reach their targets the phase completes and the barrier starts the next.
+//     Waiters name the phase by its parity (0, 1, 0, ...: the j-th use of a barrier is parity j & 1).
+//   tma_load_2d: a box of a 2-D tensor (the tensor map, built on the host) into shared memory,
+//     elements outside the tensor read as zero; bulk_load: contiguous bytes. Both count their bytes
+//     on the barrier named in the call (mbar_arrive_expect_tx announces them first).
+#pragma once
+#include "common.cuh"
+
+namespace kbit {
+
+// The host's CUtensorMap (cuTensorMapEncodeTiled), passed to the kernel by value.
+struct alignas(64) TensorMap {
+    u64 opaque[16];
+};
+
+KBIT_DEVICE void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// Makes initialized barriers visible to the copy engine (and, after a block barrier, to every thread).
+KBIT_DEVICE void fence_mbar_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+KBIT_DEVICE void mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// One arrival that also announces `bytes` still to come from copies completing on this barrier.
+KBIT_DEVICE void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// Waits until the phase of parity `parity` has completed.
+KBIT_DEVICE void mbar_wait(u64* bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+// Box {c0 .. c0 + box0 - 1 (inner), c1 .. c1 + box1 - 1} of the tensor behind `map` into `dst`
+// (laid out and swizzled as the map says), completing on `bar`.
+KBIT_DEVICE void tma_load_2d(void* dst, const TensorMap* map, u64* bar, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
+                     smem_addr(dst)),
+                 "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
+                 : "memory");
+}
+
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory, completing on `bar`.
+KBIT_DEVICE void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (whole warps).
+KBIT_DEVICE void named_barrier(u32 id, u32 threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace kbit
