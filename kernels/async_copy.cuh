@@ -59,6 +59,15 @@ KBIT_DEVICE void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
                  : "memory");
 }
 
+// Per-thread register budget of the executing warpgroup from here on (sm_90a; every thread of
+// the warpgroup executes it, and the kernel has a register cap from __launch_bounds__).
+template <int N> KBIT_DEVICE void set_max_registers_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> KBIT_DEVICE void set_max_registers_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (whole warps).
 KBIT_DEVICE void named_barrier(u32 id, u32 threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

@@ -27,8 +27,9 @@
 // descriptor (wgmma.cuh), written so by the tensor copy (TMA) of the host-built tensor map of x,
 // which also reads rows past M and in-features past K as zeros.
 //
-// Warp roles (288 threads): warps 0..7 are the two consumer warpgroups above; warp 8 is the
-// producer, one thread of which issues every copy:
+// Warp roles (384 threads): warps 0..7 are the two consumer warpgroups above; warps 8..11 are the
+// producer warpgroup, one thread of which issues every copy (setmaxnreg moves the producer's
+// registers to the consumers):
 //
 //   producer, per k-tile:  wait empty[s] -> expect_tx(full[s], stage bytes) -> TMA x tile,
 //                          bulk copies of the tile's plane words and scale codes -> full[s]
@@ -57,8 +58,8 @@
 namespace kbit {
 namespace sm90 {
 
-constexpr int kConsumers = 256;           // two warpgroups
-constexpr int kThreads = kConsumers + 32;  // + the producer warp
+constexpr int kConsumers = 256;            // two warpgroups
+constexpr int kThreads = kConsumers + 128;  // + the producer warpgroup (one thread of it copies)
 constexpr int kConsumerBarrier = 1;       // named barrier of the consumer threads
 constexpr int kTileN = 128;    // features per block tile = one storage n-tile
 constexpr int kTileK = 64;     // in-features per k-tile = one storage k-tile (two 32-blocks)
@@ -79,9 +80,10 @@ struct Shape {
     static constexpr u32 STAGE_TX = X_BYTES + P_BYTES + S_BYTES;  // bytes the copies of one stage bring
     static constexpr int NACC = BT / 2;                         // fp32 accumulators per thread
     static constexpr int MIN_BLOCKS = BT == 64 ? 2 : 1;  // blocks per SM the registers are sized for
-    // Registers per thread that fit MIN_BLOCKS blocks of 9 warps (__launch_bounds__ would size
-    // them for 12 warps: ptxas rounds the block up to whole warpgroups).
-    static constexpr int MAX_REGISTERS = (65536 / (MIN_BLOCKS * kThreads)) / 8 * 8;
+    // setmaxnreg: the producer warpgroup gives its registers to the consumers (the block's share
+    // of the register file, 65536 / MIN_BLOCKS, split 128 x PRODUCER_REGS + 256 x CONSUMER_REGS).
+    static constexpr int PRODUCER_REGS = MIN_BLOCKS == 1 ? 40 : 24;
+    static constexpr int CONSUMER_REGS = (65536 / MIN_BLOCKS - 128 * PRODUCER_REGS) / kConsumers / 8 * 8;
     static_assert(X_BYTES % 1024 == 0, "swizzle atoms");
 };
 
@@ -192,10 +194,10 @@ struct RangeWalk {
 //   bias or null, out [M, N]; workspace of gridDim.x * 2 * 256 * BT / 2 floats, touched only for
 //   split tiles; counters [m_tiles * n_tiles], zero on entry and left zero; M, N, K true sizes;
 //   n_tiles, k_tiles of the padded weight; iters: k-iterations per block; m_tiles = ceil(M / BT).
-// Launch: 288 threads, Shape::SMEM_BYTES of dynamic shared memory, ceil(total / iters) blocks
+// Launch: 384 threads, Shape::SMEM_BYTES of dynamic shared memory, ceil(total / iters) blocks
 // where total = m_tiles * n_tiles * k_tiles.
 template <int BITS, int BT, int DT>
-__global__ void __maxnreg__((kbit::sm90::Shape<BITS, BT>::MAX_REGISTERS))
+__global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, BT>::MIN_BLOCKS)
     kbit_gemm_sm90(const __grid_constant__ kbit::TensorMap x_map, const u32* __restrict__ packed, const u8* __restrict__ absmax,
                    const float* __restrict__ codebook, const float* __restrict__ tensor_scale, const u16* __restrict__ bias,
                    u16* __restrict__ out, float* __restrict__ workspace, int* __restrict__ counters, int M, int N, int K,
@@ -229,9 +231,10 @@ __global__ void __maxnreg__((kbit::sm90::Shape<BITS, BT>::MAX_REGISTERS))
     __syncthreads();
     RangeWalk walk(iters, m_tiles * n_tiles, k_tiles, m_tiles);
 
-    if (warp == kConsumers / 32) {
+    if (warp >= kConsumers / 32) {
         // Producer: one thread issues the copies of every k-tile of the range.
-        if (lane == 0) {
+        set_max_registers_dec<S::PRODUCER_REGS>();
+        if (warp == kConsumers / 32 && lane == 0) {
             u32 use = 0;  // k-tiles issued so far: stage use % STAGES, its (use / STAGES)-th use
             while (walk.next()) {
                 for (int kt = walk.kb0; kt < walk.kb1; ++kt, ++use) {
@@ -250,6 +253,7 @@ __global__ void __maxnreg__((kbit::sm90::Shape<BITS, BT>::MAX_REGISTERS))
     }
 
     // Consumers.
+    set_max_registers_inc<S::CONSUMER_REGS>();
     const int col0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);  // this lane's first feature in the tile
     const float ts = *tensor_scale;
     u32 a[2][2][4] = {};  // A registers: [32-block of the k-tile][k16 step][fragment]

@@ -31,8 +31,8 @@ __all__ = [
     "activation_map",
 ]
 
-THREADS = 288
-"""Threads per block: two consumer warpgroups and one producer warp (``kThreads``)."""
+THREADS = 384
+"""Threads per block: two consumer warpgroups and the producer warpgroup (``kThreads``)."""
 
 ARCH_OPTIONS = ("-arch=sm_90a",)
 """NVRTC options of every instance (CuPy's own ``-arch=sm_90`` comes after and does not override it)."""
