@@ -80,10 +80,15 @@ struct Shape {
     static constexpr u32 STAGE_TX = X_BYTES + P_BYTES + S_BYTES;  // bytes the copies of one stage bring
     static constexpr int NACC = BT / 2;                         // fp32 accumulators per thread
     static constexpr int MIN_BLOCKS = BT == 64 ? 2 : 1;  // blocks per SM the registers are sized for
-    // setmaxnreg: the producer warpgroup gives its registers to the consumers (the block's share
-    // of the register file, 65536 / MIN_BLOCKS, split 128 x PRODUCER_REGS + 256 x CONSUMER_REGS).
+    // Registers per thread at launch: the cap __launch_bounds__ sets (ptxas allocates exactly
+    // it; the planner checks the driver's count, hopper.py).
+    static constexpr int LAUNCH_REGS = 65536 / (MIN_BLOCKS * kThreads) / 8 * 8;
+    // setmaxnreg moves registers from the producer warpgroup to the consumers within the block's
+    // own allocation (kThreads x LAUNCH_REGS): an increase that the decrease does not cover
+    // would wait forever.
     static constexpr int PRODUCER_REGS = MIN_BLOCKS == 1 ? 40 : 24;
-    static constexpr int CONSUMER_REGS = (65536 / MIN_BLOCKS - 128 * PRODUCER_REGS) / kConsumers / 8 * 8;
+    static constexpr int CONSUMER_REGS = (kThreads * LAUNCH_REGS - 128 * PRODUCER_REGS) / kConsumers / 8 * 8;
+    static_assert(128 * PRODUCER_REGS + kConsumers * CONSUMER_REGS <= kThreads * LAUNCH_REGS, "register budget");
     static_assert(X_BYTES % 1024 == 0, "swizzle atoms");
 };
 

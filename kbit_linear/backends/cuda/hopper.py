@@ -27,6 +27,8 @@ __all__ = [
     "smem_bytes",
     "accumulators",
     "min_blocks_per_sm",
+    "launch_registers",
+    "check_registers",
     "THREADS",
     "activation_map",
 ]
@@ -89,6 +91,20 @@ def accumulators(token_tile: int) -> int:
 def min_blocks_per_sm(token_tile: int) -> int:
     """Blocks per SM the kernel's register budget is sized for (``Shape::MIN_BLOCKS``)."""
     return 2 if token_tile == 64 else 1
+
+
+def launch_registers(token_tile: int) -> int:
+    """Registers per thread the kernel must be launched with (``Shape::LAUNCH_REGS``): its
+    warpgroups trade registers with setmaxnreg inside this allocation, sized for it."""
+    return 65536 // (min_blocks_per_sm(token_tile) * THREADS) // 8 * 8
+
+
+def check_registers(kernel: loader.CudaKernel, token_tile: int) -> None:
+    """Refuse an instance whose register count differs from :func:`launch_registers`: its
+    consumers' setmaxnreg increase would wait forever for registers the block does not have."""
+    if kernel.num_regs != launch_registers(token_tile):
+        raise RuntimeError(f"{kernel.name} was compiled with {kernel.num_regs} registers per thread, expected "
+                           f"{launch_registers(token_tile)}: this compiler does not allocate the cap __launch_bounds__ sets")
 
 
 

@@ -175,6 +175,7 @@ def _plan_wgmma(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
     bt = hopper.token_tile(m, loader.device_properties(device_index).name)
     kernel = loader.get_kernel("gemm_sm90.cu", hopper.instance_name(bits, bt, dtype), torch.device("cuda", device_index),
                                hopper.ARCH_OPTIONS)
+    hopper.check_registers(kernel, bt)
     tiles = -(-m // bt) * n_tiles
     plan = _plan_stream_k("wgmma", kernel, _SM90_ARGS, hopper.smem_bytes(bits, bt), hopper.accumulators(bt), tiles, k_tiles,
                           device_index, split_k, force_split, hopper.THREADS)
