@@ -34,7 +34,8 @@
 //   producer, per k-tile:  wait empty[s] -> expect_tx(full[s], stage bytes) -> TMA x tile,
 //                          bulk copies of the tile's plane words and scale codes -> full[s]
 //   consumers, per k-tile: wait full[s] -> decode + wgmma (compute_stage) -> release the
-//                          previous stage (its wgmmas are retired by now): arrive on empty[s']
+//                          previous stage (its wgmmas are retired by now): every consumer
+//                          thread arrives on empty[s'] after its own reads of it
 //
 // STAGES stage buffers in a ring; the j-th use of stage s waits for phase parity j & 1 of
 // full[s] (consumers) and for the release of use j - 1 on empty[s] (producer). No block-wide
@@ -229,7 +230,7 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
     if (tid == 0) {
         for (int s = 0; s < S::STAGES; ++s) {
             mbar_init(full + s, 1);                // the producer's expect_tx arrival (+ the bytes)
-            mbar_init(empty + s, kConsumers / 32);  // one arrival per consumer warp
+            mbar_init(empty + s, kConsumers);       // every consumer thread releases its own reads
         }
         fence_mbar_init();
     }
@@ -275,11 +276,11 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
             mbar_wait(full + s, (use / S::STAGES) & 1);
             compute_stage<BITS, BT, DT>(smem + s * S::STAGE_BYTES, lut, scale_tab, cb_reg, col0, acc, a);
             // compute_stage retired every wgmma of the previous k-tile: release its stage.
-            if (kt > kb0 && lane == 0) mbar_arrive(empty + (use + S::STAGES - 1) % S::STAGES);
+            if (kt > kb0) mbar_arrive(empty + (use + S::STAGES - 1) % S::STAGES);
         }
         wgmma_wait<0>();
         hold_registers(acc);
-        if (lane == 0) mbar_arrive(empty + (use + S::STAGES - 1) % S::STAGES);
+        mbar_arrive(empty + (use + S::STAGES - 1) % S::STAGES);
 
         const int n = walk.nt * kTileN + col0;
         if (kb0 == 0 && kb1 == k_tiles) {

@@ -95,19 +95,20 @@ FUSED_MIN_SPLIT_ITERS = 4
 
 # Rows a GPU of compute capability 9.0 hands the wgmma kernel, per GPU, as (first, last): below,
 # the decode or mma.sync kernel; above, dequantize + cuBLAS. Measured on an H100 80GB HBM3
-# (2026-11-22, `python3 scripts/bench_wgmma.py`, bench/results/gemm-sm90-h100.md), bits 4 fp16,
-# us, best wgmma tile vs the mma.sync kernel vs dequantize + cuBLAS:
-#   M = 32: 8192->28672 104.9 vs 99.9, 4096->14336 36.2 vs 33.6 (mma.sync: its 32-row tile);
-#   M = 48: 104.1 vs 138.9, 36.4 vs 45.2 (mma.sync's 64-row tile is slower from 33 rows on);
-#   M = 512: 454.0 vs 569.3 (d+cuBLAS), 137.7 vs 153.2; M = 768: 751.2 vs 742.0, 188.9 vs 188.7;
-#   bits 2, 3 and 5 on 4096->14336 cross at the same sizes (bits 5 M = 512: 153.8 vs 155.9).
-WGMMA_ROWS: dict[str, tuple[int, int]] = {"default": (33, 512)}
+# (2026-11-22, `python3 scripts/bench_wgmma.py --m 33 64 ... 4096 --bits 4`,
+# bench/results/gemm-sm90-h100.md), bits 4 fp16, us, best wgmma tile vs the mma.sync kernel vs
+# dequantize + cuBLAS:
+#   M = 33: 8192->28672 95.0 vs 137.5, 4096->14336 34.5 vs 45.2 (mma.sync's 64-row tile);
+#   M = 1024: 735.1 vs 873.3 (d+cuBLAS), 206.8 vs 220.5, 14336->4096 214.1 vs 217.1, but
+#   4096->4096 74.6 vs 64.0; M = 1536: 1115.9 vs 1197.3, 318.9 vs 311.3, 335.1 vs 300.6;
+#   M = 2048: d+cuBLAS ahead or equal on every shape (1603.2 vs 1574.8 on 8192->28672).
+WGMMA_ROWS: dict[str, tuple[int, int]] = {"default": (33, 1024)}
 
 # Token tiles (the kernel's BT) by rows, per GPU: (tile, largest M that takes it), in order; an M
 # above every limit takes the largest tile, 256. Same run: 64 is fastest up to M = 64 (8192->28672
-# M = 64: 105.7 vs 153.4 with 128), 128 at M = 96..128 (149.0 vs 197.2 with 64), 256 from M = 192
-# on the large shapes (M = 256: 243.2 vs 322.1 with 128; 4096->4096 prefers 128 up to M = 384,
-# by 1-4 us).
+# M = 64: 96.8 vs 129.1 with 128), 128 at M = 96..128 (127.3 vs 180.1 with 64), 256 from M = 192
+# on the large shapes (M = 256: 206.6 vs 278.6 with 128; 4096->4096 and at M = 384 4096->14336
+# prefer 128, by 3-20 us).
 WGMMA_TOKEN_TILES: dict[str, tuple[tuple[int, int], ...]] = {"default": ((64, 64), (128, 128))}
 
 
