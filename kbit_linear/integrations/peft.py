@@ -1,0 +1,136 @@
+"""LoRA adapters (PEFT) on :class:`~kbit_linear.KbitLinear` layers: QLoRA with kbit weights.
+
+PEFT wraps layer types it knows; a ``KbitLinear`` is added to a :class:`peft.LoraConfig` through
+PEFT's custom-module mapping (``LoraConfig._register_custom_module``, PEFT's documented extension
+point for layers it does not ship), after which the usual recipe runs unchanged::
+
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from kbit_linear.integrations.peft import register_lora_layers, load_adapter
+
+    model = prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = register_lora_layers(LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    model = get_peft_model(model, config)          # LoRA on every KbitLinear (and dense Linear)
+    ...train...
+    model.save_pretrained("adapter/")              # the adapter only, as PEFT saves it
+    model = load_adapter(base_model, "adapter/")   # PeftModel.from_pretrained with the mapping
+
+How the layer works (:class:`KbitLoraLinear`): it is PEFT's own LoRA ``Linear`` (so adapters,
+dropout, scaling, rsLoRA, adapter switching and mixed batches behave as PEFT documents) around
+the frozen ``KbitLinear``: ``y = kbit(x) + B(A(dropout(x))) * scaling``. Gradients reach the
+adapter through the kbit op's backward (``kbit_linear::gemm`` differentiates with respect to x;
+the quantized weight stays frozen and no dense copy of it outlives a call).
+
+Merging (``merge_and_unload``, ``merge_adapter``): the quantized weight cannot absorb a
+low-rank update, so merging replaces the layer's base by a dense ``nn.Linear`` holding the
+dequantized weight plus the update (in the dtype of the kbit layer's bias, or the adapter's
+dtype where there is none). ``merge_and_unload`` therefore returns a dense model; quantize it
+again with :func:`kbit_linear.quantize_model` to store it in kbit. ``unmerge`` puts the original
+kbit layer back, bit for bit. DoRA needs the base weight inside the forward and is refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    import peft
+    from peft.tuners.lora.layer import Linear as _PeftLoraLinear
+    from peft.tuners.tuners_utils import check_adapters_to_merge
+except ImportError as exc:  # pragma: no cover - exercised only without peft
+    raise ImportError("kbit_linear.integrations.peft needs PEFT: pip install peft") from exc
+
+from ..linear import KbitLinear
+
+__all__ = ["KbitLoraLinear", "register_lora_layers", "load_adapter"]
+
+
+class KbitLoraLinear(_PeftLoraLinear):
+    """PEFT's LoRA ``Linear`` around a frozen :class:`~kbit_linear.KbitLinear`.
+
+    Built by PEFT (``get_peft_model``) for every targeted ``KbitLinear`` once the config carries
+    the mapping (:func:`register_lora_layers`); takes the arguments PEFT passes its own LoRA
+    layers, whatever the PEFT version.
+    """
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        config = kwargs.get("config")
+        use_dora = getattr(config, "use_dora", False) if config is not None else kwargs.get("use_dora", False)
+        if use_dora:
+            raise ValueError("DoRA is not supported on kbit layers (it needs the dense base weight in every forward); "
+                             "use plain LoRA (use_dora=False)")
+        base = base_layer.get_base_layer() if hasattr(base_layer, "get_base_layer") else base_layer
+        if not isinstance(base, KbitLinear):
+            raise TypeError(f"KbitLoraLinear wraps a KbitLinear, got {type(base).__name__}")
+        super().__init__(base_layer, adapter_name, *args, **kwargs)
+        self._quantized_base: KbitLinear | None = None  # the kbit layer while a dense merged copy replaces it
+
+    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
+        # PEFT asks its layer for the base's sizes (and warns about types it does not know).
+        base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+        return base.in_features, base.out_features
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Merge adapters into a dense copy of the base (see the module docstring); the kbit layer is kept for :meth:`unmerge`."""
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        if not adapter_names:
+            return
+        base = self.get_base_layer()
+        if isinstance(base, KbitLinear):
+            self._quantized_base = base
+            self.base_layer = _dense_copy(base, self.lora_A[adapter_names[0]].weight.dtype)
+        super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+
+    def unmerge(self) -> None:
+        """Take merged adapters out again; once none is merged, the original kbit layer is back."""
+        super().unmerge()
+        if not self.merged and self._quantized_base is not None:
+            self.base_layer = self._quantized_base
+            self._quantized_base = None
+
+
+def _dense_copy(layer: KbitLinear, fallback_dtype: torch.dtype) -> nn.Linear:
+    """A dense ``nn.Linear`` with the kbit layer's dequantized weight and its bias."""
+    dtype = layer.bias.dtype if layer.bias is not None else fallback_dtype
+    dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device=layer.weight.device, dtype=dtype)
+    with torch.no_grad():
+        dense.weight.copy_(layer.dequantize(dtype))
+        if layer.bias is not None:
+            dense.bias.copy_(layer.bias)
+    dense.requires_grad_(False)
+    return dense
+
+
+def register_lora_layers(config: "peft.LoraConfig") -> "peft.LoraConfig":
+    """Let PEFT put LoRA on :class:`~kbit_linear.KbitLinear` layers; returns ``config`` (changed in place).
+
+    Raises:
+        TypeError: ``config`` is not a :class:`peft.LoraConfig`.
+    """
+    if not isinstance(config, peft.LoraConfig):
+        raise TypeError(f"config must be a peft.LoraConfig, got {type(config).__name__}")
+    config._register_custom_module({KbitLinear: KbitLoraLinear})
+    return config
+
+
+def load_adapter(model: nn.Module, adapter: str | os.PathLike[str], adapter_name: str = "default", **kwargs: Any) -> "peft.PeftModel":
+    """``PeftModel.from_pretrained`` for a model with kbit layers: the saved LoRA config gets the
+    mapping of :func:`register_lora_layers` first (a config read from disk does not carry it).
+
+    Args:
+        model: the base model (kbit layers in place).
+        adapter: a folder (or Hub id) that ``save_pretrained`` of a PEFT model wrote.
+        adapter_name: name of the loaded adapter.
+        **kwargs: passed on to ``PeftModel.from_pretrained`` (``is_trainable``, ...).
+    """
+    config = peft.PeftConfig.from_pretrained(adapter)
+    if not isinstance(config, peft.LoraConfig):
+        raise ValueError(f"{adapter} holds a {type(config).__name__}; kbit layers take LoRA adapters")
+    params = inspect.signature(peft.PeftModel.from_pretrained).parameters
+    if "config" not in params:  # pragma: no cover - every PEFT this supports has it
+        raise RuntimeError("this PEFT version's PeftModel.from_pretrained takes no config")
+    return peft.PeftModel.from_pretrained(model, adapter, adapter_name=adapter_name, config=register_lora_layers(config), **kwargs)
