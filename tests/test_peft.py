@@ -126,6 +126,16 @@ def test_prepare_model_for_kbit_training_and_gradient_flow_to_the_input():
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+def test_all_linear_needs_the_model_and_spells_out_kbit_layers():
+    model = _model()
+    with pytest.raises(ValueError, match="all-linear"):
+        register_lora_layers(peft.LoraConfig(target_modules="all-linear"))
+    config = register_lora_layers(peft.LoraConfig(r=2, target_modules="all-linear"), model)
+    assert config.target_modules == {"up_proj", "down_proj", "head"}  # a plain module: no output embedding to leave out
+    peft_model = peft.get_peft_model(model, config)
+    assert isinstance(peft_model.base_model.model.up_proj, KbitLoraLinear)
+
+
 def test_dora_is_refused_and_bad_config_named():
     with pytest.raises(ValueError, match="DoRA"):
         _lora(_model(), use_dora=True)

@@ -528,7 +528,7 @@ def test_quantizer_refuses_disk_offload():
     q = KbitHfQuantizer(KbitConfig(), pre_quantized=False)
     with pytest.raises(ValueError, match="disk"):
         q.validate_environment(device_map={"model": "cpu", "lm_head": "disk"})
-    assert q.is_serializable() and not q.is_trainable
+    assert q.is_serializable() and q.is_trainable and not q.is_qat_trainable  # adapters train, the kbit weights stay frozen
 
 
 # ---------------------------------------------------------------------------------------
@@ -598,3 +598,43 @@ def test_smollm2_quantize_at_load_save_reload_generate(tmp_path):
     assert res["generated"].shape == (1, min(5, ids.shape[1]) + 3)
     # the 4-bit model still knows the answer (as the bf16 model does)
     assert tok.decode(before[0, -1].argmax()) == " Paris"
+
+
+# ---------------------------------------------------------------------------------------
+# fine-tuning adapters (QLoRA) on a model loaded with the plug-in
+# ---------------------------------------------------------------------------------------
+
+
+def test_trainer_fine_tunes_lora_adapters_on_a_kbit_model(dense_dir, tmp_path):
+    """The standard recipe: from_pretrained with KbitConfig, prepare_model_for_kbit_training,
+    LoRA through register_lora_layers, transformers' Trainer; the adapters learn, the kbit
+    weights stay as they were, and the saved adapter reloads to the same logits."""
+    peft = pytest.importorskip("peft")
+    from kbit_linear.integrations.peft import KbitLoraLinear, load_adapter, register_lora_layers
+
+    model = _load(dense_dir, quantization_config=KbitConfig(bits=4), dtype=torch.float32)
+    packed = {n: m.weight.detach().clone() for n, m in _kbit_layers(model).items()}
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = register_lora_layers(peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"), model)
+    assert "lm_head" not in config.target_modules and len(config.target_modules) == len(packed)
+    model = peft.get_peft_model(model, config)
+    assert any(isinstance(m, KbitLoraLinear) for m in model.modules())
+    ids = _ids(length=16).repeat(8, 1)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    before = model(input_ids=ids, labels=ids).loss.item()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=20, learning_rate=5e-3,
+                                          per_device_train_batch_size=4, report_to=[], save_strategy="no",
+                                          logging_strategy="no", use_cpu=True)
+    transformers.Trainer(model=model, args=args, train_dataset=data).train()
+    model.eval()
+    with torch.no_grad():
+        after = model(input_ids=ids, labels=ids).loss.item()
+    assert after < before - 0.1, (before, after)
+    for name, m in _kbit_layers(model).items():
+        assert torch.equal(m.weight, packed[name.removeprefix("base_model.model.").removesuffix(".base_layer")]), name
+    model.save_pretrained(tmp_path / "adapter")
+    fresh = _load(dense_dir, quantization_config=KbitConfig(bits=4), dtype=torch.float32)
+    reloaded = load_adapter(fresh, tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)

@@ -8,7 +8,7 @@ point for layers it does not ship), after which the usual recipe runs unchanged:
     from kbit_linear.integrations.peft import register_lora_layers, load_adapter
 
     model = prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False})
-    config = register_lora_layers(LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    config = register_lora_layers(LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"), model)
     model = get_peft_model(model, config)          # LoRA on every KbitLinear (and dense Linear)
     ...train...
     model.save_pretrained("adapter/")              # the adapter only, as PEFT saves it
@@ -105,16 +105,37 @@ def _dense_copy(layer: KbitLinear, fallback_dtype: torch.dtype) -> nn.Linear:
     return dense
 
 
-def register_lora_layers(config: "peft.LoraConfig") -> "peft.LoraConfig":
+def register_lora_layers(config: "peft.LoraConfig", model: nn.Module | None = None) -> "peft.LoraConfig":
     """Let PEFT put LoRA on :class:`~kbit_linear.KbitLinear` layers; returns ``config`` (changed in place).
+
+    PEFT's ``target_modules="all-linear"`` shorthand finds ``nn.Linear`` layers only, so with it
+    pass ``model``: the shorthand is then spelled out as every ``nn.Linear`` and ``KbitLinear``
+    except the output embedding, as PEFT does for dense models.
 
     Raises:
         TypeError: ``config`` is not a :class:`peft.LoraConfig`.
+        ValueError: ``config`` says "all-linear" and no ``model`` was given (the kbit layers would
+            be left out without a word).
     """
     if not isinstance(config, peft.LoraConfig):
         raise TypeError(f"config must be a peft.LoraConfig, got {type(config).__name__}")
+    targets = config.target_modules
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        if model is None:
+            raise ValueError('target_modules="all-linear" matches nn.Linear only: call register_lora_layers(config, model) '
+                             "so that the KbitLinear layers are spelled out too")
+        config.target_modules = _all_linear_names(model)
     config._register_custom_module({KbitLinear: KbitLoraLinear})
     return config
+
+
+def _all_linear_names(model: nn.Module) -> set[str]:
+    """Full names of the ``nn.Linear`` and ``KbitLinear`` layers of ``model``, less its output embedding."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, KbitLinear)) and m is not output}
+    if not names:
+        raise ValueError(f"{type(model).__name__} has no nn.Linear or KbitLinear layer to put LoRA on")
+    return names
 
 
 def load_adapter(model: nn.Module, adapter: str | os.PathLike[str], adapter_name: str = "default", **kwargs: Any) -> "peft.PeftModel":

@@ -397,8 +397,9 @@ class KbitHfQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        """The quantized weights are frozen integers: no training or fine-tuning through them."""
-        return False
+        """Adapters train on top (QLoRA through PEFT, ``kbit_linear.integrations.peft``): gradients
+        flow through the kbit layers to their inputs; the quantized weights themselves stay frozen."""
+        return True
 
     @property
     def is_qat_trainable(self) -> bool:
