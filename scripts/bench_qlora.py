@@ -107,7 +107,6 @@ def main() -> None:
         print(f"# {name}: {r['step_s'] * 1e3:.0f} ms/step, peak {r['peak_gib']:.1f} GiB, loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}",
               flush=True)
     head = ["# QLoRA step on a Llama-3-8B-shaped model", ""] + bc.env_lines(env) + [
-        f"- command: `python3 {' '.join(sys.argv)}`",
         f"- Llama-3-8B shape, {args.layers} layers, random weights; LoRA r = {args.rank} on q/k/v/o/gate/up/down of every layer; "
         f"one sequence of {args.seq} random tokens per step; gradient checkpointing (non-reentrant); AdamW; "
         f"median of {args.steps} steps after 2 warm-up steps; peak = max allocated GPU memory during the timed steps.",
