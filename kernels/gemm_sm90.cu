@@ -127,8 +127,11 @@ __device__ __forceinline__ void compute_stage(const u8* stage, const u8* lut, co
             a[kb][sub][2] = q[0][2 * sub + 1];
             a[kb][sub][3] = q[1][2 * sub + 1];
         }
-        wgmma_fence();
+        // Pin the operands before the fence, so no write to them is scheduled between it and the MMAs.
+        hold_registers(a[kb][0]);
+        hold_registers(a[kb][1]);
         hold_registers(acc);
+        wgmma_fence();
 #pragma unroll
         for (int sub = 0; sub < 2; ++sub) wgmma_rs<BT, DT>(acc, a[kb][sub], desc + 2 * (2 * kb + sub));
         wgmma_commit();
@@ -139,8 +142,8 @@ __device__ __forceinline__ void compute_stage(const u8* stage, const u8* lut, co
     }
 }
 
-// acc * ts (+ bias) -> out for tokens m0.. and features n0 + col0, n0 + col0 + 8; tokens >= M and
-// features >= N are skipped.
+// acc * ts (+ bias) -> out for tokens m0.. and features n, n + 8 (n: this lane's first feature in
+// the output); tokens >= M and features >= N are skipped.
 template <int BITS, int BT, int DT>
 __device__ __forceinline__ void store_tile(const float (&acc)[Shape<BITS, BT>::NACC], u16* __restrict__ out,
                                            const u16* __restrict__ bias, float ts, int M, int N, int m0, int n) {
@@ -198,7 +201,8 @@ struct RangeWalk {
 // Arguments: x_map: tensor map of x [M, K] (16-bit elements, row stride K * 2 bytes, box 64 x BT,
 //   128-byte swizzle, zero fill; hopper.py builds it); the tiled weight; codebook, tensor_scale,
 //   bias or null, out [M, N]; workspace of gridDim.x * 2 * 256 * BT / 2 floats, touched only for
-//   split tiles; counters [m_tiles * n_tiles], zero on entry and left zero; M, N, K true sizes;
+//   split tiles; counters [m_tiles * n_tiles], zero on entry and left zero; M, N true sizes; K: x's
+//   row length (unused here: x_map holds it; kept so both tensor-core kernels take one list);
 //   n_tiles, k_tiles of the padded weight; iters: k-iterations per block; m_tiles = ceil(M / BT).
 // Launch: 384 threads, Shape::SMEM_BYTES of dynamic shared memory, ceil(total / iters) blocks
 // where total = m_tiles * n_tiles * k_tiles.
@@ -220,6 +224,7 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
     const u32* scale_tab = reinterpret_cast<const u32*>(smem + S::SCALE_OFFSET);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int m_tiles = (M + BT - 1) / BT;
+    if (blockDim.x != kThreads) __trap();  // without the producer warpgroup the consumers would wait forever
 
     // Programmatic dependent launch, as in gemm.cu.
     allow_dependent_launch();

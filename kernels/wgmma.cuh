@@ -27,12 +27,6 @@ template <int G> KBIT_DEVICE void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(G) : "memory");
 }
 
-// Shared memory written through the generic proxy (ordinary stores, cp.async) and read next by
-// wgmma (the async proxy): each writing thread fences before the barrier that publishes it.
-KBIT_DEVICE void fence_proxy_async_shared() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
 // Keeps registers where they are across this point (no code motion of their reads and writes
 // over it): placed around the asynchronous MMAs that read and write them. No memory clobber:
 // shared-memory loads may still move across it.

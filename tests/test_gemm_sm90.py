@@ -28,7 +28,7 @@ pytestmark = [
 ]
 
 BITS = fmt.SUPPORTED_BITS
-SHAPES = [(576, 192), (100, 33), (200, 300), (1536, 576)]  # (in, out): odd K and N included
+SHAPES = [(576, 192), (100, 33), (200, 300), (1536, 576), (8, 130), (40, 257)]  # (in, out): odd K and N, K below one k-tile
 M_VALUES = [1, 17, 63, 64, 65, 128, 129, 256, 300, 777]
 SPLITS = [{"path": "wgmma"}, {"path": "wgmma", "split_k": 1}, {"path": "wgmma-splitk"}, {"path": "wgmma", "split_k": 3}]
 
@@ -43,6 +43,16 @@ def _cases():
 @pytest.mark.parametrize("m,k,n,bits,dtype,kw", list(_cases()))
 def test_wgmma_gemm(m, k, n, bits, dtype, kw):
     _check_gemm(m, k, n, bits, dtype, **kw)
+
+
+def test_wgmma_stream_k_range_spans_partial_full_partial_tiles():
+    # K = 192 (3 k-tiles) over 200 tiles of 256 x 128: a block's range of 5 k-iterations ends one
+    # tile, covers the next whole and starts a third (split epilogue, direct store, split again).
+    dev = torch.cuda.current_device()
+    plan = ops._plan(1000, 6400, 192, 4, torch.float16, dev, "wgmma", None)
+    if not (plan.iters > 3 + 1 and plan.iters % 3 != 0):  # the range length follows the SM count
+        pytest.skip(f"this GPU's plan cuts ranges of {plan.iters} k-iterations: no partial-full-partial range")
+    _check_gemm(1000, 192, 6400, 4, torch.float16, path="wgmma")
 
 
 @pytest.mark.parametrize("bits", BITS)

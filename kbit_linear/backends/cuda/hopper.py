@@ -113,14 +113,16 @@ _maps: dict[tuple[int, int, int, int], tuple[ctypes.Array, int]] = {}
 _maps_lock = threading.Lock()
 
 
-def activation_map(x_address: int, rows: int, cols: int, token_tile: int) -> int:
-    """Address of the tensor map the kernel reads ``x [rows, cols]`` (16-bit, row-major, at
-    ``x_address``) through: boxes of ``token_tile`` rows x 64 columns, 128-byte swizzle, zeros
+def activation_map(x_address: int, rows: int, cols: int, token_tile: int) -> tuple[ctypes.Array, int]:
+    """The tensor map the kernel reads ``x [rows, cols]`` through: ``(host buffer, address of the
+    map in it)``. ``x`` is 16-bit, row-major and contiguous (row stride ``cols``) at ``x_address``;
+    a copy moves a box of ``token_tile`` rows x 64 columns with the 128-byte swizzle, zeros
     outside the tensor.
 
-    The map depends only on these four numbers, so maps are kept per (address, rows, cols, tile)
-    and a forward pass that reuses its activation buffers encodes each once; the launch copies
-    the map into the kernel's parameters, so a map may be dropped after it.
+    For a contiguous tensor the map depends only on these four numbers, so maps are kept per
+    (address, rows, cols, tile) and a forward pass that reuses its activation buffers encodes
+    each once. The launch copies the map into the kernel's parameters; the caller holds the
+    returned buffer until the launch has returned (another thread may drop it from the cache).
     """
     key = (x_address, rows, cols, token_tile)
     buf = _maps.get(key)
@@ -132,4 +134,4 @@ def activation_map(x_address: int, rows: int, cols: int, token_tile: int) -> int
             if len(_maps) >= _MAPS_KEPT:
                 _maps.clear()
             _maps[key] = buf = (raw, address)
-    return buf[1]
+    return buf

@@ -366,8 +366,10 @@ def gemm_cuda(
         ws_ptr = cnt_ptr = 0
         if plan.split:
             ws_ptr, cnt_ptr = workspace.zeroed_scratch("fused", dev_index, stream, plan.ws_numel, plan.tiles)
-        # x: a pointer (mma.sync kernel) or the address of its tensor map (wgmma kernel)
-        x_arg = x2d.data_ptr() if plan.token_tile == 0 else hopper.activation_map(x2d.data_ptr(), m, k, plan.token_tile)
+        # x: a pointer (mma.sync kernel) or the address of its tensor map (wgmma kernel; x_map keeps
+        # the map's buffer alive until the launch has copied it)
+        x_map = None if plan.token_tile == 0 else hopper.activation_map(x2d.data_ptr(), m, k, plan.token_tile)
+        x_arg = x2d.data_ptr() if x_map is None else x_map[1]
         plan.args.launch(
             plan.kernel, plan.grid, plan.smem, stream,
             (x_arg, packed.data_ptr(), absmax.data_ptr(), codebook.data_ptr(), tensor_scale.data_ptr(),
