@@ -97,11 +97,13 @@ def test_wgmma_custom_codebook():
 
 
 @pytest.mark.parametrize("m", [17, 100, 300, 1000])
-def test_dispatch_takes_wgmma_for_its_rows(m):
-    first, last = kcuda.tuning.wgmma_rows(loader.device_properties(torch.cuda.current_device()).name)
-    path = kcuda.gemm_path(m, 4096, 4096, 4, torch.float16)
+@pytest.mark.parametrize("k,n", [(4096, 4096), (8192, 16384)], ids=["4096x4096", "large"])
+def test_dispatch_takes_wgmma_for_its_rows(m, k, n):
+    first, last = kcuda.tuning.wgmma_rows(loader.device_properties(torch.cuda.current_device()).name, n * k)
+    path = kcuda.gemm_path(m, n, k, 4, torch.float16)
     assert path.startswith("wgmma") == (first <= m <= last), path
-    _check_gemm(m, 4096, 4096, 4, torch.float16)
+    if n * k < kcuda.tuning.DECODE_LARGE_WEIGHT:
+        _check_gemm(m, k, n, 4, torch.float16)
 
 
 def test_wgmma_path_refused_without_sm90(monkeypatch):

@@ -196,6 +196,10 @@ def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: i
     return plans.get_or_make(key, lambda: _make_plan(m, n, k, bits, dtype, device_index, path, split_k))
 
 
+def _within(m: int, rows: tuple[int, int]) -> bool:
+    return rows[0] <= m <= rows[1]
+
+
 def _make_plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None) -> _GemmPlan:
     n_pad, k_pad = fmt.padded_shape(n, k)
     n_tiles, k_tiles = n_pad // _TILE_N, k_pad // _TILE_K
@@ -203,7 +207,7 @@ def _make_plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_ind
     if path is None:
         if m <= tuning.decode_max_m(gpu, n * k) and decode.decode_supported(m, bits, dtype, device_index):
             path = "decode"
-        elif hopper.supported(device_index) and tuning.wgmma_rows(gpu)[0] <= m <= tuning.wgmma_rows(gpu)[1]:
+        elif hopper.supported(device_index) and _within(m, tuning.wgmma_rows(gpu, n * k)):
             path = "wgmma"
         elif m >= tuning.dequant_cublas_min_m(gpu, bits):
             path = "dequant+cublas"

@@ -19,6 +19,7 @@ __all__ = [
     "DECODE_LARGE_WEIGHT",
     "FUSED_ROW_BLOCKS",
     "WGMMA_ROWS",
+    "WGMMA_LARGE_WEIGHT_FIRST_ROW",
     "WGMMA_TOKEN_TILES",
     "FUSED_MIN_SPLIT_ITERS",
     "DecodeConfig",
@@ -104,6 +105,13 @@ FUSED_MIN_SPLIT_ITERS = 4
 #   M = 2048: d+cuBLAS ahead or equal on every shape (1603.2 vs 1574.8 on 8192->28672).
 WGMMA_ROWS: dict[str, tuple[int, int]] = {"default": (33, 1024)}
 
+# First wgmma row for weights of at least DECODE_LARGE_WEIGHT elements (their decode range ends
+# earlier), per GPU. H100, same script (`--m 17 24 32 64 256`), 8192->28672 bits 4 fp16, wgmma
+# (tile 64) vs the mma.sync kernel: M = 17 92.0 vs 100.2, 24 90.4 vs 99.3, 32 92.2 vs 99.2 us;
+# on 4096-wide layers the two tie at M = 17..32 (4096->14336 M = 24: 33.4 vs 32.2), and
+# 4096->4096 prefers mma.sync (M = 17: 16.9 vs 15.2).
+WGMMA_LARGE_WEIGHT_FIRST_ROW: dict[str, int] = {"default": 17}
+
 # Token tiles (the kernel's BT) by rows, per GPU: (tile, largest M that takes it), in order; an M
 # above every limit takes the largest tile, 256. Same run: 64 is fastest up to M = 64 (8192->28672
 # M = 64: 96.8 vs 129.1 with 128), 128 at M = 96..128 (127.3 vs 180.1 with 64), 256 from M = 192
@@ -112,9 +120,13 @@ WGMMA_ROWS: dict[str, tuple[int, int]] = {"default": (33, 1024)}
 WGMMA_TOKEN_TILES: dict[str, tuple[tuple[int, int], ...]] = {"default": ((64, 64), (128, 128))}
 
 
-def wgmma_rows(device_name: str) -> tuple[int, int]:
-    """``(first, last)`` rows an sm_90 GPU named ``device_name`` hands the wgmma kernel."""
-    return _row(WGMMA_ROWS, device_name)
+def wgmma_rows(device_name: str, weight_elements: int = 0) -> tuple[int, int]:
+    """``(first, last)`` rows an sm_90 GPU named ``device_name`` hands the wgmma kernel for a
+    weight of ``weight_elements`` (``N * K``)."""
+    first, last = _row(WGMMA_ROWS, device_name)
+    if weight_elements >= DECODE_LARGE_WEIGHT:
+        first = min(first, _row(WGMMA_LARGE_WEIGHT_FIRST_ROW, device_name))
+    return first, last
 
 
 def wgmma_token_tiles(device_name: str) -> tuple[tuple[int, int], ...]:
