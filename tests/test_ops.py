@@ -37,7 +37,8 @@ def test_dequantize_and_gemm_ops_match_reference(dtype):
     x = torch.randn(2, 4, 100).to(dtype)
     bias = torch.randn(33).to(dtype)
     y = ops.gemm(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 3, 33, bias)
-    assert torch.equal(y, fmt.matmul(x, qw, bias))
+    # the CPU backend sums in another order than the reference: equal within float32 rounding
+    torch.testing.assert_close(y, fmt.matmul(x, qw, bias), **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}))
 
 
 def test_opcheck_all_ops():
