@@ -1,6 +1,7 @@
 """The Hopper warpgroup-MMA GEMM (``kernels/gemm_sm90.cu``) against the reference (marker ``cuda``).
 
-Runs on GPUs of compute capability 9.0 only (H100, H200); skipped elsewhere. Same tolerances as
+Runs on GPUs of compute capability 9.0 only (H100, H200); skipped elsewhere. (CUDA-graph capture
+of the wgmma paths is parametrized into ``test_kernels_cuda.py``'s graph test.) Same tolerances as
 ``test_kernels_cuda.py`` (fp32 reference of the dequantized weight; outputs NaN-poisoned first).
 M covers every token tile (64: M <= 64, 128: M <= 128, 256 above) with full and ragged last tiles.
 """
@@ -114,24 +115,6 @@ def test_wgmma_path_refused_without_sm90(monkeypatch):
     with pytest.raises(ValueError, match="compute capability 9.0"):
         ops._make_plan(40, 192, 576, 4, torch.float16, dev, "wgmma", None)
     assert not ops._make_plan(40, 192, 576, 4, torch.float16, dev, None, None).path.startswith("wgmma")
-
-
-@pytest.mark.parametrize("path", ["wgmma", "wgmma-splitk"])
-def test_wgmma_cuda_graph_capture_and_replay(path):
-    qw = _weight(4096, 4096, 4)
-    static_x = torch.randn(96, 4096, device=DEV, dtype=torch.float16)
-    kcuda.gemm_cuda(static_x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 4, 4096, path=path)  # compile outside
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static_out = kcuda.gemm_cuda(static_x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 4, 4096, path=path)
-    for _ in range(3):
-        static_x.copy_(torch.randn_like(static_x))
-        static_out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert not torch.isnan(static_out).any()
-        assert _rel_err(static_out, _reference(static_x, qw)) < REL_TOL[torch.float16]
 
 
 def test_wgmma_under_torch_compile():

@@ -252,10 +252,15 @@ def test_gemm_rejects_bad_arguments():
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["fused", "fused-splitk", "dequant+cublas"])
-def test_cuda_graph_capture_and_replay(path):
+_NEEDS_SM90 = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                                 reason="the wgmma kernel needs compute capability 9.0")
+
+
+@pytest.mark.parametrize("path,m", [("fused", 4), ("fused-splitk", 4), ("dequant+cublas", 4),
+                                    pytest.param("wgmma", 96, marks=_NEEDS_SM90), pytest.param("wgmma-splitk", 96, marks=_NEEDS_SM90)])
+def test_cuda_graph_capture_and_replay(path, m):
     qw = _weight(4096, 4096, 4)
-    static_x = torch.randn(4, 4096, device=DEV, dtype=torch.float16)
+    static_x = torch.randn(m, 4096, device=DEV, dtype=torch.float16)
     kcuda.gemm_cuda(static_x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 4, 4096, path=path)  # warm up / compile
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
