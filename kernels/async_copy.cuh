@@ -1,13 +1,12 @@
 // Hopper (sm_90) asynchronous copies that complete on shared-memory barriers.
 //
-//   mbarrier: a 64-bit shared-memory object counting arrivals (and, for copies, bytes) of one
-//     phase; when both reach their targets the phase completes and the barrier starts the next.
-//     Waiters name the phase by its parity (0, 1, 0, ...: the j-th use of a barrier is parity j & 1).
+//   mbarrier (mbarrier.cuh): here it also counts the bytes of the copies that complete on it.
 //   tma_load_2d: a box of a 2-D tensor (the tensor map, built on the host) into shared memory,
 //     elements outside the tensor read as zero; bulk_load: contiguous bytes. Both count their bytes
 //     on the barrier named in the call (mbar_arrive_expect_tx announces them first).
 #pragma once
 #include "common.cuh"
+#include "mbarrier.cuh"  // mbar_init, mbar_arrive, mbar_wait
 
 namespace kbit {
 
@@ -16,31 +15,9 @@ struct alignas(64) TensorMap {
     u64 opaque[16];
 };
 
-KBIT_DEVICE void mbar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-// Makes initialized barriers visible to the copy engine (and, after a block barrier, to every thread).
-KBIT_DEVICE void fence_mbar_init() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-KBIT_DEVICE void mbar_arrive(u64* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
 // One arrival that also announces `bytes` still to come from copies completing on this barrier.
 KBIT_DEVICE void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-// Waits until the phase of parity `parity` has completed.
-KBIT_DEVICE void mbar_wait(u64* bar, u32 parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "}\n" ::"r"(smem_addr(bar)),
-        "r"(parity)
-        : "memory");
 }
 
 // Box {c0 .. c0 + box0 - 1 (inner), c1 .. c1 + box1 - 1} of the tensor behind `map` into `dst`

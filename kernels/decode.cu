@@ -74,6 +74,7 @@
 // Half-precision values travel as raw bits; no system headers (NVRTC and nvcc both build it).
 
 #include "common.cuh"  // u32/u16/u8, KBIT_F16/KBIT_BF16, conversions, mul2, mma_16816, e4m4_decode
+#include "mbarrier.cuh"  // the in-block reduction's slot barriers
 
 namespace kbit_decode {
 
@@ -474,34 +475,37 @@ KBIT_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, floa
 // The KS warps of a row slot share K: each stores its partial sums in its own slice of a
 // shared-memory slot (plain stores: shared fp32 atomics are CAS loops on sm_80/90 and collide
 // when 16 warps finish together) and counts its chunks; the warp that completes the segment's
-// count adds the other contributors' slices to its own sums and flushes them. Two slots
-// alternate between consecutive segments; a slot's generation word names the segment that may
-// use it, so a warp that runs two segments ahead waits (spins) until the slot is released. No
-// block barrier: warps without chunks in a segment never take part.
+// count (the "finisher") adds the other contributors' slices to its own sums and flushes them.
+// Nobody waits for a slower warp: the last one to finish does the work. Two slots alternate
+// between consecutive segments. No block barrier: warps without chunks in a segment never take
+// part.
 //
-// Why this is race-free although compute-sanitizer's racecheck reports it (it models barriers,
-// not flags and atomics):
-//   - Slot reuse. Slot (seg & 1) serves segments seg, seg + 2, ...; a warp touches it for
-//     segment seg only once `gen == seg`, and `gen` moves to seg + 2 only after the warp that
-//     completed segment seg's count has read every slice and flushed (the __threadfence_block
-//     before the store orders those reads first). So no slice is overwritten while it is read.
-//   - Slice hand-over. A contributor stores its slice, fences (cta scope), then its lane 0 adds
-//     its chunk count to `count` with an atomic; the warp whose atomic returns seg_len - nmine
-//     saw every other contributor's add, each ordered after that contributor's slice stores, and
-//     fences again before reading. The lanes of a warp are ordered among themselves by
-//     __syncwarp / __shfl_sync around the lane-0 atomic.
-//   - Exactly one warp finalises: the atomic adds of the contributors' chunk counts reach
-//     seg_len once, in the one add that completes it; `count` is reset by that warp before it
-//     releases the slot.
-// tests/test_decode_cuda.py::test_in_block_reduction_stress runs random shapes, M, launch shapes
-// and schedules on two streams at once against the reference. Replacing the protocol with named
-// barriers or mbarriers (which racecheck understands) cost 5-20 % on the largest shapes on an
-// H100 (bench/results/decode.md, "racecheck"): the owner of a segment then waits for the
-// slowest contributor instead of the last contributor doing the work.
+// Order, per slot (slot seg & 1 serves segments seg, seg + 2, ...: its use u = seg >> 1):
+//   gen    the segment that may use the slot next; the finisher of segment seg sets seg + 2
+//          after its reads. Exact (no wrap), so a warp two segments ahead waits here.
+//   free   mbarrier, 32 arrivals: the finisher's lanes after reading (phase u = use u read).
+//   full   mbarrier, 32 * KS arrivals: every lane of every contributor after storing its slice,
+//          then the finisher tops the count up for the KS - min(seg_len, KS) warps that had no
+//          chunk (phase u = use u's slices stored).
+//   count  chunks of the current use, added by each contributor's lane 0 with an atomic; the add
+//          that reaches seg_len names the finisher, which resets it before releasing the slot.
+// A contributor waits for `gen == seg`, then for phase u - 1 of `free` (already complete then:
+// the wait is what tells each lane, and racecheck, that the earlier reads are done), stores,
+// arrives on `full`. The finisher waits for phase u of `full` (complete by then: every other
+// contributor arrived before its count add) before reading. A segment with one contributor
+// (seg_len == 1) stores and reads nothing but still completes a phase of both barriers, so use
+// numbers and phases stay equal. The barriers' phases are what order the slices' stores, reads
+// and reuse; compute-sanitizer's racecheck follows them (scripts/sanitize_gemm.py: 0 hazards).
+// The gen word keeps a warp that skipped segments from mistaking an old phase of the same parity
+// for the one it waits for. tests/test_decode_cuda.py::test_in_block_reduction_stress runs random
+// shapes, M, launch shapes and schedules on two streams at once against the reference.
+// (Replacing the finisher with a fixed owner that waits for all contributors, at a named barrier
+// or an mbarrier, cost 5-20 % on the largest shapes on an H100: bench/results/decode.md.)
 template <int KS, int R, int MT> struct RedSlot {
     float part[KS][R * MT * 4][32];
 };
 struct RedCtl {
+    u64 full, free;  // mbarriers
     int gen, count;
 };
 
@@ -511,46 +515,55 @@ template <int DT, int MT, int R, int KS>
 KBIT_DEVICE void reduce_flush(float (&acc)[R][MT][4], RedSlot<KS, R, MT>* slot, RedCtl* ctl, u16* __restrict__ out, float* __restrict__ ws,
                             int* cnt, int seg, int seg_len, int seg_pos0, int nmine, int wk, int rg0, int kc, int M, int N,
                             float tscale, int lane) {
-    volatile int* gen = &ctl->gen;
-    if (lane == 0) {
-        while (*gen != seg) {
+    if constexpr (KS > 1) {
+        const u32 use = (u32)seg >> 1;
+        volatile int* gen = &ctl->gen;
+        if (lane == 0) {
+            while (*gen != seg) {
+            }
         }
-        __threadfence_block();
-    }
-    __syncwarp();
-    if (nmine != seg_len) {
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int j = 0; j < MT; ++j)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) slot->part[wk][(r * MT + j) * 4 + c][lane] = acc[r][j][c];
-        __threadfence_block();
         __syncwarp();
-        int old = 0;
-        if (lane == 0) old = atomicAdd(&ctl->count, nmine);
-        old = __shfl_sync(0xffffffffu, old, 0);
-        if (old + nmine != seg_len) return;
-        // Last of the segment: add the other contributors' slices.
-        __threadfence_block();
+        kbit::mbar_wait(&ctl->free, (use & 1) ^ 1);  // use u - 1 read (a fresh barrier passes parity 1)
+        const bool alone = nmine == seg_len;
         const int nc = min(seg_len, KS);
-        for (int q = 0; q < nc; ++q) {
-            const int w = (seg_pos0 + q) % KS;
-            if (w == wk) continue;
-            const volatile float* src = &slot->part[w][0][0];
+        if (!alone) {
 #pragma unroll
             for (int r = 0; r < R; ++r)
 #pragma unroll
                 for (int j = 0; j < MT; ++j)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) acc[r][j][c] += src[((r * MT + j) * 4 + c) * 32 + lane];
+                    for (int c = 0; c < 4; ++c) slot->part[wk][(r * MT + j) * 4 + c][lane] = acc[r][j][c];
         }
-        if (lane == 0) ctl->count = 0;
+        kbit::mbar_arrive(&ctl->full);
+        if (!alone) {
+            __syncwarp();  // every lane has arrived before the count names a finisher
+            int old = 0;
+            if (lane == 0) old = atomicAdd(&ctl->count, nmine);
+            old = __shfl_sync(0xffffffffu, old, 0);
+            if (old + nmine != seg_len) return;
+        }
+        // The finisher: complete the phase for the warps that had no chunk, then read.
+        if (lane == 0 && nc < KS) kbit::mbar_arrive_many(&ctl->full, 32u * (u32)(KS - nc));
+        kbit::mbar_wait(&ctl->full, use & 1);
+        if (!alone) {
+            for (int q = 0; q < nc; ++q) {
+                const int w = (seg_pos0 + q) % KS;
+                if (w == wk) continue;
+                const float* src = &slot->part[w][0][0];
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int j = 0; j < MT; ++j)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) acc[r][j][c] += src[((r * MT + j) * 4 + c) * 32 + lane];
+            }
+            if (lane == 0) atomicExch(&ctl->count, 0);
+        }
+        kbit::mbar_arrive(&ctl->free);
+        __syncwarp();
+        if (lane == 0) *gen = seg + 2;  // the segment two ahead may take the slot
     }
     flush<DT, MT, R>(acc, out, ws, cnt, rg0, seg_len, kc, M, N, tscale, lane);
-    __threadfence_block();
-    __syncwarp();
-    if (lane == 0) *gen = seg + 2;  // release the slot to the segment two ahead
 }
 
 // Dynamic shared memory of one instance, what the host sizes the launch with (the worst-case
@@ -631,9 +644,11 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     const float* cb_entry = codebook + (threadIdx.x & ((1 << BITS) - 1));
     const u32 cb_early = ldg_cg_word(cb_entry);
     build_tables<BITS, DT>(lut, reinterpret_cast<u32*>(lut + L::kBytes), __uint_as_float(cb_early), threadIdx.x, NW * 32);
-    if (threadIdx.x < 2 * NWR) {
+    if (KS > 1 && threadIdx.x < 2 * NWR) {
         ctls[threadIdx.x].gen = threadIdx.x / NWR;  // slot 0 starts with segment 0, slot 1 with 1
         ctls[threadIdx.x].count = 0;
+        kbit::mbar_init(&ctls[threadIdx.x].full, 32 * KS);
+        kbit::mbar_init(&ctls[threadIdx.x].free, 32);
     }
     grid_dependency_wait();
     // The codebook as it reads now: if the previous kernel changed it, the tables are rebuilt

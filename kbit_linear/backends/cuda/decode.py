@@ -58,13 +58,14 @@ _ARGS = loader.ArgPack("kbit_decode_gemm", "x:p packed:p absmax:p codebook:p ten
 # Dynamic shared memory per block (kernels/decode.cu): the pair/quad table (Lut<BITS>::kSmem:
 # BITS 2..4 on a 64 KiB boundary of the shared window, so up to 64 KiB of padding, plus the
 # 1 KiB scale table), then two reduction slots per row slot (RedSlot: one slice of R*MT*4*32
-# floats per warp along K) and their (generation, count) words.
+# floats per warp along K) and their control words (RedCtl: two mbarriers, generation, count:
+# 24 bytes).
 _TABLE_SMEM = {2: 65536 + 256 * 256 + 1024, 3: 65536 + 64 * 256 + 1024, 4: 65536 + 256 * 256 + 1024, 5: 1024 * 128 + 1024}
 _RESERVED_SMEM = 1024  # per block, taken by the runtime on sm_80+
 
 
 def _smem(bits: int, mt: int, cfg: DecodeConfig) -> int:
-    return _TABLE_SMEM[bits] + 2 * cfg.row_slots * (cfg.k_warps * cfg.row_groups * mt * 4 * 32 * 4 + 8)
+    return _TABLE_SMEM[bits] + 2 * cfg.row_slots * (cfg.k_warps * cfg.row_groups * mt * 4 * 32 * 4 + 24)
 
 
 # Most shared memory any tuned launch shape of a bit width needs (what decode_supported checks).
