@@ -29,7 +29,7 @@ leave the quantized tensors bit-identical: ``weight``/``absmax`` are integers, a
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -53,6 +53,37 @@ def _check_features(name: str, value: Any) -> int:
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {value}")
     return value
+
+
+def _apply_keeping_float32(module: nn.Module, names: Iterable[str], fn: Callable[[torch.Tensor], torch.Tensor],
+                           recurse: bool) -> nn.Module:
+    """``nn.Module._apply`` that keeps the float32 buffers ``names`` float32, bit for bit.
+
+    Module.to(dtype)/half()/bfloat16() cast every floating buffer; a codebook and a tensor scale
+    belong to the format. ``fn`` is applied (for its device move) and, where it changed a
+    buffer's dtype, the original is moved instead.
+    """
+    saved = {name: module._buffers.get(name) for name in names}
+    nn.Module._apply(module, fn, recurse)
+    for name, old in saved.items():
+        new = module._buffers.get(name)
+        if old is not None and new is not None and new.dtype != old.dtype:
+            module._buffers[name] = old.to(device=new.device)
+    return module
+
+
+def _check_state_dtypes(state_dict: dict[str, Any], prefix: str, expected: dict[str, torch.dtype],
+                        error_msgs: list[str], what: str) -> bool:
+    """Append an error naming the key for every entry of ``expected`` whose tensor in
+    ``state_dict`` has another dtype; ``False`` if there was one. (load_state_dict would
+    silently cast a float tensor into int32 planes with ``copy_``.)"""
+    ok = True
+    for name, dtype in expected.items():
+        t = state_dict.get(prefix + name)
+        if isinstance(t, torch.Tensor) and t.dtype != dtype:
+            error_msgs.append(f"{prefix}{name}: expected dtype {dtype} for {what}, got {t.dtype}")
+            ok = False
+    return ok
 
 
 class KbitLinear(nn.Module):
@@ -207,16 +238,7 @@ class KbitLinear(nn.Module):
     # -----------------------------------------------------------------------------------
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "KbitLinear":
-        # Module.to(dtype)/half()/bfloat16() cast every floating buffer; the codebook and the
-        # tensor scale belong to the format and must stay float32, bit for bit. Apply ``fn``
-        # (for its device move) and, where it changed the dtype, move the original instead.
-        saved = {name: self._buffers.get(name) for name in _FLOAT32_BUFFERS}
-        super()._apply(fn, recurse)
-        for name, old in saved.items():
-            new = self._buffers.get(name)
-            if old is not None and new is not None and new.dtype != old.dtype:
-                self._buffers[name] = old.to(device=new.device)
-        return self
+        return _apply_keeping_float32(self, _FLOAT32_BUFFERS, fn, recurse)
 
     def _load_from_state_dict(
         self,
@@ -228,17 +250,7 @@ class KbitLinear(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        # load_state_dict would silently cast a float tensor into the int32 planes (copy_):
-        # refuse wrong dtypes of the quantized tensors with a message naming the key.
         expected = {"weight": torch.int32, "absmax": torch.uint8, "codebook": torch.float32, "tensor_scale": torch.float32}
-        bad = False
-        for name, dtype in expected.items():
-            t = state_dict.get(prefix + name)
-            if isinstance(t, torch.Tensor) and t.dtype != dtype:
-                error_msgs.append(
-                    f"{prefix}{name}: expected dtype {dtype} for a {self.bits}-bit KbitLinear, got {t.dtype}"
-                )
-                bad = True
-        if bad:
+        if not _check_state_dtypes(state_dict, prefix, expected, error_msgs, f"a {self.bits}-bit KbitLinear"):
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)

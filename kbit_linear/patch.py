@@ -23,6 +23,12 @@ Every layer left alone gets a reason in the returned :class:`QuantizationSummary
 quantized one at a time on the weight's own device (or ``device``), and each dense layer is
 dropped from the model before the next is quantized, so peak memory stays near the model's
 size plus one layer. :func:`replace_module` is the one way a layer is put into its parent.
+
+Mixture-of-experts blocks keep their experts as 3-D weights in one module, not as ``nn.Linear``:
+:func:`convertible_experts` finds them (:func:`kbit_linear.experts.looks_like_experts`) and
+converts those whose layout :class:`~kbit_linear.experts.KbitExperts` implements
+(:func:`kbit_linear.experts.experts_layout_problem`), under the same skip rules; the others stay
+dense with the reason in the summary.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import format as fmt
+from .experts import KbitExperts, experts_layout_problem, looks_like_experts
 from .linear import KbitLinear
 
 __all__ = [
@@ -47,8 +54,10 @@ __all__ = [
     "module_bytes",
     "is_convertible",
     "convertible_layers",
+    "convertible_experts",
     "replace_module",
     "kbit_placeholder",
+    "experts_placeholder",
 ]
 
 SkipRule = str | re.Pattern[str]
@@ -70,6 +79,10 @@ class QuantizationSummary:
         converted_bytes_before: bytes of the converted layers' dense weights and biases.
         converted_bytes_after: bytes of their quantized tensors (planes, scales, codebook,
             tensor scale, bias).
+        experts: qualified names of the MoE experts modules replaced by ``KbitExperts`` (experts
+            modules left dense are in ``skipped``).
+        experts_bytes_before: bytes of their dense expert weights.
+        experts_bytes_after: bytes of their quantized tensors.
     """
 
     bits: int
@@ -79,6 +92,9 @@ class QuantizationSummary:
     bytes_after: int = 0
     converted_bytes_before: int = 0
     converted_bytes_after: int = 0
+    experts: list[str] = field(default_factory=list)
+    experts_bytes_before: int = 0
+    experts_bytes_after: int = 0
 
     def __str__(self) -> str:
         lines = [
@@ -86,6 +102,10 @@ class QuantizationSummary:
             f"  model bytes: {self.bytes_before:,} -> {self.bytes_after:,}",
             f"  converted layers: {self.converted_bytes_before:,} -> {self.converted_bytes_after:,} bytes",
         ]
+        if self.experts:
+            lines.append(
+                f"  experts ({len(self.experts)} modules): {self.experts_bytes_before:,} -> {self.experts_bytes_after:,} bytes"
+            )
         lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped.items()]
         return "\n".join(lines)
 
@@ -273,6 +293,57 @@ def kbit_placeholder(
     return layer
 
 
+def experts_placeholder(module: nn.Module, bits: int, *, device: torch.device | str | None = None) -> KbitExperts:
+    """An unfilled :class:`KbitExperts` standing in for the experts module ``module``, to be filled by a state dict.
+
+    Same shapes, activation and training mode as ``module`` (which must pass
+    :func:`kbit_linear.experts.experts_layout_problem`); zero weights and the default codebooks
+    until loaded.
+
+    Args:
+        module: the dense experts module it replaces (only its shapes, ``act_fn`` and mode are read).
+        bits: index width, 2..5.
+        device: where its tensors live (default: ``module.gate_up_proj``'s device).
+    """
+    problem = experts_layout_problem(module)
+    if problem is not None:
+        raise ValueError(f"module cannot be replaced by kbit experts: {problem}")
+    e, two_i, h = module.gate_up_proj.shape
+    new = KbitExperts(e, h, two_i // 2, bits=bits, act_fn=module.act_fn,
+                      device=module.gate_up_proj.device if device is None else device)
+    new.train(module.training)
+    return new
+
+
+def convertible_experts(model: nn.Module, skip: Iterable[SkipRule] | str | None = ()) -> tuple[list[str], dict[str, str]]:
+    """Which MoE experts modules of ``model`` a swap converts to :class:`KbitExperts`, and why the others stay.
+
+    Args:
+        model: any module.
+        skip: rules of :func:`matches_skip`, applied to the experts module's name.
+
+    Returns:
+        ``(names, skipped)``: qualified names to convert, in ``named_modules`` order (a module
+        reused under several names appears under each), and name -> reason for every module
+        that holds experts as 3-D weights (:func:`kbit_linear.experts.looks_like_experts`) and
+        is left dense (skip rule, or a layout ``KbitExperts`` does not implement).
+    """
+    rules = check_skip_rules(skip)
+    names: list[str] = []
+    skipped: dict[str, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, KbitExperts) or not looks_like_experts(module):
+            continue
+        rule = matches_skip(name, rules)
+        if rule is not None:
+            skipped[name] = f"matches skip rule {rule.pattern if isinstance(rule, re.Pattern) else rule!r}"
+        elif (reason := experts_layout_problem(module)) is not None:
+            skipped[name] = f"experts stay dense: {reason}"
+        else:
+            names.append(name)
+    return names, skipped
+
+
 def convertible_layers(model: nn.Module, skip: Iterable[SkipRule] | str | None = ()) -> tuple[list[str], dict[str, str]]:
     """Which ``nn.Linear`` layers of ``model`` a swap converts, and why the others stay.
 
@@ -313,12 +384,15 @@ def quantize_model(
     scale_search: bool = False,
     device: torch.device | str | None = None,
 ) -> QuantizationSummary:
-    """Replace the ``nn.Linear`` layers of ``model`` by :class:`KbitLinear`, in place.
+    """Replace the ``nn.Linear`` layers of ``model`` by :class:`KbitLinear`, in place, and
+    the experts modules of mixture-of-experts blocks by :class:`KbitExperts`.
 
     Each layer is quantized with :meth:`KbitLinear.from_linear` on its weight's device (or
     ``device``), then swapped into its parent; the dense layer is released before the next
-    one is quantized. Works on models on CPU, CUDA or the meta device (meta layers become
-    meta ``KbitLinear`` of the right shapes, to be filled by ``load_state_dict``).
+    one is quantized. Experts modules that :func:`convertible_experts` accepts follow, one at a
+    time, through :meth:`KbitExperts.from_experts`. Works on models on CPU, CUDA or the meta
+    device (meta layers become meta ``KbitLinear`` of the right shapes, to be filled by
+    ``load_state_dict``).
 
     Args:
         model: any ``nn.Module``; a bare ``nn.Linear`` cannot be replaced in place (wrap it
@@ -338,7 +412,8 @@ def quantize_model(
         device: where to quantize and keep the new layers (default: each weight's device).
 
     Returns:
-        A :class:`QuantizationSummary`: converted names, skipped names with reasons, bytes.
+        A :class:`QuantizationSummary`: converted names, skipped names with reasons, bytes
+        (the experts modules' bytes apart).
 
     Raises:
         TypeError / ValueError: bad arguments.
@@ -359,6 +434,8 @@ def quantize_model(
     summary = QuantizationSummary(bits=bits, bytes_before=module_bytes(model))
     # Names, not modules: a dense layer must be unreferenced once swapped out.
     to_convert, summary.skipped = convertible_layers(model, rules)
+    experts_to_convert, experts_skipped = convertible_experts(model, rules)
+    summary.skipped.update(experts_skipped)
 
     converted: dict[int, KbitLinear] = {}  # a Linear reused under several names -> one KbitLinear
     for name in tqdm(to_convert, desc=f"kbit quantize ({bits} bits)", unit="layer", disable=not progress):
@@ -386,6 +463,23 @@ def quantize_model(
         summary.converted_bytes_before += before
         summary.converted_bytes_after += sum(t.numel() * t.element_size() for t in (*new.parameters(), *new.buffers()))
         del linear, src, new
+
+    converted_experts: dict[int, KbitExperts] = {}
+    for name in tqdm(experts_to_convert, desc=f"kbit quantize experts ({bits} bits)", unit="module",
+                     disable=not progress or not experts_to_convert):
+        module = model.get_submodule(name)
+        if id(module) not in converted_experts:
+            try:
+                new = KbitExperts.from_experts(module, bits=bits, codebook=codebook, scale_search=scale_search, device=target)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"cannot quantize experts {name!r}: {e}") from e
+            converted_experts[id(module)] = new
+            summary.experts_bytes_before += sum(t.numel() * t.element_size() for t in module.parameters(recurse=False))
+            summary.experts_bytes_after += sum(t.numel() * t.element_size() for t in (*new.parameters(), *new.buffers()))
+            del new
+        replace_module(model, name, converted_experts[id(module)])
+        summary.experts.append(name)
+        del module
 
     summary.bytes_after = module_bytes(model)
     return summary
