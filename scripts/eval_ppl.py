@@ -1,19 +1,29 @@
 #!/usr/bin/env python3
-"""Perplexity and KL divergence of one model: unquantized, kbit at K = 2, 3, 4, 5, and NF4.
+"""Accuracy of one model: unquantized, kbit at K = 2, 3, 4, 5, uniform RTN baselines and NF4.
 
-Every quantized variant is loaded through the transformers plug-in
-(``from_pretrained(..., quantization_config=KbitConfig(bits=K))``), all ``nn.Linear`` layers
-quantized except ``lm_head``/tied embeddings, then evaluated with the baseline's dtype. By
-default the weights are quantized from a float32 load (``--quantize-dtype fp32``), i.e. from
-the checkpoint's own values when it is stored in float32, and the model is cast to the
-evaluation dtype afterwards (the quantized tensors are unaffected by the cast);
-``--quantize-dtype bf16`` quantizes the bf16-rounded weights instead, which is what
-``from_pretrained(..., dtype=torch.bfloat16)`` does. bitsandbytes NF4 (blocksize 64) is added
-when bitsandbytes is importable and works on the device.
+Causal LMs (SmolLM2-135M-Instruct, the default; ``--model gemma-3-270m``; any local folder or
+hub id) are scored by perplexity, KL divergence and top-1 agreement of the next-token
+distributions against the unquantized baseline; sentence encoders (``--model
+all-minilm-l6-v2``, any BERT-like ``AutoModel``) by the cosine of their sentence embeddings
+against the unquantized model's (:mod:`kbit_linear.tools.evaluation`).
+
+kbit rows: data-free variants are loaded through the transformers plug-in
+(``from_pretrained(..., quantization_config=KbitConfig(bits=K))``), every ``nn.Linear`` quantized
+except ``lm_head``/tied embeddings, then evaluated with the baseline's dtype. By default the
+weights are quantized from a float32 load (``--quantize-dtype fp32``), i.e. from the
+checkpoint's own values when it is stored in float32, and the model is cast to the evaluation
+dtype afterwards (the quantized tensors are unaffected by the cast); ``--quantize-dtype bf16``
+quantizes the bf16-rounded weights instead, which is what ``from_pretrained(...,
+dtype=torch.bfloat16)`` does.
+
+Baselines: ``--rtn-groups 32 64`` adds uniform asymmetric round-to-nearest at the same bits with
+one fp16 scale and zero point per group (fake-quantized dense weights,
+:mod:`kbit_linear.tools.baselines`); bitsandbytes NF4 (blocksize 64) is added when bitsandbytes
+is importable and works on the device.
 
 The text and windows are those of :mod:`kbit_linear.tools.evaluation` (CPython's
-``pydoc_data.topics``, first 16 non-overlapping 512-token windows). The KL column is the mean
-``KL(baseline || variant)`` of the next-token distributions, in nats per token.
+``pydoc_data.topics``, first 16 non-overlapping 512-token windows by default). The KL column is
+the mean ``KL(baseline || variant)`` of the next-token distributions, in nats per token.
 
 Example (CPU, the embedded SmolLM2-135M-Instruct, about 15 minutes on 2 cores)::
 
@@ -35,7 +45,16 @@ import torch
 
 from _bench_common import markdown_table, optional_import  # (importing it puts the repo on sys.path)
 
-from kbit_linear.tools.evaluation import EvalResult, evaluate, stored_bits_per_weight, token_windows
+from kbit_linear.tools.baselines import apply_rtn, rtn_bits_per_weight
+from kbit_linear.tools.evaluation import (
+    EmbeddingResult,
+    embedding_sentences,
+    evaluate,
+    evaluate_embeddings,
+    sentence_embeddings,
+    stored_bits_per_weight,
+    token_windows,
+)
 from kbit_linear.integrations.transformers import KbitConfig, register
 from kbit_linear.tools.models import DEFAULT_MODEL, resolve_model
 
@@ -44,9 +63,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a local HF folder or a hub id")
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct), 'gemma-3-270m', 'all-minilm-l6-v2', a local HF folder or a hub id")
     p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 5], choices=[2, 3, 4, 5], help="kbit widths to evaluate")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the baseline and the activations")
+    p.add_argument("--dtype", choices=sorted(DTYPES),
+                   help="dtype of the baseline and the activations (default: bf16 for causal LMs, fp32 for encoders)")
     p.add_argument(
         "--quantize-dtype",
         default="fp32",
@@ -56,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="'cpu', 'cuda', 'cuda:1', ...")
     p.add_argument("--windows", type=int, default=16, help="number of 512-token windows")
     p.add_argument("--window", type=int, default=512, help="tokens per window")
+    p.add_argument("--sentences", type=int, default=256, help="sentences scored for an encoder model")
+    p.add_argument("--rtn-groups", type=int, nargs="*", default=[],
+                   help="add uniform asymmetric RTN rows at each of --bits with these group sizes (e.g. 32 64)")
+    p.add_argument("--no-kbit", action="store_true", help="skip the kbit rows (baseline and RTN only)")
     p.add_argument("--no-nf4", action="store_true", help="skip the bitsandbytes NF4 row")
     p.add_argument("--scale-search", choices=["off", "on", "both"], default="off",
                    help="kbit rows with round-up absmax scales (off), with the block scale search (on), or both")
@@ -79,79 +104,148 @@ def _device_name(device: torch.device) -> str:
     return f"{_cpu_name()} ({torch.get_num_threads()} threads)"
 
 
-def _load(path: str, dtype: torch.dtype, device: torch.device, quantization_config=None):
-    from transformers import AutoModelForCausalLM
+def _is_causal_lm(path: str) -> bool:
+    """Whether the folder's config names a ``...ForCausalLM`` architecture (else: an encoder)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return any(a.endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or []))
+
+
+def _load(path: str, dtype: torch.dtype, device: torch.device, quantization_config=None, causal: bool = True):
+    from transformers import AutoModel, AutoModelForCausalLM
 
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=str(device), quantization_config=quantization_config)
+    auto = AutoModelForCausalLM if causal else AutoModel
+    model = auto.from_pretrained(path, dtype=dtype, device_map=str(device), quantization_config=quantization_config)
     model.eval()
     return model, time.perf_counter() - start
 
 
-def _row(name: str, bits: str, result: EvalResult | None, load_s: float | None, note: str = "") -> list[str]:
-    if result is None:
-        return [name, bits, "-", "-", "-", note]
-    kl = "0" if result.kl is None else f"{result.kl:.3f}"
-    timing = f"{load_s:.0f} / {result.seconds:.0f}" if load_s is not None else f"- / {result.seconds:.0f}"
-    return [name, bits, f"{result.perplexity:.2f}", kl, timing, note]
+class _Scorer:
+    """Scores a model against the baseline: perplexity / KL / top-1 (causal) or embedding cosine."""
+
+    def __init__(self, causal: bool, tokenizer, args: argparse.Namespace) -> None:
+        self.causal = causal
+        self.tokenizer = tokenizer
+        if causal:
+            self.windows = token_windows(tokenizer, window=args.window, num_windows=args.windows)
+            self.headers = ["method", "bits/weight", "perplexity", "KL vs baseline (nats/token)", "top-1 agreement",
+                            "quantize / eval (s)", "note"]
+        else:
+            self.sentences = embedding_sentences(args.sentences)
+            self.headers = ["method", "bits/weight", "mean cosine vs baseline", "min cosine", "quantize / eval (s)", "note"]
+        self.baseline = None
+        self.reference = None
+
+    def set_baseline(self, model) -> object:
+        self.baseline = model
+        if self.causal:
+            result = evaluate(model, self.windows, progress=True)
+        else:
+            start = time.perf_counter()
+            self.reference = sentence_embeddings(model, self.tokenizer, self.sentences)
+            result = EmbeddingResult(1.0, 1.0, len(self.sentences), time.perf_counter() - start)
+        return result
+
+    def score(self, model):
+        if self.causal:
+            return evaluate(model, self.windows, reference=self.baseline, progress=True)
+        return evaluate_embeddings(model, self.tokenizer, self.sentences, self.reference)
+
+    def row(self, name: str, bits: str, result, load_s: float | None, note: str = "") -> list[str]:
+        width = len(self.headers)
+        if result is None:
+            return [name, bits] + ["-"] * (width - 3) + [note]
+        timing = f"{load_s:.0f} / {result.seconds:.0f}" if load_s is not None else f"- / {result.seconds:.0f}"
+        if self.causal:
+            kl = "0" if result.kl is None else f"{result.kl:.3f}"
+            top1 = "1" if result.top1 is None else f"{result.top1:.3f}"
+            return [name, bits, f"{result.perplexity:.2f}", kl, top1, timing, note]
+        return [name, bits, f"{result.mean_cosine:.4f}", f"{result.min_cosine:.4f}", timing, note]
+
+    def summary(self, result) -> str:
+        if self.causal:
+            kl = "" if result.kl is None else f", KL {result.kl:.4f}, top-1 {result.top1:.3f}"
+            return f"perplexity {result.perplexity:.3f}{kl}"
+        return f"mean cosine {result.mean_cosine:.5f}"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     register()
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
     path = resolve_model(args.model)
+    causal = _is_causal_lm(path)
+    if args.dtype is None:
+        args.dtype = "bf16" if causal else "fp32"
+    dtype = DTYPES[args.dtype]
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    windows = token_windows(tokenizer, window=args.window, num_windows=args.windows)
-    print(f"model {args.model} ({path}), {args.windows} x {args.window} tokens, {args.dtype} on {device}", file=sys.stderr)
+    scorer = _Scorer(causal, tokenizer, args)
+    what = f"{args.windows} x {args.window} tokens" if causal else f"{args.sentences} sentences"
+    print(f"model {args.model} ({path}), {what}, {args.dtype} on {device}", file=sys.stderr)
 
-    headers = ["method", "bits/weight (stored)", "perplexity", "KL vs baseline (nats/token)", "load / eval (s)", "note"]
     rows = []
-    baseline, load_s = _load(path, dtype, device)
-    base = evaluate(baseline, windows, progress=True)
-    rows.append(_row(args.dtype, str(torch.finfo(dtype).bits), base, load_s))
-    print(f"{args.dtype}: perplexity {base.perplexity:.3f}", file=sys.stderr)
+    baseline, load_s = _load(path, dtype, device, causal=causal)
+    base = scorer.set_baseline(baseline)
+    rows.append(scorer.row(args.dtype, str(torch.finfo(dtype).bits), base, load_s))
+    print(f"{args.dtype}: {scorer.summary(base)}", file=sys.stderr)
+
+    def report(name: str, bits: str, model, load_s: float, note: str) -> None:
+        result = scorer.score(model)
+        rows.append(scorer.row(name, bits, result, load_s, note))
+        print(f"{name}: {scorer.summary(result)}", file=sys.stderr)
 
     searches = {"off": [False], "on": [True], "both": [False, True]}[args.scale_search]
     for bits in args.bits:
-        for search in searches:
+        for search in [] if args.no_kbit else searches:
             config = KbitConfig(bits=bits, scale_search=search)
-            model, load_s = _load(path, DTYPES[args.quantize_dtype], device, config)
+            model, load_s = _load(path, DTYPES[args.quantize_dtype], device, config, causal=causal)
             model.to(dtype)  # casts what stayed dense; the quantized tensors keep their dtypes
-            result = evaluate(model, windows, reference=baseline, progress=True)
-            bpw = stored_bits_per_weight(model)
             name = f"kbit K={bits}" + (", scale search" if search else "")
-            rows.append(_row(name, f"{bpw:.2f}", result, load_s, "load includes quantization"))
-            print(f"{name}: perplexity {result.perplexity:.3f}, KL {result.kl:.4f}", file=sys.stderr)
+            report(name, f"{stored_bits_per_weight(model):.2f}", model, load_s, "quantized at load")
+            del model
+            gc.collect()
+        for group in args.rtn_groups:
+            model, load_s = _load(path, DTYPES[args.quantize_dtype], device, causal=causal)
+            start = time.perf_counter()
+            apply_rtn(model, bits, group)
+            model.to(dtype)
+            report(f"RTN asym {bits}-bit g{group}", f"{rtn_bits_per_weight(bits, group):.2f}", model,
+                   time.perf_counter() - start, "fake-quantized (fp16 scale + zero per group)")
             del model
             gc.collect()
 
     if not args.no_nf4:
-        rows.append(_nf4_row(path, dtype, device, windows, baseline))
+        rows.append(_nf4_row(path, dtype, device, scorer, causal))
 
-    table = markdown_table(headers, rows)
+    table = markdown_table(scorer.headers, rows)
     print(table)
     if args.out is not None:
         command = "python3 " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
         import transformers
 
+        if causal:
+            text = (f"- text: CPython {platform.python_version()} `pydoc_data.topics` (sorted keys, blank-line joined), "
+                    f"first {args.windows} non-overlapping {args.window}-token windows, no special tokens "
+                    f"({base.tokens} scored tokens)")
+        else:
+            text = (f"- text: the first {args.sentences} sentences of 6-60 words of CPython {platform.python_version()} "
+                    "`pydoc_data.topics`; embedding = mean of the last hidden states over the tokens, normalized")
         lines = [
-            f"# Perplexity and KL divergence: {DEFAULT_MODEL if args.model == 'default' else args.model}",
+            f"# Accuracy: {DEFAULT_MODEL if args.model == 'default' else args.model}",
             "",
             f"- date: {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
             f"- command: `{command}`",
             f"- device: {_device_name(device)}",
             f"- python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
-            f"- text: CPython {platform.python_version()} `pydoc_data.topics` (sorted keys, blank-line joined), "
-            f"first {args.windows} non-overlapping {args.window}-token windows, no special tokens "
-            f"({base.tokens} scored tokens)",
+            text,
             f"- every `nn.Linear` quantized except `lm_head`/tied embeddings, from weights loaded in "
             f"{args.quantize_dtype}; baseline and activations {args.dtype}",
-            "- bits/weight (stored): planes + E4M4 scales + codebook + tensor scale over the true weight count "
-            "(padding to 64 x 128 tiles included)",
+            "- bits/weight: kbit rows as stored (planes + E4M4 scales + codebook + tensor scale over the true weight "
+            "count, padding to 64 x 128 tiles included); RTN rows bits + 32/group (fp16 scale and zero)",
             "",
             table,
             "",
@@ -162,20 +256,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _nf4_row(path: str, dtype: torch.dtype, device: torch.device, windows: torch.Tensor, baseline) -> list[str]:
+def _nf4_row(path: str, dtype: torch.dtype, device: torch.device, scorer: _Scorer, causal: bool) -> list[str]:
     """bitsandbytes NF4 (blocksize 64) through transformers, or a row saying why not."""
     bnb, why = optional_import("bitsandbytes")
     if bnb is None:
-        return _row("bitsandbytes NF4", "4.5", None, None, f"not run: {why}")
+        return scorer.row("bitsandbytes NF4", "4.5", None, None, f"not run: {why}")
     from transformers import BitsAndBytesConfig
 
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
     try:
-        model, load_s = _load(path, dtype, device, config)
-        result = evaluate(model, windows, reference=baseline, progress=True)
+        model, load_s = _load(path, dtype, device, config, causal=causal)
+        result = scorer.score(model)
     except Exception as e:  # bitsandbytes builds differ in which devices they support
-        return _row("bitsandbytes NF4", "4.5", None, None, f"not run: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-    return _row("bitsandbytes NF4 (blocksize 64)", "4.5", result, load_s, f"bitsandbytes {bnb.__version__}")
+        return scorer.row("bitsandbytes NF4", "4.5", None, None, f"not run: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    return scorer.row("bitsandbytes NF4 (blocksize 64)", "4.5", result, load_s, f"bitsandbytes {bnb.__version__}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,13 @@ tokens. The KL divergence is the mean over the same positions of
 ``KL(p_reference || p_model)`` of the full next-token distributions, in nats per token: it is
 steadier than perplexity when two models are close.
 
+The top-1 agreement is the fraction of those positions where the model's most likely next token
+is the reference's.
+
+Sentence encoders (all-MiniLM-L6-v2) are scored on sentences of the same text
+(:func:`embedding_sentences`): the mean cosine similarity of each sentence's embedding (the mean
+of the encoder's last hidden states over the sentence's tokens) with the reference model's.
+
 The text changes a little between CPython releases, so numbers are comparable only on the same
 Python minor version (the README's figures are for CPython 3.11).
 """
@@ -16,7 +23,9 @@ Python minor version (the README's figures are for CPython 3.11).
 from __future__ import annotations
 
 import math
+import re
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,11 +35,16 @@ from torch import nn
 __all__ = [
     "WINDOW",
     "NUM_WINDOWS",
+    "NUM_SENTENCES",
     "EvalResult",
     "perplexity_text",
     "token_windows",
     "evaluate",
     "stored_bits_per_weight",
+    "EmbeddingResult",
+    "embedding_sentences",
+    "sentence_embeddings",
+    "evaluate_embeddings",
 ]
 
 WINDOW = 512
@@ -89,6 +103,8 @@ class EvalResult:
         kl: mean ``KL(reference || model)`` in nats per token, ``None`` without a reference.
         tokens: number of scored tokens.
         seconds: wall time of the evaluation (both models when a reference is given).
+        top1: fraction of positions where the model's argmax token is the reference's,
+            ``None`` without a reference.
     """
 
     perplexity: float
@@ -96,6 +112,7 @@ class EvalResult:
     kl: float | None
     tokens: int
     seconds: float
+    top1: float | None = None
 
 
 def _input_device(model: nn.Module) -> torch.device:
@@ -130,8 +147,6 @@ def evaluate(model: nn.Module, windows: torch.Tensor, reference: nn.Module | Non
     Returns:
         An :class:`EvalResult`.
     """
-    import time
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if reference is not None and not isinstance(reference, nn.Module):
@@ -144,7 +159,7 @@ def evaluate(model: nn.Module, windows: torch.Tensor, reference: nn.Module | Non
 
         rows = tqdm(rows, desc="perplexity", unit="window", file=sys.stderr)
     start = time.perf_counter()
-    nll_sum, kl_sum, count = 0.0, 0.0, 0
+    nll_sum, kl_sum, agree, count = 0.0, 0.0, 0, 0
     for i in rows:
         ids = windows[i : i + 1]
         logp = _log_probs(model, ids)
@@ -153,6 +168,7 @@ def evaluate(model: nn.Module, windows: torch.Tensor, reference: nn.Module | Non
         if reference is not None:
             ref = _log_probs(reference, ids).to(logp.device)
             kl_sum += float(F.kl_div(logp, ref, log_target=True, reduction="sum"))
+            agree += int((logp.argmax(-1) == ref.argmax(-1)).sum())
         count += targets.numel()
     nll = nll_sum / count
     return EvalResult(
@@ -161,6 +177,7 @@ def evaluate(model: nn.Module, windows: torch.Tensor, reference: nn.Module | Non
         kl=None if reference is None else kl_sum / count,
         tokens=count,
         seconds=time.perf_counter() - start,
+        top1=None if reference is None else agree / count,
     )
 
 
@@ -184,3 +201,103 @@ def stored_bits_per_weight(model: nn.Module) -> float | None:
             stored += sum(t.numel() * t.element_size() for t in (module.weight, module.absmax, module.codebook, module.tensor_scale))
             weights += module.in_features * module.out_features
     return 8 * stored / weights if weights else None
+
+
+NUM_SENTENCES = 256
+"""Sentences scored by default in :func:`evaluate_embeddings`."""
+
+
+def embedding_sentences(num_sentences: int = NUM_SENTENCES, text: str | None = None,
+                        min_words: int = 6, max_words: int = 60) -> list[str]:
+    """Sentences of the evaluation text for sentence encoders, in text order.
+
+    The text (default :func:`perplexity_text`) is split after ``.``, ``!`` or ``?`` followed by
+    whitespace; whitespace runs become one space; sentences of ``min_words`` to ``max_words``
+    words are kept (headings, code and tables mostly fall out), the first ``num_sentences`` of
+    them returned.
+
+    Raises:
+        ValueError: a bad count, or the text has fewer such sentences.
+    """
+    for name, v in (("num_sentences", num_sentences), ("min_words", min_words), ("max_words", max_words)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if text is None:
+        text = perplexity_text()
+    if not isinstance(text, str) or not text:
+        raise ValueError("text must be a non-empty string")
+    out = []
+    for raw in re.split(r"(?<=[.!?])\s+", text):
+        sentence = " ".join(raw.split())
+        if min_words <= len(sentence.split()) <= max_words:
+            out.append(sentence)
+            if len(out) == num_sentences:
+                return out
+    raise ValueError(f"the text has {len(out)} sentences of {min_words}..{max_words} words, fewer than num_sentences={num_sentences}")
+
+
+@torch.inference_mode()
+def sentence_embeddings(model: nn.Module, tokenizer, sentences: list[str], batch_size: int = 32,
+                        max_length: int = 256) -> torch.Tensor:
+    """float32 ``[len(sentences), hidden]`` unit-norm sentence embeddings of an encoder.
+
+    Each embedding is the mean of ``model(...).last_hidden_state`` over the sentence's tokens
+    (padding masked out), divided by its norm: the all-MiniLM-L6-v2 recipe (mean pooling, then
+    normalization).
+
+    Args:
+        model: an encoder returning ``last_hidden_state`` ``[B, T, hidden]`` (e.g. ``AutoModel``).
+        tokenizer: its Hugging Face tokenizer (special tokens added, padded, truncated).
+        sentences: the texts.
+        batch_size: sentences per forward call.
+        max_length: tokens kept per sentence.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(sentences, (list, tuple)) or not sentences or not all(isinstance(t, str) for t in sentences):
+        raise ValueError("sentences must be a non-empty list of strings")
+    device = _input_device(model)
+    chunks = []
+    for i in range(0, len(sentences), batch_size):
+        enc = tokenizer(list(sentences[i : i + batch_size]), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+        enc = {k: v.to(device) for k, v in enc.items()}
+        hidden = model(**enc).last_hidden_state.float()
+        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+        chunks.append(F.normalize(pooled, dim=-1).cpu())
+    return torch.cat(chunks)
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    """Agreement of a sentence encoder with a reference encoder.
+
+    Attributes:
+        mean_cosine: mean over sentences of the cosine between the two embeddings.
+        min_cosine: the smallest of those cosines.
+        sentences: number of sentences.
+        seconds: wall time (the model only; reference embeddings are passed in).
+    """
+
+    mean_cosine: float
+    min_cosine: float
+    sentences: int
+    seconds: float
+
+
+def evaluate_embeddings(model: nn.Module, tokenizer, sentences: list[str], reference: torch.Tensor) -> EmbeddingResult:
+    """Cosine similarity of ``model``'s sentence embeddings with ``reference`` embeddings.
+
+    Args:
+        model: the encoder to score.
+        tokenizer: its tokenizer.
+        sentences: the texts (:func:`embedding_sentences`).
+        reference: float ``[len(sentences), hidden]`` embeddings of the same sentences from the
+            reference model (:func:`sentence_embeddings`).
+    """
+    if not isinstance(reference, torch.Tensor) or reference.dim() != 2 or reference.shape[0] != len(sentences):
+        raise ValueError("reference must be a [len(sentences), hidden] tensor of embeddings")
+    start = time.perf_counter()
+    emb = sentence_embeddings(model, tokenizer, sentences)
+    cos = F.cosine_similarity(emb, reference.to(emb), dim=-1)
+    return EmbeddingResult(float(cos.mean()), float(cos.min()), len(sentences), time.perf_counter() - start)
