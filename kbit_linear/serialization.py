@@ -15,6 +15,11 @@ On-disk format (version ``"1"``), one ``.safetensors`` file:
   - ``kbit_linear.layers``: JSON ``{prefix: layer metadata}`` (see :func:`layer_metadata`:
     bits, true and padded shape, block size, tile config, bias flag);
   - ``kbit_linear.sha256``: JSON ``{tensor name: hex sha256 of its bytes}``;
+  - ``kbit_linear.experts``: JSON ``{prefix: experts metadata}`` for every MoE experts module
+    stored as :class:`~kbit_linear.experts.KbitExperts` (see :func:`experts_metadata`; written
+    only when there is one); its tensors are ``<prefix>.gate_up_proj`` / ``<prefix>.down_proj``
+    (int32 ``[E, K_pad/64, N_pad/128, 128, 2, bits]``, again not the dense shape) with
+    ``_absmax``, ``_codebook`` and ``_tensor_scale`` beside each (``kbit_linear/experts.py``);
   - ``kbit_linear.aliases``: JSON ``{name: stored name}`` for tensors shared in the model
     (tied weights), which are stored once;
   - ``kbit_linear.header_sha256``: hex sha256 of all the other entries (sorted compact
@@ -49,8 +54,9 @@ import torch
 from torch import nn
 
 from . import format as fmt
+from .experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem
 from .linear import KbitLinear
-from .patch import is_convertible, kbit_placeholder, replace_module
+from .patch import experts_placeholder, is_convertible, kbit_placeholder, replace_module
 
 __all__ = [
     "FORMAT_VERSION",
@@ -64,6 +70,9 @@ __all__ = [
     "layer_metadata",
     "validate_layer_metadata",
     "validate_layer_tensors",
+    "experts_metadata",
+    "validate_experts_metadata",
+    "validate_experts_tensors",
     "tensor_sha256",
     "verify_sha256",
     "save_quantized",
@@ -82,6 +91,7 @@ _KEY_VERSION = "kbit_linear.version"
 _KEY_LAYERS = "kbit_linear.layers"
 _KEY_SHA256 = "kbit_linear.sha256"
 _KEY_ALIASES = "kbit_linear.aliases"
+_KEY_EXPERTS = "kbit_linear.experts"
 _KEY_HEADER_SHA256 = "kbit_linear.header_sha256"
 _RESERVED = "kbit_linear."
 
@@ -101,12 +111,14 @@ class QuantizedCheckpoint:
         layers: prefix -> layer metadata (see :func:`layer_metadata`), validated.
         metadata: the caller's extra header metadata given to :func:`save_quantized`.
         path: the file read.
+        experts: prefix -> experts metadata (see :func:`experts_metadata`), validated.
     """
 
     tensors: dict[str, torch.Tensor]
     layers: dict[str, dict[str, Any]]
     metadata: dict[str, str] = field(default_factory=dict)
     path: str = ""
+    experts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,6 +304,137 @@ def _check_padding(ctx: str, packed: torch.Tensor, absmax: torch.Tensor, n: int,
 
 
 # ---------------------------------------------------------------------------------------
+# experts modules (MoE): metadata and checks, per expert through the layer checks above
+# ---------------------------------------------------------------------------------------
+
+
+def _projection_shapes(hidden_dim: int, intermediate_dim: int) -> dict[str, tuple[int, int]]:
+    """``(out_features, in_features)`` of one expert's matrix of each projection."""
+    return {"gate_up_proj": (2 * intermediate_dim, hidden_dim), "down_proj": (hidden_dim, intermediate_dim)}
+
+
+def experts_metadata(module: KbitExperts) -> dict[str, Any]:
+    """The header metadata of one :class:`~kbit_linear.experts.KbitExperts` module.
+
+    Returns:
+        ``{"bits", "num_experts", "hidden_dim", "intermediate_dim", "projections"}``, where
+        ``projections`` maps ``gate_up_proj`` / ``down_proj`` to one expert's matrix as
+        :func:`layer_metadata` describes a layer (shape, padded shape, block and tile sizes).
+    """
+    if not isinstance(module, KbitExperts):
+        raise TypeError(f"module must be a KbitExperts, got {type(module).__name__}")
+    return {
+        "bits": module.bits,
+        "num_experts": module.num_experts,
+        "hidden_dim": module.hidden_dim,
+        "intermediate_dim": module.intermediate_dim,
+        "projections": _projections_metadata(module.bits, module.hidden_dim, module.intermediate_dim),
+    }
+
+
+def _projections_metadata(bits: int, hidden_dim: int, intermediate_dim: int) -> dict[str, dict[str, Any]]:
+    return {
+        proj: {"bits": bits, "out_features": n, "in_features": k, **_layout_metadata(n, k), "bias": False}
+        for proj, (n, k) in _projection_shapes(hidden_dim, intermediate_dim).items()
+    }
+
+
+def validate_experts_metadata(prefix: str, meta: Mapping[str, Any], *, where: str = "") -> dict[str, Any]:
+    """Check one experts module's metadata and return it complete (``projections`` filled in).
+
+    Required keys: ``bits`` (2..5), ``num_experts``, ``hidden_dim``, ``intermediate_dim``
+    (positive ints); ``projections``, when present, must be what these imply.
+
+    Raises:
+        CheckpointError: a missing or wrong entry, named.
+    """
+    ctx = f"{where}: experts {prefix!r}" if where else f"experts {prefix!r}"
+    if not isinstance(meta, Mapping):
+        raise _fail(ctx, f"metadata must be a mapping, got {type(meta).__name__}")
+    values = {}
+    for key in ("bits", "num_experts", "hidden_dim", "intermediate_dim"):
+        v = meta.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise _fail(ctx, f"metadata {key!r} must be a positive int, got {v!r}")
+        values[key] = v
+    if values["bits"] not in fmt.SUPPORTED_BITS:
+        raise _fail(ctx, f"bits={values['bits']} is not supported (supported: {fmt.SUPPORTED_BITS})")
+    expected = _projections_metadata(values["bits"], values["hidden_dim"], values["intermediate_dim"])
+    if "projections" in meta and meta["projections"] != expected:
+        raise _fail(ctx, f"metadata 'projections' {meta['projections']!r} does not match this format (expected {expected!r})")
+    return {**dict(meta), **values, "projections": expected}
+
+
+def validate_experts_tensors(
+    prefix: str,
+    tensors: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any],
+    *,
+    where: str = "",
+    check_values: bool = True,
+) -> None:
+    """Check the tensors of one experts module against its metadata.
+
+    Names, dtypes and stacked shapes of every projection's four tensors (``gate_up_proj``,
+    ``gate_up_proj_absmax``, ``gate_up_proj_codebook``, ``gate_up_proj_tensor_scale``, and the
+    same for ``down_proj``); then each expert's slice goes through :func:`validate_layer_tensors`
+    as one layer (codebook, power-of-two tensor scale, zero padding), with ``check_values``.
+
+    Args:
+        prefix: the module's name (for messages).
+        tensors: attribute name (``"gate_up_proj"``, ``"gate_up_proj_absmax"``, ...) -> tensor.
+        meta: the module's metadata (see :func:`validate_experts_metadata`).
+        where: what is being read (a file name), prepended to messages.
+        check_values: also check tensor contents.
+
+    Raises:
+        CheckpointError: the first problem found, naming the module, the tensor and the expert.
+    """
+    meta = validate_experts_metadata(prefix, meta, where=where)
+    ctx = f"{where}: experts {prefix!r}" if where else f"experts {prefix!r}"
+    names = {proj + suffix: (proj, field) for proj in PROJECTIONS for field, suffix in TENSOR_SUFFIXES.items()}
+    unknown = set(tensors) - set(names)
+    if unknown:
+        raise _fail(ctx, f"unexpected tensors {sorted(unknown)} (a kbit experts module holds {sorted(names)})")
+    bits, e = meta["bits"], meta["num_experts"]
+    for proj, layer in meta["projections"].items():
+        packed_shape, absmax_shape = fmt.tiled_shapes(layer["out_features"], layer["in_features"], bits)
+        want = {
+            "packed": (torch.int32, (e, *packed_shape)),
+            "absmax": (torch.uint8, (e, *absmax_shape)),
+            "codebook": (torch.float32, (1 << bits,)),
+            "tensor_scale": (torch.float32, (e,)),
+        }
+        for field, (dtype, shape) in want.items():
+            name = proj + TENSOR_SUFFIXES[field]
+            t = tensors.get(name)
+            if t is None:
+                raise _fail(ctx, f"tensor {name!r} is missing")
+            if not isinstance(t, torch.Tensor):
+                raise _fail(ctx, f"{name!r} is a {type(t).__name__}, not a tensor")
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise _fail(ctx, f"{name!r} is {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)} for {_experts_summary(meta)}")
+        stacked = {field: tensors[proj + suffix] for field, suffix in TENSOR_SUFFIXES.items()}
+        if not check_values or any(t.device.type == "meta" for t in stacked.values()):
+            continue
+        for i in range(e):
+            one = {"weight": stacked["packed"][i], "absmax": stacked["absmax"][i], "codebook": stacked["codebook"],
+                   "tensor_scale": stacked["tensor_scale"][i : i + 1]}
+            validate_layer_tensors(f"{prefix}.{proj}[expert {i}]", one, layer, where=where)
+
+
+def _experts_summary(meta: Mapping[str, Any]) -> str:
+    """``bits=.., experts=.., hidden_dim=.., intermediate_dim=..`` of experts metadata, for messages."""
+    return f"bits={meta['bits']}, experts={meta['num_experts']}, hidden_dim={meta['hidden_dim']}, intermediate_dim={meta['intermediate_dim']}"
+
+
+def _experts_tensors(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """attribute name -> tensor of the experts module at ``prefix``, from a flat state dict."""
+    names = (proj + suffix for proj in PROJECTIONS for suffix in TENSOR_SUFFIXES.values())
+    return {n: state[f"{prefix}.{n}"] for n in names if f"{prefix}.{n}" in state}
+
+
+# ---------------------------------------------------------------------------------------
 # save
 # ---------------------------------------------------------------------------------------
 
@@ -335,12 +478,15 @@ def _layer_tensors(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, 
     return {s: state[f"{prefix}.{s}"] for s in LAYER_TENSORS if f"{prefix}.{s}" in state}
 
 
-def _stray_packed(state: Mapping[str, torch.Tensor], layers: Mapping[str, Any]) -> list[str]:
-    """Tensors that look like tiled planes (``*.weight``, int32, 5-D) but belong to no listed layer."""
+def _stray_packed(state: Mapping[str, torch.Tensor], layers: Mapping[str, Any], experts: Mapping[str, Any] | None = None) -> list[str]:
+    """Tensors that look like tiled planes (``*.weight`` int32 5-D, or an experts projection
+    int32 6-D) but belong to no listed layer or experts module."""
     out = []
     for name, t in state.items():
         prefix, _, last = name.rpartition(".")
         if last == "weight" and t.dtype == torch.int32 and t.dim() == 5 and prefix not in layers:
+            out.append(name)
+        elif last in PROJECTIONS and t.dtype == torch.int32 and t.dim() == 6 and prefix not in (experts or {}):
             out.append(name)
     return out
 
@@ -416,19 +562,23 @@ def save_quantized(
     metadata: Mapping[str, str] | None = None,
     *,
     layers: Mapping[str, Mapping[str, Any]] | None = None,
+    experts: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Path:
     """Save a quantized model (or state dict) to one safetensors file, atomically.
 
     Args:
-        model_or_state_dict: a module containing :class:`KbitLinear` layers (their metadata
-            is taken from the modules), or a state dict, in which case ``layers`` must
-            describe every quantized layer in it.
+        model_or_state_dict: a module containing :class:`KbitLinear` layers and
+            :class:`~kbit_linear.experts.KbitExperts` modules (their metadata is taken from the
+            modules), or a state dict, in which case ``layers`` and ``experts`` must describe
+            every quantized layer and experts module in it.
         path: the ``.safetensors`` file to write; its folder must exist. An existing file
             is replaced only once the new one is completely written.
         metadata: extra header entries, str -> str (keys starting with ``kbit_linear.`` and
             ``format`` are reserved).
         layers: with a state dict: prefix -> ``{"bits", "in_features", "out_features"}``
             (as :func:`layer_metadata` returns). Not allowed with a module.
+        experts: with a state dict: prefix -> experts metadata (as :func:`experts_metadata`
+            returns). Not allowed with a module.
 
     Returns:
         The path written.
@@ -438,21 +588,23 @@ def save_quantized(
         CheckpointError: the quantized tensors do not match their metadata.
     """
     if isinstance(model_or_state_dict, nn.Module):
-        if layers is not None:
-            raise TypeError("layers= is only for a state dict; a module's KbitLinear layers describe themselves")
+        if layers is not None or experts is not None:
+            raise TypeError("layers= and experts= are only for a state dict; a module's KbitLinear and KbitExperts describe themselves")
         state = dict(model_or_state_dict.state_dict())
-        layer_meta = {
-            name: layer_metadata(m)
-            for name, m in model_or_state_dict.named_modules(remove_duplicate=False)
-            if isinstance(m, KbitLinear)
-        }
+        modules = list(model_or_state_dict.named_modules(remove_duplicate=False))
+        layer_meta = {name: layer_metadata(m) for name, m in modules if isinstance(m, KbitLinear)}
+        experts_meta = {name: experts_metadata(m) for name, m in modules if isinstance(m, KbitExperts)}
     elif isinstance(model_or_state_dict, Mapping):
         state = dict(model_or_state_dict)
-        layer_meta = {}
+        layer_meta, experts_meta = {}, {}
         if layers is not None:
             if not isinstance(layers, Mapping):
                 raise TypeError(f"layers must be a mapping prefix -> metadata, got {type(layers).__name__}")
             layer_meta = {p: validate_layer_metadata(p, m) for p, m in layers.items()}
+        if experts is not None:
+            if not isinstance(experts, Mapping):
+                raise TypeError(f"experts must be a mapping prefix -> metadata, got {type(experts).__name__}")
+            experts_meta = {p: validate_experts_metadata(p, m) for p, m in experts.items()}
     else:
         raise TypeError(f"model_or_state_dict must be an nn.Module or a state dict, got {type(model_or_state_dict).__name__}")
     if not isinstance(path, (str, os.PathLike)):
@@ -471,15 +623,17 @@ def save_quantized(
             raise ValueError(f"tensor {name!r} is on the meta device (no data to save); load or quantize the model first")
     for prefix, meta in layer_meta.items():
         validate_layer_tensors(prefix, _layer_tensors(state, prefix), meta)
-    stray = _stray_packed(state, layer_meta)
+    for prefix, meta in experts_meta.items():
+        validate_experts_tensors(prefix, _experts_tensors(state, prefix), meta)
+    stray = _stray_packed(state, layer_meta, experts_meta)
     if stray:
-        raise CheckpointError(f"tensors {stray} look like quantized planes but have no layer metadata (pass layers=...)")
+        raise CheckpointError(f"tensors {stray} look like quantized planes but have no layer metadata (pass layers=... / experts=...)")
 
     tensors, aliases = _dedupe(state)
     tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     header = {
         "format": "pt",
-        **header_metadata(layer_meta, {name: _sha256(t) for name, t in tensors.items()}),
+        **header_metadata(layer_meta, {name: _sha256(t) for name, t in tensors.items()}, experts_meta),
         **user,
     }
     if aliases:
@@ -516,28 +670,39 @@ class CheckpointHeader:
         layers: prefix -> layer metadata as stored (check each with :func:`validate_layer_metadata`).
         sha256: tensor name -> hex sha256 of its bytes.
         aliases: name -> stored name, for tensors stored once (single-file format; else empty).
+        experts: prefix -> experts metadata as stored (check each with :func:`validate_experts_metadata`).
     """
 
     layers: dict[str, Any]
     sha256: dict[str, str]
     aliases: dict[str, str] = field(default_factory=dict)
+    experts: dict[str, Any] = field(default_factory=dict)
 
 
-def header_metadata(layers: Mapping[str, Mapping[str, Any]], sha256: Mapping[str, str]) -> dict[str, str]:
+def header_metadata(
+    layers: Mapping[str, Mapping[str, Any]],
+    sha256: Mapping[str, str],
+    experts: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, str]:
     """The kbit entries of a safetensors header: format version, layer metadata, checksums.
 
     Args:
         layers: prefix -> layer metadata (as :func:`layer_metadata` returns).
         sha256: tensor name -> hex sha256 (:func:`tensor_sha256`).
+        experts: prefix -> experts metadata (as :func:`experts_metadata` returns); the entry is
+            written only when there is one.
 
     Returns:
         str -> str entries, as safetensors requires; the caller adds ``format`` and any others.
     """
-    return {
+    header = {
         _KEY_VERSION: FORMAT_VERSION,
         _KEY_LAYERS: json.dumps(layers, sort_keys=True),
         _KEY_SHA256: json.dumps(dict(sha256), sort_keys=True),
     }
+    if experts:
+        header[_KEY_EXPERTS] = json.dumps(experts, sort_keys=True)
+    return header
 
 
 def parse_header(header: Mapping[str, str], where: str, *, verify_digest: bool = False) -> CheckpointHeader:
@@ -551,7 +716,7 @@ def parse_header(header: Mapping[str, str], where: str, *, verify_digest: bool =
 
     Raises:
         CheckpointError: no version (not written by kbit_linear), an unknown version, a failed
-            header digest, or a missing or malformed layers / sha256 / aliases entry.
+            header digest, or a missing or malformed layers / sha256 / aliases / experts entry.
     """
     version = header.get(_KEY_VERSION)
     if version is None:
@@ -568,6 +733,7 @@ def parse_header(header: Mapping[str, str], where: str, *, verify_digest: bool =
         layers=_parse_json(where, _KEY_LAYERS, header.get(_KEY_LAYERS), None),
         sha256=_parse_json(where, _KEY_SHA256, header.get(_KEY_SHA256), None),
         aliases=_parse_json(where, _KEY_ALIASES, header.get(_KEY_ALIASES), {}),
+        experts=_parse_json(where, _KEY_EXPERTS, header.get(_KEY_EXPERTS), {}),
     )
 
 
@@ -636,7 +802,11 @@ def load_quantized(
     for prefix, meta in layers_raw.items():
         layers[prefix] = validate_layer_metadata(prefix, meta, where=where)
         validate_layer_tensors(prefix, _layer_tensors(tensors, prefix), layers[prefix], where=where)
-    stray = _stray_packed(tensors, layers)
+    experts: dict[str, dict[str, Any]] = {}
+    for prefix, meta in parsed.experts.items():
+        experts[prefix] = validate_experts_metadata(prefix, meta, where=where)
+        validate_experts_tensors(prefix, _experts_tensors(tensors, prefix), experts[prefix], where=where)
+    stray = _stray_packed(tensors, layers, experts)
     if stray:
         raise CheckpointError(f"{where}: tensors {stray} look like quantized planes but no layer metadata lists them")
 
@@ -645,7 +815,7 @@ def load_quantized(
         for alias, stored in aliases.items():  # keep aliases shared after the move
             tensors[alias] = tensors[stored]
     user = {k: v for k, v in header.items() if not k.startswith(_RESERVED) and k != "format"}
-    return QuantizedCheckpoint(tensors=tensors, layers=layers, metadata=user, path=where)
+    return QuantizedCheckpoint(tensors=tensors, layers=layers, metadata=user, path=where, experts=experts)
 
 
 def load_into(
@@ -660,8 +830,9 @@ def load_into(
 
     ``model`` may be the dense model (e.g. freshly built from its config, also on the meta
     device): every ``nn.Linear`` that the checkpoint holds quantized is first replaced by a
-    :class:`KbitLinear` of the checkpoint's bits and shape; existing ``KbitLinear`` layers must
-    match. Then the state dict is loaded: copied into existing tensors (keeping the model's
+    :class:`KbitLinear` of the checkpoint's bits and shape, and every experts module it holds
+    quantized by a :class:`~kbit_linear.experts.KbitExperts`; existing ``KbitLinear`` layers and
+    ``KbitExperts`` modules must match. Then the state dict is loaded: copied into existing tensors (keeping the model's
     devices and dtypes), or, where the model is on the meta device, assigned (on ``device``,
     default CPU). Weights tied in the model stay tied. A meta model's non-persistent buffers
     (not part of any state dict, e.g. rotary ``inv_freq``) stay on meta, with a warning.
@@ -707,6 +878,28 @@ def load_into(
                 f"{where}: layer {prefix!r} is a {type(module).__name__} in the model, not nn.Linear or KbitLinear "
                 "(subclasses of nn.Linear are never swapped)"
             )
+        del module
+    for prefix, meta in ckpt.experts.items():
+        try:
+            module = model.get_submodule(prefix)
+        except AttributeError:
+            raise CheckpointError(f"{where}: experts {prefix!r} have no module in the model") from None
+        want = (meta["bits"], meta["num_experts"], meta["hidden_dim"], meta["intermediate_dim"])
+        if isinstance(module, KbitExperts):
+            got = (module.bits, module.num_experts, module.hidden_dim, module.intermediate_dim)
+            if got != want:
+                raise CheckpointError(
+                    f"{where}: experts {prefix!r} are (bits, experts, hidden, intermediate)={want} in the checkpoint but {got} in the model"
+                )
+        elif (problem := experts_layout_problem(module)) is None:
+            e, two_i, h = module.gate_up_proj.shape
+            if (e, h, two_i // 2) != want[1:]:
+                raise CheckpointError(
+                    f"{where}: experts {prefix!r} are (experts, hidden, intermediate)={want[1:]} in the checkpoint but {(e, h, two_i // 2)} in the model"
+                )
+            replace_module(model, prefix, experts_placeholder(module, meta["bits"]))
+        else:
+            raise CheckpointError(f"{where}: experts {prefix!r} cannot be loaded into this model's {type(module).__name__}: {problem}")
         del module
 
     # Remember which names share one Parameter: assign=True would untie them.

@@ -34,6 +34,15 @@ How it plugs into the transformers 5.x loader:
 
 ``lm_head``, tied embeddings and the model's ``_keep_in_fp32_modules`` always stay dense
 (transformers' default skips are kept when the user passes a skip list).
+
+Mixture-of-experts models: the experts modules :func:`kbit_linear.patch.convertible_experts`
+accepts become :class:`~kbit_linear.experts.KbitExperts` the same way. transformers merges the
+checkpoint's per-expert matrices into ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj``
+``[E, H, I]`` first; :class:`KbitQuantize` receives each merged projection, swaps a meta
+``KbitExperts`` in at the first one and quantizes expert by expert. Saved, the experts keep
+their quantized names and layout (the per-expert split that ``save_pretrained`` applies to dense
+experts would cut the packed planes apart, so it is not applied to them), and every header lists
+them under ``kbit_linear.experts``.
 """
 
 from __future__ import annotations
@@ -44,17 +53,29 @@ import torch
 from torch import nn
 
 from .. import format as fmt
+from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem, quantize_experts_weight
 from ..linear import KbitLinear
-from ..patch import check_skip_rules, convertible_layers, is_convertible, kbit_placeholder, replace_module
+from ..patch import (
+    check_skip_rules,
+    convertible_experts,
+    convertible_layers,
+    experts_placeholder,
+    is_convertible,
+    kbit_placeholder,
+    replace_module,
+)
 from ..quantizer import quantize_weight
 from ..serialization import (
     FORMAT_VERSION,
     QUANTIZED_TENSORS,
     CheckpointError,
+    experts_metadata,
     header_metadata,
     layer_metadata,
     parse_header,
     tensor_sha256,
+    validate_experts_metadata,
+    validate_experts_tensors,
     validate_layer_metadata,
     validate_layer_tensors,
     verify_sha256,
@@ -77,6 +98,8 @@ QUANT_METHOD = "kbit"
 
 # safetensors dtype names of the quantized tensors (anything else is reported by its raw name)
 _SAFETENSORS_DTYPES = {"I32": torch.int32, "U8": torch.uint8, "F32": torch.float32}
+# attribute names of a KbitExperts's quantized tensors
+_EXPERTS_TENSORS = tuple(proj + suffix for proj in PROJECTIONS for suffix in TENSOR_SUFFIXES.values())
 
 
 # ---------------------------------------------------------------------------------------
@@ -179,7 +202,10 @@ class KbitQuantize(ConversionOps):
 
     Quantizes with :func:`kbit_linear.quantizer.quantize_weight` on the tensor's device (the
     device the layer is loaded to), swaps a meta :class:`KbitLinear` in for the dense layer and
-    returns the four tensors for the loader to set on it.
+    returns the four tensors for the loader to set on it. A merged experts projection
+    ``<experts>.gate_up_proj`` / ``.down_proj`` ``[E, N, K]`` becomes that projection's four
+    stacked tensors (:func:`kbit_linear.experts.quantize_experts_weight`) on a meta
+    :class:`~kbit_linear.experts.KbitExperts`, swapped in at the module's first projection.
     """
 
     def __init__(self, hf_quantizer: "KbitHfQuantizer") -> None:
@@ -196,6 +222,10 @@ class KbitQuantize(ConversionOps):
         for key, value in input_dict.items():
             tensor = value[0] if isinstance(value, (list, tuple)) else value
             prefix, _, name = key.rpartition(".")
+            if name in hfq.pending_experts.get(prefix, ()):
+                del value
+                out.update(self._convert_experts(model, prefix, name, tensor))
+                continue
             if name != "weight" or prefix not in hfq.pending:
                 raise ValueError(f"{key}: only the weight of a layer chosen for quantization can be quantized at load")
             linear = model.get_submodule(prefix)
@@ -217,6 +247,27 @@ class KbitQuantize(ConversionOps):
             out.update({f"{prefix}.{t}": v for t, v in zip(QUANTIZED_TENSORS, q)})
         return out
 
+    def _convert_experts(self, model: nn.Module, prefix: str, proj: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One merged experts projection -> its stacked kbit tensors, named for the loader."""
+        hfq = self.hf_quantizer
+        bits = hfq.quantization_config.bits
+        module = model.get_submodule(prefix)
+        if not isinstance(module, KbitExperts):  # the module's first projection to arrive
+            module = experts_placeholder(module, bits, device="meta")
+            replace_module(model, prefix, module)
+        key = f"{prefix}.{proj}"
+        want = (module.num_experts, *module.projection_shape(proj))
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"{key}: the checkpoint tensor has shape {tuple(tensor.shape)}, expected {list(want)} (is this checkpoint already quantized?)")
+        try:
+            q = quantize_experts_weight(tensor, bits, hfq.codebook, scale_search=hfq.quantization_config.scale_search, name=key)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cannot quantize {key} {list(want)}: {e}") from e
+        hfq.pending_experts[prefix].discard(proj)
+        if not hfq.pending_experts[prefix]:
+            del hfq.pending_experts[prefix]
+        return {f"{key}{suffix}": getattr(q, field) for field, suffix in TENSOR_SUFFIXES.items()}
+
 
 # ---------------------------------------------------------------------------------------
 # the quantizer
@@ -235,6 +286,8 @@ class KbitHfQuantizer(HfQuantizer):
         self.modules_to_not_convert: list[str] = []
         # quantize at load: names of the dense layers still waiting for their weight
         self.pending: set[str] = set()
+        # ... and experts module name -> its projections still waiting
+        self.pending_experts: dict[str, set[str]] = {}
         # sha256 of every quantized tensor, from the headers of a pre-quantized checkpoint
         self._header_sha256: dict[str, str] = {}
 
@@ -255,9 +308,12 @@ class KbitHfQuantizer(HfQuantizer):
     # --- before loading: placeholders ----------------------------------------------------
 
     def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
-        """True for the dense ``weight`` of a layer still waiting to be quantized at load."""
+        """True for the dense ``weight`` of a layer, or a projection of an experts module, still
+        waiting to be quantized at load."""
         prefix, _, name = param_name.rpartition(".")
-        return not self.pre_quantized and name == "weight" and prefix in self.pending
+        if self.pre_quantized:
+            return False
+        return (name == "weight" and prefix in self.pending) or name in self.pending_experts.get(prefix, ())
 
     def get_quantize_ops(self) -> KbitQuantize:
         """The op that quantizes each dense weight as the loader reads it."""
@@ -273,15 +329,21 @@ class KbitHfQuantizer(HfQuantizer):
         self.modules_to_not_convert = self.get_modules_to_not_convert(
             model, config.skip_modules, getattr(model, "_keep_in_fp32_modules", None), add_default_skips=True
         )
-        names, _ = convertible_layers(model, [rule for rule in self.modules_to_not_convert if rule])
+        rules = [rule for rule in self.modules_to_not_convert if rule]
+        names, _ = convertible_layers(model, rules)
+        experts, _ = convertible_experts(model, rules)
         # a layer reused under several names is swapped once, under the name transformers loads
         unique = {name for name, _ in model.named_modules()}
         names = [name for name in names if name in unique]
+        experts = [name for name in experts if name in unique]
         if not self.pre_quantized:
             self.pending = set(names)
+            self.pending_experts = {name: set(PROJECTIONS) for name in experts}
             return model
         for name in names:
             replace_module(model, name, kbit_placeholder(model.get_submodule(name), config.bits, device="meta"))
+        for name in experts:
+            replace_module(model, name, experts_placeholder(model.get_submodule(name), config.bits, device="meta"))
         self._check_headers(model, kwargs.get("checkpoint_files"))
         return model
 
@@ -292,6 +354,7 @@ class KbitHfQuantizer(HfQuantizer):
         from safetensors import safe_open
 
         layers: dict[str, dict[str, Any]] = {}
+        experts: dict[str, dict[str, Any]] = {}
         sums: dict[str, str] = {}
         shapes: dict[str, tuple[torch.dtype | str, tuple[int, ...]]] = {}
         for path in checkpoint_files:
@@ -309,6 +372,7 @@ class KbitHfQuantizer(HfQuantizer):
                 raise CheckpointError(f"{path}: cannot read the file as safetensors (truncated or damaged?): {e}") from e
             parsed = parse_header(header, path)
             layers.update(parsed.layers)
+            experts.update(parsed.experts)
             sums.update(parsed.sha256)
         where = str(checkpoint_files[0]) if len(checkpoint_files) == 1 else f"checkpoint ({len(checkpoint_files)} files)"
         placeholders = {n: m for n, m in model.named_modules() if isinstance(m, KbitLinear)}
@@ -341,7 +405,40 @@ class KbitHfQuantizer(HfQuantizer):
                 + (" ..." if len(stray) > 5 else "")
                 + " (were different skip_modules used when saving?)"
             )
+        self._check_experts_headers(model, experts, shapes, where)
         self._header_sha256 = sums
+
+    @staticmethod
+    def _check_experts_headers(model: nn.Module, experts: dict[str, Any],
+                               shapes: dict[str, tuple[torch.dtype | str, tuple[int, ...]]], where: str) -> None:
+        """The experts part of :meth:`_check_headers`: every KbitExperts placeholder is listed with
+        its shapes, every tensor is there with the placeholder's dtype and shape, nothing else is listed."""
+        placeholders = {n: m for n, m in model.named_modules() if isinstance(m, KbitExperts)}
+        for name, module in placeholders.items():
+            if name not in experts:
+                raise CheckpointError(f"{where}: experts {name!r} should be quantized but the checkpoint header does not list them")
+            meta = validate_experts_metadata(name, experts[name], where=where)
+            keys = ("bits", "num_experts", "hidden_dim", "intermediate_dim")
+            got, want = ({k: m[k] for k in keys} for m in (meta, experts_metadata(module)))
+            if got != want:
+                raise CheckpointError(f"{where}: experts {name!r} are {got} in the checkpoint but the model (config.json) expects {want}")
+            for tensor in _EXPERTS_TENSORS:
+                key, expected = f"{name}.{tensor}", getattr(module, tensor)
+                if key not in shapes:
+                    raise CheckpointError(f"{where}: tensor {key!r} is missing from the checkpoint")
+                dtype, shape = shapes[key]
+                if dtype != expected.dtype or shape != tuple(expected.shape):
+                    raise CheckpointError(
+                        f"{where}: tensor {key!r} is {dtype} {list(shape)} in the checkpoint, expected "
+                        f"{expected.dtype} {list(expected.shape)} for {module.bits}-bit experts ({module.extra_repr()})"
+                    )
+        stray = sorted(set(experts) - set(placeholders))
+        if stray:
+            raise CheckpointError(
+                f"{where}: the checkpoint holds quantized experts that this model keeps dense: {stray[:5]}"
+                + (" ..." if len(stray) > 5 else "")
+                + " (were different skip_modules used when saving?)"
+            )
 
     # --- after loading: checks and freezing -----------------------------------------------
 
@@ -359,7 +456,17 @@ class KbitHfQuantizer(HfQuantizer):
                 layer.train(linear.training)
                 replace_module(model, name, layer)
         self.pending = set()
+        for name in sorted(self.pending_experts):
+            module = model.get_submodule(name)
+            if experts_layout_problem(module) is None:  # neither projection was in the checkpoint
+                new = KbitExperts.from_experts(module, self.quantization_config.bits, self.codebook,
+                                               scale_search=self.quantization_config.scale_search)
+                replace_module(model, name, new)
+        self.pending_experts = {}
         for name, module in model.named_modules():
+            if isinstance(module, KbitExperts):
+                self._check_loaded_experts(name, module)
+                continue
             if not isinstance(module, KbitLinear):
                 continue
             tensors = {t: getattr(module, t) for t in (*QUANTIZED_TENSORS, "bias") if getattr(module, t) is not None}
@@ -378,18 +485,43 @@ class KbitHfQuantizer(HfQuantizer):
         self._header_sha256 = {}
         return model
 
+    def _check_loaded_experts(self, name: str, module: KbitExperts) -> None:
+        """:meth:`_process_model_after_weight_loading` for one KbitExperts: all loaded, valid,
+        matching the header's checksums, frozen."""
+        tensors = {t: getattr(module, t) for t in _EXPERTS_TENSORS}
+        for t_name, t in tensors.items():
+            if t.device.type == "meta":
+                raise CheckpointError(f"experts {name!r}: tensor {t_name!r} was not loaded (still on the meta device)")
+        try:
+            validate_experts_tensors(name, tensors, experts_metadata(module))
+        except CheckpointError as e:
+            raise CheckpointError(f"after loading: {e}") from None
+        if self.pre_quantized and self._header_sha256:
+            for t_name, t in tensors.items():
+                verify_sha256(f"{name}.{t_name}", t, self._header_sha256)
+        for p in module.parameters(recurse=False):
+            p.requires_grad_(False)
+
     # --- saving ------------------------------------------------------------------------
 
     def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[None, dict[str, str]]:
         """Header metadata for ``save_pretrained`` (:func:`kbit_linear.serialization.header_metadata`):
-        version, per-layer metadata, checksums of the quantized tensors."""
-        layers, sums = {}, {}
+        version, per-layer and per-experts metadata, checksums of the quantized tensors.
+
+        Also drops the weight conversions that ``save_pretrained`` would apply to the quantized
+        tensors (:func:`_keep_quantized_names`), so they are stored under the names the headers list."""
+        layers, experts, sums = {}, {}, {}
         for name, module in model.named_modules():
             if isinstance(module, KbitLinear):
                 layers[name] = layer_metadata(module)
                 for t_name in QUANTIZED_TENSORS:
                     sums[f"{name}.{t_name}"] = tensor_sha256(getattr(module, t_name))
-        return None, header_metadata(layers, sums)
+            elif isinstance(module, KbitExperts):
+                experts[name] = experts_metadata(module)
+                for t_name in _EXPERTS_TENSORS:
+                    sums[f"{name}.{t_name}"] = tensor_sha256(getattr(module, t_name))
+        _keep_quantized_names(model, list(sums))
+        return None, header_metadata(layers, sums, experts)
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         """Quantized models save to safetensors and load back without re-quantizing."""
@@ -410,6 +542,34 @@ class KbitHfQuantizer(HfQuantizer):
     def is_compileable(self) -> bool:
         """The forward pass is one ``torch.library`` op with a fake implementation."""
         return True
+
+
+def _keep_quantized_names(model: nn.Module, names: list[str]) -> None:
+    """Keep ``save_pretrained`` from converting the quantized tensors ``names`` back to a dense layout.
+
+    ``save_pretrained`` undoes the model's weight conversions (``model._weight_conversions``, or
+    the family's default mapping) to write the checkpoint's original names and layout: on MoE
+    models it would split the packed ``gate_up_proj`` planes along their tile dimensions into
+    per-expert pieces, and rename tensors (Mixtral's ``mlp`` -> ``block_sparse_moe``) away from
+    the names the headers list. Every conversion whose reverse would take one of ``names`` is
+    dropped from ``model._weight_conversions``: the quantized tensors are stored as they are in
+    the model, under the model's names, which the loader takes as they are.
+    """
+    from transformers.core_model_loading import PrefixChange
+
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:  # what save_pretrained would use (transformers' revert_weight_conversion)
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+    if not conversions:
+        return
+
+    def touches_one(conversion: Any) -> bool:
+        reverse = conversion.reverse_transform()
+        return any(reverse.rename_source_key(name)[1] is not None for name in names)
+
+    model._weight_conversions = [c for c in conversions if not touches_one(c)]
 
 
 # ---------------------------------------------------------------------------------------
