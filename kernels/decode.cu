@@ -157,6 +157,23 @@ KBIT_DEVICE uint2 lds64(u32 addr) {
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
     return v;
 }
+KBIT_DEVICE void sts32(u32 addr, u32 v) { asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
+// The reduction's control words: volatile reads/writes and atomics.
+KBIT_DEVICE int lds32_volatile(u32 addr) {
+    int v;
+    asm volatile("ld.volatile.shared.s32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+KBIT_DEVICE void sts32_volatile(u32 addr, int v) { asm volatile("st.volatile.shared.s32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
+KBIT_DEVICE int atoms_add(u32 addr, int v) {
+    int old;
+    asm volatile("atom.shared.add.s32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v) : "memory");
+    return old;
+}
+KBIT_DEVICE void atoms_exch(u32 addr, int v) {
+    int old;
+    asm volatile("atom.shared.exch.b32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v) : "memory");
+}
 
 // ---------------------------------------------------------------------------------------
 // per-BITS decode tables
@@ -493,8 +510,8 @@ KBIT_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, floa
 // the wait is what tells each lane, and racecheck, that the earlier reads are done), stores,
 // arrives on `full`. The finisher waits for phase u of `full` (complete by then: every other
 // contributor arrived before its count add) before reading. A segment with one contributor
-// (seg_len == 1) stores and reads nothing but still completes a phase of both barriers, so use
-// numbers and phases stay equal. The barriers' phases are what order the slices' stores, reads
+// (seg_len == 1) takes the same steps (its slice is stored and not read), so use numbers and
+// phases stay equal. The barriers' phases are what order the slices' stores, reads
 // and reuse; compute-sanitizer's racecheck follows them (scripts/sanitize_gemm.py: 0 hazards).
 // The gen word keeps a warp that skipped segments from mistaking an old phase of the same parity
 // for the one it waits for. tests/test_decode_cuda.py::test_in_block_reduction_stress runs random
@@ -505,65 +522,73 @@ template <int KS, int R, int MT> struct RedSlot {
     float part[KS][R * MT * 4][32];
 };
 struct RedCtl {
-    u64 full, free;  // mbarriers
     int gen, count;
+    u64 full, free;  // mbarriers
 };
+constexpr u32 kGenOffset = 0, kCountOffset = 4, kFullOffset = 8, kFreeOffset = 16;  // fields of RedCtl
+static_assert(__builtin_offsetof(RedCtl, gen) == kGenOffset && __builtin_offsetof(RedCtl, count) == kCountOffset &&
+                  __builtin_offsetof(RedCtl, full) == kFullOffset && __builtin_offsetof(RedCtl, free) == kFreeOffset &&
+                  sizeof(RedCtl) == 24, "RedCtl layout (the host sizes shared memory with 24 bytes per RedCtl)");
 
 // seg_pos0: the segment's first position in the block's sequence (warp wk holds positions
 // p = wk mod KS), so its contributors are the warps (seg_pos0 + q) % KS, q < min(seg_len, KS).
+// slot_s, ctl_s: shared-memory addresses of the slot (RedSlot) and its RedCtl.
 template <int DT, int MT, int R, int KS>
-KBIT_DEVICE void reduce_flush(float (&acc)[R][MT][4], RedSlot<KS, R, MT>* slot, RedCtl* ctl, u16* __restrict__ out, float* __restrict__ ws,
+KBIT_DEVICE void reduce_flush(float (&acc)[R][MT][4], u32 slot_s, u32 ctl_s, u16* __restrict__ out, float* __restrict__ ws,
                             int* cnt, int seg, int seg_len, int seg_pos0, int nmine, int wk, int rg0, int kc, int M, int N,
                             float tscale, int lane) {
     if constexpr (KS > 1) {
-        const u32 use = (u32)seg >> 1;
-        volatile int* gen = &ctl->gen;
+        constexpr u32 kSlice = R * MT * 4 * 32 * 4;  // bytes of one warp's slice
+        const u32 parity = ((u32)seg >> 1) & 1;      // of this slot's use u = seg >> 1
         if (lane == 0) {
-            while (*gen != seg) {
+            while (lds32_volatile(ctl_s + kGenOffset) != seg) {
             }
         }
         __syncwarp();
-        kbit::mbar_wait(&ctl->free, (use & 1) ^ 1);  // use u - 1 read (a fresh barrier passes parity 1)
+        kbit::mbar_wait(ctl_s + kFreeOffset, parity ^ 1);  // use u - 1 read (a fresh barrier passes parity 1)
         const bool alone = nmine == seg_len;
-        const int nc = min(seg_len, KS);
         if (!alone) {
+            const u32 mine = slot_s + (u32)wk * kSlice + (u32)lane * 4;
 #pragma unroll
             for (int r = 0; r < R; ++r)
 #pragma unroll
                 for (int j = 0; j < MT; ++j)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) slot->part[wk][(r * MT + j) * 4 + c][lane] = acc[r][j][c];
+                    for (int c = 0; c < 4; ++c) sts32(mine + ((r * MT + j) * 4 + c) * 128, __float_as_uint(acc[r][j][c]));
         }
-        kbit::mbar_arrive(&ctl->full);
+        kbit::mbar_arrive(ctl_s + kFullOffset);
         if (!alone) {
             __syncwarp();  // every lane has arrived before the count names a finisher
             int old = 0;
-            if (lane == 0) old = atomicAdd(&ctl->count, nmine);
+            if (lane == 0) old = atoms_add(ctl_s + kCountOffset, nmine);
             old = __shfl_sync(0xffffffffu, old, 0);
             if (old + nmine != seg_len) return;
         }
         // The finisher: complete the phase for the warps that had no chunk, then read.
-        if (lane == 0 && nc < KS) kbit::mbar_arrive_many(&ctl->full, 32u * (u32)(KS - nc));
-        kbit::mbar_wait(&ctl->full, use & 1);
-        if (!alone) {
-            for (int q = 0; q < nc; ++q) {
-                const int w = (seg_pos0 + q) % KS;
-                if (w == wk) continue;
-                const float* src = &slot->part[w][0][0];
-#pragma unroll
-                for (int r = 0; r < R; ++r)
-#pragma unroll
-                    for (int j = 0; j < MT; ++j)
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) acc[r][j][c] += src[((r * MT + j) * 4 + c) * 32 + lane];
-            }
-            if (lane == 0) atomicExch(&ctl->count, 0);
+        const int nc = min(seg_len, KS);
+        if (lane == 0) {
+            if (nc < KS) kbit::mbar_arrive_many(ctl_s + kFullOffset, 32u * (u32)(KS - nc));
+            atoms_exch(ctl_s + kCountOffset, 0);
         }
-        kbit::mbar_arrive(&ctl->free);
-        __syncwarp();
-        if (lane == 0) *gen = seg + 2;  // the segment two ahead may take the slot
+        kbit::mbar_wait(ctl_s + kFullOffset, parity);
+        for (int q = 0; q < nc; ++q) {
+            const int w = (seg_pos0 + q) % KS;
+            if (w == wk) continue;
+            const u32 src = slot_s + (u32)w * kSlice + (u32)lane * 4;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int j = 0; j < MT; ++j)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) acc[r][j][c] += __uint_as_float(lds32(src + ((r * MT + j) * 4 + c) * 128));
+        }
+        kbit::mbar_arrive(ctl_s + kFreeOffset);
     }
     flush<DT, MT, R>(acc, out, ws, cnt, rg0, seg_len, kc, M, N, tscale, lane);
+    if constexpr (KS > 1) {
+        __syncwarp();
+        if (lane == 0) sts32_volatile(ctl_s + kGenOffset, seg + 2);  // the segment two ahead may take the slot
+    }
 }
 
 // Dynamic shared memory of one instance, what the host sizes the launch with (the worst-case
@@ -620,8 +645,8 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     const u32 stab_win = lut_win + (u32)L::kBytes;
     const u32 lanebase = lut_win + (u32)lane * L::kEntryBytes;
     using Slot = RedSlot<KS, R, MT>;
-    Slot* slots = reinterpret_cast<Slot*>(lut + L::kBytes + 1024);        // [2][NWR]
-    RedCtl* ctls = reinterpret_cast<RedCtl*>(slots + 2 * NWR);              // [2][NWR]
+    const u32 slots_win = stab_win + 1024u;                              // Slot [2][NWR]
+    const u32 ctls_win = slots_win + 2u * NWR * (u32)sizeof(Slot);       // RedCtl [2][NWR]
 
     // Order of this block's items: when its range ends inside a row tile that it does not also
     // start in, that partial tile goes first; then the range from its start. A range holding a
@@ -645,10 +670,11 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     const u32 cb_early = ldg_cg_word(cb_entry);
     build_tables<BITS, DT>(lut, reinterpret_cast<u32*>(lut + L::kBytes), __uint_as_float(cb_early), threadIdx.x, NW * 32);
     if (KS > 1 && threadIdx.x < 2 * NWR) {
-        ctls[threadIdx.x].gen = threadIdx.x / NWR;  // slot 0 starts with segment 0, slot 1 with 1
-        ctls[threadIdx.x].count = 0;
-        kbit::mbar_init(&ctls[threadIdx.x].full, 32 * KS);
-        kbit::mbar_init(&ctls[threadIdx.x].free, 32);
+        const u32 ctl_s = ctls_win + threadIdx.x * (u32)sizeof(RedCtl);
+        sts32(ctl_s + kGenOffset, threadIdx.x / NWR);  // slot 0 starts with segment 0, slot 1 with 1
+        sts32(ctl_s + kCountOffset, 0);
+        kbit::mbar_init(ctl_s + kFullOffset, 32 * KS);
+        kbit::mbar_init(ctl_s + kFreeOffset, 32);
     }
     grid_dependency_wait();
     // The codebook as it reads now: if the previous kernel changed it, the tables are rebuilt
@@ -724,7 +750,7 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
                 seg_pos0 = n_tail + lo - i0;
             }
             const int s2 = (seg & 1) * NWR + wr;
-            reduce_flush<DT, MT, R, KS>(acc, slots + s2, ctls + s2, out, ws, counters + rt * NWR + wr, seg, seg_len, seg_pos0,
+            reduce_flush<DT, MT, R, KS>(acc, slots_win + s2 * (u32)sizeof(Slot), ctls_win + s2 * (u32)sizeof(RedCtl), out, ws, counters + rt * NWR + wr, seg, seg_len, seg_pos0,
                                         j - j_first + 1, wk, rg0, kc, M, N, tscale, lane);
             zero_acc<R, MT>(acc);
             j_first = j + 1;

@@ -12,26 +12,29 @@
 
 namespace kbit {
 
-KBIT_DEVICE void mbar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+// Each operation takes the barrier's shared-memory address (a 32-bit shared-window offset:
+// cheaper to keep in a register than a generic pointer) or a pointer to it.
+KBIT_DEVICE void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
+KBIT_DEVICE void mbar_init(u64* bar, u32 count) { mbar_init(smem_addr(bar), count); }
 // Makes initialized barriers visible to the copy engine (and, after a block barrier, to every thread).
 KBIT_DEVICE void fence_mbar_init() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
-KBIT_DEVICE void mbar_arrive(u64* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+KBIT_DEVICE void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+KBIT_DEVICE void mbar_arrive(u64* bar) { mbar_arrive(smem_addr(bar)); }
 // `count` (>= 1) arrivals at once, the last of which may complete the phase: all but one as
 // .noComplete (sm_80 has no arrival count on a completing arrive), then one plain arrival.
-KBIT_DEVICE void mbar_arrive_many(u64* bar, u32 count) {
-    if (count > 1)
-        asm volatile("mbarrier.arrive.noComplete.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count - 1) : "memory");
+KBIT_DEVICE void mbar_arrive_many(u32 bar, u32 count) {
+    if (count > 1) asm volatile("mbarrier.arrive.noComplete.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count - 1) : "memory");
     mbar_arrive(bar);
 }
 // Waits until the phase of parity `parity` has completed (try_wait suspends the thread for a
 // while on sm_90; sm_80 has only the polling test_wait).
-KBIT_DEVICE void mbar_wait(u64* bar, u32 parity) {
+KBIT_DEVICE void mbar_wait(u32 bar, u32 parity) {
 #if __CUDA_ARCH__ >= 900
     asm volatile(
         "{\n"
@@ -39,7 +42,7 @@ KBIT_DEVICE void mbar_wait(u64* bar, u32 parity) {
         "WAIT:\n"
         "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
         "@!done bra WAIT;\n"
-        "}\n" ::"r"(smem_addr(bar)),
+        "}\n" ::"r"(bar),
         "r"(parity)
         : "memory");
 #else
@@ -49,10 +52,11 @@ KBIT_DEVICE void mbar_wait(u64* bar, u32 parity) {
         "WAIT:\n"
         "mbarrier.test_wait.parity.shared::cta.b64 done, [%0], %1;\n"
         "@!done bra WAIT;\n"
-        "}\n" ::"r"(smem_addr(bar)),
+        "}\n" ::"r"(bar),
         "r"(parity)
         : "memory");
 #endif
 }
+KBIT_DEVICE void mbar_wait(u64* bar, u32 parity) { mbar_wait(smem_addr(bar), parity); }
 
 }  // namespace kbit
