@@ -499,7 +499,7 @@ KBIT_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, floa
 //
 // Order, per slot (slot seg & 1 serves segments seg, seg + 2, ...: its use u = seg >> 1):
 //   gen    the segment that may use the slot next; the finisher of segment seg sets seg + 2
-//          after its reads. Exact (no wrap), so a warp two segments ahead waits here.
+//          after its reads and its flush. Exact (no wrap), so a warp two segments ahead waits here.
 //   free   mbarrier, 32 arrivals: the finisher's lanes after reading (phase u = use u read).
 //   full   mbarrier, 32 * KS arrivals: every lane of every contributor after storing its slice,
 //          then the finisher tops the count up for the KS - min(seg_len, KS) warps that had no
@@ -510,8 +510,8 @@ KBIT_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, floa
 // the wait is what tells each lane, and racecheck, that the earlier reads are done), stores,
 // arrives on `full`. The finisher waits for phase u of `full` (complete by then: every other
 // contributor arrived before its count add) before reading. A segment with one contributor
-// (seg_len == 1) takes the same steps (its slice is stored and not read), so use numbers and
-// phases stay equal. The barriers' phases are what order the slices' stores, reads
+// (seg_len == 1) stores and reads nothing but still completes a phase of both barriers, so use
+// numbers and phases stay equal. The barriers' phases are what order the slices' stores, reads
 // and reuse; compute-sanitizer's racecheck follows them (scripts/sanitize_gemm.py: 0 hazards).
 // The gen word keeps a warp that skipped segments from mistaking an old phase of the same parity
 // for the one it waits for. tests/test_decode_cuda.py::test_in_block_reduction_stress runs random
@@ -521,18 +521,13 @@ KBIT_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, floa
 template <int KS, int R, int MT> struct RedSlot {
     float part[KS][R * MT * 4][32];
 };
-struct RedCtl {
-    int gen, count;
-    u64 full, free;  // mbarriers
-};
-constexpr u32 kGenOffset = 0, kCountOffset = 4, kFullOffset = 8, kFreeOffset = 16;  // fields of RedCtl
-static_assert(__builtin_offsetof(RedCtl, gen) == kGenOffset && __builtin_offsetof(RedCtl, count) == kCountOffset &&
-                  __builtin_offsetof(RedCtl, full) == kFullOffset && __builtin_offsetof(RedCtl, free) == kFreeOffset &&
-                  sizeof(RedCtl) == 24, "RedCtl layout (the host sizes shared memory with 24 bytes per RedCtl)");
+// A slot's control words ("RedCtl", addressed by offset; the host sizes shared memory with the
+// same 24 bytes): gen (s32), count (s32), then the full and free mbarriers (8-byte aligned).
+constexpr u32 kGenOffset = 0, kCountOffset = 4, kFullOffset = 8, kFreeOffset = 16, kCtlBytes = 24;
 
 // seg_pos0: the segment's first position in the block's sequence (warp wk holds positions
 // p = wk mod KS), so its contributors are the warps (seg_pos0 + q) % KS, q < min(seg_len, KS).
-// slot_s, ctl_s: shared-memory addresses of the slot (RedSlot) and its RedCtl.
+// slot_s, ctl_s: shared-memory addresses of the slot (RedSlot) and its control words.
 template <int DT, int MT, int R, int KS>
 KBIT_DEVICE void reduce_flush(float (&acc)[R][MT][4], u32 slot_s, u32 ctl_s, u16* __restrict__ out, float* __restrict__ ws,
                             int* cnt, int seg, int seg_len, int seg_pos0, int nmine, int wk, int rg0, int kc, int M, int N,
@@ -596,7 +591,7 @@ KBIT_DEVICE void reduce_flush(float (&acc)[R][MT][4], u32 slot_s, u32 ctl_s, u16
 // control words per row slot. tests/test_kernels_compile.py checks the host's copy of this
 // against every instance.
 template <int BITS, int MT, int NW, int KS, int R> struct DecodeSmem {
-    static constexpr int kBytes = Lut<BITS>::kSmem + 2 * (NW / KS) * (int)(sizeof(RedSlot<KS, R, MT>) + sizeof(RedCtl));
+    static constexpr int kBytes = Lut<BITS>::kSmem + 2 * (NW / KS) * (int)(sizeof(RedSlot<KS, R, MT>) + kCtlBytes);
 };
 
 // Kernel parameters:
@@ -670,7 +665,7 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     const u32 cb_early = ldg_cg_word(cb_entry);
     build_tables<BITS, DT>(lut, reinterpret_cast<u32*>(lut + L::kBytes), __uint_as_float(cb_early), threadIdx.x, NW * 32);
     if (KS > 1 && threadIdx.x < 2 * NWR) {
-        const u32 ctl_s = ctls_win + threadIdx.x * (u32)sizeof(RedCtl);
+        const u32 ctl_s = ctls_win + threadIdx.x * kCtlBytes;
         sts32(ctl_s + kGenOffset, threadIdx.x / NWR);  // slot 0 starts with segment 0, slot 1 with 1
         sts32(ctl_s + kCountOffset, 0);
         kbit::mbar_init(ctl_s + kFullOffset, 32 * KS);
@@ -750,7 +745,7 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
                 seg_pos0 = n_tail + lo - i0;
             }
             const int s2 = (seg & 1) * NWR + wr;
-            reduce_flush<DT, MT, R, KS>(acc, slots_win + s2 * (u32)sizeof(Slot), ctls_win + s2 * (u32)sizeof(RedCtl), out, ws, counters + rt * NWR + wr, seg, seg_len, seg_pos0,
+            reduce_flush<DT, MT, R, KS>(acc, slots_win + s2 * (u32)sizeof(Slot), ctls_win + s2 * kCtlBytes, out, ws, counters + rt * NWR + wr, seg, seg_len, seg_pos0,
                                         j - j_first + 1, wk, rg0, kc, M, N, tscale, lane);
             zero_acc<R, MT>(acc);
             j_first = j + 1;
