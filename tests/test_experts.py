@@ -1,0 +1,829 @@
+"""KbitExperts on CPU: routing, the reference forward against dense experts with the same
+(dequantized) weights, quantize_model and the transformers plug-in on tiny random Mixtral,
+Qwen3-MoE and OLMoE models, checkpoints (bit-identical round trips, corrupted files), bad inputs.
+
+"Fake-quantized reference": a dense copy of the model whose every quantized weight is replaced by
+its kbit dequantization; the kbit model must agree with it to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kbit_linear import format as fmt
+from kbit_linear.experts import (
+    PROJECTIONS,
+    KbitExperts,
+    experts_layout_problem,
+    looks_like_experts,
+    quantize_experts_weight,
+    route_tokens,
+)
+from kbit_linear.linear import KbitLinear
+from kbit_linear.patch import convertible_experts, experts_placeholder, quantize_model
+from kbit_linear.quantizer import quantize_weight
+from kbit_linear.serialization import CheckpointError, load_into, parse_header, save_quantized
+
+transformers = pytest.importorskip("transformers")
+
+from kbit_linear.integrations.transformers import KbitConfig  # noqa: E402
+
+VOCAB = 96
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices: one thread is faster, and keeps the file quick on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+EXPERT_TENSORS = tuple(p + s for p in PROJECTIONS for s in ("", "_absmax", "_codebook", "_tensor_scale"))
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _config(family: str):
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, initializer_range=0.05)
+    if family == "mixtral":  # intermediate 80: gate_up 160 rows (padded to 256), down 3 blocks (a padded block)
+        return transformers.MixtralConfig(**common, intermediate_size=80, num_key_value_heads=2, num_local_experts=4,
+                                          num_experts_per_tok=2)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=40, head_dim=16,
+                                           num_key_value_heads=2, num_experts=6, num_experts_per_tok=3, norm_topk_prob=True)
+    if family == "olmoe":
+        return transformers.OlmoeConfig(**common, intermediate_size=48, num_key_value_heads=4, num_experts=5,
+                                        num_experts_per_tok=2)
+    raise ValueError(family)
+
+
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+
+
+def _model(family: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(_config(family)).eval()
+
+
+def _experts_names(model: nn.Module) -> list[str]:
+    return [f"model.layers.{i}.mlp.experts" for i in range(len(model.model.layers))]
+
+
+def _ids(seed: int = 1, batch: int = 2, length: int = 9) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _fake_quantized(dense: nn.Module, quantized: nn.Module) -> nn.Module:
+    """``dense`` with every quantized weight of ``quantized`` replaced by its dequantization."""
+    ref = copy.deepcopy(dense)
+    with torch.no_grad():
+        for name, m in quantized.named_modules():
+            if isinstance(m, KbitLinear):
+                ref.get_submodule(name).weight.copy_(m.dequantize())
+            elif isinstance(m, KbitExperts):
+                for proj, w in m.dequantize().items():
+                    getattr(ref.get_submodule(name), proj).copy_(w)
+    return ref
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items()}
+
+
+def _assert_same_state(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = _state(a), _state(b)
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+def _dense_experts(family: str = "qwen3_moe", seed: int = 0) -> nn.Module:
+    return _model(family, seed).model.layers[0].mlp.experts
+
+
+def _dense_twin(kbit: KbitExperts, like: nn.Module) -> nn.Module:
+    """A copy of the dense experts module ``like`` holding ``kbit``'s dequantized weights."""
+    twin = copy.deepcopy(like)
+    with torch.no_grad():
+        for proj, w in kbit.dequantize().items():
+            getattr(twin, proj).copy_(w)
+    return twin
+
+
+# ---------------------------------------------------------------------------------------
+# routing
+# ---------------------------------------------------------------------------------------
+
+
+def _brute_force_routing(index: torch.Tensor, num_experts: int) -> tuple[list[int], list[int]]:
+    slots = index.reshape(-1).tolist()
+    perm = [s for e in range(num_experts + 1) for s, x in enumerate(slots) if x == e]  # stable by construction
+    counts = [slots.count(e) for e in range(num_experts)]
+    return counts, perm
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        [[2, 0], [1, 2], [0, 2], [2, 1]],
+        [[3, 3], [3, 3], [3, 3]],  # every slot to one expert, the others empty
+        [[0, 4], [4, 1], [1, 0]],  # 4 = num_experts: no expert (transformers' convention)
+        [[1]],  # one token, top-1
+        [],  # no tokens
+    ],
+    ids=["mixed", "one-expert", "sentinel", "one-token", "empty"],
+)
+def test_route_tokens_matches_a_brute_force_grouping(index):
+    t = torch.tensor(index, dtype=torch.int64).reshape(len(index), -1 if index else 2)
+    r = route_tokens(t, 4)
+    counts, perm = _brute_force_routing(t, 4)
+    assert r.counts.dtype == r.offsets.dtype == torch.int32 and r.perm.dtype == torch.int64
+    assert r.counts.tolist() == counts
+    assert r.offsets.tolist() == [0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()]
+    assert r.perm.tolist() == perm
+
+
+def test_route_tokens_on_many_tokens_is_stable():
+    index = torch.randint(0, 8, (4096, 2), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    r = route_tokens(index, 8)
+    counts, perm = _brute_force_routing(index, 8)
+    assert r.counts.tolist() == counts and r.perm.tolist() == perm
+
+
+# ---------------------------------------------------------------------------------------
+# the module on its own
+# ---------------------------------------------------------------------------------------
+
+
+def test_layout_of_the_stored_tensors():
+    dense = _dense_experts()
+    e, two_i, h = dense.gate_up_proj.shape
+    k = KbitExperts.from_experts(dense, bits=3)
+    assert (k.num_experts, k.hidden_dim, k.intermediate_dim, k.bits) == (e, h, two_i // 2, 3)
+    for proj, (n, kk) in (("gate_up_proj", (two_i, h)), ("down_proj", (h, two_i // 2))):
+        packed_shape, absmax_shape = fmt.tiled_shapes(n, kk, 3)
+        assert getattr(k, proj).shape == (e, *packed_shape) and getattr(k, proj).dtype == torch.int32
+        assert getattr(k, proj + "_absmax").shape == (e, *absmax_shape)
+        assert getattr(k, proj + "_tensor_scale").shape == (e,)
+        assert getattr(k, proj).is_contiguous()
+        # expert i's slice is exactly what KbitLinear / quantize_weight store for that matrix
+        for i in range(e):
+            q = quantize_weight(getattr(dense, proj)[i].detach(), 3)
+            assert torch.equal(getattr(k, proj)[i], q.packed)
+            assert torch.equal(getattr(k, proj + "_absmax")[i], q.absmax)
+            assert torch.equal(getattr(k, proj + "_tensor_scale")[i : i + 1], q.tensor_scale)
+            assert torch.equal(getattr(k, proj + "_codebook"), q.codebook)
+    assert isinstance(k.gate_up_proj, nn.Parameter) and not k.gate_up_proj.requires_grad
+    assert {n for n, _ in k.named_buffers()} == set(EXPERT_TENSORS) - set(PROJECTIONS)
+    assert k.act_fn is dense.act_fn
+    assert "num_experts=6, hidden_dim=64, intermediate_dim=40, bits=3" in repr(k)
+
+
+def _routing(tokens: int, top_k: int, num_experts: int, case: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(tokens, top_k, generator=g)
+    if case == "random":
+        index = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    elif case == "one-expert":  # every slot of every token to expert 1; the others get none
+        index = torch.full((tokens, top_k), 1)
+    elif case == "empty-expert":  # expert 0 never chosen
+        index = torch.stack([1 + torch.randperm(num_experts - 1, generator=g)[:top_k] for _ in range(tokens)])
+    elif case == "ties":  # equal weights and the same expert twice for a token
+        index = torch.randint(0, num_experts, (tokens, top_k), generator=g)
+        index[:, 1] = index[:, 0]
+        weights = torch.full((tokens, top_k), 1.0 / top_k)
+    elif case == "sentinel":  # some slots to no expert (id num_experts)
+        index = torch.randint(0, num_experts + 1, (tokens, top_k), generator=g)
+    else:
+        raise ValueError(case)
+    return index, weights
+
+
+@pytest.mark.parametrize("case", ["random", "one-expert", "empty-expert", "ties", "sentinel"])
+@pytest.mark.parametrize("tokens", [1, 64], ids=["batch1", "batch64"])
+def test_forward_matches_dense_experts_with_the_dequantized_weights(case, tokens):
+    dense = _dense_experts()
+    k = KbitExperts.from_experts(dense, bits=4)
+    twin = _dense_twin(k, dense)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+    index, weights = _routing(tokens, 3, 6, case)
+    got = k(x, index, weights)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    if case != "sentinel":  # transformers' grouped_mm leaves no-expert slots unwritten outside expert parallelism
+        torch.testing.assert_close(got, twin(x, index, weights), **FP32)
+    # and the eager loop of transformers (in float32 it adds in the same dtype)
+    twin.config._experts_implementation = "eager"
+    torch.testing.assert_close(got, twin(x, index, weights), **FP32)
+    if case == "sentinel":  # a token whose slots all go to no expert gets zeros
+        none = (index == 6).all(dim=1)
+        assert bool((got[none] == 0).all())
+
+
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
+def test_every_width_and_a_user_codebook(bits):
+    dense = _dense_experts("mixtral")
+    cb = fmt.create_normal_float_codebook(bits) * 0.9
+    k = KbitExperts.from_experts(dense, bits=bits, codebook=cb)
+    assert torch.equal(k.gate_up_proj_codebook, cb) and torch.equal(k.down_proj_codebook, cb)
+    assert k.gate_up_proj_codebook.data_ptr() != cb.data_ptr()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(bits))
+    index, weights = _routing(5, 2, 4, "random", seed=bits)
+    torch.testing.assert_close(k(x, index, weights), _dense_twin(k, dense)(x, index, weights), **FP32)
+    # the quantization error shrinks with the width
+    rel = (k(x, index, weights) - dense(x, index, weights)).norm() / dense(x, index, weights).norm()
+    assert rel < {2: 0.9, 3: 0.5, 4: 0.25, 5: 0.15}[bits], rel
+
+
+def test_scale_search_is_applied_per_expert():
+    dense = _dense_experts()
+    k = KbitExperts.from_experts(dense, bits=2, scale_search=True)
+    for i in range(dense.gate_up_proj.shape[0]):
+        q = quantize_weight(dense.down_proj[i].detach(), 2, scale_search=True)
+        assert torch.equal(k.down_proj[i], q.packed) and torch.equal(k.down_proj_absmax[i], q.absmax)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_activations(dtype):
+    dense = _dense_experts()
+    k = KbitExperts.from_experts(dense, bits=4)
+    twin = _dense_twin(k, dense)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    index, weights = _routing(16, 3, 6, "random")
+    got = k(x, index, weights.to(dtype))
+    assert got.dtype == dtype
+    ref = twin(x.float(), index, weights)
+    assert (got.float() - ref).norm() / ref.norm() < 1e-2
+
+
+def test_gradients_reach_the_input_and_the_routing_weights():
+    dense = _dense_experts()
+    k = KbitExperts.from_experts(dense, bits=4)
+    twin = _dense_twin(k, dense).requires_grad_(False)
+    index, w0 = _routing(8, 3, 6, "random")
+    x0 = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for module in (k, twin):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        module(x, index, w).square().sum().backward()
+        grads.append((x.grad, w.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-4, atol=1e-6)
+    assert k.gate_up_proj.grad is None
+
+
+def test_dtype_casts_and_state_dict_round_trip():
+    k = KbitExperts.from_experts(_dense_experts(), bits=3)
+    before = {n: t.clone() for n, t in k.state_dict().items()}
+    k.to(torch.bfloat16)
+    for n, t in k.state_dict().items():
+        assert t.dtype == before[n].dtype and torch.equal(t, before[n]), n
+    # a meta placeholder filled by load_state_dict is the same module
+    placeholder = experts_placeholder(_dense_experts(), 3, device="meta")
+    placeholder.load_state_dict(before, assign=True)
+    _assert_same_state(placeholder, k)
+    x = torch.randn(4, 64)
+    index, weights = _routing(4, 3, 6, "random")
+    assert torch.equal(placeholder(x, index, weights), k(x, index, weights))
+    # copies (and pickles) carry no stale per-expert views
+    twin = copy.deepcopy(k)
+    assert torch.equal(twin(x, index, weights), k(x, index, weights))
+
+
+def test_load_state_dict_refuses_wrong_dtypes_and_shapes():
+    k = KbitExperts.from_experts(_dense_experts(), bits=3)
+    sd = k.state_dict()
+    with pytest.raises(RuntimeError, match="gate_up_proj: expected dtype torch.int32"):
+        k.load_state_dict({**sd, "gate_up_proj": sd["gate_up_proj"].float()})
+    with pytest.raises(RuntimeError, match="down_proj_absmax"):
+        k.load_state_dict({**sd, "down_proj_absmax": sd["down_proj_absmax"][:-1]})
+
+
+# ---------------------------------------------------------------------------------------
+# which modules qualify
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_supported_families_qualify(family):
+    dense = _dense_experts(family)
+    assert experts_layout_problem(dense) is None and looks_like_experts(dense)
+
+
+def _qwen2_moe_experts() -> nn.Module:
+    cfg = transformers.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    return transformers.AutoModelForCausalLM.from_config(cfg).model.layers[0].mlp.experts
+
+
+def test_qwen2_moe_qualifies():
+    assert experts_layout_problem(_qwen2_moe_experts()) is None
+
+
+class _ScaledExperts(nn.Module):
+    """Same parameters as the transformers experts, another forward: must not be quantized."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.act_fn = inner.gate_up_proj, inner.down_proj, inner.act_fn
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return 2 * hidden_states
+
+
+def _variant(flag: str, value) -> nn.Module:
+    m = _dense_experts()
+    setattr(m, flag, value)
+    return m
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda: _ScaledExperts(_dense_experts()), "not a transformers experts class"),
+        (lambda: _variant("is_transposed", True), "is_transposed=True"),
+        (lambda: _variant("has_bias", True), "has_bias=True"),
+        (lambda: _variant("has_gate", False), "has_gate=False"),
+        (lambda: _variant("is_concatenated", False), "is_concatenated=False"),
+        (lambda: _variant("has_post_expert_norm", True), "has_post_expert_norm=True"),
+        (lambda: _variant("_is_expert_parallel", True), "expert parallelism"),
+        (lambda: KbitExperts(2, 64, 32), "already a KbitExperts"),
+    ],
+    ids=["other-forward", "transposed", "bias", "no-gate", "interleaved", "post-norm", "expert-parallel", "kbit"],
+)
+def test_unknown_layouts_are_refused_with_a_reason(make, reason):
+    module = make()
+    assert reason in experts_layout_problem(module)
+    with pytest.raises(ValueError, match="cannot be quantized as kbit experts"):
+        KbitExperts.from_experts(module)
+
+
+def test_a_class_with_its_own_forward_or_gate_is_refused():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    class OwnGate(Qwen3MoeExperts):
+        def _apply_gate(self, gate_up_out):
+            gate, up = gate_up_out.chunk(2, dim=-1)
+            return self.act_fn(gate).clamp(max=7) * up
+
+    module = OwnGate(_config("qwen3_moe"))
+    assert "own gate function" in experts_layout_problem(module)
+    # the decorated forward of a class whose eager loop is different code
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation
+    class Different(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = 2
+            self.gate_up_proj = nn.Parameter(torch.zeros(2, 8, 4))
+            self.down_proj = nn.Parameter(torch.zeros(2, 4, 4))
+            self.act_fn = nn.SiLU()
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return hidden_states
+
+    assert "not transformers' standard experts loop" in experts_layout_problem(Different(_config("qwen3_moe")))
+
+
+def test_quantize_model_skips_an_unknown_layout_with_a_reason():
+    model = _model("mixtral")
+    model.model.layers[1].mlp.experts = _ScaledExperts(model.model.layers[1].mlp.experts)
+    summary = quantize_model(model, bits=4, progress=False)
+    assert summary.experts == ["model.layers.0.mlp.experts"]
+    assert "experts stay dense" in summary.skipped["model.layers.1.mlp.experts"]
+    assert type(model.model.layers[1].mlp.experts) is _ScaledExperts
+
+
+# ---------------------------------------------------------------------------------------
+# quantize_model on whole models
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_the_fake_quantized_reference(family):
+    model = _model(family)
+    dense = copy.deepcopy(model)
+    ids = _ids()
+    summary = quantize_model(model, bits=4, progress=False)
+    assert summary.experts == _experts_names(model)
+    assert all(isinstance(model.get_submodule(n), KbitExperts) for n in summary.experts)
+    # bytes: before = the dense 3-D weights, after = every stored tensor of the KbitExperts
+    before = sum(getattr(dense.get_submodule(n), p).nbytes for n in summary.experts for p in PROJECTIONS)
+    after = sum(t.nbytes for n in summary.experts for t in model.get_submodule(n).state_dict().values())
+    assert (summary.experts_bytes_before, summary.experts_bytes_after) == (before, after)
+    assert f"experts ({len(summary.experts)} modules): {before:,} -> {after:,} bytes" in str(summary)
+    torch.testing.assert_close(_logits(model, ids), _logits(_fake_quantized(dense, model), ids), **FP32)
+    # one token at a time (decode) as well
+    one = _ids(seed=2, batch=1, length=1)
+    torch.testing.assert_close(_logits(model, one), _logits(_fake_quantized(dense, model), one), **FP32)
+
+
+def test_skip_rules_apply_to_experts():
+    model = _model("qwen3_moe")
+    summary = quantize_model(model, bits=3, skip=["lm_head", "layers.0.mlp.experts"], progress=False)
+    assert summary.experts == ["model.layers.1.mlp.experts"]
+    assert summary.skipped["model.layers.0.mlp.experts"] == "matches skip rule 'layers.0.mlp.experts'"
+    assert experts_layout_problem(model.model.layers[0].mlp.experts) is None  # still dense
+    names, skipped = convertible_experts(_model("qwen3_moe"), ["re:experts"])
+    assert names == [] and set(skipped) == set(_experts_names(model))
+
+
+def test_quantize_model_device_argument_and_meta_model():
+    model = _model("olmoe")
+    quantize_model(model, bits=4, progress=False, device="cpu")
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(_config("olmoe"))
+    summary = quantize_model(meta, bits=4, progress=False)
+    assert summary.experts == _experts_names(meta)
+    assert meta.model.layers[0].mlp.experts.gate_up_proj.device.type == "meta"
+    meta.load_state_dict(model.state_dict(), assign=True, strict=False)
+    _assert_same_state(meta.model.layers[0].mlp.experts, model.model.layers[0].mlp.experts)
+
+
+# ---------------------------------------------------------------------------------------
+# single-file checkpoints
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mixtral_file(tmp_path_factory) -> tuple[nn.Module, Path]:
+    model = _model("mixtral")
+    quantize_model(model, bits=3, progress=False)
+    return model, save_quantized(model, tmp_path_factory.mktemp("experts") / "mixtral.safetensors")
+
+
+def test_save_quantized_round_trip_is_bit_identical(mixtral_file):
+    model, path = mixtral_file
+    target = load_into(_model("mixtral", seed=7), path)  # a dense model of another seed
+    _assert_same_state(target, model)
+    assert all(isinstance(target.get_submodule(n), KbitExperts) for n in _experts_names(target))
+    ids = _ids()
+    assert torch.equal(_logits(target, ids), _logits(model, ids))
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(_config("mixtral")).eval()
+    with pytest.warns(UserWarning, match="meta device"):  # rotary inv_freq is in no state dict
+        load_into(meta, path)
+    for n in _experts_names(meta):
+        _assert_same_state(meta.get_submodule(n), model.get_submodule(n))
+
+
+def _rewrite(src: Path, dst: Path, edit_tensors=None, edit_header=None) -> Path:
+    """A copy of a safetensors file with tensors and/or header entries edited (the header's own
+    digest is recomputed, the tensor checksums are not)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from kbit_linear import serialization as ser
+
+    with safe_open(str(src), "pt") as f:
+        header = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_header:
+        edit_header(header)
+    header[ser._KEY_HEADER_SHA256] = ser._header_digest(header)
+    save_file(tensors, str(dst), metadata=header)
+    return dst
+
+
+EXP = "model.layers.0.mlp.experts"
+
+
+def _bump_tensor(name: str, idx) -> callable:
+    def edit(tensors):
+        t = tensors[name].clone()
+        t[idx] += 1
+        tensors[name] = t
+
+    return edit
+
+
+def _experts_meta_edit(key: str, value):
+    def edit(header):
+        experts = json.loads(header["kbit_linear.experts"])
+        experts[EXP][key] = value
+        header["kbit_linear.experts"] = json.dumps(experts)
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit_tensors, edit_header, match",
+    [
+        (_bump_tensor(f"{EXP}.gate_up_proj", (1, 0, 0, 0, 0, 0)), None, "fails its sha256 check"),
+        (None, _experts_meta_edit("num_experts", 5), "expected torch.int32"),
+        (None, _experts_meta_edit("bits", 7), "bits=7 is not supported"),
+        (None, _experts_meta_edit("hidden_dim", "64"), "must be a positive int"),
+        (None, _experts_meta_edit("projections", {}), "does not match this format"),
+        (lambda t: t.pop(f"{EXP}.down_proj_absmax"), None, "missing"),
+        (lambda t: t.update({f"{EXP}.gate_up_proj": t[f"{EXP}.gate_up_proj"][:3].clone()}), None, "expected torch.int32"),
+    ],
+    ids=["flipped-planes", "wrong-expert-count", "bad-bits", "non-int", "bad-projections", "missing-tensor", "wrong-shape"],
+)
+def test_corrupted_experts_checkpoints_fail_loudly(mixtral_file, tmp_path, edit_tensors, edit_header, match):
+    _, path = mixtral_file
+    bad = _rewrite(path, tmp_path / "bad.safetensors", edit_tensors, edit_header)
+    # the checksums catch every edited tensor first; without them the structural checks still do
+    with pytest.raises(CheckpointError, match=match):
+        load_into(_model("mixtral"), bad, verify_checksums="sha256" in match)
+
+
+@pytest.mark.parametrize(
+    "name, idx, value, match",
+    [
+        ("gate_up_proj_tensor_scale", (2,), 3.0, "power of two"),
+        ("down_proj_absmax", (1, -1, 0, 0, 1), 9, "absmax is not zero in the padding"),  # intermediate 80: block column 2 of 4 is padding
+        ("gate_up_proj", (0, 0, 1, -1, 0, 0), 1, "weight planes are not zero in the padding"),  # rows 160..255 pad
+        ("down_proj_codebook", (0,), 2.0, "invalid codebook"),
+    ],
+    ids=["tensor-scale", "absmax-padding", "plane-padding", "codebook"],
+)
+def test_value_checks_name_the_expert(mixtral_file, tmp_path, name, idx, value, match):
+    """Edited tensors with matching checksums: the value checks catch them, per expert."""
+    from kbit_linear.serialization import tensor_sha256
+
+    _, path = mixtral_file
+    key = f"{EXP}.{name}"
+    edited = {}
+
+    def edit_tensors(tensors):
+        t = tensors[key].clone()
+        t[idx] = value
+        tensors[key] = edited[key] = t
+
+    def edit_header(header):
+        sums = json.loads(header["kbit_linear.sha256"])
+        sums[key] = tensor_sha256(edited[key])
+        header["kbit_linear.sha256"] = json.dumps(sums)
+
+    bad = _rewrite(path, tmp_path / "bad.safetensors", edit_tensors, edit_header)
+    with pytest.raises(CheckpointError, match=match) as err:
+        load_into(_model("mixtral"), bad)
+    expert = idx[0] if name not in ("down_proj_codebook",) else 0
+    assert f"[expert {expert}]" in str(err.value) and EXP in str(err.value)
+
+
+def test_load_into_a_model_with_other_experts_refuses(mixtral_file):
+    _, path = mixtral_file
+    cfg = _config("mixtral")
+    cfg.num_local_experts = 3
+    torch.manual_seed(0)
+    with pytest.raises(CheckpointError, match="experts, hidden, intermediate"):
+        load_into(transformers.AutoModelForCausalLM.from_config(cfg), path)
+    other = _model("mixtral")
+    quantize_model(other, bits=2, skip=["lm_head", "self_attn"], progress=False)
+    with pytest.raises(CheckpointError, match="bits, experts, hidden, intermediate"):
+        load_into(other, path)
+    scaled = _model("mixtral")
+    scaled.model.layers[0].mlp.experts = _ScaledExperts(scaled.model.layers[0].mlp.experts)
+    with pytest.raises(CheckpointError, match="cannot be loaded into this model's _ScaledExperts"):
+        load_into(scaled, path)
+
+
+def test_save_quantized_state_dict_needs_experts_metadata(mixtral_file, tmp_path):
+    from kbit_linear.serialization import experts_metadata, layer_metadata
+
+    model, _ = mixtral_file
+    layers = {n: layer_metadata(m) for n, m in model.named_modules() if isinstance(m, KbitLinear)}
+    with pytest.raises(CheckpointError, match="experts="):
+        save_quantized(model.state_dict(), tmp_path / "a.safetensors", layers=layers)
+    experts = {n: experts_metadata(model.get_submodule(n)) for n in _experts_names(model)}
+    path = save_quantized(model.state_dict(), tmp_path / "b.safetensors", layers=layers, experts=experts)
+    target = _model("mixtral", seed=3)
+    load_into(target, path)
+    assert torch.equal(_logits(target, _ids()), _logits(model, _ids()))
+    with pytest.raises(TypeError, match="experts="):
+        save_quantized(model, tmp_path / "c.safetensors", experts=experts)
+
+
+# ---------------------------------------------------------------------------------------
+# the transformers plug-in
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dense_dirs(tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for family in FAMILIES:
+        out[family] = tmp_path_factory.mktemp(f"dense_{family}")
+        _model(family).save_pretrained(out[family])
+    return out
+
+
+def _load(path, **kwargs) -> nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_pretrained_quantizes_experts_saves_and_reloads_bit_identically(family, dense_dirs, tmp_path):
+    q = _load(dense_dirs[family], quantization_config=KbitConfig(bits=4))
+    ref = _load(dense_dirs[family])
+    dense = copy.deepcopy(ref)
+    quantize_model(ref, bits=4, progress=False)
+    assert [n for n, m in q.named_modules() if isinstance(m, KbitExperts)] == _experts_names(q)
+    _assert_same_state(q, ref)  # quantize at load == quantize_model
+    assert not any(p.requires_grad for m in q.modules() if isinstance(m, KbitExperts) for p in m.parameters())
+    ids = _ids()
+    logits = _logits(q, ids)
+    torch.testing.assert_close(logits, _logits(_fake_quantized(dense, q), ids), **FP32)
+
+    q.save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        parsed = parse_header(dict(f.metadata()), "model.safetensors")
+    assert set(parsed.experts) == set(_experts_names(q))
+    assert {f"{n}.{t}" for n in _experts_names(q) for t in EXPERT_TENSORS} <= keys & set(parsed.sha256)
+    r = _load(tmp_path)
+    _assert_same_state(r, q)
+    assert torch.equal(_logits(r, ids), logits)
+    out = r.generate(ids[:1, :4], max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 7)
+
+
+def test_from_pretrained_skip_modules_keep_experts_dense_and_round_trip(dense_dirs, tmp_path):
+    cfg = KbitConfig(bits=3, skip_modules=["re:layers\\.0\\.mlp\\.experts"])
+    q = _load(dense_dirs["mixtral"], quantization_config=cfg)
+    assert isinstance(q.model.layers[1].mlp.experts, KbitExperts)
+    dense_experts = q.model.layers[0].mlp.experts
+    assert experts_layout_problem(dense_experts) is None
+    q.save_pretrained(tmp_path)
+    r = _load(tmp_path)
+    assert experts_layout_problem(r.model.layers[0].mlp.experts) is None
+    _assert_same_state(r, q)
+    # a reload whose skip list differs from the one saved is refused
+    path2 = tmp_path.parent / "other"
+    path2.mkdir()
+    for f in tmp_path.iterdir():
+        (path2 / f.name).write_bytes(f.read_bytes())
+    config = json.loads((path2 / "config.json").read_text())
+    config["quantization_config"]["skip_modules"] = None
+    (path2 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="experts 'model.layers.0.mlp.experts' should be quantized"):
+        _load(path2)
+
+
+def test_tampered_saved_experts_fail_on_reload(dense_dirs, tmp_path):
+    q = _load(dense_dirs["olmoe"], quantization_config=KbitConfig(bits=4))
+    q.save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    key = "model.layers.1.mlp.experts.down_proj"
+
+    def flip(tensors):
+        t = tensors[key].clone()
+        t[2, 0, 0, 5, 0, 1] ^= 1
+        tensors[key] = t
+
+    _rewrite(file, file, edit_tensors=flip)
+    with pytest.raises(CheckpointError, match="fails its sha256 check"):
+        _load(tmp_path)
+
+    def drop_experts_header(header):
+        del header["kbit_linear.experts"]
+
+    _rewrite(file, file, edit_header=drop_experts_header)
+    with pytest.raises(CheckpointError, match="does not list them"):
+        _load(tmp_path)
+
+
+def test_a_loader_without_the_plug_in_refuses_the_experts(dense_dirs, tmp_path):
+    """transformers without kbit_linear must not load the packed planes as dense experts."""
+    q = _load(dense_dirs["qwen3_moe"], quantization_config=KbitConfig(bits=4))
+    q.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # every packed tensor is a size mismatch
+        _load(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------
+# bad arguments
+# ---------------------------------------------------------------------------------------
+
+
+def _bad_call(case: str):
+    k = KbitExperts(4, 64, 32, bits=2)
+    x, index, weights = torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
+    args = {"x": x, "index": index, "weights": weights}
+    changes = {
+        "x-not-tensor": ("x", x.tolist()),
+        "x-int": ("x", x.long()),
+        "x-3d": ("x", x[None]),
+        "x-width": ("x", x[:, :32]),
+        "index-float": ("index", index.float()),
+        "index-bool": ("index", index.bool()),
+        "index-1d": ("index", index[:, 0]),
+        "index-rows": ("index", index[:2]),
+        "index-negative": ("index", index - 1),
+        "index-too-large": ("index", index + 5),
+        "weights-int": ("weights", weights.long()),
+        "weights-shape": ("weights", weights[:, :1]),
+        "x-meta": ("x", x.to("meta")),
+    }
+    name, value = changes[case]
+    args[name] = value
+    return lambda: k(args["x"], args["index"], args["weights"])
+
+
+@pytest.mark.parametrize(
+    "case, error, match",
+    [
+        ("x-not-tensor", TypeError, "hidden_states must be a torch.Tensor"),
+        ("x-int", TypeError, "hidden_states must be floating point"),
+        ("x-3d", ValueError, "hidden_states must have shape"),
+        ("x-width", ValueError, "hidden_states must have shape"),
+        ("index-float", TypeError, "top_k_index must be an integer"),
+        ("index-bool", TypeError, "top_k_index must be an integer"),
+        ("index-1d", ValueError, "top_k_index must have shape"),
+        ("index-rows", ValueError, "top_k_index must have shape"),
+        ("index-negative", ValueError, "top_k_index holds expert ids -1..-1"),
+        ("index-too-large", ValueError, "valid ids are 0..3"),
+        ("weights-int", TypeError, "top_k_weights must be floating point"),
+        ("weights-shape", ValueError, "top_k_weights must have the shape"),
+        ("x-meta", ValueError, "hidden_states is on meta"),
+    ],
+)
+def test_forward_rejects_bad_inputs_naming_the_argument(case, error, match):
+    with pytest.raises(error, match=match):
+        _bad_call(case)()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(num_experts=0), ValueError, "num_experts"),
+        (dict(hidden_dim=1.5), TypeError, "hidden_dim"),
+        (dict(intermediate_dim=True), TypeError, "intermediate_dim"),
+        (dict(bits=6), ValueError, "bits"),
+        (dict(act_fn="silu"), TypeError, "act_fn"),
+        (dict(codebook=torch.zeros(3)), ValueError, "codebook"),
+    ],
+    ids=lambda v: ",".join(v) if isinstance(v, dict) else str(v),
+)
+def test_constructor_rejects_bad_arguments(kwargs, error, match):
+    args = dict(num_experts=2, hidden_dim=64, intermediate_dim=32, bits=3, **{})
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        KbitExperts(**args)
+
+
+def test_other_bad_arguments():
+    with pytest.raises(TypeError, match="module must be an nn.Module"):
+        KbitExperts.from_experts("experts")
+    dense = _dense_experts()
+    with torch.no_grad():
+        dense.down_proj[3, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"down_proj\[expert 3\] contains NaN"):
+        KbitExperts.from_experts(dense, bits=4)
+    with pytest.raises(ValueError, match="cannot quantize experts 'model.layers.0.mlp.experts'"):
+        model = _model("qwen3_moe")
+        with torch.no_grad():
+            model.model.layers[0].mlp.experts.gate_up_proj[0, 0, 0] = float("inf")
+        quantize_model(model, progress=False)
+    with pytest.raises(ValueError, match="3-D"):
+        quantize_experts_weight(torch.randn(4, 4), 4)
+    k = KbitExperts(2, 64, 32)
+    q = quantize_experts_weight(torch.randn(2, 64, 200), 4)  # another in_features
+    with pytest.raises(ValueError, match="gate_up_proj must have shape"):
+        k.set_projection("gate_up_proj", q)
+    with pytest.raises(ValueError, match="proj must be one of"):
+        k.projection_shape("up_proj")
+    with pytest.raises(TypeError, match="dtype"):
+        k.dequantize(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cuda_forward_matches_the_cpu_reference(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("cupy")
+    dense = _dense_experts()
+    k = KbitExperts.from_experts(dense, bits=4)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    index, weights = _routing(40, 3, 6, "empty-expert")
+    ref = k(x, index, weights)
+    gpu = copy.deepcopy(k).cuda()
+    got = gpu(x.to("cuda", dtype), index.cuda(), weights.cuda())
+    assert got.dtype == dtype
+    assert float((got.float().cpu() - ref).norm() / ref.norm()) < 2e-2
