@@ -10,6 +10,7 @@ from __future__ import annotations
 from . import _ops  # noqa: F401  (op schemas + reference implementations)
 from .backends import cuda as _cuda_backend  # noqa: F401  (CUDA implementations; imports no CuPy)
 from .backends import cpu as _cpu_backend  # noqa: F401
+from .experts import KbitExperts
 from .format import KbitWeight, create_normal_float_codebook, dequantize, matmul, quantize
 from .linear import KbitLinear
 from .patch import QuantizationSummary, quantize_model
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "KbitConfig",
+    "KbitExperts",
     "KbitLinear",
     "KbitWeight",
     "QuantizationSummary",
