@@ -10,6 +10,7 @@ from __future__ import annotations
 from . import _ops  # noqa: F401  (op schemas + reference implementations)
 from .backends import cuda as _cuda_backend  # noqa: F401  (CUDA implementations; imports no CuPy)
 from .backends import cpu as _cpu_backend  # noqa: F401
+from .calibration import Calibration
 from .experts import KbitExperts
 from .format import KbitWeight, create_normal_float_codebook, dequantize, matmul, quantize
 from .linear import KbitLinear
@@ -19,6 +20,7 @@ from .serialization import CheckpointError, load_into, load_quantized, save_quan
 __version__ = "0.1.0"
 
 __all__ = [
+    "Calibration",
     "CheckpointError",
     "KbitConfig",
     "KbitExperts",

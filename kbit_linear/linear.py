@@ -36,6 +36,7 @@ from torch import nn
 
 from . import _ops  # the op schemas and the gemm entry point (with its eager fast path)
 from . import format as fmt
+from .calibration import DEFAULT_DAMP
 from .quantizer import quantize_weight
 
 __all__ = ["KbitLinear"]
@@ -148,7 +149,8 @@ class KbitLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int = 4, codebook: torch.Tensor | None = None, *,
-                    scale_search: bool = False) -> "KbitLinear":
+                    scale_search: bool = False, hessian: torch.Tensor | None = None,
+                    damp: float = DEFAULT_DAMP) -> "KbitLinear":
         """Quantize an ``nn.Linear`` into a new ``KbitLinear`` on the same device.
 
         The weight goes through :func:`kbit_linear.quantizer.quantize_weight` (validated once,
@@ -166,6 +168,8 @@ class KbitLinear(nn.Module):
             codebook: float ``[2**bits]`` (default: the normal-float codebook).
             scale_search: choose block scales for the least error instead of the round-up
                 absmax (:func:`kbit_linear.quantizer.quantize_weight`).
+            hessian: ``X^T X`` ``[in, in]`` of the layer's inputs for calibrated (GPTQ-style)
+                rounding; ``damp`` its damping (:mod:`kbit_linear.calibration`).
 
         Returns:
             The quantized layer.
@@ -177,7 +181,7 @@ class KbitLinear(nn.Module):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         q = quantize_weight(
-            linear.weight, bits, codebook, scale_search=scale_search,
+            linear.weight, bits, codebook, scale_search=scale_search, hessian=hessian, damp=damp,
             name=f"linear.weight ({linear.out_features}x{linear.in_features})",
         )
         # Built on meta (allocates nothing), then given the real tensors.

@@ -43,6 +43,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import format as fmt
+from .calibration import Calibration, calibrate_model
 from .experts import KbitExperts, experts_layout_problem, looks_like_experts
 from .linear import KbitLinear
 
@@ -383,6 +384,7 @@ def quantize_model(
     progress: bool = True,
     scale_search: bool = False,
     device: torch.device | str | None = None,
+    calibration: Calibration | torch.Tensor | None = None,
 ) -> QuantizationSummary:
     """Replace the ``nn.Linear`` layers of ``model`` by :class:`KbitLinear`, in place, and
     the experts modules of mixture-of-experts blocks by :class:`KbitExperts`.
@@ -410,6 +412,13 @@ def quantize_model(
             absmax up (:func:`kbit_linear.quantizer.quantize_weight`): better at 2 and 3 bits,
             slower to quantize.
         device: where to quantize and keep the new layers (default: each weight's device).
+        calibration: calibrated (GPTQ-style) rounding of the ``nn.Linear`` layers: a
+            :class:`kbit_linear.calibration.Calibration` (token ids, or a tokenizer with a text
+            or the default calibration text) or an int64 ``[sequences, tokens]`` tensor of token
+            ids. The model is run on the data block by block
+            (:func:`kbit_linear.calibration.calibrate_model`), each layer rounded with its
+            inputs' Hessian; same stored format, works with ``codebook`` and ``scale_search``.
+            Needs a model on one real device and no ``device``. Experts modules stay data-free.
 
     Returns:
         A :class:`QuantizationSummary`: converted names, skipped names with reasons, bytes
@@ -430,6 +439,16 @@ def quantize_model(
         # fail before the first layer is touched, not halfway through the model
         codebook = fmt.validate_codebook(codebook, bits)
     target = torch.device(device) if device is not None else None
+    if isinstance(calibration, torch.Tensor):
+        calibration = Calibration(tokens=calibration)
+    if calibration is not None:
+        if not isinstance(calibration, Calibration):
+            raise TypeError(f"calibration must be a Calibration, a tensor of token ids or None, got {type(calibration).__name__}")
+        if target is not None:
+            raise ValueError("calibration runs the model where it is: move the model first instead of passing device")
+        if any(p.device.type == "meta" for p in model.parameters()):
+            raise ValueError("calibration needs a model with real weights, not on the meta device")
+        batches = calibration.batches()  # tokenize before the first layer is touched
 
     summary = QuantizationSummary(bits=bits, bytes_before=module_bytes(model))
     # Names, not modules: a dense layer must be unreferenced once swapped out.
@@ -438,13 +457,13 @@ def quantize_model(
     summary.skipped.update(experts_skipped)
 
     converted: dict[int, KbitLinear] = {}  # a Linear reused under several names -> one KbitLinear
-    for name in tqdm(to_convert, desc=f"kbit quantize ({bits} bits)", unit="layer", disable=not progress):
+
+    def convert(name: str, hessian: torch.Tensor | None = None) -> None:
         linear = model.get_submodule(name)
         if id(linear) in converted:
             replace_module(model, name, converted[id(linear)])
             summary.converted.append(name)
-            del linear
-            continue
+            return
         before = sum(t.numel() * t.element_size() for t in linear.parameters(recurse=False))
         src = linear
         if target is not None and linear.weight.device != target:
@@ -453,7 +472,11 @@ def quantize_model(
             if linear.bias is not None:
                 src.bias = nn.Parameter(linear.bias.detach().to(target), requires_grad=linear.bias.requires_grad)
         try:
-            new = KbitLinear.from_linear(src, bits=bits, codebook=codebook, scale_search=scale_search)
+            if hessian is None:
+                new = KbitLinear.from_linear(src, bits=bits, codebook=codebook, scale_search=scale_search)
+            else:
+                new = KbitLinear.from_linear(src, bits=bits, codebook=codebook, scale_search=scale_search,
+                                             hessian=hessian, damp=calibration.damp)
         except (TypeError, ValueError) as e:
             raise ValueError(f"cannot quantize layer {name!r} ({linear.out_features}x{linear.in_features}): {e}") from e
         new.train(linear.training)
@@ -462,7 +485,12 @@ def quantize_model(
         summary.converted.append(name)
         summary.converted_bytes_before += before
         summary.converted_bytes_after += sum(t.numel() * t.element_size() for t in (*new.parameters(), *new.buffers()))
-        del linear, src, new
+
+    if calibration is None:
+        for name in tqdm(to_convert, desc=f"kbit quantize ({bits} bits)", unit="layer", disable=not progress):
+            convert(name)
+    else:
+        calibrate_model(model, to_convert, batches, convert, progress=progress, desc=f"kbit calibrate ({bits} bits)")
 
     converted_experts: dict[int, KbitExperts] = {}
     for name in tqdm(experts_to_convert, desc=f"kbit quantize experts ({bits} bits)", unit="module",

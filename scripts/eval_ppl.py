@@ -16,6 +16,12 @@ dtype afterwards (the quantized tensors are unaffected by the cast); ``--quantiz
 quantizes the bf16-rounded weights instead, which is what ``from_pretrained(...,
 dtype=torch.bfloat16)`` does.
 
+``--calibration on`` quantizes with calibrated (GPTQ-style) rounding instead
+(``quantize_model(model, bits, calibration=Calibration(tokenizer=...))`` on the float32 load,
+:mod:`kbit_linear.calibration`): ``--calib-sequences`` windows of ``--calib-len`` tokens of the
+default calibration text (docstrings of the standard library, disjoint from the evaluation
+text); ``both`` gives the data-free and the calibrated rows. ``--scale-search`` applies to both.
+
 Baselines: ``--rtn-groups 32 64`` adds uniform asymmetric round-to-nearest at the same bits with
 one fp16 scale and zero point per group (fake-quantized dense weights,
 :mod:`kbit_linear.tools.baselines`); bitsandbytes NF4 (blocksize 64) is added when bitsandbytes
@@ -35,6 +41,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
+import math
 import platform
 import shlex
 import sys
@@ -48,13 +55,16 @@ from _bench_common import markdown_table, optional_import  # (importing it puts 
 from kbit_linear.tools.baselines import apply_rtn, rtn_bits_per_weight
 from kbit_linear.tools.evaluation import (
     EmbeddingResult,
+    EvalResult,
     embedding_sentences,
     evaluate,
     evaluate_embeddings,
+    reference_log_probs,
     sentence_embeddings,
     stored_bits_per_weight,
     token_windows,
 )
+from kbit_linear import Calibration, quantize_model
 from kbit_linear.integrations.transformers import KbitConfig, register
 from kbit_linear.tools.models import DEFAULT_MODEL, resolve_model
 
@@ -80,6 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sentences", type=int, default=256, help="sentences scored for an encoder model")
     p.add_argument("--rtn-groups", type=int, nargs="*", default=[],
                    help="add uniform asymmetric RTN rows at each of --bits with these group sizes (e.g. 32 64)")
+    p.add_argument("--calibration", choices=["off", "on", "both"], default="off",
+                   help="kbit rows data-free (off), with calibrated GPTQ-style rounding (on), or both")
+    p.add_argument("--calib-sequences", type=int, default=32, help="calibration windows (default text)")
+    p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--no-kbit", action="store_true", help="skip the kbit rows (baseline and RTN only)")
     p.add_argument("--no-nf4", action="store_true", help="skip the bitsandbytes NF4 row")
     p.add_argument("--scale-search", choices=["off", "on", "both"], default="off",
@@ -139,9 +153,12 @@ class _Scorer:
         self.reference = None
 
     def set_baseline(self, model) -> object:
-        self.baseline = model
         if self.causal:
-            result = evaluate(model, self.windows, progress=True)
+            start = time.perf_counter()
+            self.baseline = reference_log_probs(model, self.windows)  # once, not per variant
+            targets = self.windows[:, 1:]
+            nll = -sum(float(lp[0].gather(-1, t.unsqueeze(-1)).sum()) for lp, t in zip(self.baseline, targets)) / targets.numel()
+            result = EvalResult(math.exp(nll), nll, None, targets.numel(), time.perf_counter() - start)
         else:
             start = time.perf_counter()
             self.reference = sentence_embeddings(model, self.tokenizer, self.sentences)
@@ -190,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     baseline, load_s = _load(path, dtype, device, causal=causal)
     base = scorer.set_baseline(baseline)
+    del baseline  # its log-probabilities (or embeddings) are kept instead
+    gc.collect()
     rows.append(scorer.row(args.dtype, str(torch.finfo(dtype).bits), base, load_s))
     print(f"{args.dtype}: {scorer.summary(base)}", file=sys.stderr)
 
@@ -199,15 +218,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {scorer.summary(result)}", file=sys.stderr)
 
     searches = {"off": [False], "on": [True], "both": [False, True]}[args.scale_search]
+    calibrations = {"off": [False], "on": [True], "both": [False, True]}[args.calibration]
     for bits in args.bits:
         for search in [] if args.no_kbit else searches:
-            config = KbitConfig(bits=bits, scale_search=search)
-            model, load_s = _load(path, DTYPES[args.quantize_dtype], device, config, causal=causal)
-            model.to(dtype)  # casts what stayed dense; the quantized tensors keep their dtypes
             name = f"kbit K={bits}" + (", scale search" if search else "")
-            report(name, f"{stored_bits_per_weight(model):.2f}", model, load_s, "quantized at load")
-            del model
-            gc.collect()
+            if False in calibrations:
+                config = KbitConfig(bits=bits, scale_search=search)
+                model, load_s = _load(path, DTYPES[args.quantize_dtype], device, config, causal=causal)
+                model.to(dtype)  # casts what stayed dense; the quantized tensors keep their dtypes
+                report(name, f"{stored_bits_per_weight(model):.2f}", model, load_s, "quantized at load")
+                del model
+                gc.collect()
+            if True in calibrations:
+                model, load_s = _load(path, DTYPES[args.quantize_dtype], device, causal=causal)
+                start = time.perf_counter()
+                calib = Calibration(tokenizer=tokenizer, num_sequences=args.calib_sequences, seq_len=args.calib_len)
+                quantize_model(model, bits, scale_search=search, calibration=calib)
+                quantize_s = time.perf_counter() - start
+                model.to(dtype)
+                report(f"{name}, calibrated", f"{stored_bits_per_weight(model):.2f}", model, quantize_s,
+                       f"GPTQ-style, {args.calib_sequences} x {args.calib_len} tokens of stdlib docstrings")
+                del model
+                gc.collect()
         for group in args.rtn_groups:
             model, load_s = _load(path, DTYPES[args.quantize_dtype], device, causal=causal)
             start = time.perf_counter()

@@ -181,11 +181,14 @@ def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     numel = 1
     for d in shape:
         numel *= d
-    if buf is None or buf.dtype != dtype or buf.numel() < numel:
-        # the old buffer goes, with every view of it
-        sc.views = {k: v for k, v in sc.views.items() if k[0] != name}
-        buf = sc.bufs[name] = torch.empty(numel, dtype=dtype)
-    view = buf[:numel].view(shape)
+    # Normal tensors even when first asked for under inference_mode: a buffer made there could
+    # not be written by a later call outside it (e.g. evaluation, then calibration).
+    with torch.inference_mode(False):
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            # the old buffer goes, with every view of it
+            sc.views = {k: v for k, v in sc.views.items() if k[0] != name}
+            buf = sc.bufs[name] = torch.empty(numel, dtype=dtype)
+        view = buf[:numel].view(shape)
     sc.views[key] = (buf, view)
     return view
 

@@ -1,0 +1,530 @@
+"""Calibrated rounding: GPTQ-style error feedback into the kbit format, and the data it needs.
+
+Round-to-nearest minimizes each weight's own error. GPTQ (Frantar et al., 2022) minimizes the
+layer's output error ``||X W^T - X Q^T||^2`` over a calibration set instead: the in-features are
+rounded one column at a time, and each column's rounding error is spread over the columns not yet
+rounded, weighted by the inverse of the input Hessian ``H = X^T X``. Here every column is rounded
+to the kbit format itself (the codebook entry nearest ``w / scale``, any codebook), and each
+32-column block's E4M4 scale is chosen when the sweep reaches the block, from the weights as the
+earlier columns' errors left them (the round-up absmax code, or the block scale search of
+:func:`kbit_linear.format.search_block_codes`). The result is the same stored format as data-free
+quantization: codebook indices, E4M4 block scale codes, tensor scale; nothing else.
+
+Three levels, each usable alone:
+
+* :func:`gptq_quantize_blocks`: one weight and its Hessian -> flat bit-planes and scale codes
+  (the reference implementation, pure PyTorch, on the weight's device).
+* :class:`HessianAccumulator` and :func:`calibrate_model`: run a model on calibration batches
+  and hand each ``nn.Linear``'s Hessian to a callback that quantizes and swaps it. Transformer
+  blocks (the layers of the model's largest ``nn.ModuleList``) are processed one at a time: the
+  inputs of the first block are captured once, then each block is run on the current hidden
+  states to collect its layers' Hessians, its layers are quantized, and the block is run again,
+  now quantized, to give the next block's inputs. Only one block's Hessians exist at a time.
+* :class:`Calibration`: the calibration data and settings for
+  ``kbit_linear.quantize_model(..., calibration=...)``: token ids, or text and a tokenizer;
+  by default :func:`default_calibration_text`, docstrings of Python's standard library, which is
+  disjoint from the evaluation text of :mod:`kbit_linear.tools.evaluation`
+  (``pydoc_data.topics``).
+
+Layering: a quantizer; it uses :mod:`kbit_linear.format` only (no module, no patching): the
+model-level driver swaps layers through the callback it is given.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import format as fmt
+
+__all__ = [
+    "DEFAULT_DAMP",
+    "LAZY_BLOCK",
+    "CALIBRATION_MODULES",
+    "Calibration",
+    "default_calibration_text",
+    "gptq_quantize_blocks",
+    "HessianAccumulator",
+    "calibrate_model",
+]
+
+DEFAULT_DAMP = 0.01
+"""Damping added to the Hessian's diagonal, as a fraction of its mean (GPTQ's ``percdamp``)."""
+LAZY_BLOCK = 128
+"""Columns rounded between two updates of the remaining weights (GPTQ's lazy batch), a multiple of 32."""
+
+CALIBRATION_MODULES = (
+    "argparse", "ast", "asyncio.events", "asyncio.tasks", "calendar", "collections", "configparser",
+    "contextlib", "csv", "dataclasses", "datetime", "decimal", "difflib", "email.message",
+    "enum", "fractions", "ftplib", "functools", "gettext", "glob", "gzip", "heapq", "http.client",
+    "http.cookiejar", "imaplib", "inspect", "ipaddress", "json.decoder", "json.encoder", "locale",
+    "logging", "mailbox", "multiprocessing.pool", "optparse", "pathlib", "pickle", "pdb",
+    "pprint", "random", "re", "shutil", "smtplib", "socket", "statistics", "string",
+    "subprocess", "tarfile", "tempfile", "textwrap", "threading", "tkinter", "typing",
+    "unittest.case", "unittest.mock", "urllib.parse", "urllib.request", "uuid", "warnings",
+    "weakref", "zipfile",
+)
+"""Standard-library modules whose docstrings make the default calibration text, in this order."""
+
+
+def default_calibration_text(modules: Sequence[str] = CALIBRATION_MODULES) -> str:
+    """Docstrings of Python's standard library: the default calibration text.
+
+    For each module of ``modules`` (found with ``importlib.util.find_spec``, read from its
+    source file, never imported), the module, class and function docstrings in source order,
+    cleaned with ``inspect.cleandoc`` and joined by blank lines. English prose about code, like
+    the evaluation text, but none of it: the evaluation uses ``pydoc_data.topics`` (the language
+    reference's topics), which none of these modules hold. Modules missing from an installation
+    (``tkinter`` on some builds) are skipped, so the text depends on the Python build a little.
+
+    Returns:
+        The text (about 1.4 MB on CPython 3.11).
+    """
+    parts: list[str] = []
+    for name in modules:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        origin = getattr(spec, "origin", None)
+        if not origin or not origin.endswith(".py"):
+            continue
+        with open(origin, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=True)
+                if doc and len(doc.split()) >= 8:  # one-liners such as "Return self." say little
+                    parts.append(doc)
+    return "\n\n".join(parts)
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def _check_damp(damp: Any) -> float:
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)):
+        raise TypeError(f"damp must be a float, got {type(damp).__name__}")
+    if not 0 < damp < 1:
+        raise ValueError(f"damp must be in (0, 1), got {damp}")
+    return float(damp)
+
+
+@dataclass
+class Calibration:
+    """Calibration data and settings for ``quantize_model(..., calibration=...)``.
+
+    Give ``tokens``, or a ``tokenizer`` (with ``text``, or the default text).
+
+    Attributes:
+        tokens: int64 ``[num_sequences, seq_len]`` token ids (used as they are: ``num_sequences``
+            and ``seq_len`` are then ignored), or ``None``.
+        text: the calibration text (default :func:`default_calibration_text`); tokenized
+            without special tokens and cut into ``num_sequences`` non-overlapping windows of
+            ``seq_len`` tokens.
+        tokenizer: a Hugging Face tokenizer, needed with ``text`` or the default text.
+        num_sequences: windows taken from the text.
+        seq_len: tokens per window.
+        batch_size: sequences per forward call.
+        damp: Hessian damping, a fraction of its mean diagonal, in (0, 1).
+        lazy_block: columns per lazy batch update, a positive multiple of 32.
+    """
+
+    tokens: torch.Tensor | None = None
+    text: str | None = None
+    tokenizer: Any = None
+    num_sequences: int = 32
+    seq_len: int = 512
+    batch_size: int = 8
+    damp: float = DEFAULT_DAMP
+    lazy_block: int = LAZY_BLOCK
+
+    def __post_init__(self) -> None:
+        _check_int("num_sequences", self.num_sequences, 1)
+        _check_int("seq_len", self.seq_len, 2)
+        _check_int("batch_size", self.batch_size, 1)
+        _check_damp(self.damp)
+        _check_int("lazy_block", self.lazy_block, fmt.BLOCK_SIZE)
+        if self.lazy_block % fmt.BLOCK_SIZE:
+            raise ValueError(f"lazy_block must be a multiple of {fmt.BLOCK_SIZE}, got {self.lazy_block}")
+        if self.tokens is not None:
+            t = self.tokens
+            if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise TypeError(f"tokens must be an integer torch.Tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+            if t.dim() != 2 or t.shape[0] < 1 or t.shape[1] < 1:
+                raise ValueError(f"tokens must be 2-D [num_sequences, seq_len], got shape {tuple(t.shape)}")
+            if self.text is not None:
+                raise ValueError("give tokens or text, not both")
+        else:
+            if self.text is not None and (not isinstance(self.text, str) or not self.text.strip()):
+                raise ValueError("text must be a non-empty string")
+            if self.tokenizer is None or not callable(self.tokenizer):
+                raise ValueError("calibration needs tokens, or a tokenizer (with text or the default calibration text)")
+
+    def token_ids(self) -> torch.Tensor:
+        """int64 ``[num_sequences, seq_len]``: ``tokens``, or the tokenized text cut into windows.
+
+        Raises:
+            ValueError: the text is too short for ``num_sequences`` windows.
+        """
+        if self.tokens is not None:
+            return self.tokens.to(torch.int64)
+        text = default_calibration_text() if self.text is None else self.text
+        ids = self.tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        need = self.num_sequences * self.seq_len
+        if ids.numel() < need:
+            raise ValueError(f"the calibration text has {ids.numel()} tokens, fewer than num_sequences * seq_len = {need}")
+        return ids[:need].reshape(self.num_sequences, self.seq_len)
+
+    def batches(self) -> list[torch.Tensor]:
+        """The token ids split into batches of ``batch_size`` sequences (CPU tensors)."""
+        return list(self.token_ids().split(self.batch_size))
+
+
+# ---------------------------------------------------------------------------------------
+# one weight
+# ---------------------------------------------------------------------------------------
+
+
+def _inverse_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor of the damped ``H^-1`` (float32); damping grows 10x on failure."""
+    h = hessian.clone()
+    mean_diag = h.diagonal().mean()
+    for attempt in range(4):
+        damped = h.clone()
+        damped.diagonal().add_(damp * (10**attempt) * mean_diag)
+        lower, info = torch.linalg.cholesky_ex(damped)
+        if int(info) == 0:
+            inverse = torch.cholesky_inverse(lower)
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            if int(info) == 0:
+                return upper
+    raise ValueError(f"hessian is not positive definite even with damping {damp * 1000:g} x its mean diagonal")
+
+
+def gptq_quantize_blocks(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    bits: int,
+    codebook: torch.Tensor | None = None,
+    tensor_scale: torch.Tensor | None = None,
+    *,
+    scale_search: bool = False,
+    damp: float = DEFAULT_DAMP,
+    lazy_block: int = LAZY_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Calibrated rounding of ``W[N, K]`` to flat kbit bit-planes and scale codes (reference).
+
+    The GPTQ sweep over the in-features with the format's own rounding. With ``U`` the upper
+    Cholesky factor of the damped ``H^-1``, for each column ``j`` in order: when ``j`` starts a
+    32-column block, the block's E4M4 code is chosen from the current (error-updated) weights
+    of the block (round-up absmax, or :func:`kbit_linear.format.search_block_codes` with
+    ``scale_search``); column ``j`` is rounded to the nearest codebook entry of ``w / scale``
+    (ties to the lower index, as everywhere in the format); its error divided by ``U[j, j]``
+    is subtracted from the later columns times ``U[j, j+1:]`` (within a lazy block of
+    ``lazy_block`` columns at once, for the columns after it in one matrix product). Input
+    features that were never active (``H[j, j] == 0``) are set to zero first.
+
+    With ``H`` a multiple of the identity there is no feedback (``U`` is diagonal) and the result
+    is round-to-nearest with the same scale rule.
+
+    Args:
+        weight: finite floating-point ``[N, K]``; not modified.
+        hessian: floating-point ``[K, K]``, symmetric positive semi-definite: ``X^T X`` (any
+            positive multiple) of the layer's inputs ``X [tokens, K]``.
+        bits: index width, 2..5.
+        codebook: ``[2**bits]`` strictly increasing in [-1, 1] (default: normal-float).
+        tensor_scale: float32 ``[1]`` power of two (default:
+            :func:`kbit_linear.format.compute_tensor_scale` of ``weight``).
+        scale_search: choose each block's scale for the least squared error of the block.
+        damp: added to the diagonal, times its mean, in (0, 1).
+        lazy_block: columns per lazy batch, a positive multiple of 32.
+
+    Returns:
+        ``(packed_flat, absmax_flat, tensor_scale)`` as :func:`kbit_linear.format.quantize_blockwise`
+        returns them: int32 ``[N, ceil(K/32), bits]``, uint8 ``[N, ceil(K/32)]``, float32 ``[1]``,
+        on ``weight``'s device.
+
+    Raises:
+        TypeError / ValueError: bad arguments, named; a Hessian that stays indefinite.
+    """
+    fmt.check_bits(bits)
+    fmt.check_weight(weight)
+    n, k = weight.shape
+    if not isinstance(hessian, torch.Tensor) or not hessian.is_floating_point():
+        raise TypeError(f"hessian must be a floating-point torch.Tensor, got {getattr(hessian, 'dtype', type(hessian).__name__)}")
+    if tuple(hessian.shape) != (k, k):
+        raise ValueError(f"hessian must have shape [in_features, in_features] = [{k}, {k}], got {tuple(hessian.shape)}")
+    if not bool(torch.isfinite(hessian).all()):
+        raise ValueError("hessian contains NaN or Inf values")
+    if not isinstance(scale_search, bool):
+        raise TypeError(f"scale_search must be a bool, got {type(scale_search).__name__}")
+    damp = _check_damp(damp)
+    _check_int("lazy_block", lazy_block, fmt.BLOCK_SIZE)
+    if lazy_block % fmt.BLOCK_SIZE:
+        raise ValueError(f"lazy_block must be a multiple of {fmt.BLOCK_SIZE}, got {lazy_block}")
+    device = weight.device
+    cb = fmt.resolve_codebook(codebook, bits, device)
+    ts = fmt.compute_tensor_scale(weight) if tensor_scale is None else tensor_scale.to(device)
+    candidates = fmt.SCALE_SEARCH_CANDIDATES if scale_search else 1  # 1: the round-up code alone
+
+    w = weight.detach().to(torch.float32).clone()
+    h = hessian.detach().to(device=device, dtype=torch.float32).clone()
+    dead = h.diagonal() <= 0
+    if bool(dead.all()):
+        h = torch.eye(k, device=device)  # no input at all: every column equally (un)important
+    else:
+        h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    u = _inverse_cholesky(h, damp)
+    del h
+
+    q = torch.empty_like(w)  # the dequantized result, column by column
+    codes = torch.empty((n, -(-k // fmt.BLOCK_SIZE)), dtype=torch.uint8, device=device)
+    for i1 in range(0, k, lazy_block):
+        i2 = min(i1 + lazy_block, k)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.empty_like(w1)
+        u1 = u[i1:i2, i1:i2]
+        scale = None
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % fmt.BLOCK_SIZE == 0:  # a block starts: its scale from the updated weights
+                block_codes = fmt.search_block_codes(w1[:, i : i + fmt.BLOCK_SIZE], cb, ts, candidates)
+                codes[:, col // fmt.BLOCK_SIZE] = block_codes[:, 0]
+                scale = fmt._block_scales(block_codes, ts)  # [N, 1]
+            wc = w1[:, i : i + 1]
+            qc = cb[fmt._nearest_indices(wc, scale, cb)] * scale
+            q[:, col : col + 1] = qc
+            e = (wc - qc) / u1[i, i]
+            w1[:, i:] -= e * u1[i : i + 1, i:]
+            err1[:, i : i + 1] = e
+        w[:, i2:] -= err1 @ u[i1:i2, i2:]
+    # The chosen values lie on the grid of their block's scale: packing them again with the
+    # same codes gives back the chosen indices (and the format's padding of a partial block).
+    packed = fmt.quantize_with_codes(q, bits, cb, ts, codes)
+    return packed, codes, ts
+
+
+# ---------------------------------------------------------------------------------------
+# Hessians from a running model
+# ---------------------------------------------------------------------------------------
+
+
+class HessianAccumulator:
+    """Collects ``H = sum X^T X / count`` of the inputs of some ``nn.Linear`` layers by forward hooks.
+
+    Layers fed the same input tensor in a forward pass (q/k/v projections, gate/up) share one
+    Hessian, computed once per batch: the sharing is found on the first batch, from the input
+    tensors' identities.
+
+    Use as a context manager; :meth:`hessian` gives a layer's float32 ``[in, in]`` matrix.
+    """
+
+    def __init__(self, layers: dict[str, nn.Linear]) -> None:
+        self._layers = layers
+        self._sums: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, int] = {}
+        self._leader: dict[str, str] = {}  # layer -> the layer whose Hessian it shares
+        # id(input) -> (first layer fed it, the input): holding the input keeps its id from
+        # being reused by a later tensor of the same pass
+        self._seen: dict[int, tuple[str, torch.Tensor]] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "HessianAccumulator":
+        for name, layer in self._layers.items():
+            self._handles.append(layer.register_forward_hook(self._hook(name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def new_pass(self) -> None:
+        """Call before each forward pass (input identities are only compared within one)."""
+        self._seen.clear()
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            x = args[0]
+            first = self._seen.setdefault(id(x), (name, x))[0]
+            leader = self._leader.setdefault(name, first)
+            if leader != name:
+                return
+            x = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
+            s = self._sums.get(name)
+            if s is None:
+                s = self._sums[name] = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
+            s.addmm_(x.T, x)
+            self._counts[name] = self._counts.get(name, 0) + x.shape[0]
+
+        return hook
+
+    def hessian(self, name: str) -> torch.Tensor:
+        """float32 ``[in_features, in_features]``: the mean ``x x^T`` of the layer's inputs.
+
+        Raises:
+            ValueError: the layer was never called.
+        """
+        leader = self._leader.get(name)
+        if leader is None or leader not in self._sums:
+            raise ValueError(f"layer {name!r} was not called on the calibration data: no Hessian")
+        return self._sums[leader] / self._counts[leader]
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass early, once the wanted inputs are captured."""
+
+
+def _blocks(model: nn.Module, names: Sequence[str]) -> tuple[str, list[list[str]]]:
+    """The ``nn.ModuleList`` holding most of ``names`` in separate children, and the names per child."""
+    best, best_groups = "", []
+    for list_name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        prefix = f"{list_name}." if list_name else ""
+        groups: list[list[str]] = [[] for _ in module]
+        for name in names:
+            if name.startswith(prefix):
+                head = name[len(prefix) :].split(".", 1)[0]
+                if head.isdigit() and int(head) < len(module):
+                    groups[int(head)].append(name)
+        if sum(1 for g in groups if g) >= 2 and sum(map(len, groups)) > sum(map(len, best_groups)):
+            best, best_groups = list_name, groups
+    return best, best_groups
+
+
+def _call(model: nn.Module, batch: torch.Tensor, device: torch.device) -> Any:
+    """One forward pass on token ids, without a KV cache when the model takes ``use_cache``."""
+    kwargs = {}
+    try:
+        if "use_cache" in inspect.signature(model.forward).parameters:
+            kwargs["use_cache"] = False
+    except (TypeError, ValueError):
+        pass
+    return model(batch.to(device), **kwargs)
+
+
+def _hidden_of(output: Any) -> torch.Tensor:
+    """A block's output hidden states (blocks return a tensor or a tuple starting with it)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@torch.no_grad()
+def calibrate_model(
+    model: nn.Module,
+    names: Sequence[str],
+    batches: Iterable[torch.Tensor],
+    quantize_layer: Callable[[str, torch.Tensor], None],
+    progress: bool = True,
+    desc: str = "kbit calibrate",
+) -> None:
+    """Run ``model`` on ``batches`` and call ``quantize_layer(name, hessian)`` for every layer of ``names``.
+
+    ``quantize_layer`` quantizes the layer and puts the result in its place in ``model``;
+    later layers then see the quantized model's activations. Blocks (the children of the
+    ``nn.ModuleList`` that holds the most of ``names``, e.g. ``model.layers``) are run one at a
+    time on stored hidden states: one pass to collect the block's Hessians, one with the block
+    quantized to make the next block's inputs. The arguments every block receives besides the
+    hidden states (attention masks, position embeddings, ...) are captured in one forward pass
+    of the unquantized model at the start. Layers outside the blocks are calibrated last, in
+    one full forward pass. A model without such a list gets one full pass for all its layers.
+
+    Args:
+        model: the model, on one device, in eval mode (dropout off).
+        names: qualified names of the ``nn.Linear`` layers to quantize.
+        batches: int64 token-id tensors ``[batch, seq]``, each a valid ``model(ids)`` input.
+        quantize_layer: called once per name with the layer's float32 Hessian ``[in, in]``.
+        progress: show a progress bar (one step per layer).
+        desc: the progress bar's title.
+
+    Raises:
+        ValueError: no batches, or a layer that never runs on them.
+    """
+    batches = list(batches)
+    if not batches:
+        raise ValueError("calibration needs at least one batch of token ids")
+    names = list(dict.fromkeys(names))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    list_name, groups = _blocks(model, names)
+    in_blocks = {n for g in groups for n in g}
+    rest = [n for n in names if n not in in_blocks]
+    bar = tqdm(total=len(names), desc=desc, unit="layer", disable=not progress)
+
+    def quantize_all(layer_names: list[str], acc: HessianAccumulator) -> None:
+        for name in layer_names:
+            h = acc.hessian(name)
+            quantize_layer(name, h)
+            del h
+            bar.update(1)
+
+    if groups:
+        blocks = model.get_submodule(list_name)
+        first = next(i for i, g in enumerate(groups) if g)
+        last = max(i for i, g in enumerate(groups) if g)
+        # inputs[b][i]: (args, kwargs) of block i on batch b; hidden states kept for the first only
+        inputs: list[dict[int, tuple[tuple, dict]]] = []
+        hidden: list[torch.Tensor] = []
+
+        def capture(i: int) -> Callable[..., None]:
+            def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                kwargs = {k: (None if k in ("past_key_values", "past_key_value") else v) for k, v in kwargs.items()}
+                if i == first:
+                    hidden.append(args[0] if args else kwargs["hidden_states"])
+                inputs[-1][i] = (args[1:] if args else (), {k: v for k, v in kwargs.items() if k != "hidden_states"})
+                if i == last:
+                    raise _Stop
+
+            return hook
+
+        handles = [blocks[i].register_forward_pre_hook(capture(i), with_kwargs=True) for i in range(first, last + 1)]
+        try:
+            for batch in batches:
+                inputs.append({})
+                try:
+                    _call(model, batch, device)
+                except _Stop:
+                    pass
+        finally:
+            for handle in handles:
+                handle.remove()
+
+        for i in range(first, last + 1):
+            block = blocks[i]
+
+            def run(b: int) -> torch.Tensor:
+                args, kwargs = inputs[b][i]
+                return _hidden_of(block(hidden[b], *args, **kwargs))
+
+            if groups[i]:
+                with HessianAccumulator({n: model.get_submodule(n) for n in groups[i]}) as acc:
+                    for b in range(len(batches)):
+                        acc.new_pass()
+                        run(b)
+                quantize_all(groups[i], acc)
+                del acc
+            if i < last:  # the next block's inputs, from this block as quantized
+                hidden = [run(b) for b in range(len(batches))]
+        del inputs, hidden
+
+    if rest:
+        with HessianAccumulator({n: model.get_submodule(n) for n in rest}) as acc:
+            for batch in batches:
+                acc.new_pass()
+                _call(model, batch, device)
+        quantize_all(rest, acc)
+    bar.close()
