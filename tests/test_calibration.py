@@ -1,0 +1,239 @@
+"""Calibrated (GPTQ-style) rounding: the reference quantizer, the Hessian collection, quantize_model(calibration=...).
+
+Everything runs on the CPU in a few seconds: small random layers with correlated inputs and a
+tiny random Llama.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import kbit_linear
+from kbit_linear import format as fmt
+from kbit_linear.calibration import (
+    Calibration,
+    HessianAccumulator,
+    calibrate_model,
+    default_calibration_text,
+    gptq_quantize_blocks,
+)
+from kbit_linear.tools.evaluation import perplexity_text
+
+
+def _correlated_inputs(tokens: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Inputs with correlated features of unequal size, as activations are."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.eye(k) + 2 * torch.randn(k, k, generator=g) / k**0.5
+    return (torch.randn(tokens, k, generator=g) @ mix) * torch.linspace(0.2, 3.0, k)
+
+
+def _dequantized(packed: torch.Tensor, codes: torch.Tensor, ts: torch.Tensor, bits: int, k: int, codebook=None) -> torch.Tensor:
+    cb = fmt.create_normal_float_codebook(bits) if codebook is None else codebook
+    return fmt.dequantize_blockwise(packed, codes, cb, ts, bits, k)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("shape", [(48, 96), (40, 200)], ids=["aligned", "ragged-k"])
+def test_output_is_a_valid_format_that_the_reference_dequantizes(bits, shape):
+    n, k = shape
+    torch.manual_seed(bits)
+    w = torch.randn(n, k) * 0.1
+    x = _correlated_inputs(512, k)
+    packed, codes, ts = gptq_quantize_blocks(w, x.T @ x, bits, scale_search=True)
+    nblk = -(-k // 32)
+    assert packed.shape == (n, nblk, bits) and packed.dtype == torch.int32
+    assert codes.shape == (n, nblk) and codes.dtype == torch.uint8
+    idx = fmt.unpack_bitplanes(packed, bits)
+    assert int(idx.max()) < 1 << bits
+    # the tiled form passes the format's checks and round-trips
+    tiled = fmt.tile_blocks(packed, codes, bits)
+    qw = fmt.KbitWeight(*tiled, fmt.create_normal_float_codebook(bits), ts, bits, n, k)
+    w_hat = fmt.dequantize(qw)
+    assert w_hat.shape == (n, k) and bool(torch.isfinite(w_hat).all())
+    torch.testing.assert_close(w_hat, _dequantized(packed, codes, ts, bits, k))
+    # every scale is a real code at or below the tensor's range, and zero-padding stays at the nearest-zero index
+    assert bool((fmt.decode_e4m4(codes) <= fmt.E4M4_MAX).all())
+    if k % 32:
+        pad = idx.reshape(n, -1)[:, k:]
+        assert bool((pad == pad[0, 0]).all())
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("scale_search", [False, True], ids=["absmax", "scale-search"])
+def test_output_error_is_lower_than_round_to_nearest(bits, scale_search):
+    torch.manual_seed(0)
+    n, k = 96, 256
+    w = torch.randn(n, k) * 0.05
+    x = _correlated_inputs(2048, k)
+    cb = fmt.create_normal_float_codebook(bits)
+    ts = fmt.compute_tensor_scale(w)
+    packed, codes, _ = gptq_quantize_blocks(w, x.T @ x, bits, scale_search=scale_search)
+    rtn_codes = fmt.search_block_codes(w, cb, ts, fmt.SCALE_SEARCH_CANDIDATES if scale_search else 1)
+    rtn = _dequantized(fmt.quantize_with_codes(w, bits, cb, ts, rtn_codes), rtn_codes, ts, bits, k)
+    gptq = _dequantized(packed, codes, ts, bits, k)
+    err = lambda q: float((x @ (w - q).T).norm())  # noqa: E731
+    assert err(gptq) < 0.93 * err(rtn)
+
+
+@pytest.mark.parametrize("scale", [1.0, 37.5], ids=["identity", "scaled-identity"])
+def test_identity_hessian_gives_round_to_nearest(scale):
+    torch.manual_seed(1)
+    w = torch.randn(64, 160)
+    for bits in (2, 3, 4, 5):
+        packed, codes, ts = gptq_quantize_blocks(w, scale * torch.eye(160), bits)
+        ref_packed, ref_codes, ref_ts = fmt.quantize_blockwise(w, bits)
+        assert torch.equal(codes, ref_codes) and torch.equal(packed, ref_packed) and torch.equal(ts, ref_ts)
+
+
+def test_any_codebook_and_dead_inputs():
+    torch.manual_seed(2)
+    cb = torch.tensor([-1.0, -0.4, -0.1, 0.0, 0.1, 0.3, 0.6, 1.0])
+    w = torch.randn(32, 64)
+    x = _correlated_inputs(256, 64)
+    x[:, 5] = 0.0  # an input that is never active
+    packed, codes, ts = gptq_quantize_blocks(w, x.T @ x, 3, cb)
+    w_hat = _dequantized(packed, codes, ts, 3, 64, cb)
+    assert bool((w_hat[:, 5] == 0).all())  # the dead column went to zero, which this codebook has
+    levels = (w_hat / fmt.decode_e4m4(codes).repeat_interleave(32, 1)[:, :64] / ts).unique()
+    assert all(bool(torch.isclose(cb, v, atol=1e-5).any()) for v in levels)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(hessian=torch.eye(10)), ValueError, "hessian must have shape"),
+        (dict(hessian=torch.eye(64, dtype=torch.int64)), TypeError, "hessian"),
+        (dict(hessian=torch.full((64, 64), float("nan"))), ValueError, "hessian contains NaN"),
+        (dict(bits=6), ValueError, "bits"),
+        (dict(damp=0.0), ValueError, "damp"),
+        (dict(damp="x"), TypeError, "damp"),
+        (dict(lazy_block=48), ValueError, "lazy_block"),
+        (dict(scale_search=1), TypeError, "scale_search"),
+        (dict(hessian=50 * torch.ones(64, 64) - 49 * torch.eye(64)), ValueError, "positive definite"),
+    ],
+    ids=["hessian-shape", "hessian-dtype", "hessian-nan", "bits", "damp-zero", "damp-type", "lazy-block", "scale-search", "indefinite"],
+)
+def test_bad_arguments_are_named(kwargs, error, match):
+    args = dict(weight=torch.randn(8, 64), hessian=torch.eye(64), bits=3) | kwargs
+    with pytest.raises(error, match=match):
+        gptq_quantize_blocks(**args)
+
+
+# ---------------------------------------------------------------------------------------
+# calibration data
+# ---------------------------------------------------------------------------------------
+
+
+def test_default_text_is_disjoint_from_the_evaluation_text():
+    text = default_calibration_text()
+    assert len(text) > 200_000
+    evaluation = perplexity_text()
+    paragraphs = [p for p in text.split("\n\n") if len(p) > 200]
+    assert len(paragraphs) > 100
+    assert not [p for p in paragraphs if p in evaluation]
+
+
+def test_calibration_checks_its_arguments():
+    with pytest.raises(ValueError, match="tokenizer"):
+        Calibration()
+    with pytest.raises(TypeError, match="tokens"):
+        Calibration(tokens=torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="tokens must be 2-D"):
+        Calibration(tokens=torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="not both"):
+        Calibration(tokens=torch.zeros(2, 8, dtype=torch.int64), text="x")
+    with pytest.raises(ValueError, match="num_sequences"):
+        Calibration(tokens=torch.zeros(2, 8, dtype=torch.int64), num_sequences=0)
+    with pytest.raises(ValueError, match="lazy_block"):
+        Calibration(tokens=torch.zeros(2, 8, dtype=torch.int64), lazy_block=100)
+    batches = Calibration(tokens=torch.arange(40).reshape(5, 8), batch_size=2).batches()
+    assert [b.shape[0] for b in batches] == [2, 2, 1]
+
+
+def test_text_is_tokenized_into_windows():
+    tok = lambda text, **kw: {"input_ids": [ord(c) % 50 for c in text]}  # noqa: E731
+    ids = Calibration(tokenizer=tok, text="abc " * 100, num_sequences=3, seq_len=16).token_ids()
+    assert ids.shape == (3, 16) and ids.dtype == torch.int64
+    with pytest.raises(ValueError, match="fewer than"):
+        Calibration(tokenizer=tok, text="short", num_sequences=3, seq_len=16).token_ids()
+    assert Calibration(tokenizer=tok, num_sequences=2, seq_len=32).token_ids().shape == (2, 32)  # default text
+
+
+# ---------------------------------------------------------------------------------------
+# the model-level driver
+# ---------------------------------------------------------------------------------------
+
+
+def _llama(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_block_by_block_run_sees_what_the_full_model_sees():
+    model = _llama()
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    batches = list(torch.randint(0, 128, (4, 12)).split(2))
+    with HessianAccumulator({n: model.get_submodule(n) for n in names}) as full:
+        for b in batches:
+            full.new_pass()
+            with torch.no_grad():
+                model(b, use_cache=False)
+    seen = {}
+    calibrate_model(model, names, batches, lambda name, h: seen.__setitem__(name, h), progress=False)
+    assert list(seen) == names  # blocks in order, lm_head (outside the blocks) last
+    for name in names:
+        torch.testing.assert_close(seen[name], full.hessian(name), rtol=1e-4, atol=1e-5)
+    # q/k/v share their input: one Hessian
+    assert torch.equal(seen["model.layers.0.self_attn.q_proj"], seen["model.layers.0.self_attn.k_proj"])
+
+
+def test_quantize_model_with_calibration_converts_every_layer_and_lowers_layer_error():
+    model = _llama()
+    dense = copy.deepcopy(model)
+    tokens = torch.randint(0, 128, (8, 16))
+    summary = kbit_linear.quantize_model(model, bits=3, calibration=Calibration(tokens=tokens, batch_size=4), progress=False)
+    assert len(summary.converted) == 21 and "lm_head" in summary.skipped
+    layer = model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, kbit_linear.KbitLinear)
+    with torch.no_grad():
+        out = model(tokens[:2]).logits
+    assert bool(torch.isfinite(out).all())
+    # the first block's inputs are the same for both: its layers' output error must not grow
+    rtn = copy.deepcopy(dense)
+    kbit_linear.quantize_model(rtn, bits=3, progress=False)
+    x = []
+    handle = dense.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, o: x.append(a[0]))
+    with torch.no_grad():
+        dense(tokens, use_cache=False)
+    handle.remove()
+    x = x[0].reshape(-1, 64)
+    w = dense.model.layers[0].self_attn.q_proj.weight
+    err = lambda m: float((x @ (w - m.model.layers[0].self_attn.q_proj.dequantize(torch.float32)).T).norm())  # noqa: E731
+    assert err(model) < err(rtn)
+
+
+def test_quantize_model_refuses_bad_calibration():
+    model = _llama()
+    with pytest.raises(TypeError, match="calibration"):
+        kbit_linear.quantize_model(model, bits=3, calibration="some text")
+    with pytest.raises(ValueError, match="device"):
+        kbit_linear.quantize_model(model, bits=3, calibration=torch.zeros(2, 8, dtype=torch.int64), device="cpu")
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(model.config)
+    with pytest.raises(ValueError, match="meta"):
+        kbit_linear.quantize_model(meta, bits=3, calibration=torch.zeros(2, 8, dtype=torch.int64))
+    assert all(type(m) is not kbit_linear.KbitLinear for m in model.modules())  # nothing was touched
+
+
+def test_a_model_without_blocks_is_calibrated_in_one_pass():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    summary = kbit_linear.quantize_model(model, bits=4, skip=(), calibration=torch.randint(0, 50, (4, 8)), progress=False)
+    assert summary.converted == ["1", "3"]
