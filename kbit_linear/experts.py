@@ -441,8 +441,8 @@ class KbitExperts(nn.Module):
         Returns:
             ``[T, hidden_dim]`` in ``hidden_states``'s dtype: ``sum_k top_k_weights[t, k] *
             down(act_fn(gate(x_t)) * up(x_t))`` of expert ``top_k_index[t, k]``, each term
-            computed in the dtype ``top_k_weights`` promotes it to and summed in float32
-            (transformers' grouped_mm path sums in the same way; its eager loop adds in the
+            computed in the dtype ``top_k_weights`` promotes it to and summed in float32, then
+            rounded once (as transformers' grouped_mm path does; its eager loop adds in the
             activations' dtype).
 
         Raises:
@@ -452,9 +452,10 @@ class KbitExperts(nn.Module):
         self._check_inputs(hidden_states, top_k_index, top_k_weights)
         top_k = top_k_index.shape[1]
         routing = route_tokens(top_k_index, self.num_experts)
-        # The reference's host sync: the expert boundaries decide which gemm calls run. The
-        # grouped kernel reads the offsets on the device (its work list covers every expert, an
-        # empty one ends at once), so a decode step under a CUDA graph needs none.
+        # The reference reads the expert boundaries on the host (after the id check's read): they
+        # decide which gemm calls run. The grouped kernel reads them on the device (its work list
+        # covers every expert, an empty one ends at once, out-of-range ids are dropped), so a
+        # decode step under a CUDA graph needs no sync.
         offsets = routing.offsets.tolist()
         slot_weights = top_k_weights.reshape(-1)
         out = torch.zeros((hidden_states.shape[0], self.hidden_dim), dtype=torch.float32, device=hidden_states.device)
