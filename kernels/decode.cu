@@ -146,7 +146,10 @@ KBIT_DEVICE u32 bsel(u32 a, u32 b, u32 mask) {
     return d;
 }
 
-// Shared-memory loads from a 32-bit shared-window address (no generic-address arithmetic).
+// Shared-memory accesses by 32-bit shared-window address (no generic-address arithmetic). The
+// kernel reaches all its shared memory this way (compute-sanitizer's racecheck mis-attributed
+// addresses when the table was written through generic pointers and the reduction slots by
+// window address).
 KBIT_DEVICE u32 lds32(u32 addr) {
     u32 v;
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
@@ -158,6 +161,9 @@ KBIT_DEVICE uint2 lds64(u32 addr) {
     return v;
 }
 KBIT_DEVICE void sts32(u32 addr, u32 v) { asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
+KBIT_DEVICE void sts128(u32 addr, uint4 v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
 // The reduction's control words: volatile reads/writes and atomics.
 KBIT_DEVICE int lds32_volatile(u32 addr) {
     int v;
@@ -217,12 +223,12 @@ template <int BITS> KBIT_DEVICE void lut_indices(u32 idx, u32 (&e)[4]) {
     }
 }
 
-// Fill the pair/quad table (`lut`, generic pointer) and the scale table (`stab`: E4M4 code ->
-// half2 of the block scale). Thread tid passes codebook entry tid % 2^BITS as `cb`; entries are
+// Fill the pair/quad table (at shared address `lut`) and the scale table (at `stab`: E4M4 code
+// -> half2 of the block scale). Thread tid passes codebook entry tid % 2^BITS as `cb`; entries are
 // gathered with shuffles, so all lanes of a warp run every iteration (stores past the end are
 // skipped).
 template <int BITS, int DT>
-KBIT_DEVICE void build_tables(u8* lut, u32* stab, float cb, int tid, int nthreads) {
+KBIT_DEVICE void build_tables(u32 lut, u32 stab, float cb, int tid, int nthreads) {
     using L = Lut<BITS>;
     const u32 cbh = pack2<DT>(cb, 0.0f);
     constexpr int kVecPerRow = 32 * L::kEntryBytes / 16;  // 16-byte stores per table row
@@ -240,11 +246,11 @@ KBIT_DEVICE void build_tables(u8* lut, u32* stab, float cb, int tid, int nthread
         const u32 w1 = h[2] | (h[3] << 16);
         // two lanes' copies of a quad, or four lanes' copies of a pair
         const uint4 val = BITS == 2 ? make_uint4(w0, w1, w0, w1) : make_uint4(w0, w0, w0, w0);
-        if (v < kVecs) *reinterpret_cast<uint4*>(lut + idx * L::kStride + part * 16) = val;
+        if (v < kVecs) sts128(lut + idx * L::kStride + part * 16, val);
     }
     for (int c = tid; c < 256; c += nthreads) {
         const float sc = e4m4_decode((u32)c);
-        stab[c] = pack2<DT>(sc, sc);
+        sts32(stab + 4 * c, pack2<DT>(sc, sc));
     }
 }
 
@@ -636,7 +642,6 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     // then the reduction slots.
     const u32 win = (u32)__cvta_generic_to_shared(smem);
     const u32 lut_win = (win + (u32)(L::kAlign - 1)) & ~(u32)(L::kAlign - 1);
-    u8* lut = smem + (lut_win - win);
     const u32 stab_win = lut_win + (u32)L::kBytes;
     const u32 lanebase = lut_win + (u32)lane * L::kEntryBytes;
     using Slot = RedSlot<KS, R, MT>;
@@ -663,7 +668,7 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     // 0.6-1.4 us lost at K = 3.)
     const float* cb_entry = codebook + (threadIdx.x & ((1 << BITS) - 1));
     const u32 cb_early = ldg_cg_word(cb_entry);
-    build_tables<BITS, DT>(lut, reinterpret_cast<u32*>(lut + L::kBytes), __uint_as_float(cb_early), threadIdx.x, NW * 32);
+    build_tables<BITS, DT>(lut_win, stab_win, __uint_as_float(cb_early), threadIdx.x, NW * 32);
     if (KS > 1 && threadIdx.x < 2 * NWR) {
         const u32 ctl_s = ctls_win + threadIdx.x * kCtlBytes;
         sts32(ctl_s + kGenOffset, threadIdx.x / NWR);  // slot 0 starts with segment 0, slot 1 with 1
@@ -698,7 +703,7 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     u32 bx[MT][16];
     load_x<MT>(bx, x, M, K, cur.ch * 128 + 32 * t, g);
     if (__syncthreads_or(cb_changed)) {
-        build_tables<BITS, DT>(lut, reinterpret_cast<u32*>(lut + L::kBytes), __ldcg(cb_entry), threadIdx.x, NW * 32);
+        build_tables<BITS, DT>(lut_win, stab_win, __ldcg(cb_entry), threadIdx.x, NW * 32);
         __syncthreads();
     }
     if (n_mine == 0) return;
