@@ -677,6 +677,21 @@ def test_from_pretrained_skip_modules_keep_experts_dense_and_round_trip(dense_di
         _load(path2)
 
 
+def test_sharded_checkpoint_and_no_dense_expert_weight_left_alive(dense_dirs, tmp_path):
+    import gc
+
+    q = _load(dense_dirs["mixtral"], quantization_config=KbitConfig(bits=4))
+    gc.collect()
+    e = q.model.layers[0].mlp.experts
+    shapes = {(e.num_experts, 2 * e.intermediate_dim, e.hidden_dim), (e.num_experts, e.hidden_dim, e.intermediate_dim)}
+    alive = [o for o in gc.get_objects() if type(o) in (torch.Tensor, nn.Parameter) and o.is_floating_point()
+             and o.device.type != "meta" and tuple(o.shape) in shapes]
+    assert alive == []
+    q.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    _assert_same_state(_load(tmp_path), q)
+
+
 def test_tampered_saved_experts_fail_on_reload(dense_dirs, tmp_path):
     q = _load(dense_dirs["olmoe"], quantization_config=KbitConfig(bits=4))
     q.save_pretrained(tmp_path)
