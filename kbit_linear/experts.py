@@ -195,8 +195,9 @@ def experts_layout_problem(module: nn.Module) -> str | None:
     if original is None or not hasattr(module, "has_gate"):
         return f"{cls.__name__} is not a transformers experts class (@use_experts_implementation); its layout is unknown"
     for flag, want in _SUPPORTED_FLAGS.items():
-        if getattr(module, flag, None) is not want:
-            return f"{cls.__name__} has {flag}={getattr(module, flag, None)!r} (supported: {want})"
+        # A flag the installed transformers does not set yet means its default layout (= want).
+        if getattr(module, flag, want) is not want:
+            return f"{cls.__name__} has {flag}={getattr(module, flag)!r} (supported: {want})"
     if getattr(module, "_is_expert_parallel", False):
         return f"{cls.__name__} is sharded for expert parallelism"
     gate = getattr(cls, "_apply_gate", None)
