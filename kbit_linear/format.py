@@ -49,6 +49,7 @@ __all__ = [
     "padded_shape",
     "tiled_shapes",
     "check_tiled",
+    "slice_weight",
     "quantize",
     "dequantize",
     "matmul",
@@ -680,6 +681,70 @@ class KbitWeight:
     def nbytes(self) -> int:
         """Bytes of all stored tensors (planes, scales, codebook, tensor scale)."""
         return sum(t.numel() * t.element_size() for t in (self.packed, self.absmax, self.codebook, self.tensor_scale))
+
+
+def _check_range(name: str, span: tuple[int, int] | None, size: int, step: int, what: str) -> tuple[int, int]:
+    """``span`` as ``(start, stop)`` within ``[0, size]``; ``start`` a multiple of ``step``, ``stop`` too or ``size``."""
+    if span is None:
+        return 0, size
+    if not isinstance(span, (tuple, list)) or len(span) != 2 or not all(
+        isinstance(v, _INTS) and not isinstance(v, bool) for v in span
+    ):
+        raise TypeError(f"{name} must be a (start, stop) pair of ints, got {span!r}")
+    start, stop = int(span[0]), int(span[1])
+    if not 0 <= start < stop <= size:
+        raise ValueError(f"{name}={span!r} must satisfy 0 <= start < stop <= {what}={size}")
+    if start % step or (stop % step and stop != size):
+        raise ValueError(
+            f"{name}={span!r}: start and stop must be multiples of {step} (stop may also be {what}={size}); "
+            "a block of 32 weights shares one scale and cannot be split"
+        )
+    return start, stop
+
+
+def slice_weight(qweight: KbitWeight, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> KbitWeight:
+    """The quantized weight ``W[rows[0]:rows[1], cols[0]:cols[1]]``, exactly: same codes, same scales.
+
+    Rows (out_features) may be cut anywhere; columns (in_features) only between 32-weight blocks.
+    The slice dequantizes bit for bit to the same slice of ``dequantize(qweight)``: it keeps the
+    codebook and ``tensor_scale``, and every block's planes and E4M4 byte. Where the cut falls on
+    storage-tile boundaries (rows at multiples of 128, columns at multiples of 64, or the
+    weight's end) whole tiles are copied; elsewhere the blocks are re-tiled (:func:`untile_blocks`
+    then :func:`tile_blocks`), which moves blocks between tiles without touching them.
+
+    Args:
+        qweight: the weight to cut.
+        rows: ``(start, stop)`` of out_features (default: all); ``0 <= start < stop <= out_features``.
+        cols: ``(start, stop)`` of in_features (default: all); ``start`` a multiple of 32, ``stop``
+            a multiple of 32 or ``in_features``.
+
+    Returns:
+        A new :class:`KbitWeight` of shape ``(rows[1] - rows[0], cols[1] - cols[0])`` with its own
+        (contiguous) ``packed``/``absmax`` and copies of ``codebook``/``tensor_scale``.
+
+    Raises:
+        TypeError: ``qweight`` is not a KbitWeight or a range is not a pair of ints.
+        ValueError: a range outside the weight or a column cut inside a block, named.
+    """
+    if not isinstance(qweight, KbitWeight):
+        raise TypeError(f"qweight must be a KbitWeight, got {type(qweight).__name__}")
+    r0, r1 = _check_range("rows", rows, qweight.out_features, 1, "out_features")
+    c0, c1 = _check_range("cols", cols, qweight.in_features, BLOCK_SIZE, "in_features")
+    n, k = r1 - r0, c1 - c0
+    tile_rows = r0 % TILE_N == 0 and (r1 % TILE_N == 0 or r1 == qweight.out_features)
+    tile_cols = c0 % TILE_K == 0 and (c1 % TILE_K == 0 or c1 == qweight.in_features)
+    if tile_rows and tile_cols:
+        # Whole tiles: positions past the new true shape are the old padding or zero blocks
+        # already, except a last k-tile cut at 64 (its both blocks are real) which needs nothing.
+        nt = slice(r0 // TILE_N, -(-r1 // TILE_N))
+        kt = slice(c0 // TILE_K, -(-c1 // TILE_K))
+        packed = qweight.packed[kt, nt].contiguous()
+        absmax = qweight.absmax[kt, nt].contiguous()
+    else:
+        p, a = untile_blocks(qweight.packed, qweight.absmax, qweight.bits, qweight.out_features, qweight.in_features)
+        b0, b1 = c0 // BLOCK_SIZE, -(-c1 // BLOCK_SIZE)
+        packed, absmax = tile_blocks(p[r0:r1, b0:b1], a[r0:r1, b0:b1], qweight.bits)
+    return KbitWeight(packed, absmax, qweight.codebook.clone(), qweight.tensor_scale.clone(), qweight.bits, n, k)
 
 
 def quantize(weight: torch.Tensor, bits: int, codebook: torch.Tensor | None = None) -> KbitWeight:
