@@ -52,6 +52,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import nn
 
+from . import _grouped_ops  # kbit_linear::grouped_gemm
 from . import _ops  # the op schemas and the gemm entry point
 from . import format as fmt
 from .linear import _apply_keeping_float32, _check_features, _check_state_dtypes
@@ -446,11 +447,22 @@ class KbitExperts(nn.Module):
             rounded once (as transformers' grouped_mm path does; its eager loop adds in the
             activations' dtype).
 
+        On a GPU with float16/bfloat16 activations and few enough routed rows per expert
+        (:meth:`_grouped_max_rows`), both projections run as one grouped launch each
+        (``kbit_linear::grouped_gemm``) with the routing on the device: no host sync, so a
+        decode step can be captured in a CUDA graph (under capture the expert ids are not
+        range-checked, and each token's experts must be distinct as ``torch.topk`` makes them).
+        Otherwise the reference below runs one gemm pair per hit expert.
+
         Raises:
             TypeError / ValueError: an argument of the wrong type, dtype, shape or device, or an
                 expert id out of range; the message names the argument.
         """
-        self._check_inputs(hidden_states, top_k_index, top_k_weights)
+        capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+        self._check_inputs(hidden_states, top_k_index, top_k_weights, read_values=not capturing)
+        max_rows = self._grouped_max_rows(hidden_states, top_k_index, read_values=not capturing)
+        if max_rows:
+            return self._grouped_forward(hidden_states, top_k_index, top_k_weights, max_rows)
         top_k = top_k_index.shape[1]
         routing = route_tokens(top_k_index, self.num_experts)
         # The reference reads the expert boundaries on the host (after the id check's read): they
@@ -473,8 +485,55 @@ class KbitExperts(nn.Module):
             out.index_add_(0, tokens, (y * slot_weights[slots, None]).to(torch.float32))
         return out.to(hidden_states.dtype)
 
-    def _check_inputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
-        """Types, shapes, devices and expert ids of a forward call (one small host read for the ids)."""
+    def _grouped_max_rows(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, read_values: bool) -> int:
+        """The row bound per expert for the grouped path, or 0 when the reference must run.
+
+        Rows per expert are at most T * top_k, and at most T when each token's experts are
+        distinct (what routers built on ``torch.topk`` give; checked on the host unless
+        ``read_values`` is false, i.e. under CUDA-graph capture). The grouped kernel takes up to
+        :data:`~kbit_linear._grouped_ops.MAX_GROUP_ROWS`; gradients through the experts use
+        the reference."""
+        if not hidden_states.is_cuda or hidden_states.dtype not in (torch.float16, torch.bfloat16):
+            return 0
+        if torch.is_grad_enabled() and hidden_states.requires_grad:
+            return 0
+        tokens, top_k = top_k_index.shape
+        if tokens == 0:
+            return 0
+        if tokens * top_k <= _grouped_ops.MAX_GROUP_ROWS:
+            return tokens * top_k
+        if tokens > _grouped_ops.MAX_GROUP_ROWS:
+            return 0
+        if read_values and top_k > 1:
+            ids = torch.sort(top_k_index, dim=1).values
+            if bool((ids[:, 1:] == ids[:, :-1]).any()):  # an expert twice for one token
+                return 0
+        return tokens
+
+    def _grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                         max_rows: int) -> torch.Tensor:
+        """The forward with two grouped launches and the routing on the device (see :meth:`forward`)."""
+        tokens, top_k = top_k_index.shape
+        routing = route_tokens(top_k_index, self.num_experts)
+        # Groups: the experts that received slots first (ascending id), then empty ones, as many
+        # as there can be hit experts; a group's rows are its slots in the expert-sorted order.
+        count = min(self.num_experts, tokens * top_k)
+        order = torch.argsort((routing.counts == 0).to(torch.int8), stable=True)[:count]
+        groups = torch.stack((order.to(torch.int32), routing.offsets[order], routing.counts[order])).contiguous()
+        token_of_slot = routing.perm // top_k  # slots with no expert sort last and belong to no group
+        x = hidden_states[token_of_slot]
+        gate_up = torch.ops.kbit_linear.grouped_gemm(x, *self.projection_tensors("gate_up_proj"), groups, self.bits,
+                                                     2 * self.intermediate_dim, max_rows)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch.ops.kbit_linear.grouped_gemm(self.act_fn(gate) * up, *self.projection_tensors("down_proj"), groups,
+                                               self.bits, self.hidden_dim, max_rows)  # rows of no group: zero
+        out = torch.zeros((tokens, self.hidden_dim), dtype=torch.float32, device=hidden_states.device)
+        out.index_add_(0, token_of_slot, (y * top_k_weights.reshape(-1)[routing.perm, None]).to(torch.float32))
+        return out.to(hidden_states.dtype)
+
+    def _check_inputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                      read_values: bool = True) -> None:
+        """Types, shapes, devices and (when ``read_values``: one small host read) expert ids of a forward call."""
         for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -496,7 +555,7 @@ class KbitExperts(nn.Module):
         for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device}, the experts on {device}")
-        if top_k_index.numel():
+        if read_values and top_k_index.numel():
             lo, hi = torch.stack(torch.aminmax(top_k_index)).tolist()
             if lo < 0 or hi > self.num_experts:
                 raise ValueError(

@@ -337,7 +337,7 @@ KBIT_DEVICE void load_x(u32 (&bx)[MT][16], const u16* __restrict__ x, int M, int
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
         const int m = 8 * j + g;
-        const u16* src = x + (size_t)min(m, M - 1) * K + k0;
+        const u16* src = x + (size_t)max(min(m, M - 1), 0) * K + k0;
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
             u32 t4[4];
@@ -387,22 +387,58 @@ KBIT_DEVICE void lookup_mma(const Prepped<BITS>& o, const u32 (&bx)[MT][16], flo
     }
 }
 
+// Grouped launches (mixture-of-experts: one launch over the experts that tokens were routed
+// to): group q multiplies rows [row0[q], row0[q] + rows[q]) of x by expert expert[q]'s weight
+// (expert e's planes start e * expert_words words into `packed`, its scales e * expert_scales
+// bytes into `absmax`, its tensor scale at tensor_scale[e]) into the same rows of out. The row
+// tiles of the groups are stacked: group q owns row tiles [q * rt_per_group, (q + 1) *
+// rt_per_group) of one tall problem, which is scheduled, split and reduced like a single
+// weight (workspace and counters sized for the tall problem). A group with no rows loads
+// nothing and stores nothing. Ungrouped launches are the case count = 1 read from the kernel
+// arguments (no loads from `info`).
+struct Groups {
+    const int* info;  // int32 [3][count]: expert, row0, rows (device memory)
+    int count, rt_per_group;
+    int expert_words, expert_scales;
+};
+
 // Where one work item's loads come from, advanced without divisions inside a row tile.
 // Item (rt, ch): row tile rt, 128-wide chunk ch. pw/pa: this lane's plane words and scale byte
 // of row group 0 of the warp (rows rg0*16 + g and + 8, block t of the chunk). NWR warps of a
 // block sit side by side in a row tile (row slot `wr`), each owning R row groups.
-template <int BITS, int NWR, int R> struct Cursor {
-    int item, rt, ch, rg0;
+// rg0 counts row groups of the whole (for grouped launches: stacked) problem, what the
+// workspace is indexed by; lrg0 the row group inside the weight, vrg how many of the warp's row
+// groups hold real rows (<= 0: none), and xrow0/xrows/expert the item's group.
+template <int BITS, int NWR, int R, bool GROUPED> struct Cursor {
+    int item, rt, ch, rg0, lrg0, vrg;
+    int xrow0, xrows, expert;
     const u32* pw;
     const u8* pa;
     bool khi;  // k-tile 2*ch + t/2 exists (false for t >= 2 in a last, half chunk)
 
-    KBIT_DEVICE void seek(int it, int kc, int wr, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
+    KBIT_DEVICE void seek(int it, int kc, int wr, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax,
+                          int rg_valid, int M, const Groups& grp) {
         item = it;
         rt = it / kc;
         ch = it - rt * kc;
         rg0 = (rt * NWR + wr) * R;
-        const int n0 = rg0 * 16 + g;
+        int lrt = rt;
+        if constexpr (GROUPED) {
+            const int q = rt / grp.rt_per_group;
+            lrt = rt - q * grp.rt_per_group;
+            expert = __ldg(grp.info + q);
+            xrow0 = __ldg(grp.info + grp.count + q);
+            xrows = __ldg(grp.info + 2 * grp.count + q);
+            packed += (long long)expert * grp.expert_words;
+            absmax += (long long)expert * grp.expert_scales;
+        } else {
+            expert = 0;
+            xrow0 = 0;
+            xrows = M;
+        }
+        lrg0 = (lrt * NWR + wr) * R;
+        vrg = xrows > 0 ? rg_valid - lrg0 : 0;
+        const int n0 = lrg0 * 16 + g;
         const int kt = 2 * ch + (t >> 1);
         khi = kt < k_tiles;
         const long long tile = (long long)min(kt, k_tiles - 1) * n_tiles + (n0 >> 7);
@@ -410,7 +446,8 @@ template <int BITS, int NWR, int R> struct Cursor {
         pa = absmax + tile * 256 + (n0 & 127) * 2 + (t & 1);
     }
     // Move to item `it` (> item): a pointer bump when it is in the same row tile, else seek().
-    KBIT_DEVICE void step(int it, int kc, int wr, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax) {
+    KBIT_DEVICE void step(int it, int kc, int wr, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax,
+                          int rg_valid, int M, const Groups& grp) {
         const int dc = it - item;
         if (dc > 0 && ch + dc < kc) {
             item = it;
@@ -419,12 +456,12 @@ template <int BITS, int NWR, int R> struct Cursor {
             pa += (long long)dc * 2 * n_tiles * 256;
             khi = 2 * ch + (t >> 1) < k_tiles;
         } else {
-            seek(it, kc, wr, t, g, k_tiles, n_tiles, packed, absmax);
+            seek(it, kc, wr, t, g, k_tiles, n_tiles, packed, absmax, rg_valid, M, grp);
         }
     }
-    KBIT_DEVICE void load(Sub<BITS> (&dst)[R], int rg_valid, bool live) const {
+    KBIT_DEVICE void load(Sub<BITS> (&dst)[R], bool live) const {
 #pragma unroll
-        for (int r = 0; r < R; ++r) load_sub<BITS>(dst[r], pw + r * 32 * BITS, pa + r * 32, live && khi && rg0 + r < rg_valid);
+        for (int r = 0; r < R; ++r) load_sub<BITS>(dst[r], pw + r * 32 * BITS, pa + r * 32, live && khi && r < vrg);
     }
 };
 
@@ -441,9 +478,11 @@ template <int R, int MT> KBIT_DEVICE void zero_acc(float (&acc)[R][MT][4]) {
 // (one warp). acc[r][j][c] belongs to row (rg0 + r) * 16 + g + 8 * (c / 2) and column
 // 8j + 2t + c % 2. The whole K: store. Part of K: add to the workspace and count; the warp that
 // completes the count (`cnt`, one per row tile and row slot) stores and leaves zeros.
+// rg0: the row group in the workspace, org0: the same rows' row group in `out` (they differ
+// only in grouped launches).
 template <int DT, int MT, int R>
 KBIT_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, float* __restrict__ ws, int* cnt,
-                     int rg0, int nch, int kc, int M, int N, float tscale, int lane) {
+                     int rg0, int org0, int nch, int kc, int M, int N, float tscale, int lane) {
     const int g = lane >> 2, t = lane & 3;
     constexpr int kMP = 8 * MT;  // workspace row pitch (floats)
     if (nch == kc) {
@@ -453,7 +492,7 @@ KBIT_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, floa
             for (int j = 0; j < MT; ++j)
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
-                    const int n = (rg0 + r) * 16 + g + 8 * (c >> 1);
+                    const int n = (org0 + r) * 16 + g + 8 * (c >> 1);
                     const int m = 8 * j + 2 * t + (c & 1);
                     if (n < N && m < M) out[(size_t)m * N + n] = f32_to_bits<DT>(acc[r][j][c] * tscale);
                 }
@@ -465,9 +504,10 @@ KBIT_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, floa
         for (int j = 0; j < MT; ++j)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const int n = (rg0 + r) * 16 + g + 8 * (c >> 1);
+                const int d = (rg0 - org0) * 16;  // workspace row - output row
+                const int n = (org0 + r) * 16 + g + 8 * (c >> 1);
                 const int m = 8 * j + 2 * t + (c & 1);
-                if (n < N && m < M) atomicAdd(ws + (size_t)n * kMP + m, acc[r][j][c]);
+                if (n < N && m < M) atomicAdd(ws + (size_t)(n + d) * kMP + m, acc[r][j][c]);
             }
     fence_acq_rel_gpu();  // the partial sums are visible before the count
     __syncwarp();
@@ -483,10 +523,10 @@ KBIT_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, floa
         for (int j = 0; j < MT; ++j)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const int n = (rg0 + r) * 16 + g + 8 * (c >> 1);
+                const int n = (org0 + r) * 16 + g + 8 * (c >> 1);
                 const int m = 8 * j + 2 * t + (c & 1);
                 if (n < N && m < M) {
-                    float* p = ws + (size_t)n * kMP + m;
+                    float* p = ws + (size_t)(n + (rg0 - org0) * 16) * kMP + m;
                     out[(size_t)m * N + n] = f32_to_bits<DT>(__ldcg(p) * tscale);
                     __stcg(p, 0.0f);
                 }
@@ -536,8 +576,8 @@ constexpr u32 kGenOffset = 0, kCountOffset = 4, kFullOffset = 8, kFreeOffset = 1
 // slot_s, ctl_s: shared-memory addresses of the slot (RedSlot) and its control words.
 template <int DT, int MT, int R, int KS>
 KBIT_DEVICE void reduce_flush(float (&acc)[R][MT][4], u32 slot_s, u32 ctl_s, u16* __restrict__ out, float* __restrict__ ws,
-                            int* cnt, int seg, int seg_len, int seg_pos0, int nmine, int wk, int rg0, int kc, int M, int N,
-                            float tscale, int lane) {
+                            int* cnt, int seg, int seg_len, int seg_pos0, int nmine, int wk, int rg0, int org0, int kc, int M,
+                            int N, float tscale, int lane) {
     if constexpr (KS > 1) {
         constexpr u32 kSlice = R * MT * 4 * 32 * 4;  // bytes of one warp's slice
         const u32 parity = ((u32)seg >> 1) & 1;      // of this slot's use u = seg >> 1
@@ -585,7 +625,7 @@ KBIT_DEVICE void reduce_flush(float (&acc)[R][MT][4], u32 slot_s, u32 ctl_s, u16
         }
         kbit::mbar_arrive(ctl_s + kFreeOffset);
     }
-    flush<DT, MT, R>(acc, out, ws, cnt, rg0, seg_len, kc, M, N, tscale, lane);
+    flush<DT, MT, R>(acc, out, ws, cnt, rg0, org0, seg_len, kc, M, N, tscale, lane);
     if constexpr (KS > 1) {
         __syncwarp();
         if (lane == 0) sts32_volatile(ctl_s + kGenOffset, seg + 2);  // the segment two ahead may take the slot
@@ -612,11 +652,12 @@ template <int BITS, int MT, int NW, int KS, int R> struct DecodeSmem {
 // block, of them KS side by side along K (so NW/KS row slots of R row groups: a row tile is
 // NW/KS*R*16 rows), D items of loads in flight per warp, MINB blocks per SM (register budget:
 // 65536 / (MINB * NW * 32) per thread).
-template <int BITS, int DT, int MT, int NW, int KS, int R, int D, int MINB>
-__global__ void __launch_bounds__(NW * 32, MINB)
-kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
-                 const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
-                 float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K, int k_tiles, int n_tiles, int align) {
+// The body of both kernels below; GROUPED: grp describes the groups (else M rows of one weight).
+template <int BITS, int DT, int MT, int NW, int KS, int R, int D, bool GROUPED>
+KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
+                                  const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
+                                  float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K, int k_tiles, int n_tiles,
+                                  int align, Groups grp) {
     static_assert(R == 1 || R == 2 || R == 4 || R == 8, "a warp's rows must stay inside one 128-row storage tile");
     static_assert(NW % KS == 0, "KS must divide NW");
     constexpr int NWR = NW / KS;
@@ -627,7 +668,8 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
     const int wr = warp % NWR, wk = warp / NWR;  // row slot, position along K
     const int kc = (k_tiles + 1) >> 1;          // 128-wide chunks
     constexpr int kRows = NWR * R * 16;         // rows per row tile
-    const int row_tiles = (N + kRows - 1) / kRows;
+    grp.rt_per_group = (N + kRows - 1) / kRows;
+    const int row_tiles = GROUPED ? grp.count * grp.rt_per_group : grp.rt_per_group;
     const int units = row_tiles * (kc / align);  // the grid's items, in multiples of `align`
     const int i0 = align * (int)(((long long)blockIdx.x * units) / gridDim.x);
     const int i1 = align * (int)(((long long)(blockIdx.x + 1) * units) / gridDim.x);
@@ -691,23 +733,23 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
             for (int rho = 0; rho < 2; ++rho)
 #pragma unroll
                 for (int b = 0; b < BITS; ++b) ring[d][r].p[rho][b] = 0u;
-    Cursor<BITS, NWR, R> cur, pre;
-    cur.seek(item_at(min(wk, n_items - 1)), kc, wr, t, g, k_tiles, n_tiles, packed, absmax);
+    Cursor<BITS, NWR, R, GROUPED> cur, pre;
+    cur.seek(item_at(min(wk, n_items - 1)), kc, wr, t, g, k_tiles, n_tiles, packed, absmax, rg_valid, M, grp);
     pre = cur;
 #pragma unroll
     for (int d = 0; d < D; ++d) {
-        pre.load(ring[d], rg_valid, d < n_mine);
-        if (d + 1 < n_mine) pre.step(item_at(wk + (d + 1) * KS), kc, wr, t, g, k_tiles, n_tiles, packed, absmax);
+        pre.load(ring[d], d < n_mine);
+        if (d + 1 < n_mine) pre.step(item_at(wk + (d + 1) * KS), kc, wr, t, g, k_tiles, n_tiles, packed, absmax, rg_valid, M, grp);
     }
     // x of the first item while the first loads are on their way.
     u32 bx[MT][16];
-    load_x<MT>(bx, x, M, K, cur.ch * 128 + 32 * t, g);
+    load_x<MT>(bx, x + (size_t)cur.xrow0 * K, cur.xrows, K, cur.ch * 128 + 32 * t, g);
     if (__syncthreads_or(cb_changed)) {
         build_tables<BITS, DT>(lut_win, stab_win, __ldcg(cb_entry), threadIdx.x, NW * 32);
         __syncthreads();
     }
     if (n_mine == 0) return;
-    const float tscale = __ldg(tensor_scale);
+    const float tscale = GROUPED ? 0.0f : __ldg(tensor_scale);  // grouped: per expert, at the flush
 
     float acc[R][MT][4];
     zero_acc<R, MT>(acc);
@@ -717,7 +759,7 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
         for (int d = 0; d < D; ++d) {
             const int j = jb + d;
             if (j >= n_mine) break;
-            if (j > 0) load_x<MT>(bx, x, M, K, cur.ch * 128 + 32 * t, g);
+            if (j > 0) load_x<MT>(bx, x + (size_t)cur.xrow0 * K, cur.xrows, K, cur.ch * 128 + 32 * t, g);
             const bool refill = j + D < n_mine;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -725,16 +767,18 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
                 prep<BITS>(ring[d][r], o, stab_win);
                 // The planes are consumed: reload the slot with row group r of unit j + D.
                 load_sub<BITS>(ring[d][r], pre.pw + r * 32 * BITS, pre.pa + r * 32,
-                               refill && pre.khi && pre.rg0 + r < rg_valid);
+                               refill && pre.khi && r < pre.vrg);
                 // (row groups past N decode zero planes with zero scales: no branch here)
                 lookup_mma<BITS, DT, MT>(o, bx, acc[r], lanebase);
             }
-            if (j + D + 1 < n_mine) pre.step(item_at(wk + (j + D + 1) * KS), kc, wr, t, g, k_tiles, n_tiles, packed, absmax);
+            if (j + D + 1 < n_mine)
+                pre.step(item_at(wk + (j + D + 1) * KS), kc, wr, t, g, k_tiles, n_tiles, packed, absmax, rg_valid, M, grp);
 
-            const int rt = cur.rt, rg0 = cur.rg0, pos = wk + j * KS;
+            const int rt = cur.rt, rg0 = cur.rg0, lrg0 = cur.lrg0, xrow0 = cur.xrow0, xrows = cur.xrows, expert = cur.expert;
+            const int pos = wk + j * KS;
             bool seg_ends = j + 1 >= n_mine;
             if (!seg_ends) {
-                cur.step(item_at(pos + KS), kc, wr, t, g, k_tiles, n_tiles, packed, absmax);
+                cur.step(item_at(pos + KS), kc, wr, t, g, k_tiles, n_tiles, packed, absmax, rg_valid, M, grp);
                 seg_ends = cur.rt != rt;
             }
             if (!seg_ends) continue;
@@ -750,14 +794,39 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
                 seg_pos0 = n_tail + lo - i0;
             }
             const int s2 = (seg & 1) * NWR + wr;
-            reduce_flush<DT, MT, R, KS>(acc, slots_win + s2 * (u32)sizeof(Slot), ctls_win + s2 * kCtlBytes, out, ws, counters + rt * NWR + wr, seg, seg_len, seg_pos0,
-                                        j - j_first + 1, wk, rg0, kc, M, N, tscale, lane);
+            reduce_flush<DT, MT, R, KS>(acc, slots_win + s2 * (u32)sizeof(Slot), ctls_win + s2 * kCtlBytes, out + (size_t)xrow0 * N, ws,
+                                        counters + rt * NWR + wr, seg, seg_len, seg_pos0, j - j_first + 1, wk, rg0, lrg0, kc,
+                                        xrows, N, GROUPED ? __ldg(tensor_scale + expert) : tscale, lane);
             zero_acc<R, MT>(acc);
             j_first = j + 1;
         }
     }
 }
 
+template <int BITS, int DT, int MT, int NW, int KS, int R, int D, int MINB>
+__global__ void __launch_bounds__(NW * 32, MINB)
+kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
+                 const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
+                 float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K, int k_tiles, int n_tiles, int align) {
+    decode_gemm_body<BITS, DT, MT, NW, KS, R, D, false>(x, packed, absmax, codebook, tensor_scale, out, ws, counters, M, N, K,
+                                                        k_tiles, n_tiles, align, Groups{nullptr, 1, 0, 0, 0});
+}
+
+// Grouped: `groups` int32 [3][count] (expert, row0, rows per group, on the device), x and out
+// [total rows, K] / [total rows, N] with each group's rows contiguous; packed/absmax/tensor_scale
+// hold every expert, expert_words / expert_scales apart (the other parameters as above, for one
+// expert's weight). Workspace and counters: count times the single weight's.
+template <int BITS, int DT, int MT, int NW, int KS, int R, int D, int MINB>
+__global__ void __launch_bounds__(NW * 32, MINB)
+kbit_decode_gemm_grouped(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
+                         const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
+                         float* __restrict__ ws, int* __restrict__ counters, const int* __restrict__ groups, int count,
+                         int expert_words, int expert_scales, int N, int K, int k_tiles, int n_tiles, int align) {
+    decode_gemm_body<BITS, DT, MT, NW, KS, R, D, true>(x, packed, absmax, codebook, tensor_scale, out, ws, counters, 0, N, K,
+                                                       k_tiles, n_tiles, align, Groups{groups, count, 0, expert_words, expert_scales});
+}
+
 }  // namespace kbit_decode
 
 using kbit_decode::kbit_decode_gemm;
+using kbit_decode::kbit_decode_gemm_grouped;

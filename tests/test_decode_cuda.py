@@ -223,9 +223,9 @@ def test_other_launch_shapes(bits, cfg):
 def test_in_block_reduction_stress(seed):
     """Many launches of random shapes, M, bits, launch shapes and schedules, on two streams at once.
 
-    The warps of a block that share a row tile's K meet at a named barrier per shared segment
-    and alternate two shared-memory slots; ranges that start or end inside row tiles, one-item
-    segments and blocks where some warps hold no item all occur here. Each result is checked
+    The warps of a block that share a row tile's K hand their partial sums to the last of them
+    through two alternating shared-memory slots ordered by mbarriers; ranges that start or end
+    inside row tiles, one-item segments and blocks where some warps hold no item all occur here. Each result is checked
     after both streams finish."""
     g = torch.Generator().manual_seed(seed)
     streams = (torch.cuda.Stream(), torch.cuda.Stream())
@@ -256,6 +256,116 @@ def test_in_block_reduction_stress(seed):
             assert not torch.isnan(out).any(), f"{case}: unwritten (NaN) output elements"
             err = _rel_err(out, F.linear(x.float(), w))
             assert err < REL_TOL[dtype], f"{case}: relative error {err:.2e}"
+
+
+# ---------------------------------------------------------------------------------------
+# grouped launches (mixture-of-experts): several experts' weights, each with its own rows
+# ---------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _experts(e: int, k: int, n: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """E random experts stacked as KbitExperts stores them: packed, absmax, codebook, tensor
+    scales (a different power of two per expert) and the fp32 dense weights [E, N, K]."""
+    ws = [_random_weight(k, n, bits, seed=1000 * e + 17 * k + n + 3 * i + bits) for i in range(e)]
+    ts = torch.tensor([2.0 ** -(4 + i % 3) for i in range(e)], device=DEV)
+    dense = torch.stack([_dequantize_chunked(fmt.KbitWeight(w.packed, w.absmax, w.codebook, ts[i:i + 1], bits, n, k))
+                         for i, w in enumerate(ws)])
+    return torch.stack([w.packed for w in ws]), torch.stack([w.absmax for w in ws]), ws[0].codebook, ts, dense
+
+
+def _groups(counts: list[int], experts: list[int]) -> torch.Tensor:
+    """int32 [3, G]: expert, first row, rows; the groups' rows back to back from row 0."""
+    row0 = [sum(counts[:i]) for i in range(len(counts))]
+    return torch.tensor([experts, row0, counts], dtype=torch.int32, device=DEV)
+
+
+def _run_grouped(x, packed, absmax, codebook, ts, groups, bits, n, max_rows):
+    out = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=DEV)
+    decode.grouped_decode_gemm(x, packed, absmax, codebook, ts, groups, bits, n, out, max_rows)
+    return out
+
+
+def _check_grouped(out, x, dense, counts, experts, dtype):
+    row = 0
+    for c, e in zip(counts, experts):
+        if c:
+            _check_against(out[row:row + c], x[row:row + c], dense[e], dtype)
+        row += c
+    assert torch.isnan(out[row:]).all(), "rows no group names were written"
+
+
+@gpu
+@pytest.mark.parametrize("shape", ((576, 192), (1000, 1000), (2048, 1536), (100, 33)), ids=lambda s: f"{s[0]}to{s[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_grouped_matches_per_expert_reference(bits, dtype, shape):
+    """Random groups (some empty, an expert used twice, 1..max_rows rows), spare rows at the end
+    that no group names (they must stay untouched), for one and two n8 fragments."""
+    k, n = shape
+    packed, absmax, codebook, ts, dense = _experts(6, k, n, bits)
+    g = torch.Generator().manual_seed(k + n + bits)
+    for max_rows in (1, 5, 8, 16):
+        counts = [int(torch.randint(0, max_rows + 1, (1,), generator=g)) for _ in range(7)]
+        counts[1] = 0  # an empty group
+        counts[2] = max_rows  # a full one
+        experts = [int(torch.randint(0, 6, (1,), generator=g)) for _ in range(7)]
+        experts[3] = experts[2]
+        x = torch.randn(sum(counts) + 3, k, device=DEV, dtype=dtype)
+        out = _run_grouped(x, packed, absmax, codebook, ts, _groups(counts, experts), bits, n, max_rows)
+        _check_grouped(out, x, dense, counts, experts, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("bits", (2, 4), ids=lambda b: f"k{b}")
+def test_grouped_large_and_split(bits):
+    """Few groups of a tall expert (the stacked problem splits K over blocks) and many small groups."""
+    for e, k, n, counts in ((2, 4096, 3072, [1, 3]), (16, 1024, 512, [1] * 16), (8, 2048, 256, [2, 0, 0, 1, 0, 4, 0, 1])):
+        packed, absmax, codebook, ts, dense = _experts(e, k, n, bits)
+        experts = list(range(e))[::-1][: len(counts)]
+        for dtype in DTYPES:
+            x = torch.randn(sum(counts), k, device=DEV, dtype=dtype)
+            out = _run_grouped(x, packed, absmax, codebook, ts, _groups(counts, experts), bits, n, max(counts))
+            _check_grouped(out, x, dense, counts, experts, dtype)
+
+
+@gpu
+def test_grouped_in_a_cuda_graph():
+    """The groups are read on the device: a captured launch replays with new groups and new x."""
+    bits, k, n = 4, 1000, 700
+    packed, absmax, codebook, ts, dense = _experts(5, k, n, bits)
+    x = torch.randn(8, k, device=DEV, dtype=torch.float16)
+    groups = _groups([3, 0, 5], [4, 1, 0])
+    out = torch.full((8, n), float("nan"), dtype=x.dtype, device=DEV)
+    decode.grouped_decode_gemm(x, packed, absmax, codebook, ts, groups, bits, n, out, 8)  # compile and plan first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode.grouped_decode_gemm(x, packed, absmax, codebook, ts, groups, bits, n, out, 8)
+    for counts, experts in (([3, 0, 5], [4, 1, 0]), ([1, 6, 1], [2, 3, 4]), ([0, 8, 0], [0, 0, 0])):
+        groups.copy_(_groups(counts, experts))
+        x.copy_(torch.randn(8, k, device=DEV, dtype=x.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_grouped(out, x, dense, counts, experts, torch.float16)
+
+
+def test_grouped_rejects_bad_arguments():
+    """Argument checks that need no kernel (run anywhere)."""
+    packed = torch.zeros(2, 1, 1, 128, 2, 4, dtype=torch.int32)
+    absmax = torch.zeros(2, 1, 1, 128, 2, dtype=torch.uint8)
+    cb, ts = torch.zeros(16), torch.ones(2)
+    x, out = torch.zeros(3, 64, dtype=torch.float16), torch.zeros(3, 100, dtype=torch.float16)
+    groups = torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_rows"):
+        decode.grouped_decode_gemm(x, packed, absmax, cb, ts, groups, 4, 100, out, 17)
+    with pytest.raises(ValueError, match="packed must be"):
+        decode.grouped_decode_gemm(x, packed[0], absmax, cb, ts, groups, 4, 100, out, 4)
+    with pytest.raises(ValueError, match="experts"):
+        decode.grouped_decode_gemm(x, packed, absmax[:1], cb, ts, groups, 4, 100, out, 4)
+    with pytest.raises(ValueError, match="CUDA"):
+        decode.grouped_decode_gemm(x, packed, absmax, cb, ts, groups, 4, 100, out, 4)
 
 
 @gpu

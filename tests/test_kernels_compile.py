@@ -135,7 +135,7 @@ def _kernel_params(source: str) -> dict[str, list[tuple[str, str]]]:
 def test_kernel_argument_packs_match_the_kernel_signatures():
     """Every ArgPack names the kernel's parameters, in its order, with the right kinds."""
     packs = [kcuda.ops._GEMM_ARGS, kcuda.ops._SM90_ARGS, kcuda.ops._QUANT_ARGS, kcuda.ops._REPACK_ARGS, kcuda.ops._DEQUANT_ARGS,
-             kdecode._ARGS]
+             kdecode._ARGS, kdecode._GROUPED_ARGS]
     sources = {**_kernel_params("gemm.cu"), **_kernel_params("quantize.cu"), **_kernel_params("decode.cu"),
                **_kernel_params("gemm_sm90.cu")}
     assert {p.kernel for p in packs} <= set(sources), f"kernels found: {sorted(sources)}"

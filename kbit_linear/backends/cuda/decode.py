@@ -10,8 +10,10 @@ atomics and converted by the last contributor, all in one launch.
 
 Public entry points: :func:`decode_supported`, :func:`decode_plan` and :func:`launch` (the CUDA
 backend's dispatcher plans once and launches on tensors it has checked and aligned),
-:func:`decode_gemm` (checks, aligns, plans and launches: benchmarks and tests) and
-:func:`decode_instances` (every template instance, for the build check).
+:func:`decode_gemm` (checks, aligns, plans and launches: benchmarks and tests),
+:func:`grouped_decode_gemm` (one launch over several experts' weights, each with its own rows
+of x: mixture-of-experts layers) and :func:`decode_instances` (every template instance, for the
+build check).
 
 Nothing here allocates through CuPy or syncs the host on the hot path (only the one-time
 allocation of the split-K buffers waits for their zeroing); launches go on torch's current
@@ -38,6 +40,7 @@ __all__ = [
     "DecodePlan",
     "decode_supported",
     "decode_gemm",
+    "grouped_decode_gemm",
     "decode_plan",
     "launch",
     "decode_instances",
@@ -53,6 +56,9 @@ _SOURCE = "decode.cu"
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 _ARGS = loader.ArgPack("kbit_decode_gemm", "x:p packed:p absmax:p codebook:p tensor_scale:p out:p ws:p counters:p "
                                           "M:i N:i K:i k_tiles:i n_tiles:i align:i")
+_GROUPED_ARGS = loader.ArgPack("kbit_decode_gemm_grouped", "x:p packed:p absmax:p codebook:p tensor_scale:p out:p ws:p counters:p "
+                                                          "groups:p count:i expert_words:i expert_scales:i N:i K:i k_tiles:i "
+                                                          "n_tiles:i align:i")
 
 
 # Dynamic shared memory per block (kernels/decode.cu): the pair/quad table (Lut<BITS>::kSmem:
@@ -72,14 +78,17 @@ def _smem(bits: int, mt: int, cfg: DecodeConfig) -> int:
 _MAX_SMEM = {bits: max(_smem(bits, mt, cfg) for (b, mt), cfgs in DECODE_CONFIGS.items() if b == bits for cfg in cfgs) for bits in _TABLE_SMEM}
 
 
-def _name(bits: int, dtype: torch.dtype, mt: int, cfg: DecodeConfig) -> str:
-    return (f"kbit_decode_gemm<{bits}, {_DT[dtype]}, {mt}, {cfg.warps}, {cfg.k_warps}, {cfg.row_groups}, {cfg.depth}, "
+def _name(bits: int, dtype: torch.dtype, mt: int, cfg: DecodeConfig, grouped: bool = False) -> str:
+    kernel = "kbit_decode_gemm_grouped" if grouped else "kbit_decode_gemm"
+    return (f"{kernel}<{bits}, {_DT[dtype]}, {mt}, {cfg.warps}, {cfg.k_warps}, {cfg.row_groups}, {cfg.depth}, "
             f"{cfg.min_blocks}>")
 
 
 def decode_instances() -> list[str]:
-    """Every kernel template instance :func:`decode_gemm` can launch (name expressions in ``decode.cu``)."""
-    return [_name(b, dt, mt, cfg) for (b, mt), cfgs in sorted(DECODE_CONFIGS.items()) for cfg in cfgs for dt in _DT]
+    """Every kernel template instance :func:`decode_gemm` and :func:`grouped_decode_gemm` can
+    launch (name expressions in ``decode.cu``)."""
+    return [_name(b, dt, mt, cfg, grouped) for grouped in (False, True) for (b, mt), cfgs in sorted(DECODE_CONFIGS.items())
+            for cfg in cfgs for dt in _DT]
 
 
 def decode_supported(m: int, bits: int, dtype: torch.dtype, device: torch.device | int | None = None) -> bool:
@@ -219,7 +228,7 @@ class DecodePlan:
 
 
 def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_tiles: int, configs: tuple[DecodeConfig, ...],
-               kind: str) -> DecodePlan:
+               kind: str, groups: int | None = None) -> DecodePlan:
     props = loader.device_properties(index)
     kc = (k_tiles + 1) // 2
     best = None
@@ -228,7 +237,7 @@ def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_til
         if smem > props.max_shared_per_block:
             raise ValueError(f"config {cfg} needs {smem} bytes of shared memory per block; the device allows {props.max_shared_per_block}")
         rows = cfg.tile_rows
-        row_tiles = -(-n // rows)
+        row_tiles = -(-n // rows) * (groups or 1)  # grouped: the groups' row tiles stacked
         per_sm = max(1, min(cfg.min_blocks, props.shared_per_sm // (smem + _RESERVED_SMEM)))
         item_bytes = rows * 128 * (bits + 0.25) / 8
         try:
@@ -242,7 +251,7 @@ def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_til
     if best is None:
         raise ValueError(f"schedule {kind!r} applies to none of the launch shapes for n={n}")
     sch, cfg, smem, row_tiles, per_sm = best
-    name = _name(bits, dtype, mt, cfg)
+    name = _name(bits, dtype, mt, cfg, grouped=groups is not None)
     kernel = loader.get_kernel(_SOURCE, name, torch.device("cuda", index))
     ws = row_tiles * cfg.tile_rows * 8 * mt if sch.split else 0
     cnt = row_tiles * cfg.row_slots if sch.split else 0
@@ -259,6 +268,7 @@ def decode_plan(
     device: torch.device | int | None = None,
     config: DecodeConfig | None = None,
     schedule_kind: str = "auto",
+    groups: int | None = None,
 ) -> DecodePlan:
     """The cached launch plan for a problem (compiles the kernel instance on first use).
 
@@ -271,9 +281,11 @@ def decode_plan(
         device: the CUDA device (default: the current one).
         config: a launch shape to use instead of the cheapest of the tuned ones (benchmarks).
         schedule_kind: one of :data:`SCHEDULES` (benchmarks and tests; default ``"auto"``).
+        groups: for the grouped kernel, the number of groups (``m`` is then the most rows one
+            group may have); ``None`` for the single-weight kernel.
 
     Returns:
-        The :class:`DecodePlan` (cached per device, fragment count, bits, dtype, shape, config).
+        The :class:`DecodePlan` (cached per device, fragment count, bits, dtype, shape, config, groups).
 
     Raises:
         ValueError: the problem is outside :func:`decode_supported`.
@@ -283,8 +295,10 @@ def decode_plan(
     index = torch.cuda.current_device() if device is None else (device if isinstance(device, int) else loader._device_index(device))
     mt = 1 if m <= 8 else 2
     configs = (config,) if config is not None else DECODE_CONFIGS[(bits, mt)]
-    return plans.get_or_make(("decode", index, mt, bits, dtype, out_features, k_tiles, config, schedule_kind),
-                             lambda: _make_plan(index, mt, bits, dtype, out_features, k_tiles, configs, schedule_kind))
+    if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
+        raise ValueError(f"groups must be a positive int or None, got {groups!r}")
+    return plans.get_or_make(("decode", index, mt, bits, dtype, out_features, k_tiles, config, schedule_kind, groups),
+                             lambda: _make_plan(index, mt, bits, dtype, out_features, k_tiles, configs, schedule_kind, groups))
 
 
 # ---------------------------------------------------------------------------------------
@@ -382,4 +396,92 @@ def launch(plan: DecodePlan, x2d: torch.Tensor, packed: torch.Tensor, absmax: to
                      N=out.shape[1], K=x2d.shape[1], k_tiles=packed.shape[0], n_tiles=packed.shape[1], align=plan.align),
         threads=plan.config.warps * 32,
         programmatic=plan.programmatic,  # the kernel waits for the previous one before it touches memory
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# the grouped GEMM (mixture-of-experts layers)
+# ---------------------------------------------------------------------------------------
+
+
+def grouped_decode_gemm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    codebook: torch.Tensor,
+    tensor_scale: torch.Tensor,
+    groups: torch.Tensor,
+    bits: int,
+    out_features: int,
+    out: torch.Tensor,
+    max_rows: int,
+) -> None:
+    """Write, for every group q, ``x[rows of q] @ W[expert of q]^T`` into ``out[rows of q]`` in one launch.
+
+    The groups live on the device, so the launch needs no host sync (CUDA-graph capturable):
+    ``groups`` is int32 ``[3, G]``: row 0 the expert of each group, row 1 its first row in
+    ``x``/``out``, row 2 its row count (0..``max_rows``; 0 = an unused group: nothing is read
+    or written for it). Rows of ``out`` that no group names are left as they are.
+
+    Args:
+        x: ``[R, K]`` float16 or bfloat16 on a CUDA device, contiguous.
+        packed: int32 ``[E, K_pad/64, N_pad/128, 128, 2, bits]``: every expert's tiled planes.
+        absmax: uint8 ``[E, K_pad/64, N_pad/128, 128, 2]``.
+        codebook: float32 ``[2**bits]``, shared by the experts.
+        tensor_scale: float32 ``[E]``.
+        groups: int32 ``[3, G]`` as above, contiguous, on x's device.
+        bits: 2..5.
+        out_features: N.
+        out: contiguous ``[R, N]`` tensor of x's dtype.
+        max_rows: the most rows any group has (1..16; it picks the kernel instance). A group
+            with more rows is not checked on the device: the caller guarantees the bound.
+
+    Raises:
+        TypeError / ValueError: a tensor has the wrong dtype, shape, device or layout.
+    """
+    fmt.check_bits(bits)
+    if not isinstance(packed, torch.Tensor) or packed.dim() != 6 or not isinstance(absmax, torch.Tensor) or absmax.dim() != 5:
+        raise ValueError("packed must be [E, K_pad/64, N_pad/128, 128, 2, bits] and absmax [E, K_pad/64, N_pad/128, 128, 2]")
+    experts = packed.shape[0]
+    if absmax.shape[0] != experts:
+        raise ValueError(f"packed holds {experts} experts, absmax {absmax.shape[0]}")
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_M:
+        raise ValueError(f"max_rows must be an int in 1..{MAX_M}, got {max_rows!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous 2-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    rows = x.shape[0]
+    # One expert's tensors pass the single-weight checks (x's row count is not a limit here).
+    _check(x[: min(rows, 1)] if rows else x.new_empty(1, x.shape[1]), packed[0], absmax[0], codebook, tensor_scale[:1],
+           bits, out_features, out[: min(rows, 1)] if rows else out.new_empty(1, out_features))
+    if tensor_scale.shape != (experts,):
+        raise ValueError(f"tensor_scale must have shape [{experts}], got {tuple(tensor_scale.shape)}")
+    if out.shape[0] != rows:
+        raise ValueError(f"out has {out.shape[0]} rows, x {rows}")
+    if (not isinstance(groups, torch.Tensor) or groups.dtype != torch.int32 or groups.dim() != 2 or groups.shape[0] != 3
+            or not groups.is_contiguous() or groups.device != x.device):
+        raise ValueError(f"groups must be a contiguous int32 [3, G] tensor on {x.device}")
+    count = groups.shape[1]
+    if rows == 0 or count == 0:
+        return
+    x = kernel_rows(x)
+    packed, absmax = aligned16(packed), aligned16(absmax)
+    plan = decode_plan(max_rows, bits, x.dtype, out_features, packed.shape[1], x.device, groups=count)
+    index = plan.kernel.device_index
+    stream = loader._current_raw_stream(index)
+    if plan.split:
+        ws_ptr, cnt_ptr = workspace.zeroed_scratch("decode", index, stream, plan.ws_numel, plan.counters)
+    else:
+        ws_ptr = cnt_ptr = 0
+    _GROUPED_ARGS.launch(
+        plan.kernel,
+        plan.grid,
+        plan.smem,
+        stream,
+        _GROUPED_ARGS.Values(x=x.data_ptr(), packed=packed.data_ptr(), absmax=absmax.data_ptr(),
+                             codebook=codebook.contiguous().data_ptr(), tensor_scale=tensor_scale.contiguous().data_ptr(),
+                             out=out.data_ptr(), ws=ws_ptr, counters=cnt_ptr, groups=groups.data_ptr(), count=count,
+                             expert_words=packed[0].numel(), expert_scales=absmax[0].numel(), N=out_features, K=x.shape[1],
+                             k_tiles=packed.shape[1], n_tiles=packed.shape[2], align=plan.align),
+        threads=plan.config.warps * 32,
+        programmatic=plan.programmatic,
     )

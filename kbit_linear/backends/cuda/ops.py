@@ -1,7 +1,7 @@
 """CUDA implementations of the kbit ops (kernels in ``kernels/``, compiled at run time).
 
 Importing this module registers ``torch.library`` CUDA kernels for ``kbit_linear::quantize``,
-``::repack``, ``::dequantize`` and ``::gemm``. It needs neither CuPy nor a GPU to import: CuPy
+``::repack``, ``::dequantize``, ``::gemm`` and ``::grouped_gemm``. It needs neither CuPy nor a GPU to import: CuPy
 is loaded, and each kernel instance compiled, on the first call that needs it
 (:mod:`.loader`).
 
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ... import _grouped_ops  # the grouped GEMM's schema and reference
 from ... import _ops  # defines the op schemas before the registrations below
 from ... import format as fmt
 from . import decode, hopper, loader, plans, tuning, workspace
@@ -513,6 +514,18 @@ def _quantize_op(weight, codebook, tensor_scale, bits):
 @torch.library.impl("kbit_linear::repack", "CUDA")
 def _repack_op(packed_flat, absmax_flat, bits):
     return repack_cuda(packed_flat, absmax_flat, bits)
+
+
+@torch.library.impl("kbit_linear::grouped_gemm", "CUDA")
+def _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows):
+    _grouped_ops.check_grouped_args(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
+    if x.dtype in (torch.float16, torch.bfloat16) and decode.decode_supported(max_rows, bits, x.dtype, x.device):
+        out = torch.zeros((x.shape[0], out_features), dtype=x.dtype, device=x.device)  # rows no group names stay zero
+        decode.grouped_decode_gemm(x.contiguous(), packed, absmax, codebook, tensor_scale, groups.contiguous(), bits, out_features,
+                                   out, max_rows)
+        return out
+    # float32 activations, or a GPU without the decode kernel's shared memory: the reference (host reads the groups)
+    return _grouped_ops.grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
 
 
 _ops.register_eager_cuda_gemm(gemm_cuda)

@@ -1,0 +1,89 @@
+"""Op schema of the grouped kbit GEMM (mixture-of-experts layers): definition, fake and reference.
+
+``kbit_linear::grouped_gemm`` multiplies several row groups of ``x``, each by its own expert's
+kbit weight, in one call: group q takes rows ``[row0, row0 + rows)`` of ``x`` through expert
+``expert`` (``groups[:, q] = (expert, row0, rows)``, int32 on x's device) into the same rows of
+the output; rows no group names are zero. The experts are stacked as :class:`KbitExperts` keeps
+them (``packed [E, K_pad/64, N_pad/128, 128, 2, bits]``, ``absmax [E, ...]``, one codebook,
+``tensor_scale [E]``). The groups stay on the device, so the CUDA kernel
+(``kbit_decode_gemm_grouped``) needs no host sync; the reference below reads them on the host.
+``max_rows`` bounds every group's row count (it picks the kernel instance).
+
+Same layer as :mod:`kbit_linear._ops` (op schemas, fake implementations with metadata checks,
+the reference as the default implementation); the CUDA backend registers its kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import format as fmt
+
+_NS = "kbit_linear"
+MAX_GROUP_ROWS = 16
+"""Most rows one group may have (the decode kernel's two n8 fragments)."""
+
+torch.library.define(
+    f"{_NS}::grouped_gemm",
+    "(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, Tensor tensor_scale, Tensor groups, int bits, "
+    "int out_features, int max_rows) -> Tensor",
+)
+
+
+def check_grouped_args(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
+                       tensor_scale: torch.Tensor, groups: torch.Tensor, bits: int, out_features: int, max_rows: int) -> None:
+    """Metadata checks of ``grouped_gemm`` (no pass over values; the groups are not read).
+
+    Raises:
+        TypeError / ValueError: naming the argument.
+    """
+    fmt.check_bits(bits)
+    for name, t in (("x", x), ("packed", packed), ("absmax", absmax), ("codebook", codebook), ("tensor_scale", tensor_scale),
+                    ("groups", groups)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not x.is_floating_point() or x.dim() != 2:
+        raise ValueError(f"x must be a floating-point [rows, in_features] tensor, got {x.dtype} {tuple(x.shape)}")
+    if packed.dtype != torch.int32 or packed.dim() != 6 or packed.shape[-1] != bits or packed.shape[3:5] != (fmt.TILE_N, 2):
+        raise ValueError(f"packed must be int32 [E, K_pad/64, N_pad/128, 128, 2, {bits}], got {packed.dtype} {tuple(packed.shape)}")
+    if absmax.dtype != torch.uint8 or tuple(absmax.shape) != tuple(packed.shape[:-1]):
+        raise ValueError(f"absmax must be uint8 {tuple(packed.shape[:-1])}, got {absmax.dtype} {tuple(absmax.shape)}")
+    experts = packed.shape[0]
+    if codebook.dtype != torch.float32 or tuple(codebook.shape) != (1 << bits,):
+        raise TypeError(f"codebook must be float32 [{1 << bits}], got {codebook.dtype} {tuple(codebook.shape)}")
+    if tensor_scale.dtype != torch.float32 or tuple(tensor_scale.shape) != (experts,):
+        raise TypeError(f"tensor_scale must be float32 [{experts}], got {tensor_scale.dtype} {tuple(tensor_scale.shape)}")
+    if groups.dtype != torch.int32 or groups.dim() != 2 or groups.shape[0] != 3:
+        raise ValueError(f"groups must be int32 [3, G] (expert, first row, rows), got {groups.dtype} {tuple(groups.shape)}")
+    n_pad, k_pad = packed.shape[2] * fmt.TILE_N, packed.shape[1] * fmt.TILE_K
+    if isinstance(out_features, bool) or not isinstance(out_features, int) or not n_pad - fmt.TILE_N < out_features <= n_pad:
+        raise ValueError(f"out_features={out_features!r} does not match packed padded to {n_pad} rows")
+    if not k_pad - fmt.TILE_K < x.shape[1] <= k_pad:
+        raise ValueError(f"x has {x.shape[1]} in-features; packed is padded to {k_pad}")
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_GROUP_ROWS:
+        raise ValueError(f"max_rows must be an int in 1..{MAX_GROUP_ROWS}, got {max_rows!r}")
+    for name, t in (("packed", packed), ("absmax", absmax), ("codebook", codebook), ("tensor_scale", tensor_scale), ("groups", groups)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}: all tensors must be on one device")
+
+
+@torch.library.register_fake(f"{_NS}::grouped_gemm")
+def _(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows):
+    check_grouped_args(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
+    return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.impl(f"{_NS}::grouped_gemm", "default")
+def grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows):
+    """The spec: each group through :func:`kbit_linear.format.matmul` (reads the groups on the host)."""
+    check_grouped_args(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
+    out = x.new_zeros((x.shape[0], out_features))
+    for q, (e, row0, rows) in enumerate(groups.t().tolist()):
+        if rows == 0:
+            continue
+        if not 0 <= e < packed.shape[0] or not 0 < rows <= max_rows or row0 < 0 or row0 + rows > x.shape[0]:
+            raise ValueError(f"group {q} = (expert {e}, first row {row0}, rows {rows}) is outside the experts, "
+                             f"max_rows={max_rows} or x's {x.shape[0]} rows")
+        qw = fmt.KbitWeight(packed[e], absmax[e], codebook, tensor_scale[e : e + 1], bits, out_features, x.shape[1])
+        out[row0 : row0 + rows] = fmt.matmul(x[row0 : row0 + rows], qw)
+    return out
