@@ -13,6 +13,7 @@ from .backends import cpu as _cpu_backend  # noqa: F401
 from .calibration import Calibration
 from .experts import KbitExperts
 from .format import KbitWeight, create_normal_float_codebook, dequantize, matmul, quantize
+from .kv_cache import KbitKVCache  # also registers the "kbit_kv" attention with transformers
 from .linear import KbitLinear
 from .parallel import shard_for_tensor_parallel
 from .patch import QuantizationSummary, quantize_model
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointError",
     "KbitConfig",
     "KbitExperts",
+    "KbitKVCache",
     "KbitLinear",
     "KbitWeight",
     "QuantizationSummary",

@@ -1,0 +1,561 @@
+"""``KbitKVCache``: a transformers cache holding K/V at 2, 3, 4 or 8 bits per token, and its attention.
+
+The storage format and the reference attention are in :mod:`kbit_linear.kv_format`. This module
+adds the per-layer state (buckets, key block ranges, token importance), the allocator that
+moves tokens to lower widths to meet the target average, the transformers ``Cache`` and the
+attention function registered as ``"kbit_kv"``.
+
+How a step runs, per layer: ``update()`` first re-allocates when ``block_size`` tokens arrived
+since the last allocation (tokens outside the recent window and the sinks, in complete key
+blocks, get widths from their importance; a token only ever moves down, re-coded from its
+decoded values), then stores the new tokens at 8 bits and returns a :class:`KbitKVView` in
+place of the key and value tensors. The model's attention, ``"kbit_kv"``, sees that view and
+runs :func:`kbit_linear.kv_format.bucket_attention` (prefill: dequantize + SDPA), which also
+yields each token's attention mass; its running mean per token is the importance.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .kv_format import (
+    TIERS,
+    KVBucket,
+    bucket_attention,
+    channel_group,
+    dequantize_bucket,
+    key_block_ranges,
+    mask_bias,
+    quantize_tokens,
+)
+
+__all__ = ["ATTENTION_NAME", "KbitKVCache", "KbitKVLayer", "KbitKVView", "allocate_tiers", "kbit_kv_attention"]
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_NAME = "kbit_kv"
+"""The name the attention function is registered under in transformers' attention interface."""
+
+DECODE_MAX_QUERIES = 16
+"""Queries up to which attention runs over the buckets; longer inputs (prefill) dequantize + SDPA."""
+
+_PREFILL_OBSERVED = 32  # prefill scores importance from its last 32 queries (SnapKV-style), not all of them
+_SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
+
+
+def allocate_tiers(current: torch.Tensor, importance: torch.Tensor, budget: float, hysteresis: float = 0.1) -> torch.Tensor:
+    """Choose the widths of a row's movable tokens for a bit budget (deterministic, never raises a width).
+
+    1. The ideal widths split the budget between the two tiers around the average ``budget / m``
+       (all 8 above it, all 2 below 2): the most important tokens get the upper one.
+    2. No token moves up (its lost precision cannot come back): ``new = min(current, ideal)``.
+    3. Hysteresis: a token the ideal would demote keeps its width if its importance is at least
+       ``(1 - hysteresis)`` times the lowest importance that the ideal gave that width, most
+       important first, while the budget allows.
+    4. Budget left over goes to the most important tokens still below their current width.
+
+    Ties in importance go to the earlier token (stable sort), so equal inputs give equal outputs.
+
+    Args:
+        current: int ``[m]``, each token's width now (a tier).
+        importance: float ``[m]``.
+        budget: total bits the ``m`` tokens may use (sum of widths).
+        hysteresis: in ``[0, 1)``.
+
+    Returns:
+        int8 ``[m]``: the new widths, each ``<= current``.
+    """
+    m = current.numel()
+    cur = current.to(torch.int64)
+    if m == 0:
+        return cur.to(torch.int8)
+    order = torch.argsort(-importance.to(torch.float64), stable=True)
+    avg = budget / m
+    ideal = torch.full((m,), TIERS[0], dtype=torch.int64)
+    if avg >= TIERS[-1]:
+        ideal[:] = TIERS[-1]
+    elif avg > TIERS[0]:
+        hi_i = next(i for i, t in enumerate(TIERS) if t > avg)
+        lo, hi = TIERS[hi_i - 1], TIERS[hi_i]
+        n_hi = int(math.floor(m * (avg - lo) / (hi - lo) + 1e-9))
+        ranked = torch.full((m,), lo, dtype=torch.int64)
+        ranked[:n_hi] = hi
+        ideal[order] = ranked
+    new = torch.minimum(cur, ideal)
+    slack = budget - float(new.sum())
+    imp = importance.to(torch.float64)
+    if hysteresis > 0 and slack > 0:
+        cutoff = {t: float(imp[ideal >= t].min()) for t in TIERS if bool((ideal >= t).any())}
+        for i in order.tolist():
+            c = int(cur[i])
+            if new[i] < c and c in cutoff and imp[i] >= (1 - hysteresis) * cutoff[c] and c - new[i] <= slack:
+                slack -= float(c - new[i])
+                new[i] = c
+    for i in order.tolist():  # spend what is left on the most important tokens
+        if slack < 1:
+            break
+        c = int(cur[i])
+        if new[i] < c:
+            t = max(t for t in TIERS if t <= c and t - new[i] <= slack) if new[i] + 1 <= c else int(new[i])
+            slack -= float(t - new[i])
+            new[i] = t
+    return new.to(torch.int8)
+
+
+def _select(bucket: KVBucket, index: torch.Tensor, rows: torch.Tensor, batch: int) -> KVBucket:
+    """Entries ``index`` of a bucket, given new batch rows ``rows``, re-sorted into a bucket."""
+    order = torch.argsort(rows.to(torch.int64) * (1 << 32) + bucket.pos[index].to(torch.int64), stable=True)
+    index, rows = index[order], rows[order].to(torch.int64)
+    t = {name: val[index] for name, val in bucket.tensors().items() if name != "row_start"}
+    row_start = torch.zeros(batch + 1, dtype=torch.int32, device=bucket.pos.device)
+    row_start[1:] = torch.bincount(rows, minlength=batch).cumsum(0).to(torch.int32)
+    return KVBucket(bucket.bits, row_start, **t)
+
+
+def _merge(a: KVBucket, b: KVBucket, batch: int) -> KVBucket:
+    """Union of two buckets of the same width."""
+    cat = {name: torch.cat([val, b.tensors()[name]]) for name, val in a.tensors().items() if name != "row_start"}
+    rows = torch.cat([a.rows(), b.rows()])
+    joined = KVBucket(a.bits, a.row_start, **cat)
+    return _select(joined, torch.arange(rows.numel(), device=rows.device), rows, batch)
+
+
+class KbitKVView:
+    """Stands in for the key and value tensors that ``KbitKVCache.update`` would otherwise return.
+
+    Only the ``"kbit_kv"`` attention function reads it (``view.layer`` is the cache layer).
+    Anything else that treats it as a tensor gets an error saying why.
+    """
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: "KbitKVLayer") -> None:
+        self.layer = layer
+
+    def _refuse(self) -> str:
+        """The error message for a model whose attention cannot read the cache."""
+        return (
+            "KbitKVCache hands attention a KbitKVView, not tensors: the model's attention must run through "
+            f"transformers' attention interface with attn_implementation={ATTENTION_NAME!r} (KbitKVCache(config) sets "
+            "it on the config it is given; pass the model's own config). This model's attention used the cache "
+            "output directly, so it cannot use KbitKVCache."
+        )
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"{self._refuse()} (it asked for .{name})")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """Refuse every torch operation with the explanation."""
+        view = next(a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, KbitKVView))
+        raise TypeError(f"{view._refuse()} (it called {getattr(func, '__name__', func)})")
+
+
+class KbitKVLayer(CacheLayerMixin):
+    """One layer of a :class:`KbitKVCache`: buckets per width, key block ranges, importance.
+
+    Attributes (after the first update): ``buckets`` (width -> :class:`KVBucket`),
+    ``k_block_min``/``k_block_range`` (fp16 ``[B, n_blocks, H, D]``), ``tier`` (int8 ``[B, S]``,
+    each token's width), ``mass``/``seen`` (float32 ``[B, S]``: attention mass received and
+    query-heads that could see the token; importance is their ratio), ``first_valid`` (int64
+    ``[B]``: the first position not masked as padding, where the sinks start).
+    """
+
+    is_sliding = False
+    is_compileable = False
+    # crop cannot undo the demotions the cropped tokens caused, so a rollback would leave a trace
+    is_croppable = False
+
+    def __init__(self, kv_bits: float, window: int, sink_tokens: int, block_size: int, hysteresis: float) -> None:
+        super().__init__()
+        self.kv_bits, self.window, self.sink_tokens = float(kv_bits), window, sink_tokens
+        self.block_size, self.hysteresis = block_size, hysteresis
+        self.seq_len = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate empty state for the batch, heads and head_dim of the first update."""
+        b, h, _, d = key_states.shape
+        channel_group(d)  # raises for a head_dim that is not a multiple of 32
+        if value_states.shape[-1] != d:
+            raise ValueError(f"KbitKVCache needs keys and values of one head_dim, got {d} and {value_states.shape[-1]}")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch, self.heads, self.head_dim = b, h, d
+        self.buckets = {t: KVBucket.empty(t, b, h, d, self.device) for t in TIERS}
+        self.k_block_min = torch.zeros(b, 0, h, d, dtype=torch.float16, device=self.device)
+        self.k_block_range = torch.zeros_like(self.k_block_min)
+        self.tier = torch.zeros(b, 0, dtype=torch.int8, device=self.device)
+        self.mass = torch.zeros(b, 0, dtype=torch.float32, device=self.device)
+        self.seen = torch.zeros_like(self.mass)
+        self.first_valid: torch.Tensor | None = None
+        self.seq_len, self._next_alloc = 0, 0
+        self.is_initialized = True
+
+    # ---- transformers' layer API -------------------------------------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[KbitKVView, KbitKVView]:
+        """Store new tokens (``[B, H, q, D]``) at 8 bits, after re-allocating if due; returns the view twice."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, q, d = key_states.shape
+        if (b, h, d) != (self.batch, self.heads, self.head_dim):
+            raise ValueError(f"update got keys of shape {tuple(key_states.shape)}, the cache holds [{self.batch}, {self.heads}, *, {self.head_dim}]")
+        if self.seq_len >= self._next_alloc:
+            self.reallocate()
+            self._next_alloc = self.seq_len + self.block_size
+        pos = torch.arange(self.seq_len, self.seq_len + q, device=self.device).repeat(b)
+        rows = torch.arange(b, device=self.device).repeat_interleave(q)
+        new = quantize_tokens(key_states.permute(0, 2, 1, 3).reshape(b * q, h, d), value_states.permute(0, 2, 1, 3).reshape(b * q, h, d),
+                              8, rows, pos, b)
+        self.buckets[8] = _merge(self.buckets[8], new, b)
+        self.tier = torch.cat([self.tier, torch.full((b, q), 8, dtype=torch.int8, device=self.device)], 1)
+        self.mass = torch.cat([self.mass, torch.zeros(b, q, device=self.device)], 1)
+        self.seen = torch.cat([self.seen, torch.zeros(b, q, device=self.device)], 1)
+        self.seq_len += q
+        view = KbitKVView(self)
+        return view, view
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the mask for the next step: every position is kept."""
+        return self.seq_len + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Tokens cached."""
+        return self.seq_len
+
+    def get_max_length(self) -> int:
+        """No maximum (-1)."""
+        return -1
+
+    def offload(self) -> None:
+        """Not supported (the cache holds no ``keys``/``values`` tensors to move)."""
+        raise NotImplementedError("KbitKVCache does not support offloading")
+
+    prefetch = offload
+
+    def reset(self) -> None:
+        """Drop every token; the next update starts from scratch."""
+        self.is_initialized = False
+        self.seq_len = 0
+        self.buckets = {}
+
+    def _remap_rows(self, src: torch.Tensor) -> None:
+        """New batch row ``r`` becomes a copy of old row ``src[r]`` (beam search and batch edits)."""
+        if not self.is_initialized:
+            return
+        src = src.to(self.device, torch.int64)
+        nb = src.numel()
+        for t, bk in self.buckets.items():
+            starts, ends = bk.row_start[:-1].to(torch.int64)[src], bk.row_start[1:].to(torch.int64)[src]
+            counts = ends - starts
+            new_rows = torch.repeat_interleave(torch.arange(nb, device=self.device), counts)
+            offsets = torch.arange(int(counts.sum()), device=self.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+            index = torch.repeat_interleave(starts, counts) + offsets
+            self.buckets[t] = _select(bk, index, new_rows, nb)
+        for name in ("k_block_min", "k_block_range", "tier", "mass", "seen"):
+            setattr(self, name, getattr(self, name)[src])
+        if self.first_valid is not None:
+            self.first_valid = self.first_valid[src]
+        self.batch = nb
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the batch rows for beam search (row ``r`` takes old row ``beam_idx[r]``)."""
+        self._remap_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times (expansion for beams or several samples)."""
+        if self.is_initialized:
+            self._remap_rows(torch.arange(self.batch, device=self.device).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows ``indices``."""
+        self._remap_rows(torch.as_tensor(indices).reshape(-1))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (a negative count, as transformers passes it).
+
+        Demotions already made stay made; key block ranges of blocks left incomplete are kept, so
+        tokens written there again are clamped to that range if they are later demoted.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        keep = max(self.seq_len + tokens_to_remove, 0)
+        for t, bk in self.buckets.items():
+            idx = torch.nonzero(bk.pos < keep).reshape(-1)
+            self.buckets[t] = _select(bk, idx, bk.rows()[idx], self.batch)
+        self.tier, self.mass, self.seen = self.tier[:, :keep], self.mass[:, :keep], self.seen[:, :keep]
+        self.seq_len = keep
+        self._next_alloc = min(self._next_alloc, keep)
+
+    # ---- storage ------------------------------------------------------------------------------
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache as dense float32 keys and values ``[B, H, S, D]`` (what attention computes on)."""
+        k = torch.zeros(self.batch, self.seq_len, self.heads, self.head_dim, device=self.device)
+        v = torch.zeros_like(k)
+        for bk in self.buckets.values():
+            kd, vd = dequantize_bucket(bk, self.k_block_min, self.k_block_range, self.block_size)
+            rows, pos = bk.rows(), bk.pos.to(torch.int64)
+            k[rows, pos], v[rows, pos] = kd, vd
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """Bytes held: ``payload`` (codes), ``scales`` (per-token scales, key block ranges), ``metadata``."""
+        out = {"payload": 0, "scales": 0, "metadata": 0}
+        if not self.is_initialized:
+            return out
+        for bk in self.buckets.values():
+            for kind, n in bk.nbytes().items():
+                out[kind] += n
+        for t in (self.k_block_min, self.k_block_range):
+            out["scales"] += t.numel() * t.element_size()
+        for t in (self.tier, self.mass, self.seen) + ((self.first_valid,) if self.first_valid is not None else ()):
+            out["metadata"] += t.numel() * t.element_size()
+        return out
+
+    def importance(self) -> torch.Tensor:
+        """float32 ``[B, S]``: mean attention mass per query head that could see each token."""
+        return self.mass / self.seen.clamp_min(1.0)
+
+    # ---- allocation ---------------------------------------------------------------------------
+
+    def _range_new_blocks(self) -> None:
+        """Give every newly completed key block its per-channel range (from its 8-bit keys, sinks excluded)."""
+        n_done, n_complete = self.k_block_min.shape[1], self.seq_len // self.block_size
+        if n_complete <= n_done:
+            return
+        lo, hi = n_done * self.block_size, n_complete * self.block_size
+        bk = self.buckets[8]
+        idx = torch.nonzero((bk.pos >= lo) & (bk.pos < hi)).reshape(-1)
+        sel = _select(bk, idx, bk.rows()[idx], self.batch)
+        k, _ = dequantize_bucket(sel)
+        rows, pos = sel.rows(), sel.pos.to(torch.int64)
+        dense = torch.zeros(self.batch, hi - lo, self.heads, self.head_dim, device=self.device)
+        dense[rows, pos - lo] = k
+        # sinks would stretch the range with their outliers; they never leave 8 bits
+        fv = self.first_valid if self.first_valid is not None else torch.zeros(self.batch, dtype=torch.int64, device=self.device)
+        p = torch.arange(lo, hi, device=self.device)
+        sink = (p.unsqueeze(0) >= fv.unsqueeze(1)) & (p.unsqueeze(0) < (fv + self.sink_tokens).unsqueeze(1))
+        blocks = dense.reshape(self.batch, n_complete - n_done, self.block_size, self.heads, self.head_dim)
+        sink = sink.reshape(self.batch, n_complete - n_done, self.block_size, 1, 1)
+        mn, rng = _range_ignoring_nan(blocks.masked_fill(sink, float("nan")))
+        self.k_block_min = torch.cat([self.k_block_min, mn], 1)
+        self.k_block_range = torch.cat([self.k_block_range, rng], 1)
+
+    def reallocate(self) -> None:
+        """Run the allocator on every row and move the tokens whose width went down."""
+        if self.seq_len == 0:
+            return
+        self._range_new_blocks()
+        s = self.seq_len
+        p = torch.arange(s, device=self.device)
+        fv = self.first_valid if self.first_valid is not None else torch.zeros(self.batch, dtype=torch.int64, device=self.device)
+        sink = (p.unsqueeze(0) >= fv.unsqueeze(1)) & (p.unsqueeze(0) < (fv + self.sink_tokens).unsqueeze(1))
+        movable = ~sink & (p < s - self.window).unsqueeze(0) & (p < self.k_block_min.shape[1] * self.block_size).unsqueeze(0)
+        new_tier = self.tier.clone()
+        imp = self.importance()
+        for b in range(self.batch):
+            idx = torch.nonzero(movable[b]).reshape(-1)
+            if idx.numel() == 0:
+                continue
+            fixed_bits = float(self.tier[b].to(torch.float64).sum() - self.tier[b, idx].to(torch.float64).sum())
+            new_tier[b, idx] = allocate_tiers(self.tier[b, idx], imp[b, idx], self.kv_bits * s - fixed_bits, self.hysteresis)
+        self._move(new_tier)
+
+    def _move(self, new_tier: torch.Tensor) -> None:
+        """Re-code every token whose width changed into its new bucket (decoded, then quantized again)."""
+        moving: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {t: [] for t in TIERS}
+        for t, bk in list(self.buckets.items()):
+            rows, pos = bk.rows(), bk.pos.to(torch.int64)
+            dest = new_tier[rows, pos].to(torch.int64)
+            go = torch.nonzero(dest != t).reshape(-1)
+            if go.numel() == 0:
+                continue
+            out = _select(bk, go, rows[go], self.batch)
+            k, v = dequantize_bucket(out, self.k_block_min, self.k_block_range, self.block_size)
+            o_rows, o_pos = out.rows(), out.pos.to(torch.int64)
+            o_dest = new_tier[o_rows, o_pos].to(torch.int64)
+            for d in TIERS:
+                sel = torch.nonzero(o_dest == d).reshape(-1)
+                if sel.numel():
+                    moving[d].append((k[sel], v[sel], o_rows[sel], o_pos[sel]))
+            stay = torch.nonzero(dest == t).reshape(-1)
+            self.buckets[t] = _select(bk, stay, rows[stay], self.batch)
+        for d, parts in moving.items():
+            if not parts:
+                continue
+            k, v, rows, pos = (torch.cat(x) for x in zip(*parts))
+            add = quantize_tokens(k, v, d, rows, pos, self.batch, self.k_block_min, self.k_block_range, self.block_size)
+            self.buckets[d] = _merge(self.buckets[d], add, self.batch)
+        self.tier = new_tier
+
+    # ---- attention ----------------------------------------------------------------------------
+
+    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Attention of ``query`` ``[B, Hq, q, D]`` over the cache; returns ``[B, q, Hq, D]`` and records the mass.
+
+        Up to :data:`DECODE_MAX_QUERIES` queries it is :func:`~kbit_linear.kv_format.bucket_attention`;
+        longer inputs dequantize the cache and call SDPA (importance from the last 32 queries).
+        """
+        b, hq, q, d = query.shape
+        if d != self.head_dim or hq % self.heads:
+            raise ValueError(f"query of shape {tuple(query.shape)} does not fit the cache ({self.heads} KV heads of {self.head_dim})")
+        s = self.seq_len
+        bias = mask_bias(attention_mask, b, q, s).to(query.device)
+        if self.first_valid is None:
+            seen_last = torch.isfinite(bias[:, -1, :])
+            self.first_valid = torch.where(seen_last.any(1), seen_last.to(torch.int8).argmax(1), 0).to(torch.int64)
+        if q <= DECODE_MAX_QUERIES:
+            out, mass = bucket_attention(query, list(self.buckets.values()), self.k_block_min, self.k_block_range,
+                                         self.block_size, s, attention_mask, scaling)
+            visible = torch.isfinite(bias).sum(1).float() * hq
+        else:
+            k, v = self.dequantize()
+            k = k.repeat_interleave(hq // self.heads, 1).to(query.dtype)
+            v = v.repeat_interleave(hq // self.heads, 1).to(query.dtype)
+            mask = attention_mask[:, :, -q:, -s:] if attention_mask is not None else (bias == 0).unsqueeze(1)
+            out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling).transpose(1, 2)
+            o = min(q, _PREFILL_OBSERVED)
+            logits = scaling * query[:, :, -o:].float() @ k.float().transpose(-1, -2) + bias[:, -o:].unsqueeze(1)
+            mass = torch.nan_to_num(torch.softmax(logits, -1), nan=0.0).sum((1, 2))
+            visible = torch.isfinite(bias[:, -o:]).sum(1).float() * hq
+        self.mass += mass
+        self.seen += visible
+        return out
+
+
+def _range_ignoring_nan(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel key range of ``blocks`` ``[B, nb, T, H, D]`` over T, NaN entries ignored (all-NaN: 0)."""
+    lo = torch.where(torch.isnan(blocks), math.inf, blocks).amin(2)
+    hi = torch.where(torch.isnan(blocks), -math.inf, blocks).amax(2)
+    empty = torch.isinf(lo)
+    lo, hi = torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
+    return key_block_ranges(torch.stack([lo, hi], 2))
+
+
+def _check_positive_int(name: str, value: object, low: int) -> int:
+    """Return ``value`` if it is an int ``>= low``, else raise a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+class KbitKVCache(Cache):
+    """A transformers cache that keeps each token's K/V at 2, 3, 4 or 8 bits to meet an average width.
+
+    Pass it as ``past_key_values=`` to ``model.generate`` or ``model(...)``. Constructing it with a
+    model's config switches that config's attention implementation to ``"kbit_kv"`` (registered
+    by ``import kbit_linear``): attention over this cache then reads its buckets, and any other
+    cache still runs through SDPA.
+
+    Args:
+        config: the model's config (its text config is used): full or sliding-window attention
+            layers only, ``head_dim`` a multiple of 32, attention ``"sdpa"``, ``"eager"`` or
+            ``"kbit_kv"``, no logit soft-capping.
+        kv_bits: target average width over all cached tokens, in ``[2, 8]`` (``4``, ``3.5``,
+            ``2.5``, ...). Payload bits only; scales add 0.3-0.5 bit per value (see
+            :func:`kbit_linear.kv_format.bytes_per_token`). Short sequences stay above it: the
+            window and sinks are at 8 bits.
+        window: the most recent tokens kept at 8 bits.
+        sink_tokens: the first tokens (after left padding) kept at 8 bits.
+        block_size: positions per key block (one per-channel key range each); the allocator also
+            runs every ``block_size`` tokens.
+        hysteresis: a token keeps its width while its importance is within this fraction of the
+            width's cutoff, in ``[0, 1)``.
+
+    Raises:
+        ValueError: a bad argument or a model the cache cannot serve, naming which.
+    """
+
+    def __init__(self, config, kv_bits: float = 4, *, window: int = 64, sink_tokens: int = 4, block_size: int = 64,
+                 hysteresis: float = 0.1) -> None:
+        if isinstance(kv_bits, bool) or not isinstance(kv_bits, numbers.Real) or not TIERS[0] <= float(kv_bits) <= TIERS[-1]:
+            raise ValueError(f"kv_bits must be a number in [{TIERS[0]}, {TIERS[-1]}] (the target average width over the widths {TIERS}), got {kv_bits!r}")
+        _check_positive_int("window", window, 0)
+        _check_positive_int("sink_tokens", sink_tokens, 0)
+        _check_positive_int("block_size", block_size, 1)
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, numbers.Real) or not 0 <= hysteresis < 1:
+            raise ValueError(f"hysteresis must be a number in [0, 1), got {hysteresis!r}")
+        text = config.get_text_config(decoder=True)
+        layer_types, _ = get_layer_types_and_kwargs(text)
+        bad = sorted(set(layer_types) - set(_SUPPORTED_LAYERS))
+        if bad:
+            raise ValueError(f"config: KbitKVCache serves attention layers of types {_SUPPORTED_LAYERS}, this model also has {bad}")
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        if head_dim % 32:
+            raise ValueError(f"config.head_dim must be a multiple of 32 for KbitKVCache, got {head_dim}")
+        for name in ("attn_logit_softcapping", "kv_lora_rank", "v_head_dim"):
+            if getattr(text, name, None) is not None:
+                raise ValueError(f"config.{name} is set: this model's attention (soft-capping or latent/split heads) cannot use KbitKVCache")
+        impl = getattr(config, "_attn_implementation", None)
+        if impl not in (None, "sdpa", "eager", ATTENTION_NAME):
+            raise ValueError(f"config._attn_implementation is {impl!r}; KbitKVCache replaces 'sdpa' or 'eager' attention, not {impl!r}")
+        if impl != ATTENTION_NAME:
+            config._attn_implementation = ATTENTION_NAME
+            logger.info("KbitKVCache: attention implementation %r -> %r", impl, ATTENTION_NAME)
+        self.kv_bits = float(kv_bits)
+        layers = [KbitKVLayer(kv_bits, window, sink_tokens, block_size, float(hysteresis)) for _ in layer_types]
+        super().__init__(layers=layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds: payloads, scales and metadata of every layer."""
+        return sum(self.nbytes_by_kind().values())
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """Bytes held, summed over layers, as ``payload``, ``scales`` and ``metadata``."""
+        out = {"payload": 0, "scales": 0, "metadata": 0}
+        for layer in self.layers:
+            for kind, n in layer.nbytes_by_kind().items():
+                out[kind] += n
+        return out
+
+    def tier_counts(self) -> dict[int, int]:
+        """Tokens (times batch rows, summed over layers) stored at each width."""
+        return {t: sum(layer.buckets[t].num_tokens for layer in self.layers if layer.is_initialized) for t in TIERS}
+
+    def average_bits(self) -> float:
+        """Mean payload width over every stored token (scales not counted)."""
+        counts = self.tier_counts()
+        total = sum(counts.values())
+        return sum(t * n for t, n in counts.items()) / total if total else 0.0
+
+
+def kbit_kv_attention(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask: torch.Tensor | None,
+                      scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function ``"kbit_kv"``: bucket attention for a KbitKVCache, SDPA otherwise.
+
+    Args:
+        module: the attention module (for training mode and GQA in the SDPA fallback).
+        query: ``[B, Hq, q, D]``.
+        key, value: the :class:`KbitKVView` from ``KbitKVCache.update``, or tensors from any other cache.
+        attention_mask: boolean or additive ``[B, 1, q, kv]``, or None (causal).
+        scaling: logit scale (default ``D ** -0.5``).
+        dropout: must be 0 with a KbitKVCache.
+
+    Returns:
+        ``(out [B, q, Hq, D], None)``.
+    """
+    if not isinstance(key, KbitKVView):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"this model's attention passes {name}=..., which KbitKVCache's attention does not implement")
+    if dropout and module.training:
+        raise ValueError("KbitKVCache attention has no dropout; call model.eval() (dropout > 0 in training mode)")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return key.layer.attend(query, attention_mask, scale), None
+
+
+AttentionInterface.register(ATTENTION_NAME, kbit_kv_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

@@ -1,0 +1,363 @@
+"""The mixed-precision KV-cache format and its reference decode attention (pure PyTorch, the spec).
+
+Every cached token of one layer and batch row sits at one of four widths, ``TIERS = (2, 3, 4, 8)``
+bits, in the bucket of that width. A bucket holds, for its ``n`` tokens (sorted by batch row,
+then position), with ``H`` KV heads of ``D`` channels:
+
+==============  ========================  ===============================================================
+tensor          shape, dtype              meaning
+==============  ========================  ===============================================================
+``row_start``   ``[B + 1]`` int32         entries of batch row ``b`` are ``row_start[b]:row_start[b+1]``
+``pos``         ``[n]`` int32             the token's position in its sequence
+``k``, ``v``    ``[n, H, D*bits/8]`` u8   2/3/4 bits: codes packed 8 values to ``bits`` bytes, little
+                (8 bits: ``[n, H, D]``    endian (value ``i`` of a group of 8 at bit ``bits*i`` of the
+                int8)                     ``bits``-byte word); 8 bits: int8 codes
+``k_scale``     ``[n, H, D/g]`` fp16      8 bits only: per-token symmetric scale of ``g`` channels
+``v_scale``     ``[n, H, D/g]`` fp16      per-token scale of ``g`` channels (symmetric at 8 bits)
+``v_zero``      ``[n, H, D/g]`` fp16      2/3/4 bits only: the group's minimum (asymmetric codes)
+==============  ========================  ===============================================================
+
+Keys below 8 bits are quantized per channel over blocks of ``block_size`` consecutive positions
+(outlier channels in K make per-token groups 8-10 dB worse at the same width, measured on
+SmolLM2; values are grouped per token): the layer holds ``k_block_min`` and ``k_block_range``,
+fp16 ``[B, n_blocks, H, D]``, one range per (row, block, head, channel) shared by every width,
+so moving a token to another width re-codes it against the same range. A key of width ``b`` at
+position ``p`` decodes as ``min + code * range / (2**b - 1)`` with the range of block
+``p // block_size``; a value as ``v_zero + code * v_scale``; 8-bit keys and values as
+``code * scale``. ``g`` is :func:`channel_group` (64 channels, or 32 when ``D`` is not a
+multiple of 64).
+
+Bytes per token and KV head at ``D = 128`` (keys and values together, scales included; bf16 is
+512): 8 bits 264, 4 bits 144 (0.281x), 3 bits 112 (0.219x), 2 bits 80 (0.156x); see
+:func:`bytes_per_token`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = [
+    "TIERS",
+    "KVBucket",
+    "channel_group",
+    "pack_codes",
+    "unpack_codes",
+    "quantize_tokens",
+    "dequantize_bucket",
+    "key_block_ranges",
+    "bytes_per_token",
+    "bucket_attention",
+    "mask_bias",
+]
+
+TIERS: tuple[int, ...] = (2, 3, 4, 8)
+"""The widths a token can be stored at, lowest first."""
+
+_FP16_MAX = 65504.0
+
+
+def channel_group(head_dim: int) -> int:
+    """Channels per per-token scale group: 64 when ``head_dim`` is a multiple of 64, else 32.
+
+    Raises:
+        ValueError: ``head_dim`` is not a positive multiple of 32.
+    """
+    if head_dim <= 0 or head_dim % 32:
+        raise ValueError(f"head_dim must be a positive multiple of 32, got {head_dim}")
+    return 64 if head_dim % 64 == 0 else 32
+
+
+def _check_bits(bits: int) -> None:
+    """Raise a ValueError naming ``bits`` when it is not a tier."""
+    if bits not in TIERS:
+        raise ValueError(f"bits must be one of {TIERS}, got {bits!r}")
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned codes along the last axis, 8 values into ``bits`` bytes, little endian.
+
+    Args:
+        codes: integer tensor ``[..., D]`` with values in ``[0, 2**bits)``, ``D`` a multiple of 8.
+        bits: 2, 3 or 4.
+
+    Returns:
+        uint8 ``[..., D * bits / 8]``.
+    """
+    if bits not in (2, 3, 4):
+        raise ValueError(f"bits must be 2, 3 or 4 to pack, got {bits!r}")
+    d = codes.shape[-1]
+    if d % 8:
+        raise ValueError(f"the last axis must be a multiple of 8, got {d}")
+    c = codes.to(torch.int64).reshape(*codes.shape[:-1], d // 8, 8)
+    shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
+    word = (c << shifts).sum(-1, keepdim=True)  # 8*bits <= 32 bits: fits int64 exactly
+    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
+    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).reshape(*codes.shape[:-1], d * bits // 8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: uint8 ``[..., D * bits / 8]`` -> int64 ``[..., D]``."""
+    if bits not in (2, 3, 4):
+        raise ValueError(f"bits must be 2, 3 or 4 to unpack, got {bits!r}")
+    nb = packed.shape[-1]
+    if nb % bits:
+        raise ValueError(f"the last axis ({nb} bytes) is not a multiple of bits = {bits}")
+    p = packed.to(torch.int64).reshape(*packed.shape[:-1], nb // bits, bits)
+    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    word = (p << byte_shifts).sum(-1, keepdim=True)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+    codes = (word >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], nb // bits * 8)
+
+
+@dataclass
+class KVBucket:
+    """The tokens of one layer stored at one width (layout in the module docstring)."""
+
+    bits: int
+    row_start: torch.Tensor
+    pos: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    v_scale: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_zero: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Entries in the bucket (tokens times batch rows)."""
+        return int(self.pos.shape[0])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the bucket holds, by field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, split into ``payload`` (k, v), ``scales`` and ``metadata`` (row_start, pos)."""
+        out = {"payload": 0, "scales": 0, "metadata": 0}
+        for name, t in self.tensors().items():
+            kind = "payload" if name in ("k", "v") else "metadata" if name in ("row_start", "pos") else "scales"
+            out[kind] += t.numel() * t.element_size()
+        return out
+
+    def rows(self) -> torch.Tensor:
+        """int64 ``[n]``: the batch row of every entry (expanded from ``row_start``)."""
+        counts = (self.row_start[1:] - self.row_start[:-1]).to(torch.int64)
+        return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+
+    @staticmethod
+    def empty(bits: int, batch: int, heads: int, head_dim: int, device: torch.device | str = "cpu") -> "KVBucket":
+        """A bucket with no tokens."""
+        z = _quantize_parts(torch.zeros(0, heads, head_dim, device=device), torch.zeros(0, heads, head_dim, device=device),
+                            bits, None, None)
+        return KVBucket(bits, torch.zeros(batch + 1, dtype=torch.int32, device=device),
+                        torch.zeros(0, dtype=torch.int32, device=device), **z)
+
+
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    """Round to fp16, clamped to its finite range (scales never overflow to inf)."""
+    return x.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+
+
+def _sym8(x: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group symmetric int8: x ``[n, H, D]`` fp32 -> (codes int8, scale fp16 ``[n, H, D/g]``)."""
+    n, h, d = x.shape
+    xg = x.reshape(n, h, d // g, g)
+    scale = _fp16(xg.abs().amax(-1) / 127.0)
+    s = scale.float().unsqueeze(-1)
+    codes = torch.where(s > 0, xg / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xg))
+    return codes.round().clamp(-127, 127).to(torch.int8).reshape(n, h, d), scale
+
+
+def _asym(x: torch.Tensor, bits: int, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-group asymmetric codes: x ``[n, H, D]`` -> (codes int64, scale fp16, zero fp16 ``[n, H, D/g]``)."""
+    n, h, d = x.shape
+    xg = x.reshape(n, h, d // g, g)
+    zero = _fp16(xg.amin(-1))
+    scale = _fp16((xg.amax(-1) - zero.float()) / (2**bits - 1))
+    s = scale.float().unsqueeze(-1)
+    q = torch.where(s > 0, (xg - zero.float().unsqueeze(-1)) / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xg))
+    return q.round().clamp(0, 2**bits - 1).to(torch.int64).reshape(n, h, d), scale, zero
+
+
+def _quantize_parts(k: torch.Tensor, v: torch.Tensor, bits: int, k_min: torch.Tensor | None,
+                    k_range: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+    """Payload and scales of tokens (k, v fp32 ``[n, H, D]``; k_min/k_range: per-entry block range)."""
+    g = channel_group(k.shape[-1])
+    if bits == 8:
+        kc, ks = _sym8(k, g)
+        vc, vs = _sym8(v, g)
+        return {"k": kc, "v": vc, "k_scale": ks, "v_scale": vs, "v_zero": None}
+    vq, vs, vz = _asym(v, bits, g)
+    if k.shape[0] == 0:
+        kq = torch.zeros(k.shape, dtype=torch.int64, device=k.device)
+    else:
+        step = k_range.float() / (2**bits - 1)
+        kq = torch.where(step > 0, (k - k_min.float()) / torch.where(step > 0, step, torch.ones_like(step)), torch.zeros_like(k))
+        kq = kq.round().clamp(0, 2**bits - 1).to(torch.int64)
+    return {"k": pack_codes(kq, bits), "v": pack_codes(vq, bits), "k_scale": None, "v_scale": vs, "v_zero": vz}
+
+
+def key_block_ranges(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel range of one block of keys.
+
+    Args:
+        k: float ``[..., T, H, D]``, the block's tokens (those that will ever be coded with it).
+
+    Returns:
+        (min, range) fp16 ``[..., H, D]``; the stored min is rounded down and the range up in
+        fp16, so every value of ``k`` lies inside ``[min, min + range]``.
+    """
+    lo = k.float().amin(-3)
+    hi = k.float().amax(-3)
+    mn = _fp16(lo)
+    mn = torch.where(mn.float() > lo, torch.nextafter(mn, torch.tensor(-math.inf, dtype=torch.float16)), mn)
+    rng = _fp16(hi - mn.float())
+    rng = torch.where(mn.float() + rng.float() < hi, torch.nextafter(rng, torch.tensor(math.inf, dtype=torch.float16)), rng)
+    return mn, rng
+
+
+def quantize_tokens(k: torch.Tensor, v: torch.Tensor, bits: int, rows: torch.Tensor, pos: torch.Tensor, batch: int,
+                    k_block_min: torch.Tensor | None = None, k_block_range: torch.Tensor | None = None,
+                    block_size: int = 64) -> KVBucket:
+    """Quantize tokens into a bucket of width ``bits``.
+
+    Args:
+        k, v: float ``[n, H, D]`` keys and values of ``n`` tokens.
+        bits: a width of :data:`TIERS`.
+        rows, pos: int ``[n]``, each token's batch row and position; entries come out sorted by
+            (row, position).
+        batch: batch rows of the cache (length of ``row_start`` minus one).
+        k_block_min, k_block_range: fp16 ``[B, n_blocks, H, D]``, the key block ranges (needed
+            below 8 bits; every token's block must have one).
+        block_size: positions per key block.
+
+    Returns:
+        A :class:`KVBucket`.
+    """
+    _check_bits(bits)
+    order = torch.argsort(rows.to(torch.int64) * (1 << 32) + pos.to(torch.int64), stable=True)
+    k, v, rows, pos = k[order].float(), v[order].float(), rows[order].to(torch.int64), pos[order].to(torch.int64)
+    k_min = k_rng = None
+    if bits < 8:
+        if k_block_min is None or k_block_range is None:
+            raise ValueError(f"keys at {bits} bits need k_block_min and k_block_range")
+        blk = pos // block_size
+        if k.shape[0] and int(blk.max()) >= k_block_min.shape[1]:
+            raise ValueError("a token's key block has no range yet")
+        k_min, k_rng = k_block_min[rows, blk], k_block_range[rows, blk]
+    parts = _quantize_parts(k, v, bits, k_min, k_rng)
+    counts = torch.bincount(rows, minlength=batch)
+    row_start = torch.zeros(batch + 1, dtype=torch.int32, device=k.device)
+    row_start[1:] = counts.cumsum(0).to(torch.int32)
+    return KVBucket(bits, row_start, pos.to(torch.int32), **parts)
+
+
+def dequantize_bucket(bucket: KVBucket, k_block_min: torch.Tensor | None = None,
+                      k_block_range: torch.Tensor | None = None, block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode a bucket: returns (k, v) float32 ``[n, H, D]`` in entry order."""
+    n, h = bucket.pos.shape[0], bucket.k.shape[1]
+    d = bucket.k.shape[-1] if bucket.bits == 8 else bucket.k.shape[-1] * 8 // bucket.bits
+    g = channel_group(d)
+    if bucket.bits == 8:
+        k = (bucket.k.float().reshape(n, h, d // g, g) * bucket.k_scale.float().unsqueeze(-1)).reshape(n, h, d)
+        v = (bucket.v.float().reshape(n, h, d // g, g) * bucket.v_scale.float().unsqueeze(-1)).reshape(n, h, d)
+        return k, v
+    levels = 2**bucket.bits - 1
+    vq = unpack_codes(bucket.v, bucket.bits).float().reshape(n, h, d // g, g)
+    v = (bucket.v_zero.float().unsqueeze(-1) + vq * bucket.v_scale.float().unsqueeze(-1)).reshape(n, h, d)
+    rows, blk = bucket.rows(), bucket.pos.to(torch.int64) // block_size
+    kq = unpack_codes(bucket.k, bucket.bits).float()
+    k = k_block_min[rows, blk].float() + kq * (k_block_range[rows, blk].float() / levels)
+    return k, v
+
+
+def bytes_per_token(bits: int, head_dim: int, block_size: int = 64) -> float:
+    """Bytes one token of one KV head costs at ``bits`` (keys + values, scales included, no metadata)."""
+    _check_bits(bits)
+    groups = head_dim // channel_group(head_dim)
+    payload = 2 * head_dim * bits / 8
+    if bits == 8:
+        return payload + 2 * groups * 2  # one fp16 scale per group, keys and values
+    return payload + groups * 4 + head_dim * 4 / block_size  # value scale+zero; key min+range per block
+
+
+def mask_bias(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
+    """The attention mask as an additive float32 bias ``[B, q_len, kv_len]``.
+
+    ``mask`` is what transformers hands to attention: boolean ``[B, 1 or heads, q, kv]`` (True =
+    attend), an additive float mask of that shape, or ``None`` for causal attention with the
+    queries at the end of the sequence (query ``i`` sees positions ``<= kv_len - q_len + i``).
+    A mask with more than one head must be the same for every head.
+    """
+    if mask is None:
+        qi = torch.arange(q_len).unsqueeze(1) + (kv_len - q_len)
+        allowed = torch.arange(kv_len).unsqueeze(0) <= qi
+        return torch.where(allowed, 0.0, -math.inf).expand(batch, q_len, kv_len)
+    m = mask[:, 0, -q_len:, -kv_len:]
+    if m.dtype == torch.bool:
+        return torch.where(m, 0.0, -math.inf).to(torch.float32)
+    return m.float()
+
+
+def bucket_attention(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Tensor | None,
+                     k_block_range: torch.Tensor | None, block_size: int, kv_len: int,
+                     attention_mask: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference decode attention over the buckets: one pass per bucket with an online softmax.
+
+    This is the computation the fused kernel must reproduce: for each batch row and each bucket
+    (any order), logits ``s = scaling * q . k`` plus the mask bias, then the running max ``m``
+    and sum ``l`` are updated (``m' = max(m, max s)``, ``l = l * exp(m - m') + sum exp(s - m')``,
+    the output accumulator rescaled by ``exp(m - m')`` and ``exp(s - m') @ v`` added). Each KV
+    head serves its ``Hq / H`` query heads (head ``j`` reads KV head ``j // (Hq / H)``). Rows whose
+    every key is masked give zeros.
+
+    Args:
+        query: ``[B, Hq, q_len, D]`` (any float dtype; computed in float32).
+        buckets: the layer's buckets.
+        k_block_min, k_block_range, block_size: the layer's key block ranges.
+        kv_len: the sequence length of the cache (positions are ``< kv_len``).
+        attention_mask: see :func:`mask_bias`.
+        scaling: the logit scale (usually ``D ** -0.5``).
+
+    Returns:
+        ``(out, mass)``: out ``[B, q_len, Hq, D]`` in the query's dtype (the layout transformers'
+        attention functions return); mass float32 ``[B, kv_len]``, each position's attention
+        probability summed over query heads and queries (the allocator's importance signal).
+    """
+    b_sz, hq, q_len, d = query.shape
+    bias = mask_bias(attention_mask, b_sz, q_len, kv_len).to(query.device)
+    out = torch.zeros(b_sz, hq, q_len, d, dtype=torch.float32, device=query.device)
+    mass = torch.zeros(b_sz, kv_len, dtype=torch.float32, device=query.device)
+    decoded = [dequantize_bucket(bk, k_block_min, k_block_range, block_size) for bk in buckets]
+    for b in range(b_sz):
+        m = torch.full((hq, q_len, 1), -math.inf, device=query.device)
+        l = torch.zeros(hq, q_len, 1, device=query.device)
+        acc = torch.zeros(hq, q_len, d, device=query.device)
+        kept = []
+        for bk, (k, v) in zip(buckets, decoded):
+            lo, hi = int(bk.row_start[b]), int(bk.row_start[b + 1])
+            if hi == lo:
+                continue
+            h = k.shape[1]
+            pos = bk.pos[lo:hi].to(torch.int64)
+            kb = k[lo:hi].permute(1, 0, 2).repeat_interleave(hq // h, 0)  # [Hq, n, D]
+            vb = v[lo:hi].permute(1, 0, 2).repeat_interleave(hq // h, 0)
+            s = scaling * (query[b].float() @ kb.transpose(1, 2)) + bias[b][:, pos].unsqueeze(0)  # [Hq, q, n]
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # all masked so far
+            alpha = torch.exp(m - safe)
+            p = torch.exp(s - safe)
+            l = l * alpha + p.sum(-1, keepdim=True)
+            acc = acc * alpha + p @ vb
+            m = m_new
+            kept.append((pos, s))
+        safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        denom = torch.where(l > 0, l, torch.ones_like(l))
+        out[b] = acc / denom
+        for pos, s in kept:  # probabilities under the final max and sum
+            mass[b, pos] = (torch.exp(s - safe) / denom).sum((0, 1))
+    return out.transpose(1, 2).to(query.dtype), mass

@@ -1,0 +1,342 @@
+"""KbitKVCache (CPU): the format, the reference bucket attention against SDPA, the allocator, and
+generation with tiny random Llama / Qwen / Mistral / Gemma-3 models."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import (
+    DynamicCache,
+    Gemma3TextConfig,
+    Gemma3ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import kbit_linear
+from kbit_linear.kv_cache import KbitKVCache, KbitKVLayer, KbitKVView, allocate_tiers
+from kbit_linear.kv_format import (
+    TIERS,
+    bytes_per_token,
+    dequantize_bucket,
+    key_block_ranges,
+    pack_codes,
+    quantize_tokens,
+    unpack_codes,
+)
+
+
+# ---- format ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("shape", [(8,), (3, 32), (5, 2, 96), (1, 1, 256)], ids=str)
+def test_pack_round_trip(bits: int, shape: tuple[int, ...]) -> None:
+    codes = torch.randint(0, 2**bits, shape, generator=torch.Generator().manual_seed(bits))
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == shape[-1] * bits // 8
+    assert torch.equal(unpack_codes(packed, bits), codes)
+
+
+def test_pack_layout() -> None:
+    # 3 bits: value i of 8 sits at bit 3*i of a little-endian 24-bit word
+    codes = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0])
+    word = sum(int(c) << (3 * i) for i, c in enumerate(codes))
+    assert pack_codes(codes, 3).tolist() == [word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF]
+
+
+@pytest.mark.parametrize("bits", TIERS)
+def test_quantize_error_bound(bits: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    n, h, d, block = 64, 2, 128, 32
+    k, v = torch.randn(n, h, d, generator=g), torch.randn(n, h, d, generator=g)
+    k[..., 5] *= 20  # an outlier channel, as real keys have
+    rows, pos = torch.zeros(n, dtype=torch.int64), torch.arange(n)
+    mn, rng = key_block_ranges(k.reshape(1, n // block, block, h, d))
+    bk = quantize_tokens(k, v, bits, rows, pos, 1, mn, rng, block)
+    kd, vd = dequantize_bucket(bk, mn, rng, block)
+    if bits == 8:
+        kstep = k.reshape(n, h, 2, 64).abs().amax(-1, keepdim=True).expand(n, h, 2, 64).reshape(n, h, d) / 127
+    else:
+        kstep = (rng.float() / (2**bits - 1))[0].repeat_interleave(block, 0)
+    assert ((kd - k).abs() <= kstep / 2 * 1.01 + 1e-3).all()
+    assert ((vd - v).abs() <= (v.amax() - v.amin()) / (2**bits - 1)).all()
+
+
+def test_bytes_per_token_targets() -> None:
+    # Llama-3-8B attention shape (head_dim 128): against bf16's 512 bytes per token and head
+    bf16 = 2 * 128 * 2
+    assert bytes_per_token(4, 128) / bf16 <= 0.30
+    assert (bytes_per_token(2, 128) + bytes_per_token(3, 128)) / 2 / bf16 <= 0.20  # 2.5 bits on average
+
+
+# ---- reference attention vs SDPA on the dequantized cache ----------------------------------------
+
+def _filled_layer(batch: int, heads: int, d: int, length: int, kv_bits: float, seed: int = 0,
+                  pad: list[int] | None = None, hq: int | None = None) -> tuple[KbitKVLayer, torch.Tensor]:
+    """A layer prefilled with ``length`` random tokens and fed decode steps until all widths hold tokens."""
+    g = torch.Generator().manual_seed(seed)
+    layer = KbitKVLayer(kv_bits, window=8, sink_tokens=2, block_size=16, hysteresis=0.1)
+    pad = pad or [0] * batch
+    total = length + 40
+    mask = torch.ones(batch, 1, total, total, dtype=torch.bool).tril()
+    for b, p in enumerate(pad):
+        mask[b, :, :, :p] = False
+    hq = hq or heads * 3
+    k, v = torch.randn(batch, heads, length, d, generator=g), torch.randn(batch, heads, length, d, generator=g)
+    layer.update(k, v)
+    layer.attend(torch.randn(batch, hq, length, d, generator=g), mask[:, :, :length, :length], d**-0.5)
+    while layer.seq_len < total:
+        s = layer.seq_len
+        layer.update(torch.randn(batch, heads, 1, d, generator=g), torch.randn(batch, heads, 1, d, generator=g))
+        layer.attend(torch.randn(batch, hq, 1, d, generator=g), mask[:, :, s:s + 1, :s + 1], d**-0.5)
+    return layer, mask
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("batch,heads,hq,d,length", [(1, 1, 1, 32, 37), (3, 2, 6, 64, 61), (2, 2, 8, 96, 45)],
+                         ids=["mha-d32", "gqa3-d64-b3", "gqa4-d96"])
+def test_bucket_attention_matches_sdpa(q_len: int, batch: int, heads: int, hq: int, d: int, length: int) -> None:
+    pad = [0, 5, 11][:batch]
+    layer, _ = _filled_layer(batch, heads, d, length, kv_bits=3.2, pad=pad, hq=hq)
+    counts = {t: layer.buckets[t].num_tokens for t in TIERS}
+    assert sum(1 for n in counts.values() if n) >= 3, counts  # several buckets filled
+    g = torch.Generator().manual_seed(1)
+    layer.update(torch.randn(batch, heads, q_len, d, generator=g), torch.randn(batch, heads, q_len, d, generator=g))
+    s = layer.seq_len
+    mask = torch.ones(batch, 1, q_len, s, dtype=torch.bool).tril(s - q_len)
+    for b, p in enumerate(pad):
+        mask[b, :, :, :p] = False
+    q = torch.randn(batch, hq, q_len, d, generator=g)
+    mass_before = layer.mass.clone()
+    out = layer.attend(q, mask, d**-0.5)
+    k, v = layer.dequantize()
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(hq // heads, 1), v.repeat_interleave(hq // heads, 1),
+                                         attn_mask=mask, scale=d**-0.5).transpose(1, 2)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    mass = layer.mass - mass_before
+    torch.testing.assert_close(mass.sum(1), torch.full((batch,), float(hq * q_len)))  # probabilities sum to 1
+    assert (mass[~mask[:, 0].any(1)] == 0).all()
+
+
+def test_prefill_path_matches_sdpa() -> None:
+    layer, _ = _filled_layer(2, 2, 32, 50, kv_bits=4)
+    g = torch.Generator().manual_seed(2)
+    layer.update(torch.randn(2, 2, 20, 32, generator=g), torch.randn(2, 2, 20, 32, generator=g))
+    q = torch.randn(2, 4, 20, 32, generator=g)
+    out = layer.attend(q, None, 32**-0.5)  # None = causal with the queries at the end
+    k, v = layer.dequantize()
+    s = layer.seq_len
+    mask = torch.ones(20, s, dtype=torch.bool).tril(s - 20)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask,
+                                         scale=32**-0.5).transpose(1, 2)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+# ---- allocator -----------------------------------------------------------------------------------
+
+def test_allocator_budget_monotone_deterministic() -> None:
+    g = torch.Generator().manual_seed(3)
+    cur = torch.tensor(TIERS)[torch.randint(1, 4, (500,), generator=g)]
+    imp = torch.rand(500, generator=g)
+    budget = 3.3 * 500
+    a, b = allocate_tiers(cur, imp, budget), allocate_tiers(cur.clone(), imp.clone(), budget)
+    assert torch.equal(a, b)
+    assert (a.to(torch.int64) <= cur).all() and set(a.tolist()) <= set(TIERS)
+    assert a.to(torch.int64).sum() <= budget
+    assert a.to(torch.int64).sum() >= budget - 8  # the budget is spent
+    # more important tokens never get fewer bits when nothing caps them
+    full = allocate_tiers(torch.full((100,), 8), torch.arange(100.0), 4.5 * 100, hysteresis=0.0)
+    assert (full[1:].to(torch.int64) >= full[:-1].to(torch.int64)).all()
+
+
+def test_allocator_hysteresis() -> None:
+    # 10 tokens at 4 bits, budget for 5 at 4 and 5 at 3: the 6th most important sits just below the cutoff
+    cur = torch.full((10,), 4)
+    imp = torch.tensor([1.0, 0.99, 0.98, 0.97, 0.96, 0.95, 0.5, 0.4, 0.3, 0.2])
+    budget = 5 * 4 + 5 * 3 + 1  # one spare bit: room to keep one token
+    strict = allocate_tiers(cur, imp, budget, hysteresis=0.0)
+    sticky = allocate_tiers(cur, imp, budget, hysteresis=0.05)
+    assert strict.tolist()[:6] == [4, 4, 4, 4, 4, 4]  # the spare bit goes to the most important demoted token
+    assert sticky[5] == 4
+    far = allocate_tiers(cur, torch.tensor([1.0, 0.99, 0.98, 0.97, 0.96, 0.5, 0.5, 0.4, 0.3, 0.2]), 5 * 4 + 5 * 3,
+                         hysteresis=0.05)
+    assert far.tolist() == [4] * 5 + [3] * 5  # no spare budget: the cutoff holds
+
+
+def test_cache_runs_deterministically_and_changes_tiers_mid_run() -> None:
+    a, _ = _filled_layer(2, 2, 32, 40, kv_bits=3)
+    b, _ = _filled_layer(2, 2, 32, 40, kv_bits=3)
+    for t in TIERS:
+        for name, x in a.buckets[t].tensors().items():
+            assert torch.equal(x, b.buckets[t].tensors()[name]), (t, name)
+    history = []
+    layer = KbitKVLayer(3, window=8, sink_tokens=2, block_size=16, hysteresis=0.1)
+    g = torch.Generator().manual_seed(0)
+    for step in range(70):
+        n = 30 if step == 0 else 1
+        layer.update(torch.randn(1, 2, n, 32, generator=g), torch.randn(1, 2, n, 32, generator=g))
+        layer.attend(torch.randn(1, 4, n, 32, generator=g), None, 32**-0.5)
+        history.append(tuple(layer.buckets[t].num_tokens for t in TIERS))
+    assert history[0] == (0, 0, 0, 30)
+    assert len(set(history)) > 3 and history[-1][3] < 30  # tokens left 8 bits during decoding
+    sizes = torch.tensor([t for t in TIERS]).double()
+    avg = (torch.tensor(history[-1]).double() * sizes).sum() / layer.seq_len
+    assert avg <= 3 + 8 * (8 + 2 + 16) / layer.seq_len  # over target only by the window, sinks and open block
+
+
+# ---- memory --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_bits,limit", [(4, 0.30), (2.5, 0.20)])
+def test_nbytes_vs_bf16(kv_bits: float, limit: float) -> None:
+    # Llama-3-8B attention layer shape, 2048 tokens
+    heads, d, n = 8, 128, 2048
+    g = torch.Generator().manual_seed(0)
+    layer = KbitKVLayer(kv_bits, window=64, sink_tokens=4, block_size=64, hysteresis=0.1)
+    k = torch.randn(1, heads, n, d, generator=g)
+    layer.update(k, torch.randn(1, heads, n, d, generator=g))
+    layer.attend(torch.randn(1, 32, 1, d, generator=g)[:, :, :1], None, d**-0.5)
+    layer.update(torch.randn(1, heads, 1, d, generator=g), torch.randn(1, heads, 1, d, generator=g))
+    bf16 = 2 * heads * d * 2 * layer.seq_len
+    total = sum(layer.nbytes_by_kind().values())
+    assert total / bf16 <= limit, (total / bf16, layer.nbytes_by_kind())
+    assert layer.tier[:, :-1].to(torch.float64).mean() <= kv_bits + 1e-9  # the budget held when it was allocated
+
+
+# ---- models --------------------------------------------------------------------------------------
+
+def _tiny(kind: str):
+    common = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**common)).eval()
+    if kind == "mistral":
+        return MistralForCausalLM(MistralConfig(**common, sliding_window=24)).eval()
+    if kind == "gemma3":
+        cfg = Gemma3TextConfig(**common, sliding_window=24, layer_types=["sliding_attention", "full_attention"])
+        return Gemma3ForCausalLM(cfg).eval()
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "gemma3"])
+def test_generate_8bit_matches_dynamic_cache(kind: str) -> None:
+    model = _tiny(kind)
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(0))
+    am = torch.ones_like(ids)
+    am[1, :4] = 0  # left padding
+    kw = dict(attention_mask=am, max_new_tokens=12, do_sample=False, pad_token_id=0, output_scores=True,
+              return_dict_in_generate=True)
+    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
+    cache = KbitKVCache(model.config, kv_bits=8, window=4, block_size=8)
+    out = model.generate(ids, past_key_values=cache, **kw)
+    assert model.config._attn_implementation == "kbit_kv"
+    assert cache.get_seq_length() == 41 and cache.nbytes > 0
+    # same tokens, except where a random model's top two logits tie within the int8 error (then
+    # the row is compared up to that step only)
+    for row in range(2):
+        for step, (a, b) in enumerate(zip(ref.scores, out.scores)):
+            assert (a[row] - b[row]).abs().max() < 0.02
+            if ref.sequences[row, 30 + step] != out.sequences[row, 30 + step]:
+                top = a[row].topk(2).values
+                assert top[0] - top[1] < 0.02, (row, step)
+                break
+
+
+def test_beam_search_8bit_matches_dynamic_cache() -> None:
+    model = _tiny("llama")
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=6, do_sample=False, num_beams=3, pad_token_id=0)
+    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
+    out = model.generate(ids, past_key_values=KbitKVCache(model.config, kv_bits=8, window=4, block_size=8), **kw)
+    assert torch.equal(out, ref)
+
+
+def _kl_decode(model, kv_bits: float, steps: int = 24) -> float:
+    """Mean KL(bf16-cache logits || kbit-cache logits) over teacher-forced decode steps."""
+    ids = torch.randint(3, 128, (1, 64 + steps), generator=torch.Generator().manual_seed(2))
+    caches = [DynamicCache(config=model.config), KbitKVCache(model.config, kv_bits=kv_bits, window=8, sink_tokens=2, block_size=16)]
+    kls = []
+    with torch.no_grad():
+        logits = [model(ids[:, :64], past_key_values=c).logits[:, -1] for c in caches]
+        for t in range(64, 64 + steps):
+            p, q = (F.log_softmax(x.float(), -1) for x in logits)
+            kls.append(float((p.exp() * (p - q)).sum()))
+            logits = [model(ids[:, t:t + 1], past_key_values=c).logits[:, -1] for c in caches]
+    if kv_bits < 8:
+        assert caches[1].tier_counts()[8] < caches[1].get_seq_length() * 2  # tokens below 8 bits were used
+    return sum(kls) / len(kls)
+
+
+def test_lower_bits_bounded_kl() -> None:
+    model = _tiny("llama")
+    for layer in model.model.layers:  # sharper attention than a random init gives
+        layer.self_attn.q_proj.weight.data *= 4
+    kl = {bits: _kl_decode(model, bits) for bits in (8, 4, 2.5)}
+    assert kl[8] < 1e-4
+    assert kl[8] <= kl[4] <= kl[2.5] < 0.05, kl
+
+
+def test_model_forward_accepts_cache() -> None:
+    model = _tiny("qwen3")
+    cache = KbitKVCache(model.config, kv_bits=4)
+    ids = torch.randint(3, 128, (2, 9))
+    out = model(ids, past_key_values=cache, use_cache=True)
+    assert out.past_key_values is cache and cache.get_seq_length() == 9
+    out2 = model(ids[:, :1], past_key_values=cache)
+    assert torch.isfinite(out2.logits).all()
+    # the same model still runs with other caches (SDPA)
+    ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    torch.testing.assert_close(out.logits, ref, atol=0.05, rtol=0)
+
+
+# ---- bad inputs ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [1, 9, 1.5, True, "4", None])
+def test_bad_kv_bits(bad) -> None:
+    with pytest.raises(ValueError, match="kv_bits"):
+        KbitKVCache(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1), kv_bits=bad)
+
+
+@pytest.mark.parametrize("name,value", [("window", -1), ("sink_tokens", 1.5), ("block_size", 0), ("hysteresis", 1.0)])
+def test_bad_keywords(name: str, value) -> None:
+    with pytest.raises(ValueError, match=name):
+        KbitKVCache(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1), **{name: value})
+
+
+def test_bad_models() -> None:
+    with pytest.raises(ValueError, match="head_dim"):
+        KbitKVCache(LlamaConfig(hidden_size=96, num_attention_heads=2, num_hidden_layers=1))  # head_dim 48
+    from transformers import Gemma2Config
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        KbitKVCache(Gemma2Config(hidden_size=64, num_attention_heads=2, head_dim=32, num_hidden_layers=2))
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1)
+    cfg._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="_attn_implementation"):
+        KbitKVCache(cfg)
+    layer = KbitKVLayer(4, 8, 2, 16, 0.1)
+    with pytest.raises(ValueError, match="head_dim"):
+        layer.update(torch.randn(1, 1, 3, 40), torch.randn(1, 1, 3, 40))
+
+
+def test_view_refuses_tensor_use() -> None:
+    layer = KbitKVLayer(4, 8, 2, 16, 0.1)
+    view, _ = layer.update(torch.randn(1, 1, 3, 32), torch.randn(1, 1, 3, 32))
+    assert isinstance(view, KbitKVView)
+    with pytest.raises(AttributeError, match="kbit_kv"):
+        view.shape
+    with pytest.raises(TypeError, match="kbit_kv"):
+        torch.matmul(torch.randn(2, 2), view)
+
+
+def test_top_level_export() -> None:
+    assert kbit_linear.KbitKVCache is KbitKVCache
+    assert math.isclose(KbitKVCache(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1), 3.5).kv_bits, 3.5)
