@@ -271,3 +271,34 @@ def test_two_gpus_match_one(tmp_path: Path) -> None:
     """nccl, bfloat16, the CUDA kernels: the same greedy tokens as the whole model on one GPU."""
     results = _torchrun(tmp_path, "--backend", "nccl", "--dtype", "bfloat16", timeout=600)
     _check_ranks(results, rel_tol=3e-2)
+
+
+# ---------------------------------------------------------------------------------------
+# transformers' own tensor-parallel loading is refused with directions
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_from_pretrained_tp_plan_is_refused_with_directions(tmp_path: Path) -> None:
+    """What from_pretrained(tp_plan="auto") hands the quantizer: the pending layer's weight as a
+    DTensor (a one-process gloo mesh stands in for torchrun)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from kbit_linear.integrations.transformers import KbitHfQuantizer
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = nn.Module()
+        model.proj = nn.Linear(64, 128)
+        model.proj.weight = nn.Parameter(distribute_tensor(model.proj.weight.detach(), mesh, [Replicate()]))
+        hfq = KbitHfQuantizer(kbit_linear.KbitConfig(bits=4), pre_quantized=False)  # quantize at load
+        hfq.pending = {"proj"}
+        with pytest.raises(ValueError, match=r"proj\.weight: kbit layers cannot be sharded by from_pretrained\(tp_plan=.*shard_for_tensor_parallel"):
+            hfq.param_needs_quantization(model, "proj.weight")
+        assert not hfq.param_needs_quantization(model, "proj.bias")
+    finally:
+        dist.destroy_process_group()

@@ -313,7 +313,10 @@ class KbitHfQuantizer(HfQuantizer):
         prefix, _, name = param_name.rpartition(".")
         if self.pre_quantized:
             return False
-        return (name == "weight" and prefix in self.pending) or name in self.pending_experts.get(prefix, ())
+        needs = (name == "weight" and prefix in self.pending) or name in self.pending_experts.get(prefix, ())
+        if needs and _is_dtensor(model.get_parameter(param_name)):
+            _refuse_tensor_parallel(param_name)
+        return needs
 
     def get_quantize_ops(self) -> KbitQuantize:
         """The op that quantizes each dense weight as the loader reads it."""
@@ -448,6 +451,9 @@ class KbitHfQuantizer(HfQuantizer):
         A layer chosen for quantization whose weight was not in the checkpoint (transformers
         initialized it) is quantized now, like every other chosen layer.
         """
+        for name, param in model.named_parameters():
+            if _is_dtensor(param) and isinstance(model.get_submodule(name.rpartition(".")[0]), (KbitLinear, KbitExperts)):
+                _refuse_tensor_parallel(name)
         for name in sorted(self.pending):
             linear = model.get_submodule(name)
             if is_convertible(linear):
@@ -542,6 +548,29 @@ class KbitHfQuantizer(HfQuantizer):
     def is_compileable(self) -> bool:
         """The forward pass is one ``torch.library`` op with a fake implementation."""
         return True
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed`` DTensor (what ``tp_plan`` turns sharded parameters into)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _refuse_tensor_parallel(name: str) -> None:
+    """Raise the error for ``from_pretrained(tp_plan=...)`` on a kbit layer.
+
+    transformers' tensor-parallel loader shards every parameter as a DTensor along the dense
+    layout's dimensions before the weights load: the quantizer would receive a slice of a dense
+    weight, and a pre-quantized checkpoint's tiled planes would be cut along a tile dimension.
+    """
+    raise ValueError(
+        f"{name}: kbit layers cannot be sharded by from_pretrained(tp_plan=...) / DistributedConfig(tp_size=...). "
+        "Load the model on each rank without tp_plan (device_map={'': local_rank}) and call "
+        "kbit_linear.shard_for_tensor_parallel(model), which applies the model's own tensor-parallel plan"
+    )
 
 
 def _keep_quantized_names(model: nn.Module, names: list[str]) -> None:
