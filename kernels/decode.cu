@@ -437,7 +437,7 @@ template <int BITS, int NWR, int R, bool GROUPED> struct Cursor {
             xrows = M;
         }
         lrg0 = (lrt * NWR + wr) * R;
-        vrg = xrows > 0 ? rg_valid - lrg0 : 0;
+        vrg = (!GROUPED || xrows > 0) ? rg_valid - lrg0 : 0;
         const int n0 = lrg0 * 16 + g;
         const int kt = 2 * ch + (t >> 1);
         khi = kt < k_tiles;
@@ -743,7 +743,7 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
     }
     // x of the first item while the first loads are on their way.
     u32 bx[MT][16];
-    load_x<MT>(bx, x + (size_t)cur.xrow0 * K, cur.xrows, K, cur.ch * 128 + 32 * t, g);
+    load_x<MT>(bx, GROUPED ? x + (size_t)cur.xrow0 * K : x, GROUPED ? cur.xrows : M, K, cur.ch * 128 + 32 * t, g);
     if (__syncthreads_or(cb_changed)) {
         build_tables<BITS, DT>(lut_win, stab_win, __ldcg(cb_entry), threadIdx.x, NW * 32);
         __syncthreads();
@@ -759,7 +759,7 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
         for (int d = 0; d < D; ++d) {
             const int j = jb + d;
             if (j >= n_mine) break;
-            if (j > 0) load_x<MT>(bx, x + (size_t)cur.xrow0 * K, cur.xrows, K, cur.ch * 128 + 32 * t, g);
+            if (j > 0) load_x<MT>(bx, GROUPED ? x + (size_t)cur.xrow0 * K : x, GROUPED ? cur.xrows : M, K, cur.ch * 128 + 32 * t, g);
             const bool refill = j + D < n_mine;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -774,7 +774,10 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
             if (j + D + 1 < n_mine)
                 pre.step(item_at(wk + (j + D + 1) * KS), kc, wr, t, g, k_tiles, n_tiles, packed, absmax, rg_valid, M, grp);
 
-            const int rt = cur.rt, rg0 = cur.rg0, lrg0 = cur.lrg0, xrow0 = cur.xrow0, xrows = cur.xrows, expert = cur.expert;
+            const int rt = cur.rt, rg0 = cur.rg0;
+            // the item's group (grouped launches; the single weight's constants otherwise)
+            const int lrg0 = GROUPED ? cur.lrg0 : rg0, xrow0 = GROUPED ? cur.xrow0 : 0, xrows = GROUPED ? cur.xrows : M;
+            const int expert = GROUPED ? cur.expert : 0;
             const int pos = wk + j * KS;
             bool seg_ends = j + 1 >= n_mine;
             if (!seg_ends) {

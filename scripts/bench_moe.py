@@ -10,10 +10,11 @@ experts per token, softmax weights) goes to:
   ``config._experts_implementation``;
 - ``KbitExperts.from_experts`` of the same module at K bits (today one gemm pair per hit expert).
 
-Reported: median microseconds per call (CUDA events around single calls after warm-up; every
-path syncs the host on routing counts, so none is graph-captured), the experts' bytes, the bytes
-of the experts the routing actually hits and the time to read those at the measured copy
-bandwidth (the "hit roofline"), and the output difference from the bf16 eager result.
+Reported: median microseconds per call, eager (CUDA events around single calls after warm-up:
+host work and host syncs included) and, where the path can be captured (no host sync), per
+CUDA-graph replay of one call; the experts' bytes, the bytes of the experts the routing actually
+hits and the time to read those at the measured copy bandwidth (the "hit roofline"), and the
+output difference from the bf16 eager result.
 
 Usage::
 
@@ -83,6 +84,24 @@ def time_us(fn, warmup: int, repeats: int) -> float:
     return 1e3 * statistics.median(bc._event_ms(fn, repeats))
 
 
+def graph_us(fn, warmup: int, repeats: int) -> float | None:
+    """Median microseconds of one CUDA-graph replay of ``fn()``, or None when ``fn`` cannot be
+    captured (it syncs the host or does something else a graph forbids)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # noqa: BLE001  (any capture failure means: not capturable)
+        torch.cuda.synchronize()
+        return None
+    return time_us(graph.replay, warmup, repeats)
+
+
 def module_bytes(module: torch.nn.Module) -> int:
     """Bytes of a module's parameters and buffers."""
     return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
@@ -110,23 +129,29 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, bandwi
                     rows.append({"shape": shape, "tokens": tokens, "path": f"bf16 {impl}", "error": f"{type(e).__name__}: {e}"})
                     continue
                 us = time_us(lambda: dense(x, index, weights), args.warmup, args.repeats)
-                rows.append({"shape": shape, "tokens": tokens, "path": f"bf16 {impl}", "us": us, "experts_hit": hit,
+                us_graph = graph_us(lambda: dense(x, index, weights), args.warmup, args.repeats)
+                rows.append({"shape": shape, "tokens": tokens, "path": f"bf16 {impl}", "us": us, "us_graph": us_graph, "experts_hit": hit,
                              "bytes": module_bytes(dense), "hit_bytes": hit * per_expert_dense,
                              "hit_roofline_us": hit * per_expert_dense / bandwidth * 1e6})
             dense.config._experts_implementation = "eager"
             for bits, module in kbit.items():
                 out = module(x, index, weights).float()
                 us = time_us(lambda: module(x, index, weights), args.warmup, args.repeats)
+                us_graph = graph_us(lambda: module(x, index, weights), args.warmup, args.repeats)
                 hit_bytes = module_bytes(module) * hit // experts
-                rows.append({"shape": shape, "tokens": tokens, "path": f"kbit K={bits}", "us": us, "experts_hit": hit,
+                rows.append({"shape": shape, "tokens": tokens, "path": f"kbit K={bits}", "us": us, "us_graph": us_graph, "experts_hit": hit,
                              "bytes": module_bytes(module), "hit_bytes": hit_bytes,
                              "hit_roofline_us": hit_bytes / bandwidth * 1e6,
                              "rel_err_vs_bf16": float((out - reference).norm() / reference.norm())})
-        print(f"{shape} T={tokens}: " + ", ".join(f"{r['path']} {r['us']:.1f} us" for r in rows if r.get("tokens") == tokens
-                                                   and r["shape"] == shape and "us" in r), flush=True)
+        print(f"{shape} T={tokens}: " + ", ".join(f"{r['path']} {r['us']:.1f} / {_fmt(r['us_graph'])} us" for r in rows
+                                                   if r.get("tokens") == tokens and r["shape"] == shape and "us" in r), flush=True)
     del dense, kbit
     torch.cuda.empty_cache()
     return rows
+
+
+def _fmt(us: float | None) -> str:
+    return "n/a" if us is None else f"{us:.1f}"
 
 
 def markdown(env: dict[str, Any], bandwidth: float, rows: list[dict[str, Any]]) -> str:
@@ -134,16 +159,17 @@ def markdown(env: dict[str, Any], bandwidth: float, rows: list[dict[str, Any]]) 
              f"- date: {env['date_utc']}", f"- GPU: {env['gpu']} ({env['sm_count']} SMs), driver {env['driver']}, CUDA runtime {env['cuda_runtime']}",
              f"- torch {env['torch']}, CuPy {env['cupy']}, transformers {env['transformers']}",
              f"- command: `{env['command']}`", f"- copy bandwidth (read + write) measured in the same run: {bandwidth / 1e9:.0f} GB/s", "",
-             "Median microseconds per experts call (the routing, both projections, SwiGLU, weighted sum). "
+             "Median microseconds per experts call (the routing, both projections, SwiGLU, weighted sum): eager, and "
+             "per CUDA-graph replay where the path can be captured (n/a: it syncs the host). "
              "Hit roofline = bytes of the experts the routing hits / copy bandwidth.", "",
-             "| shape | tokens | path | us | experts hit | hit roofline us | module MB | rel. error vs bf16 |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| shape | tokens | path | us eager | us graph | experts hit | hit roofline us | module MB | rel. error vs bf16 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['tokens']} | {r['path']} | n/a ({r['error'][:60]}) | | | | |")
+            lines.append(f"| {r['shape']} | {r['tokens']} | {r['path']} | n/a ({r['error'][:60]}) | | | | | |")
             continue
         err = f"{r['rel_err_vs_bf16']:.4f}" if "rel_err_vs_bf16" in r else ""
-        lines.append(f"| {r['shape']} | {r['tokens']} | {r['path']} | {r['us']:.1f} | {r['experts_hit']} | "
+        lines.append(f"| {r['shape']} | {r['tokens']} | {r['path']} | {r['us']:.1f} | {_fmt(r['us_graph'])} | {r['experts_hit']} | "
                      f"{r['hit_roofline_us']:.1f} | {r['bytes'] / 2**20:.0f} | {err} |")
     return "\n".join(lines) + "\n"
 

@@ -41,6 +41,7 @@ __all__ = [
     "decode_supported",
     "decode_gemm",
     "grouped_decode_gemm",
+    "launch_grouped",
     "decode_plan",
     "launch",
     "decode_instances",
@@ -463,9 +464,15 @@ def grouped_decode_gemm(
     count = groups.shape[1]
     if rows == 0 or count == 0:
         return
-    x = kernel_rows(x)
-    packed, absmax = aligned16(packed), aligned16(absmax)
-    plan = decode_plan(max_rows, bits, x.dtype, out_features, packed.shape[1], x.device, groups=count)
+    launch_grouped(decode_plan(max_rows, bits, x.dtype, out_features, packed.shape[1], x.device, groups=count), kernel_rows(x),
+                   aligned16(packed), aligned16(absmax), codebook.contiguous(), tensor_scale.contiguous(), groups, out)
+
+
+def launch_grouped(plan: DecodePlan, x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
+                   tensor_scale: torch.Tensor, groups: torch.Tensor, out: torch.Tensor) -> None:
+    """Launch a grouped ``plan`` (from :func:`decode_plan` with ``groups``) on tensors that meet
+    every requirement of :func:`grouped_decode_gemm` already (checked, contiguous, 16-byte
+    aligned, K of x a multiple of 8, on the plan's device): the op's fast path."""
     index = plan.kernel.device_index
     stream = loader._current_raw_stream(index)
     if plan.split:
@@ -477,11 +484,11 @@ def grouped_decode_gemm(
         plan.grid,
         plan.smem,
         stream,
-        _GROUPED_ARGS.Values(x=x.data_ptr(), packed=packed.data_ptr(), absmax=absmax.data_ptr(),
-                             codebook=codebook.contiguous().data_ptr(), tensor_scale=tensor_scale.contiguous().data_ptr(),
-                             out=out.data_ptr(), ws=ws_ptr, counters=cnt_ptr, groups=groups.data_ptr(), count=count,
-                             expert_words=packed[0].numel(), expert_scales=absmax[0].numel(), N=out_features, K=x.shape[1],
-                             k_tiles=packed.shape[1], n_tiles=packed.shape[2], align=plan.align),
+        _GROUPED_ARGS.Values(x=x.data_ptr(), packed=packed.data_ptr(), absmax=absmax.data_ptr(), codebook=codebook.data_ptr(),
+                             tensor_scale=tensor_scale.data_ptr(), out=out.data_ptr(), ws=ws_ptr, counters=cnt_ptr,
+                             groups=groups.data_ptr(), count=groups.shape[1], expert_words=packed[0].numel(),
+                             expert_scales=absmax[0].numel(), N=out.shape[1], K=x.shape[1], k_tiles=packed.shape[1],
+                             n_tiles=packed.shape[2], align=plan.align),
         threads=plan.config.warps * 32,
         programmatic=plan.programmatic,
     )

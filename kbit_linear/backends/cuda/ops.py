@@ -521,8 +521,11 @@ def _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, ou
     _grouped_ops.check_grouped_args(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
     if x.dtype in (torch.float16, torch.bfloat16) and decode.decode_supported(max_rows, bits, x.dtype, x.device):
         out = torch.zeros((x.shape[0], out_features), dtype=x.dtype, device=x.device)  # rows no group names stay zero
-        decode.grouped_decode_gemm(x.contiguous(), packed, absmax, codebook, tensor_scale, groups.contiguous(), bits, out_features,
-                                   out, max_rows)
+        if x.shape[0] and groups.shape[1]:
+            # checked above (the op's own checks cover the launch's): plan and launch directly
+            plan = decode.decode_plan(max_rows, bits, x.dtype, out_features, packed.shape[1], x.device, groups=groups.shape[1])
+            decode.launch_grouped(plan, kernel_rows(x), aligned16(packed), aligned16(absmax), codebook.contiguous(),
+                                  tensor_scale.contiguous(), groups.contiguous(), out)
         return out
     # float32 activations, or a GPU without the decode kernel's shared memory: the reference (host reads the groups)
     return _grouped_ops.grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
