@@ -1,4 +1,4 @@
-"""Op schema of the grouped kbit GEMM (mixture-of-experts layers): definition, fake and reference.
+"""Op schemas of the mixture-of-experts ops: the grouped kbit GEMM and the routing that feeds it.
 
 ``kbit_linear::grouped_gemm`` multiplies several row groups of ``x``, each by its own expert's
 kbit weight, in one call: group q takes rows ``[row0, row0 + rows)`` of ``x`` through expert
@@ -9,8 +9,15 @@ them (``packed [E, K_pad/64, N_pad/128, 128, 2, bits]``, ``absmax [E, ...]``, on
 (``kbit_decode_gemm_grouped``) needs no host sync; the reference below reads them on the host.
 ``max_rows`` bounds every group's row count (it picks the kernel instance).
 
+``kbit_linear::route_experts`` turns a router's choice ``top_k_index [T, top_k]`` into the
+groups above: the slots (``s = token * top_k + k``) sorted by expert id, stably (``perm``), the
+token each sorted position reads (``tokens``), and ``groups [3, G]`` listing the experts that
+received slots, ascending, as (expert, first sorted position, slots), then ``(0, 0, 0)``.
+:func:`route_slots` is the sorting itself (counts, offsets, permutation), also used by the
+module's reference forward.
+
 Same layer as :mod:`kbit_linear._ops` (op schemas, fake implementations with metadata checks,
-the reference as the default implementation); the CUDA backend registers its kernel.
+the reference as the default implementation); the CUDA backend registers its kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ _NS = "kbit_linear"
 MAX_GROUP_ROWS = 16
 """Most rows one group may have (the decode kernel's two n8 fragments)."""
 
+torch.library.define(
+    f"{_NS}::route_experts",
+    "(Tensor top_k_index, int num_experts, int groups) -> (Tensor, Tensor, Tensor)",
+)
 torch.library.define(
     f"{_NS}::grouped_gemm",
     "(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, Tensor tensor_scale, Tensor groups, int bits, "
@@ -87,3 +98,63 @@ def grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bi
         qw = fmt.KbitWeight(packed[e], absmax[e], codebook, tensor_scale[e : e + 1], bits, out_features, x.shape[1])
         out[row0 : row0 + rows] = fmt.matmul(x[row0 : row0 + rows], qw)
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# routing
+# ---------------------------------------------------------------------------------------
+
+
+def route_slots(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slots of a routing decision sorted by expert: ``(counts, offsets, perm)``.
+
+    ``counts`` int32 ``[E]`` (slots per expert), ``offsets`` int32 ``[E + 1]`` (exclusive sums:
+    expert e's slots are ``perm[offsets[e]:offsets[e + 1]]``; "no expert" slots, id ``E``, follow
+    ``offsets[E]``), ``perm`` int64 ``[T * top_k]`` (a stable sort of the slot numbers by id).
+    Torch ops that need no host sync; ids are not checked here."""
+    ids = top_k_index.reshape(-1).to(torch.int64)
+    perm = torch.sort(ids, stable=True).indices
+    # scatter_add rather than bincount: bincount on CUDA reads its size from the data (a sync)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+    counts = counts[:num_experts]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
+    offsets[1:] = torch.cumsum(counts, 0, dtype=torch.int32)
+    return counts, offsets, perm
+
+
+def check_route_args(top_k_index: torch.Tensor, num_experts: int, groups: int) -> None:
+    """Metadata checks of ``route_experts`` (the ids themselves are not read)."""
+    if not isinstance(top_k_index, torch.Tensor) or top_k_index.dim() != 2 or top_k_index.is_floating_point() \
+            or top_k_index.is_complex() or top_k_index.dtype == torch.bool:
+        raise TypeError(f"top_k_index must be an integer [tokens, top_k] tensor, got {getattr(top_k_index, 'dtype', type(top_k_index))}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= num_experts:
+        raise ValueError(f"groups must be an int in 1..num_experts={num_experts}, got {groups!r}")
+    if groups < min(num_experts, top_k_index.numel()):
+        raise ValueError(f"groups={groups} is fewer than the experts {top_k_index.numel()} slots can reach")
+
+
+@torch.library.register_fake(f"{_NS}::route_experts")
+def _(top_k_index, num_experts, groups):
+    check_route_args(top_k_index, num_experts, groups)
+    slots = top_k_index.numel()
+    return (top_k_index.new_empty((3, groups), dtype=torch.int32), top_k_index.new_empty((slots,), dtype=torch.int64),
+            top_k_index.new_empty((slots,), dtype=torch.int64))
+
+
+@torch.library.impl(f"{_NS}::route_experts", "default")
+def route_experts_reference(top_k_index, num_experts, groups):
+    """The spec of ``route_experts`` in torch ops (no host sync). Ids outside ``0..E-1`` count
+    as "no expert"."""
+    check_route_args(top_k_index, num_experts, groups)
+    top_k = top_k_index.shape[1]
+    ids = top_k_index.to(torch.int64)
+    ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    counts, offsets, perm = route_slots(ids, num_experts)
+    hit = counts > 0
+    order = torch.argsort((~hit).to(torch.int8), stable=True)[:groups]  # hit experts first, ascending
+    keep = hit[order]
+    table = torch.stack((order.to(torch.int32), offsets[order], counts[order])) * keep.to(torch.int32)
+    return table.contiguous(), perm, perm // top_k

@@ -130,14 +130,7 @@ def route_tokens(top_k_index: torch.Tensor, num_experts: int) -> ExpertRouting:
     Returns:
         :class:`ExpertRouting` on ``top_k_index``'s device.
     """
-    ids = top_k_index.reshape(-1).to(torch.int64)
-    perm = torch.sort(ids, stable=True).indices
-    # scatter_add rather than bincount: bincount on CUDA reads its size from the data (a sync)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
-    counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-    counts = counts[:num_experts]
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
-    offsets[1:] = torch.cumsum(counts, 0, dtype=torch.int32)
+    counts, offsets, perm = _grouped_ops.route_slots(top_k_index, num_experts)
     return ExpertRouting(counts, offsets, perm)
 
 
@@ -514,13 +507,10 @@ class KbitExperts(nn.Module):
                          max_rows: int) -> torch.Tensor:
         """The forward with two grouped launches and the routing on the device (see :meth:`forward`)."""
         tokens, top_k = top_k_index.shape
-        routing = route_tokens(top_k_index, self.num_experts)
-        # Groups: the experts that received slots first (ascending id), then empty ones, as many
-        # as there can be hit experts; a group's rows are its slots in the expert-sorted order.
-        count = min(self.num_experts, tokens * top_k)
-        order = torch.argsort((routing.counts == 0).to(torch.int8), stable=True)[:count]
-        groups = torch.stack((order.to(torch.int32), routing.offsets[order], routing.counts[order])).contiguous()
-        token_of_slot = routing.perm // top_k  # slots with no expert sort last and belong to no group
+        # The slots sorted by expert; the experts that received slots as the groups (as many
+        # groups as there can be hit experts); slots with no expert sort last, in no group.
+        groups, perm, token_of_slot = torch.ops.kbit_linear.route_experts(top_k_index, self.num_experts,
+                                                                          min(self.num_experts, tokens * top_k))
         x = hidden_states[token_of_slot]
         gate_up = torch.ops.kbit_linear.grouped_gemm(x, *self.projection_tensors("gate_up_proj"), groups, self.bits,
                                                      2 * self.intermediate_dim, max_rows)
@@ -528,7 +518,7 @@ class KbitExperts(nn.Module):
         y = torch.ops.kbit_linear.grouped_gemm(self.act_fn(gate) * up, *self.projection_tensors("down_proj"), groups,
                                                self.bits, self.hidden_dim, max_rows)  # rows of no group: zero
         out = torch.zeros((tokens, self.hidden_dim), dtype=torch.float32, device=hidden_states.device)
-        out.index_add_(0, token_of_slot, (y * top_k_weights.reshape(-1)[routing.perm, None]).to(torch.float32))
+        out.index_add_(0, token_of_slot, (y * top_k_weights.reshape(-1)[perm, None]).to(torch.float32))
         return out.to(hidden_states.dtype)
 
     def _check_inputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

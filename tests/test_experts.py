@@ -845,6 +845,50 @@ def test_grouped_forward_matches_the_reference_forward(case, tokens):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _route_cases(device: str = "cpu"):
+    """(top_k_index, num_experts, groups) routings: random, one expert, sentinels and ids out of
+    range, repeated experts per token, no slots for most experts, many slots."""
+    g = torch.Generator().manual_seed(7)
+    yield torch.randint(0, 8, (5, 2), generator=g), 8, 8
+    yield torch.full((6, 3), 2), 4, 4
+    yield torch.randint(-1, 10, (7, 3), generator=g), 8, 8  # -1 and 8, 9: no expert
+    yield torch.randint(0, 128, (1, 8), generator=g), 128, 8
+    yield torch.randint(0, 128, (16, 8), generator=g), 128, 128
+    yield torch.randint(0, 1024, (256, 8), generator=g), 1024, 1024  # the kernel's limits
+    yield torch.randint(0, 4, (300, 1), generator=g), 4, 4
+
+
+def test_route_experts_reference_orders_slots_and_lists_hit_experts():
+    for index, e, groups in _route_cases():
+        table, perm, tokens = torch.ops.kbit_linear.route_experts(index, e, groups)
+        ids = index.reshape(-1).clone()
+        ids[(ids < 0) | (ids >= e)] = e
+        want_perm = sorted(range(ids.numel()), key=lambda s: (int(ids[s]), s))
+        assert perm.tolist() == want_perm
+        assert tokens.tolist() == [s // index.shape[1] for s in want_perm]
+        hit = sorted(set(ids.tolist()) - {e})
+        assert table[0, : len(hit)].tolist() == hit
+        assert table[2, : len(hit)].tolist() == [int((ids == x).sum()) for x in hit]
+        assert table[1, : len(hit)].tolist() == [int((ids < x).sum()) for x in hit]
+        assert not table[:, len(hit):].any()
+    with pytest.raises(ValueError, match="groups"):
+        torch.ops.kbit_linear.route_experts(torch.zeros(4, 2, dtype=torch.long), 8, 4)
+    with pytest.raises(TypeError, match="top_k_index"):
+        torch.ops.kbit_linear.route_experts(torch.zeros(4, 2), 8, 8)
+
+
+@pytest.mark.cuda
+def test_cuda_route_experts_matches_the_reference():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("cupy")
+    for index, e, groups in _route_cases():
+        want = torch.ops.kbit_linear.route_experts(index, e, groups)
+        got = torch.ops.kbit_linear.route_experts(index.cuda(), e, groups)
+        for w, x in zip(want, got):
+            assert x.is_cuda and torch.equal(x.cpu(), w)
+
+
 def test_grouped_op_reference_checks_its_groups():
     k = KbitExperts.from_experts(_dense_experts(), bits=4)
     args = (torch.randn(4, k.hidden_dim), *k.projection_tensors("gate_up_proj"))

@@ -6,7 +6,9 @@ with one job:
 
 * :mod:`.ops`: the op implementations and the GEMM dispatcher (which path a problem takes, the
   fused kernel's launch plan);
-* :mod:`.decode`: the small-M decode kernel's launch plans and schedules;
+* :mod:`.decode`: the small-M decode kernel's launch plans and schedules (also its grouped form
+  for mixture-of-experts layers);
+* :mod:`.routing`: the routing kernel of mixture-of-experts layers;
 * :mod:`.hopper`: the Hopper wgmma kernel's instances, shared-memory size and which GPUs run it;
 * :mod:`.tuning`: every dispatch threshold and launch-shape table, with its provenance;
 * :mod:`.loader`: finding, compiling (NVRTC through CuPy) and launching kernels, per device;

@@ -1,7 +1,7 @@
 """CUDA implementations of the kbit ops (kernels in ``kernels/``, compiled at run time).
 
 Importing this module registers ``torch.library`` CUDA kernels for ``kbit_linear::quantize``,
-``::repack``, ``::dequantize``, ``::gemm`` and ``::grouped_gemm``. It needs neither CuPy nor a GPU to import: CuPy
+``::repack``, ``::dequantize``, ``::gemm``, ``::grouped_gemm`` and ``::route_experts``. It needs neither CuPy nor a GPU to import: CuPy
 is loaded, and each kernel instance compiled, on the first call that needs it
 (:mod:`.loader`).
 
@@ -34,7 +34,7 @@ import torch
 from ... import _grouped_ops  # the grouped GEMM's schema and reference
 from ... import _ops  # defines the op schemas before the registrations below
 from ... import format as fmt
-from . import decode, hopper, loader, plans, tuning, workspace
+from . import decode, hopper, loader, plans, routing, tuning, workspace
 from .tensors import aligned16, kernel_rows
 
 __all__ = [
@@ -529,6 +529,11 @@ def _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, ou
         return out
     # float32 activations, or a GPU without the decode kernel's shared memory: the reference (host reads the groups)
     return _grouped_ops.grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
+
+
+@torch.library.impl("kbit_linear::route_experts", "CUDA")
+def _route_experts_op(top_k_index, num_experts, groups):
+    return routing.route_experts_cuda(top_k_index, num_experts, groups)
 
 
 _ops.register_eager_cuda_gemm(gemm_cuda)
