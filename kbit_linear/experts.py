@@ -451,7 +451,7 @@ class KbitExperts(nn.Module):
             TypeError / ValueError: an argument of the wrong type, dtype, shape or device, or an
                 expert id out of range; the message names the argument.
         """
-        capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = isinstance(hidden_states, torch.Tensor) and hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
         self._check_inputs(hidden_states, top_k_index, top_k_weights, read_values=not capturing)
         max_rows = self._grouped_max_rows(hidden_states, top_k_index, read_values=not capturing)
         if max_rows:

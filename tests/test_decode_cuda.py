@@ -564,7 +564,7 @@ def test_supported_range():
     assert not decode.decode_supported(1, 6, torch.float16)
     assert not decode.decode_supported(1, 4, torch.float32)
     assert not decode.decode_supported(True, 4, torch.float16)
-    assert len(decode.decode_instances()) == 32  # 4 bits x 2 fragment counts x 2 launch shapes x 2 dtypes
+    assert len(decode.decode_instances()) == 64  # 4 bits x 2 fragment counts x 2 launch shapes x 2 dtypes x 2 kernels (single, grouped)
 
 
 def test_argument_errors():
