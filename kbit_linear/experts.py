@@ -443,17 +443,20 @@ class KbitExperts(nn.Module):
         On a GPU with float16/bfloat16 activations and few enough routed rows per expert
         (:meth:`_grouped_max_rows`), both projections run as one grouped launch each
         (``kbit_linear::grouped_gemm``) with the routing on the device: no host sync, so a
-        decode step can be captured in a CUDA graph (under capture the expert ids are not
-        range-checked, and each token's experts must be distinct as ``torch.topk`` makes them).
+        decode step can be captured in a CUDA graph or compiled with
+        ``torch.compile(fullgraph=True)`` (then the expert ids are not range-checked, and each
+        token's experts must be distinct as ``torch.topk`` makes them).
         Otherwise the reference below runs one gemm pair per hit expert.
 
         Raises:
             TypeError / ValueError: an argument of the wrong type, dtype, shape or device, or an
                 expert id out of range; the message names the argument.
         """
-        capturing = isinstance(hidden_states, torch.Tensor) and hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
-        self._check_inputs(hidden_states, top_k_index, top_k_weights, read_values=not capturing)
-        max_rows = self._grouped_max_rows(hidden_states, top_k_index, read_values=not capturing)
+        # Under CUDA-graph capture or torch.compile nothing may read values on the host.
+        tracing = torch.compiler.is_compiling() or (
+            isinstance(hidden_states, torch.Tensor) and hidden_states.is_cuda and torch.cuda.is_current_stream_capturing())
+        self._check_inputs(hidden_states, top_k_index, top_k_weights, read_values=not tracing)
+        max_rows = self._grouped_max_rows(hidden_states, top_k_index, read_values=not tracing)
         if max_rows:
             return self._grouped_forward(hidden_states, top_k_index, top_k_weights, max_rows)
         top_k = top_k_index.shape[1]
