@@ -10,9 +10,10 @@ them (``packed [E, K_pad/64, N_pad/128, 128, 2, bits]``, ``absmax [E, ...]``, on
 ``max_rows`` bounds every group's row count (it picks the kernel instance).
 
 ``kbit_linear::route_experts`` turns a router's choice ``top_k_index [T, top_k]`` into the
-groups above: the slots (``s = token * top_k + k``) sorted by expert id, stably (``perm``), the
-token each sorted position reads (``tokens``), and ``groups [3, G]`` listing the experts that
-received slots, ascending, as (expert, first sorted position, slots), then ``(0, 0, 0)``.
+groups above: ``groups [3, G]`` listing the experts that received slots, ascending, as (expert,
+first sorted position, slots), then ``(0, 0, 0)``; the slots (``s = token * top_k + k``) sorted
+by expert id, stably (``perm``); the token each sorted position reads (``tokens``); and each
+slot's sorted position (``position``, perm's inverse).
 :func:`route_slots` is the sorting itself (counts, offsets, permutation), also used by the
 module's reference forward.
 
@@ -32,7 +33,7 @@ MAX_GROUP_ROWS = 16
 
 torch.library.define(
     f"{_NS}::route_experts",
-    "(Tensor top_k_index, int num_experts, int groups) -> (Tensor, Tensor, Tensor)",
+    "(Tensor top_k_index, int num_experts, int groups) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 torch.library.define(
     f"{_NS}::grouped_gemm",
@@ -140,8 +141,8 @@ def check_route_args(top_k_index: torch.Tensor, num_experts: int, groups: int) -
 def _(top_k_index, num_experts, groups):
     check_route_args(top_k_index, num_experts, groups)
     slots = top_k_index.numel()
-    return (top_k_index.new_empty((3, groups), dtype=torch.int32), top_k_index.new_empty((slots,), dtype=torch.int64),
-            top_k_index.new_empty((slots,), dtype=torch.int64))
+    return (top_k_index.new_empty((3, groups), dtype=torch.int32),
+            *(top_k_index.new_empty((slots,), dtype=torch.int64) for _ in range(3)))
 
 
 @torch.library.impl(f"{_NS}::route_experts", "default")
@@ -157,4 +158,5 @@ def route_experts_reference(top_k_index, num_experts, groups):
     order = torch.argsort((~hit).to(torch.int8), stable=True)[:groups]  # hit experts first, ascending
     keep = hit[order]
     table = torch.stack((order.to(torch.int32), offsets[order], counts[order])) * keep.to(torch.int32)
-    return table.contiguous(), perm, perm // top_k
+    position = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+    return table.contiguous(), perm, perm // top_k, position

@@ -438,7 +438,8 @@ class KbitExperts(nn.Module):
             down(act_fn(gate(x_t)) * up(x_t))`` of expert ``top_k_index[t, k]``, each term
             computed in the dtype ``top_k_weights`` promotes it to and summed in float32, then
             rounded once (as transformers' grouped_mm path does; its eager loop adds in the
-            activations' dtype).
+            activations' dtype). The grouped GPU path rounds the routing weights to the
+            activations' dtype and forms products and sums in float32 in one batched matmul.
 
         On a GPU with float16/bfloat16 activations and few enough routed rows per expert
         (:meth:`_grouped_max_rows`), both projections run as one grouped launch each
@@ -512,17 +513,18 @@ class KbitExperts(nn.Module):
         tokens, top_k = top_k_index.shape
         # The slots sorted by expert; the experts that received slots as the groups (as many
         # groups as there can be hit experts); slots with no expert sort last, in no group.
-        groups, perm, token_of_slot = torch.ops.kbit_linear.route_experts(top_k_index, self.num_experts,
-                                                                          min(self.num_experts, tokens * top_k))
+        groups, _, token_of_slot, position = torch.ops.kbit_linear.route_experts(top_k_index, self.num_experts,
+                                                                                 min(self.num_experts, tokens * top_k))
         x = hidden_states[token_of_slot]
         gate_up = torch.ops.kbit_linear.grouped_gemm(x, *self.projection_tensors("gate_up_proj"), groups, self.bits,
                                                      2 * self.intermediate_dim, max_rows)
         gate, up = gate_up.chunk(2, dim=-1)
         y = torch.ops.kbit_linear.grouped_gemm(self.act_fn(gate) * up, *self.projection_tensors("down_proj"), groups,
                                                self.bits, self.hidden_dim, max_rows)  # rows of no group: zero
-        out = torch.zeros((tokens, self.hidden_dim), dtype=torch.float32, device=hidden_states.device)
-        out.index_add_(0, token_of_slot, (y * top_k_weights.reshape(-1)[perm, None]).to(torch.float32))
-        return out.to(hidden_states.dtype)
+        # Back to slot order (a token's top_k slots together), then the weighted sum over them
+        # as one batched product: fp32 products and sums, rounded once.
+        y = y[position].view(tokens, top_k, self.hidden_dim)
+        return torch.bmm(top_k_weights.view(tokens, 1, top_k).to(y.dtype), y).view(tokens, self.hidden_dim).to(hidden_states.dtype)
 
     def _check_inputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                       read_values: bool = True) -> None:

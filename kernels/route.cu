@@ -9,6 +9,7 @@
 //   perm    [S]      int64     perm[p] = the slot at sorted position p (experts ascending, slots
 //                              ascending within one; "no expert" slots last)
 //   tokens  [S]      int64     tokens[p] = perm[p] / top_k (the row of x that position p reads)
+//   position [S]     int64     position[s] = the sorted position of slot s (perm's inverse)
 //   groups  [3][G]   int32     group q < hits: (expert, first sorted position, slots) of the q-th
 //                              expert with slots, ascending; groups q >= hits: (0, 0, 0)
 //
@@ -27,8 +28,8 @@ constexpr int kMaxExperts = 1024;
 
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS)
-kbit_route_experts(const i64* __restrict__ index, i64* __restrict__ perm, i64* __restrict__ tokens, int* __restrict__ groups,
-                   int S, int top_k, int E, int G) {
+kbit_route_experts(const i64* __restrict__ index, i64* __restrict__ perm, i64* __restrict__ tokens, i64* __restrict__ position,
+                   int* __restrict__ groups, int S, int top_k, int E, int G) {
     __shared__ int ids[kMaxSlots];
     __shared__ int counts[kMaxExperts + 1];
     __shared__ int offsets[kMaxExperts + 1];
@@ -72,6 +73,7 @@ kbit_route_experts(const i64* __restrict__ index, i64* __restrict__ perm, i64* _
         const int p = offsets[id] + rank;
         perm[p] = s;
         tokens[p] = s / top_k;
+        position[s] = p;
     }
 }
 

@@ -860,7 +860,8 @@ def _route_cases(device: str = "cpu"):
 
 def test_route_experts_reference_orders_slots_and_lists_hit_experts():
     for index, e, groups in _route_cases():
-        table, perm, tokens = torch.ops.kbit_linear.route_experts(index, e, groups)
+        table, perm, tokens, position = torch.ops.kbit_linear.route_experts(index, e, groups)
+        assert torch.equal(perm[position], torch.arange(perm.numel()))
         ids = index.reshape(-1).clone()
         ids[(ids < 0) | (ids >= e)] = e
         want_perm = sorted(range(ids.numel()), key=lambda s: (int(ids[s]), s))

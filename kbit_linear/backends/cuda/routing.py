@@ -23,7 +23,7 @@ MAX_EXPERTS = 1024
 THREADS = 256
 
 _SOURCE = "route.cu"
-_ARGS = loader.ArgPack("kbit_route_experts", "index:p perm:p tokens:p groups:p S:i top_k:i E:i G:i")
+_ARGS = loader.ArgPack("kbit_route_experts", "index:p perm:p tokens:p position:p groups:p S:i top_k:i E:i G:i")
 
 
 def route_instances() -> list[str]:
@@ -31,8 +31,9 @@ def route_instances() -> list[str]:
     return [f"kbit_route_experts<{THREADS}>"]
 
 
-def route_experts_cuda(top_k_index: torch.Tensor, num_experts: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CUDA ``kbit_linear::route_experts``: ``(groups int32 [3, G], perm int64 [S], tokens int64 [S])``.
+def route_experts_cuda(top_k_index: torch.Tensor, num_experts: int,
+                       groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CUDA ``kbit_linear::route_experts``: ``(groups int32 [3, G], perm, tokens, position int64 [S])``.
 
     Raises:
         TypeError / ValueError: bad arguments (named), or ``top_k_index`` not on a CUDA device.
@@ -47,7 +48,8 @@ def route_experts_cuda(top_k_index: torch.Tensor, num_experts: int, groups: int)
     table = torch.empty((3, groups), dtype=torch.int32, device=index.device)
     perm = torch.empty(slots, dtype=torch.int64, device=index.device)
     tokens = torch.empty(slots, dtype=torch.int64, device=index.device)
+    position = torch.empty(slots, dtype=torch.int64, device=index.device)
     kern = loader.get_kernel(_SOURCE, route_instances()[0], index.device)
-    loader.launch(kern, 1, THREADS, _ARGS.Values(index=index, perm=perm, tokens=tokens, groups=table, S=slots,
+    loader.launch(kern, 1, THREADS, _ARGS.Values(index=index, perm=perm, tokens=tokens, position=position, groups=table, S=slots,
                                                  top_k=top_k_index.shape[1], E=num_experts, G=groups), 0, index.device, pack=_ARGS)
-    return table, perm, tokens
+    return table, perm, tokens, position
