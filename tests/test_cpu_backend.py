@@ -1,5 +1,7 @@
 """The CPU implementation of ``kbit_linear::gemm`` (``kbit_linear/backends/cpu.py``): equal to the
-reference within float32 rounding, its key cache, autograd through it, and no dense weight."""
+reference within float32 rounding through the op and through the eager fast path
+(``kbit_linear._ops.gemm``), which calls it without the dispatcher; when that path is taken; its
+key cache, input checks, autograd through it, and no dense weight."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 import kbit_linear  # noqa: F401  (registers the ops and the CPU backend)
+from kbit_linear import _ops
 from kbit_linear import format as fmt
 from kbit_linear.backends import cpu
 from kbit_linear.linear import KbitLinear
@@ -23,6 +27,7 @@ ops = torch.ops.kbit_linear
 SHAPES = [(128, 64), (192, 576), (576, 1536), (33, 100), (130, 65), (1, 1), (257, 31), (100, 33)]
 LEADING = [(), (1,), (2,), (3,), (2, 5)]  # M = 1, 1, 2, 3 and 10: both products
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+PATHS = ["op", "eager"]  # torch.ops.kbit_linear.gemm (the dispatcher) or kbit_linear._ops.gemm (fast path)
 
 
 @pytest.fixture(autouse=True)
@@ -39,8 +44,9 @@ def _layer(n: int, k: int, bits: int, seed: int = 0) -> fmt.KbitWeight:
     return fmt.quantize(torch.randn(n, k, generator=g) * 0.05, bits)
 
 
-def _gemm(x: torch.Tensor, qw: fmt.KbitWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return ops.gemm(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, qw.bits, qw.out_features, bias)
+def _gemm(x: torch.Tensor, qw: fmt.KbitWeight, bias: torch.Tensor | None = None, path: str = "op") -> torch.Tensor:
+    fn = ops.gemm if path == "op" else _ops.gemm
+    return fn(x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, qw.bits, qw.out_features, bias)
 
 
 def _fp32_bound(x: torch.Tensor, qw: fmt.KbitWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -71,27 +77,118 @@ def _assert_matches_reference(y: torch.Tensor, x: torch.Tensor, qw: fmt.KbitWeig
         torch.testing.assert_close(y.float(), ref.float(), rtol=eps, atol=eps * ref.float().abs().max().item() * 1e-2)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_matches_reference_fp32(shape, bits):
+def test_matches_reference_fp32(shape, bits, path):
     n, k = shape
     qw = _layer(n, k, bits, seed=n + k + bits)
     for i, lead in enumerate(LEADING):
         g = torch.Generator().manual_seed(i)
         x = torch.randn(*lead, k, generator=g)
         bias = torch.randn(n, generator=g) if i % 2 else None
-        _assert_matches_reference(_gemm(x, qw, bias), x, qw, bias)
+        _assert_matches_reference(_gemm(x, qw, bias, path), x, qw, bias)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
-def test_matches_reference_half_dtypes(bits, dtype):
+def test_matches_reference_half_dtypes(bits, dtype, path):
     for (n, k), lead in zip([(192, 576), (33, 100), (130, 65)], [(1,), (2, 5), ()]):
         qw = _layer(n, k, bits, seed=bits)
         x = torch.randn(*lead, k).to(dtype)
         bias = torch.randn(n).to(dtype)
         for b in (None, bias):
-            _assert_matches_reference(_gemm(x, qw, b), x, qw, b)
+            _assert_matches_reference(_gemm(x, qw, b, path), x, qw, b)
+
+
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
+def test_fast_path_and_op_agree_bit_for_bit(bits):
+    # both run the same implementation: the path must not change a single bit
+    qw = _layer(130, 200, bits, seed=bits)
+    for lead in LEADING:
+        for dtype in DTYPES:
+            x = torch.randn(*lead, 200).to(dtype)
+            assert torch.equal(_gemm(x, qw, path="eager"), _gemm(x, qw, path="op"))
+
+
+def _count_fast_calls(monkeypatch) -> list[int]:
+    """Count the calls that reach the CPU backend through the fast path (not the dispatcher)."""
+    calls = [0]
+    fast = _ops._eager_gemm["cpu"]
+
+    def counted(*args):
+        calls[0] += 1
+        return fast(*args)
+
+    monkeypatch.setitem(_ops._eager_gemm, "cpu", counted)
+    return calls
+
+
+def test_when_the_fast_path_is_taken(monkeypatch):
+    calls = _count_fast_calls(monkeypatch)
+    layer = KbitLinear.from_linear(torch.nn.Linear(96, 40), bits=4)
+    x = torch.randn(2, 96)
+    ref = fmt.matmul(x, layer.kbit_weight(), layer.bias)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
+    assert calls[0] == 1
+    # the bias is a trainable Parameter: autograd records, so the op (with its backward) runs
+    y = layer(x)
+    assert calls[0] == 1 and y.requires_grad
+    with torch.inference_mode():
+        layer(x)
+    assert calls[0] == 2
+    # a Python dispatch mode or a torch-function mode must see the op itself
+    with torch.no_grad(), torch.device("cpu"):
+        torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), FlopCounterMode(display=False):
+        torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.vmap(layer)(x.unsqueeze(1)).squeeze(1), ref, rtol=1e-5, atol=1e-5)
+    assert calls[0] == 2
+
+
+def test_fake_tensors_and_compile_go_through_the_op(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls = _count_fast_calls(monkeypatch)
+    layer = KbitLinear.from_linear(torch.nn.Linear(100, 33, bias=False), bits=3)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        y = layer(mode.from_tensor(torch.randn(4, 100)))
+    assert y.shape == (4, 33) and calls[0] == 0
+    x = torch.randn(1, 100)
+    with torch.no_grad():
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(x), layer(x))
+    assert calls[0] == 1  # the eager call only
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bad_arguments_are_caught_after_the_layer_is_cached(path):
+    # the weight's checks run once per cache entry: what changes between calls must still be seen
+    qw = _layer(300, 200, 3)
+    good = dict(x=torch.randn(1, 200), packed=qw.packed, absmax=qw.absmax, codebook=qw.codebook,
+                tensor_scale=qw.tensor_scale, bits=3, out_features=300, bias=None)
+    fn = ops.gemm if path == "op" else _ops.gemm
+    fn(**good)
+    assert cpu.cache_nbytes() > 0
+    cases = [
+        (dict(bits=4), "bits=4"),
+        (dict(out_features=400), "out_features=400"),
+        (dict(codebook=torch.zeros(16)), r"shape \[8\]"),
+        (dict(codebook=torch.zeros(8, dtype=torch.float64)), "float32"),
+        (dict(tensor_scale=torch.ones(2)), "tensor_scale"),
+        (dict(absmax=qw.absmax.to(torch.int32)), "uint8"),
+        (dict(x=torch.randn(1, 130)), "last dimension 130"),
+        (dict(x=torch.randint(0, 3, (1, 200))), "floating point"),
+        (dict(bias=torch.zeros(7)), r"bias must have shape \[300\]"),
+    ]
+    for change, match in cases:
+        with pytest.raises((ValueError, TypeError), match=match):
+            fn(**{**good, **change})
+    # and the good call still works from the same entry
+    torch.testing.assert_close(fn(**good), fmt.matmul(good["x"], qw), rtol=1e-5, atol=1e-5)
 
 
 def test_float64_input_computed_in_float32_like_the_reference():
@@ -142,6 +239,22 @@ def test_cache_size_is_one_key_byte_per_group_plus_scales():
         s = cpu.SCHEMES[bits]
         k_pad = qw.packed.shape[0] * fmt.TILE_K
         assert cpu.cache_nbytes() == n * k_pad // s.group + n * k_pad // 32 * 4
+
+
+def test_cache_follows_replaced_tensors():
+    # new absmax / tensor_scale tensors (which may reuse a freed tensor's address and version)
+    a, b = _layer(64, 128, 4, seed=1), _layer(64, 128, 4, seed=2)
+    layer = KbitLinear(128, 64, bits=4, bias=False)
+    layer.load_state_dict({"weight": a.packed, "absmax": a.absmax, "codebook": a.codebook, "tensor_scale": a.tensor_scale})
+    x = torch.randn(1, 128)
+    with torch.no_grad():
+        layer(x)
+        layer.absmax = b.absmax.clone()
+        want = fmt.matmul(x, fmt.KbitWeight(a.packed, b.absmax, a.codebook, a.tensor_scale, 4, 64, 128))
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+        layer.tensor_scale = a.tensor_scale * 2
+        want = fmt.matmul(x, fmt.KbitWeight(a.packed, b.absmax, a.codebook, a.tensor_scale * 2, 4, 64, 128))
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
 
 def test_cache_follows_in_place_changes_and_dies_with_the_tensors():

@@ -12,12 +12,13 @@ A call (``x`` flattened to ``[M, K]``, computed in float32):
    at 3 and 4 bits, 1 at 5 bits), through broadcast shift / mask / sum ops on the int32 plane
    words. Keys are laid out ``[k_tiles, 2, S, 4, N]``, output rows innermost, so the lookups
    below walk one small table for ``N`` consecutive rows.
-2. **Products.** ``M <= LUT_MAX_M`` (token-by-token decoding): for each row of ``x``, one small
-   matmul builds the table ``T[key position, key]`` = the key's codebook values dotted with
-   their weights' ``x`` values; ``torch.gather`` looks every key up, and the sum over a block's
-   keys, times the block scale, summed over the blocks, is ``y``. No weight value is formed.
-   The tables depend on ``x`` only: calls that repeat the previous call's ``x`` (the q/k/v and
-   gate/up projections of a transformer block) reuse them. Larger ``M``: each key slot's
+2. **Products.** ``M <= LUT_MAX_M`` (token-by-token decoding): for each row of ``x``, broadcast
+   multiplies and adds (one per key slot) build the table ``T[key position, key]`` = the key's
+   codebook values dotted with their weights' ``x`` values; one ``torch.gather`` (int64
+   indices: with int32 ones it runs slower) looks every key up for all rows, and the sum over a
+   block's keys, times the block scale, summed over the blocks, is ``y``. No weight value is
+   formed. The tables depend on ``x`` only: calls that repeat the previous call's ``x`` (the
+   q/k/v and gate/up projections of a transformer block) reuse them. Larger ``M``: each key slot's
    dequantized values (codebook value times block scale: exactly the reference's weights) are
    gathered into a ``[K/G, N]`` float32 slab and multiplied with ``torch.mm``.
 3. **Chunks.** Both products walk the weight in ranges of k-tiles of at most :data:`CHUNK_KEYS`
@@ -35,11 +36,17 @@ A call (``x`` flattened to ``[M, K]``, computed in float32):
    speed) and nothing is kept.
 
 The bias is added in float32 and the result cast to ``x``'s dtype, as in the reference.
+
+Per-call overhead counts at decode sizes (a SmolLM2-135M token makes 210 calls), so eager calls
+skip the dispatcher (:func:`kbit_linear._ops.gemm` calls :func:`gemm_cpu` directly; traced,
+compiled, autograd-recording and mode-watched calls still go through the op), and the weight's
+metadata checks run once per cache entry; ``x``'s and the bias's run at every call.
 Measurements: ``scripts/bench_cpu.py``, ``bench/results/cpu.md``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
@@ -128,20 +135,31 @@ class _Consts(NamedTuple):
 _CONSTS = {bits: _Consts(torch.arange(s.spacing, dtype=torch.int32).view(1, -1, 1),
                          torch.arange(bits, dtype=torch.int32).view(-1, 1, 1)) for bits, s in SCHEMES.items()}
 
-_CODEBOOK_TABLES: dict[tuple[int, bytes], torch.Tensor] = {}
+class _CodebookTables(NamedTuple):
+    """A codebook's values arranged for the keys of one width (flat: nothing kept between calls
+    has the 2-D shape of a weight)."""
+
+    keys: torch.Tensor  # float32 [G * nkeys]: keys[g * nkeys + key] = the codebook value of key slot g
+    slots: tuple[torch.Tensor, ...]  # per slot g, float32 [1, 2**S] ([2**bits, 1] for the top one): value by slot bits
+
+
+_CODEBOOK_TABLES: dict[tuple[int, bytes], _CodebookTables] = {}
 _CODEBOOK_TABLES_MAX = 64  # a model has one codebook per width unless users bring their own
 
 
-def _codebook_table(codebook: torch.Tensor, bits: int) -> torch.Tensor:
-    """float32 ``[G * nkeys]``: ``table[g * nkeys + key]`` = the codebook value of key slot ``g``
-    (flat: nothing kept between calls has the 2-D shape of a weight)."""
+def _codebook_table(codebook: torch.Tensor, bits: int) -> _CodebookTables:
+    """The :class:`_CodebookTables` of ``codebook`` for ``bits``-bit keys (made once per codebook)."""
     key = (bits, codebook.detach().numpy().tobytes())
     table = _CODEBOOK_TABLES.get(key)
     if table is None:
         s = SCHEMES[bits]
+        mask = (1 << bits) - 1
         keys = torch.arange(s.nkeys)
-        slots = [(keys >> (s.spacing * g)) & ((1 << bits) - 1) for g in range(s.group)]
-        table = torch.cat([codebook[i] for i in slots])
+        by_key = torch.cat([codebook[(keys >> (s.spacing * g)) & mask] for g in range(s.group)])
+        # a slot's bits above the index width (3-bit indices in 4-bit slots) are always zero
+        slots = tuple(codebook[torch.arange(1 << s.spacing) & mask].view(1, -1) for g in range(s.group - 1))
+        slots += (codebook.view(-1, 1),)
+        table = _CodebookTables(by_key, slots)
         if len(_CODEBOOK_TABLES) >= _CODEBOOK_TABLES_MAX:
             _CODEBOOK_TABLES.clear()
         _CODEBOOK_TABLES[key] = table
@@ -237,47 +255,60 @@ class _Layer:
     """What the products need from one weight: its keys (or the planes to build them from),
     block scales, and its k-tile chunks with their views of both."""
 
-    __slots__ = ("ref", "stamp", "packed", "bits", "scheme", "n", "kt", "chunks", "keys", "scales", "parts", "cb")
+    __slots__ = ("refs", "stamp", "packed", "bits", "scheme", "n", "kt", "k_pad", "chunks", "keys", "scales", "parts",
+                 "cb")
 
-    def __init__(self, packed: torch.Tensor, absmax: torch.Tensor, tensor_scale: torch.Tensor, bits: int, n: int,
-                 cache: bool, stamp: tuple | None = None) -> None:
+    def __init__(self, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, tensor_scale: torch.Tensor,
+                 bits: int, n: int, cache: bool, stamp: tuple | None = None) -> None:
+        # the weight's checks run here, once per entry (a cached entry is reused only for the
+        # same tensors, unchanged); the inputs' run at every call
+        self.k_pad = _ops.check_gemm_weight_args(packed, absmax, codebook, tensor_scale, bits, n)
         self.bits, self.scheme, self.n, self.kt = bits, SCHEMES[bits], n, packed.shape[0]
         self.chunks = _chunks(self.kt, n, self.scheme)
         self.scales = _scales(absmax, tensor_scale, n)
         self.stamp = stamp
         if cache:
             # keep the keys, never the planes: the entry must not keep the layer's tensors alive
-            self.ref, self.packed = weakref.ref(packed), None
+            self.refs, self.packed = (weakref.ref(packed), weakref.ref(absmax), weakref.ref(tensor_scale)), None
             self.keys = torch.empty((self.kt, 2, self.scheme.spacing, 4, n), dtype=torch.uint8)
             for k0, k1 in self.chunks:
                 _keys(packed, bits, k0, k1, self.keys[k0:k1], scratch=False)
         else:
-            self.ref, self.packed, self.keys = None, packed, None
+            self.refs, self.packed, self.keys = None, packed, None
         # per chunk: (k0, k1, its cached keys or None, its scales)
         self.parts = [(k0, k1, None if self.keys is None else self.keys[k0:k1], self.scales[k0:k1]) for k0, k1 in self.chunks]
         self.cb: tuple = (None, None, None)  # (weakref to the codebook, its stamp, its table)
 
-    def codebook_table(self, codebook: torch.Tensor) -> torch.Tensor:
-        """:func:`_codebook_table` of ``codebook``, remembered while the same tensor is passed
-        unchanged (a layer's codebook is a buffer: the same tensor at every call)."""
+    def codebook_table(self, codebook: torch.Tensor, tensor_scale: torch.Tensor) -> _CodebookTables:
+        """:func:`_codebook_table` of ``codebook``, remembered (and checked) while the same tensor
+        is passed unchanged (a layer's codebook is a buffer: the same tensor at every call)."""
         ref, stamp, table = self.cb
         try:
             now = (codebook.data_ptr(), codebook._version)
-        except RuntimeError:  # an inference tensor: no version counter
+        except RuntimeError:  # an inference tensor: no version counter (the entry's checks covered it)
             return _codebook_table(codebook, self.bits)
         if ref is not None and ref() is codebook and stamp == now:
             return table
+        _ops.check_codebook_args(codebook, tensor_scale, self.bits, self.scales.device)
         table = _codebook_table(codebook, self.bits)
         self.cb = (weakref.ref(codebook), now, table)
         return table
 
     def chunk_keys(self, k0: int, k1: int, cached: torch.Tensor | None) -> torch.Tensor:
-        """int64 keys ``[kc, 2, S, 4, n]`` of k-tiles ``k0:k1``, in this thread's scratch."""
+        """int64 keys ``[1, kc, 2, S, 4, n]`` of k-tiles ``k0:k1``, in this thread's scratch
+        (the leading 1 broadcasts over the rows of ``x``)."""
         s = self.scheme
-        idx = _scratch("idx", (k1 - k0, 2, s.spacing, 4, self.n), torch.int64)
+        idx = _scratch("idx", (1, k1 - k0, 2, s.spacing, 4, self.n), torch.int64)
         if cached is None:
-            return _keys(self.packed, self.bits, k0, k1, idx)
+            _keys(self.packed, self.bits, k0, k1, idx[0])
+            return idx
         return idx.copy_(cached)
+
+    def holds(self, packed: torch.Tensor, absmax: torch.Tensor, tensor_scale: torch.Tensor) -> bool:
+        """Whether this cached entry was built from these very tensors (a freed tensor's address
+        and version count may come back with a new one)."""
+        p, a, t = self.refs
+        return p() is packed and a() is absmax and t() is tensor_scale
 
     def nbytes(self) -> int:
         """Bytes this entry holds (keys and scales)."""
@@ -315,27 +346,28 @@ def cache_nbytes() -> int:
     return sum(e.nbytes() for e in entries)
 
 
-def _stamp(packed: torch.Tensor, absmax: torch.Tensor, tensor_scale: torch.Tensor, n: int) -> tuple | None:
+def _stamp(packed: torch.Tensor, absmax: torch.Tensor, tensor_scale: torch.Tensor, bits: int, n: int) -> tuple | None:
     """What a layer's keys and scales depend on; ``None`` where it cannot be tracked (inference
     tensors have no version counter, so a change in place would go unseen: they are not cached)."""
     try:
-        return (n, packed.data_ptr(), packed._version, packed.shape, absmax.data_ptr(), absmax._version,
-                tensor_scale.data_ptr(), tensor_scale._version)
+        return (bits, n, packed.data_ptr(), packed._version, packed.shape, absmax.data_ptr(), absmax._version,
+                absmax.shape, tensor_scale.data_ptr(), tensor_scale._version)
     except RuntimeError:  # "Inference tensors do not track version counter"
         return None
 
 
-def _layer(packed: torch.Tensor, absmax: torch.Tensor, tensor_scale: torch.Tensor, bits: int, n: int) -> _Layer:
-    """The cached layer of this weight (built on first use), or a transient one when the cache
-    is off or cannot track the tensors."""
-    stamp = _stamp(packed, absmax, tensor_scale, n) if _cache_on else None
+def _layer(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, tensor_scale: torch.Tensor, bits: int,
+           n: int) -> _Layer:
+    """The cached layer of this weight (built and checked on first use), or a transient one when
+    the cache is off or cannot track the tensors."""
+    stamp = _stamp(packed, absmax, tensor_scale, bits, n) if _cache_on else None
     if stamp is None:
-        return _Layer(packed, absmax, tensor_scale, bits, n, cache=False)
+        return _Layer(packed, absmax, codebook, tensor_scale, bits, n, cache=False)
     key = id(packed)
     layer = _CACHE.get(key)
-    if layer is not None and layer.stamp == stamp and layer.ref() is packed:
+    if layer is not None and layer.stamp == stamp and layer.holds(packed, absmax, tensor_scale):
         return layer
-    layer = _Layer(packed, absmax, tensor_scale, bits, n, cache=True, stamp=stamp)
+    layer = _Layer(packed, absmax, codebook, tensor_scale, bits, n, cache=True, stamp=stamp)
     with _CACHE_LOCK:
         fresh = key not in _CACHE
         _CACHE[key] = layer
@@ -349,7 +381,7 @@ def _forget(key: int) -> None:
     """Drop the entry ``key`` once its tensor is gone (a finalizer)."""
     with _CACHE_LOCK:
         layer = _CACHE.get(key)
-        if layer is not None and layer.ref() is None:
+        if layer is not None and layer.refs[0]() is None:
             del _CACHE[key]
 
 
@@ -365,58 +397,70 @@ def _chunks(kt: int, n: int, s: KeyScheme) -> list[tuple[int, int]]:
 
 
 class _TableMemo(threading.local):
-    """The last lookup tables built on this thread, with a copy of the rows they were built
+    """The last lookup tables built on this thread, with a copy of the ``x`` they were built
     from: the q/k/v (and gate/up) projections of a transformer block read the same
     activations, so each call after the first of such a group reuses the tables."""
 
-    shape: tuple[int, ...] = ()
     x: torch.Tensor | None = None
-    cb: torch.Tensor | None = None
-    tables: tuple[torch.Tensor, ...] = ()
+    cb: _CodebookTables | None = None
+    tables: torch.Tensor | None = None
 
 
 _MEMO = _TableMemo()
 
 
-def _lut_tables(xs: torch.Tensor, cb_table: torch.Tensor, s: KeyScheme, kt: int) -> tuple[torch.Tensor, ...]:
-    """Per row of ``xs`` (``[M, K_pad]``), float32 ``[k_tiles, 2, S, 4, nkeys]``: for every key
+def _rows(x: torch.Tensor, m: int, k_pad: int) -> torch.Tensor:
+    """``x`` as float32 ``[M, K_pad]``, contiguous, zero in the padded in-features (they hold
+    the codebook values of zero weights: x must be zero there)."""
+    k = x.shape[-1]
+    xs = x.reshape(m, k).to(torch.float32)
+    if k != k_pad:
+        return torch.nn.functional.pad(xs, (0, k_pad - k))
+    return xs.contiguous()
+
+
+def _lut_tables(x: torch.Tensor, m: int, layer: _Layer, cbt: _CodebookTables) -> torch.Tensor:
+    """float32 ``[M, k_tiles, 2, S, 4, nkeys]`` for the ``M`` rows of ``x``: for every row, key
     position and key, the dot product of the key's codebook values with its weights' ``x``."""
     memo = _MEMO
-    flat = xs.view(-1)
-    if memo.cb is cb_table and memo.shape == tuple(xs.shape) and torch.equal(memo.x, flat):
+    seen = memo.x
+    # compared as given (before the float32 copy, which a reused table does not need)
+    if (memo.cb is cbt and seen is not None and seen.dtype == x.dtype and seen.shape == x.shape
+            and torch.equal(seen, x)):
         return memo.tables
-    m = xs.shape[0]
-    # x[64 kt + 32 kb + r + S (G l + g)] -> [M * kt * 2 * S * 4, G]: the weights of every key
-    # position, times the codebook values of every key ([G, nkeys]): one small matmul
-    xg = xs.view(m, kt, 2, 4, s.group, s.spacing).permute(0, 1, 2, 5, 3, 4).reshape(-1, s.group)
-    tables = torch.mm(xg, cb_table.view(s.group, s.nkeys)).view(m, kt, 2, s.spacing, 4, s.nkeys).unbind(0)
-    # (kept 1-D: nothing this module holds on to between calls looks like a dense [out, in] weight)
-    memo.shape, memo.x, memo.cb, memo.tables = tuple(xs.shape), flat.clone(), cb_table, tables
+    s, kt = layer.scheme, layer.kt
+    # x[64 kt + 32 kb + r + S (G l + g)] -> per slot g, [M, kt, 2, S, 4, 1, 1]
+    xk = _rows(x, m, layer.k_pad).view(m, kt, 2, 4, s.group, s.spacing, 1, 1).permute(0, 1, 2, 5, 3, 4, 6, 7).unbind(5)
+    # an entry is the sum over the key's slots of x times the slot's codebook value: built from
+    # the top slot down, each lower slot a broadcast add that appends the key's next bits as
+    # the last dim (not a matmul: with an inner dimension of G <= 4 that is several times
+    # slower; nor addcmul, slower on these broadcasts)
+    tables = xk[-1] * cbt.slots[-1]  # [M, kt, 2, S, 4, 2**bits, 1]
+    for g in range(s.group - 2, -1, -1):
+        tables = torch.add(tables, xk[g] * cbt.slots[g]).view(m, kt, 2, s.spacing, 4, -1, 1)
+    tables = tables.view(m, kt, 2, s.spacing, 4, s.nkeys)
+    memo.x, memo.cb, memo.tables = x.clone(), cbt, tables
     return tables
 
 
-def _gemm_lut(xs: torch.Tensor, layer: _Layer, cb_table: torch.Tensor) -> torch.Tensor:
-    """``[M, n]`` float32 through per-row lookup tables (small M): gather, per block the sum
-    of its keys times its scale, summed over the blocks."""
-    s, n = layer.scheme, layer.n
-    rows = _lut_tables(xs, cb_table, s, layer.kt)
+def _gemm_lut(x: torch.Tensor, m: int, layer: _Layer, cbt: _CodebookTables) -> torch.Tensor:
+    """``[M, n]`` float32 for the ``M`` rows of ``x`` through lookup tables (small M): gather,
+    per block the sum of its keys times its scale, summed over the blocks."""
+    tables = _lut_tables(x, m, layer, cbt)
     whole = len(layer.parts) == 1
-    out = []
+    y = None
     for k0, k1, cached, scales in layer.parts:
         idx = layer.chunk_keys(k0, k1, cached)
-        vals = _scratch("vals", idx.shape, torch.float32)
-        blocks = vals.view(k1 - k0, 2, s.keys_per_block, n)
-        for i, table in enumerate(rows):
-            torch.gather(table if whole else table[k0:k1], 4, idx, out=vals)
-            part = blocks.sum(2).mul_(scales).sum((0, 1))
-            if len(out) <= i:
-                out.append(part)
-            else:
-                out[i] += part
-    return out[0].unsqueeze(0) if len(out) == 1 else torch.stack(out)
+        # every row of x looks up the same keys (an expanded view: one gather for all rows)
+        vals = _scratch("vals", (m, *idx.shape[1:]), torch.float32)  # [M, kc, 2, S, 4, n]
+        torch.gather(tables if whole else tables[:, k0:k1], 5, idx if m == 1 else idx.expand(m, *idx.shape[1:]),
+                     out=vals)
+        part = vals.sum((3, 4)).mul_(scales).sum((1, 2))
+        y = part if y is None else y.add_(part)
+    return y
 
 
-def _gemm_dequant(xs: torch.Tensor, layer: _Layer, cb_table: torch.Tensor) -> torch.Tensor:
+def _gemm_dequant(xs: torch.Tensor, layer: _Layer, cbt: _CodebookTables) -> torch.Tensor:
     """``[M, n]`` float32 through dequantized ``[K/G, n]`` slabs (one per key slot) and ``torch.mm``."""
     s, n = layer.scheme, layer.n
     m = xs.shape[0]
@@ -430,7 +474,7 @@ def _gemm_dequant(xs: torch.Tensor, layer: _Layer, cb_table: torch.Tensor) -> to
         slab = _scratch("slab", (kc, 2, s.keys_per_block, n), torch.float32)
         scales = scales.unsqueeze(2)
         for g in range(s.group):
-            torch.gather(cb_table[g * s.nkeys : (g + 1) * s.nkeys].expand(rows, -1), 1, idx, out=slab.view(rows, n))
+            torch.gather(cbt.keys[g * s.nkeys : (g + 1) * s.nkeys].expand(rows, -1), 1, idx, out=slab.view(rows, n))
             # codebook value times block scale: exactly the reference's dequantized weight
             slab.mul_(scales)
             y.addmm_(xk[:, k0:k1, ..., g].reshape(m, rows), slab.view(rows, n))
@@ -457,28 +501,28 @@ def gemm_cpu(
     Equal to :func:`kbit_linear.format.matmul` within float32 rounding; the result has ``x``'s
     dtype and shape ``[*x.shape[:-1], out_features]``.
     """
-    _ops.check_gemm_args(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
-    k = x.shape[-1]
-    k_pad = packed.shape[0] * fmt.TILE_K
-    xs = x.reshape(-1, k).to(torch.float32)
-    m = xs.shape[0]
+    layer = _layer(packed, absmax, codebook, tensor_scale, bits, out_features)
+    _ops.check_gemm_input_args(x, bias, layer.k_pad, out_features, packed.device)
+    cbt = layer.codebook_table(codebook, tensor_scale)
+    lead = x.shape[:-1]
+    m = math.prod(lead)
     if m == 0:
-        return x.new_empty((*x.shape[:-1], out_features))
-    if k != k_pad:
-        # the padded in-features hold codebook values of zero weights: x must be zero there
-        xs = torch.nn.functional.pad(xs, (0, k_pad - k))
-    elif not xs.is_contiguous():
-        xs = xs.contiguous()
-    layer = _layer(packed, absmax, tensor_scale, bits, out_features)
-    run = _gemm_lut if m <= LUT_MAX_M else _gemm_dequant
-    y = run(xs, layer, layer.codebook_table(codebook))
+        return x.new_empty((*lead, out_features))
+    if m <= LUT_MAX_M:
+        y = _gemm_lut(x, m, layer, cbt)
+    else:
+        y = _gemm_dequant(_rows(x, m, layer.k_pad), layer, cbt)
     if bias is not None:
         y += bias
     y = y.to(x.dtype)
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
+    return y if x.dim() == 2 else y.view(*lead, out_features)
 
 
 @torch.library.impl("kbit_linear::gemm", "CPU")
 def _gemm_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
              tensor_scale: torch.Tensor, bits: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     return gemm_cpu(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
+
+
+# eager KbitLinear calls skip the dispatcher (kbit_linear._ops.gemm)
+_ops.register_eager_gemm("cpu", gemm_cpu)
