@@ -1,5 +1,9 @@
 """End-to-end decode benchmark on a Llama-3-8B-shaped model with random weights (no download).
 
+``--arch qwen3-30b-a3b`` takes a Qwen3-30B-A3B-shaped mixture-of-experts model instead (hidden
+2048, 128 experts of 768 with 8 per token, 32/4 heads of 128, vocab 151936; ``--layers`` of its 48),
+so the kbit rows run ``KbitExperts``.
+
 For each model variant (bf16; kbit K = 2..5 through ``kbit_linear.quantize_model``; bitsandbytes
 NF4 when it imports) and batch size, a prompt of ``--prompt`` random tokens is prefilled and
 ``--decode`` tokens are generated greedily, in two modes:
@@ -69,6 +73,32 @@ def llama3_8b_config(layers: int = 32) -> Any:
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
     )
+
+
+def qwen3_moe_config(layers: int = 48) -> Any:
+    """A Qwen3-30B-A3B-shaped ``Qwen3MoeConfig`` (hidden 2048, 128 experts of 768, top 8, 32/4 heads
+    of 128, vocab 151936)."""
+    from transformers import Qwen3MoeConfig
+
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    config = Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, max_position_embeddings=8192, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
+    )
+    # the bf16 experts take transformers' grouped_mm path (no host sync: it compiles whole)
+    config._experts_implementation = "grouped_mm"
+    return config
+
+
+ARCHS = {"llama3-8b": llama3_8b_config, "qwen3-30b-a3b": qwen3_moe_config}
+ARCH_TEXT = {
+    "llama3-8b": "Llama-3-8B-shaped model ({layers} layers, hidden 4096, MLP 14336, 32/8 heads, vocab 128256)",
+    "qwen3-30b-a3b": "Qwen3-30B-A3B-shaped MoE model ({layers} layers, hidden 2048, 128 experts of 768, top 8, 32/4 heads "
+                     "of 128, vocab 151936)",
+}
 
 
 # ---------------------------------------------------------------------------------------
@@ -344,7 +374,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
     """
     device = bc.require_cuda()
     env = bc.environment(device)
-    config = llama3_8b_config(args.layers)
+    config = ARCHS[args.arch](args.layers)
     notes: list[str] = []
     libs: dict[str, Any] = {}
     models = list(args.models)
@@ -374,7 +404,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
     def payload(complete: bool) -> dict[str, Any]:
         return {"env": env, "copy_gbps": copy_gbps, "rows": list(rows), "notes": list(notes),
                 "config": {"models": args.models, "batches": args.batches, "modes": args.modes, "prompt": args.prompt,
-                           "decode": args.decode, "layers": args.layers, "regions": args.regions},
+                           "decode": args.decode, "layers": args.layers, "regions": args.regions, "arch": args.arch},
                 "progress": {"done": done, "planned": planned, "measured": len(rows), "complete": complete},
                 "wall_s": time.perf_counter() - t_start}
 
@@ -481,7 +511,7 @@ def report(payload: dict[str, Any]) -> str:
     out = ["# End-to-end decode benchmark", ""] + ([partial, ""] if partial else []) + bc.env_lines(payload["env"]) + [
         f"- measured in the same run: device-to-device copy {payload['copy_gbps']:.0f} GB/s (read + write)",
         f"- wall time of the run{' so far' if partial else ''}: {payload['wall_s']:.0f} s", "",
-        f"Llama-3-8B-shaped model ({cfg['layers']} layers, hidden 4096, MLP 14336, 32/8 heads, vocab 128256), random "
+        ARCH_TEXT[cfg.get("arch", "llama3-8b")].format(layers=cfg["layers"]) + ", random "
         f"weights, prompt {cfg['prompt']} random tokens, greedy decode of {cfg['decode']} tokens; lm_head bf16 in every "
         "variant. tok/s counts every sequence of the batch. TTFT = prefill + first pick. floor = (bytes of all weights "
         "but the embedding + mean KV cache) / copy bandwidth. Peak = max allocated GPU memory during the timed run. "
@@ -529,7 +559,7 @@ def plot(payload: dict[str, Any], path: str) -> None:
         ax.grid(True, axis="y", which="both", alpha=0.25)
     axes[0][0].legend(fontsize=8)
     cfg = payload["config"]
-    fig.suptitle(f"Llama-3-8B shape, prompt {cfg['prompt']}, decode {cfg['decode']} on {payload['env']['gpu']}", fontsize=10)
+    fig.suptitle(f"{ARCH_TEXT[cfg.get('arch', 'llama3-8b')].split(' (')[0]}, prompt {cfg['prompt']}, decode {cfg['decode']} on {payload['env']['gpu']}", fontsize=10)
     fig.tight_layout()
     bc.save_figure(fig, path)
 
@@ -548,6 +578,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
     p.add_argument("--prompt", type=int, help="prompt tokens (default 512)")
     p.add_argument("--decode", type=int, help="generated tokens (default 128)")
+    p.add_argument("--arch", choices=sorted(ARCHS), default="llama3-8b", help="model shape (default llama3-8b)")
     p.add_argument("--layers", type=int, default=32, help="decoder layers (default 32, as Llama-3-8B)")
     p.add_argument("--no-regions", dest="regions", action="store_false",
                    help="compile all layers separately instead of one nested region per layer (slow to compile)")
