@@ -1,4 +1,6 @@
 // Small-M ("decode") kbit GEMM:  out[M, N] = x[M, K] @ W[N, K]^T,  M = 1..16.
+// Grouped form (mixture-of-experts layers, kbit_decode_gemm_grouped): several experts' weights,
+// each times its own rows of x, in one launch; see "Grouped launches" below (struct Groups).
 //
 // At decode sizes the product only streams the packed weight, so the kernel is built to turn
 // bytes from HBM into tensor-core operands with as few instructions per weight as possible.
