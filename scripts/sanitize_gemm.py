@@ -1,7 +1,8 @@
 """A sweep of kbit GEMM and format-kernel launches for compute-sanitizer (memcheck, racecheck).
 
-Every GEMM path (decode with each schedule, fused, fused-splitk, wgmma and wgmma-splitk on GPUs
-of compute capability 9.0, dequantize + cuBLAS), bits 2..5,
+Every GEMM path (decode with each schedule, the grouped decode kernel of mixture-of-experts
+layers, fused, fused-splitk, wgmma and wgmma-splitk on GPUs of compute capability 9.0,
+dequantize + cuBLAS), bits 2..5,
 fp16 and bf16, M from 1 to 300, small odd shapes and Llama-sized ones, a bias, and the quantize /
 repack / dequantize kernels that build each weight. Every result is checked against the float32
 reference; the script exits non-zero if one is wrong.
@@ -64,6 +65,7 @@ def _calls(m: int, n: int, k: int, bits: int, dtype: torch.dtype, dev: torch.dev
     if m <= kdecode.MAX_M and kdecode.decode_supported(m, bits, dtype, dev):
         schedules = ("stream-k", "tiles", "tile-split") if every_path else ("stream-k",)
         calls += [(f"decode/{s}", {"schedule": s}) for s in schedules]
+        calls.append(("grouped", {"grouped": True}))
     if every_path:
         calls.append(("fused", {"path": "fused", "split_k": 1}))
     calls.append(("fused-splitk", {"path": "fused-splitk"}))
@@ -84,6 +86,16 @@ def _run(x: torch.Tensor, bias: torch.Tensor, qw: tuple[torch.Tensor, ...], bits
         w = kcuda.dequantize_cuda(packed, absmax, cb, ts, bits, n, x.shape[1], x.dtype)
         return (x.float() @ w.float().t() + bias.float()).to(x.dtype)
     out = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
+    if kw.get("grouped"):
+        # the weight as experts 1 and 2 of three (expert 0 all zero): x's rows split into two
+        # groups, plus an empty one
+        m = x.shape[0]
+        packed3 = torch.stack((torch.zeros_like(packed), packed, packed))
+        absmax3 = torch.stack((torch.zeros_like(absmax), absmax, absmax))
+        a = m // 2
+        groups = torch.tensor([[1, 0, 2], [0, 0, a], [a, 0, m - a]], dtype=torch.int32, device=x.device)
+        kdecode.grouped_decode_gemm(x, packed3, absmax3, cb, ts.expand(3).contiguous(), groups, bits, n, out, max(a, m - a, 1))
+        return out + bias
     if "schedule" in kw:
         try:
             kdecode.decode_gemm(x, packed, absmax, cb, ts, bits, n, out, schedule_kind=kw["schedule"])
