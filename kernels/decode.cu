@@ -166,13 +166,8 @@ KBIT_DEVICE void sts32(u32 addr, u32 v) { asm volatile("st.shared.u32 [%0], %1;"
 KBIT_DEVICE void sts128(u32 addr, uint4 v) {
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
-// The reduction's control words: volatile reads/writes and atomics.
-KBIT_DEVICE int lds32_volatile(u32 addr) {
-    int v;
-    asm volatile("ld.volatile.shared.s32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
-    return v;
-}
-KBIT_DEVICE void sts32_volatile(u32 addr, int v) { asm volatile("st.volatile.shared.s32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
+// The reduction's control words, all through atomics: a warp polls `gen` while another
+// writes it (plain or volatile accesses there are a race to compute-sanitizer's racecheck).
 KBIT_DEVICE int atoms_add(u32 addr, int v) {
     int old;
     asm volatile("atom.shared.add.s32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v) : "memory");
@@ -547,7 +542,8 @@ KBIT_DEVICE void flush(const float (&acc)[R][MT][4], u16* __restrict__ out, floa
 //
 // Order, per slot (slot seg & 1 serves segments seg, seg + 2, ...: its use u = seg >> 1):
 //   gen    the segment that may use the slot next; the finisher of segment seg sets seg + 2
-//          after its reads and its flush. Exact (no wrap), so a warp two segments ahead waits here.
+//          after its reads and its flush (read and written with atomics: a waiting warp
+//          polls it). Exact (no wrap), so a warp two segments ahead waits here.
 //   free   mbarrier, 32 arrivals: the finisher's lanes after reading (phase u = use u read).
 //   full   mbarrier, 32 * KS arrivals: every lane of every contributor after storing its slice,
 //          then the finisher tops the count up for the KS - min(seg_len, KS) warps that had no
@@ -584,7 +580,7 @@ KBIT_DEVICE void reduce_flush(float (&acc)[R][MT][4], u32 slot_s, u32 ctl_s, u16
         constexpr u32 kSlice = R * MT * 4 * 32 * 4;  // bytes of one warp's slice
         const u32 parity = ((u32)seg >> 1) & 1;      // of this slot's use u = seg >> 1
         if (lane == 0) {
-            while (lds32_volatile(ctl_s + kGenOffset) != seg) {
+            while (atoms_add(ctl_s + kGenOffset, 0) != seg) {
             }
         }
         __syncwarp();
@@ -630,7 +626,7 @@ KBIT_DEVICE void reduce_flush(float (&acc)[R][MT][4], u32 slot_s, u32 ctl_s, u16
     flush<DT, MT, R>(acc, out, ws, cnt, rg0, org0, seg_len, kc, M, N, tscale, lane);
     if constexpr (KS > 1) {
         __syncwarp();
-        if (lane == 0) sts32_volatile(ctl_s + kGenOffset, seg + 2);  // the segment two ahead may take the slot
+        if (lane == 0) atoms_exch(ctl_s + kGenOffset, seg + 2);  // the segment two ahead may take the slot
     }
 }
 
