@@ -524,7 +524,7 @@ class KbitExperts(nn.Module):
         # Back to slot order (a token's top_k slots together), then the weighted sum over them
         # as one batched product: fp32 products and sums, rounded once.
         y = y[position].view(tokens, top_k, self.hidden_dim)
-        return torch.bmm(top_k_weights.view(tokens, 1, top_k).to(y.dtype), y).view(tokens, self.hidden_dim).to(hidden_states.dtype)
+        return torch.bmm(top_k_weights.reshape(tokens, 1, top_k).to(y.dtype), y).view(tokens, self.hidden_dim).to(hidden_states.dtype)
 
     def _check_inputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                       read_values: bool = True) -> None:
