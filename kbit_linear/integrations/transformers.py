@@ -274,6 +274,31 @@ class KbitQuantize(ConversionOps):
 # ---------------------------------------------------------------------------------------
 
 
+def _check_header_tensor(shapes: dict[str, tuple[torch.dtype | str, tuple[int, ...]]], key: str, expected: torch.Tensor,
+                         what: str, where: str) -> None:
+    """A quantized tensor named in a checkpoint header: present, with ``expected``'s dtype and
+    shape (``what`` names the module it belongs to in the message)."""
+    if key not in shapes:
+        raise CheckpointError(f"{where}: tensor {key!r} is missing from the checkpoint")
+    dtype, shape = shapes[key]
+    if dtype != expected.dtype or shape != tuple(expected.shape):
+        raise CheckpointError(
+            f"{where}: tensor {key!r} is {dtype} {list(shape)} in the checkpoint, expected "
+            f"{expected.dtype} {list(expected.shape)} for {what}"
+        )
+
+
+def _refuse_stray(listed: Any, kept: Any, kind: str, where: str) -> None:
+    """Refuse a checkpoint whose header lists quantized ``kind`` (layers, experts) that the model keeps dense."""
+    stray = sorted(set(listed) - set(kept))
+    if stray:
+        raise CheckpointError(
+            f"{where}: the checkpoint holds quantized {kind} that this model keeps dense: {stray[:5]}"
+            + (" ..." if len(stray) > 5 else "")
+            + " (were different skip_modules used when saving?)"
+        )
+
+
 class KbitHfQuantizer(HfQuantizer):
     """``HfQuantizer`` for :class:`KbitConfig` (transformers 5.x loader API)."""
 
@@ -390,24 +415,9 @@ class KbitHfQuantizer(HfQuantizer):
                     f"{where}: layer {name!r} is {got} in the checkpoint but the model (config.json) expects {want}"
                 )
             for tensor in QUANTIZED_TENSORS:
-                key = f"{name}.{tensor}"
-                expected = getattr(module, tensor)
-                if key not in shapes:
-                    raise CheckpointError(f"{where}: tensor {key!r} is missing from the checkpoint")
-                dtype, shape = shapes[key]
-                if dtype != expected.dtype or shape != tuple(expected.shape):
-                    raise CheckpointError(
-                        f"{where}: tensor {key!r} is {dtype} {list(shape)} in the checkpoint, "
-                        f"expected {expected.dtype} {list(expected.shape)} for a {module.bits}-bit "
-                        f"{module.out_features}x{module.in_features} layer"
-                    )
-        stray = sorted(set(layers) - set(placeholders))
-        if stray:
-            raise CheckpointError(
-                f"{where}: the checkpoint holds quantized layers that this model keeps dense: {stray[:5]}"
-                + (" ..." if len(stray) > 5 else "")
-                + " (were different skip_modules used when saving?)"
-            )
+                _check_header_tensor(shapes, f"{name}.{tensor}", getattr(module, tensor),
+                                     f"a {module.bits}-bit {module.out_features}x{module.in_features} layer", where)
+        _refuse_stray(layers, placeholders, "layers", where)
         self._check_experts_headers(model, experts, shapes, where)
         self._header_sha256 = sums
 
@@ -426,22 +436,9 @@ class KbitHfQuantizer(HfQuantizer):
             if got != want:
                 raise CheckpointError(f"{where}: experts {name!r} are {got} in the checkpoint but the model (config.json) expects {want}")
             for tensor in _EXPERTS_TENSORS:
-                key, expected = f"{name}.{tensor}", getattr(module, tensor)
-                if key not in shapes:
-                    raise CheckpointError(f"{where}: tensor {key!r} is missing from the checkpoint")
-                dtype, shape = shapes[key]
-                if dtype != expected.dtype or shape != tuple(expected.shape):
-                    raise CheckpointError(
-                        f"{where}: tensor {key!r} is {dtype} {list(shape)} in the checkpoint, expected "
-                        f"{expected.dtype} {list(expected.shape)} for {module.bits}-bit experts ({module.extra_repr()})"
-                    )
-        stray = sorted(set(experts) - set(placeholders))
-        if stray:
-            raise CheckpointError(
-                f"{where}: the checkpoint holds quantized experts that this model keeps dense: {stray[:5]}"
-                + (" ..." if len(stray) > 5 else "")
-                + " (were different skip_modules used when saving?)"
-            )
+                _check_header_tensor(shapes, f"{name}.{tensor}", getattr(module, tensor),
+                                     f"{module.bits}-bit experts ({module.extra_repr()})", where)
+        _refuse_stray(experts, placeholders, "experts", where)
 
     # --- after loading: checks and freezing -----------------------------------------------
 
