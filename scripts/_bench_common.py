@@ -72,6 +72,17 @@ __all__ = [
 # ---------------------------------------------------------------------------------------
 
 
+def cpu_name() -> str:
+    """The CPU model name (``/proc/cpuinfo`` where there is one)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def require_cuda() -> torch.device:
     """The current CUDA device; exits with a clear message when there is none."""
     if not torch.cuda.is_available():

@@ -90,17 +90,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------
 
 
-def cpu_name() -> str:
-    """The CPU model name (``/proc/cpuinfo`` where there is one)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(threads: int) -> list[str]:
     """Markdown bullet lines: date, machine, library versions, the exact command."""
     versions = f"python {platform.python_version()}, torch {torch.__version__}"
@@ -109,7 +98,7 @@ def environment(threads: int) -> list[str]:
         versions += f", {dist} {v}" if v else ""
     return [
         f"- date: {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- CPU: {cpu_name()}, {os.cpu_count()} logical CPUs, `torch.set_num_threads({threads})`, "
+        f"- CPU: {bc.cpu_name()}, {os.cpu_count()} logical CPUs, `torch.set_num_threads({threads})`, "
         f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}",
         f"- {versions}",
         "- command: `python3 " + " ".join(shlex.quote(a) for a in sys.argv) + "`",

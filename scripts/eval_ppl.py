@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from _bench_common import markdown_table, optional_import  # (importing it puts the repo on sys.path)
+from _bench_common import cpu_name, markdown_table, optional_import  # (importing it puts the repo on sys.path)
 
 from kbit_linear.tools.baselines import apply_rtn, rtn_bits_per_weight
 from kbit_linear.tools.evaluation import (
@@ -102,20 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{_cpu_name()} ({torch.get_num_threads()} threads)"
+    return f"{cpu_name()} ({torch.get_num_threads()} threads)"
 
 
 def _is_causal_lm(path: str) -> bool:

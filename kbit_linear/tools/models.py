@@ -130,6 +130,16 @@ def _require_gguf_reader() -> None:
         )
 
 
+def _move_into_place(tmp: Path, target: Path) -> None:
+    """Rename a finished folder ``tmp`` to ``target``; when another process finished the same
+    work first (``target`` holds a ``config.json``), keep theirs (the caller removes ``tmp``)."""
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+
+
 def _convert(gguf: Path, target: Path) -> None:
     """Load ``gguf`` with transformers and save a plain float32 folder at ``target`` (atomically)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -146,12 +156,7 @@ def _convert(gguf: Path, target: Path) -> None:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         del model
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            # Another process finished the same conversion first: keep theirs.
-            if not (target / "config.json").is_file():
-                raise
+        _move_into_place(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -315,11 +320,7 @@ def minilm_model_path(cache: str | os.PathLike | None = None) -> Path:
     try:
         with zipfile.ZipFile(archive) as zf:
             zf.extractall(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
+        _move_into_place(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
