@@ -8,6 +8,7 @@ the transformers plug-in (``quant_method="kbit"``).
 from __future__ import annotations
 
 from . import _ops  # noqa: F401  (op schemas + reference implementations)
+from . import _gguf_ops  # noqa: F401  (GGUF block-format op schemas + references)
 from .backends import cuda as _cuda_backend  # noqa: F401  (CUDA implementations; imports no CuPy)
 from .backends import cpu as _cpu_backend  # noqa: F401
 from .calibration import Calibration

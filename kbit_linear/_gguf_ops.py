@@ -1,0 +1,84 @@
+"""Op schemas of the GGUF block formats kept quantized (:mod:`kbit_linear.gguf_format`).
+
+* ``kbit_linear::gguf_gemm(x, qs, qh, scale, mins, qtype, out_features, bias) -> Tensor``:
+  ``x [M, K] @ W^T (+ bias)`` with ``W`` the GGUF weight dequantized to ``x``'s dtype;
+* ``kbit_linear::gguf_dequantize(qs, qh, scale, mins, qtype, out_features, in_features, dtype)
+  -> Tensor``: the dense weight, bit for bit ``gguf``'s float32 dequantization rounded to ``dtype``.
+
+``qtype`` is the block type's name (``"Q4_0"``, ``"Q4_1"``, ``"Q5_0"``, ``"Q5_1"``, ``"Q8_0"``);
+``qh`` and ``mins`` are ``None`` for the types without them. Same layer as
+:mod:`kbit_linear._ops`: schemas, fake implementations with metadata checks, the reference as
+the default implementation; the CUDA backend registers its kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import gguf_format as gf
+
+_NS = "kbit_linear"
+
+torch.library.define(
+    f"{_NS}::gguf_gemm",
+    "(Tensor x, Tensor qs, Tensor? qh, Tensor scale, Tensor? mins, str qtype, int out_features, Tensor? bias) -> Tensor",
+)
+torch.library.define(
+    f"{_NS}::gguf_dequantize",
+    "(Tensor qs, Tensor? qh, Tensor scale, Tensor? mins, str qtype, int out_features, int in_features, "
+    "ScalarType dtype) -> Tensor",
+)
+
+
+def check_gemm_args(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor | None, scale: torch.Tensor, mins: torch.Tensor | None,
+                    qtype: str, out_features: int, bias: torch.Tensor | None) -> None:
+    """Metadata checks of ``gguf_gemm`` (no pass over values).
+
+    Raises:
+        TypeError / ValueError: naming the argument.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:
+        raise TypeError(f"x must be a floating-point [rows, in_features] tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    gf.check_weight(qs, qh, scale, mins, qtype, out_features, x.shape[1])
+    if qs.device != x.device:
+        raise ValueError(f"qs is on {qs.device}, x on {x.device}: all tensors must be on one device")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (out_features,) or bias.device != x.device:
+            raise ValueError(f"bias must be a [{out_features}] tensor on {x.device}, got "
+                             f"{tuple(getattr(bias, 'shape', ()))} on {getattr(bias, 'device', None)}")
+
+
+@torch.library.register_fake(f"{_NS}::gguf_gemm")
+def _(x, qs, qh, scale, mins, qtype, out_features, bias):
+    check_gemm_args(x, qs, qh, scale, mins, qtype, out_features, bias)
+    return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.impl(f"{_NS}::gguf_gemm", "default")
+def gguf_gemm_reference(x, qs, qh, scale, mins, qtype, out_features, bias):
+    """The spec: :func:`kbit_linear.gguf_format.matmul`."""
+    check_gemm_args(x, qs, qh, scale, mins, qtype, out_features, bias)
+    weight = gf.GGUFWeight(qs, qh, scale, mins, qtype, out_features, x.shape[1])
+    return gf.matmul(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def check_dequantize_args(qs: torch.Tensor, qh: torch.Tensor | None, scale: torch.Tensor, mins: torch.Tensor | None, qtype: str,
+                          out_features: int, in_features: int, dtype: torch.dtype) -> None:
+    """Metadata checks of ``gguf_dequantize``."""
+    gf.check_weight(qs, qh, scale, mins, qtype, out_features, in_features)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+
+
+@torch.library.register_fake(f"{_NS}::gguf_dequantize")
+def _(qs, qh, scale, mins, qtype, out_features, in_features, dtype):
+    check_dequantize_args(qs, qh, scale, mins, qtype, out_features, in_features, dtype)
+    return qs.new_empty((out_features, in_features), dtype=dtype)
+
+
+@torch.library.impl(f"{_NS}::gguf_dequantize", "default")
+def gguf_dequantize_reference(qs, qh, scale, mins, qtype, out_features, in_features, dtype):
+    """The spec: :func:`kbit_linear.gguf_format.dequantize`."""
+    check_dequantize_args(qs, qh, scale, mins, qtype, out_features, in_features, dtype)
+    return gf.dequantize(gf.GGUFWeight(qs, qh, scale, mins, qtype, out_features, in_features), dtype)
