@@ -21,6 +21,7 @@ import pytest
 from kbit_linear.backends import cuda as kcuda
 from kbit_linear.backends.cuda import decode as kdecode
 from kbit_linear.backends.cuda import hopper as khopper
+from kbit_linear.backends.cuda import gguf as kgguf
 from kbit_linear.backends.cuda import routing as krouting
 from kbit_linear import format as fmt
 from kbit_linear.backends.cuda.loader import read_source
@@ -83,7 +84,8 @@ def _resource_table(log: str) -> list[tuple[str, str, int, int, int]]:
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: kernel build check skipped")
 def test_every_kernel_instance_builds_for_sm80_and_sm90():
     jobs = {"gemm.cu": kcuda.gemm_instances(), "quantize.cu": kcuda.format_instances(), "decode.cu": kdecode.decode_instances(),
-            "gemm_sm90.cu": khopper.instances(), "route.cu": krouting.route_instances()}
+            "gemm_sm90.cu": khopper.instances(), "route.cu": krouting.route_instances(),
+            "gguf.cu": kgguf.gguf_instances()}
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
         results = dict(zip(jobs, pool.map(lambda kv: _build(kv[0], kv[1], Path(tmp)), jobs.items())))
     failures = [f"{src}:\n{r.stderr[-6000:]}" for src, r in results.items() if r.returncode != 0]
@@ -136,9 +138,9 @@ def _kernel_params(source: str) -> dict[str, list[tuple[str, str]]]:
 def test_kernel_argument_packs_match_the_kernel_signatures():
     """Every ArgPack names the kernel's parameters, in its order, with the right kinds."""
     packs = [kcuda.ops._GEMM_ARGS, kcuda.ops._SM90_ARGS, kcuda.ops._QUANT_ARGS, kcuda.ops._REPACK_ARGS, kcuda.ops._DEQUANT_ARGS,
-             kdecode._ARGS, kdecode._GROUPED_ARGS, krouting._ARGS]
+             kdecode._ARGS, kdecode._GROUPED_ARGS, krouting._ARGS, kgguf._DEQUANT_ARGS, kgguf._GEMV_ARGS]
     sources = {**_kernel_params("gemm.cu"), **_kernel_params("quantize.cu"), **_kernel_params("decode.cu"),
-               **_kernel_params("gemm_sm90.cu"), **_kernel_params("route.cu")}
+               **_kernel_params("gemm_sm90.cu"), **_kernel_params("route.cu"), **_kernel_params("gguf.cu")}
     assert {p.kernel for p in packs} <= set(sources), f"kernels found: {sorted(sources)}"
     for pack in packs:
         expected = sources[pack.kernel]

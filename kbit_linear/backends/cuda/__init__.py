@@ -9,6 +9,7 @@ with one job:
 * :mod:`.decode`: the small-M decode kernel's launch plans and schedules (also its grouped form
   for mixture-of-experts layers);
 * :mod:`.routing`: the routing kernel of mixture-of-experts layers;
+* :mod:`.gguf`: the GGUF block-format kernels (dequantize, small-M GEMM) and their ops;
 * :mod:`.hopper`: the Hopper wgmma kernel's instances, shared-memory size and which GPUs run it;
 * :mod:`.tuning`: every dispatch threshold and launch-shape table, with its provenance;
 * :mod:`.loader`: finding, compiling (NVRTC through CuPy) and launching kernels, per device;
@@ -18,6 +19,7 @@ with one job:
 
 from __future__ import annotations
 
+from . import gguf as _gguf  # noqa: F401  (registers the GGUF ops' CUDA implementations)
 from .ops import (
     GEMM_PATHS,
     dequantize_cuda,

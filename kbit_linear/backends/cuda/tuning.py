@@ -22,6 +22,9 @@ __all__ = [
     "WGMMA_LARGE_WEIGHT_FIRST_ROW",
     "WGMMA_TOKEN_TILES",
     "FUSED_MIN_SPLIT_ITERS",
+    "GGUF_GEMV_MAX_M",
+    "GGUF_GEMV_WARPS",
+    "GGUF_GEMV_UNROLL",
     "DecodeConfig",
     "DECODE_CONFIGS",
     "DECODE_SPLIT_COST_BYTES",
@@ -224,3 +227,18 @@ DECODE_VARIANTS: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {
     (4, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
     (5, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
 }
+
+
+# ---------------------------------------------------------------------------------------
+# GGUF block formats (kbit_linear.backends.cuda.gguf)
+# ---------------------------------------------------------------------------------------
+
+# Largest M (rows of x) handed to the GGUF small-M kernel; larger M dequantizes the weight and
+# calls cuBLAS. 16 is the kernel's limit (two n8 tensor-core fragments), not a measured cross-over.
+GGUF_GEMV_MAX_M = 16
+
+# Launch shape of the GGUF small-M kernel: warps per block (splitting K) and consecutive blocks
+# of 32 weights per warp and step (4 x 16 bytes = one 64-byte run of each row's qs per step).
+# First version, not tuned.
+GGUF_GEMV_WARPS = 8
+GGUF_GEMV_UNROLL = 4

@@ -1,0 +1,266 @@
+// GGUF block formats kept quantized (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): dequantize, and a small-M
+// GEMM that reads the blocks directly. The reference is kbit_linear/gguf_format.py.
+//
+// A weight [N out-features, K in-features] is stored as one array per block field (32 weights
+// per block along K, nb = K / 32 blocks per row, every array row-major):
+//
+//   qs     u8  [N][nb][16]  4/5-bit: byte j holds weight j (low nibble) and j + 16 (high nibble)
+//          s8  [N][nb][32]  Q8_0: weight j
+//   qh     u32 [N][nb]      5-bit types: bit j = bit 4 of weight j
+//   scale  f16 [N][nb]      d
+//   mins   f16 [N][nb]      _1 types: m
+//
+//   weight j = d * (q_j - offset)   (Q4_0 offset 8, Q5_0 16, Q8_0 0)
+//            = d * q_j + m          (Q4_1, Q5_1)
+//
+// The type is the template argument QT (QT_Q4_0 .. QT_Q8_0, the `code` of gguf_format.py).
+//
+// kbit_gguf_dequantize: one thread per (row, block); float32 arithmetic in the reference's order
+// (product, then sum, never fused), rounded once to the output type: bit for bit the reference.
+//
+// kbit_gguf_gemv (M <= 16 rows of x): one CTA per 16 output rows, its WARPS warps splitting the
+// blocks of K (UNROLL consecutive blocks per warp and step, so each row's bytes come in full
+// 32-byte sectors); per block, two mma.m16n8k16 steps with the weights as the A operand:
+//
+//   A (16 rows x 16 k) of step s in {0, 1}: lane (g = lane / 4, t = lane % 4) holds rows g and
+//   g + 8, "k" slots 2t, 2t+1, 2t+8, 2t+9 = the block's weights 16s + 4t .. 16s + 4t + 3, i.e.
+//   the nibbles of qs bytes 4t .. 4t+3 (low nibbles for s = 0, high for s = 1; Q8_0: bytes
+//   16s + 4t ..). The dot product does not care which k is which, as long as B uses the same
+//   order: lane (g, t) loads x[token g][32 b + 16 s + 4t .. + 3] as one 8-byte load.
+//
+//   The weights are made in the activation type: fp16 from (0x6400 | q) = 1024 + q (exact),
+//   minus 1024 + offset, times d (one rounding), or fma(q, d, m) for the _1 types; bf16 in fp32
+//   (the (0x4B000000 | q) trick, the reference's product and sum) rounded once to bf16.
+//
+//   The fp32 accumulators of all warps are summed through shared memory at the end; bias added
+//   there; rows >= N and tokens >= M are never stored.
+#include "common.cuh"
+
+namespace kbit_gguf {
+
+#define QT_Q4_0 0
+#define QT_Q4_1 1
+#define QT_Q5_0 2
+#define QT_Q5_1 3
+#define QT_Q8_0 4
+
+constexpr int kBlock = 32;
+
+template <int QT> struct Traits {
+    static constexpr bool kMin = (QT == QT_Q4_1 || QT == QT_Q5_1);
+    static constexpr bool kHigh = (QT == QT_Q5_0 || QT == QT_Q5_1);
+    static constexpr bool kEight = (QT == QT_Q8_0);
+    // q - offset is what d multiplies; Q8_0's bytes are made unsigned (q + 128) first.
+    static constexpr int kOffset = QT == QT_Q4_0 ? 8 : QT == QT_Q5_0 ? 16 : QT == QT_Q8_0 ? 128 : 0;
+    static constexpr int kQsBytes = kEight ? 32 : 16;  // qs bytes per block
+};
+
+KBIT_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// Bits 0..3 of x to bit 4 of bytes 0..3 (x * 0x00204081 puts bit j at bit 8j, no carries).
+KBIT_DEVICE u32 spread4(u32 x) {
+    return ((x * 0x00204081u) & 0x01010101u) << 4;
+}
+
+KBIT_DEVICE float f16_to_f32(u16 h) {
+    return bits_to_f32<KBIT_F16>(h);
+}
+
+// The unsigned levels (q, or q + 128 for Q8_0) of four weights, one per byte:
+// the 4/5-bit weights 16 s + 4t .. + 3 from the qs word `w` (bytes 4t..4t+3) and qh.
+template <int QT> KBIT_DEVICE u32 levels4(u32 w, u32 qh, int s, int t) {
+    if constexpr (Traits<QT>::kEight) {
+        return w ^ 0x80808080u;
+    } else {
+        u32 v = (s == 0 ? w : (w >> 4)) & 0x0F0F0F0Fu;
+        if constexpr (Traits<QT>::kHigh) v |= spread4((qh >> (16 * s + 4 * t)) & 0xFu);
+        return v;
+    }
+}
+
+// Four weights (levels in the bytes of v) as two packed pairs of the activation type DT.
+template <int QT, int DT> KBIT_DEVICE void weights4(u32 v, u32 d2, u32 m2, float d, float m, u32 (&out)[2]) {
+    if constexpr (DT == KBIT_F16) {
+        constexpr u32 bias = 0x64006400u;  // 1024 + level, exact
+        constexpr u32 sub = Traits<QT>::kMin ? 0x64006400u : (u32)(0x6400 + Traits<QT>::kOffset) * 0x10001u;
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const u32 h = prmt(v, bias, p == 0 ? 0x7170u : 0x7372u) ;
+            u32 q;  // level - offset, exact: h - (1024 + offset)
+            asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(q) : "r"(h), "r"(sub));
+            if constexpr (Traits<QT>::kMin) {
+                asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out[p]) : "r"(q), "r"(d2), "r"(m2));
+            } else {
+                out[p] = mul2<KBIT_F16>(q, d2);
+            }
+        }
+    } else {
+        constexpr float magic = 8388608.0f + (float)Traits<QT>::kOffset;  // 2^23 + offset
+        float f[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float q = __uint_as_float(prmt(v, 0x4B000000u, 0x7440u | (u32)j)) - magic;
+            f[j] = Traits<QT>::kMin ? __fadd_rn(__fmul_rn(d, q), m) : __fmul_rn(d, q);
+        }
+        out[0] = pack2<DT>(f[0], f[1]);
+        out[1] = pack2<DT>(f[2], f[3]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// dequantize: out [N][K] in DT (fp16, bf16 or fp32), one thread per (row, block)
+// ---------------------------------------------------------------------------------------
+template <int QT> KBIT_DEVICE float level_at(const u32 (&w)[8], u32 qh, int j) {
+    if constexpr (Traits<QT>::kEight) {
+        return (float)(int)(signed char)((w[j >> 2] >> (8 * (j & 3))) & 0xFFu);
+    } else {
+        const int byte = j & 15;
+        u32 q = (w[byte >> 2] >> (8 * (byte & 3) + (j >= 16 ? 4 : 0))) & 0xFu;
+        if constexpr (Traits<QT>::kHigh) q |= ((qh >> j) & 1u) << 4;
+        return (float)((int)q - (Traits<QT>::kMin ? 0 : Traits<QT>::kOffset));
+    }
+}
+
+template <int QT, int DT>
+__global__ void __launch_bounds__(256)
+kbit_gguf_dequantize(const u8* __restrict__ qs, const u32* __restrict__ qh, const u16* __restrict__ scale,
+                     const u16* __restrict__ mins, void* __restrict__ out, int N, int nb) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;  // (row, block) index
+    if (i >= (i64)N * nb) return;
+    u32 w[8];
+    const uint4* src = reinterpret_cast<const uint4*>(qs + i * Traits<QT>::kQsBytes);
+#pragma unroll
+    for (int c = 0; c < Traits<QT>::kQsBytes / 16; ++c) {
+        const uint4 v = __ldg(src + c);
+        w[4 * c] = v.x; w[4 * c + 1] = v.y; w[4 * c + 2] = v.z; w[4 * c + 3] = v.w;
+    }
+    const u32 h = Traits<QT>::kHigh ? __ldg(qh + i) : 0u;
+    const float d = f16_to_f32(__ldg(scale + i));
+    const float m = Traits<QT>::kMin ? f16_to_f32(__ldg(mins + i)) : 0.0f;
+    float f[kBlock];
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) {
+        const float q = level_at<QT>(w, h, j);
+        f[j] = Traits<QT>::kMin ? __fadd_rn(__fmul_rn(d, q), m) : __fmul_rn(d, q);
+    }
+    if constexpr (DT == KBIT_F32) {
+        float4* dst = reinterpret_cast<float4*>(out) + i * (kBlock / 4);
+#pragma unroll
+        for (int c = 0; c < kBlock / 4; ++c) dst[c] = make_float4(f[4 * c], f[4 * c + 1], f[4 * c + 2], f[4 * c + 3]);
+    } else {
+        uint4* dst = reinterpret_cast<uint4*>(out) + i * (kBlock / 8);
+#pragma unroll
+        for (int c = 0; c < kBlock / 8; ++c)
+            dst[c] = make_uint4(pack2<DT>(f[8 * c], f[8 * c + 1]), pack2<DT>(f[8 * c + 2], f[8 * c + 3]),
+                                pack2<DT>(f[8 * c + 4], f[8 * c + 5]), pack2<DT>(f[8 * c + 6], f[8 * c + 7]));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// small-M GEMM: out [M][N] = x [M][K] @ W^T (+ bias), M <= 8 * N8
+// ---------------------------------------------------------------------------------------
+// One block's loads for this lane: rows g and g + 8.
+template <int QT> struct BlockLoad {
+    u32 w[2][2];  // qs words: [row][s] (4/5-bit types use only s = 0: both halves are in one word)
+    u32 qh[2];
+    u16 d[2], m[2];
+};
+
+template <int QT, int DT, int N8, int WARPS, int UNROLL>
+__global__ void __launch_bounds__(WARPS * 32)
+kbit_gguf_gemv(const u16* __restrict__ x, const u8* __restrict__ qs, const u32* __restrict__ qh, const u16* __restrict__ scale,
+               const u16* __restrict__ mins, const u16* __restrict__ bias, u16* __restrict__ out, int M, int N, int K) {
+    __shared__ float partial[WARPS][N8 * 128];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int nb = K / kBlock;
+    const int row0 = blockIdx.x * 16;
+    // Rows past N read row N - 1 (never stored).
+    const i64 rows[2] = {(i64)min(row0 + g, N - 1), (i64)min(row0 + g + 8, N - 1)};
+
+    float acc[N8][4];
+#pragma unroll
+    for (int n = 0; n < N8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
+
+    for (int b0 = warp * UNROLL; b0 < nb; b0 += WARPS * UNROLL) {
+        BlockLoad<QT> ld[UNROLL];
+        uint2 xv[UNROLL][N8][2];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int b = b0 + u;
+            if (b < nb) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const i64 blk = rows[r] * nb + b;
+                    const u8* base = qs + blk * Traits<QT>::kQsBytes + 4 * t;
+                    ld[u].w[r][0] = __ldg(reinterpret_cast<const u32*>(base));
+                    ld[u].w[r][1] = Traits<QT>::kEight ? __ldg(reinterpret_cast<const u32*>(base + 16)) : 0u;
+                    ld[u].qh[r] = Traits<QT>::kHigh ? __ldg(qh + blk) : 0u;
+                    ld[u].d[r] = __ldg(scale + blk);
+                    ld[u].m[r] = Traits<QT>::kMin ? __ldg(mins + blk) : (u16)0;
+                }
+#pragma unroll
+                for (int n = 0; n < N8; ++n) {
+                    const int token = n * 8 + g;
+#pragma unroll
+                    for (int s = 0; s < 2; ++s) {
+                        xv[u][n][s] = token < M ? __ldg(reinterpret_cast<const uint2*>(x + (i64)token * K + b * kBlock + 16 * s + 4 * t))
+                                                : make_uint2(0u, 0u);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (b0 + u >= nb) break;
+            u32 a[2][4];  // [s][mma A register]
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const u32 d2 = (u32)ld[u].d[r] * 0x10001u, m2 = (u32)ld[u].m[r] * 0x10001u;
+                const float d = f16_to_f32(ld[u].d[r]), m = Traits<QT>::kMin ? f16_to_f32(ld[u].m[r]) : 0.0f;
+#pragma unroll
+                for (int s = 0; s < 2; ++s) {
+                    const u32 word = Traits<QT>::kEight ? ld[u].w[r][s] : ld[u].w[r][0];
+                    u32 pair[2];
+                    weights4<QT, DT>(levels4<QT>(word, ld[u].qh[r], s, t), d2, m2, d, m, pair);
+                    a[s][r] = pair[0];      // k slots 2t, 2t+1 of row g (r = 0) / g + 8 (r = 1)
+                    a[s][2 + r] = pair[1];  // k slots 2t+8, 2t+9
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < N8; ++n)
+#pragma unroll
+                for (int s = 0; s < 2; ++s) mma_16816<DT>(acc[n], a[s], xv[u][n][s].x, xv[u][n][s].y);
+        }
+    }
+
+    // Sum the warps' accumulators: lane's c[i] is row g + 8 (i >= 2), token 8n + 2t + (i & 1).
+#pragma unroll
+    for (int n = 0; n < N8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) partial[warp][n * 128 + lane * 4 + i] = acc[n][i];
+    __syncthreads();
+    for (int o = threadIdx.x; o < N8 * 128; o += WARPS * 32) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) sum += partial[w][o];
+        const int n = o / 128, l = (o / 4) % 32, i = o % 4;
+        const int row = row0 + (l >> 2) + (i >= 2 ? 8 : 0);
+        const int token = n * 8 + 2 * (l & 3) + (i & 1);
+        if (row < N && token < M) {
+            if (bias != nullptr) sum += bits_to_f32<DT>(bias[row]);
+            out[(i64)token * N + row] = f32_to_bits<DT>(sum);
+        }
+    }
+}
+
+}  // namespace kbit_gguf
+
+using kbit_gguf::kbit_gguf_dequantize;
+using kbit_gguf::kbit_gguf_gemv;

@@ -1,0 +1,133 @@
+"""GPU tests of the GGUF block-format kernels (``kernels/gguf.cu``) against the reference
+(:mod:`kbit_linear.gguf_format`).
+
+Weights are drawn fresh per case (random bytes for the levels, random fp16 scales and minimums,
+so every level and bit pattern occurs); the dequantize kernel must equal the reference bit for
+bit in every output dtype, the GEMM must match ``x @ W^T`` with ``W`` the reference's weight in
+``x``'s dtype. Outputs are NaN-poisoned before each call (a freed NaN block of the same size
+that the op's allocation reuses, and CUDA-graph replays into a NaN-filled output), so an
+element a kernel fails to write shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kbit_linear import gguf_format as gf
+from kbit_linear.backends.cuda import gguf as kgguf, tuning
+
+gpu = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = gpu
+
+TYPES = sorted(gf.BLOCK_TYPES)
+SHAPES = [(1, 32), (7, 96), (16, 64), (33, 160), (129, 1024), (300, 2080), (1000, 4096)]
+
+
+def random_weight(qtype: str, n: int, k: int, seed: int, device: str = "cuda") -> gf.GGUFWeight:
+    """A weight with every field random: levels from random bytes, scales and minimums fp16 of
+    both signs over a few decades (never inf/nan)."""
+    g = torch.Generator().manual_seed(seed)
+    t = gf.block_type(qtype)
+    raw = torch.randint(0, 256, (n, k // gf.BLOCK, t.block_bytes), generator=g, dtype=torch.uint8)
+    w = gf.split_blocks(raw, qtype, n, k)
+    scale = (torch.rand(n, k // gf.BLOCK, generator=g) * 0.02 + 1e-4) * torch.where(torch.rand(n, k // gf.BLOCK, generator=g) < 0.5, -1, 1)
+    w.scale = scale.to(torch.float16)
+    if w.mins is not None:
+        w.mins = (torch.randn(n, k // gf.BLOCK, generator=g) * 0.05).to(torch.float16)
+    return w.to(device)
+
+
+def _poison_next(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Leave a NaN-filled block of this size in torch's cache for the next allocation to reuse."""
+    torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def _args(w: gf.GGUFWeight):
+    return w.qs, w.qh, w.scale, w.mins, w.qtype, w.out_features
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dequantize_is_the_reference_bit_for_bit(qtype, dtype):
+    for i, (n, k) in enumerate(SHAPES):
+        w = random_weight(qtype, n, k, seed=100 * i + len(qtype))
+        ref = gf.dequantize(w.to("cpu"), dtype)
+        _poison_next((n, k), dtype)
+        out = torch.ops.kbit_linear.gguf_dequantize(w.qs, w.qh, w.scale, w.mins, qtype, n, k, dtype)
+        assert torch.equal(out.cpu().view(torch.uint8 if dtype != torch.float32 else torch.int32).view(-1),
+                           ref.view(torch.uint8 if dtype != torch.float32 else torch.int32).view(-1)), (qtype, dtype, n, k)
+
+
+def _check_gemm(out: torch.Tensor, x: torch.Tensor, w: gf.GGUFWeight, bias: torch.Tensor | None) -> None:
+    dense = gf.dequantize(w.to("cpu"), x.dtype).to(x.device).float()
+    ref = x.float() @ dense.T
+    if bias is not None:
+        ref += bias.to(x.dtype).float()
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    assert not torch.isnan(out).any(), "unwritten (NaN) outputs"
+    scale = ref.abs().max().clamp_min(1e-6)
+    tol = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float32: 1e-4}[x.dtype]
+    err = ((out.float() - ref).abs().max() / scale).item()
+    assert err < tol, f"{w.qtype} {x.dtype} M={x.shape[0]} N={w.out_features} K={w.in_features}: max rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemm_matches_the_reference(qtype, dtype):
+    torch.manual_seed(0)
+    for i, (n, k) in enumerate(SHAPES):
+        w = random_weight(qtype, n, k, seed=7 * i + 1)
+        for m in (1, 2, 3, 8, 9, 16, 17, 40):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            bias = torch.randn(n, device="cuda", dtype=dtype) if (m + i) % 3 == 0 else None
+            _poison_next((m, n), dtype)
+            out = torch.ops.kbit_linear.gguf_gemm(x, *_args(w), bias)
+            _check_gemm(out, x, w, bias)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_gemm_float32_is_dequantize_then_linear_exactly(qtype):
+    """fp32 activations take dequantize + F.linear: the same numbers a dense fp32 model gives."""
+    w = random_weight(qtype, 96, 256, seed=3)
+    x = torch.randn(5, 256, device="cuda")
+    dense = gf.dequantize(w.to("cpu"), torch.float32).cuda()
+    out = torch.ops.kbit_linear.gguf_gemm(x, *_args(w), None)
+    assert torch.equal(out, torch.nn.functional.linear(x, dense))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1"])
+def test_gemm_in_cuda_graph_with_poisoned_output(qtype):
+    w = random_weight(qtype, 257, 512, seed=11)
+    for m in (1, 12):
+        x = torch.randn(m, 512, device="cuda", dtype=torch.float16)
+        out = torch.empty(m, 257, device="cuda", dtype=torch.float16)
+        torch.ops.kbit_linear.gguf_gemm(x, *_args(w), None)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(torch.ops.kbit_linear.gguf_gemm(x, *_args(w), None))
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            _check_gemm(out, x, w, None)
+
+
+def test_gemm_unaligned_and_strided_x():
+    w = random_weight("Q4_1", 64, 320, seed=5)
+    base = torch.randn(3, 330, device="cuda", dtype=torch.bfloat16)
+    for x in (base[:, 1:321], base[:, :320].t().contiguous().t(), base[:, 3:323]):
+        _check_gemm(torch.ops.kbit_linear.gguf_gemm(x.contiguous() if x.dim() != 2 else x, *_args(w), None), x, w, None)
+
+
+def test_gemm_under_torch_compile():
+    w = random_weight("Q5_0", 128, 256, seed=9)
+    f = torch.compile(lambda x: torch.ops.kbit_linear.gguf_gemm(x, *_args(w), None), fullgraph=True)
+    x = torch.randn(4, 256, device="cuda", dtype=torch.float16)
+    _check_gemm(f(x), x, w, None)
+
+
+def test_small_m_limit_is_the_kernels():
+    assert tuning.GGUF_GEMV_MAX_M <= 16  # two n8 fragments per launch
+    assert len(kgguf.gguf_instances()) == len(set(kgguf.gguf_instances()))
