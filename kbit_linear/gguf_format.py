@@ -220,7 +220,9 @@ def split_blocks(raw: torch.Tensor, qtype: str | GGUFBlockType, out_features: in
 
     def take(n: int) -> torch.Tensor:
         nonlocal pos
-        part = b[:, :, pos : pos + n].contiguous()
+        # A copy, never a view: the field must start at offset 0 of its own storage to be
+        # viewed as int32 / float16 (a slice of a single block would otherwise stay a view).
+        part = b[:, :, pos : pos + n].clone(memory_format=torch.contiguous_format)
         pos += n
         return part
 
