@@ -18,15 +18,19 @@
 // kbit_gguf_dequantize: one thread per (row, block); float32 arithmetic in the reference's order
 // (product, then sum, never fused), rounded once to the output type: bit for bit the reference.
 //
-// kbit_gguf_gemv (M <= 16 rows of x): one CTA per 16 output rows, its WARPS warps splitting the
-// blocks of K (UNROLL consecutive blocks per warp and step, so each row's bytes come in full
-// 32-byte sectors); per block, two mma.m16n8k16 steps with the weights as the A operand:
+// kbit_gguf_gemv (M <= 8 * N8 rows of x, N8 <= 8): one CTA per 16 output rows, its WARPS warps
+// splitting the blocks of K. A warp's step covers 4 consecutive blocks (UNROLL steps' loads in
+// flight); lane (g = lane / 4, t = lane % 4) owns block b + t of rows g and g + 8 and loads its
+// qs with 16-byte loads (a row's 4 blocks are one 64-byte run across the quad). A block is eight
+// mma.m16n8k16 steps j with the weights as the A operand, in which the lane's k slots
+// 2t, 2t+1, 2t+8, 2t+9 hold four weights of its own block:
 //
-//   A (16 rows x 16 k) of step s in {0, 1}: lane (g = lane / 4, t = lane % 4) holds rows g and
-//   g + 8, "k" slots 2t, 2t+1, 2t+8, 2t+9 = the block's weights 16s + 4t .. 16s + 4t + 3, i.e.
-//   the nibbles of qs bytes 4t .. 4t+3 (low nibbles for s = 0, high for s = 1; Q8_0: bytes
-//   16s + 4t ..). The dot product does not care which k is which, as long as B uses the same
-//   order: lane (g, t) loads x[token g][32 b + 16 s + 4t .. + 3] as one 8-byte load.
+//   4/5-bit: step j = nibbles (low for even j, high for odd) of qs word j / 2 = weights
+//            16 (j & 1) + 4 (j / 2) .. + 3;          Q8_0: qs word j = weights 4j .. 4j + 3.
+//
+// A dot product does not care which k is which as long as B uses the same order, so lane (g, t)
+// supplies x[token g][32 (b + t) + those weights] as its B registers (from four 16-byte loads of
+// the block's x). The scale is applied to the weights (A), so one mma may mix blocks.
 //
 //   The weights are made in the activation type: fp16 from (0x6400 | q) = 1024 + q (exact),
 //   minus 1024 + offset, times d (one rounding), or fma(q, d, m) for the _1 types; bf16 in fp32
@@ -68,18 +72,6 @@ KBIT_DEVICE u32 spread4(u32 x) {
 
 KBIT_DEVICE float f16_to_f32(u16 h) {
     return bits_to_f32<KBIT_F16>(h);
-}
-
-// The unsigned levels (q, or q + 128 for Q8_0) of four weights, one per byte:
-// the 4/5-bit weights 16 s + 4t .. + 3 from the qs word `w` (bytes 4t..4t+3) and qh.
-template <int QT> KBIT_DEVICE u32 levels4(u32 w, u32 qh, int s, int t) {
-    if constexpr (Traits<QT>::kEight) {
-        return w ^ 0x80808080u;
-    } else {
-        u32 v = (s == 0 ? w : (w >> 4)) & 0x0F0F0F0Fu;
-        if constexpr (Traits<QT>::kHigh) v |= spread4((qh >> (16 * s + 4 * t)) & 0xFu);
-        return v;
-    }
 }
 
 // Four weights (levels in the bytes of v) as two packed pairs of the activation type DT.
@@ -163,17 +155,39 @@ kbit_gguf_dequantize(const u8* __restrict__ qs, const u32* __restrict__ qh, cons
 // ---------------------------------------------------------------------------------------
 // small-M GEMM: out [M][N] = x [M][K] @ W^T (+ bias), M <= 8 * N8
 // ---------------------------------------------------------------------------------------
-// One block's loads for this lane: rows g and g + 8.
-template <int QT> struct BlockLoad {
-    u32 w[2][2];  // qs words: [row][s] (4/5-bit types use only s = 0: both halves are in one word)
+// A warp's step covers 4 consecutive blocks; lane (g, t) owns block b + t of rows g and g + 8.
+template <int QT> struct StepLoad {
+    uint4 w[2][Traits<QT>::kQsBytes / 16];  // [row][16-byte chunk] of the block's qs
     u32 qh[2];
     u16 d[2], m[2];
 };
+
+// qs word and nibble half of mma step j (0..7) of a block, and the first weight it covers.
+template <int QT> KBIT_DEVICE u32 step_word(const uint4 (&w)[Traits<QT>::kQsBytes / 16], int j) {
+    const int word = Traits<QT>::kEight ? j : (j >> 1);
+    const uint4 c = w[word >> 2];
+    const int i = word & 3;
+    return i == 0 ? c.x : i == 1 ? c.y : i == 2 ? c.z : c.w;
+}
+template <int QT> KBIT_DEVICE constexpr int step_first(int j) {
+    return Traits<QT>::kEight ? 4 * j : 16 * (j & 1) + 4 * (j >> 1);
+}
+
+template <int QT> KBIT_DEVICE u32 step_levels(u32 word, u32 qh, int j) {
+    if constexpr (Traits<QT>::kEight) {
+        return word ^ 0x80808080u;
+    } else {
+        u32 v = ((j & 1) ? (word >> 4) : word) & 0x0F0F0F0Fu;
+        if constexpr (Traits<QT>::kHigh) v |= spread4((qh >> step_first<QT>(j)) & 0xFu);
+        return v;
+    }
+}
 
 template <int QT, int DT, int N8, int WARPS, int UNROLL>
 __global__ void __launch_bounds__(WARPS * 32)
 kbit_gguf_gemv(const u16* __restrict__ x, const u8* __restrict__ qs, const u32* __restrict__ qh, const u16* __restrict__ scale,
                const u16* __restrict__ mins, const u16* __restrict__ bias, u16* __restrict__ out, int M, int N, int K) {
+    constexpr int kChunks = Traits<QT>::kQsBytes / 16;
     __shared__ float partial[WARPS][N8 * 128];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -188,55 +202,57 @@ kbit_gguf_gemv(const u16* __restrict__ x, const u8* __restrict__ qs, const u32* 
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
 
-    for (int b0 = warp * UNROLL; b0 < nb; b0 += WARPS * UNROLL) {
-        BlockLoad<QT> ld[UNROLL];
-        uint2 xv[UNROLL][N8][2];
+    for (int b0 = 4 * warp * UNROLL; b0 < nb; b0 += 4 * WARPS * UNROLL) {
+        StepLoad<QT> ld[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int b = b0 + u;
-            if (b < nb) {
+            const int b = b0 + 4 * u + t;  // this lane's block
+            const bool live = b < nb;
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const i64 blk = rows[r] * nb + b;
-                    const u8* base = qs + blk * Traits<QT>::kQsBytes + 4 * t;
-                    ld[u].w[r][0] = __ldg(reinterpret_cast<const u32*>(base));
-                    ld[u].w[r][1] = Traits<QT>::kEight ? __ldg(reinterpret_cast<const u32*>(base + 16)) : 0u;
-                    ld[u].qh[r] = Traits<QT>::kHigh ? __ldg(qh + blk) : 0u;
-                    ld[u].d[r] = __ldg(scale + blk);
-                    ld[u].m[r] = Traits<QT>::kMin ? __ldg(mins + blk) : (u16)0;
-                }
+            for (int r = 0; r < 2; ++r) {
+                const i64 blk = rows[r] * nb + (live ? b : 0);
+                const uint4* src = reinterpret_cast<const uint4*>(qs + blk * Traits<QT>::kQsBytes);
 #pragma unroll
-                for (int n = 0; n < N8; ++n) {
-                    const int token = n * 8 + g;
-#pragma unroll
-                    for (int s = 0; s < 2; ++s) {
-                        xv[u][n][s] = token < M ? __ldg(reinterpret_cast<const uint2*>(x + (i64)token * K + b * kBlock + 16 * s + 4 * t))
-                                                : make_uint2(0u, 0u);
-                    }
-                }
+                for (int c = 0; c < kChunks; ++c) ld[u].w[r][c] = live ? __ldg(src + c) : make_uint4(0u, 0u, 0u, 0u);
+                ld[u].qh[r] = Traits<QT>::kHigh && live ? __ldg(qh + blk) : 0u;
+                ld[u].d[r] = live ? __ldg(scale + blk) : (u16)0;  // d = 0: a missing block adds nothing
+                ld[u].m[r] = Traits<QT>::kMin && live ? __ldg(mins + blk) : (u16)0;
             }
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (b0 + u >= nb) break;
-            u32 a[2][4];  // [s][mma A register]
+            if (b0 + 4 * u >= nb) break;  // warp-uniform
+            const int b = b0 + 4 * u + t;
+            const bool live = b < nb;
+            u32 a[8][4];  // [mma step][A register]
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const u32 d2 = (u32)ld[u].d[r] * 0x10001u, m2 = (u32)ld[u].m[r] * 0x10001u;
                 const float d = f16_to_f32(ld[u].d[r]), m = Traits<QT>::kMin ? f16_to_f32(ld[u].m[r]) : 0.0f;
 #pragma unroll
-                for (int s = 0; s < 2; ++s) {
-                    const u32 word = Traits<QT>::kEight ? ld[u].w[r][s] : ld[u].w[r][0];
+                for (int j = 0; j < 8; ++j) {
                     u32 pair[2];
-                    weights4<QT, DT>(levels4<QT>(word, ld[u].qh[r], s, t), d2, m2, d, m, pair);
-                    a[s][r] = pair[0];      // k slots 2t, 2t+1 of row g (r = 0) / g + 8 (r = 1)
-                    a[s][2 + r] = pair[1];  // k slots 2t+8, 2t+9
+                    weights4<QT, DT>(step_levels<QT>(step_word<QT>(ld[u].w[r], j), ld[u].qh[r], j), d2, m2, d, m, pair);
+                    a[j][r] = pair[0];      // k slots 2t, 2t+1 of row g (r = 0) / g + 8 (r = 1)
+                    a[j][2 + r] = pair[1];  // k slots 2t+8, 2t+9
                 }
             }
 #pragma unroll
-            for (int n = 0; n < N8; ++n)
+            for (int n = 0; n < N8; ++n) {
+                const int token = n * 8 + g;
+                // x[token][32 b .. 32 b + 31] as four 16-byte pieces; zeros past M or nb.
+                uint4 xv[4];
+                const uint4* xs = reinterpret_cast<const uint4*>(x + (i64)token * K + (i64)b * kBlock);
 #pragma unroll
-                for (int s = 0; s < 2; ++s) mma_16816<DT>(acc[n], a[s], xv[u][n][s].x, xv[u][n][s].y);
+                for (int q = 0; q < 4; ++q) xv[q] = token < M && live ? __ldg(xs + q) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int e = step_first<QT>(j);  // weights e .. e + 3 of the block
+                    const uint4 v = xv[e >> 3];
+                    const u32 b0r = (e & 4) ? v.z : v.x, b1r = (e & 4) ? v.w : v.y;
+                    mma_16816<DT>(acc[n], a[j], b0r, b1r);
+                }
+            }
         }
     }
 

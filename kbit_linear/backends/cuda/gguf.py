@@ -27,6 +27,11 @@ _DEQUANT_THREADS = 256
 _DEQUANT_ARGS = loader.ArgPack("kbit_gguf_dequantize", "qs:p qh:p scale:p mins:p out:p N:i nb:i")
 _GEMV_ARGS = loader.ArgPack("kbit_gguf_gemv", "x:p qs:p qh:p scale:p mins:p bias:p out:p M:i N:i K:i")
 _ROWS_PER_BLOCK = 16  # output rows per block of the small-M kernel (one m16 tile)
+_TOKEN_TILES = (1, 2, 4, 8)  # n8 fragments per instance: M <= 8, 16, 32, 64
+
+
+def _token_tiles(m: int) -> int:
+    return next(n8 for n8 in _TOKEN_TILES if m <= 8 * n8)
 
 
 def _dequant_name(qtype: str, dtype: torch.dtype) -> str:
@@ -41,7 +46,7 @@ def _gemv_name(qtype: str, dtype: torch.dtype, n8: int) -> str:
 def gguf_instances() -> list[str]:
     """Every instance of ``gguf.cu`` the backend can launch (name expressions)."""
     names = [_dequant_name(q, dt) for q in gf.BLOCK_TYPES for dt in _DT]
-    names += [_gemv_name(q, dt, n8) for q in gf.BLOCK_TYPES for dt in (torch.float16, torch.bfloat16) for n8 in (1, 2)]
+    names += [_gemv_name(q, dt, n8) for q in gf.BLOCK_TYPES for dt in (torch.float16, torch.bfloat16) for n8 in _TOKEN_TILES]
     return names
 
 
@@ -93,7 +98,7 @@ def gguf_gemm_cuda(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor | None, s
     out = torch.empty((m, out_features), dtype=x.dtype, device=x.device)
     qs, qh, scale, mins = _arrays(qs, qh, scale, mins)
     b = None if bias is None else aligned16(bias.to(x.dtype))
-    kern = loader.get_kernel(_SOURCE, _gemv_name(qtype, x.dtype, 1 if m <= 8 else 2), x.device)
+    kern = loader.get_kernel(_SOURCE, _gemv_name(qtype, x.dtype, _token_tiles(m)), x.device)
     loader.launch(kern, (out_features + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK, 32 * tuning.GGUF_GEMV_WARPS,
                   _GEMV_ARGS.Values(x=aligned16(x), qs=qs, qh=qh, scale=scale, mins=mins, bias=b, out=out, M=m, N=out_features, K=k),
                   0, x.device, pack=_GEMV_ARGS)

@@ -234,11 +234,11 @@ DECODE_VARIANTS: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {
 # ---------------------------------------------------------------------------------------
 
 # Largest M (rows of x) handed to the GGUF small-M kernel; larger M dequantizes the weight and
-# calls cuBLAS. 16 is the kernel's limit (two n8 tensor-core fragments), not a measured cross-over.
-GGUF_GEMV_MAX_M = 16
+# calls cuBLAS. 64 is the kernel's limit (eight n8 tensor-core fragments); first version, the
+# cross-over against dequantize + cuBLAS is measured by scripts/bench_gguf.py.
+GGUF_GEMV_MAX_M = 64
 
-# Launch shape of the GGUF small-M kernel: warps per block (splitting K) and consecutive blocks
-# of 32 weights per warp and step (4 x 16 bytes = one 64-byte run of each row's qs per step).
-# First version, not tuned.
+# Launch shape of the GGUF small-M kernel: warps per block (splitting K) and steps of 4
+# consecutive blocks of 32 weights whose loads a warp keeps in flight. First version, not tuned.
 GGUF_GEMV_WARPS = 8
-GGUF_GEMV_UNROLL = 4
+GGUF_GEMV_UNROLL = 2
