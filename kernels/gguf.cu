@@ -15,11 +15,12 @@
 //
 // The type is the template argument QT (QT_Q4_0 .. QT_Q8_0, the `code` of gguf_format.py).
 //
-// kbit_gguf_dequantize: one thread per (row, block); float32 arithmetic in the reference's order
+// kbit_gguf_dequantize: four threads per (row, block); float32 arithmetic in the reference's order
 // (product, then sum, never fused), rounded once to the output type: bit for bit the reference.
 //
-// kbit_gguf_gemv (M <= 8 * N8 rows of x, N8 <= 8): one CTA per 16 output rows, its WARPS warps
-// splitting the blocks of K. A warp's step covers 4 consecutive blocks (UNROLL steps' loads in
+// kbit_gguf_gemv (M <= 8 * N8 rows of x, N8 <= 8): one CTA per ROW_TILES tiles of 16 output
+// rows, WARPS / ROW_TILES warps per tile splitting the blocks of K (more tiles per CTA for
+// larger M: each CTA reads all of x once, from L2). A warp's step covers 4 consecutive blocks (UNROLL steps' loads in
 // flight); lane (g = lane / 4, t = lane % 4) owns block b + t of rows g and g + 8 and loads its
 // qs with 16-byte loads (a row's 4 blocks are one 64-byte run across the quad). A block is eight
 // mma.m16n8k16 steps j with the weights as the A operand, in which the lane's k slots
@@ -104,51 +105,45 @@ template <int QT, int DT> KBIT_DEVICE void weights4(u32 v, u32 d2, u32 m2, float
 }
 
 // ---------------------------------------------------------------------------------------
-// dequantize: out [N][K] in DT (fp16, bf16 or fp32), one thread per (row, block)
+// dequantize: out [N][K] in DT (fp16, bf16 or fp32); four threads per (row, block), thread
+// j = 0..3 of a block makes weights 8j .. 8j + 7, so a warp's stores are one contiguous run.
 // ---------------------------------------------------------------------------------------
-template <int QT> KBIT_DEVICE float level_at(const u32 (&w)[8], u32 qh, int j) {
-    if constexpr (Traits<QT>::kEight) {
-        return (float)(int)(signed char)((w[j >> 2] >> (8 * (j & 3))) & 0xFFu);
-    } else {
-        const int byte = j & 15;
-        u32 q = (w[byte >> 2] >> (8 * (byte & 3) + (j >= 16 ? 4 : 0))) & 0xFu;
-        if constexpr (Traits<QT>::kHigh) q |= ((qh >> j) & 1u) << 4;
-        return (float)((int)q - (Traits<QT>::kMin ? 0 : Traits<QT>::kOffset));
-    }
-}
-
 template <int QT, int DT>
 __global__ void __launch_bounds__(256)
 kbit_gguf_dequantize(const u8* __restrict__ qs, const u32* __restrict__ qh, const u16* __restrict__ scale,
                      const u16* __restrict__ mins, void* __restrict__ out, int N, int nb) {
-    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;  // (row, block) index
-    if (i >= (i64)N * nb) return;
-    u32 w[8];
-    const uint4* src = reinterpret_cast<const uint4*>(qs + i * Traits<QT>::kQsBytes);
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 blk = i >> 2;  // (row, block) index
+    const int part = (int)(i & 3);
+    if (blk >= (i64)N * nb) return;
+    // Levels of weights 8 part .. 8 part + 7. 4/5-bit: qs bytes 8 (part & 1) .. + 7, low
+    // nibbles for parts 0, 1 and high for 2, 3; Q8_0: qs bytes 8 part .. + 7.
+    const int byte0 = Traits<QT>::kEight ? 8 * part : 8 * (part & 1);
+    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(qs + blk * Traits<QT>::kQsBytes + byte0));
+    const float d = f16_to_f32(__ldg(scale + blk));
+    const float m = Traits<QT>::kMin ? f16_to_f32(__ldg(mins + blk)) : 0.0f;
+    const u32 h = Traits<QT>::kHigh ? (__ldg(qh + blk) >> (8 * part)) : 0u;
+    float f[8];
 #pragma unroll
-    for (int c = 0; c < Traits<QT>::kQsBytes / 16; ++c) {
-        const uint4 v = __ldg(src + c);
-        w[4 * c] = v.x; w[4 * c + 1] = v.y; w[4 * c + 2] = v.z; w[4 * c + 3] = v.w;
-    }
-    const u32 h = Traits<QT>::kHigh ? __ldg(qh + i) : 0u;
-    const float d = f16_to_f32(__ldg(scale + i));
-    const float m = Traits<QT>::kMin ? f16_to_f32(__ldg(mins + i)) : 0.0f;
-    float f[kBlock];
-#pragma unroll
-    for (int j = 0; j < kBlock; ++j) {
-        const float q = level_at<QT>(w, h, j);
+    for (int j = 0; j < 8; ++j) {
+        const u32 byte = ((j < 4 ? raw.x : raw.y) >> (8 * (j & 3))) & 0xFFu;
+        float q;
+        if constexpr (Traits<QT>::kEight) {
+            q = (float)(int)(signed char)byte;
+        } else {
+            u32 v = (part >= 2 ? byte >> 4 : byte) & 0xFu;
+            if constexpr (Traits<QT>::kHigh) v |= ((h >> j) & 1u) << 4;
+            q = (float)((int)v - (Traits<QT>::kMin ? 0 : Traits<QT>::kOffset));
+        }
         f[j] = Traits<QT>::kMin ? __fadd_rn(__fmul_rn(d, q), m) : __fmul_rn(d, q);
     }
     if constexpr (DT == KBIT_F32) {
-        float4* dst = reinterpret_cast<float4*>(out) + i * (kBlock / 4);
-#pragma unroll
-        for (int c = 0; c < kBlock / 4; ++c) dst[c] = make_float4(f[4 * c], f[4 * c + 1], f[4 * c + 2], f[4 * c + 3]);
+        float4* dst = reinterpret_cast<float4*>(out) + i * 2;
+        dst[0] = make_float4(f[0], f[1], f[2], f[3]);
+        dst[1] = make_float4(f[4], f[5], f[6], f[7]);
     } else {
-        uint4* dst = reinterpret_cast<uint4*>(out) + i * (kBlock / 8);
-#pragma unroll
-        for (int c = 0; c < kBlock / 8; ++c)
-            dst[c] = make_uint4(pack2<DT>(f[8 * c], f[8 * c + 1]), pack2<DT>(f[8 * c + 2], f[8 * c + 3]),
-                                pack2<DT>(f[8 * c + 4], f[8 * c + 5]), pack2<DT>(f[8 * c + 6], f[8 * c + 7]));
+        reinterpret_cast<uint4*>(out)[i] = make_uint4(pack2<DT>(f[0], f[1]), pack2<DT>(f[2], f[3]), pack2<DT>(f[4], f[5]),
+                                                      pack2<DT>(f[6], f[7]));
     }
 }
 
@@ -183,16 +178,19 @@ template <int QT> KBIT_DEVICE u32 step_levels(u32 word, u32 qh, int j) {
     }
 }
 
-template <int QT, int DT, int N8, int WARPS, int UNROLL>
+template <int QT, int DT, int N8, int WARPS, int ROW_TILES, int UNROLL>
 __global__ void __launch_bounds__(WARPS * 32)
 kbit_gguf_gemv(const u16* __restrict__ x, const u8* __restrict__ qs, const u32* __restrict__ qh, const u16* __restrict__ scale,
                const u16* __restrict__ mins, const u16* __restrict__ bias, u16* __restrict__ out, int M, int N, int K) {
     constexpr int kChunks = Traits<QT>::kQsBytes / 16;
+    constexpr int kKWarps = WARPS / ROW_TILES;  // warps sharing one row tile, splitting K
+    static_assert(WARPS % ROW_TILES == 0, "every row tile gets the same number of warps");
     __shared__ float partial[WARPS][N8 * 128];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int nb = K / kBlock;
-    const int row0 = blockIdx.x * 16;
+    const int tile = warp / kKWarps, kw = warp % kKWarps;
+    const int row0 = (blockIdx.x * ROW_TILES + tile) * 16;
     // Rows past N read row N - 1 (never stored).
     const i64 rows[2] = {(i64)min(row0 + g, N - 1), (i64)min(row0 + g + 8, N - 1)};
 
@@ -202,7 +200,7 @@ kbit_gguf_gemv(const u16* __restrict__ x, const u8* __restrict__ qs, const u32* 
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
 
-    for (int b0 = 4 * warp * UNROLL; b0 < nb; b0 += 4 * WARPS * UNROLL) {
+    for (int b0 = 4 * kw * UNROLL; b0 < nb; b0 += 4 * kKWarps * UNROLL) {
         StepLoad<QT> ld[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -256,18 +254,20 @@ kbit_gguf_gemv(const u16* __restrict__ x, const u8* __restrict__ qs, const u32* 
         }
     }
 
-    // Sum the warps' accumulators: lane's c[i] is row g + 8 (i >= 2), token 8n + 2t + (i & 1).
+    // Sum the accumulators of each row tile's warps: lane's c[i] is row g + 8 (i >= 2), token
+    // 8n + 2t + (i & 1).
 #pragma unroll
     for (int n = 0; n < N8; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i) partial[warp][n * 128 + lane * 4 + i] = acc[n][i];
     __syncthreads();
-    for (int o = threadIdx.x; o < N8 * 128; o += WARPS * 32) {
+    for (int idx = threadIdx.x; idx < ROW_TILES * N8 * 128; idx += WARPS * 32) {
+        const int tl = idx / (N8 * 128), o = idx % (N8 * 128);
         float sum = 0.0f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) sum += partial[w][o];
+        for (int w = 0; w < kKWarps; ++w) sum += partial[tl * kKWarps + w][o];
         const int n = o / 128, l = (o / 4) % 32, i = o % 4;
-        const int row = row0 + (l >> 2) + (i >= 2 ? 8 : 0);
+        const int row = (blockIdx.x * ROW_TILES + tl) * 16 + (l >> 2) + (i >= 2 ? 8 : 0);
         const int token = n * 8 + 2 * (l & 3) + (i & 1);
         if (row < N && token < M) {
             if (bias != nullptr) sum += bits_to_f32<DT>(bias[row]);

@@ -25,6 +25,7 @@ __all__ = [
     "GGUF_GEMV_MAX_M",
     "GGUF_GEMV_WARPS",
     "GGUF_GEMV_UNROLL",
+    "GGUF_GEMV_ROW_TILES",
     "DecodeConfig",
     "DECODE_CONFIGS",
     "DECODE_SPLIT_COST_BYTES",
@@ -242,3 +243,7 @@ GGUF_GEMV_MAX_M = 64
 # consecutive blocks of 32 weights whose loads a warp keeps in flight. First version, not tuned.
 GGUF_GEMV_WARPS = 8
 GGUF_GEMV_UNROLL = 2
+
+# Row tiles (16 output rows each) per block of the GGUF small-M kernel, by n8 token fragments:
+# every block reads all of x from L2, so larger M shares it over more rows. First version.
+GGUF_GEMV_ROW_TILES: dict[int, int] = {1: 1, 2: 2, 4: 4, 8: 4}
