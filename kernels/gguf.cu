@@ -18,9 +18,8 @@
 // kbit_gguf_dequantize: four threads per (row, block); float32 arithmetic in the reference's order
 // (product, then sum, never fused), rounded once to the output type: bit for bit the reference.
 //
-// kbit_gguf_gemv (M <= 8 * N8 rows of x, N8 <= 8): one CTA per ROW_TILES tiles of 16 output
-// rows, WARPS / ROW_TILES warps per tile splitting the blocks of K (more tiles per CTA for
-// larger M: each CTA reads all of x once, from L2). A warp's step covers 4 consecutive blocks (UNROLL steps' loads in
+// kbit_gguf_gemv (M <= 8 * N8 rows of x, N8 <= 8): one CTA per 16 output rows, its WARPS warps
+// splitting the blocks of K. A warp's step covers 4 consecutive blocks (UNROLL steps' loads in
 // flight); lane (g = lane / 4, t = lane % 4) owns block b + t of rows g and g + 8 and loads its
 // qs with 16-byte loads (a row's 4 blocks are one 64-byte run across the quad). A block is eight
 // mma.m16n8k16 steps j with the weights as the A operand, in which the lane's k slots
@@ -178,19 +177,16 @@ template <int QT> KBIT_DEVICE u32 step_levels(u32 word, u32 qh, int j) {
     }
 }
 
-template <int QT, int DT, int N8, int WARPS, int ROW_TILES, int UNROLL>
+template <int QT, int DT, int N8, int WARPS, int UNROLL>
 __global__ void __launch_bounds__(WARPS * 32)
 kbit_gguf_gemv(const u16* __restrict__ x, const u8* __restrict__ qs, const u32* __restrict__ qh, const u16* __restrict__ scale,
                const u16* __restrict__ mins, const u16* __restrict__ bias, u16* __restrict__ out, int M, int N, int K) {
     constexpr int kChunks = Traits<QT>::kQsBytes / 16;
-    constexpr int kKWarps = WARPS / ROW_TILES;  // warps sharing one row tile, splitting K
-    static_assert(WARPS % ROW_TILES == 0, "every row tile gets the same number of warps");
     __shared__ float partial[WARPS][N8 * 128];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int nb = K / kBlock;
-    const int tile = warp / kKWarps, kw = warp % kKWarps;
-    const int row0 = (blockIdx.x * ROW_TILES + tile) * 16;
+    const int row0 = blockIdx.x * 16;
     // Rows past N read row N - 1 (never stored).
     const i64 rows[2] = {(i64)min(row0 + g, N - 1), (i64)min(row0 + g + 8, N - 1)};
 
@@ -200,7 +196,7 @@ kbit_gguf_gemv(const u16* __restrict__ x, const u8* __restrict__ qs, const u32* 
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
 
-    for (int b0 = 4 * kw * UNROLL; b0 < nb; b0 += 4 * kKWarps * UNROLL) {
+    for (int b0 = 4 * warp * UNROLL; b0 < nb; b0 += 4 * WARPS * UNROLL) {
         StepLoad<QT> ld[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -235,18 +231,23 @@ kbit_gguf_gemv(const u16* __restrict__ x, const u8* __restrict__ qs, const u32* 
                     a[j][2 + r] = pair[1];  // k slots 2t+8, 2t+9
                 }
             }
-#pragma unroll
-            for (int n = 0; n < N8; ++n) {
+            // x[token][32 b .. 32 b + 31] of token fragment n as four 16-byte pieces (zeros past
+            // M or nb); fragment n + 1's loads are issued before fragment n's MMAs.
+            uint4 xv[2][4];
+            auto load_x = [&](int n, uint4 (&dst)[4]) {
                 const int token = n * 8 + g;
-                // x[token][32 b .. 32 b + 31] as four 16-byte pieces; zeros past M or nb.
-                uint4 xv[4];
                 const uint4* xs = reinterpret_cast<const uint4*>(x + (i64)token * K + (i64)b * kBlock);
 #pragma unroll
-                for (int q = 0; q < 4; ++q) xv[q] = token < M && live ? __ldg(xs + q) : make_uint4(0u, 0u, 0u, 0u);
+                for (int q = 0; q < 4; ++q) dst[q] = token < M && live ? __ldg(xs + q) : make_uint4(0u, 0u, 0u, 0u);
+            };
+            load_x(0, xv[0]);
+#pragma unroll
+            for (int n = 0; n < N8; ++n) {
+                if (n + 1 < N8) load_x(n + 1, xv[(n + 1) & 1]);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const int e = step_first<QT>(j);  // weights e .. e + 3 of the block
-                    const uint4 v = xv[e >> 3];
+                    const uint4 v = xv[n & 1][e >> 3];
                     const u32 b0r = (e & 4) ? v.z : v.x, b1r = (e & 4) ? v.w : v.y;
                     mma_16816<DT>(acc[n], a[j], b0r, b1r);
                 }
@@ -254,20 +255,18 @@ kbit_gguf_gemv(const u16* __restrict__ x, const u8* __restrict__ qs, const u32* 
         }
     }
 
-    // Sum the accumulators of each row tile's warps: lane's c[i] is row g + 8 (i >= 2), token
-    // 8n + 2t + (i & 1).
+    // Sum the warps' accumulators: lane's c[i] is row g + 8 (i >= 2), token 8n + 2t + (i & 1).
 #pragma unroll
     for (int n = 0; n < N8; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i) partial[warp][n * 128 + lane * 4 + i] = acc[n][i];
     __syncthreads();
-    for (int idx = threadIdx.x; idx < ROW_TILES * N8 * 128; idx += WARPS * 32) {
-        const int tl = idx / (N8 * 128), o = idx % (N8 * 128);
+    for (int o = threadIdx.x; o < N8 * 128; o += WARPS * 32) {
         float sum = 0.0f;
 #pragma unroll
-        for (int w = 0; w < kKWarps; ++w) sum += partial[tl * kKWarps + w][o];
+        for (int w = 0; w < WARPS; ++w) sum += partial[w][o];
         const int n = o / 128, l = (o / 4) % 32, i = o % 4;
-        const int row = (blockIdx.x * ROW_TILES + tl) * 16 + (l >> 2) + (i >= 2 ? 8 : 0);
+        const int row = row0 + (l >> 2) + (i >= 2 ? 8 : 0);
         const int token = n * 8 + 2 * (l & 3) + (i & 1);
         if (row < N && token < M) {
             if (bias != nullptr) sum += bits_to_f32<DT>(bias[row]);

@@ -4,8 +4,10 @@ Every GEMM path (decode with each schedule, the grouped decode kernel of mixture
 layers, fused, fused-splitk, wgmma and wgmma-splitk on GPUs of compute capability 9.0,
 dequantize + cuBLAS), bits 2..5,
 fp16 and bf16, M from 1 to 300, small odd shapes and Llama-sized ones, a bias, and the quantize /
-repack / dequantize kernels that build each weight. Every result is checked against the float32
-reference; the script exits non-zero if one is wrong.
+repack / dequantize kernels that build each weight; with ``--bits`` including 4 (they have no
+kbit width, so one process runs them) also the GGUF block-format kernels (dequantize and the
+small-M GEMM, every type, M 1..65). Every result is checked against the float32 reference; the
+script exits non-zero if one is wrong.
 
     compute-sanitizer --tool racecheck --kernel-name kns=kbit_ --error-exitcode 3 python3 scripts/sanitize_gemm.py
     compute-sanitizer --tool memcheck --kernel-name kns=kbit_ --error-exitcode 3 python3 scripts/sanitize_gemm.py --quick --bits 4
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kbit_linear import format as fmt  # noqa: E402
+from kbit_linear import gguf_format as gf  # noqa: E402
 from kbit_linear.backends import cuda as kcuda  # noqa: E402
 from kbit_linear.backends.cuda import decode as kdecode  # noqa: E402
 from kbit_linear.backends.cuda import hopper  # noqa: E402
@@ -42,6 +45,8 @@ LLAMA_SHAPES = ((4097, 2048), (4096, 4096), (1024, 4096))
 M_ALL = (1, 3, 9, 16, 17, 64, 300)
 M_LLAMA = (1, 16, 64, 300)
 REL_TOL = 2e-2
+GGUF_SHAPES = ((129, 160), (33, 1024), (1000, 4096))
+GGUF_M = (1, 3, 9, 17, 33, 64, 65)
 
 
 def _weight(n: int, k: int, bits: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
@@ -105,6 +110,38 @@ def _run(x: torch.Tensor, bias: torch.Tensor, qw: tuple[torch.Tensor, ...], bits
     return kcuda.gemm_cuda(x, packed, absmax, cb, ts, bits, n, bias, out=out, **kw)
 
 
+def _gguf_sweep(dev: torch.device, verbose: bool) -> tuple[int, int]:
+    """The GGUF kernels on random weights of every type: (launches, wrong)."""
+    launches = bad = 0
+    for qtype, t in sorted(gf.BLOCK_TYPES.items()):
+        for n, k in GGUF_SHAPES:
+            raw = torch.randint(0, 256, (n, k // gf.BLOCK, t.block_bytes), dtype=torch.uint8)
+            w = gf.split_blocks(raw, qtype, n, k)
+            w.scale = (torch.rand(w.scale.shape) * 0.01).to(torch.float16)
+            if w.mins is not None:
+                w.mins = (torch.randn(w.mins.shape) * 0.01).to(torch.float16)
+            w = w.to(dev)
+            for dtype in DTYPES:
+                dense = gf.dequantize(w, dtype)
+                launches += 1
+                if not torch.equal(torch.ops.kbit_linear.gguf_dequantize(w.qs, w.qh, w.scale, w.mins, qtype, n, k, dtype), dense):
+                    bad += 1
+                    print(f"WRONG: gguf-dequantize {qtype} {k}->{n} {dtype}", flush=True)
+                for m in GGUF_M:
+                    if verbose:
+                        print(f"launch: M={m} {k}->{n} {qtype} {dtype} gguf-gemm", flush=True)
+                    x = torch.randn(m, k, device=dev, dtype=dtype)
+                    ref = F.linear(x.float(), dense.float())
+                    y = torch.ops.kbit_linear.gguf_gemm(x, w.qs, w.qh, w.scale, w.mins, qtype, n, None)
+                    launches += 1
+                    err = ((y.float() - ref).norm() / ref.norm()).item()
+                    if not err < REL_TOL or torch.isnan(y).any().item():
+                        bad += 1
+                        print(f"WRONG: M={m} {k}->{n} {qtype} {dtype} gguf-gemm: rel err {err:.2e}", flush=True)
+        print(f"gguf {qtype}: done", flush=True)
+    return launches, bad
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes only")
@@ -144,6 +181,9 @@ def main() -> int:
                             bad += 1
                             print(f"WRONG: M={m} {k}->{n} bits={bits} {dtype} {label}: rel err {err:.2e}", flush=True)
             print(f"{k}->{n} bits={bits}: done", flush=True)
+    if 4 in args.bits and (not args.only or any(o.startswith("gguf") for o in args.only)):
+        extra, extra_bad = _gguf_sweep(dev, args.verbose)
+        launches, bad = launches + extra, bad + extra_bad
     torch.cuda.synchronize()
     print(f"{launches} GEMM launches checked, {bad} wrong", flush=True)
     return 1 if bad else 0

@@ -26,7 +26,7 @@ _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _DEQUANT_THREADS = 256
 _DEQUANT_ARGS = loader.ArgPack("kbit_gguf_dequantize", "qs:p qh:p scale:p mins:p out:p N:i nb:i")
 _GEMV_ARGS = loader.ArgPack("kbit_gguf_gemv", "x:p qs:p qh:p scale:p mins:p bias:p out:p M:i N:i K:i")
-_ROWS_PER_TILE = 16  # output rows per row tile of the small-M kernel (one m16 fragment)
+_ROWS_PER_TILE = 16  # output rows per block of the small-M kernel (one m16 fragment)
 _TOKEN_TILES = (1, 2, 4, 8)  # n8 fragments per instance: M <= 8, 16, 32, 64
 
 
@@ -40,7 +40,7 @@ def _dequant_name(qtype: str, dtype: torch.dtype) -> str:
 
 def _gemv_name(qtype: str, dtype: torch.dtype, n8: int) -> str:
     return (f"kbit_gguf_gemv<{gf.block_type(qtype).code}, {_DT[dtype]}, {n8}, "
-            f"{tuning.GGUF_GEMV_WARPS}, {tuning.GGUF_GEMV_ROW_TILES[n8]}, {tuning.GGUF_GEMV_UNROLL}>")
+            f"{tuning.GGUF_GEMV_WARPS}, {tuning.GGUF_GEMV_UNROLL}>")
 
 
 def gguf_instances() -> list[str]:
@@ -100,8 +100,7 @@ def gguf_gemm_cuda(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor | None, s
     b = None if bias is None else aligned16(bias.to(x.dtype))
     n8 = _token_tiles(m)
     kern = loader.get_kernel(_SOURCE, _gemv_name(qtype, x.dtype, n8), x.device)
-    rows_per_block = _ROWS_PER_TILE * tuning.GGUF_GEMV_ROW_TILES[n8]
-    loader.launch(kern, (out_features + rows_per_block - 1) // rows_per_block, 32 * tuning.GGUF_GEMV_WARPS,
+    loader.launch(kern, (out_features + _ROWS_PER_TILE - 1) // _ROWS_PER_TILE, 32 * tuning.GGUF_GEMV_WARPS,
                   _GEMV_ARGS.Values(x=aligned16(x), qs=qs, qh=qh, scale=scale, mins=mins, bias=b, out=out, M=m, N=out_features, K=k),
                   0, x.device, pack=_GEMV_ARGS)
     return out

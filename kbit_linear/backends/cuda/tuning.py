@@ -25,7 +25,6 @@ __all__ = [
     "GGUF_GEMV_MAX_M",
     "GGUF_GEMV_WARPS",
     "GGUF_GEMV_UNROLL",
-    "GGUF_GEMV_ROW_TILES",
     "DecodeConfig",
     "DECODE_CONFIGS",
     "DECODE_SPLIT_COST_BYTES",
@@ -235,15 +234,14 @@ DECODE_VARIANTS: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {
 # ---------------------------------------------------------------------------------------
 
 # Largest M (rows of x) handed to the GGUF small-M kernel; larger M dequantizes the weight and
-# calls cuBLAS. 64 is the kernel's limit (eight n8 tensor-core fragments); first version, the
-# cross-over against dequantize + cuBLAS is measured by scripts/bench_gguf.py.
+# calls cuBLAS. 64 is the kernel's limit (eight n8 tensor-core fragments) and about the
+# cross-over: H100, fp16, Q4_0, `scripts/bench_gguf.py` (2026-11-23), kernel vs dequantize +
+# cuBLAS at M = 64: 8192->28672 346 vs ~380 us, 4096->14336 87 vs ~97, 4096->4096 30 vs ~27.
+# (Giving M > 8 two to four row tiles per block, to share x, was slower at every M: 14336x4096
+# M = 16 41 vs 27 us.)
 GGUF_GEMV_MAX_M = 64
 
 # Launch shape of the GGUF small-M kernel: warps per block (splitting K) and steps of 4
 # consecutive blocks of 32 weights whose loads a warp keeps in flight. First version, not tuned.
 GGUF_GEMV_WARPS = 8
 GGUF_GEMV_UNROLL = 2
-
-# Row tiles (16 output rows each) per block of the GGUF small-M kernel, by n8 token fragments:
-# every block reads all of x from L2, so larger M shares it over more rows. First version.
-GGUF_GEMV_ROW_TILES: dict[int, int] = {1: 1, 2: 2, 4: 4, 8: 4}
