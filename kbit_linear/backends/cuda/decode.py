@@ -375,17 +375,23 @@ def decode_gemm(
     launch(plan, x2d, aligned16(packed), aligned16(absmax), codebook.contiguous(), tensor_scale, out)
 
 
+def _stream_and_scratch(plan: DecodePlan) -> tuple[int, int, int]:
+    """The raw current stream of the plan's device and, for a split plan, the zeroed split-K
+    workspace and tile counters on it (else null pointers): what every decode launch needs."""
+    index = plan.kernel.device_index
+    stream = loader._current_raw_stream(index)
+    if not plan.split:
+        return stream, 0, 0
+    ws_ptr, cnt_ptr = workspace.zeroed_scratch("decode", index, stream, plan.ws_numel, plan.counters)
+    return stream, ws_ptr, cnt_ptr
+
+
 def launch(plan: DecodePlan, x2d: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
            tensor_scale: torch.Tensor, out: torch.Tensor) -> None:
     """Launch ``plan`` on tensors that meet every requirement already (the dispatcher's fast path:
     checked, x rows padded to 8 and every tensor contiguous and 16-byte aligned, on the plan's
     device); writes ``x2d @ W^T`` into ``out``."""
-    index = plan.kernel.device_index
-    stream = loader._current_raw_stream(index)
-    if plan.split:
-        ws_ptr, cnt_ptr = workspace.zeroed_scratch("decode", index, stream, plan.ws_numel, plan.counters)
-    else:
-        ws_ptr = cnt_ptr = 0
+    stream, ws_ptr, cnt_ptr = _stream_and_scratch(plan)
     # Every value is a plain int already checked by the caller: the fast launch.
     _ARGS.launch(
         plan.kernel,
@@ -473,12 +479,7 @@ def launch_grouped(plan: DecodePlan, x: torch.Tensor, packed: torch.Tensor, absm
     """Launch a grouped ``plan`` (from :func:`decode_plan` with ``groups``) on tensors that meet
     every requirement of :func:`grouped_decode_gemm` already (checked, contiguous, 16-byte
     aligned, K of x a multiple of 8, on the plan's device): the op's fast path."""
-    index = plan.kernel.device_index
-    stream = loader._current_raw_stream(index)
-    if plan.split:
-        ws_ptr, cnt_ptr = workspace.zeroed_scratch("decode", index, stream, plan.ws_numel, plan.counters)
-    else:
-        ws_ptr = cnt_ptr = 0
+    stream, ws_ptr, cnt_ptr = _stream_and_scratch(plan)
     _GROUPED_ARGS.launch(
         plan.kernel,
         plan.grid,
