@@ -14,6 +14,8 @@ from .backends import cpu as _cpu_backend  # noqa: F401
 from .calibration import Calibration
 from .experts import KbitExperts
 from .format import KbitWeight, create_normal_float_codebook, dequantize, matmul, quantize
+from .gguf_linear import GGUFEmbedding, GGUFLinear
+from .gguf_loader import load_gguf  # imports gguf and the transformers GGUF reader only when called
 from .kv_cache import KbitKVCache  # also registers the "kbit_kv" attention with transformers
 from .linear import KbitLinear
 from .parallel import shard_for_tensor_parallel
@@ -25,6 +27,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Calibration",
     "CheckpointError",
+    "GGUFEmbedding",
+    "GGUFLinear",
     "KbitConfig",
     "KbitExperts",
     "KbitKVCache",
@@ -33,6 +37,7 @@ __all__ = [
     "QuantizationSummary",
     "create_normal_float_codebook",
     "dequantize",
+    "load_gguf",
     "load_into",
     "load_quantized",
     "matmul",
