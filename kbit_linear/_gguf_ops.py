@@ -40,6 +40,11 @@ def check_gemm_args(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor | None, 
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:
         raise TypeError(f"x must be a floating-point [rows, in_features] tensor, got "
                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    t = gf.block_type(qtype)
+    if isinstance(qs, torch.Tensor) and qs.dim() == 2:
+        k = qs.shape[1] * (1 if t.bits == 8 else 2)  # weights per row that qs holds
+        if x.shape[1] != k:
+            raise ValueError(f"x has {x.shape[1]} in-features, the {t.name} weight (qs {tuple(qs.shape)}) has {k}")
     gf.check_weight(qs, qh, scale, mins, qtype, out_features, x.shape[1])
     if qs.device != x.device:
         raise ValueError(f"qs is on {qs.device}, x on {x.device}: all tensors must be on one device")
@@ -82,3 +87,26 @@ def gguf_dequantize_reference(qs, qh, scale, mins, qtype, out_features, in_featu
     """The spec: :func:`kbit_linear.gguf_format.dequantize`."""
     check_dequantize_args(qs, qh, scale, mins, qtype, out_features, in_features, dtype)
     return gf.dequantize(gf.GGUFWeight(qs, qh, scale, mins, qtype, out_features, in_features), dtype)
+
+
+def _gemm_setup_context(ctx, inputs, output):
+    x, qs, qh, scale, mins, qtype, out_features, bias = inputs
+    ctx.save_for_backward(qs, qh, scale, mins)
+    ctx.qtype, ctx.out_features, ctx.in_features = qtype, out_features, x.shape[-1]
+    ctx.x_dtype = x.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _gemm_backward(ctx, grad):
+    qs, qh, scale, mins = ctx.saved_tensors
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        # dL/dx = dL/dy @ W, with the dequantized weight in the gradient's dtype (the weight is frozen).
+        w = torch.ops.kbit_linear.gguf_dequantize(qs, qh, scale, mins, ctx.qtype, ctx.out_features, ctx.in_features, grad.dtype)
+        grad_x = (grad @ w).to(ctx.x_dtype)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[7]:
+        grad_bias = grad.reshape(-1, ctx.out_features).sum(0).to(ctx.bias_dtype)
+    return grad_x, None, None, None, None, None, None, grad_bias
+
+
+torch.library.register_autograd(f"{_NS}::gguf_gemm", _gemm_backward, setup_context=_gemm_setup_context)

@@ -176,6 +176,32 @@ def test_opcheck_gguf_ops():
     torch.library.opcheck(DEQUANTIZE, (*_op_args(weight), 9, 64, torch.float16), test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q8_0"])
+def test_gemm_gradients_equal_the_dense_layers(qtype):
+    """The op's backward (x and bias; the GGUF weight is frozen) matches F.linear's, with no
+    "autograd kernel was not registered" warning."""
+    import warnings
+
+    n, k = 12, 96
+    weight, ref = _weight(qtype, n, k, seed=3)
+    x = torch.randn(4, k, requires_grad=True)
+    bias = torch.randn(n, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GEMM(x, *_op_args(weight), n, bias).square().sum().backward()
+    x2, b2 = x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    F.linear(x2, ref, b2).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(bias.grad, b2.grad)
+    torch.library.opcheck(GEMM, (x.detach(), *_op_args(weight), n, bias.detach()), test_utils=("test_autograd_registration",))
+
+
+def test_gemm_names_x_when_its_width_is_wrong():
+    weight, _ = _weight("Q4_1", 6, 64)
+    with pytest.raises(ValueError, match="x has 32 in-features"):
+        GEMM(torch.randn(2, 32), *_op_args(weight), 6, None)
+
+
 def test_fake_tensor_shapes_and_checks():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
