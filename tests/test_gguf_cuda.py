@@ -131,3 +131,28 @@ def test_gemm_under_torch_compile():
 def test_small_m_limit_is_the_kernels():
     assert tuning.GGUF_GEMV_MAX_M <= 8 * max(kgguf._TOKEN_TILES)  # n8 fragments of the largest instance
     assert len(kgguf.gguf_instances()) == len(set(kgguf.gguf_instances()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_load_gguf_on_cuda_against_transformers(tmp_path, dtype):
+    """A tiny Llama GGUF (every kept type, a K-quant, a tied Q8_0 embedding) loaded by
+    ``load_gguf`` onto the GPU against transformers' dequantized load there: a prompt longer
+    than the small-M kernel's limit takes dequantize + cuBLAS, the dense model's own GEMMs on
+    the same weights, so the logits are equal; a short one takes the small-M kernel (close);
+    generation runs."""
+    pytest.importorskip("gguf")
+    from test_gguf_loader import VOCAB, _hf_load, write_tiny_llama
+
+    from kbit_linear import load_gguf
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    ours = load_gguf(path, dtype=dtype, device="cuda", requantize_bits=None, progress=False)
+    ref = _hf_load(path, dtype).cuda()
+    long = torch.randint(0, VOCAB, (1, tuning.GGUF_GEMV_MAX_M + 16), device="cuda")
+    with torch.no_grad():
+        assert torch.equal(ours(long).logits, ref(long).logits)
+        short = long[:, :7]
+        a, b = ours(short).logits.float(), ref(short).logits.float()
+    assert (a - b).abs().max().item() <= 0.02 * b.abs().max().item() + 1e-3
+    out = ours.generate(short, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 11)
