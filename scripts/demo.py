@@ -9,7 +9,10 @@ Steps (on the embedded SmolLM2-135M-Instruct unless ``--model`` names another):
 3. ``save_pretrained`` the quantized model, reload it from disk (no re-quantization) and check
    that its logits are bit-identical to the model before saving;
 4. answer a prompt with the reloaded model (chat template, greedy decoding);
-5. print a table: sizes, load and quantize time, tokens/s, perplexity and KL divergence.
+5. for the embedded model, load its GGUF file again with :func:`kbit_linear.load_gguf`, which
+   keeps the Q4_1/Q8_0 blocks as they are (no second rounding): its logits must equal the
+   baseline's, which is that GGUF dequantized;
+6. print a table: sizes, load and quantize time, tokens/s, perplexity and KL divergence.
 
 Perplexity uses the text and windows of :mod:`kbit_linear.tools.evaluation` (CPython's
 ``pydoc_data.topics``, non-overlapping 512-token windows). The demo scores the first 4 windows
@@ -33,7 +36,8 @@ from _bench_common import markdown_table  # (importing it puts the repo on sys.p
 from kbit_linear.tools.evaluation import evaluate, stored_bits_per_weight, token_windows
 from kbit_linear.integrations.transformers import KbitConfig, register
 from kbit_linear.linear import KbitLinear
-from kbit_linear.tools.models import DEFAULT_MODEL, resolve_model
+from kbit_linear.gguf_loader import load_gguf
+from kbit_linear.tools.models import DEFAULT_MODEL, find_default_gguf, resolve_model
 from kbit_linear.patch import module_bytes
 
 DEFAULT_PROMPT = "In two sentences, what is a large language model?"
@@ -154,7 +158,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.save_dir is None:
             shutil.rmtree(save_dir, ignore_errors=True)
 
-    # 5. the table
+    # 5. the GGUF file kept quantized (the embedded model only: its baseline is that GGUF)
+    kept = None
+    if args.model == "default":
+        _say("loading the GGUF file kept quantized (load_gguf) ...")
+        t = time.perf_counter()
+        gguf_model = load_gguf(find_default_gguf(), dtype=dtype, device=device, progress=False).eval()
+        _sync(device)
+        gguf_load_s = time.perf_counter() - t
+        with torch.inference_mode():
+            gguf_identical = torch.equal(gguf_model(probe).logits, baseline(probe).logits)
+        _, g_tokens, g_gen_s = _generate(gguf_model, tokenizer, args.prompt, args.max_new_tokens, device)
+        _say(f"scoring the GGUF model on {args.ppl_windows} x 512 tokens ...")
+        g_eval = evaluate(gguf_model, windows, reference=baseline)
+        report = gguf_model.gguf_load_report
+        kept = {"bytes": module_bytes(gguf_model), "load_s": gguf_load_s, "identical": gguf_identical,
+                "tok_s": g_tokens / g_gen_s, "eval": g_eval, "kept": len(report.by_action().get("kept", []))}
+        del gguf_model
+
+    # 6. the table
     base_bytes = module_bytes(baseline)
     rows = [
         ["model size in memory (bytes; fp16 = bf16)", f"{base_bytes:,}", f"{quant_bytes:,}"],
@@ -172,8 +194,17 @@ def main(argv: list[str] | None = None) -> int:
     name = DEFAULT_MODEL if args.model == "default" else args.model
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{name} on {where}, activations bf16:\n")
-    print(markdown_table(["", "bf16", f"kbit {args.bits}-bit"], rows))
-    return 0 if identical else 1
+    headers = ["", "bf16", f"kbit {args.bits}-bit"]
+    if kept is not None:
+        headers.append("GGUF Q4_1 kept (load_gguf)")
+        extra = [f"{kept['bytes']:,}", "-", "5 (Q4_1), 8.5 (Q8_0 embedding)",
+                 f"{kept['load_s']:.1f} ({kept['kept']} tensors kept as stored)", "-",
+                 "logits identical to bf16: " + ("yes" if kept["identical"] else "NO"), f"{kept['tok_s']:.2f}",
+                 f"{kept['eval'].perplexity:.2f}", f"{kept['eval'].kl:.3f}"]
+        rows = [row + [value] for row, value in zip(rows, extra)]
+    print(markdown_table(headers, rows))
+    ok = identical and (kept is None or kept["identical"])
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
