@@ -2,6 +2,9 @@
 
 * ``kbit_linear::gguf_gemm(x, qs, qh, scale, mins, qtype, out_features, bias) -> Tensor``:
   ``x [M, K] @ W^T (+ bias)`` with ``W`` the GGUF weight dequantized to ``x``'s dtype;
+* ``kbit_linear::gguf_gemm_a8(x, qs, qh, scale, mins, qtype, out_features, bias) -> Tensor``: the
+  same product with 8-bit activations (x quantized per 32-value block as Q8_1, integer dot
+  products: :func:`kbit_linear.gguf_format.matmul_a8`);
 * ``kbit_linear::gguf_dequantize(qs, qh, scale, mins, qtype, out_features, in_features, dtype)
   -> Tensor``: the dense weight, bit for bit ``gguf``'s float32 dequantization rounded to ``dtype``.
 
@@ -21,6 +24,10 @@ _NS = "kbit_linear"
 
 torch.library.define(
     f"{_NS}::gguf_gemm",
+    "(Tensor x, Tensor qs, Tensor? qh, Tensor scale, Tensor? mins, str qtype, int out_features, Tensor? bias) -> Tensor",
+)
+torch.library.define(
+    f"{_NS}::gguf_gemm_a8",
     "(Tensor x, Tensor qs, Tensor? qh, Tensor scale, Tensor? mins, str qtype, int out_features, Tensor? bias) -> Tensor",
 )
 torch.library.define(
@@ -68,6 +75,19 @@ def gguf_gemm_reference(x, qs, qh, scale, mins, qtype, out_features, bias):
     return gf.matmul(x, weight, None if bias is None else bias.to(x.dtype))
 
 
+@torch.library.register_fake(f"{_NS}::gguf_gemm_a8")
+def _(x, qs, qh, scale, mins, qtype, out_features, bias):
+    check_gemm_args(x, qs, qh, scale, mins, qtype, out_features, bias)
+    return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.impl(f"{_NS}::gguf_gemm_a8", "default")
+def gguf_gemm_a8_reference(x, qs, qh, scale, mins, qtype, out_features, bias):
+    """The spec: :func:`kbit_linear.gguf_format.matmul_a8`."""
+    check_gemm_args(x, qs, qh, scale, mins, qtype, out_features, bias)
+    return gf.matmul_a8(x, gf.GGUFWeight(qs, qh, scale, mins, qtype, out_features, x.shape[1]), bias)
+
+
 def check_dequantize_args(qs: torch.Tensor, qh: torch.Tensor | None, scale: torch.Tensor, mins: torch.Tensor | None, qtype: str,
                           out_features: int, in_features: int, dtype: torch.dtype) -> None:
     """Metadata checks of ``gguf_dequantize``."""
@@ -110,3 +130,5 @@ def _gemm_backward(ctx, grad):
 
 
 torch.library.register_autograd(f"{_NS}::gguf_gemm", _gemm_backward, setup_context=_gemm_setup_context)
+# 8-bit activations: the gradient passes straight through the activation rounding.
+torch.library.register_autograd(f"{_NS}::gguf_gemm_a8", _gemm_backward, setup_context=_gemm_setup_context)

@@ -19,6 +19,17 @@ add bit ``i`` of ``qh`` (little-endian) as bit 4. The arithmetic is float32 in e
 order (a product, then a sum; never fused), as the ``gguf`` package's dequantization does, so the
 result equals it bit for bit.
 
+With 8-bit activations (llama.cpp's W4A8 / W5A8 / W8A8, :func:`matmul_a8`) each 32-value block of
+a row of ``x`` is quantized as Q8_1: int8 values ``qa``, a scale ``da = max|x| / 127`` and the sum
+``sa`` of the block's original values (:func:`quantize_activations`); each (row, block) pair then
+contributes, with ``sumi`` the integer dot product of the weight levels ``q`` (before any offset)
+and ``qa``::
+
+    Q4_0: dw * (da * sumi - 8 * sa)     Q5_0: dw * (da * sumi - 16 * sa)     Q8_0: dw * da * sumi
+    Q4_1, Q5_1: dw * da * sumi + m * sa
+
+(the offset or minimum is applied to the exact block sum ``sa``, so it costs no rounding).
+
 In memory a :class:`GGUFWeight` holds the same bytes split into one array per field (structure
 of arrays, every array aligned and each row contiguous), which the kernels read with wide loads:
 
@@ -50,6 +61,9 @@ __all__ = [
     "field_shapes",
     "join_blocks",
     "matmul",
+    "matmul_a8",
+    "quantize_activations",
+    "Q8Activations",
     "split_blocks",
     "weight_indices",
 ]
@@ -289,3 +303,72 @@ def matmul(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None = None
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"x has {x.shape[-1]} in-features, the weight {weight.in_features}")
     return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
+
+
+# ---------------------------------------------------------------------------------------
+# 8-bit activations (Q8_1 blocks) and the integer dot products on them
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Q8Activations:
+    """``x [M, K]`` quantized per 32-value block of a row (llama.cpp's Q8_1): ``qs`` int8 ``[M, K]``,
+    ``scale`` (``da``) and ``sums`` (``sa``, the block's original values summed) float16 ``[M, K/32]``."""
+
+    qs: torch.Tensor
+    scale: torch.Tensor
+    sums: torch.Tensor
+
+
+def quantize_activations(x: torch.Tensor) -> Q8Activations:
+    """Q8_1 blocks of ``x [M, K]`` (K a multiple of 32), computed in float32: ``da = amax / 127``,
+    ``qa = round(x / da)`` (halves away from zero; 0 where ``amax`` is 0), ``sa = sum(x)``;
+    ``da`` and ``sa`` stored as float16.
+
+    Raises:
+        TypeError / ValueError: ``x`` not a floating-point 2-D tensor, or K not a multiple of 32.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:
+        raise TypeError(f"x must be a floating-point [M, K] tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    m, k = x.shape
+    if k % BLOCK:
+        raise ValueError(f"x has {k} columns, not a multiple of the block size {BLOCK}")
+    xb = x.to(torch.float32).reshape(m, k // BLOCK, BLOCK)
+    amax = xb.abs().amax(dim=2, keepdim=True)
+    d = amax / 127.0
+    v = xb / torch.where(d == 0, torch.ones_like(d), d)
+    # round half away from zero (C's roundf), exactly: round, then move the ties outwards
+    whole = torch.trunc(v)
+    q = torch.where((v - whole).abs() == 0.5, whole + torch.sign(v), torch.round(v))
+    q = torch.where(d == 0, torch.zeros_like(v), q)
+    return Q8Activations(q.to(torch.int8).reshape(m, k), d.squeeze(2).to(torch.float16), xb.sum(dim=2).to(torch.float16))
+
+
+def matmul_a8(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` with 8-bit activations: ``x`` quantized by :func:`quantize_activations`,
+    integer dot products per block, the formulas in the module docstring (float32), summed over
+    the blocks in float32 and returned in ``x``'s dtype. ``x`` is ``[..., in_features]``."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"x has {x.shape[-1]} in-features, the weight {weight.in_features}")
+    t = block_type(weight.qtype)
+    n, k = weight.out_features, weight.in_features
+    x2 = x.reshape(-1, k)
+    a = quantize_activations(x2)
+    blocks = k // BLOCK
+    qw = weight_indices(weight).reshape(n, blocks, BLOCK).to(torch.float64)  # levels before any offset
+    qa = a.qs.reshape(-1, blocks, BLOCK).to(torch.float64)
+    sumi = torch.einsum("nbi,mbi->mnb", qw, qa).to(torch.float32)  # exact integers
+    dw = weight.scale.to(torch.float32).unsqueeze(0)  # [1, N, nb]
+    da, sa = a.scale.to(torch.float32).unsqueeze(1), a.sums.to(torch.float32).unsqueeze(1)  # [M, 1, nb]
+    if weight.mins is not None:
+        per_block = dw * da * sumi + weight.mins.to(torch.float32).unsqueeze(0) * sa
+    elif t.offset and t.bits != 8:
+        per_block = dw * (da * sumi - t.offset * sa)
+    else:
+        per_block = dw * da * sumi
+    out = per_block.sum(dim=2)
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -275,7 +275,176 @@ kbit_gguf_gemv(const u16* __restrict__ x, const u8* __restrict__ qs, const u32* 
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// 8-bit activations (seed 001's W4A8 / W5A8 / W8A8)
+// ---------------------------------------------------------------------------------------
+// kbit_gguf_quantize_q8_1: x [M][K] (DT) -> Q8_1 blocks, one thread per (row, block):
+//   xq [M][K] s8 = round(x / da) (halves away from zero), xd [M][K/32] f16 = max|x| / 127,
+//   xs [M][K/32] f16 = sum of the block's x (float32, in order).
+template <int DT>
+__global__ void __launch_bounds__(256)
+kbit_gguf_quantize_q8_1(const u16* __restrict__ x, signed char* __restrict__ xq, u16* __restrict__ xd, u16* __restrict__ xs,
+                        int M, int nb) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;  // (row, block)
+    if (i >= (i64)M * nb) return;
+    const uint4* src = reinterpret_cast<const uint4*>(x + i * kBlock);
+    float v[kBlock];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const uint4 p = __ldg(src + c);
+        const u32 w[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            v[8 * c + 2 * j] = bits_to_f32<DT>((u16)(w[j] & 0xFFFFu));
+            v[8 * c + 2 * j + 1] = bits_to_f32<DT>((u16)(w[j] >> 16));
+        }
+    }
+    float amax = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) {
+        amax = fmaxf(amax, fabsf(v[j]));
+        sum = __fadd_rn(sum, v[j]);
+    }
+    const float d = amax / 127.0f;
+    u32 packed[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) packed[j] = 0u;
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) {
+        const int q = d == 0.0f ? 0 : (int)roundf(v[j] / d);
+        packed[j >> 2] |= ((u32)q & 0xFFu) << (8 * (j & 3));
+    }
+    uint4* dst = reinterpret_cast<uint4*>(xq + i * kBlock);
+    dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    xd[i] = f32_to_bits<KBIT_F16>(d);
+    xs[i] = f32_to_bits<KBIT_F16>(sum);
+}
+
+// D = A * B + D, m16n8k32, int8 in, int32 accumulators. A: 4 regs (row-major 16x32), B: 2 regs.
+KBIT_DEVICE void mma_16832_s8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// kbit_gguf_gemv_a8: out [M][N] = Q8_1(x) . W (+ bias), M <= 8 * N8. One CTA per 16 output rows,
+// its WARPS warps splitting the blocks; a warp takes UNROLL consecutive blocks per step, one
+// mma.m16n8k32 (s8) per block and token fragment, so each block's integer sum gets its own
+// rescale (fresh int32 accumulators). In the natural fragment order lane (g, t) holds, of rows g
+// and g + 8, weights 4t .. 4t+3 (a0/a1) and 16 + 4t .. (a2/a3): the low and high nibbles of qs
+// word t (Q8_0: words t and 4 + t), unsigned levels whose offset the formula applies through
+// the block sum (see gguf_format.py); B is x's int8 at the same k of token g; the int32 result
+// c[i] is row g (+8 for i >= 2), token 2t + (i & 1).
+template <int QT, int DT, int N8, int WARPS, int UNROLL>
+__global__ void __launch_bounds__(WARPS * 32)
+kbit_gguf_gemv_a8(const signed char* __restrict__ xq, const u16* __restrict__ xd, const u16* __restrict__ xs,
+                  const u8* __restrict__ qs, const u32* __restrict__ qh, const u16* __restrict__ scale,
+                  const u16* __restrict__ mins, const u16* __restrict__ bias, u16* __restrict__ out, int M, int N, int K) {
+    __shared__ float partial[WARPS][N8 * 128];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int nb = K / kBlock;
+    const int row0 = blockIdx.x * 16;
+    const i64 rows[2] = {(i64)min(row0 + g, N - 1), (i64)min(row0 + g + 8, N - 1)};
+
+    float acc[N8][4];
+#pragma unroll
+    for (int n = 0; n < N8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
+
+    for (int b0 = warp * UNROLL; b0 < nb; b0 += WARPS * UNROLL) {
+        u32 w[UNROLL][2][2], h[UNROLL][2];
+        float dw[UNROLL][2], mw[UNROLL][2];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int b = min(b0 + u, nb - 1);  // past nb: a real block, its result skipped below
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const i64 blk = rows[r] * nb + b;
+                const u32* q32 = reinterpret_cast<const u32*>(qs + blk * Traits<QT>::kQsBytes);
+                w[u][r][0] = __ldg(q32 + t);
+                w[u][r][1] = Traits<QT>::kEight ? __ldg(q32 + 4 + t) : 0u;
+                h[u][r] = Traits<QT>::kHigh ? __ldg(qh + blk) : 0u;
+                dw[u][r] = f16_to_f32(__ldg(scale + blk));
+                mw[u][r] = Traits<QT>::kMin ? f16_to_f32(__ldg(mins + blk)) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int b = b0 + u;
+            if (b >= nb) break;  // warp-uniform
+            u32 a[4];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                if constexpr (Traits<QT>::kEight) {
+                    a[r] = w[u][r][0];
+                    a[2 + r] = w[u][r][1];
+                } else {
+                    u32 lo = w[u][r][0] & 0x0F0F0F0Fu, hi = (w[u][r][0] >> 4) & 0x0F0F0F0Fu;
+                    if constexpr (Traits<QT>::kHigh) {
+                        lo |= spread4((h[u][r] >> (4 * t)) & 0xFu);
+                        hi |= spread4((h[u][r] >> (16 + 4 * t)) & 0xFu);
+                    }
+                    a[r] = lo;
+                    a[2 + r] = hi;
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < N8; ++n) {
+                const int token = n * 8 + g;
+                const u32* xrow = reinterpret_cast<const u32*>(xq + (i64)token * K + (i64)b * kBlock);
+                const u32 b0r = token < M ? __ldg(xrow + t) : 0u, b1r = token < M ? __ldg(xrow + 4 + t) : 0u;
+                int c[4] = {0, 0, 0, 0};
+                mma_16832_s8(c, a, b0r, b1r);
+#pragma unroll
+                for (int p = 0; p < 2; ++p) {  // tokens 2t, 2t + 1 of the fragment
+                    const int tk = n * 8 + 2 * t + p;
+                    const float da = tk < M ? f16_to_f32(__ldg(xd + (i64)tk * nb + b)) : 0.0f;
+                    const float sa = tk < M ? f16_to_f32(__ldg(xs + (i64)tk * nb + b)) : 0.0f;
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const float sumi = (float)c[2 * r + p];
+                        float v;
+                        if constexpr (Traits<QT>::kMin) {
+                            v = dw[u][r] * da * sumi + mw[u][r] * sa;
+                        } else if constexpr (Traits<QT>::kEight) {
+                            v = dw[u][r] * da * sumi;
+                        } else {
+                            v = dw[u][r] * (da * sumi - (float)Traits<QT>::kOffset * sa);
+                        }
+                        acc[n][2 * r + p] += v;
+                    }
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int n = 0; n < N8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) partial[warp][n * 128 + lane * 4 + i] = acc[n][i];
+    __syncthreads();
+    for (int o = threadIdx.x; o < N8 * 128; o += WARPS * 32) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) sum += partial[w][o];
+        const int n = o / 128, l = (o / 4) % 32, i = o % 4;
+        const int row = row0 + (l >> 2) + (i >= 2 ? 8 : 0);
+        const int token = n * 8 + 2 * (l & 3) + (i & 1);
+        if (row < N && token < M) {
+            if (bias != nullptr) sum += bits_to_f32<DT>(bias[row]);
+            out[(i64)token * N + row] = f32_to_bits<DT>(sum);
+        }
+    }
+}
+
 }  // namespace kbit_gguf
 
 using kbit_gguf::kbit_gguf_dequantize;
 using kbit_gguf::kbit_gguf_gemv;
+using kbit_gguf::kbit_gguf_gemv_a8;
+using kbit_gguf::kbit_gguf_quantize_q8_1;

@@ -156,3 +156,34 @@ def test_load_gguf_on_cuda_against_transformers(tmp_path, dtype):
     assert (a - b).abs().max().item() <= 0.02 * b.abs().max().item() + 1e-3
     out = ours.generate(short, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 11)
+
+
+def test_q8_1_activation_kernel_is_the_reference():
+    from kbit_linear.backends.cuda.gguf import quantize_q8_1_cuda
+
+    for dtype in (torch.float16, torch.bfloat16):
+        for m, k in ((1, 32), (5, 96), (70, 4096)):
+            x = torch.randn(m, k, device="cuda", dtype=dtype) * 3
+            x[0, :32] = 0  # an all-zero block: scale 0, values 0
+            got, ref = quantize_q8_1_cuda(x), gf.quantize_activations(x.cpu())
+            assert torch.equal(got.qs.cpu(), ref.qs) and torch.equal(got.scale.cpu(), ref.scale)
+            torch.testing.assert_close(got.sums.cpu().float(), ref.sums.float(), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemm_a8_matches_the_reference(qtype, dtype):
+    """8-bit activations: the integer-MMA kernel against gguf_format.matmul_a8 (the seed's
+    per-block formulas), M across the 64-row chunks."""
+    for i, (n, k) in enumerate(SHAPES[:6]):
+        w = random_weight(qtype, n, k, seed=31 * i + 2)
+        for m in (1, 3, 8, 17, 64, 65, 130):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            bias = torch.randn(n, device="cuda", dtype=dtype) if m % 2 else None
+            _poison_next((m, n), dtype)
+            out = torch.ops.kbit_linear.gguf_gemm_a8(x, *_args(w), bias)
+            ref = gf.matmul_a8(x.cpu().float(), w.to("cpu"), None if bias is None else bias.cpu().float())
+            assert out.dtype == dtype and not torch.isnan(out).any()
+            err = ((out.cpu().float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+            tol = 5e-3 if dtype == torch.float16 else 2e-2
+            assert err < tol, f"{qtype} {dtype} M={m} N={n} K={k}: max rel err {err:.2e}"

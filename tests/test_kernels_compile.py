@@ -138,7 +138,8 @@ def _kernel_params(source: str) -> dict[str, list[tuple[str, str]]]:
 def test_kernel_argument_packs_match_the_kernel_signatures():
     """Every ArgPack names the kernel's parameters, in its order, with the right kinds."""
     packs = [kcuda.ops._GEMM_ARGS, kcuda.ops._SM90_ARGS, kcuda.ops._QUANT_ARGS, kcuda.ops._REPACK_ARGS, kcuda.ops._DEQUANT_ARGS,
-             kdecode._ARGS, kdecode._GROUPED_ARGS, krouting._ARGS, kgguf._DEQUANT_ARGS, kgguf._GEMV_ARGS]
+             kdecode._ARGS, kdecode._GROUPED_ARGS, krouting._ARGS, kgguf._DEQUANT_ARGS, kgguf._GEMV_ARGS,
+             kgguf._Q8_ARGS, kgguf._GEMV_A8_ARGS]
     sources = {**_kernel_params("gemm.cu"), **_kernel_params("quantize.cu"), **_kernel_params("decode.cu"),
                **_kernel_params("gemm_sm90.cu"), **_kernel_params("route.cu"), **_kernel_params("gguf.cu")}
     assert {p.kernel for p in packs} <= set(sources), f"kernels found: {sorted(sources)}"
