@@ -2,7 +2,7 @@
 
 For each Llama-sized shape and M, on random weights (no download): the GGUF types kept
 quantized (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: small-M kernel up to ``GGUF_GEMV_MAX_M`` rows, dequantize +
-cuBLAS above), the kbit K = 4 GEMM (``kbit_linear::gemm``, its own dispatcher) and cuBLAS
+cuBLAS above; with ``--a8`` also the 8-bit-activation path, ``gguf_gemm_a8``), the kbit K = 4 GEMM (``kbit_linear::gemm``, its own dispatcher) and cuBLAS
 ``F.linear`` on the dense fp16 weight, all in one run: CUDA-graph replay of many calls, weight
 copies rotated past L2, median of repeats (``_bench_common.time_calls``). Roofline = (weight
 bytes + x + out) / the measured copy bandwidth. "per byte vs kbit K=4" divides each GGUF time
@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--m", nargs="+", type=int, default=M_VALUES)
     ap.add_argument("--types", nargs="+", default=["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    ap.add_argument("--a8", action="store_true", help="also time each type with 8-bit activations (gguf_gemm_a8)")
     ap.add_argument("--json")
     ap.add_argument("--md")
     args = ap.parse_args()
@@ -92,6 +93,12 @@ def main() -> None:
                     torch.ops.kbit_linear.gguf_gemm(x, f["qs"], f.get("qh"), f["scale"], f.get("mins"), q, n, None)
 
                 tm = bc.time_calls(t_gguf, len(copies))
+                if args.a8:
+                    def t_a8(i: int, names=names, copies=copies, q=q) -> None:
+                        f = dict(zip(names, copies[i]))
+                        torch.ops.kbit_linear.gguf_gemm_a8(x, f["qs"], f.get("qh"), f["scale"], f.get("mins"), q, n, None)
+
+                    row[f"{q}_a8_us"] = bc.time_calls(t_a8, len(copies)).us
                 nbytes = bc.tensor_bytes(*w.tensors().values())
                 row[f"{q}_us"], row[f"{q}_bytes"] = tm.us, nbytes
                 row[f"{q}_roofline_us"] = (nbytes + act_bytes) / (bw * 1e9) * 1e6
@@ -100,8 +107,11 @@ def main() -> None:
             rows.append(row)
             print({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in row.items()}, flush=True)
     headers = ["in x out", "M", "cuBLAS", "kbit K=4 (roofline)"] + [f"{q} (roofline, per byte vs K=4)" for q in args.types]
+    if args.a8:
+        headers += [f"{q} A8" for q in args.types]
     table = [[r["shape"], r["m"], bc.fmt(r["cublas_us"]), f"{bc.fmt(r['kbit4_us'])} ({bc.fmt(r['kbit4_roofline_us'])})"]
              + [f"{bc.fmt(r[f'{q}_us'])} ({bc.fmt(r[f'{q}_roofline_us'])}, {r[f'{q}_per_byte_vs_kbit4']:.2f}x)" for q in args.types]
+             + ([bc.fmt(r[f"{q}_a8_us"]) for q in args.types] if args.a8 else [])
              for r in rows]
     text = "\n".join(["# GGUF block formats kept quantized: GEMM timings", ""] + bc.env_lines(env) + [
         f"- copy bandwidth measured in the same run: {bw:.0f} GB/s; activations {args.dtype}",
