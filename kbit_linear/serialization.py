@@ -8,6 +8,19 @@ On-disk format (version ``"1"``), one ``.safetensors`` file:
   ``<prefix>.absmax`` (uint8 ``[K_pad/64, N_pad/128, 128, 2]``), ``<prefix>.codebook``
   (float32 ``[2**bits]``), ``<prefix>.tensor_scale`` (float32 ``[1]``) and optionally
   ``<prefix>.bias`` (the model dtype, ``[out_features]``);
+* a GGUF module ``<prefix>`` (:class:`~kbit_linear.gguf_linear.GGUFLinear` or
+  :class:`~kbit_linear.gguf_linear.GGUFEmbedding`: a llama.cpp block type kept quantized)
+  contributes its arrays under their buffer names, ``<prefix>.qs``, ``<prefix>.qh``,
+  ``<prefix>.scale`` and ``<prefix>.mins`` (those its type has; dtypes and shapes in
+  :mod:`kbit_linear.gguf_format`), and optionally ``<prefix>.bias``. There is deliberately no
+  ``<prefix>.weight``: a loader that does not know the format finds the dense ``weight``
+  missing and ``qs``, ``scale``, ... unexpected, which ``load_state_dict(strict=True)`` reports
+  as an error. (Storing ``qs`` as ``weight`` would be worse: a Q8_0 ``qs`` is int8
+  ``[out, in]``, the dense shape, which ``load_state_dict`` silently casts into a float
+  weight.) A non-strict loader (``strict=False``, or transformers' ``from_pretrained``, which
+  only reports missing keys) would keep the dense weights it started with, so these files are
+  read with :func:`load_into`, and the transformers plug-in's ``save_pretrained`` refuses
+  models with GGUF modules;
 * header metadata (all strings, as safetensors requires):
 
   - ``format``: ``"pt"`` (what transformers expects of a PyTorch file);
@@ -20,6 +33,13 @@ On-disk format (version ``"1"``), one ``.safetensors`` file:
     only when there is one); its tensors are ``<prefix>.gate_up_proj`` / ``<prefix>.down_proj``
     (int32 ``[E, K_pad/64, N_pad/128, 128, 2, bits]``, again not the dense shape) with
     ``_absmax``, ``_codebook`` and ``_tensor_scale`` beside each (``kbit_linear/experts.py``);
+  - ``kbit_linear.gguf``: JSON ``{prefix: GGUF metadata}`` for every GGUF module (see
+    :func:`kbit_linear.serialization_gguf.gguf_metadata`: ``kind`` (``"linear"`` or
+    ``"embedding"``), ``qtype``, ``out_features``, ``in_features``, ``bias``, and for an
+    embedding ``embed_scale``; written only when there is one, so other files are as before,
+    and a reader that predates the entry fails on the unexpected ``qs`` tensors). A tied
+    ``lm_head`` holding its embedding's arrays is stored once, through the aliases below, and
+    :func:`load_into` ties it again (one tensor per array, shared);
   - ``kbit_linear.aliases``: JSON ``{name: stored name}`` for tensors shared in the model
     (tied weights), which are stored once;
   - ``kbit_linear.header_sha256``: hex sha256 of all the other entries (sorted compact
@@ -32,7 +52,8 @@ for this single-file format and for the transformers plug-in's sharded ``save_pr
 (which carry the version, layers and sha256 entries in every shard's header).
 
 Loading checks the version, every layer's metadata, tensor names, dtypes, shapes, codebook
-values, the tensor scale, that the padding is made of zero blocks, and the checksums, and
+values, the tensor scale, that the padding is made of zero blocks, every GGUF module's metadata,
+array names, dtypes and shapes and that its block scales are finite, and the checksums, and
 raises :class:`CheckpointError` naming the file, the layer and what is wrong. Writes go to a
 temporary file in the target folder, are fsynced and renamed over the target, so an
 interrupted save leaves the old file or none, never a partial one (a killed process may
@@ -55,6 +76,7 @@ from torch import nn
 
 from . import format as fmt
 from .experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem
+from .gguf_linear import GGUFEmbedding, GGUFLinear
 from .linear import KbitLinear
 from .patch import experts_placeholder, is_convertible, kbit_placeholder, replace_module
 
@@ -92,6 +114,7 @@ _KEY_LAYERS = "kbit_linear.layers"
 _KEY_SHA256 = "kbit_linear.sha256"
 _KEY_ALIASES = "kbit_linear.aliases"
 _KEY_EXPERTS = "kbit_linear.experts"
+_KEY_GGUF = "kbit_linear.gguf"
 _KEY_HEADER_SHA256 = "kbit_linear.header_sha256"
 _RESERVED = "kbit_linear."
 
@@ -112,6 +135,9 @@ class QuantizedCheckpoint:
         metadata: the caller's extra header metadata given to :func:`save_quantized`.
         path: the file read.
         experts: prefix -> experts metadata (see :func:`experts_metadata`), validated.
+        gguf: prefix -> GGUF module metadata (see
+            :func:`kbit_linear.serialization_gguf.gguf_metadata`), validated. A tied module's
+            arrays are the same tensor objects as those of the module it is tied to.
     """
 
     tensors: dict[str, torch.Tensor]
@@ -119,6 +145,7 @@ class QuantizedCheckpoint:
     metadata: dict[str, str] = field(default_factory=dict)
     path: str = ""
     experts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    gguf: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------
@@ -491,6 +518,28 @@ def _stray_packed(state: Mapping[str, torch.Tensor], layers: Mapping[str, Any], 
     return out
 
 
+def _check_gguf_listing(
+    where: str,
+    state: Mapping[str, torch.Tensor],
+    layers: Mapping[str, Any],
+    experts: Mapping[str, Any],
+    gguf: Mapping[str, Mapping[str, Any]],
+    hint: str,
+) -> None:
+    """Check every GGUF module's tensors, that no prefix is both a GGUF module and a kbit layer
+    or experts module, and that no GGUF arrays are left unlisted."""
+    from . import serialization_gguf as sg  # imported here: it takes CheckpointError from this module
+
+    both = sorted(set(gguf) & (set(layers) | set(experts)))
+    if both:
+        raise _fail(where, f"{both} are listed both as GGUF modules and as kbit layers or experts")
+    for prefix, meta in gguf.items():
+        sg.validate_gguf_tensors(prefix, sg.gguf_tensors(state, prefix), meta, where=where)
+    stray = sg.stray_gguf_arrays(state, gguf)
+    if stray:
+        raise _fail(where, f"tensors {stray} look like the arrays of GGUF modules but have no GGUF metadata ({hint})")
+
+
 def _dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Store tensors shared in memory once: ``(unique tensors, {alias: stored name})``.
 
@@ -563,14 +612,17 @@ def save_quantized(
     *,
     layers: Mapping[str, Mapping[str, Any]] | None = None,
     experts: Mapping[str, Mapping[str, Any]] | None = None,
+    gguf: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Path:
     """Save a quantized model (or state dict) to one safetensors file, atomically.
 
     Args:
-        model_or_state_dict: a module containing :class:`KbitLinear` layers and
-            :class:`~kbit_linear.experts.KbitExperts` modules (their metadata is taken from the
-            modules), or a state dict, in which case ``layers`` and ``experts`` must describe
-            every quantized layer and experts module in it.
+        model_or_state_dict: a module containing :class:`KbitLinear` layers,
+            :class:`~kbit_linear.experts.KbitExperts` modules and GGUF modules
+            (:class:`~kbit_linear.gguf_linear.GGUFLinear`,
+            :class:`~kbit_linear.gguf_linear.GGUFEmbedding`; their metadata is taken from the
+            modules), or a state dict, in which case ``layers``, ``experts`` and ``gguf`` must
+            describe every quantized layer, experts module and GGUF module in it.
         path: the ``.safetensors`` file to write; its folder must exist. An existing file
             is replaced only once the new one is completely written.
         metadata: extra header entries, str -> str (keys starting with ``kbit_linear.`` and
@@ -579,6 +631,9 @@ def save_quantized(
             (as :func:`layer_metadata` returns). Not allowed with a module.
         experts: with a state dict: prefix -> experts metadata (as :func:`experts_metadata`
             returns). Not allowed with a module.
+        gguf: with a state dict: prefix -> GGUF module metadata (as
+            :func:`kbit_linear.serialization_gguf.gguf_metadata` returns). Not allowed with a
+            module.
 
     Returns:
         The path written.
@@ -587,16 +642,20 @@ def save_quantized(
         TypeError / ValueError: bad arguments, tensors on the meta device.
         CheckpointError: the quantized tensors do not match their metadata.
     """
+    from . import serialization_gguf as sg  # imported here: it takes CheckpointError from this module
+
     if isinstance(model_or_state_dict, nn.Module):
-        if layers is not None or experts is not None:
-            raise TypeError("layers= and experts= are only for a state dict; a module's KbitLinear and KbitExperts describe themselves")
+        if layers is not None or experts is not None or gguf is not None:
+            raise TypeError("layers=, experts= and gguf= are only for a state dict; a module's KbitLinear, KbitExperts "
+                            "and GGUF modules describe themselves")
         state = dict(model_or_state_dict.state_dict())
         modules = list(model_or_state_dict.named_modules(remove_duplicate=False))
         layer_meta = {name: layer_metadata(m) for name, m in modules if isinstance(m, KbitLinear)}
         experts_meta = {name: experts_metadata(m) for name, m in modules if isinstance(m, KbitExperts)}
+        gguf_meta = {name: sg.gguf_metadata(m) for name, m in modules if isinstance(m, (GGUFLinear, GGUFEmbedding))}
     elif isinstance(model_or_state_dict, Mapping):
         state = dict(model_or_state_dict)
-        layer_meta, experts_meta = {}, {}
+        layer_meta, experts_meta, gguf_meta = {}, {}, {}
         if layers is not None:
             if not isinstance(layers, Mapping):
                 raise TypeError(f"layers must be a mapping prefix -> metadata, got {type(layers).__name__}")
@@ -605,6 +664,10 @@ def save_quantized(
             if not isinstance(experts, Mapping):
                 raise TypeError(f"experts must be a mapping prefix -> metadata, got {type(experts).__name__}")
             experts_meta = {p: validate_experts_metadata(p, m) for p, m in experts.items()}
+        if gguf is not None:
+            if not isinstance(gguf, Mapping):
+                raise TypeError(f"gguf must be a mapping prefix -> metadata, got {type(gguf).__name__}")
+            gguf_meta = {p: sg.validate_gguf_metadata(p, m) for p, m in gguf.items()}
     else:
         raise TypeError(f"model_or_state_dict must be an nn.Module or a state dict, got {type(model_or_state_dict).__name__}")
     if not isinstance(path, (str, os.PathLike)):
@@ -628,12 +691,13 @@ def save_quantized(
     stray = _stray_packed(state, layer_meta, experts_meta)
     if stray:
         raise CheckpointError(f"tensors {stray} look like quantized planes but have no layer metadata (pass layers=... / experts=...)")
+    _check_gguf_listing("", state, layer_meta, experts_meta, gguf_meta, "pass gguf=...")
 
     tensors, aliases = _dedupe(state)
     tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     header = {
         "format": "pt",
-        **header_metadata(layer_meta, {name: _sha256(t) for name, t in tensors.items()}, experts_meta),
+        **header_metadata(layer_meta, {name: _sha256(t) for name, t in tensors.items()}, experts_meta, gguf_meta),
         **user,
     }
     if aliases:
@@ -671,18 +735,22 @@ class CheckpointHeader:
         sha256: tensor name -> hex sha256 of its bytes.
         aliases: name -> stored name, for tensors stored once (single-file format; else empty).
         experts: prefix -> experts metadata as stored (check each with :func:`validate_experts_metadata`).
+        gguf: prefix -> GGUF module metadata as stored (check each with
+            :func:`kbit_linear.serialization_gguf.validate_gguf_metadata`).
     """
 
     layers: dict[str, Any]
     sha256: dict[str, str]
     aliases: dict[str, str] = field(default_factory=dict)
     experts: dict[str, Any] = field(default_factory=dict)
+    gguf: dict[str, Any] = field(default_factory=dict)
 
 
 def header_metadata(
     layers: Mapping[str, Mapping[str, Any]],
     sha256: Mapping[str, str],
     experts: Mapping[str, Mapping[str, Any]] | None = None,
+    gguf: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, str]:
     """The kbit entries of a safetensors header: format version, layer metadata, checksums.
 
@@ -691,6 +759,9 @@ def header_metadata(
         sha256: tensor name -> hex sha256 (:func:`tensor_sha256`).
         experts: prefix -> experts metadata (as :func:`experts_metadata` returns); the entry is
             written only when there is one.
+        gguf: prefix -> GGUF module metadata (as
+            :func:`kbit_linear.serialization_gguf.gguf_metadata` returns); the entry is written
+            only when there is one.
 
     Returns:
         str -> str entries, as safetensors requires; the caller adds ``format`` and any others.
@@ -702,6 +773,8 @@ def header_metadata(
     }
     if experts:
         header[_KEY_EXPERTS] = json.dumps(experts, sort_keys=True)
+    if gguf:
+        header[_KEY_GGUF] = json.dumps(gguf, sort_keys=True)
     return header
 
 
@@ -716,7 +789,7 @@ def parse_header(header: Mapping[str, str], where: str, *, verify_digest: bool =
 
     Raises:
         CheckpointError: no version (not written by kbit_linear), an unknown version, a failed
-            header digest, or a missing or malformed layers / sha256 / aliases / experts entry.
+            header digest, or a missing or malformed layers / sha256 / aliases / experts / gguf entry.
     """
     version = header.get(_KEY_VERSION)
     if version is None:
@@ -734,6 +807,7 @@ def parse_header(header: Mapping[str, str], where: str, *, verify_digest: bool =
         sha256=_parse_json(where, _KEY_SHA256, header.get(_KEY_SHA256), None),
         aliases=_parse_json(where, _KEY_ALIASES, header.get(_KEY_ALIASES), {}),
         experts=_parse_json(where, _KEY_EXPERTS, header.get(_KEY_EXPERTS), {}),
+        gguf=_parse_json(where, _KEY_GGUF, header.get(_KEY_GGUF), {}),
     )
 
 
@@ -809,13 +883,17 @@ def load_quantized(
     stray = _stray_packed(tensors, layers, experts)
     if stray:
         raise CheckpointError(f"{where}: tensors {stray} look like quantized planes but no layer metadata lists them")
+    from . import serialization_gguf as sg  # imported here: it takes CheckpointError from this module
+
+    gguf = {prefix: sg.validate_gguf_metadata(prefix, meta, where=where) for prefix, meta in parsed.gguf.items()}
+    _check_gguf_listing(where, tensors, layers, experts, gguf, f"the header's {_KEY_GGUF!r} does not list them")
 
     if torch.device(device) != torch.device("cpu"):
         tensors = {name: t.to(device) for name, t in tensors.items()}
         for alias, stored in aliases.items():  # keep aliases shared after the move
             tensors[alias] = tensors[stored]
     user = {k: v for k, v in header.items() if not k.startswith(_RESERVED) and k != "format"}
-    return QuantizedCheckpoint(tensors=tensors, layers=layers, metadata=user, path=where, experts=experts)
+    return QuantizedCheckpoint(tensors=tensors, layers=layers, metadata=user, path=where, experts=experts, gguf=gguf)
 
 
 def load_into(
@@ -831,11 +909,18 @@ def load_into(
     ``model`` may be the dense model (e.g. freshly built from its config, also on the meta
     device): every ``nn.Linear`` that the checkpoint holds quantized is first replaced by a
     :class:`KbitLinear` of the checkpoint's bits and shape, and every experts module it holds
-    quantized by a :class:`~kbit_linear.experts.KbitExperts`; existing ``KbitLinear`` layers and
-    ``KbitExperts`` modules must match. Then the state dict is loaded: copied into existing tensors (keeping the model's
-    devices and dtypes), or, where the model is on the meta device, assigned (on ``device``,
-    default CPU). Weights tied in the model stay tied. A meta model's non-persistent buffers
-    (not part of any state dict, e.g. rotary ``inv_freq``) stay on meta, with a warning.
+    quantized by a :class:`~kbit_linear.experts.KbitExperts`, and every ``nn.Linear`` /
+    ``nn.Embedding`` it holds as a GGUF module by a :class:`~kbit_linear.gguf_linear.GGUFLinear` /
+    :class:`~kbit_linear.gguf_linear.GGUFEmbedding` (taking the embedding's dtype, padding row
+    and, for a scaled word embedding, its ``embed_scale``;
+    :func:`kbit_linear.serialization_gguf.install_gguf_modules`); existing ``KbitLinear``
+    layers, ``KbitExperts`` and GGUF modules must match. GGUF modules that the checkpoint stores
+    once (a tied ``lm_head``) share one tensor per array again after the load, and transformers'
+    tie tables are told to leave them alone (``model.tie_weights()`` keeps working). Then the
+    state dict is loaded: copied into existing tensors (keeping the model's devices and dtypes),
+    or, where the model is on the meta device, assigned (on ``device``, default CPU). Weights
+    tied in the model stay tied. A meta model's non-persistent buffers (not part of any state
+    dict, e.g. rotary ``inv_freq``) stay on meta, with a warning.
 
     Args:
         model: the model to fill, changed in place.
@@ -901,6 +986,10 @@ def load_into(
         else:
             raise CheckpointError(f"{where}: experts {prefix!r} cannot be loaded into this model's {type(module).__name__}: {problem}")
         del module
+    if ckpt.gguf:
+        from . import serialization_gguf as sg  # imported here: it takes CheckpointError from this module
+
+        sg.install_gguf_modules(model, ckpt.gguf, ckpt.tensors, where=where)
 
     # Remember which names share one Parameter: assign=True would untie them.
     shared: dict[int, list[str]] = {}

@@ -24,7 +24,11 @@ How it plugs into the transformers 5.x loader:
 * save: the quantized tensors are the layers' state dict (``weight`` is the tiled int32
   planes, a shape no dense loader accepts); ``config.json`` gets ``quantization_config`` and
   every safetensors header gets the format version, the per-layer metadata and a sha256 of
-  every quantized tensor.
+  every quantized tensor. A model holding GGUF modules (:class:`~kbit_linear.GGUFLinear`,
+  :class:`~kbit_linear.GGUFEmbedding`) is refused with a ``ValueError``: ``from_pretrained``
+  would find no ``weight`` for those layers and initialize them at random (it only reports
+  missing keys); :func:`kbit_linear.save_quantized` and :func:`kbit_linear.load_into` carry them,
+  and a ``save_quantized`` file with GGUF modules is refused by ``from_pretrained`` the same way.
 * reload (``config.json`` has ``quant_method: "kbit"``): the layers become meta ``KbitLinear``
   placeholders and the tensors load as they are; the headers are checked before loading
   (version, layer shapes, tensor names, dtypes and shapes, through
@@ -54,6 +58,7 @@ from torch import nn
 
 from .. import format as fmt
 from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem, quantize_experts_weight
+from ..gguf_linear import GGUFEmbedding, GGUFLinear
 from ..linear import KbitLinear
 from ..patch import (
     check_skip_rules,
@@ -399,6 +404,9 @@ class KbitHfQuantizer(HfQuantizer):
             except Exception as e:  # safetensors raises its own types for damaged files
                 raise CheckpointError(f"{path}: cannot read the file as safetensors (truncated or damaged?): {e}") from e
             parsed = parse_header(header, path)
+            if parsed.gguf:
+                raise CheckpointError(f"{path}: holds GGUF modules ({_some(parsed.gguf)}), which from_pretrained cannot load; "
+                                      "build the model and call kbit_linear.load_into(model, path)")
             layers.update(parsed.layers)
             experts.update(parsed.experts)
             sums.update(parsed.sha256)
@@ -512,7 +520,18 @@ class KbitHfQuantizer(HfQuantizer):
         version, per-layer and per-experts metadata, checksums of the quantized tensors.
 
         Also drops the weight conversions that ``save_pretrained`` would apply to the quantized
-        tensors (:func:`_keep_quantized_names`), so they are stored under the names the headers list."""
+        tensors (:func:`_keep_quantized_names`), so they are stored under the names the headers list.
+
+        Raises:
+            ValueError: the model holds GGUF modules (named), which ``save_pretrained`` cannot carry.
+        """
+        gguf = [name for name, module in model.named_modules() if isinstance(module, (GGUFLinear, GGUFEmbedding))]
+        if gguf:
+            raise ValueError(
+                f"save_pretrained cannot write GGUF modules ({_some(gguf)}): from_pretrained would find no weights for "
+                "those layers and initialize them at random. Save with kbit_linear.save_quantized(model, 'model.safetensors') "
+                "and load with kbit_linear.load_into(model, 'model.safetensors')"
+            )
         layers, experts, sums = {}, {}, {}
         for name, module in model.named_modules():
             if isinstance(module, KbitLinear):
@@ -545,6 +564,13 @@ class KbitHfQuantizer(HfQuantizer):
     def is_compileable(self) -> bool:
         """The forward pass is one ``torch.library`` op with a fake implementation."""
         return True
+
+
+def _some(names: Any, shown: int = 4) -> str:
+    """The first ``shown`` of ``names``, and how many more, for messages."""
+    names = sorted(names)
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _is_dtensor(tensor: Any) -> bool:
