@@ -357,9 +357,11 @@ def matmul_a8(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None = N
     x2 = x.reshape(-1, k)
     a = quantize_activations(x2)
     blocks = k // BLOCK
-    qw = weight_indices(weight).reshape(n, blocks, BLOCK).to(torch.float64)  # levels before any offset
-    qa = a.qs.reshape(-1, blocks, BLOCK).to(torch.float64)
-    sumi = torch.einsum("nbi,mbi->mnb", qw, qa).to(torch.float32)  # exact integers
+    # Integer dot products per block as float32 matrix products: every product (<= 127 * 127) and
+    # 32-term sum (< 2^24) is an exact float32 integer.
+    qw = weight_indices(weight).reshape(n, blocks, BLOCK).to(torch.float32)  # levels before any offset
+    qa = a.qs.reshape(-1, blocks, BLOCK).to(torch.float32)
+    sumi = torch.bmm(qa.transpose(0, 1), qw.permute(1, 2, 0)).permute(1, 2, 0)  # [M, N, nb]
     dw = weight.scale.to(torch.float32).unsqueeze(0)  # [1, N, nb]
     da, sa = a.scale.to(torch.float32).unsqueeze(1), a.sums.to(torch.float32).unsqueeze(1)  # [M, 1, nb]
     if weight.mins is not None:

@@ -37,6 +37,7 @@ __all__ = ["GGUFEmbedding", "GGUFLinear"]
 
 # Resolved once: an OpOverload call skips the overload lookup of the packet on every call.
 _GEMM = torch.ops.kbit_linear.gguf_gemm.default
+_GEMM_A8 = torch.ops.kbit_linear.gguf_gemm_a8.default
 _DEQUANTIZE = torch.ops.kbit_linear.gguf_dequantize.default
 
 _ARRAYS = ("qs", "qh", "scale", "mins")
@@ -151,18 +152,25 @@ class GGUFLinear(nn.Module):
         device: where the tensors live.
         dtype: dtype of the bias (default: ``torch.get_default_dtype()``); the GGUF arrays have
             fixed dtypes.
+        activation_bits: 16 (default): the activations stay in their dtype; 8: each forward
+            quantizes them per 32-value block to int8 (Q8_1) and multiplies in integers
+            (``gguf_gemm_a8``, llama.cpp's W4A8/W5A8/W8A8). Opt-in: slower than 16 on the GPUs
+            measured (``bench/results/gguf-h100.md``), and less accurate. May be changed later
+            through the attribute.
     """
 
     in_features: int
     out_features: int
     qtype: str
+    activation_bits: int
 
     def __init__(self, in_features: int, out_features: int, qtype: str, bias: bool = False,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, activation_bits: int = 16) -> None:
         super().__init__()
         self.in_features = _check_dim("in_features", in_features)
         self.out_features = _check_dim("out_features", out_features)
         self.qtype = gf.block_type(qtype).name
+        self.activation_bits = activation_bits
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
         if dtype is not None:
@@ -204,6 +212,17 @@ class GGUFLinear(nn.Module):
             layer.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach(), requires_grad=False)
         return layer
 
+    @property
+    def activation_bits(self) -> int:
+        """16 (activations as they come) or 8 (quantized per block to int8 for integer MMAs)."""
+        return self._activation_bits
+
+    @activation_bits.setter
+    def activation_bits(self, bits: int) -> None:
+        if isinstance(bits, bool) or bits not in (8, 16):
+            raise ValueError(f"activation_bits must be 8 or 16, got {bits!r}")
+        self._activation_bits = bits
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T + bias``.
 
@@ -215,8 +234,9 @@ class GGUFLinear(nn.Module):
         """
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x's last dimension must be in_features={self.in_features}, got shape {tuple(x.shape)}")
-        y = _GEMM(x.reshape(-1, self.in_features), self.qs, self.qh, self.scale, self.mins, self.qtype, self.out_features,
-                  self.bias)
+        gemm = _GEMM if self._activation_bits == 16 else _GEMM_A8
+        y = gemm(x.reshape(-1, self.in_features), self.qs, self.qh, self.scale, self.mins, self.qtype, self.out_features,
+                 self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def weight_format(self) -> gf.GGUFWeight:
@@ -236,8 +256,9 @@ class GGUFLinear(nn.Module):
         return _DEQUANTIZE(self.qs, self.qh, self.scale, self.mins, self.qtype, self.out_features, self.in_features, dtype)
 
     def extra_repr(self) -> str:
+        a8 = ", activation_bits=8" if self._activation_bits == 8 else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"qtype={self.qtype}")
+                f"qtype={self.qtype}{a8}")
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "GGUFLinear":
         _apply_keeping_arrays(self, fn, recurse)

@@ -581,7 +581,8 @@ def _check_complete(model: nn.Module, unplaced: dict[str, str]) -> None:
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str | None = None, *,
-              requantize_bits: int | None = 4, scale_search: bool = True, progress: bool = True) -> nn.Module:
+              requantize_bits: int | None = 4, scale_search: bool = True, progress: bool = True,
+              activation_bits: int = 16) -> nn.Module:
     """Load a GGUF checkpoint as a transformers causal LM, keeping Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights
     in their blocks (module docstring: what happens to each tensor, and why not ``from_pretrained``).
 
@@ -596,6 +597,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None, device:
         scale_search: requantize with the block scale search
             (:func:`kbit_linear.quantizer.quantize_weight`), the better data-free choice.
         progress: show a tqdm bar over the file's tensors.
+        activation_bits: the kept layers' :attr:`GGUFLinear.activation_bits` (16, or 8 for
+            llama.cpp's integer dot products on 8-bit activations; opt-in, slower and less exact).
 
     Returns:
         The model (a transformers ``PreTrainedModel``) in eval mode, with
@@ -610,6 +613,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None, device:
         ImportError: the ``gguf`` package is missing.
     """
     path, dtype, device = _check_args(path, dtype, device, requantize_bits, scale_search, progress)
+    if isinstance(activation_bits, bool) or activation_bits not in (8, 16):
+        raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits!r}")
     gguf = _import_gguf()
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
@@ -633,6 +638,9 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None, device:
     _check_complete(model, {})
 
     model.eval()
+    for module in model.modules():
+        if isinstance(module, GGUFLinear):
+            module.activation_bits = activation_bits
     if device is not None:
         model.to(device)
     model.gguf_load_report = report

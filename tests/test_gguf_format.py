@@ -391,3 +391,58 @@ def test_embedding_compile_fullgraph_no_graph_break():
     ids = torch.randint(0, 50, (2, 9))
     compiled = torch.compile(emb, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(ids), emb(ids))
+
+
+# ---------------------------------------------------------------------------------------
+# 8-bit activations
+# ---------------------------------------------------------------------------------------
+
+
+def test_q8_1_activations_follow_llama_cpp():
+    """da = amax / 127, qa = round half away from zero, sa = the block's sum; a zero block is zero."""
+    x = torch.zeros(2, 64)
+    x[0, :4] = torch.tensor([1.0, 0.5 / 127, -1.5 / 127, 2.5 / 127])
+    x[1] = torch.randn(64)
+    a = gf.quantize_activations(x)
+    assert a.qs[0, :4].tolist() == [127, 1, -2, 3] and a.qs.dtype == torch.int8
+    assert torch.equal(a.qs[0, 32:], torch.zeros(32, dtype=torch.int8)) and a.scale[0, 1] == 0
+    blocks = x[1].reshape(2, 32)
+    torch.testing.assert_close(a.scale[1].float(), (blocks.abs().amax(1) / 127).half().float())
+    torch.testing.assert_close(a.sums[1].float(), blocks.sum(1).half().float())
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        gf.quantize_activations(torch.randn(2, 40))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_matmul_a8_is_the_seed_formula(qtype):
+    """Per block: sumi = integer dot of the stored levels and qa; Q4_0 dw * (da * sumi - 8 sa),
+    Q5_0 ... - 16 sa, Q4_1/Q5_1 dw * da * sumi + m * sa, Q8_0 dw * da * sumi (float64 here)."""
+    n, k = 9, 96
+    weight, dense = _weight(qtype, n, k, seed=5)
+    x = torch.randn(4, k)
+    a = gf.quantize_activations(x)
+    t = gf.block_type(qtype)
+    qw = gf.weight_indices(weight).reshape(n, k // 32, 32).double()
+    sumi = torch.einsum("nbi,mbi->mnb", qw, a.qs.reshape(4, k // 32, 32).double())
+    dw, da, sa = weight.scale.double()[None], a.scale.double()[:, None], a.sums.double()[:, None]
+    if t.has_min:
+        per = dw * da * sumi + weight.mins.double()[None] * sa
+    else:
+        per = dw * (da * sumi - (t.offset if t.bits != 8 else 0) * sa)
+    torch.testing.assert_close(gf.matmul_a8(x, weight).double(), per.sum(2), rtol=1e-5, atol=1e-5)
+    # and close to the 16-bit product it approximates
+    ref = x @ dense.T
+    assert ((gf.matmul_a8(x, weight) - ref).norm() / ref.norm()).item() < 0.05
+
+
+def test_linear_activation_bits_selects_the_8_bit_op():
+    weight, _ = _weight("Q4_0", 16, 64, seed=2)
+    layer = GGUFLinear.from_weight(weight)
+    x = torch.randn(3, 64)
+    assert layer.activation_bits == 16 and torch.equal(layer(x), gf.matmul(x, weight))
+    layer.activation_bits = 8
+    assert torch.equal(layer(x), gf.matmul_a8(x, weight)) and "activation_bits=8" in repr(layer)
+    with pytest.raises(ValueError, match="activation_bits must be 8 or 16"):
+        layer.activation_bits = 4
+    with pytest.raises(ValueError, match="activation_bits"):
+        GGUFLinear(64, 16, "Q4_0", activation_bits=True)

@@ -268,6 +268,17 @@ def test_device_argument(files):
     assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"cpu"}
 
 
+def test_activation_bits_8_reaches_every_kept_layer(files):
+    model = load_gguf(files["untied"], requantize_bits=None, progress=False, activation_bits=8)
+    kept = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    assert kept and all(m.activation_bits == 8 for m in kept)
+    ref = load_gguf(files["untied"], requantize_bits=None, progress=False)
+    a, b = _logits(model), _logits(ref)
+    assert not torch.equal(a, b) and ((a - b).norm() / b.norm()).item() < 0.05
+    with pytest.raises(ValueError, match="activation_bits"):
+        load_gguf(files["untied"], progress=False, activation_bits=4)
+
+
 # ---------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------
