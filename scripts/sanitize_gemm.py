@@ -5,8 +5,8 @@ layers, fused, fused-splitk, wgmma and wgmma-splitk on GPUs of compute capabilit
 dequantize + cuBLAS), bits 2..5,
 fp16 and bf16, M from 1 to 300, small odd shapes and Llama-sized ones, a bias, and the quantize /
 repack / dequantize kernels that build each weight; with ``--bits`` including 4 (they have no
-kbit width, so one process runs them) also the GGUF block-format kernels (dequantize and the
-small-M GEMM, every type, M 1..64). Every result is checked against the float32 reference; the
+kbit width, so one process runs them) also the GGUF block-format kernels (dequantize, the
+small-M GEMM and the 8-bit-activation path, every type, M 1..64). Every result is checked against the float32 reference; the
 script exits non-zero if one is wrong.
 
     compute-sanitizer --tool racecheck --kernel-name kns=kbit_ --error-exitcode 3 python3 scripts/sanitize_gemm.py
@@ -133,12 +133,13 @@ def _gguf_sweep(dev: torch.device, verbose: bool) -> tuple[int, int]:
                         print(f"launch: M={m} {k}->{n} {qtype} {dtype} gguf-gemm", flush=True)
                     x = torch.randn(m, k, device=dev, dtype=dtype)
                     ref = F.linear(x.float(), dense.float())
-                    y = torch.ops.kbit_linear.gguf_gemm(x, w.qs, w.qh, w.scale, w.mins, qtype, n, None)
-                    launches += 1
-                    err = ((y.float() - ref).norm() / ref.norm()).item()
-                    if not err < REL_TOL or torch.isnan(y).any().item():
-                        bad += 1
-                        print(f"WRONG: M={m} {k}->{n} {qtype} {dtype} gguf-gemm: rel err {err:.2e}", flush=True)
+                    for label, op in (("gguf-gemm", torch.ops.kbit_linear.gguf_gemm), ("gguf-gemm-a8", torch.ops.kbit_linear.gguf_gemm_a8)):
+                        y = op(x, w.qs, w.qh, w.scale, w.mins, qtype, n, None)
+                        launches += 1
+                        err = ((y.float() - ref).norm() / ref.norm()).item()
+                        if not err < REL_TOL * (3 if label.endswith("a8") else 1) or torch.isnan(y).any().item():
+                            bad += 1
+                            print(f"WRONG: M={m} {k}->{n} {qtype} {dtype} {label}: rel err {err:.2e}", flush=True)
         print(f"gguf {qtype}: done", flush=True)
     return launches, bad
 
