@@ -35,11 +35,11 @@ On-disk format (version ``"1"``), one ``.safetensors`` file:
     ``_absmax``, ``_codebook`` and ``_tensor_scale`` beside each (``kbit_linear/experts.py``);
   - ``kbit_linear.gguf``: JSON ``{prefix: GGUF metadata}`` for every GGUF module (see
     :func:`kbit_linear.serialization_gguf.gguf_metadata`: ``kind`` (``"linear"`` or
-    ``"embedding"``), ``qtype``, ``out_features``, ``in_features``, ``bias``, and for an
-    embedding ``embed_scale``; written only when there is one, so other files are as before,
-    and a reader that predates the entry fails on the unexpected ``qs`` tensors). A tied
-    ``lm_head`` holding its embedding's arrays is stored once, through the aliases below, and
-    :func:`load_into` ties it again (one tensor per array, shared);
+    ``"embedding"``), ``qtype``, ``out_features``, ``in_features``, ``bias``, a linear layer's
+    ``activation_bits`` and an embedding's ``embed_scale``; written only when there is one, so
+    other files are as before, and a reader that predates the entry fails on the unexpected
+    ``qs`` tensors). A tied ``lm_head`` holding its embedding's arrays is stored once, through
+    the aliases below, and :func:`load_into` ties it again (one tensor per array, shared);
   - ``kbit_linear.aliases``: JSON ``{name: stored name}`` for tensors shared in the model
     (tied weights), which are stored once;
   - ``kbit_linear.header_sha256``: hex sha256 of all the other entries (sorted compact

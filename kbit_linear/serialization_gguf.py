@@ -67,10 +67,11 @@ def gguf_metadata(module: GGUFModule) -> dict[str, Any]:
             :class:`~kbit_linear.gguf_linear.GGUFEmbedding`.
 
     Returns:
-        ``{"kind": "linear" | "embedding", "qtype", "out_features", "in_features", "bias"}``;
-        for an embedding ``out_features`` / ``in_features`` are ``num_embeddings`` /
-        ``embedding_dim``, ``bias`` is ``False`` and ``embed_scale`` is its output factor as a
-        float, or ``None``.
+        ``{"kind": "linear" | "embedding", "qtype", "out_features", "in_features", "bias"}``,
+        and for a linear layer its ``activation_bits`` (16, or 8 for int8 activations: it
+        changes the outputs, so the checkpoint carries it); for an embedding ``out_features``
+        / ``in_features`` are ``num_embeddings`` / ``embedding_dim``, ``bias`` is ``False`` and
+        ``embed_scale`` is its output factor as a float, or ``None``.
 
     Raises:
         TypeError: ``module`` is not a GGUF module.
@@ -78,7 +79,8 @@ def gguf_metadata(module: GGUFModule) -> dict[str, Any]:
     """
     if isinstance(module, GGUFLinear):
         return {"kind": "linear", "qtype": module.qtype, "out_features": module.out_features,
-                "in_features": module.in_features, "bias": module.bias is not None}
+                "in_features": module.in_features, "bias": module.bias is not None,
+                "activation_bits": module.activation_bits}
     if isinstance(module, GGUFEmbedding):
         if module.embed_scale is not None and module.embed_scale.device.type == "meta":
             raise ValueError("the embedding's embed_scale is on the meta device (no value to save); create it first")
@@ -90,12 +92,13 @@ def gguf_metadata(module: GGUFModule) -> dict[str, Any]:
 
 def validate_gguf_metadata(prefix: str, meta: Mapping[str, Any], *, where: str = "") -> dict[str, Any]:
     """Check one ``kbit_linear.gguf`` entry and return it complete (``qtype`` canonical,
-    ``embed_scale`` filled in for an embedding).
+    ``activation_bits`` filled in for a linear layer, ``embed_scale`` for an embedding).
 
     Required keys: ``kind`` (``"linear"`` or ``"embedding"``), ``qtype`` (a name of
     :data:`kbit_linear.gguf_format.BLOCK_TYPES`), ``out_features`` and ``in_features``
     (positive ints, ``in_features`` a multiple of 32), ``bias`` (bool; ``False`` for an
-    embedding). Optional for an embedding: ``embed_scale`` (a finite number or ``None``).
+    embedding). Optional for a linear layer: ``activation_bits`` (16 or 8, default 16); for an
+    embedding: ``embed_scale`` (a finite number or ``None``).
 
     Args:
         prefix: the module's name (for messages).
@@ -127,7 +130,13 @@ def validate_gguf_metadata(prefix: str, meta: Mapping[str, Any], *, where: str =
     if kind == "linear":
         if "embed_scale" in meta:
             raise CheckpointError(f"{ctx}: GGUF metadata 'embed_scale' belongs to an embedding, not a linear layer")
+        bits = meta.get("activation_bits", 16)
+        if isinstance(bits, bool) or bits not in (8, 16):
+            raise CheckpointError(f"{ctx}: GGUF metadata 'activation_bits' must be 8 or 16, got {bits!r}")
+        out["activation_bits"] = bits
         return out
+    if "activation_bits" in meta:
+        raise CheckpointError(f"{ctx}: GGUF metadata 'activation_bits' belongs to a linear layer, not an embedding")
     if bias:
         raise CheckpointError(f"{ctx}: GGUF metadata says the embedding has a bias (embeddings have none)")
     scale = meta.get("embed_scale")
@@ -350,6 +359,7 @@ def install_gguf_modules(
     entry, an ``nn.Embedding`` for an ``"embedding"`` entry (a subclass only as a scaled word
     embedding, where the checkpoint's embedding is scaled too), which is replaced by an
     all-zero GGUF module on its device, in its dtype, with its padding row and output factor.
+    Every listed linear layer gets the checkpoint's ``activation_bits``.
     Modules whose arrays the checkpoint stores once (a tied ``lm_head``) are replaced by modules
     holding the same array tensors, so they stay one copy through the load (copied into in
     place, or assigned the checkpoint's one tensor).
@@ -372,16 +382,19 @@ def install_gguf_modules(
                 raise CheckpointError(f"{_ctx(prefix, where)} has no module in the model") from None
             _check_target(prefix, modules[prefix], gguf[prefix], where)
         first = modules[group[0]]
-        if len(group) == 1 and isinstance(first, (GGUFLinear, GGUFEmbedding)):
-            continue  # filled in place
-        meta = gguf[group[0]]
-        if isinstance(first, (GGUFLinear, GGUFEmbedding)):
-            weight = first.weight_format()
-        else:
-            # an all-zero weight of the checkpoint's type on the dense module's device
-            weight = GGUFLinear(meta["in_features"], meta["out_features"], meta["qtype"], device=_device(first)).weight_format()
+        if len(group) > 1 or not isinstance(first, (GGUFLinear, GGUFEmbedding)):  # else filled in place
+            meta = gguf[group[0]]
+            if isinstance(first, (GGUFLinear, GGUFEmbedding)):
+                weight = first.weight_format()
+            else:
+                # an all-zero weight of the checkpoint's type on the dense module's device
+                zero = GGUFLinear(meta["in_features"], meta["out_features"], meta["qtype"], device=_device(first))
+                weight = zero.weight_format()
+            for prefix in group:
+                replace_module(model, prefix, _replacement(modules[prefix], gguf[prefix], weight))
         for prefix in group:
-            replace_module(model, prefix, _replacement(modules[prefix], gguf[prefix], weight))
+            if gguf[prefix]["kind"] == "linear":  # as saved, also where the model's layer said otherwise
+                model.get_submodule(prefix).activation_bits = gguf[prefix]["activation_bits"]
     forget_tied_weights(model, {f"{prefix}.weight" for prefix in gguf})
 
 

@@ -136,7 +136,8 @@ def test_round_trip_is_bit_exact(saved):
         assert stored == fields | ({"bias"} if getattr(module, "bias", None) is not None else set()), name
     assert ckpt.gguf["embed"] == {"kind": "embedding", "qtype": "Q8_0", "out_features": VOCAB, "in_features": HIDDEN,
                                   "bias": False, "embed_scale": None}
-    assert ckpt.gguf["narrow"] == {"kind": "linear", "qtype": "Q5_1", "out_features": NARROW, "in_features": HIDDEN, "bias": True}
+    assert ckpt.gguf["narrow"] == {"kind": "linear", "qtype": "Q5_1", "out_features": NARROW, "in_features": HIDDEN, "bias": True,
+                                   "activation_bits": 16}
 
 
 def test_tied_head_is_stored_once(saved):
@@ -191,6 +192,34 @@ def test_bfloat16_model_round_trip(tmp_path):
     load_into(dense, path)
     assert dense.embed.dtype == torch.bfloat16 and dense.narrow.bias.dtype == torch.bfloat16
     assert torch.equal(_out(dense), _out(model))
+
+
+def test_activation_bits_travel_with_the_checkpoint(tmp_path):
+    model = _gguf_net()
+    model.plain["Q5_0"].activation_bits = 8  # int8 activations change the outputs
+    ref = _out(model)
+    assert not torch.equal(ref, _out(_gguf_net()))
+    path = save_quantized(model, tmp_path / "a8.safetensors")
+    assert load_quantized(path).gguf["plain.Q5_0"]["activation_bits"] == 8
+    dense = _TinyNet(seed=1)
+    load_into(dense, path)
+    in_place = _gguf_net(seed=2)
+    in_place.plain["Q4_0"].activation_bits = 8  # the checkpoint's setting wins
+    load_into(in_place, path)
+    for loaded in (dense, in_place):
+        assert {n: m.activation_bits for n, m in loaded.plain.items()} == {q: 8 if q == "Q5_0" else 16 for q in QTYPES}
+        assert torch.equal(_out(loaded), ref)
+
+
+def test_entry_without_activation_bits_reads_as_16(saved):
+    _, path = saved
+    tensors, header = _read(path)
+    entry = json.loads(header["kbit_linear.gguf"])
+    for meta in entry.values():
+        meta.pop("activation_bits", None)
+    header["kbit_linear.gguf"] = json.dumps(entry)
+    _forge(path, tensors, header)
+    assert {m.get("activation_bits") for m in load_quantized(path).gguf.values()} == {16, None}  # None: the embedding
 
 
 def test_header_entry_only_with_gguf_modules(saved, tmp_path):
@@ -329,6 +358,8 @@ CORRUPTIONS = {
     "bias-flag": (_gguf_edit("biased.Q8_0", "bias", False), r"layer 'biased.Q8_0': unexpected tensors \['bias'\]"),
     "missing-bias": (_gguf_edit("plain.Q8_0", "bias", True), r"layer 'plain.Q8_0': tensors \['bias'\] are missing"),
     "embedding-bias": (_gguf_edit("embed", "bias", True), r"layer 'embed': .*embeddings have none"),
+    "activation-bits": (_gguf_edit("narrow", "activation_bits", 4), r"layer 'narrow': GGUF metadata 'activation_bits' must be 8 or 16"),
+    "activation-bits-on-embedding": (_gguf_edit("embed", "activation_bits", 8), r"layer 'embed': GGUF metadata 'activation_bits' belongs to a linear"),
     "embed-scale-not-a-number": (_gguf_edit("embed", "embed_scale", "x"), r"layer 'embed': GGUF metadata 'embed_scale' must be a finite"),
     "wrong-scale-shape": (_tensor_edit("plain.Q8_0.scale", lambda t: t[:, :1].contiguous()),
                           r"layer 'plain.Q8_0': scale must be torch.float16 \(64, 2\)"),
