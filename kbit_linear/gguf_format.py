@@ -359,18 +359,24 @@ def matmul_a8(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None = N
     blocks = k // BLOCK
     # Integer dot products per block as float32 matrix products: every product (<= 127 * 127) and
     # 32-term sum (< 2^24) is an exact float32 integer.
-    qw = weight_indices(weight).reshape(n, blocks, BLOCK).to(torch.float32)  # levels before any offset
-    qa = a.qs.reshape(-1, blocks, BLOCK).to(torch.float32)
-    sumi = torch.bmm(qa.transpose(0, 1), qw.permute(1, 2, 0)).permute(1, 2, 0)  # [M, N, nb]
-    dw = weight.scale.to(torch.float32).unsqueeze(0)  # [1, N, nb]
+    qa = a.qs.reshape(-1, blocks, BLOCK).to(torch.float32).transpose(0, 1)  # [nb, M, 32]
     da, sa = a.scale.to(torch.float32).unsqueeze(1), a.sums.to(torch.float32).unsqueeze(1)  # [M, 1, nb]
-    if weight.mins is not None:
-        per_block = dw * da * sumi + weight.mins.to(torch.float32).unsqueeze(0) * sa
-    elif t.offset and t.bits != 8:
-        per_block = dw * (da * sumi - t.offset * sa)
-    else:
-        per_block = dw * da * sumi
-    out = per_block.sum(dim=2)
+    levels = weight_indices(weight).reshape(n, blocks, BLOCK)  # levels before any offset
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32, device=x.device)
+    # Output columns in chunks, so the [M, columns, nb] block sums stay within ~64 Mi floats.
+    step = max(1, (1 << 26) // max(1, x2.shape[0] * blocks))
+    for c0 in range(0, n, step):
+        cols = slice(c0, min(n, c0 + step))
+        qw = levels[cols].to(torch.float32).permute(1, 2, 0)  # [nb, 32, cols]
+        sumi = torch.bmm(qa, qw).permute(1, 2, 0)  # [M, cols, nb], exact integers
+        dw = weight.scale[cols].to(torch.float32).unsqueeze(0)  # [1, cols, nb]
+        if weight.mins is not None:
+            per_block = dw * da * sumi + weight.mins[cols].to(torch.float32).unsqueeze(0) * sa
+        elif t.offset and t.bits != 8:
+            per_block = dw * (da * sumi - t.offset * sa)
+        else:
+            per_block = dw * da * sumi
+        out[:, cols] = per_block.sum(dim=2)
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)

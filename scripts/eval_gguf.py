@@ -50,12 +50,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=4, help="512-token windows per model")
     ap.add_argument("--md", help="write the table here (markdown)")
+    ap.add_argument("--models", nargs="+", help="only the models whose name contains one of these (e.g. Gemma)")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in _models(Path(tmp)):
+            if args.models and not any(m.lower() in name.lower() for m in args.models):
+                continue
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             windows = token_windows(tokenizer, num_windows=args.windows)
             dense = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
