@@ -33,7 +33,46 @@ from torch import nn
 from . import _gguf_ops  # noqa: F401  (registers the gguf_gemm / gguf_dequantize ops)
 from . import gguf_format as gf
 
-__all__ = ["GGUFEmbedding", "GGUFLinear"]
+__all__ = ["GGUFEmbedding", "GGUFLinear", "SCALED_EMBEDDINGS", "embedding_scale", "forget_tied_weights"]
+
+SCALED_EMBEDDINGS = frozenset(
+    {"Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding", "Gemma4TextScaledWordEmbedding"})
+"""transformers' scaled word embeddings (by class name) that a :class:`GGUFEmbedding` with
+``embed_scale`` reproduces: each forward is ``nn.Embedding.forward(ids) * self.embed_scale``."""
+
+
+def embedding_scale(module: nn.Module) -> torch.Tensor | None:
+    """The output factor of ``module`` when it is one of :data:`SCALED_EMBEDDINGS` (holding the
+    tensor ``embed_scale``), else ``None``. With ``type(module) is nn.Embedding`` this is the one
+    rule for which embeddings a :class:`GGUFEmbedding` may replace (any other subclass may do more
+    than look rows up)."""
+    scale = getattr(module, "embed_scale", None)
+    if isinstance(module, nn.Embedding) and type(module).__name__ in SCALED_EMBEDDINGS and isinstance(scale, torch.Tensor):
+        return scale
+    return None
+
+
+def forget_tied_weights(model: nn.Module, names: set[str]) -> None:
+    """Drop the entries of transformers' tie tables (``_tied_weights_keys``,
+    ``all_tied_weights_keys`` of the model and its sub-models) that name one of ``names``.
+
+    transformers ties weights by sharing a ``weight`` Parameter (``model.tie_weights()``, also
+    run by ``resize_token_embeddings``); a GGUF module has no ``weight``, so a table entry that
+    names one would make that call fail. The GGUF modules' own ties are their shared arrays.
+
+    Args:
+        model: the model (any ``nn.Module``; modules without the tables are left alone).
+        names: full parameter names (``"lm_head.weight"``).
+    """
+    for prefix, sub in model.named_modules():
+        head = f"{prefix}." if prefix else ""  # the tables name parameters relative to their model
+        for attr in ("_tied_weights_keys", "all_tied_weights_keys"):
+            table = getattr(sub, attr, None)
+            if not isinstance(table, dict):
+                continue
+            kept = {k: v for k, v in table.items() if head + k not in names and head + str(v) not in names}
+            if len(kept) != len(table):
+                setattr(sub, attr, kept)
 
 # Resolved once: an OpOverload call skips the overload lookup of the packet on every call.
 _GEMM = torch.ops.kbit_linear.gguf_gemm.default

@@ -60,9 +60,11 @@ Not covered: architectures that ``from_pretrained`` reads through ``transformers
 (``qwen35``, ``qwen35moe``, ``lfm2`` in 5.23: another reader and conversion mapping), and
 architectures whose model applies a checkpoint conversion at load (fused MoE experts): both raise
 a ``ValueError`` naming what cannot be placed. Models come from ``AutoModelForCausalLM``. The
-tokenizer is transformers' (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``). A model
-with GGUF modules cannot be saved with ``save_pretrained`` and reloaded; nor can its GGUF
-embedding be resized (``resize_token_embeddings`` reads ``weight``).
+tokenizer is transformers' (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``). The model
+saves with :func:`kbit_linear.save_quantized` and loads back with :func:`kbit_linear.load_into`;
+its ``save_pretrained`` raises a ``ValueError`` saying so (transformers' file would reload with
+random weights in those layers). Its GGUF embedding cannot be resized
+(``resize_token_embeddings`` reads ``weight``).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ from tqdm.auto import tqdm
 
 from . import format as fmt
 from . import gguf_format as gf
-from .gguf_linear import GGUFEmbedding, GGUFLinear
+from .gguf_linear import GGUFEmbedding, GGUFLinear, embedding_scale, forget_tied_weights
 from .linear import KbitLinear
 from .patch import replace_module
 
@@ -96,13 +98,6 @@ UNUSED = "unused"
 
 # GGUF tensor types that hold values, not blocks: never requantized.
 _VALUE_TYPES = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
-
-# transformers' scaled word embeddings of the GGUF-readable architectures; each forward is
-# `nn.Embedding.forward(ids) * self.embed_scale.to(self.weight.dtype)`, which GGUFEmbedding's
-# `embed_scale` reproduces.
-_SCALED_EMBEDDINGS = frozenset(
-    {"Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding", "Gemma4TextScaledWordEmbedding"})
-
 
 @dataclass(frozen=True)
 class GGUFTensorRecord:
@@ -307,21 +302,15 @@ def _keep_target(module: nn.Module, leaf: str, shape: tuple[int, int]) -> str | 
         return None
     if type(module) is nn.Linear and (module.out_features, module.in_features) == shape:
         return "linear"
-    embedding = type(module) is nn.Embedding or _is_scaled_embedding(module)
+    embedding = type(module) is nn.Embedding or embedding_scale(module) is not None
     if embedding and module.max_norm is None and (module.num_embeddings, module.embedding_dim) == shape:
         return "embedding"
     return None
 
 
-def _is_scaled_embedding(module: nn.Module) -> bool:
-    """``module`` is one of the scaled word embeddings ``GGUFEmbedding(embed_scale=...)`` reproduces."""
-    return (isinstance(module, nn.Embedding) and type(module).__name__ in _SCALED_EMBEDDINGS
-            and isinstance(getattr(module, "embed_scale", None), torch.Tensor))
-
-
 def _gguf_embedding(weight: gf.GGUFWeight, module: nn.Embedding, dtype: torch.dtype) -> GGUFEmbedding:
     """The ``GGUFEmbedding`` that stands in for ``module`` (its padding row and output scale)."""
-    scale = module.embed_scale if _is_scaled_embedding(module) else None
+    scale = embedding_scale(module)
     return GGUFEmbedding.from_weight(weight, dtype=dtype, padding_idx=module.padding_idx, embed_scale=scale)
 
 
@@ -525,25 +514,6 @@ def _tie(model: nn.Module, target: str, source: str, dtype: torch.dtype) -> bool
     return False
 
 
-def _forget_ties(model: nn.Module, names: set[str]) -> None:
-    """Drop the tie entries that involve ``names`` from transformers' tie tables, so that
-    ``model.tie_weights()`` leaves those pairs as they are."""
-    from transformers import PreTrainedModel
-
-    for prefix, sub in model.named_modules():
-        if not isinstance(sub, PreTrainedModel):
-            continue
-
-        def involved(k: str, v: str) -> bool:
-            full = (f"{prefix}.{k}", f"{prefix}.{v}") if prefix else (k, v)
-            return full[0] in names or full[1] in names
-
-        for attr in ("_tied_weights_keys", "all_tied_weights_keys"):
-            table = getattr(sub, attr, None)
-            if isinstance(table, dict) and any(involved(k, v) for k, v in table.items()):
-                setattr(sub, attr, {k: v for k, v in table.items() if not involved(k, v)})
-
-
 def _make_ties(model: nn.Module, tied: dict[str, str], assigned: set[str], dtype: torch.dtype,
                report: GGUFLoadReport) -> None:
     """Tie each pair of ``tied`` (target -> source) that the file holds one side of, the way
@@ -561,7 +531,7 @@ def _make_ties(model: nn.Module, tied: dict[str, str], assigned: set[str], dtype
         assigned.add(target)
         report.tied[target] = source
     if gguf_ties:
-        _forget_ties(model, gguf_ties)
+        forget_tied_weights(model, gguf_ties)
 
 
 def _check_complete(model: nn.Module, unplaced: dict[str, str]) -> None:
@@ -578,6 +548,14 @@ def _check_complete(model: nn.Module, unplaced: dict[str, str]) -> None:
 # ---------------------------------------------------------------------------------------
 # the entry point
 # ---------------------------------------------------------------------------------------
+
+
+def _refuse_save_pretrained(*args: Any, **kwargs: Any) -> None:
+    raise ValueError(
+        "a model from load_gguf cannot be saved with save_pretrained: from_pretrained would find no weights for its "
+        "GGUF and kbit layers and initialize them at random. Save it with kbit_linear.save_quantized(model, "
+        "'model.safetensors') and load it into a model of the same config with kbit_linear.load_into(model, "
+        "'model.safetensors')")
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str | None = None, *,
@@ -644,6 +622,9 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None, device:
     if device is not None:
         model.to(device)
     model.gguf_load_report = report
+    # transformers' save_pretrained would write these layers in a form from_pretrained cannot
+    # read back (it would initialize them at random): refuse it on this model, by name.
+    model.save_pretrained = _refuse_save_pretrained
     for line in report.lines():
         logger.info("load_gguf %s: %s", path.name, line)
     return model

@@ -11,7 +11,7 @@ specific to the GGUF modules:
   home of the array layout; here only what it does not cover: names, bias, finite block scales);
 * :func:`install_gguf_modules`: what ``load_into`` does to a model before loading a state dict
   into it (dense ``nn.Linear`` / ``nn.Embedding`` swapped for GGUF modules, ties made again,
-  transformers' tie tables told to leave the GGUF modules alone: :func:`forget_tied_weights`).
+  transformers' tie tables told to leave the GGUF modules alone: :func:`kbit_linear.gguf_linear.forget_tied_weights`).
 
 Functions raise :class:`~kbit_linear.serialization.CheckpointError` naming the layer (and the
 file, given ``where``). :mod:`kbit_linear.serialization` imports this module when it runs (not at
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from . import gguf_format as gf
-from .gguf_linear import GGUFEmbedding, GGUFLinear
+from .gguf_linear import GGUFEmbedding, GGUFLinear, embedding_scale, forget_tied_weights
 from .patch import is_convertible, replace_module
 from .serialization import CheckpointError
 
@@ -35,7 +35,6 @@ __all__ = [
     "GGUF_ARRAYS",
     "GGUF_KINDS",
     "GGUF_TENSORS",
-    "forget_tied_weights",
     "gguf_metadata",
     "gguf_tensors",
     "install_gguf_modules",
@@ -241,13 +240,6 @@ def _shape_of(module: nn.Module) -> tuple:
     return (module.qtype, module.num_embeddings, module.embedding_dim, module.embed_scale is not None)
 
 
-def _model_embed_scale(module: nn.Module) -> torch.Tensor | None:
-    """The output factor of an embedding module of the model (transformers' scaled word
-    embeddings and ``GGUFEmbedding`` hold it as the tensor ``embed_scale``), or ``None``."""
-    scale = getattr(module, "embed_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else None
-
-
 def _check_target(prefix: str, module: nn.Module, meta: Mapping[str, Any], where: str) -> None:
     """Raise unless ``module`` can hold (or be replaced by) the checkpoint's GGUF module."""
     ctx = _ctx(prefix, where)
@@ -284,7 +276,7 @@ def _check_target(prefix: str, module: nn.Module, meta: Mapping[str, Any], where
                               "which a GGUFEmbedding does not")
     # A subclass is taken only as a scaled word embedding (forward = embedding * embed_scale), the
     # one GGUFEmbedding reproduces; any other subclass may do more.
-    if scaled and _model_embed_scale(module) is None:
+    if scaled and embedding_scale(module) is None:
         raise CheckpointError(f"{ctx}: the checkpoint's embedding multiplies its output by embed_scale={meta['embed_scale']}, "
                               f"but the model's {type(module).__name__} has no embed_scale")
     if not scaled and type(module) is not nn.Embedding:
@@ -320,7 +312,7 @@ def _replacement(module: nn.Module, meta: Mapping[str, Any], weight: gf.GGUFWeig
         new: GGUFModule = GGUFLinear.from_weight(weight, bias=bias)
     else:
         new = GGUFEmbedding.from_weight(weight, dtype=dtype, padding_idx=module.padding_idx,
-                                        embed_scale=_model_embed_scale(module))
+                                        embed_scale=embedding_scale(module))
     new.train(module.training)
     return new
 
@@ -398,24 +390,3 @@ def install_gguf_modules(
     forget_tied_weights(model, {f"{prefix}.weight" for prefix in gguf})
 
 
-def forget_tied_weights(model: nn.Module, names: set[str]) -> None:
-    """Drop the entries of transformers' tie tables (``_tied_weights_keys``,
-    ``all_tied_weights_keys`` of the model and its sub-models) that name one of ``names``.
-
-    transformers ties weights by sharing a ``weight`` Parameter (``model.tie_weights()``, also
-    run by ``resize_token_embeddings``); a GGUF module has no ``weight``, so a table entry that
-    names one would make that call fail. The GGUF modules' own ties are their shared arrays.
-
-    Args:
-        model: the model (any ``nn.Module``; modules without the tables are left alone).
-        names: full parameter names (``"lm_head.weight"``).
-    """
-    for prefix, sub in model.named_modules():
-        head = f"{prefix}." if prefix else ""  # the tables name parameters relative to their model
-        for attr in ("_tied_weights_keys", "all_tied_weights_keys"):
-            table = getattr(sub, attr, None)
-            if not isinstance(table, dict):
-                continue
-            kept = {k: v for k, v in table.items() if head + k not in names and head + str(v) not in names}
-            if len(kept) != len(table):
-                setattr(sub, attr, kept)

@@ -268,6 +268,13 @@ def test_device_argument(files):
     assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"cpu"}
 
 
+def test_save_pretrained_is_refused_with_the_way_that_works(files, tmp_path):
+    model = load_gguf(files["untied"], requantize_bits=None, progress=False)
+    with pytest.raises(ValueError, match="save_quantized"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_activation_bits_8_reaches_every_kept_layer(files):
     model = load_gguf(files["untied"], requantize_bits=None, progress=False, activation_bits=8)
     kept = [m for m in model.modules() if isinstance(m, GGUFLinear)]
