@@ -424,7 +424,11 @@ class _Loader:
     def _load_dense(self, tensor: Any, gguf: Any, why: str | None) -> None:
         """Dequantize and process the tensor as transformers does, then place it."""
         qtype = tensor.tensor_type.name
-        values = gguf.dequantize(tensor.data, tensor.tensor_type)
+        try:
+            values = gguf.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as e:  # a type the gguf package cannot read: name the tensor and type
+            raise ValueError(f"tensor {tensor.name!r} has GGUF type {qtype}, which neither this loader keeps nor the "
+                             f"installed gguf package can dequantize ({e})") from e
         before = set(self.side)
         result = self.processor.process(weights=values, name=tensor.name, tensor_key_mapping=self.mapping,
                                         parsed_parameters={"tensors": self.side})

@@ -309,6 +309,21 @@ def test_tensor_missing_from_the_file_is_named(tmp_path):
         load_gguf(path, progress=False)
 
 
+def test_tensor_type_nobody_can_read_is_named(files, monkeypatch):
+    """A type outside the kept ones that the gguf package cannot dequantize either: a ValueError
+    naming the tensor and its type (here F32 made unreadable on purpose)."""
+    real = gguf.dequantize
+
+    def refuse_f32(data, qtype):
+        if qtype.name == "F32":
+            raise NotImplementedError(f"Dequantization for {qtype.name} is not yet implemented")
+        return real(data, qtype)
+
+    monkeypatch.setattr(gguf, "dequantize", refuse_f32)
+    with pytest.raises(ValueError, match=r"tensor 'blk\.0\.attn_norm\.weight' has GGUF type F32"):
+        load_gguf(files["tied"], progress=False)
+
+
 def test_bad_arguments(files):
     with pytest.raises(TypeError, match="path"):
         load_gguf(3)
