@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--m", nargs="+", type=int, default=M_VALUES)
     ap.add_argument("--types", nargs="+", default=["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    ap.add_argument("--launch", help="WARPS,UNROLL: launch shape of the small-M kernel for every M (default: tuning.py's)")
     ap.add_argument("--a8", action="store_true", help="also time each type with 8-bit activations (gguf_gemm_a8)")
     ap.add_argument("--json")
     ap.add_argument("--md")
@@ -56,6 +57,10 @@ def main() -> None:
     from kbit_linear import format as fmt
 
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    if args.launch:
+        from kbit_linear.backends.cuda import tuning
+        shape = tuple(int(v) for v in args.launch.split(","))
+        tuning.GGUF_GEMV_LAUNCH.update({n8: shape for n8 in tuning.GGUF_GEMV_LAUNCH})
     env = bc.environment(device)
     bw = bc.measure_copy_bandwidth(device)
     l2 = bc.l2_bytes(device)

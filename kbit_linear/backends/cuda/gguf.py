@@ -31,7 +31,8 @@ _DEQUANT_ARGS = loader.ArgPack("kbit_gguf_dequantize", "qs:p qh:p scale:p mins:p
 _GEMV_ARGS = loader.ArgPack("kbit_gguf_gemv", "x:p qs:p qh:p scale:p mins:p bias:p out:p M:i N:i K:i")
 _Q8_ARGS = loader.ArgPack("kbit_gguf_quantize_q8_1", "x:p xq:p xd:p xs:p M:i nb:i")
 _GEMV_A8_ARGS = loader.ArgPack("kbit_gguf_gemv_a8", "xq:p xd:p xs:p qs:p qh:p scale:p mins:p bias:p out:p M:i N:i K:i")
-_A8_UNROLL = 4  # consecutive blocks per warp and step of the 8-bit-activation kernel
+_A8_WARPS = 8  # warps per block of the 8-bit-activation kernel (splitting K)
+_A8_UNROLL = 4  # consecutive blocks per warp and step of that kernel
 _A8_MAX_M = 64  # rows of x per launch of that kernel (eight n8 fragments)
 _ROWS_PER_TILE = 16  # output rows per block of the small-M kernel (one m16 fragment)
 _TOKEN_TILES = (1, 2, 4, 8)  # n8 fragments per instance: M <= 8, 16, 32, 64
@@ -46,12 +47,12 @@ def _dequant_name(qtype: str, dtype: torch.dtype) -> str:
 
 
 def _gemv_name(qtype: str, dtype: torch.dtype, n8: int) -> str:
-    return (f"kbit_gguf_gemv<{gf.block_type(qtype).code}, {_DT[dtype]}, {n8}, "
-            f"{tuning.GGUF_GEMV_WARPS}, {tuning.GGUF_GEMV_UNROLL}>")
+    warps, unroll = tuning.GGUF_GEMV_LAUNCH[n8]
+    return f"kbit_gguf_gemv<{gf.block_type(qtype).code}, {_DT[dtype]}, {n8}, {warps}, {unroll}>"
 
 
 def _gemv_a8_name(qtype: str, dtype: torch.dtype, n8: int) -> str:
-    return f"kbit_gguf_gemv_a8<{gf.block_type(qtype).code}, {_DT[dtype]}, {n8}, {tuning.GGUF_GEMV_WARPS}, {_A8_UNROLL}>"
+    return f"kbit_gguf_gemv_a8<{gf.block_type(qtype).code}, {_DT[dtype]}, {n8}, {_A8_WARPS}, {_A8_UNROLL}>"
 
 
 def gguf_instances() -> list[str]:
@@ -114,7 +115,7 @@ def gguf_gemm_cuda(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor | None, s
     b = None if bias is None else aligned16(bias.to(x.dtype))
     n8 = _token_tiles(m)
     kern = loader.get_kernel(_SOURCE, _gemv_name(qtype, x.dtype, n8), x.device)
-    loader.launch(kern, (out_features + _ROWS_PER_TILE - 1) // _ROWS_PER_TILE, 32 * tuning.GGUF_GEMV_WARPS,
+    loader.launch(kern, (out_features + _ROWS_PER_TILE - 1) // _ROWS_PER_TILE, 32 * tuning.GGUF_GEMV_LAUNCH[n8][0],
                   _GEMV_ARGS.Values(x=aligned16(x), qs=qs, qh=qh, scale=scale, mins=mins, bias=b, out=out, M=m, N=out_features, K=k),
                   0, x.device, pack=_GEMV_ARGS)
     return out
@@ -160,7 +161,7 @@ def gguf_gemm_a8_cuda(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor | None
     for r0 in range(0, m, _A8_MAX_M):  # the same kernel for every chunk: one numeric path at any M
         rows = min(_A8_MAX_M, m - r0)
         kern = loader.get_kernel(_SOURCE, _gemv_a8_name(qtype, x.dtype, _token_tiles(rows)), x.device)
-        loader.launch(kern, (out_features + _ROWS_PER_TILE - 1) // _ROWS_PER_TILE, 32 * tuning.GGUF_GEMV_WARPS,
+        loader.launch(kern, (out_features + _ROWS_PER_TILE - 1) // _ROWS_PER_TILE, 32 * _A8_WARPS,
                       _GEMV_A8_ARGS.Values(xq=a.qs[r0:], xd=a.scale[r0:], xs=a.sums[r0:], qs=qs, qh=qh, scale=scale, mins=mins,
                                            bias=b, out=out[r0:], M=rows, N=out_features, K=k),
                       0, x.device, pack=_GEMV_A8_ARGS)

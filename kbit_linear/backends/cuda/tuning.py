@@ -23,8 +23,7 @@ __all__ = [
     "WGMMA_TOKEN_TILES",
     "FUSED_MIN_SPLIT_ITERS",
     "GGUF_GEMV_MAX_M",
-    "GGUF_GEMV_WARPS",
-    "GGUF_GEMV_UNROLL",
+    "GGUF_GEMV_LAUNCH",
     "DecodeConfig",
     "DECODE_CONFIGS",
     "DECODE_SPLIT_COST_BYTES",
@@ -241,7 +240,7 @@ DECODE_VARIANTS: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {
 # M = 16 41 vs 27 us.)
 GGUF_GEMV_MAX_M = 64
 
-# Launch shape of the GGUF small-M kernel: warps per block (splitting K) and steps of 4
-# consecutive blocks of 32 weights whose loads a warp keeps in flight. First version, not tuned.
-GGUF_GEMV_WARPS = 8
-GGUF_GEMV_UNROLL = 2
+# Launch shape of the GGUF small-M kernel per n8 token fragments (M <= 8, 16, 32, 64): (warps
+# per block, splitting K; steps of 4 consecutive 32-weight blocks whose loads a warp keeps in
+# flight). First version, not tuned (`scripts/bench_gguf.py --launch` times others).
+GGUF_GEMV_LAUNCH: dict[int, tuple[int, int]] = {1: (8, 2), 2: (8, 2), 4: (8, 2), 8: (8, 2)}
