@@ -242,5 +242,9 @@ GGUF_GEMV_MAX_M = 64
 
 # Launch shape of the GGUF small-M kernel per n8 token fragments (M <= 8, 16, 32, 64): (warps
 # per block, splitting K; steps of 4 consecutive 32-weight blocks whose loads a warp keeps in
-# flight). First version, not tuned (`scripts/bench_gguf.py --launch` times others).
-GGUF_GEMV_LAUNCH: dict[int, tuple[int, int]] = {1: (8, 2), 2: (8, 2), 4: (8, 2), 8: (8, 2)}
+# flight). H100, fp16, one run of `scripts/bench_gguf.py --shapes 4096x14336 8192x28672 --m 1 16
+# 32 64 --types Q4_0 Q8_0 --launch W,U` for (W, U) in (8,2) (8,1) (4,2) (4,1) (2,2) (8,3) (16,1)
+# (16,2) (2026-11-23); Q4_0 4096x14336 / 8192x28672 us: M = 1 (8,2) 15.9 / 54.6, (8,1) 17.1 / 51.5;
+# M = 16 (8,1) 28.7 / 93.8, (8,2) 33.0 / 98.8; M = 32 (8,2) 50.8 / 160.1, (8,1) 54.1 / 167.7;
+# M = 64 (8,1) 90.9 / 298.2, (8,2) 105.3 / 349.4. Differences under ~5 % are within the noise.
+GGUF_GEMV_LAUNCH: dict[int, tuple[int, int]] = {1: (8, 2), 2: (8, 1), 4: (8, 2), 8: (8, 1)}
