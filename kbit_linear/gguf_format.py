@@ -322,8 +322,8 @@ class Q8Activations:
 
 def quantize_activations(x: torch.Tensor) -> Q8Activations:
     """Q8_1 blocks of ``x [M, K]`` (K a multiple of 32), computed in float32: ``da = amax / 127``,
-    ``qa = round(x / da)`` (halves away from zero; 0 where ``amax`` is 0), ``sa = sum(x)``;
-    ``da`` and ``sa`` stored as float16.
+    ``qa = round(x / da)`` (halves away from zero; 0 where ``amax`` is 0 or NaN), ``sa = sum(x)``;
+    ``da`` and ``sa`` stored as float16 (a block holding a NaN gets ``da`` NaN).
 
     Raises:
         TypeError / ValueError: ``x`` not a floating-point 2-D tensor, or K not a multiple of 32.
@@ -340,14 +340,16 @@ def quantize_activations(x: torch.Tensor) -> Q8Activations:
     # round half away from zero (C's roundf), exactly: round, then move the ties outwards
     whole = torch.trunc(v)
     q = torch.where((v - whole).abs() == 0.5, whole + torch.sign(v), torch.round(v))
-    q = torch.where(d == 0, torch.zeros_like(v), q)
+    q = torch.where((d == 0) | d.isnan(), torch.zeros_like(v), q)  # an all-zero or NaN block: values 0
     return Q8Activations(q.to(torch.int8).reshape(m, k), d.squeeze(2).to(torch.float16), xb.sum(dim=2).to(torch.float16))
 
 
 def matmul_a8(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` with 8-bit activations: ``x`` quantized by :func:`quantize_activations`,
     integer dot products per block, the formulas in the module docstring (float32), summed over
-    the blocks in float32 and returned in ``x``'s dtype. ``x`` is ``[..., in_features]``."""
+    the blocks in float32, plus the bias rounded to ``x``'s dtype, returned in ``x``'s dtype.
+    ``x`` is ``[..., in_features]``; a NaN in a block of x makes its scale NaN (so the rows that
+    read it are NaN)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.shape[-1] != weight.in_features:
@@ -377,6 +379,6 @@ def matmul_a8(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None = N
         else:
             per_block = dw * da * sumi
         out[:, cols] = per_block.sum(dim=2)
-    if bias is not None:
-        out = out + bias.to(torch.float32)
+    if bias is not None:  # in x's dtype first, as the 16-bit path adds it
+        out = out + bias.to(x.dtype).to(torch.float32)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)

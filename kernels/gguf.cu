@@ -33,8 +33,10 @@
 // the block's x). The scale is applied to the weights (A), so one mma may mix blocks.
 //
 //   The weights are made in the activation type: fp16 from (0x6400 | q) = 1024 + q (exact),
-//   minus 1024 + offset, times d (one rounding), or fma(q, d, m) for the _1 types; bf16 in fp32
-//   (the (0x4B000000 | q) trick, the reference's product and sum) rounded once to bf16.
+//   minus 1024 + offset, times d (one rounding: the reference's value), or fma(q, d, m) for the
+//   _1 types (one rounding where the reference rounds the sum to fp32 first, then to fp16: one
+//   fp16 step apart in about 1 case in 800 over all d, q, m); bf16 in fp32 (the (0x4B000000 | q)
+//   trick, the reference's product and sum) rounded once to bf16, the reference's value.
 //
 //   The fp32 accumulators of all warps are summed through shared memory at the end; bias added
 //   there; rows >= N and tokens >= M are never stored.
@@ -182,6 +184,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 kbit_gguf_gemv(const u16* __restrict__ x, const u8* __restrict__ qs, const u32* __restrict__ qh, const u16* __restrict__ scale,
                const u16* __restrict__ mins, const u16* __restrict__ bias, u16* __restrict__ out, int M, int N, int K) {
     constexpr int kChunks = Traits<QT>::kQsBytes / 16;
+    static_assert(WARPS * N8 * 128 * 4 <= 48 * 1024, "static shared memory of one block is at most 48 KB");
     __shared__ float partial[WARPS][N8 * 128];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -300,18 +303,20 @@ kbit_gguf_quantize_q8_1(const u16* __restrict__ x, signed char* __restrict__ xq,
         }
     }
     float amax = 0.0f, sum = 0.0f;
+    bool nan = false;  // fmaxf drops NaN; the reference's max keeps it, so a NaN block gets d = NaN
 #pragma unroll
     for (int j = 0; j < kBlock; ++j) {
         amax = fmaxf(amax, fabsf(v[j]));
+        nan |= v[j] != v[j];
         sum = __fadd_rn(sum, v[j]);
     }
-    const float d = amax / 127.0f;
+    const float d = nan ? __int_as_float(0x7fc00000) : amax / 127.0f;
     u32 packed[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) packed[j] = 0u;
 #pragma unroll
     for (int j = 0; j < kBlock; ++j) {
-        const int q = d == 0.0f ? 0 : (int)roundf(v[j] / d);
+        const int q = d == 0.0f || nan ? 0 : (int)roundf(v[j] / d);
         packed[j >> 2] |= ((u32)q & 0xFFu) << (8 * (j & 3));
     }
     uint4* dst = reinterpret_cast<uint4*>(xq + i * kBlock);
@@ -343,6 +348,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 kbit_gguf_gemv_a8(const signed char* __restrict__ xq, const u16* __restrict__ xd, const u16* __restrict__ xs,
                   const u8* __restrict__ qs, const u32* __restrict__ qh, const u16* __restrict__ scale,
                   const u16* __restrict__ mins, const u16* __restrict__ bias, u16* __restrict__ out, int M, int N, int K) {
+    static_assert(WARPS * N8 * 128 * 4 <= 48 * 1024, "static shared memory of one block is at most 48 KB");
     __shared__ float partial[WARPS][N8 * 128];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;

@@ -26,12 +26,13 @@ SHAPES = [(1, 32), (7, 96), (16, 64), (33, 160), (129, 1024), (300, 2080), (1000
 
 def random_weight(qtype: str, n: int, k: int, seed: int, device: str = "cuda") -> gf.GGUFWeight:
     """A weight with every field random: levels from random bytes, scales and minimums fp16 of
-    both signs over a few decades (never inf/nan)."""
+    both signs (about 5 % of the scales zero; never inf/nan)."""
     g = torch.Generator().manual_seed(seed)
     t = gf.block_type(qtype)
     raw = torch.randint(0, 256, (n, k // gf.BLOCK, t.block_bytes), generator=g, dtype=torch.uint8)
     w = gf.split_blocks(raw, qtype, n, k)
     scale = (torch.rand(n, k // gf.BLOCK, generator=g) * 0.02 + 1e-4) * torch.where(torch.rand(n, k // gf.BLOCK, generator=g) < 0.5, -1, 1)
+    scale[torch.rand(scale.shape, generator=g) < 0.05] = 0.0  # zero blocks, common in real files
     w.scale = scale.to(torch.float16)
     if w.mins is not None:
         w.mins = (torch.randn(n, k // gf.BLOCK, generator=g) * 0.05).to(torch.float16)
@@ -97,28 +98,33 @@ def test_gemm_float32_is_dequantize_then_linear_exactly(qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1"])
-def test_gemm_in_cuda_graph_with_poisoned_output(qtype):
+def test_gemm_and_a8_in_cuda_graph_with_poisoned_output(qtype):
     w = random_weight(qtype, 257, 512, seed=11)
     for m in (1, 12, 50):
         x = torch.randn(m, 512, device="cuda", dtype=torch.float16)
-        out = torch.empty(m, 257, device="cuda", dtype=torch.float16)
-        torch.ops.kbit_linear.gguf_gemm(x, *_args(w), None)  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out.copy_(torch.ops.kbit_linear.gguf_gemm(x, *_args(w), None))
-        for _ in range(2):
-            x.copy_(torch.randn_like(x))
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            _check_gemm(out, x, w, None)
+        for op in (torch.ops.kbit_linear.gguf_gemm, torch.ops.kbit_linear.gguf_gemm_a8):
+            op(x, *_args(w), None)  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = op(x, *_args(w), None)  # the op's own output, static across replays
+            for _ in range(2):
+                x.copy_(torch.randn_like(x))
+                out.fill_(float("nan"))  # poisoned: every element must be rewritten by the replay
+                graph.replay()
+                torch.cuda.synchronize()
+                if op is torch.ops.kbit_linear.gguf_gemm:
+                    _check_gemm(out, x, w, None)
+                else:
+                    ref = gf.matmul_a8(x.cpu().float(), w.to("cpu"))
+                    assert not torch.isnan(out).any()
+                    assert ((out.cpu().float() - ref).abs().max() / ref.abs().max()).item() < 5e-3
 
 
 def test_gemm_unaligned_and_strided_x():
     w = random_weight("Q4_1", 64, 320, seed=5)
     base = torch.randn(3, 330, device="cuda", dtype=torch.bfloat16)
-    for x in (base[:, 1:321], base[:, :320].t().contiguous().t(), base[:, 3:323]):
-        _check_gemm(torch.ops.kbit_linear.gguf_gemm(x.contiguous() if x.dim() != 2 else x, *_args(w), None), x, w, None)
+    for x in (base[:, 1:321], base[:, 3:323], base[:, :320].t().contiguous().t()):  # unaligned, strided rows
+        _check_gemm(torch.ops.kbit_linear.gguf_gemm(x, *_args(w), None), x, w, None)
 
 
 def test_gemm_under_torch_compile():
@@ -187,3 +193,21 @@ def test_gemm_a8_matches_the_reference(qtype, dtype):
             err = ((out.cpu().float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
             tol = 5e-3 if dtype == torch.float16 else 2e-2
             assert err < tol, f"{qtype} {dtype} M={m} N={n} K={k}: max rel err {err:.2e}"
+
+
+def test_a8_nan_activations_reach_the_output_and_fp32_bias_is_the_references():
+    """A NaN in x makes the rows that read it NaN (also for Q8_0, whose formula has no block sum);
+    a float32 bias with fp16 x is added as the reference adds it (rounded to x's dtype)."""
+    for qtype in ("Q8_0", "Q4_1"):
+        w = random_weight(qtype, 48, 128, seed=4)
+        x = torch.randn(3, 128, device="cuda", dtype=torch.float16)
+        x[1, 70] = float("nan")
+        out = torch.ops.kbit_linear.gguf_gemm_a8(x, *_args(w), None)
+        assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any() and not torch.isnan(out[2]).any()
+    w = random_weight("Q5_0", 40, 96, seed=6)
+    x = torch.randn(2, 96, device="cuda", dtype=torch.float16)
+    bias = torch.randn(40, device="cuda", dtype=torch.float32) * 3
+    for op, ref in ((torch.ops.kbit_linear.gguf_gemm_a8, gf.matmul_a8), (torch.ops.kbit_linear.gguf_gemm, gf.matmul)):
+        got = op(x, *_args(w), bias).cpu().float()
+        want = ref(x.cpu().float(), w.to("cpu"), bias.cpu().half().float())
+        assert ((got - want).abs().max() / want.abs().max()).item() < 5e-3

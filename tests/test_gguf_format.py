@@ -411,6 +411,10 @@ def test_q8_1_activations_follow_llama_cpp():
     torch.testing.assert_close(a.sums[1].float(), blocks.sum(1).half().float())
     with pytest.raises(ValueError, match="multiple of the block size"):
         gf.quantize_activations(torch.randn(2, 40))
+    y = torch.randn(1, 64)
+    y[0, 3] = float("nan")
+    b = gf.quantize_activations(y)  # a NaN block: scale NaN, values 0; the other block untouched
+    assert b.scale[0, 0].isnan() and not b.qs[0, :32].any() and not b.scale[0, 1].isnan()
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

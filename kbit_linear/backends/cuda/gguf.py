@@ -1,6 +1,6 @@
 """The GGUF block-format kernels (``kernels/gguf.cu``) and the CUDA implementations of their ops.
 
-* ``kbit_linear::gguf_dequantize`` on CUDA: one thread per (row, block), bit for bit the
+* ``kbit_linear::gguf_dequantize`` on CUDA: four threads per (row, block), bit for bit the
   reference (:func:`kbit_linear.gguf_format.dequantize`).
 * ``kbit_linear::gguf_gemm_a8`` on CUDA (8-bit activations): a kernel quantizes x to Q8_1
   blocks, then an integer-MMA kernel (``mma.m16n8k32`` s8, one block of 32 per step, rescaled
@@ -107,7 +107,9 @@ def gguf_gemm_cuda(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor | None, s
     _gguf_ops.check_gemm_args(x, qs, qh, scale, mins, qtype, out_features, bias)
     _require_cuda(qs)
     m, k = x.shape
-    if x.dtype not in (torch.float16, torch.bfloat16) or m > tuning.GGUF_GEMV_MAX_M or m == 0:
+    if m == 0:
+        return torch.empty((0, out_features), dtype=x.dtype, device=x.device)
+    if x.dtype not in (torch.float16, torch.bfloat16) or m > tuning.GGUF_GEMV_MAX_M:
         w = gguf_dequantize_cuda(qs, qh, scale, mins, qtype, out_features, k, x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
     out = torch.empty((m, out_features), dtype=x.dtype, device=x.device)
