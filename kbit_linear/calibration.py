@@ -51,6 +51,7 @@ __all__ = [
     "Calibration",
     "default_calibration_text",
     "gptq_quantize_blocks",
+    "damped_inverse_cholesky",
     "HessianAccumulator",
     "calibrate_model",
 ]
@@ -199,7 +200,7 @@ class Calibration:
 # ---------------------------------------------------------------------------------------
 
 
-def _inverse_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:
+def damped_inverse_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor of the damped ``H^-1`` (float32); damping grows 10x on failure."""
     h = hessian.clone()
     mean_diag = h.diagonal().mean()
@@ -290,7 +291,7 @@ def gptq_quantize_blocks(
         h[dead, dead] = 1.0
     w[:, dead] = 0.0
     with _one_cpu_thread(device):
-        u = _inverse_cholesky(h, damp)
+        u = damped_inverse_cholesky(h, damp)
         del h
         packed, codes = _sweep(w, u, bits, cb, ts, candidates, lazy_block)
     return packed, codes, ts

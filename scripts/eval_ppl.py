@@ -24,7 +24,8 @@ text); ``both`` gives the data-free and the calibrated rows. ``--scale-search`` 
 
 Baselines: ``--rtn-groups 32 64`` adds uniform asymmetric round-to-nearest at the same bits with
 one fp16 scale and zero point per group (fake-quantized dense weights,
-:mod:`kbit_linear.tools.baselines`); bitsandbytes NF4 (blocksize 64) is added when bitsandbytes
+:mod:`kbit_linear.tools.baselines`); ``--gptq-groups 64`` the same grid with GPTQ rounding on the
+calibration data of the calibrated kbit rows; bitsandbytes NF4 (blocksize 64) is added when bitsandbytes
 is importable and works on the device.
 
 The text and windows are those of :mod:`kbit_linear.tools.evaluation` (CPython's
@@ -52,7 +53,7 @@ import torch
 
 from _bench_common import cpu_name, markdown_table, optional_import  # (importing it puts the repo on sys.path)
 
-from kbit_linear.tools.baselines import apply_rtn, rtn_bits_per_weight
+from kbit_linear.tools.baselines import apply_gptq, apply_rtn, rtn_bits_per_weight
 from kbit_linear.tools.evaluation import (
     EmbeddingResult,
     EvalResult,
@@ -88,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=16, help="number of 512-token windows")
     p.add_argument("--window", type=int, default=512, help="tokens per window")
     p.add_argument("--sentences", type=int, default=256, help="sentences scored for an encoder model")
+    p.add_argument("--gptq-groups", type=int, nargs="*", default=[],
+                   help="add uniform asymmetric GPTQ rows (same calibration data as the calibrated kbit rows) at each of --bits with these group sizes")
     p.add_argument("--rtn-groups", type=int, nargs="*", default=[],
                    help="add uniform asymmetric RTN rows at each of --bits with these group sizes (e.g. 32 64)")
     p.add_argument("--calibration", choices=["off", "on", "both"], default="off",
@@ -230,6 +233,17 @@ def main(argv: list[str] | None = None) -> int:
                        f"GPTQ-style, {args.calib_sequences} x {args.calib_len} tokens of stdlib docstrings")
                 del model
                 gc.collect()
+        for group in args.gptq_groups:
+            model, load_s = _load(path, DTYPES[args.quantize_dtype], device, causal=causal)
+            start = time.perf_counter()
+            calib = Calibration(tokenizer=tokenizer, num_sequences=args.calib_sequences, seq_len=args.calib_len)
+            apply_gptq(model, bits, group, calib)
+            model.to(dtype)
+            report(f"GPTQ asym {bits}-bit g{group}", f"{rtn_bits_per_weight(bits, group):.2f}", model,
+                   time.perf_counter() - start,
+                   f"fake-quantized, {args.calib_sequences} x {args.calib_len} tokens of stdlib docstrings")
+            del model
+            gc.collect()
         for group in args.rtn_groups:
             model, load_s = _load(path, DTYPES[args.quantize_dtype], device, causal=causal)
             start = time.perf_counter()

@@ -16,7 +16,7 @@ import transformers
 from torch import nn
 
 from kbit_linear.tools import models
-from kbit_linear.tools.baselines import apply_rtn, fake_quantize_rtn, rtn_bits_per_weight
+from kbit_linear.tools.baselines import apply_gptq, apply_rtn, fake_quantize_gptq, fake_quantize_rtn, rtn_bits_per_weight
 from kbit_linear.tools.evaluation import (
     embedding_sentences,
     evaluate,
@@ -95,6 +95,35 @@ def test_apply_rtn_rounds_the_layers_quantize_model_would_convert():
 # ---------------------------------------------------------------------------------------
 # scores
 # ---------------------------------------------------------------------------------------
+
+
+def test_gptq_is_rtn_without_feedback_and_beats_it_on_correlated_inputs():
+    torch.manual_seed(0)
+    n, k = 48, 192
+    w = torch.randn(n, k)
+    assert torch.equal(fake_quantize_gptq(w, torch.eye(k), 3, 64), fake_quantize_rtn(w, 3, 64))
+    x = torch.randn(1024, k) @ torch.randn(k, k) * 0.2 + torch.randn(1024, k)
+    h = x.T @ x
+    out_err = {name: ((x @ (w - q).T) ** 2).mean().item()
+               for name, q in (("rtn", fake_quantize_rtn(w, 3, 64)), ("gptq", fake_quantize_gptq(w, h, 3, 64)))}
+    assert out_err["gptq"] < 0.9 * out_err["rtn"]
+    q = fake_quantize_gptq(w, h, 3, 64)  # still on a 3-bit grid per group: at most 8 levels
+    assert all(q[r, g * 64:(g + 1) * 64].unique().numel() <= 8 for r in range(n) for g in range(3))
+    with pytest.raises(ValueError, match="hessian"):
+        fake_quantize_gptq(w, torch.eye(k + 1), 3, 64)
+
+
+def test_apply_gptq_rounds_every_convertible_layer_of_a_small_model():
+    from kbit_linear.calibration import Calibration
+
+    model = _tiny_llama()
+    before = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    names = apply_gptq(model, 4, 32, Calibration(tokens=torch.randint(0, 96, (2, 32))), progress=False)
+    assert "lm_head" not in names and len(names) == 14
+    for name in names:
+        w = model.get_submodule(name).weight
+        assert not torch.equal(w, before[name])
+        assert all(w[r, g * 32:(g + 1) * 32].unique().numel() <= 16 for r in range(0, w.shape[0], 7) for g in range(w.shape[1] // 32))
 
 
 def test_a_model_agrees_with_itself_and_top1_drops_when_it_changes():

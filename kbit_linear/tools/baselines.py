@@ -1,4 +1,4 @@
-"""Baselines for the accuracy tables: uniform asymmetric round-to-nearest (RTN), fake-quantized.
+"""Baselines for the accuracy tables: uniform asymmetric round-to-nearest (RTN) and GPTQ, fake-quantized.
 
 Not a storage format of kbit_linear: the weights stay dense, rounded in place to what an
 integer ``bits``-bit format with one scale and one zero point per ``group_size`` consecutive
@@ -9,6 +9,12 @@ Per group ``g`` of one output row: ``scale = (max(g) - min(g)) / (2**bits - 1)``
 ``zero = round(-min(g) / scale)``, ``q = clamp(round(w / scale) + zero, 0, 2**bits - 1)``,
 ``w_hat = (q - zero) * scale``. Stored as fp16 scale and zero, it costs
 ``bits + 32 / group_size`` bits per weight (:func:`rtn_bits_per_weight`).
+
+GPTQ (:func:`fake_quantize_gptq`, :func:`apply_gptq`): the same grid, rounded column by column
+with the layer inputs' Hessian (the error of each column spread over the later ones; each group's
+scale and zero taken from the error-updated weights when the sweep reaches the group, as
+AutoGPTQ does without ``static_groups``), on the same calibration data and block-by-block pass as
+this project's calibrated rounding (:mod:`kbit_linear.calibration`).
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..calibration import DEFAULT_DAMP, Calibration, calibrate_model, damped_inverse_cholesky
 from ..patch import SkipRule, convertible_layers
 
-__all__ = ["fake_quantize_rtn", "rtn_bits_per_weight", "apply_rtn"]
+__all__ = ["fake_quantize_rtn", "rtn_bits_per_weight", "apply_rtn", "fake_quantize_gptq", "apply_gptq"]
+
+_GPTQ_LAZY = 128  # columns per lazy batch of the GPTQ sweep
 
 
 def _check(bits: int, group_size: int) -> None:
@@ -29,6 +38,14 @@ def _check(bits: int, group_size: int) -> None:
         raise ValueError(f"bits must be an int in 1..8, got {bits!r}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+
+
+def _uniform_grid(g: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of each row of ``g`` ``[..., group]`` (asymmetric, min/max)."""
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = (hi - lo) / ((1 << bits) - 1)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale, torch.round(-lo / scale)
 
 
 def fake_quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
@@ -54,11 +71,8 @@ def fake_quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> torch
         w = F.pad(w, (0, groups * group_size - k), mode="replicate")
     g = w.reshape(n, groups, group_size)
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    qmax = (1 << bits) - 1
-    scale = (hi - lo) / qmax
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    zero = torch.round(-lo / scale)
-    q = torch.clamp(torch.round(g / scale) + zero, 0, qmax)
+    scale, zero = _uniform_grid(g, bits)
+    q = torch.clamp(torch.round(g / scale) + zero, 0, (1 << bits) - 1)
     # a constant group is stored exactly (scale 0 would be the format's answer)
     w_hat = torch.where(hi > lo, (q - zero) * scale, g)
     return w_hat.reshape(n, groups * group_size)[:, :k].to(weight.dtype)
@@ -88,4 +102,74 @@ def apply_rtn(model: nn.Module, bits: int, group_size: int, skip: Iterable[SkipR
     for name in names:
         linear = model.get_submodule(name)
         linear.weight.copy_(fake_quantize_rtn(linear.weight, bits, group_size))
+    return names
+
+
+def fake_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int,
+                       damp: float = DEFAULT_DAMP) -> torch.Tensor:
+    """GPTQ rounding of ``weight`` ``[out, in]`` to the uniform asymmetric grid of
+    :func:`fake_quantize_rtn` (groups along in_features).
+
+    Args:
+        weight: floating-point ``[out_features, in_features]``; not modified.
+        hessian: ``[in_features, in_features]``, ``X^T X`` of the layer's inputs (any positive multiple).
+        bits: integer width, 1..8.
+        group_size: in-features per group.
+        damp: added to the Hessian's diagonal, times its mean.
+
+    Returns:
+        The rounded weight, same shape and dtype as ``weight``.
+    """
+    _check(bits, group_size)
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2:
+        raise TypeError("weight must be a 2-D floating-point torch.Tensor")
+    n, k = weight.shape
+    if not isinstance(hessian, torch.Tensor) or tuple(hessian.shape) != (k, k):
+        raise ValueError(f"hessian must be a [{k}, {k}] tensor, got {tuple(getattr(hessian, 'shape', ()))}")
+    w = weight.detach().float().clone()
+    h = hessian.detach().float().clone()
+    dead = h.diagonal() <= 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    u = damped_inverse_cholesky(h, damp)
+    qmax = (1 << bits) - 1
+    out = torch.empty_like(w)
+    scale = zero = None
+    for i1 in range(0, k, _GPTQ_LAZY):
+        i2 = min(k, i1 + _GPTQ_LAZY)
+        w1, err1, u1 = w[:, i1:i2].clone(), torch.zeros(n, i2 - i1), u[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group_size == 0:  # the group's grid from the weights as updated so far
+                end = min(col + group_size, k)
+                group = torch.cat((w1[:, i:i + (end - col)], w[:, i2:end]), dim=1) if end > i2 else w1[:, i:i + (end - col)]
+                scale, zero = _uniform_grid(group, bits)
+                scale, zero = scale.squeeze(1), zero.squeeze(1)
+            x = w1[:, i]
+            q = (torch.clamp(torch.round(x / scale) + zero, 0, qmax) - zero) * scale
+            out[:, col] = q
+            e = (x - q) / u1[i, i]
+            w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ u[i1:i2, i2:]
+    return out.to(weight.dtype)
+
+
+@torch.no_grad()
+def apply_gptq(model: nn.Module, bits: int, group_size: int, calibration: Calibration,
+               skip: Iterable[SkipRule] | str | None = ("lm_head",), progress: bool = True) -> list[str]:
+    """GPTQ-round, in place, the layers that :func:`kbit_linear.quantize_model` would convert,
+    block by block on ``calibration``'s data (:func:`kbit_linear.calibration.calibrate_model`).
+
+    Returns:
+        The names of the rounded layers.
+    """
+    _check(bits, group_size)
+    names, _ = convertible_layers(model, skip)
+
+    def quantize_layer(name: str, hessian: torch.Tensor) -> None:
+        linear = model.get_submodule(name)
+        linear.weight.copy_(fake_quantize_gptq(linear.weight, hessian, bits, group_size))
+
+    calibrate_model(model, names, calibration.batches(), quantize_layer, progress=progress, desc="GPTQ baseline")
     return names
