@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import safetensors
-import safetensors.torch
 import torch
 from torch import nn
 
@@ -24,6 +22,7 @@ from kbit_linear.linear import KbitLinear  # noqa: E402
 from kbit_linear.patch import module_bytes, quantize_model  # noqa: E402
 from kbit_linear.serialization import CheckpointError, load_into, load_quantized, save_quantized  # noqa: E402
 from kbit_linear.serialization_gguf import gguf_metadata  # noqa: E402
+from test_serialization import _forge, _read  # noqa: E402  (the same file reader and forger)
 
 HIDDEN, NARROW, VOCAB = 64, 50, 40
 QTYPES = sorted(gf.BLOCK_TYPES)
@@ -98,19 +97,6 @@ def saved(tmp_path):
     model = _gguf_net()
     path = save_quantized(model, tmp_path / "gguf.safetensors", metadata={"note": "gguf"})
     return model, path
-
-
-def _read(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    with safetensors.safe_open(str(path), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
-
-
-def _forge(path, tensors: dict[str, torch.Tensor], header: dict[str, str]) -> None:
-    """Rewrite ``path`` consistently (checksums recomputed), so only the semantic checks can object."""
-    header = dict(header)
-    header[ser._KEY_SHA256] = json.dumps({k: ser.tensor_sha256(t) for k, t in tensors.items()})
-    header[ser._KEY_HEADER_SHA256] = ser._header_digest(header)
-    safetensors.torch.save_file(tensors, str(path), metadata=header)
 
 
 # ---------------------------------------------------------------------------------------

@@ -40,6 +40,11 @@ def _check(bits: int, group_size: int) -> None:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
 
 
+def _check_weight(weight: torch.Tensor) -> None:
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2:
+        raise TypeError("weight must be a 2-D floating-point torch.Tensor")
+
+
 def _uniform_grid(g: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point of each row of ``g`` ``[..., group]`` (asymmetric, min/max)."""
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
@@ -61,8 +66,7 @@ def fake_quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> torch
         The rounded weight, same shape and dtype as ``weight``.
     """
     _check(bits, group_size)
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2:
-        raise TypeError("weight must be a 2-D floating-point torch.Tensor")
+    _check_weight(weight)
     n, k = weight.shape
     groups = -(-k // group_size)
     w = weight.detach().float()
@@ -121,8 +125,7 @@ def fake_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, g
         The rounded weight, same shape and dtype as ``weight``.
     """
     _check(bits, group_size)
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2:
-        raise TypeError("weight must be a 2-D floating-point torch.Tensor")
+    _check_weight(weight)
     n, k = weight.shape
     if not isinstance(hessian, torch.Tensor) or tuple(hessian.shape) != (k, k):
         raise ValueError(f"hessian must be a [{k}, {k}] tensor, got {tuple(getattr(hessian, 'shape', ()))}")
