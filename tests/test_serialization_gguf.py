@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
