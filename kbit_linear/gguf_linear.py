@@ -172,7 +172,18 @@ def _check_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str
     return ok
 
 
-class GGUFLinear(nn.Module):
+class _GGUFArrays(nn.Module):
+    """What both GGUF modules share: loading a state dict refuses arrays whose dtype or shape
+    differs from the module's (see :func:`_check_state_dict`)."""
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        if not _check_state_dict(self, state_dict, prefix, error_msgs):
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+class GGUFLinear(_GGUFArrays):
     """``y = x @ W^T + b`` with ``W`` kept in a GGUF block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
 
     The forward pass is one call of ``torch.ops.kbit_linear.gguf_gemm`` (the reference on CPU,
@@ -303,14 +314,8 @@ class GGUFLinear(nn.Module):
         _apply_keeping_arrays(self, fn, recurse)
         return self
 
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], strict: bool,
-                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        if not _check_state_dict(self, state_dict, prefix, error_msgs):
-            return
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
-
-class GGUFEmbedding(nn.Module):
+class GGUFEmbedding(_GGUFArrays):
     """An ``nn.Embedding`` whose table stays in a GGUF block format (e.g. a Q8_0 ``token_embd``).
 
     The forward pass gathers the requested rows of each array and dequantizes only those rows
@@ -452,8 +457,3 @@ class GGUFEmbedding(nn.Module):
         _apply_keeping_arrays(self, fn, recurse)
         return self
 
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], strict: bool,
-                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        if not _check_state_dict(self, state_dict, prefix, error_msgs):
-            return
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
