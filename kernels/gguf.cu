@@ -151,6 +151,32 @@ kbit_gguf_dequantize(const u8* __restrict__ qs, const u32* __restrict__ qh, cons
 // ---------------------------------------------------------------------------------------
 // small-M GEMM: out [M][N] = x [M][K] @ W^T (+ bias), M <= 8 * N8
 // ---------------------------------------------------------------------------------------
+// The end of both small-M kernels: sum the WARPS warps' fp32 accumulators of one 16-row tile
+// through shared memory (lane's c[i] is row g + 8 for i >= 2, token 8n + 2t + (i & 1)), add the
+// bias and store rows < N, tokens < M in DT.
+template <int DT, int N8, int WARPS>
+KBIT_DEVICE void store_row_tile(float (&partial)[WARPS][N8 * 128], const float (&acc)[N8][4], int row0, const u16* __restrict__ bias,
+                                u16* __restrict__ out, int M, int N) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int n = 0; n < N8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) partial[warp][n * 128 + lane * 4 + i] = acc[n][i];
+    __syncthreads();
+    for (int o = threadIdx.x; o < N8 * 128; o += WARPS * 32) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) sum += partial[w][o];
+        const int n = o / 128, l = (o / 4) % 32, i = o % 4;
+        const int row = row0 + (l >> 2) + (i >= 2 ? 8 : 0);
+        const int token = n * 8 + 2 * (l & 3) + (i & 1);
+        if (row < N && token < M) {
+            if (bias != nullptr) sum += bits_to_f32<DT>(bias[row]);
+            out[(i64)token * N + row] = f32_to_bits<DT>(sum);
+        }
+    }
+}
+
 // A warp's step covers 4 consecutive blocks; lane (g, t) owns block b + t of rows g and g + 8.
 template <int QT> struct StepLoad {
     uint4 w[2][Traits<QT>::kQsBytes / 16];  // [row][16-byte chunk] of the block's qs
@@ -258,24 +284,7 @@ kbit_gguf_gemv(const u16* __restrict__ x, const u8* __restrict__ qs, const u32* 
         }
     }
 
-    // Sum the warps' accumulators: lane's c[i] is row g + 8 (i >= 2), token 8n + 2t + (i & 1).
-#pragma unroll
-    for (int n = 0; n < N8; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) partial[warp][n * 128 + lane * 4 + i] = acc[n][i];
-    __syncthreads();
-    for (int o = threadIdx.x; o < N8 * 128; o += WARPS * 32) {
-        float sum = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) sum += partial[w][o];
-        const int n = o / 128, l = (o / 4) % 32, i = o % 4;
-        const int row = row0 + (l >> 2) + (i >= 2 ? 8 : 0);
-        const int token = n * 8 + 2 * (l & 3) + (i & 1);
-        if (row < N && token < M) {
-            if (bias != nullptr) sum += bits_to_f32<DT>(bias[row]);
-            out[(i64)token * N + row] = f32_to_bits<DT>(sum);
-        }
-    }
+    store_row_tile<DT, N8, WARPS>(partial, acc, row0, bias, out, M, N);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -429,23 +438,7 @@ kbit_gguf_gemv_a8(const signed char* __restrict__ xq, const u16* __restrict__ xd
         }
     }
 
-#pragma unroll
-    for (int n = 0; n < N8; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) partial[warp][n * 128 + lane * 4 + i] = acc[n][i];
-    __syncthreads();
-    for (int o = threadIdx.x; o < N8 * 128; o += WARPS * 32) {
-        float sum = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) sum += partial[w][o];
-        const int n = o / 128, l = (o / 4) % 32, i = o % 4;
-        const int row = row0 + (l >> 2) + (i >= 2 ? 8 : 0);
-        const int token = n * 8 + 2 * (l & 3) + (i & 1);
-        if (row < N && token < M) {
-            if (bias != nullptr) sum += bits_to_f32<DT>(bias[row]);
-            out[(i64)token * N + row] = f32_to_bits<DT>(sum);
-        }
-    }
+    store_row_tile<DT, N8, WARPS>(partial, acc, row0, bias, out, M, N);
 }
 
 }  // namespace kbit_gguf
