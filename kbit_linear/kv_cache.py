@@ -27,10 +27,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ._kv_ops import decode_attention
 from .kv_format import (
     TIERS,
     KVBucket,
-    bucket_attention,
     channel_group,
     dequantize_bucket,
     key_block_ranges,
@@ -416,8 +416,8 @@ class KbitKVLayer(CacheLayerMixin):
             seen_last = torch.isfinite(bias[:, -1, :])
             self.first_valid = torch.where(seen_last.any(1), seen_last.to(torch.int8).argmax(1), 0).to(torch.int64)
         if q <= DECODE_MAX_QUERIES:
-            out, mass = bucket_attention(query, list(self.buckets.values()), self.k_block_min, self.k_block_range,
-                                         self.block_size, s, attention_mask, scaling)
+            out, mass = decode_attention(query, [self.buckets[t] for t in TIERS], self.k_block_min, self.k_block_range,
+                                         self.block_size, s, self.tier, attention_mask, scaling)
             visible = torch.isfinite(bias).sum(1).float() * hq
         else:
             k, v = self.dequantize()

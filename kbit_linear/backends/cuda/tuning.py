@@ -24,6 +24,8 @@ __all__ = [
     "FUSED_MIN_SPLIT_ITERS",
     "GGUF_GEMV_MAX_M",
     "GGUF_GEMV_LAUNCH",
+    "KV_DECODE_BLOCKS_PER_SM",
+    "KV_DECODE_MIN_KEY_BLOCKS",
     "DecodeConfig",
     "DECODE_CONFIGS",
     "DECODE_SPLIT_COST_BYTES",
@@ -248,3 +250,14 @@ GGUF_GEMV_MAX_M = 64
 # M = 16 (8,1) 28.7 / 93.8, (8,2) 33.0 / 98.8; M = 32 (8,2) 50.8 / 160.1, (8,1) 54.1 / 167.7;
 # M = 64 (8,1) 90.9 / 298.2, (8,2) 105.3 / 349.4. Differences under ~5 % are within the noise.
 GGUF_GEMV_LAUNCH: dict[int, tuple[int, int]] = {1: (8, 2), 2: (8, 1), 4: (8, 2), 8: (8, 1)}
+
+
+# ---------------------------------------------------------------------------------------
+# decode attention over the quantized KV cache (kbit_linear.backends.cuda.kv_attention)
+# ---------------------------------------------------------------------------------------
+
+# The context is split so that the decode grid has about this many blocks per SM (flash-decoding:
+# one sequence must fill the GPU), each split at least KV_DECODE_MIN_KEY_BLOCKS key blocks (one
+# per warp, so no warp of a block idles). First guess, to be tuned by scripts/bench_kv_attention.py.
+KV_DECODE_BLOCKS_PER_SM = 4
+KV_DECODE_MIN_KEY_BLOCKS = 4

@@ -1,0 +1,138 @@
+"""The fused decode-attention kernels over the mixed-precision KV cache (``kernels/kv_attention.cu``).
+
+Registered as the CUDA implementation of :func:`kbit_linear._kv_ops.decode_attention`: per call
+one launch computes where each bucket's entries of every key block start (from the per-position
+tier array), one the attention over all buckets split along the context, one merges the splits
+and, when the mass is asked for, one turns the stored logits into each position's attention mass.
+Head sizes 64, 128 and 256 with fp16, bf16 or fp32 queries take the kernels; anything else
+returns ``None`` (the reference runs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ... import _kv_ops
+from ...kv_format import TIERS, KVBucket, mask_bias
+from . import loader, tuning
+from .tensors import aligned16
+
+__all__ = ["HEAD_DIMS", "kv_attention_instances", "decode_smem_bytes", "kv_decode_attention_cuda"]
+
+_SOURCE = "kv_attention.cu"
+HEAD_DIMS = (64, 128, 256)
+"""Head sizes the kernel has instances for."""
+_DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_ROWS = 16  # query rows per decode block (one m16 fragment)
+_WARPS = 4  # warps per decode block
+_OFFSET_THREADS = 256
+_COMBINE_THREADS = 128
+_MASS_THREADS = 256
+_LOG2E = 1.4426950408889634
+
+_OFFSETS_ARGS = loader.ArgPack("kbit_kv_offsets", "tier:p rs2:p rs3:p rs4:p rs8:p offsets:p S:i nblk:i bs:i")
+_DECODE_ARGS = loader.ArgPack(
+    "kbit_kv_decode",
+    "q:p k2:p v2:p vs2:p vz2:p p2:p k3:p v3:p vs3:p vz3:p p3:p k4:p v4:p vs4:p vz4:p p4:p k8:p v8:p ks8:p vs8:p p8:p "
+    "k_min:p k_range:p offsets:p bias:p logits:p part_acc:p part_ml:p H:i G:i Q:i S:i NB:i nblk:i kbps:i splits:i "
+    "scale_log2:f")
+_COMBINE_ARGS = loader.ArgPack("kbit_kv_combine", "part_acc:p part_ml:p out:p ml:p Hq:i Q:i D:i splits:i")
+_MASS_ARGS = loader.ArgPack("kbit_kv_mass", "logits:p ml:p mass:p rows:i S:i")
+
+
+def decode_smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of one decode block (``Smem<D>::BYTES`` in the kernel)."""
+    ksteps = head_dim // 16
+    return _ROWS * head_dim * 4 + ksteps * 32 * 16 + _WARPS * ksteps * 32 * 16 + _WARPS * _ROWS * 2 * 4 + _ROWS * head_dim * 4
+
+
+def kv_attention_instances() -> list[str]:
+    """Every instance of ``kv_attention.cu`` the backend can launch (name expressions)."""
+    names = ["kbit_kv_offsets", "kbit_kv_mass"]
+    names += [f"kbit_kv_decode<{d}, {dt}>" for d in HEAD_DIMS for dt in _DT.values()]
+    names += [f"kbit_kv_combine<{dt}>" for dt in _DT.values()]
+    return names
+
+
+def _splits(key_blocks: int, blocks_per_split_unit: int, sm_count: int) -> tuple[int, int]:
+    """(key blocks per split, splits): enough blocks for tuning.KV_DECODE_BLOCKS_PER_SM per SM,
+    at least KV_DECODE_MIN_KEY_BLOCKS key blocks per split."""
+    want = max(1, math.ceil(tuning.KV_DECODE_BLOCKS_PER_SM * sm_count / max(1, blocks_per_split_unit)))
+    kbps = max(tuning.KV_DECODE_MIN_KEY_BLOCKS, math.ceil(key_blocks / want))
+    return kbps, max(1, math.ceil(key_blocks / kbps))
+
+
+def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Tensor | None,
+                             k_block_range: torch.Tensor | None, block_size: int, kv_len: int, tier: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float,
+                             need_mass: bool = True) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The CUDA :func:`kbit_linear._kv_ops.decode_attention`; ``None`` for a problem it does not take."""
+    b, hq, q_len, d = query.shape
+    if d not in HEAD_DIMS or query.dtype not in _DT or len(buckets) != len(TIERS) or kv_len == 0:
+        return None
+    if [bk.bits for bk in buckets] != list(TIERS):
+        raise ValueError(f"buckets must be one per width {TIERS}, in that order, got {[bk.bits for bk in buckets]}")
+    h = buckets[0].k.shape[1]
+    if hq % h:
+        raise ValueError(f"query heads ({hq}) must be a multiple of the cache's KV heads ({h})")
+    if tier.shape != (b, kv_len) or tier.dtype != torch.int8:
+        raise ValueError(f"tier must be int8 [{b}, {kv_len}], got {tier.dtype} {tuple(tier.shape)}")
+    dev = query.device
+    g = hq // h
+    rows = g * q_len
+    chunks = math.ceil(rows / _ROWS)
+    nblk = math.ceil(kv_len / block_size)
+    nb = 0 if k_block_min is None else k_block_min.shape[1]
+    bias = None
+    if attention_mask is not None:
+        bias = aligned16(mask_bias(attention_mask, b, q_len, kv_len).to(dev, torch.float32))
+    props = loader.device_properties(dev)
+    kbps, splits = _splits(nblk, b * h * chunks, props.sm_count)
+
+    tier = aligned16(tier)
+    offsets = torch.empty((b, nblk + 1, len(TIERS)), dtype=torch.int32, device=dev)
+    rs = [aligned16(bk.row_start) for bk in buckets]
+    kern = loader.get_kernel(_SOURCE, "kbit_kv_offsets", dev)
+    loader.launch(kern, b, _OFFSET_THREADS, _OFFSETS_ARGS.Values(tier=tier, rs2=rs[0], rs3=rs[1], rs4=rs[2], rs8=rs[3],
+                                                                  offsets=offsets, S=kv_len, nblk=nblk, bs=block_size),
+                  0, dev, pack=_OFFSETS_ARGS)
+
+    logits = torch.empty((b, hq, q_len, kv_len), dtype=torch.float32, device=dev) if need_mass else None
+    part_acc = torch.empty((b * hq * q_len, splits, d), dtype=torch.float32, device=dev)
+    part_ml = torch.empty((b * hq * q_len, splits, 2), dtype=torch.float32, device=dev)
+    t = {bk.bits: bk for bk in buckets}
+
+    def a(x):
+        return None if x is None else aligned16(x)
+
+    kmin = a(k_block_min) if nb else None
+    krange = a(k_block_range) if nb else None
+    kern = loader.get_kernel(_SOURCE, f"kbit_kv_decode<{d}, {_DT[query.dtype]}>", dev)
+    loader.launch(kern, (splits, h * chunks, b), 32 * _WARPS, _DECODE_ARGS.Values(
+        q=aligned16(query), k2=a(t[2].k), v2=a(t[2].v), vs2=a(t[2].v_scale), vz2=a(t[2].v_zero), p2=a(t[2].pos),
+        k3=a(t[3].k), v3=a(t[3].v), vs3=a(t[3].v_scale), vz3=a(t[3].v_zero), p3=a(t[3].pos),
+        k4=a(t[4].k), v4=a(t[4].v), vs4=a(t[4].v_scale), vz4=a(t[4].v_zero), p4=a(t[4].pos),
+        k8=a(t[8].k), v8=a(t[8].v), ks8=a(t[8].k_scale), vs8=a(t[8].v_scale), p8=a(t[8].pos),
+        k_min=kmin, k_range=krange, offsets=offsets, bias=bias, logits=logits, part_acc=part_acc, part_ml=part_ml,
+        H=h, G=g, Q=q_len, S=kv_len, NB=nb, nblk=nblk, kbps=kbps, splits=splits, scale_log2=float(scaling) * _LOG2E),
+        decode_smem_bytes(d), dev, pack=_DECODE_ARGS)
+
+    out = torch.empty((b, q_len, hq, d), dtype=query.dtype, device=dev)
+    ml = torch.empty((b * hq * q_len, 2), dtype=torch.float32, device=dev)
+    kern = loader.get_kernel(_SOURCE, f"kbit_kv_combine<{_DT[query.dtype]}>", dev)
+    loader.launch(kern, b * hq * q_len, _COMBINE_THREADS, _COMBINE_ARGS.Values(
+        part_acc=part_acc, part_ml=part_ml, out=out, ml=ml, Hq=hq, Q=q_len, D=d, splits=splits), splits * 4, dev,
+        pack=_COMBINE_ARGS)
+    if not need_mass:
+        return out, None
+    mass = torch.empty((b, kv_len), dtype=torch.float32, device=dev)
+    kern = loader.get_kernel(_SOURCE, "kbit_kv_mass", dev)
+    loader.launch(kern, (math.ceil(kv_len / _MASS_THREADS), b), _MASS_THREADS,
+                  _MASS_ARGS.Values(logits=logits, ml=ml, mass=mass, rows=hq * q_len, S=kv_len), hq * q_len * 8, dev,
+                  pack=_MASS_ARGS)
+    return out, mass
+
+
+_kv_ops.register_decode_attention("cuda", kv_decode_attention_cuda)

@@ -1,0 +1,709 @@
+// Decode attention over the mixed-precision KV cache (kbit_linear/kv_format.py is the spec):
+// every cached token of a batch row sits in one of four buckets (2, 3, 4 or 8 bits), and one
+// pass reads each bucket's packed codes and scales where they lie, with an online softmax.
+//
+// Three kernels per call, one stream:
+//   kbit_kv_offsets  per (row, key block of `bs` positions), where each bucket's entries of that
+//                    block start: offsets[b][kb][tier], from the per-position tier array.
+//   kbit_kv_decode   grid (split, kv head x row chunk, batch row): a block takes the key blocks
+//                    [split * kbps, (split + 1) * kbps) of its row, its 4 warps take every 4th key
+//                    block, and within a key block each bucket's entries, 16 at a time (a tile).
+//                    It writes the split's unnormalized output, max and sum (flash-decoding).
+//   kbit_kv_combine  merges the splits (out) and, when asked, turns the logits that the decode
+//                    kernel stored into each position's attention mass (the allocator's signal).
+//
+// Query rows: a kv head serves G query heads and Q queries, rows r = j * Q + i (head h*G + j,
+// query i), 16 rows per block (one m16 fragment; row chunks for G*Q > 16). A tile is two
+// tensor-core products per warp, fp16 operands, fp32 accumulators (lane = 4g + t):
+//
+//   logits [16 rows x 8 tokens] += A [16 rows x 16 channels] * B [16 channels x 8 tokens]
+//        A: the queries (8-bit keys) or Q' = q * key range (lower widths), from shared memory
+//        B: key codes, lane (g, t) decodes token g, its quarter of the channels (chunk t)
+//   out    [16 rows x 8 channels] += P' [16 rows x 16 tokens] * V [16 tokens x 8 channels]
+//        P': the probabilities times each token's value scale, straight from the logits'
+//            accumulators (their layout is mma's A layout); one product per 64-channel group
+//        V: value codes, lane (g, t) decodes tokens 2t, 2t+1 (b0), 2t+8, 2t+9 (b1) at channel
+//            8g + j of the group for the j-th n8 fragment
+//
+// Keys below 8 bits decode as min + code * range / levels with one (min, range) per (row, key
+// block, head, channel): q . k = (Q' . code) / levels + q . min, so the product runs on the raw
+// codes and Q' (and q . min) is formed once per key block. Values: zero + code * scale per
+// (token, group): sum_t p v = sum_t (p * scale) code + sum_t p * zero. 8-bit keys and values are
+// int8 times a per-(token, group) scale. Codes become fp16 exactly (0x6400 | c is 1024 + c).
+//
+// Channel order inside a product is free as long as A and B agree: lane t's chunk of a key is
+// channels [t*D/4, (t+1)*D/4), taken 8 at a time (k16 step j: values s, s+4 (b0) and s+1, s+5
+// (b1) of the chunk's group j/2, s = 2 (j % 2)): the pairs every width unpacks with a shift and
+// a mask. Logits are in log2 units (the scale includes log2 e).
+#include "common.cuh"
+
+namespace kbit {
+namespace kv {
+
+constexpr int kTiers = 4;    // widths 2, 3, 4, 8 in this order
+constexpr int kTile = 16;    // bucket entries per warp step (two n8 fragments)
+constexpr int kWarps = 4;    // warps per decode block
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRows = 16;    // query rows per block (one m16 fragment)
+constexpr int kGroup = 64;   // channels per value scale group (and 8-bit key scale group)
+constexpr u32 kMagic = 0x64006400u;  // fp16 1024 in both halves: 0x6400 | c == 1024 + c
+
+__host__ __device__ constexpr int tier_bits(int tier) { return tier == 3 ? 8 : tier + 2; }
+
+// Shared memory of the decode block: query rows (fp32), the A fragments of q (shared by the
+// warps) and of each warp's Q' (private to its lanes), the split's row maxima/sums and output.
+template <int D>
+struct Smem {
+    static constexpr int KSTEPS = D / 16;
+    static constexpr int Q_ROWS = 0;                                  // float [kRows][D]
+    static constexpr int Q_FRAG = Q_ROWS + kRows * D * 4;             // uint4 [KSTEPS][32]
+    static constexpr int QP_FRAG = Q_FRAG + KSTEPS * 32 * 16;         // uint4 [kWarps][KSTEPS][32]
+    static constexpr int ML = QP_FRAG + kWarps * KSTEPS * 32 * 16;    // float [kWarps][kRows][2]
+    static constexpr int OUT = ML + kWarps * kRows * 2 * 4;           // float [kRows][D]
+    static constexpr int BYTES = OUT + kRows * D * 4;
+};
+
+KBIT_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+KBIT_DEVICE u32 hsub2(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+KBIT_DEVICE u32 hmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+KBIT_DEVICE u32 f16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+KBIT_DEVICE float half_lo(u32 h) { return bits_to_f32<KBIT_F16>((u16)(h & 0xffffu)); }
+
+// (1024 + a, 1024 + b) -> (a, b): exact.
+KBIT_DEVICE u32 unmagic(u32 x) { return hsub2(x, kMagic); }
+
+// `n` bytes at p (n a multiple of 2 or 3-byte pieces are read bytewise), zero-extended into
+// words; `ok` false gives zeros. p's alignment is the largest power of two dividing `align`.
+template <int N, int ALIGN>
+KBIT_DEVICE void load_bytes(u32 (&w)[(N + 3) / 4], const u8* p, bool ok) {
+#pragma unroll
+    for (int i = 0; i < (N + 3) / 4; ++i) w[i] = 0;
+    if (!ok) return;
+    if constexpr (ALIGN % 16 == 0 && N % 16 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 16; ++i) {
+            const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+            w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+        }
+    } else if constexpr (ALIGN % 8 == 0 && N % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 8; ++i) {
+            const uint2 v = reinterpret_cast<const uint2*>(p)[i];
+            w[2 * i] = v.x; w[2 * i + 1] = v.y;
+        }
+    } else if constexpr (ALIGN % 4 == 0 && N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 4; ++i) w[i] = reinterpret_cast<const u32*>(p)[i];
+    } else if constexpr (ALIGN % 2 == 0 && N % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) w[i / 2] |= (u32)reinterpret_cast<const u16*>(p)[i] << (16 * (i % 2));
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) w[i / 4] |= (u32)p[i] << (8 * (i % 4));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Unpacking. A "group" is 8 consecutive codes of one token; unpack_group gives the four pairs
+// (s, s+4), s = 0..3, as fp16x2 codes (8 bits: signed, the int8 value).
+// ---------------------------------------------------------------------------------------
+
+// The 8 codes of group `i` of a token's words as a nibble word (code s in bits 4s..4s+3) for
+// BITS < 8, or two words of biased bytes (code + 128) for 8 bits.
+template <int BITS>
+KBIT_DEVICE void group_words(const u32* w, int i, u32& lo, u32& hi) {
+    if constexpr (BITS == 4) {
+        lo = w[i];
+    } else if constexpr (BITS == 2) {
+        // 16 codes per word, code s of group i at bit 2s + 16 (i % 2): spread to bytes 0 and 2
+        const u32 half = w[i / 2] >> (16 * (i % 2));  // codes 0..3 in byte 0, 4..7 in byte 1
+        lo = prmt(half, 0, 0x7170u);                    // byte 0 -> 0, byte 1 -> 2 (codes at 2s, 16 + 2s)
+    } else if constexpr (BITS == 3) {
+        // 24 bits per group: bit offset 24 i in the word stream
+        const int bit = 24 * i;
+        const u32 a = w[bit / 32], b = (bit % 32) > 8 ? w[bit / 32 + 1] : 0u;
+        u32 x;
+        asm("shf.r.clamp.b32 %0, %1, %2, %3;" : "=r"(x) : "r"(a), "r"(b), "r"(bit % 32));
+        // codes 0..3 at 3s, codes 4..7 at 12 + 3s -> 16 + 3s
+        lo = (x & 0xfffu) | ((x << 4) & 0x0fff0000u);
+    } else {
+        lo = w[2 * i] ^ 0x80808080u;
+        hi = w[2 * i + 1] ^ 0x80808080u;
+    }
+}
+
+// Pair (s, s+4) of a group as fp16x2 codes (exact).
+template <int BITS>
+KBIT_DEVICE u32 group_pair(u32 lo, u32 hi, int s) {
+    if constexpr (BITS == 4) {
+        return unmagic(and_or(lo >> (4 * s), 0x000f000fu, kMagic));
+    } else if constexpr (BITS == 2) {
+        return unmagic(and_or(lo >> (2 * s), 0x00030003u, kMagic));
+    } else if constexpr (BITS == 3) {
+        return unmagic(and_or(lo >> (3 * s), 0x00070007u, kMagic));
+    } else {
+        // byte s of lo and byte s of hi, each 128 + code
+        const u32 x = prmt(lo, hi, (u32)s | ((u32)(s + 4) << 8));  // byte 0 <- lo.s, byte 2 <- hi.s
+        return hsub2(and_or(x, 0x00ff00ffu, kMagic), 0x64806480u);  // - 1152
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// kbit_kv_offsets: grid (B), 256 threads.
+// offsets[b][kb][t] (kb = 0..nblk) = row_start_t[b] + #{p < kb * bs : tier[b][p] == bits(t)}.
+// ---------------------------------------------------------------------------------------
+constexpr int kOffsetThreads = 256;
+
+template <int TIER>
+KBIT_DEVICE int count_tier(const signed char* tier, int p0, int p1) {
+    int c = 0;
+    for (int p = p0; p < p1; ++p) c += tier[p] == tier_bits(TIER);
+    return c;
+}
+
+}  // namespace kv
+}  // namespace kbit
+
+using namespace kbit;
+using namespace kbit::kv;
+
+extern "C" __global__ void __launch_bounds__(kOffsetThreads)
+kbit_kv_offsets(const signed char* __restrict__ tier, const int* __restrict__ rs2, const int* __restrict__ rs3,
+                const int* __restrict__ rs4, const int* __restrict__ rs8, int* __restrict__ offsets, int S, int nblk, int bs) {
+    __shared__ int warp_sums[kOffsetThreads / 32][kTiers];
+    __shared__ int carry[kTiers];
+    const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const signed char* row = tier + (size_t)b * S;
+    int base[kTiers] = {rs2[b], rs3[b], rs4[b], rs8[b]};
+    if (tid < kTiers) carry[tid] = 0;
+    __syncthreads();
+    for (int k0 = 0; k0 <= nblk; k0 += kOffsetThreads) {
+        const int kb = k0 + tid;
+        const int p0 = min(kb * bs, S), p1 = min(kb * bs + bs, S);
+        int c[kTiers] = {0, 0, 0, 0};
+        if (kb < nblk) {
+            c[0] = count_tier<0>(row, p0, p1);
+            c[1] = count_tier<1>(row, p0, p1);
+            c[2] = count_tier<2>(row, p0, p1);
+            c[3] = count_tier<3>(row, p0, p1);
+        }
+        int incl[kTiers];
+#pragma unroll
+        for (int t = 0; t < kTiers; ++t) {
+            int v = c[t];
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int u = __shfl_up_sync(0xffffffffu, v, d);
+                if (lane >= d) v += u;
+            }
+            incl[t] = v;
+            if (lane == 31) warp_sums[warp][t] = v;
+        }
+        __syncthreads();
+        int before[kTiers];
+#pragma unroll
+        for (int t = 0; t < kTiers; ++t) {
+            int s = carry[t];
+            for (int w = 0; w < warp; ++w) s += warp_sums[w][t];
+            before[t] = s + incl[t] - c[t];
+        }
+        if (kb <= nblk) {
+#pragma unroll
+            for (int t = 0; t < kTiers; ++t) offsets[((size_t)b * (nblk + 1) + kb) * kTiers + t] = base[t] + before[t];
+        }
+        __syncthreads();  // everyone has read carry and warp_sums
+        if (tid < kTiers) {
+            int s = carry[tid];
+            for (int w = 0; w < kOffsetThreads / 32; ++w) s += warp_sums[w][tid];
+            carry[tid] = s;
+        }
+        __syncthreads();
+    }
+}
+
+namespace kbit {
+namespace kv {
+
+// Everything one decode block knows about its problem.
+struct Problem {
+    const u8* k[kTiers];
+    const u8* v[kTiers];
+    const u16* k_scale8;      // 8-bit keys' scales [n, H, D/64]
+    const u16* v_scale[kTiers];
+    const u16* v_zero[kTiers];
+    const int* pos[kTiers];
+    const u16* k_min;         // [B, NB, H, D]
+    const u16* k_range;
+    const float* bias;        // [B, Q, S] additive (log2 units applied here), or null: causal
+    float* logits;            // [B, Hq, Q, S] or null
+    int H, G, Q, S, NB, b, h, row0, nrows;
+};
+
+// The warp's running softmax state for its two row halves (rows g and g + 8) and its output
+// accumulators: acc[grp][j][c], c = 0, 1 row g, channels 2t, 2t+1 of n8 fragment j; c = 2, 3 row g + 8.
+template <int D>
+struct WarpState {
+    static constexpr int GROUPS = D / kGroup;
+    float m[2], l[2];
+    float zs[2][GROUPS];  // sum of p * zero per row half and group (this lane's tokens)
+    float acc[GROUPS][8][4];
+};
+
+// One tile of 16 entries [e0, e0 + 16) (valid below e_end) of bucket TIER.
+template <int D, int TIER>
+KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const uint4* afrag, float qmin0, float qmin1, int e0, int e_end) {
+    constexpr int BITS = tier_bits(TIER);
+    constexpr int KSTEPS = D / 16;
+    constexpr int GROUPS = D / kGroup;
+    constexpr int ROW_BYTES = D * BITS / 8;  // one token of one head
+    constexpr int CHUNK = ROW_BYTES / 4;     // lane t's quarter of a key
+    constexpr int CHUNK_WORDS = (CHUNK + 3) / 4;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int H = pr.H;
+
+    // ---- logits: two n8 fragments of tokens ----
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+        const int e = e0 + 8 * nt + g;
+        const bool ok = e < e_end;
+        u32 w[CHUNK_WORDS];
+        load_bytes<CHUNK, CHUNK>(w, pr.k[TIER] + ((size_t)(ok ? e : 0) * H + pr.h) * ROW_BYTES + t * CHUNK, ok);
+        u32 kscale = 0;
+        if constexpr (BITS == 8) {
+            const u16 sc = ok ? pr.k_scale8[((size_t)e * H + pr.h) * GROUPS + (t * D / 4) / kGroup] : (u16)0;
+            kscale = (u32)sc | ((u32)sc << 16);
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s[nt][c] = 0.f;
+#pragma unroll
+        for (int j = 0; j < KSTEPS; ++j) {
+            u32 lo = 0, hi = 0;
+            group_words<BITS>(w, j / 2, lo, hi);
+            u32 b0 = group_pair<BITS>(lo, hi, 2 * (j % 2));
+            u32 b1 = group_pair<BITS>(lo, hi, 2 * (j % 2) + 1);
+            if constexpr (BITS == 8) {
+                b0 = hmul2(b0, kscale);
+                b1 = hmul2(b1, kscale);
+            }
+            const uint4 av = afrag[j * 32 + lane];
+            const u32 a[4] = {av.x, av.y, av.z, av.w};
+            mma_16816<KBIT_F16>(s[nt], a, b0, b1);
+        }
+    }
+    // ---- positions, scale, mask ----
+    constexpr float kInvLevels = BITS == 8 ? 1.f : 1.f / (float)((1 << BITS) - 1);
+    int p[2][2];
+    bool valid[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int e = e0 + 8 * nt + 2 * t + c;
+            valid[nt][c] = e < e_end;
+            p[nt][c] = valid[nt][c] ? pr.pos[TIER][e] : 0;
+        }
+    float rowmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = pr.row0 + g + 8 * half;  // row within the kv head's G*Q rows
+        const int qi = r % pr.Q;
+        const float qmin = half ? qmin1 : qmin0;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                float x = BITS == 8 ? s[nt][2 * half + c] : s[nt][2 * half + c] * kInvLevels + qmin;
+                if (!valid[nt][c]) {
+                    x = -INFINITY;
+                } else if (pr.bias != nullptr) {
+                    x += pr.bias[((size_t)pr.b * pr.Q + qi) * pr.S + p[nt][c]] * 1.4426950408889634f;
+                } else if (p[nt][c] > pr.S - pr.Q + qi) {
+                    x = -INFINITY;
+                }
+                s[nt][2 * half + c] = x;
+                rowmax[half] = fmaxf(rowmax[half], x);
+                if (pr.logits != nullptr && valid[nt][c] && g + 8 * half < pr.nrows) {
+                    const int hq = pr.h * pr.G + r / pr.Q;
+                    pr.logits[(((size_t)pr.b * pr.H * pr.G + hq) * pr.Q + qi) * pr.S + p[nt][c]] = x;
+                }
+            }
+    }
+    // ---- online softmax ----
+    float alpha[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float mx = rowmax[half];
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(st.m[half], mx);
+        const float safe = m_new == -INFINITY ? 0.f : m_new;
+        alpha[half] = exp2f(st.m[half] - safe);
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float pv = exp2f(s[nt][2 * half + c] - safe);
+                s[nt][2 * half + c] = pv;
+                sum += pv;
+            }
+        st.l[half] = st.l[half] * alpha[half] + sum;
+        st.m[half] = m_new;
+    }
+#pragma unroll
+    for (int grp = 0; grp < GROUPS; ++grp) {
+        st.zs[0][grp] *= alpha[0];
+        st.zs[1][grp] *= alpha[1];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            st.acc[grp][j][0] *= alpha[0];
+            st.acc[grp][j][1] *= alpha[0];
+            st.acc[grp][j][2] *= alpha[1];
+            st.acc[grp][j][3] *= alpha[1];
+        }
+    }
+    // ---- values: tokens 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1) of the tile ----
+    // token slot u: 0 -> 2t, 1 -> 2t+1, 2 -> 2t+8, 3 -> 2t+9; p for slot u is s[u / 2][half * 2 + u % 2]
+    constexpr int VBYTES = BITS;  // 8 channels of one token
+    u32 vw[4][GROUPS][(VBYTES + 3) / 4];
+    float vscale[4][GROUPS], vzero[4][GROUPS];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const int e = e0 + 8 * (u / 2) + 2 * t + (u % 2);
+        const bool ok = e < e_end;
+        const size_t tok = (size_t)(ok ? e : 0) * H + pr.h;
+#pragma unroll
+        for (int grp = 0; grp < GROUPS; ++grp) {
+            load_bytes<VBYTES, VBYTES>(vw[u][grp], pr.v[TIER] + tok * ROW_BYTES + grp * (kGroup * BITS / 8) + g * VBYTES, ok);
+            vscale[u][grp] = ok ? half_lo(pr.v_scale[TIER][tok * GROUPS + grp]) : 0.f;
+            if constexpr (BITS < 8) vzero[u][grp] = ok ? half_lo(pr.v_zero[TIER][tok * GROUPS + grp]) : 0.f;
+        }
+    }
+#pragma unroll
+    for (int grp = 0; grp < GROUPS; ++grp) {
+        // P' = p * scale as the A fragment: a0 row g tokens (2t, 2t+1), a1 row g+8, a2/a3 tokens + 8
+        u32 a[4];
+        a[0] = f16x2(s[0][0] * vscale[0][grp], s[0][1] * vscale[1][grp]);
+        a[1] = f16x2(s[0][2] * vscale[0][grp], s[0][3] * vscale[1][grp]);
+        a[2] = f16x2(s[1][0] * vscale[2][grp], s[1][1] * vscale[3][grp]);
+        a[3] = f16x2(s[1][2] * vscale[2][grp], s[1][3] * vscale[3][grp]);
+        if constexpr (BITS < 8) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                st.zs[half][grp] += s[0][2 * half] * vzero[0][grp] + s[0][2 * half + 1] * vzero[1][grp] +
+                                    s[1][2 * half] * vzero[2][grp] + s[1][2 * half + 1] * vzero[3][grp];
+        }
+        // codes of the 4 tokens as nibble words (BITS < 8) or biased bytes (8)
+        u32 lo[4], hi[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            hi[u] = 0;
+            group_words<BITS>(vw[u][grp], 0, lo[u], hi[u]);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            u32 b[2];
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {  // b0: slots 0, 1; b1: slots 2, 3
+                const u32 x = lo[2 * k], y = lo[2 * k + 1];
+                if constexpr (BITS == 8) {
+                    const u32 xs = j < 4 ? x : hi[2 * k], ys = j < 4 ? y : hi[2 * k + 1];
+                    const u32 sel = (u32)(j % 4) | ((u32)(4 + j % 4) << 8);
+                    b[k] = hsub2(and_or(prmt(xs, ys, sel), 0x00ff00ffu, kMagic), 0x64806480u);
+                } else if constexpr (BITS == 2) {
+                    // code j at bits 2(j%4) + 16 (j/4) of the spread word: take byte 2 (j/4) of both
+                    const u32 sel = (u32)(2 * (j / 4)) | ((u32)(4 + 2 * (j / 4)) << 8);
+                    const u32 z = prmt(x, y, sel);
+                    b[k] = unmagic(and_or(z >> (2 * (j % 4)), 0x00030003u, kMagic));
+                } else {
+                    // nibble words: code j at bits 4(j%4) + 16 (j/4) (BITS == 3: 3(j%4) + 16(j/4))
+                    constexpr int SH = BITS == 4 ? 4 : 3;
+                    const u32 sel = (u32)(2 * (j / 4)) | ((u32)(2 * (j / 4) + 1) << 4) | ((u32)(4 + 2 * (j / 4)) << 8) |
+                                    ((u32)(5 + 2 * (j / 4)) << 12);
+                    const u32 z = prmt(x, y, sel);  // x's half j/4 in bits 0..15, y's in 16..31
+                    b[k] = unmagic(and_or(z >> (SH * (j % 4)), BITS == 4 ? 0x000f000fu : 0x00070007u, kMagic));
+                }
+            }
+            mma_16816<KBIT_F16>(st.acc[grp][j], a, b[0], b[1]);
+        }
+    }
+}
+
+}  // namespace kv
+}  // namespace kbit
+
+namespace kbit {
+namespace kv {
+
+// Lane (g, t)'s A fragment of k16 step j for rows g, g+8 of `qrows` (fp32 [kRows][D]), each
+// channel times `range[c]` when given (Q' of a key block): a0/a1 channels cb, cb+4, a2/a3 cb+1,
+// cb+5 with cb = t*D/4 + 8(j/2) + 2(j%2), the pairs group_pair unpacks.
+template <int D>
+KBIT_DEVICE uint4 a_fragment(const float* qrows, int lane, int j, const u16* range) {
+    const int g = lane >> 2, t = lane & 3;
+    const int cb = t * (D / 4) + 8 * (j / 2) + 2 * (j % 2);
+    float r0 = 1.f, r1 = 1.f, r4 = 1.f, r5 = 1.f;
+    if (range != nullptr) {
+        const u32 lo = *reinterpret_cast<const u32*>(range + cb), hi = *reinterpret_cast<const u32*>(range + cb + 4);
+        r0 = half_lo(lo); r1 = half_lo(lo >> 16); r4 = half_lo(hi); r5 = half_lo(hi >> 16);
+    }
+    const float* q0 = qrows + g * D + cb;
+    const float* q1 = qrows + (g + 8) * D + cb;
+    return make_uint4(f16x2(q0[0] * r0, q0[4] * r4), f16x2(q1[0] * r0, q1[4] * r4), f16x2(q0[1] * r1, q0[5] * r5),
+                      f16x2(q1[1] * r1, q1[5] * r5));
+}
+
+// q . min over lane (g, t)'s chunk for rows g and g+8, summed over the four lanes of g.
+template <int D>
+KBIT_DEVICE void q_dot_min(const float* qrows, int lane, const u16* kmin, float& m0, float& m1) {
+    const int g = lane >> 2, t = lane & 3;
+    float a = 0.f, b = 0.f;
+#pragma unroll 8
+    for (int c = t * (D / 4); c < (t + 1) * (D / 4); c += 2) {
+        const u32 mm = *reinterpret_cast<const u32*>(kmin + c);
+        const float lo = half_lo(mm), hi = half_lo(mm >> 16);
+        a += qrows[g * D + c] * lo + qrows[g * D + c + 1] * hi;
+        b += qrows[(g + 8) * D + c] * lo + qrows[(g + 8) * D + c + 1] * hi;
+    }
+    a += __shfl_xor_sync(0xffffffffu, a, 1);
+    a += __shfl_xor_sync(0xffffffffu, a, 2);
+    b += __shfl_xor_sync(0xffffffffu, b, 1);
+    b += __shfl_xor_sync(0xffffffffu, b, 2);
+    m0 = a;
+    m1 = b;
+}
+
+template <int DT> KBIT_DEVICE float load_elem(const void* p, size_t i) {
+    if constexpr (DT == KBIT_F32) return reinterpret_cast<const float*>(p)[i];
+    else return bits_to_f32<DT>(reinterpret_cast<const u16*>(p)[i]);
+}
+template <int DT> KBIT_DEVICE void store_elem(void* p, size_t i, float v) {
+    if constexpr (DT == KBIT_F32) reinterpret_cast<float*>(p)[i] = v;
+    else reinterpret_cast<u16*>(p)[i] = f32_to_bits<DT>(v);
+}
+
+}  // namespace kv
+}  // namespace kbit
+
+// ---------------------------------------------------------------------------------------
+// kbit_kv_decode<D, DT>: grid (splits, H * row chunks, B), kThreads threads, Smem<D>::BYTES.
+// part_acc [R][splits][D] (R = (b * Hq + hq) * Q + i) holds the split's output times its sum,
+// relative to its max; part_ml [R][splits][2] the max and sum (log2 units).
+// ---------------------------------------------------------------------------------------
+template <int D, int DT>
+__global__ void __launch_bounds__(kThreads)
+kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16* vs2, const u16* vz2, const int* p2,
+               const u8* k3, const u8* v3, const u16* vs3, const u16* vz3, const int* p3, const u8* k4, const u8* v4,
+               const u16* vs4, const u16* vz4, const int* p4, const u8* k8, const u8* v8, const u16* ks8, const u16* vs8,
+               const int* p8, const u16* k_min, const u16* k_range, const int* __restrict__ offsets, const float* bias,
+               float* logits, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int G, int Q, int S, int NB,
+               int nblk, int kbps, int splits, float scale_log2) {
+    using SM = Smem<D>;
+    constexpr int KSTEPS = D / 16;
+    constexpr int GROUPS = D / kGroup;
+    extern __shared__ uint4 smem_u4[];
+    u8* smem = reinterpret_cast<u8*>(smem_u4);
+    float* qrows = reinterpret_cast<float*>(smem + SM::Q_ROWS);
+    uint4* qfrag = reinterpret_cast<uint4*>(smem + SM::Q_FRAG);
+    float* ml = reinterpret_cast<float*>(smem + SM::ML);
+    float* outs = reinterpret_cast<float*>(smem + SM::OUT);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int rows = G * Q, chunks = (rows + kRows - 1) / kRows;
+    const int split = blockIdx.x, h = blockIdx.y / chunks, b = blockIdx.z;
+    const int row0 = (blockIdx.y % chunks) * kRows, nrows = min(kRows, rows - row0);
+    uint4* qpfrag = reinterpret_cast<uint4*>(smem + SM::QP_FRAG) + warp * KSTEPS * 32;
+
+    Problem pr;
+    pr.k[0] = k2; pr.k[1] = k3; pr.k[2] = k4; pr.k[3] = k8;
+    pr.v[0] = v2; pr.v[1] = v3; pr.v[2] = v4; pr.v[3] = v8;
+    pr.v_scale[0] = vs2; pr.v_scale[1] = vs3; pr.v_scale[2] = vs4; pr.v_scale[3] = vs8;
+    pr.v_zero[0] = vz2; pr.v_zero[1] = vz3; pr.v_zero[2] = vz4; pr.v_zero[3] = nullptr;
+    pr.pos[0] = p2; pr.pos[1] = p3; pr.pos[2] = p4; pr.pos[3] = p8;
+    pr.k_scale8 = ks8; pr.k_min = k_min; pr.k_range = k_range; pr.bias = bias; pr.logits = logits;
+    pr.H = H; pr.G = G; pr.Q = Q; pr.S = S; pr.NB = NB; pr.b = b; pr.h = h; pr.row0 = row0; pr.nrows = nrows;
+
+    grid_dependency_wait();
+    // the block's query rows, times scale * log2(e) (rows past nrows are zero)
+    const int Hq = H * G;
+    for (int i = tid; i < kRows * D; i += kThreads) {
+        const int r = i / D, c = i % D;
+        float x = 0.f;
+        if (r < nrows) {
+            const int rr = row0 + r, hq = h * G + rr / Q, qi = rr % Q;
+            x = load_elem<DT>(q, (((size_t)b * Hq + hq) * Q + qi) * D + c) * scale_log2;
+        }
+        qrows[i] = x;
+        outs[i] = 0.f;
+    }
+    __syncthreads();
+    for (int i = tid; i < KSTEPS * 32; i += kThreads) qfrag[i] = a_fragment<D>(qrows, i % 32, i / 32, nullptr);
+    __syncthreads();
+
+    WarpState<D> st;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+#pragma unroll
+    for (int grp = 0; grp < GROUPS; ++grp) {
+        st.zs[0][grp] = st.zs[1][grp] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) st.acc[grp][j][c] = 0.f;
+    }
+
+    const int kb_end = min(nblk, (split + 1) * kbps);
+    for (int kb = split * kbps + warp; kb < kb_end; kb += kWarps) {
+        const int* o = offsets + ((size_t)b * (nblk + 1) + kb) * kTiers;
+        const int4 beg = *reinterpret_cast<const int4*>(o), end = *reinterpret_cast<const int4*>(o + kTiers);
+        float qmin0 = 0.f, qmin1 = 0.f;
+        if ((beg.x < end.x || beg.y < end.y || beg.z < end.z) && kb < NB) {
+            // Q' of this key block (lower widths only exist in blocks that have a range)
+            const size_t blk = (((size_t)b * NB + kb) * H + h) * D;
+#pragma unroll
+            for (int j = 0; j < KSTEPS; ++j) qpfrag[j * 32 + lane] = a_fragment<D>(qrows, lane, j, k_range + blk);
+            q_dot_min<D>(qrows, lane, k_min + blk, qmin0, qmin1);
+            for (int e = beg.x; e < end.x; e += kTile) attend_tile<D, 0>(pr, st, qpfrag, qmin0, qmin1, e, end.x);
+            for (int e = beg.y; e < end.y; e += kTile) attend_tile<D, 1>(pr, st, qpfrag, qmin0, qmin1, e, end.y);
+            for (int e = beg.z; e < end.z; e += kTile) attend_tile<D, 2>(pr, st, qpfrag, qmin0, qmin1, e, end.z);
+        }
+        for (int e = beg.w; e < end.w; e += kTile) attend_tile<D, 3>(pr, st, qfrag, 0.f, 0.f, e, end.w);
+    }
+    allow_dependent_launch();
+
+    // ---- the block's four warps -> one partial per row ----
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        st.l[half] += __shfl_xor_sync(0xffffffffu, st.l[half], 1);
+        st.l[half] += __shfl_xor_sync(0xffffffffu, st.l[half], 2);
+#pragma unroll
+        for (int grp = 0; grp < GROUPS; ++grp) {
+            st.zs[half][grp] += __shfl_xor_sync(0xffffffffu, st.zs[half][grp], 1);
+            st.zs[half][grp] += __shfl_xor_sync(0xffffffffu, st.zs[half][grp], 2);
+        }
+        if (t == 0) {
+            ml[(warp * kRows + g + 8 * half) * 2] = st.m[half];
+            ml[(warp * kRows + g + 8 * half) * 2 + 1] = st.l[half];
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int row = g + 8 * half;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml[(w * kRows + row) * 2]);
+        const float f = exp2f(st.m[half] - (mx == -INFINITY ? 0.f : mx));
+        if (row < nrows && f > 0.f) {
+#pragma unroll
+            for (int grp = 0; grp < GROUPS; ++grp)
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int ch = grp * kGroup + 8 * (2 * t + c) + j;
+                        atomicAdd(&outs[row * D + ch], (st.acc[grp][j][2 * half + c] + st.zs[half][grp]) * f);
+                    }
+        }
+    }
+    __syncthreads();
+    const size_t R0 = ((size_t)b * Hq + (size_t)h * G) * Q + row0;  // first output row of the block
+    for (int i = tid; i < nrows * D; i += kThreads) part_acc[((R0 + i / D) * splits + split) * D + i % D] = outs[i];
+    if (tid < nrows) {
+        float mx = -INFINITY, sum = 0.f;
+        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml[(w * kRows + tid) * 2]);
+        const float safe = mx == -INFINITY ? 0.f : mx;
+        for (int w = 0; w < kWarps; ++w) sum += ml[(w * kRows + tid) * 2 + 1] * exp2f(ml[(w * kRows + tid) * 2] - safe);
+        part_ml[((R0 + tid) * splits + split) * 2] = mx;
+        part_ml[((R0 + tid) * splits + split) * 2 + 1] = sum;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// kbit_kv_combine<DT>: grid (R), 128 threads, splits * 4 bytes of shared memory.
+// out[b][i][hq][c] (transformers' layout) = sum_s 2^(m_s - M) acc_s[c] / L; ml[R] = (M, L).
+// ---------------------------------------------------------------------------------------
+constexpr int kCombineThreads = 128;
+
+template <int DT>
+__global__ void __launch_bounds__(kCombineThreads)
+kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml, void* __restrict__ out,
+                float* __restrict__ ml, int Hq, int Q, int D, int splits) {
+    extern __shared__ float factor[];  // [splits]
+    __shared__ float total[2];
+    const size_t R = blockIdx.x;
+    const int tid = threadIdx.x;
+    grid_dependency_wait();
+    if (tid < 32) {
+        float mx = -INFINITY;
+        for (int s = tid; s < splits; s += 32) mx = fmaxf(mx, part_ml[(R * splits + s) * 2]);
+#pragma unroll
+        for (int d = 16; d; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+        const float safe = mx == -INFINITY ? 0.f : mx;
+        float sum = 0.f;
+        for (int s = tid; s < splits; s += 32) {
+            const float f = exp2f(part_ml[(R * splits + s) * 2] - safe);
+            factor[s] = f;
+            sum += f * part_ml[(R * splits + s) * 2 + 1];
+        }
+#pragma unroll
+        for (int d = 16; d; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+        if (tid == 0) {
+            total[0] = mx;
+            total[1] = sum;
+            ml[R * 2] = mx;
+            ml[R * 2 + 1] = sum;
+        }
+    }
+    __syncthreads();
+    const float inv = total[1] > 0.f ? 1.f / total[1] : 0.f;
+    const size_t b = R / ((size_t)Hq * Q), rem = R % ((size_t)Hq * Q), hq = rem / Q, qi = rem % Q;
+    const size_t o = ((b * Q + qi) * Hq + hq) * D;
+    for (int c = tid; c < D; c += kCombineThreads) {
+        float acc = 0.f;
+        for (int s = 0; s < splits; ++s) acc += factor[s] * part_acc[(R * splits + s) * D + c];
+        store_elem<DT>(out, o + c, acc * inv);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// kbit_kv_mass: grid (ceil(S / 256), B), 256 threads, rows * 8 bytes of shared memory.
+// mass[b][p] = sum over the row's Hq * Q query rows of 2^(logit - M) / L (rows with L = 0 add 0).
+// ---------------------------------------------------------------------------------------
+constexpr int kMassThreads = 256;
+
+extern "C" __global__ void __launch_bounds__(kMassThreads)
+kbit_kv_mass(const float* __restrict__ logits, const float* __restrict__ ml, float* __restrict__ mass, int rows, int S) {
+    extern __shared__ float row_ml[];  // [rows][2]: max, 1 / sum (0 when the sum is 0)
+    const int b = blockIdx.y, p = blockIdx.x * kMassThreads + threadIdx.x;
+    grid_dependency_wait();
+    for (int r = threadIdx.x; r < rows; r += kMassThreads) {
+        const float mx = ml[((size_t)b * rows + r) * 2], sum = ml[((size_t)b * rows + r) * 2 + 1];
+        row_ml[2 * r] = mx == -INFINITY ? 0.f : mx;
+        row_ml[2 * r + 1] = sum > 0.f ? 1.f / sum : 0.f;
+    }
+    __syncthreads();
+    if (p >= S) return;
+    float acc = 0.f;
+    for (int r = 0; r < rows; ++r) {
+        const float inv = row_ml[2 * r + 1];
+        if (inv > 0.f) acc += exp2f(logits[((size_t)b * rows + r) * S + p] - row_ml[2 * r]) * inv;
+    }
+    mass[(size_t)b * S + p] = acc;
+}

@@ -1,0 +1,182 @@
+"""GPU tests of the fused decode attention over the quantized KV cache (``kernels/kv_attention.cu``)
+against the reference (:func:`kbit_linear.kv_format.bucket_attention`).
+
+Caches are drawn fresh per case: random keys (one outlier channel) and values, each position's
+width drawn at random among the four (positions past the last complete key block stay at 8 bits,
+as in the cache), so every bucket holds tokens and key blocks mix widths. Odd context lengths,
+batches with left padding, GQA groups of 1..8, several queries (row chunks past 16 rows), every
+head size and query dtype the kernel has. The allocator is NaN-poisoned before each call, so an
+output element or a position's mass that is not written shows. The last test runs a tiny model
+with ``KbitKVCache`` on the GPU and checks every attention call of a generation (widths change
+mid-run) against the reference.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kbit_linear import _kv_ops
+from kbit_linear.backends.cuda import kv_attention as kkv
+from kbit_linear.kv_format import TIERS, KVBucket, bucket_attention, dequantize_bucket, key_block_ranges, quantize_tokens
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def random_cache(batch: int, heads: int, d: int, length: int, block: int, seed: int,
+                 probs: tuple[float, ...] = (0.25, 0.25, 0.25, 0.25)):
+    """(buckets, k_block_min, k_block_range, tier) of a random cache on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, length, heads, d, generator=g)
+    k[..., 3] *= 8  # an outlier channel, as real keys have
+    v = torch.randn(batch, length, heads, d, generator=g) * 0.5 + 0.2
+    nb = length // block
+    kmin, krange = key_block_ranges(k[:, :nb * block].reshape(batch, nb, block, heads, d))
+    pick = torch.multinomial(torch.tensor(probs), batch * length, replacement=True, generator=g).reshape(batch, length)
+    tier = torch.tensor(TIERS)[pick]
+    tier[:, nb * block:] = 8
+    buckets = []
+    for t in TIERS:
+        rows, pos = torch.nonzero(tier == t, as_tuple=True)
+        buckets.append(quantize_tokens(k[rows, pos], v[rows, pos], t, rows, pos, batch, kmin, krange, block))
+    return buckets, kmin, krange, tier.to(torch.int8)
+
+
+def _cuda(buckets: list[KVBucket]) -> list[KVBucket]:
+    return [KVBucket(bk.bits, **{n: x.cuda() for n, x in bk.tensors().items()}) for bk in buckets]
+
+
+def _poison(nbytes: int) -> None:
+    """Fill the allocator's next blocks with NaN: outputs the kernels do not write stay NaN."""
+    for n in (nbytes, 4 * nbytes):
+        torch.full((n // 4 + 1,), float("nan"), device="cuda")
+
+
+def _padding_mask(batch: int, q_len: int, length: int, pad: list[int]) -> torch.Tensor:
+    mask = torch.ones(batch, 1, q_len, length, dtype=torch.bool).tril(length - q_len)
+    for b, p in enumerate(pad):
+        mask[b, :, :, :p] = False
+    return mask
+
+
+CASES = [  # batch, kv heads, query heads, head_dim, length, block, q_len
+    (1, 1, 1, 64, 1, 16, 1),
+    (1, 2, 8, 128, 37, 16, 1),
+    (2, 2, 6, 64, 200, 32, 1),
+    (3, 2, 4, 128, 333, 64, 2),
+    (1, 1, 8, 256, 129, 16, 3),     # 24 rows: two row chunks
+    (2, 4, 32, 128, 1000, 64, 1),   # Llama-3-8B's heads
+    (1, 8, 32, 128, 4099, 64, 1),   # many splits
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-hq{}-d{}-s{}-bs{}-q{}".format(*c))
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "padding"])
+def test_kernel_matches_reference(case, dtype: torch.dtype, masked: bool) -> None:
+    batch, heads, hq, d, length, block, q_len = case
+    seed = zlib.crc32(repr((case, str(dtype), masked)).encode())
+    buckets, kmin, krange, tier = random_cache(batch, heads, d, length, block, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = (torch.randn(batch, hq, q_len, d, generator=g) * 2).to(dtype)
+    mask = _padding_mask(batch, q_len, length, [0, 5, 17][:batch]) if masked else None
+    scaling = d**-0.5
+    ref_out, ref_mass = bucket_attention(q.float(), buckets, kmin, krange, block, length, mask, scaling)
+    _poison(batch * hq * q_len * max(length, d) * 4)
+    out, mass = kkv.kv_decode_attention_cuda(q.cuda(), _cuda(buckets), kmin.cuda(), krange.cuda(), block, length,
+                                             tier.cuda(), None if mask is None else mask.cuda(), scaling)
+    assert out.dtype == dtype and out.shape == (batch, q_len, hq, d)
+    assert not torch.isnan(out).any() and not torch.isnan(mass).any()
+    # fp16 operands (q times the key ranges, p times the value scales): ~1e-3 relative
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-2
+    err = (out.float().cpu() - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-6)
+    assert err < tol, float(err)
+    torch.testing.assert_close(mass.cpu(), ref_mass, atol=2e-3 * hq * q_len, rtol=2e-2)
+    torch.testing.assert_close(mass.sum(1).cpu(), ref_mass.sum(1), atol=1e-3 * hq * q_len, rtol=0)
+
+
+@pytest.mark.parametrize("probs", [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (0.5, 0, 0, 0.5)],
+                         ids=["2", "3", "4", "8", "2+8"])
+def test_single_width_and_no_mass(probs) -> None:
+    batch, heads, hq, d, length, block = 2, 2, 8, 128, 517, 64
+    buckets, kmin, krange, tier = random_cache(batch, heads, d, length, block, 7, probs)
+    q = torch.randn(batch, hq, 1, d, generator=torch.Generator().manual_seed(3)).half()
+    ref, _ = bucket_attention(q.float(), buckets, kmin, krange, block, length, None, d**-0.5)
+    out, mass = kkv.kv_decode_attention_cuda(q.cuda(), _cuda(buckets), kmin.cuda(), krange.cuda(), block, length,
+                                             tier.cuda(), None, d**-0.5, need_mass=False)
+    assert mass is None
+    assert (out.float().cpu() - ref).abs().max() < 1e-2 * ref.abs().max()
+
+
+def test_matches_sdpa_on_the_dequantized_cache() -> None:
+    batch, heads, hq, d, length, block = 2, 2, 8, 128, 300, 32
+    buckets, kmin, krange, tier = random_cache(batch, heads, d, length, block, 11)
+    kd = torch.zeros(batch, length, heads, d)
+    vd = torch.zeros_like(kd)
+    for bk in buckets:
+        k, v = dequantize_bucket(bk, kmin, krange, block)
+        kd[bk.rows(), bk.pos.long()], vd[bk.rows(), bk.pos.long()] = k, v
+    q = torch.randn(batch, hq, 1, d)
+    mask = _padding_mask(batch, 1, length, [0, 9])
+    ref = F.scaled_dot_product_attention(q, kd.transpose(1, 2).repeat_interleave(hq // heads, 1),
+                                         vd.transpose(1, 2).repeat_interleave(hq // heads, 1), attn_mask=mask).transpose(1, 2)
+    out, _ = kkv.kv_decode_attention_cuda(q.cuda(), _cuda(buckets), kmin.cuda(), krange.cuda(), block, length, tier.cuda(),
+                                          mask.cuda(), d**-0.5)
+    assert (out.cpu() - ref).abs().max() < 1e-2 * ref.abs().max()
+
+
+def test_unsupported_head_dim_falls_back_to_the_reference() -> None:
+    buckets, kmin, krange, tier = random_cache(1, 1, 96, 40, 16, 0)
+    q = torch.randn(1, 2, 1, 96)
+    assert kkv.kv_decode_attention_cuda(q.cuda(), _cuda(buckets), kmin.cuda(), krange.cuda(), 16, 40, tier.cuda(), None, 0.1) is None
+    out, mass = _kv_ops.decode_attention(q.cuda(), _cuda(buckets), kmin.cuda(), krange.cuda(), 16, 40, tier.cuda(), None, 0.1)
+    ref, ref_mass = bucket_attention(q, buckets, kmin, krange, 16, 40, None, 0.1)
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_arguments_name_what_is_wrong() -> None:
+    buckets, kmin, krange, tier = random_cache(1, 2, 64, 40, 16, 0)
+    cb = _cuda(buckets)
+    q = torch.randn(1, 3, 1, 64, device="cuda")
+    with pytest.raises(ValueError, match="multiple"):
+        kkv.kv_decode_attention_cuda(q, cb, kmin.cuda(), krange.cuda(), 16, 40, tier.cuda(), None, 0.1)
+    q = torch.randn(1, 4, 1, 64, device="cuda")
+    with pytest.raises(ValueError, match="tier"):
+        kkv.kv_decode_attention_cuda(q, cb, kmin.cuda(), krange.cuda(), 16, 40, tier.cuda().int(), None, 0.1)
+    with pytest.raises(ValueError, match="buckets"):
+        kkv.kv_decode_attention_cuda(q, cb[::-1], kmin.cuda(), krange.cuda(), 16, 40, tier.cuda(), None, 0.1)
+
+
+def test_generation_on_gpu_checks_every_call_against_the_reference(monkeypatch) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kbit_linear.kv_cache import KbitKVCache
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).eval().cuda()
+    for layer in model.model.layers:  # sharper attention than a random init gives
+        layer.self_attn.q_proj.weight.data *= 4
+    calls = []
+    kernel = _kv_ops._backends["cuda"]
+
+    def checked(query, buckets, kmin, krange, block, kv_len, tier, mask, scaling, need_mass):
+        out, mass = kernel(query, buckets, kmin, krange, block, kv_len, tier, mask, scaling, need_mass)
+        ref, ref_mass = bucket_attention(query, buckets, kmin, krange, block, kv_len, mask, scaling)
+        assert (out.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max() + 1e-4
+        torch.testing.assert_close(mass, ref_mass, atol=2e-3 * query.shape[1] * query.shape[2], rtol=2e-2)
+        calls.append(tuple(bk.num_tokens for bk in buckets))
+        return ref, ref_mass  # the reference drives the cache, so the run is the reference's
+
+    monkeypatch.setitem(_kv_ops._backends, "cuda", checked)
+    ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(0)).cuda()
+    am = torch.ones_like(ids)
+    am[1, :6] = 0  # left padding
+    cache = KbitKVCache(model.config, kv_bits=3, window=8, sink_tokens=2, block_size=16)
+    model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    assert len(calls) >= 2 * 39
+    assert len(set(calls)) > 5 and sum(1 for n in calls[-1] if n) >= 3, calls[-1]  # widths changed, several buckets
