@@ -75,7 +75,9 @@ def allocate_tiers(current: torch.Tensor, importance: torch.Tensor, budget: floa
         int8 ``[m]``: the new widths, each ``<= current``.
     """
     m = current.numel()
-    cur = current.to(torch.int64)
+    device = current.device
+    cur = current.to("cpu", torch.int64)  # a sequential, data-dependent walk: on the host
+    importance = importance.to("cpu")
     if m == 0:
         return cur.to(torch.int8)
     order = torch.argsort(-importance.to(torch.float64), stable=True)
@@ -108,7 +110,7 @@ def allocate_tiers(current: torch.Tensor, importance: torch.Tensor, budget: floa
             t = max(t for t in TIERS if t <= c and t - new[i] <= slack) if new[i] + 1 <= c else int(new[i])
             slack -= float(t - new[i])
             new[i] = t
-    return new.to(torch.int8)
+    return new.to(device, torch.int8)
 
 
 def _select(bucket: KVBucket, index: torch.Tensor, rows: torch.Tensor, batch: int) -> KVBucket:

@@ -214,9 +214,9 @@ def key_block_ranges(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lo = k.float().amin(-3)
     hi = k.float().amax(-3)
     mn = _fp16(lo)
-    mn = torch.where(mn.float() > lo, torch.nextafter(mn, torch.tensor(-math.inf, dtype=torch.float16)), mn)
+    mn = torch.where(mn.float() > lo, torch.nextafter(mn, torch.full_like(mn, -math.inf)), mn)
     rng = _fp16(hi - mn.float())
-    rng = torch.where(mn.float() + rng.float() < hi, torch.nextafter(rng, torch.tensor(math.inf, dtype=torch.float16)), rng)
+    rng = torch.where(mn.float() + rng.float() < hi, torch.nextafter(rng, torch.full_like(rng, math.inf)), rng)
     return mn, rng
 
 

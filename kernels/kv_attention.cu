@@ -46,7 +46,8 @@ constexpr int kWarps = 4;    // warps per decode block
 constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 16;    // query rows per block (one m16 fragment)
 constexpr int kGroup = 64;   // channels per value scale group (and 8-bit key scale group)
-constexpr u32 kMagic = 0x64006400u;  // fp16 1024 in both halves: 0x6400 | c == 1024 + c
+constexpr u32 kMagic = 0x64006400u;
+#define KV_NEG_INF __int_as_float(0xff800000u)  // -inf without math headers (NVRTC has none)  // fp16 1024 in both halves: 0x6400 | c == 1024 + c
 
 __host__ __device__ constexpr int tier_bits(int tier) { return tier == 3 ? 8 : tier + 2; }
 
@@ -319,7 +320,7 @@ KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const uint4* a
             valid[nt][c] = e < e_end;
             p[nt][c] = valid[nt][c] ? pr.pos[TIER][e] : 0;
         }
-    float rowmax[2] = {-INFINITY, -INFINITY};
+    float rowmax[2] = {KV_NEG_INF, KV_NEG_INF};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = pr.row0 + g + 8 * half;  // row within the kv head's G*Q rows
@@ -331,11 +332,11 @@ KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const uint4* a
             for (int c = 0; c < 2; ++c) {
                 float x = BITS == 8 ? s[nt][2 * half + c] : s[nt][2 * half + c] * kInvLevels + qmin;
                 if (!valid[nt][c]) {
-                    x = -INFINITY;
+                    x = KV_NEG_INF;
                 } else if (pr.bias != nullptr) {
                     x += pr.bias[((size_t)pr.b * pr.Q + qi) * pr.S + p[nt][c]] * 1.4426950408889634f;
                 } else if (p[nt][c] > pr.S - pr.Q + qi) {
-                    x = -INFINITY;
+                    x = KV_NEG_INF;
                 }
                 s[nt][2 * half + c] = x;
                 rowmax[half] = fmaxf(rowmax[half], x);
@@ -353,7 +354,7 @@ KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const uint4* a
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(st.m[half], mx);
-        const float safe = m_new == -INFINITY ? 0.f : m_new;
+        const float safe = m_new == KV_NEG_INF ? 0.f : m_new;
         alpha[half] = exp2f(st.m[half] - safe);
         float sum = 0.f;
 #pragma unroll
@@ -557,7 +558,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     __syncthreads();
 
     WarpState<D> st;
-    st.m[0] = st.m[1] = -INFINITY;
+    st.m[0] = st.m[1] = KV_NEG_INF;
     st.l[0] = st.l[1] = 0.f;
 #pragma unroll
     for (int grp = 0; grp < GROUPS; ++grp) {
@@ -606,10 +607,10 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int row = g + 8 * half;
-        float mx = -INFINITY;
+        float mx = KV_NEG_INF;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml[(w * kRows + row) * 2]);
-        const float f = exp2f(st.m[half] - (mx == -INFINITY ? 0.f : mx));
+        const float f = exp2f(st.m[half] - (mx == KV_NEG_INF ? 0.f : mx));
         if (row < nrows && f > 0.f) {
 #pragma unroll
             for (int grp = 0; grp < GROUPS; ++grp)
@@ -626,9 +627,9 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     const size_t R0 = ((size_t)b * Hq + (size_t)h * G) * Q + row0;  // first output row of the block
     for (int i = tid; i < nrows * D; i += kThreads) part_acc[((R0 + i / D) * splits + split) * D + i % D] = outs[i];
     if (tid < nrows) {
-        float mx = -INFINITY, sum = 0.f;
+        float mx = KV_NEG_INF, sum = 0.f;
         for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml[(w * kRows + tid) * 2]);
-        const float safe = mx == -INFINITY ? 0.f : mx;
+        const float safe = mx == KV_NEG_INF ? 0.f : mx;
         for (int w = 0; w < kWarps; ++w) sum += ml[(w * kRows + tid) * 2 + 1] * exp2f(ml[(w * kRows + tid) * 2] - safe);
         part_ml[((R0 + tid) * splits + split) * 2] = mx;
         part_ml[((R0 + tid) * splits + split) * 2 + 1] = sum;
@@ -651,11 +652,11 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
     const int tid = threadIdx.x;
     grid_dependency_wait();
     if (tid < 32) {
-        float mx = -INFINITY;
+        float mx = KV_NEG_INF;
         for (int s = tid; s < splits; s += 32) mx = fmaxf(mx, part_ml[(R * splits + s) * 2]);
 #pragma unroll
         for (int d = 16; d; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-        const float safe = mx == -INFINITY ? 0.f : mx;
+        const float safe = mx == KV_NEG_INF ? 0.f : mx;
         float sum = 0.f;
         for (int s = tid; s < splits; s += 32) {
             const float f = exp2f(part_ml[(R * splits + s) * 2] - safe);
@@ -695,7 +696,7 @@ kbit_kv_mass(const float* __restrict__ logits, const float* __restrict__ ml, flo
     grid_dependency_wait();
     for (int r = threadIdx.x; r < rows; r += kMassThreads) {
         const float mx = ml[((size_t)b * rows + r) * 2], sum = ml[((size_t)b * rows + r) * 2 + 1];
-        row_ml[2 * r] = mx == -INFINITY ? 0.f : mx;
+        row_ml[2 * r] = mx == KV_NEG_INF ? 0.f : mx;
         row_ml[2 * r + 1] = sum > 0.f ? 1.f / sum : 0.f;
     }
     __syncthreads();
