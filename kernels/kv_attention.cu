@@ -166,17 +166,13 @@ KBIT_DEVICE u32 group_pair(u32 lo, u32 hi, int s) {
 }
 
 // ---------------------------------------------------------------------------------------
-// kbit_kv_offsets: grid (B), 256 threads.
+// kbit_kv_offsets: grid (B), 1024 threads.
 // offsets[b][kb][t] (kb = 0..nblk) = row_start_t[b] + #{p < kb * bs : tier[b][p] == bits(t)}.
+// Pass 1: a warp per key block counts its positions 32 at a time (one ballot per width) and
+// stores the counts at offsets[b][kb + 1]; pass 2: the block scans them in place, 1024 key
+// blocks at a time, carrying the running totals.
 // ---------------------------------------------------------------------------------------
-constexpr int kOffsetThreads = 256;
-
-template <int TIER>
-KBIT_DEVICE int count_tier(const signed char* tier, int p0, int p1) {
-    int c = 0;
-    for (int p = p0; p < p1; ++p) c += tier[p] == tier_bits(TIER);
-    return c;
-}
+constexpr int kOffsetThreads = 1024;
 
 }  // namespace kv
 }  // namespace kbit
@@ -191,23 +187,31 @@ kbit_kv_offsets(const signed char* __restrict__ tier, const int* __restrict__ rs
     __shared__ int carry[kTiers];
     const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const signed char* row = tier + (size_t)b * S;
-    int base[kTiers] = {rs2[b], rs3[b], rs4[b], rs8[b]};
-    if (tid < kTiers) carry[tid] = 0;
-    __syncthreads();
-    for (int k0 = 0; k0 <= nblk; k0 += kOffsetThreads) {
-        const int kb = k0 + tid;
-        const int p0 = min(kb * bs, S), p1 = min(kb * bs + bs, S);
+    int* out = offsets + (size_t)b * (nblk + 1) * kTiers;
+    grid_dependency_wait();
+    for (int kb = warp; kb < nblk; kb += kOffsetThreads / 32) {
+        const int p0 = kb * bs, p1 = min(p0 + bs, S);
         int c[kTiers] = {0, 0, 0, 0};
-        if (kb < nblk) {
-            c[0] = count_tier<0>(row, p0, p1);
-            c[1] = count_tier<1>(row, p0, p1);
-            c[2] = count_tier<2>(row, p0, p1);
-            c[3] = count_tier<3>(row, p0, p1);
+        for (int p = p0; p < p1; p += 32) {
+            const int v = p + lane < p1 ? row[p + lane] : 0;
+#pragma unroll
+            for (int t = 0; t < kTiers; ++t) c[t] += __popc(__ballot_sync(0xffffffffu, v == tier_bits(t)));
         }
+        if (lane < kTiers) out[(kb + 1) * kTiers + lane] = c[lane == 0 ? 0 : lane == 1 ? 1 : lane == 2 ? 2 : 3];
+    }
+    if (tid < kTiers) {
+        carry[tid] = 0;
+        out[tid] = (tid == 0 ? rs2 : tid == 1 ? rs3 : tid == 2 ? rs4 : rs8)[b];
+    }
+    __syncthreads();
+    // pass 2: offsets[kb] = offsets[0] + sum of the counts of key blocks < kb (inclusive scan of
+    // the counts stored at kb + 1), 1024 at a time
+    for (int k0 = 1; k0 <= nblk; k0 += kOffsetThreads) {
+        const int kb = k0 + tid;
         int incl[kTiers];
 #pragma unroll
         for (int t = 0; t < kTiers; ++t) {
-            int v = c[t];
+            int v = kb <= nblk ? out[kb * kTiers + t] : 0;
 #pragma unroll
             for (int d = 1; d < 32; d <<= 1) {
                 const int u = __shfl_up_sync(0xffffffffu, v, d);
@@ -217,23 +221,26 @@ kbit_kv_offsets(const signed char* __restrict__ tier, const int* __restrict__ rs
             if (lane == 31) warp_sums[warp][t] = v;
         }
         __syncthreads();
-        int before[kTiers];
+        if (warp == 0) {  // scan of the warp totals
 #pragma unroll
-        for (int t = 0; t < kTiers; ++t) {
-            int s = carry[t];
-            for (int w = 0; w < warp; ++w) s += warp_sums[w][t];
-            before[t] = s + incl[t] - c[t];
+            for (int t = 0; t < kTiers; ++t) {
+                int v = warp_sums[lane][t];
+#pragma unroll
+                for (int d = 1; d < 32; d <<= 1) {
+                    const int u = __shfl_up_sync(0xffffffffu, v, d);
+                    if (lane >= d) v += u;
+                }
+                warp_sums[lane][t] = v;  // inclusive
+            }
         }
+        __syncthreads();
         if (kb <= nblk) {
 #pragma unroll
-            for (int t = 0; t < kTiers; ++t) offsets[((size_t)b * (nblk + 1) + kb) * kTiers + t] = base[t] + before[t];
+            for (int t = 0; t < kTiers; ++t)
+                out[kb * kTiers + t] = out[t] + carry[t] + (warp ? warp_sums[warp - 1][t] : 0) + incl[t];
         }
-        __syncthreads();  // everyone has read carry and warp_sums
-        if (tid < kTiers) {
-            int s = carry[tid];
-            for (int w = 0; w < kOffsetThreads / 32; ++w) s += warp_sums[w][tid];
-            carry[tid] = s;
-        }
+        __syncthreads();  // every thread has read carry and the warp totals
+        if (tid < kTiers) carry[tid] += warp_sums[kOffsetThreads / 32 - 1][tid];
         __syncthreads();
     }
 }
@@ -278,38 +285,25 @@ KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const uint4* a
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int H = pr.H;
 
-    // ---- logits: two n8 fragments of tokens ----
-    float s[2][4];
+    // Every load of the tile first (values, scales and positions too), so that they are in flight
+    // together while the keys are decoded and multiplied.
+    // values: tokens 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1) of the tile
+    // token slot u: 0 -> 2t, 1 -> 2t+1, 2 -> 2t+8, 3 -> 2t+9; p for slot u is s[u / 2][half * 2 + u % 2]
+    constexpr int VBYTES = BITS;  // 8 channels of one token
+    u32 vw[4][GROUPS][(VBYTES + 3) / 4];
+    float vscale[4][GROUPS], vzero[4][GROUPS];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-        const int e = e0 + 8 * nt + g;
+    for (int u = 0; u < 4; ++u) {
+        const int e = e0 + 8 * (u / 2) + 2 * t + (u % 2);
         const bool ok = e < e_end;
-        u32 w[CHUNK_WORDS];
-        load_bytes<CHUNK, CHUNK>(w, pr.k[TIER] + ((size_t)(ok ? e : 0) * H + pr.h) * ROW_BYTES + t * CHUNK, ok);
-        u32 kscale = 0;
-        if constexpr (BITS == 8) {
-            const u16 sc = ok ? pr.k_scale8[((size_t)e * H + pr.h) * GROUPS + (t * D / 4) / kGroup] : (u16)0;
-            kscale = (u32)sc | ((u32)sc << 16);
-        }
+        const size_t tok = (size_t)(ok ? e : 0) * H + pr.h;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) s[nt][c] = 0.f;
-#pragma unroll
-        for (int j = 0; j < KSTEPS; ++j) {
-            u32 lo = 0, hi = 0;
-            group_words<BITS>(w, j / 2, lo, hi);
-            u32 b0 = group_pair<BITS>(lo, hi, 2 * (j % 2));
-            u32 b1 = group_pair<BITS>(lo, hi, 2 * (j % 2) + 1);
-            if constexpr (BITS == 8) {
-                b0 = hmul2(b0, kscale);
-                b1 = hmul2(b1, kscale);
-            }
-            const uint4 av = afrag[j * 32 + lane];
-            const u32 a[4] = {av.x, av.y, av.z, av.w};
-            mma_16816<KBIT_F16>(s[nt], a, b0, b1);
+        for (int grp = 0; grp < GROUPS; ++grp) {
+            load_bytes<VBYTES, VBYTES>(vw[u][grp], pr.v[TIER] + tok * ROW_BYTES + grp * (kGroup * BITS / 8) + g * VBYTES, ok);
+            vscale[u][grp] = ok ? half_lo(pr.v_scale[TIER][tok * GROUPS + grp]) : 0.f;
+            if constexpr (BITS < 8) vzero[u][grp] = ok ? half_lo(pr.v_zero[TIER][tok * GROUPS + grp]) : 0.f;
         }
     }
-    // ---- positions, scale, mask ----
-    constexpr float kInvLevels = BITS == 8 ? 1.f : 1.f / (float)((1 << BITS) - 1);
     int p[2][2];
     bool valid[2][2];
 #pragma unroll
@@ -320,6 +314,41 @@ KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const uint4* a
             valid[nt][c] = e < e_end;
             p[nt][c] = valid[nt][c] ? pr.pos[TIER][e] : 0;
         }
+    // keys: lane (g, t) takes chunk t of token g of each n8 fragment
+    u32 kw[2][CHUNK_WORDS], kscale[2] = {0u, 0u};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+        const int e = e0 + 8 * nt + g;
+        const bool ok = e < e_end;
+        load_bytes<CHUNK, CHUNK>(kw[nt], pr.k[TIER] + ((size_t)(ok ? e : 0) * H + pr.h) * ROW_BYTES + t * CHUNK, ok);
+        if constexpr (BITS == 8) {
+            const u16 sc = ok ? pr.k_scale8[((size_t)e * H + pr.h) * GROUPS + (t * D / 4) / kGroup] : (u16)0;
+            kscale[nt] = (u32)sc | ((u32)sc << 16);
+        }
+    }
+    // ---- logits: two n8 fragments of tokens ----
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s[nt][c] = 0.f;
+#pragma unroll
+        for (int j = 0; j < KSTEPS; ++j) {
+            u32 lo = 0, hi = 0;
+            group_words<BITS>(kw[nt], j / 2, lo, hi);
+            u32 b0 = group_pair<BITS>(lo, hi, 2 * (j % 2));
+            u32 b1 = group_pair<BITS>(lo, hi, 2 * (j % 2) + 1);
+            if constexpr (BITS == 8) {
+                b0 = hmul2(b0, kscale[nt]);
+                b1 = hmul2(b1, kscale[nt]);
+            }
+            const uint4 av = afrag[j * 32 + lane];
+            const u32 a[4] = {av.x, av.y, av.z, av.w};
+            mma_16816<KBIT_F16>(s[nt], a, b0, b1);
+        }
+    }
+    // ---- positions, scale, mask ----
+    constexpr float kInvLevels = BITS == 8 ? 1.f : 1.f / (float)((1 << BITS) - 1);
     float rowmax[2] = {KV_NEG_INF, KV_NEG_INF};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -378,23 +407,6 @@ KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const uint4* a
             st.acc[grp][j][1] *= alpha[0];
             st.acc[grp][j][2] *= alpha[1];
             st.acc[grp][j][3] *= alpha[1];
-        }
-    }
-    // ---- values: tokens 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1) of the tile ----
-    // token slot u: 0 -> 2t, 1 -> 2t+1, 2 -> 2t+8, 3 -> 2t+9; p for slot u is s[u / 2][half * 2 + u % 2]
-    constexpr int VBYTES = BITS;  // 8 channels of one token
-    u32 vw[4][GROUPS][(VBYTES + 3) / 4];
-    float vscale[4][GROUPS], vzero[4][GROUPS];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-        const int e = e0 + 8 * (u / 2) + 2 * t + (u % 2);
-        const bool ok = e < e_end;
-        const size_t tok = (size_t)(ok ? e : 0) * H + pr.h;
-#pragma unroll
-        for (int grp = 0; grp < GROUPS; ++grp) {
-            load_bytes<VBYTES, VBYTES>(vw[u][grp], pr.v[TIER] + tok * ROW_BYTES + grp * (kGroup * BITS / 8) + g * VBYTES, ok);
-            vscale[u][grp] = ok ? half_lo(pr.v_scale[TIER][tok * GROUPS + grp]) : 0.f;
-            if constexpr (BITS < 8) vzero[u][grp] = ok ? half_lo(pr.v_zero[TIER][tok * GROUPS + grp]) : 0.f;
         }
     }
 #pragma unroll

@@ -116,7 +116,7 @@ def main() -> None:
                                                                           enable_gqa=True), n)
             del kv
             torch.cuda.empty_cache()
-            row = {"context": s, "batch": batch, "sdpa_bf16_us": sdpa.us, "bf16_bytes_per_token": bf16_bytes / (batch * s)}
+            row = {"context": s, "batch": batch, "sdpa_bf16_us": sdpa.us, "sdpa_method": sdpa.method, "bf16_bytes_per_token": bf16_bytes / (batch * s)}
             for mix in args.mixes:
                 cache = _cache(batch, s, mix, dev, seed=s + batch)
                 n = bc.copies_past_l2(cache["nbytes"], l2, max_copies=8)
@@ -134,6 +134,7 @@ def main() -> None:
                 row[f"kbit_{mix}_nomass_us"] = no_mass.us
                 row[f"kbit_{mix}_bytes_per_token"] = cache["nbytes"] / (batch * s)
                 row[f"kbit_{mix}_roofline_us"] = roof
+                row[f"kbit_{mix}_method"] = with_mass.method
                 del caches, cache
                 torch.cuda.empty_cache()
             rows.append(row)

@@ -35,7 +35,7 @@ def random_cache(batch: int, heads: int, d: int, length: int, block: int, seed: 
     v = torch.randn(batch, length, heads, d, generator=g) * 0.5 + 0.2
     nb = length // block
     kmin, krange = key_block_ranges(k[:, :nb * block].reshape(batch, nb, block, heads, d))
-    pick = torch.multinomial(torch.tensor(probs), batch * length, replacement=True, generator=g).reshape(batch, length)
+    pick = torch.multinomial(torch.tensor(probs, dtype=torch.float64), batch * length, replacement=True, generator=g).reshape(batch, length)
     tier = torch.tensor(TIERS)[pick]
     tier[:, nb * block:] = 8
     buckets = []
