@@ -327,13 +327,13 @@ KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const uint4* a
         }
     }
     // ---- logits: two n8 fragments of tokens ----
-    float s[2][4];
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+    for (int j = 0; j < KSTEPS; ++j) {
+        const uint4 av = afrag[j * 32 + lane];
+        const u32 a[4] = {av.x, av.y, av.z, av.w};
 #pragma unroll
-        for (int c = 0; c < 4; ++c) s[nt][c] = 0.f;
-#pragma unroll
-        for (int j = 0; j < KSTEPS; ++j) {
+        for (int nt = 0; nt < 2; ++nt) {  // the two fragments' products alternate (independent chains)
             u32 lo = 0, hi = 0;
             group_words<BITS>(kw[nt], j / 2, lo, hi);
             u32 b0 = group_pair<BITS>(lo, hi, 2 * (j % 2));
@@ -342,8 +342,6 @@ KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const uint4* a
                 b0 = hmul2(b0, kscale[nt]);
                 b1 = hmul2(b1, kscale[nt]);
             }
-            const uint4 av = afrag[j * 32 + lane];
-            const u32 a[4] = {av.x, av.y, av.z, av.w};
             mma_16816<KBIT_F16>(s[nt], a, b0, b1);
         }
     }
@@ -521,7 +519,7 @@ template <int DT> KBIT_DEVICE void store_elem(void* p, size_t i, float v) {
 // relative to its max; part_ml [R][splits][2] the max and sum (log2 units).
 // ---------------------------------------------------------------------------------------
 template <int D, int DT>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, D <= 128 ? 3 : 1)
 kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16* vs2, const u16* vz2, const int* p2,
                const u8* k3, const u8* v3, const u16* vs3, const u16* vz3, const int* p3, const u8* k4, const u8* v4,
                const u16* vs4, const u16* vz4, const int* p4, const u8* k8, const u8* v8, const u16* ks8, const u16* vs8,
