@@ -647,7 +647,8 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
 }
 
 // ---------------------------------------------------------------------------------------
-// kbit_kv_combine<DT>: grid (R), 128 threads, splits * 4 bytes of shared memory.
+// kbit_kv_combine<DT>: grid (R), 128 threads, splits * 4 bytes of shared memory rounded up to 16
+// (the compiler may read the factors four at a time).
 // out[b][i][hq][c] (transformers' layout) = sum_s 2^(m_s - M) acc_s[c] / L; ml[R] = (M, L).
 // ---------------------------------------------------------------------------------------
 constexpr int kCombineThreads = 128;
@@ -656,7 +657,8 @@ template <int DT>
 __global__ void __launch_bounds__(kCombineThreads)
 kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml, void* __restrict__ out,
                 float* __restrict__ ml, int Hq, int Q, int D, int splits) {
-    extern __shared__ float factor[];  // [splits]
+    extern __shared__ float4 factor4[];  // [splits] floats, 16-byte aligned and padded
+    float* factor = reinterpret_cast<float*>(factor4);
     __shared__ float total[2];
     const size_t R = blockIdx.x;
     const int tid = threadIdx.x;

@@ -19,7 +19,7 @@ from ...kv_format import TIERS, KVBucket, mask_bias
 from . import loader, tuning
 from .tensors import aligned16
 
-__all__ = ["HEAD_DIMS", "kv_attention_instances", "decode_smem_bytes", "kv_decode_attention_cuda"]
+__all__ = ["HEAD_DIMS", "kv_attention_instances", "decode_smem_bytes", "combine_smem_bytes", "kv_decode_attention_cuda"]
 
 _SOURCE = "kv_attention.cu"
 HEAD_DIMS = (64, 128, 256)
@@ -46,6 +46,12 @@ def decode_smem_bytes(head_dim: int) -> int:
     """Dynamic shared memory of one decode block (``Smem<D>::BYTES`` in the kernel)."""
     ksteps = head_dim // 16
     return _ROWS * head_dim * 4 + ksteps * 32 * 16 + _WARPS * ksteps * 32 * 16 + _WARPS * _ROWS * 2 * 4 + _ROWS * head_dim * 4
+
+
+def combine_smem_bytes(splits: int) -> int:
+    """Dynamic shared memory of the combine kernel: one float per split, rounded up to 16 bytes
+    (its loop over the splits may read the factors four at a time)."""
+    return (splits + 3) // 4 * 16
 
 
 def kv_attention_instances() -> list[str]:
@@ -123,7 +129,7 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
     ml = torch.empty((b * hq * q_len, 2), dtype=torch.float32, device=dev)
     kern = loader.get_kernel(_SOURCE, f"kbit_kv_combine<{_DT[query.dtype]}>", dev)
     loader.launch(kern, b * hq * q_len, _COMBINE_THREADS, _COMBINE_ARGS.Values(
-        part_acc=part_acc, part_ml=part_ml, out=out, ml=ml, Hq=hq, Q=q_len, D=d, splits=splits), splits * 4, dev,
+        part_acc=part_acc, part_ml=part_ml, out=out, ml=ml, Hq=hq, Q=q_len, D=d, splits=splits), combine_smem_bytes(splits), dev,
         pack=_COMBINE_ARGS)
     if not need_mass:
         return out, None
