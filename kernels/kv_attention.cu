@@ -46,13 +46,37 @@ constexpr int kWarps = 4;    // warps per decode block
 constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 16;    // query rows per block (one m16 fragment)
 constexpr int kGroup = 64;   // channels per value scale group (and 8-bit key scale group)
+// tiles in flight per warp (its ring of copy stages); head_dim 256 takes two so that a block
+// fits an sm_80 block's shared memory
+__host__ __device__ constexpr int stages_for(int d) { return d <= 128 ? 3 : 2; }
+constexpr int kMaxSplitBlocks = 256;  // key blocks per split at most (the host splits finer)
 constexpr u32 kMagic = 0x64006400u;
 #define KV_NEG_INF __int_as_float(0xff800000u)  // -inf without math headers (NVRTC has none)  // fp16 1024 in both halves: 0x6400 | c == 1024 + c
 
 __host__ __device__ constexpr int tier_bits(int tier) { return tier == 3 ? 8 : tier + 2; }
 
+// One stage of a warp's copy ring: a tile of 16 entries of one bucket, rows padded so that the
+// value reads of the four token slots fall in distinct banks, and for the first tile of a key
+// block that has lower widths, that block's key range and minimum.
+template <int D>
+struct Stage {
+    static constexpr int GROUPS = D / kGroup;
+    static constexpr int ROW = D + 16;                             // bytes per entry (an 8-bit row + 16)
+    static constexpr int K = 0;                                    // u8 [kTile][ROW]
+    static constexpr int V = K + kTile * ROW;                      // u8 [kTile][ROW]
+    static constexpr int VSCALE = V + kTile * ROW;                 // u16 [kTile][GROUPS]
+    static constexpr int VZERO = VSCALE + kTile * GROUPS * 2;      // u16 [kTile][GROUPS]
+    static constexpr int KSCALE = VZERO + kTile * GROUPS * 2;      // u16 [kTile][GROUPS] (8-bit keys)
+    static constexpr int POS = KSCALE + kTile * GROUPS * 2;        // int [kTile]
+    static constexpr int RANGE = (POS + kTile * 4 + 15) / 16 * 16;  // u16 [D]
+    static constexpr int MIN = RANGE + D * 2;                      // u16 [D]
+    static constexpr int BYTES = (MIN + D * 2 + 15) / 16 * 16;
+};
+
 // Shared memory of the decode block: query rows (fp32), the A fragments of q (shared by the
-// warps) and of each warp's Q' (private to its lanes), the split's row maxima/sums and output.
+// warps) and of each warp's Q' (private to its lanes), the warps' row maxima/sums, the bucket
+// offsets of the split's key blocks, and each warp's ring of stages_for(D) copy stages (reused for the
+// split's output once every tile is done).
 template <int D>
 struct Smem {
     static constexpr int KSTEPS = D / 16;
@@ -60,8 +84,11 @@ struct Smem {
     static constexpr int Q_FRAG = Q_ROWS + kRows * D * 4;             // uint4 [KSTEPS][32]
     static constexpr int QP_FRAG = Q_FRAG + KSTEPS * 32 * 16;         // uint4 [kWarps][KSTEPS][32]
     static constexpr int ML = QP_FRAG + kWarps * KSTEPS * 32 * 16;    // float [kWarps][kRows][2]
-    static constexpr int OUT = ML + kWarps * kRows * 2 * 4;           // float [kRows][D]
-    static constexpr int BYTES = OUT + kRows * D * 4;
+    static constexpr int OFFS = ML + kWarps * kRows * 2 * 4;          // int4 [kMaxSplitBlocks + 1]
+    static constexpr int RING = OFFS + (kMaxSplitBlocks + 1) * 16;    // kWarps x stages_for(D) stages
+    static constexpr int OUT = RING;                                  // float [kRows][D], after the ring's last use
+    static constexpr int RING_BYTES = kWarps * stages_for(D) * Stage<D>::BYTES;
+    static constexpr int BYTES = RING + (RING_BYTES > kRows * D * 4 ? RING_BYTES : kRows * D * 4);
 };
 
 KBIT_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
@@ -273,9 +300,10 @@ struct WarpState {
     float acc[GROUPS][8][4];
 };
 
-// One tile of 16 entries [e0, e0 + 16) (valid below e_end) of bucket TIER.
+// One tile of 16 entries [e0, e0 + 16) (valid below e_end) of bucket TIER, from its stage.
 template <int D, int TIER>
-KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const uint4* afrag, float qmin0, float qmin1, int e0, int e_end) {
+KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const u8* stage, const uint4* afrag, float qmin0, float qmin1, int e0,
+                             int e_end) {
     constexpr int BITS = tier_bits(TIER);
     constexpr int KSTEPS = D / 16;
     constexpr int GROUPS = D / kGroup;
@@ -283,25 +311,23 @@ KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const uint4* a
     constexpr int CHUNK = ROW_BYTES / 4;     // lane t's quarter of a key
     constexpr int CHUNK_WORDS = (CHUNK + 3) / 4;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int H = pr.H;
 
-    // Every load of the tile first (values, scales and positions too), so that they are in flight
-    // together while the keys are decoded and multiplied.
+    using ST = Stage<D>;
     // values: tokens 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1) of the tile
     // token slot u: 0 -> 2t, 1 -> 2t+1, 2 -> 2t+8, 3 -> 2t+9; p for slot u is s[u / 2][half * 2 + u % 2]
     constexpr int VBYTES = BITS;  // 8 channels of one token
+    const u16* vsc = reinterpret_cast<const u16*>(stage + ST::VSCALE);
+    const u16* vze = reinterpret_cast<const u16*>(stage + ST::VZERO);
     u32 vw[4][GROUPS][(VBYTES + 3) / 4];
     float vscale[4][GROUPS], vzero[4][GROUPS];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-        const int e = e0 + 8 * (u / 2) + 2 * t + (u % 2);
-        const bool ok = e < e_end;
-        const size_t tok = (size_t)(ok ? e : 0) * H + pr.h;
+        const int slot = 8 * (u / 2) + 2 * t + (u % 2);
 #pragma unroll
         for (int grp = 0; grp < GROUPS; ++grp) {
-            load_bytes<VBYTES, VBYTES>(vw[u][grp], pr.v[TIER] + tok * ROW_BYTES + grp * (kGroup * BITS / 8) + g * VBYTES, ok);
-            vscale[u][grp] = ok ? half_lo(pr.v_scale[TIER][tok * GROUPS + grp]) : 0.f;
-            if constexpr (BITS < 8) vzero[u][grp] = ok ? half_lo(pr.v_zero[TIER][tok * GROUPS + grp]) : 0.f;
+            load_bytes<VBYTES, VBYTES>(vw[u][grp], stage + ST::V + slot * ST::ROW + grp * (kGroup * BITS / 8) + g * VBYTES, true);
+            vscale[u][grp] = half_lo(vsc[slot * GROUPS + grp]);  // entries past the bucket: zero-filled
+            vzero[u][grp] = BITS < 8 ? half_lo(vze[slot * GROUPS + grp]) : 0.f;
         }
     }
     int p[2][2];
@@ -310,19 +336,18 @@ KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const uint4* a
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-            const int e = e0 + 8 * nt + 2 * t + c;
-            valid[nt][c] = e < e_end;
-            p[nt][c] = valid[nt][c] ? pr.pos[TIER][e] : 0;
+            const int slot = 8 * nt + 2 * t + c;
+            valid[nt][c] = e0 + slot < e_end;
+            p[nt][c] = reinterpret_cast<const int*>(stage + ST::POS)[slot];
         }
     // keys: lane (g, t) takes chunk t of token g of each n8 fragment
     u32 kw[2][CHUNK_WORDS], kscale[2] = {0u, 0u};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-        const int e = e0 + 8 * nt + g;
-        const bool ok = e < e_end;
-        load_bytes<CHUNK, CHUNK>(kw[nt], pr.k[TIER] + ((size_t)(ok ? e : 0) * H + pr.h) * ROW_BYTES + t * CHUNK, ok);
+        const int slot = 8 * nt + g;
+        load_bytes<CHUNK, (CHUNK % 16 == 0 ? 16 : CHUNK)>(kw[nt], stage + ST::K + slot * ST::ROW + t * CHUNK, true);
         if constexpr (BITS == 8) {
-            const u16 sc = ok ? pr.k_scale8[((size_t)e * H + pr.h) * GROUPS + (t * D / 4) / kGroup] : (u16)0;
+            const u16 sc = reinterpret_cast<const u16*>(stage + ST::KSCALE)[slot * GROUPS + (t * D / 4) / kGroup];
             kscale[nt] = (u32)sc | ((u32)sc << 16);
         }
     }
@@ -463,6 +488,128 @@ KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const uint4* a
 namespace kbit {
 namespace kv {
 
+// ---------------------------------------------------------------------------------------
+// The copy ring. A warp walks its tiles (key blocks split*kbps + warp, + kWarps, ...; in each,
+// the entries of bucket 2, 3, 4 then 8, 16 at a time) twice with two cursors: the copy cursor
+// runs stages_for(D) - 1 tiles ahead, putting each tile's bytes into the next stage with cp.async
+// (entries past the bucket are zero-filled), one commit group per tile; the compute cursor waits
+// for its tile's group, and the warp meets at __syncwarp before a stage is refilled.
+// ---------------------------------------------------------------------------------------
+
+// `N` bytes global -> shared, asynchronously (N = 16, 8, 4) or, for N = 2 (the scales of
+// head_dim 64), through a register; `ok` false writes zeros (src must still be mapped).
+template <int N>
+KBIT_DEVICE void copy_piece(void* dst, const void* src, bool ok) {
+    if constexpr (N == 16) {
+        cp_async16(dst, src, ok ? 16u : 0u);
+    } else if constexpr (N == 8 || N == 4) {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(N), "r"(ok ? N : 0));
+    } else {
+        static_assert(N == 2, "piece size");
+        *reinterpret_cast<u16*>(dst) = ok ? *reinterpret_cast<const u16*>(src) : (u16)0;
+    }
+}
+
+__host__ __device__ constexpr int piece_bytes(int n) { return n % 16 == 0 ? 16 : n % 8 == 0 ? 8 : n % 4 == 0 ? 4 : 2; }
+
+// Rows of `row_bytes` of the tile's entries [e0, e0 + kTile) (valid below e_end; src row r at
+// base + (e * H + h) * row_bytes) into dst rows of `dst_stride` bytes, split over the warp.
+template <int ROW_BYTES>
+KBIT_DEVICE void copy_rows(u8* dst, int dst_stride, const u8* base, int H, int h, int e0, int e_end, int lane) {
+    constexpr int P = piece_bytes(ROW_BYTES), PER_ROW = ROW_BYTES / P;
+#pragma unroll
+    for (int i = lane; i < kTile * PER_ROW; i += 32) {
+        const int r = i / PER_ROW, off = (i % PER_ROW) * P;
+        const bool ok = e0 + r < e_end;
+        copy_piece<P>(dst + r * dst_stride + off, base + ((size_t)(ok ? e0 + r : e0) * H + h) * ROW_BYTES + off, ok);
+    }
+}
+
+// The copy of one tile of bucket TIER into `stage` (and, for the first lower-width tile of a key
+// block, the block's key range and minimum).
+template <int D, int TIER>
+KBIT_DEVICE void copy_tile(const Problem& pr, u8* stage, int e0, int e_end, int kb, bool with_range, int lane) {
+    using ST = Stage<D>;
+    constexpr int BITS = tier_bits(TIER), GROUPS = D / kGroup;
+    copy_rows<D * BITS / 8>(stage + ST::K, ST::ROW, pr.k[TIER], pr.H, pr.h, e0, e_end, lane);
+    copy_rows<D * BITS / 8>(stage + ST::V, ST::ROW, pr.v[TIER], pr.H, pr.h, e0, e_end, lane);
+    copy_rows<GROUPS * 2>(stage + ST::VSCALE, GROUPS * 2, reinterpret_cast<const u8*>(pr.v_scale[TIER]), pr.H, pr.h, e0, e_end, lane);
+    if constexpr (BITS < 8) {
+        copy_rows<GROUPS * 2>(stage + ST::VZERO, GROUPS * 2, reinterpret_cast<const u8*>(pr.v_zero[TIER]), pr.H, pr.h, e0, e_end, lane);
+    } else {
+        copy_rows<GROUPS * 2>(stage + ST::KSCALE, GROUPS * 2, reinterpret_cast<const u8*>(pr.k_scale8), pr.H, pr.h, e0, e_end, lane);
+    }
+    if (lane < kTile) {
+        const bool ok = e0 + lane < e_end;
+        copy_piece<4>(stage + ST::POS + 4 * lane, pr.pos[TIER] + (ok ? e0 + lane : e0), ok);
+    }
+    if (with_range && kb < pr.NB) {  // D * 2 bytes each, 16 at a time (lower widths only exist below NB)
+        const size_t blk = (((size_t)pr.b * pr.NB + kb) * pr.H + pr.h) * D;
+        for (int i = lane; i < D / 8; i += 32) cp_async16(stage + ST::RANGE + 16 * i, pr.k_range + blk + 8 * i, 16u);
+        for (int i = lane; i < D / 8; i += 32) cp_async16(stage + ST::MIN + 16 * i, pr.k_min + blk + 8 * i, 16u);
+    }
+}
+
+// A walk over a warp's tiles. `offs` holds the split's bucket offsets per key block (int4 of
+// the four buckets' first entries; the next key block's are its ends).
+struct Cursor {
+    int kb, kb_end, tier, e, end;
+    bool low_seen;  // a lower-width tile of this key block was already produced
+    bool first;     // the current tile is the key block's first lower-width one
+    bool done;
+
+    KBIT_DEVICE int beg_of(const int4* offs, int k, int t) const {
+        const int4 o = offs[k];
+        return t == 0 ? o.x : t == 1 ? o.y : t == 2 ? o.z : o.w;
+    }
+    // Moves to the first non-empty tile at or after (kb, tier, e).
+    KBIT_DEVICE void settle(const int4* offs, int kb0, int step) {
+        while (!done && e >= end) {
+            if (++tier == kTiers) {
+                kb += step;
+                tier = 0;
+                low_seen = false;
+                if (kb >= kb_end) {
+                    done = true;
+                    break;
+                }
+            }
+            e = beg_of(offs, kb - kb0, tier);
+            end = beg_of(offs, kb - kb0 + 1, tier);
+        }
+        first = !done && tier < 3 && !low_seen;
+        if (first) low_seen = true;
+    }
+    KBIT_DEVICE void start(const int4* offs, int kb0, int kb_first, int kb_last, int step) {
+        kb = kb_first;
+        kb_end = kb_last;
+        tier = 0;
+        low_seen = false;
+        done = kb >= kb_end;
+        e = end = 0;
+        if (!done) {
+            e = beg_of(offs, kb - kb0, 0);
+            end = beg_of(offs, kb - kb0 + 1, 0);
+        }
+        settle(offs, kb0, step);
+    }
+    KBIT_DEVICE void next(const int4* offs, int kb0, int step) {
+        e += kTile;
+        settle(offs, kb0, step);
+    }
+};
+
+template <int D>
+KBIT_DEVICE void copy_at(const Problem& pr, const Cursor& c, u8* stage, int lane) {
+    if (c.done) return;
+    switch (c.tier) {
+        case 0: copy_tile<D, 0>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
+        case 1: copy_tile<D, 1>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
+        case 2: copy_tile<D, 2>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
+        default: copy_tile<D, 3>(pr, stage, c.e, c.end, c.kb, false, lane); break;
+    }
+}
+
 // Lane (g, t)'s A fragment of k16 step j for rows g, g+8 of `qrows` (fp32 [kRows][D]), each
 // channel times `range[c]` when given (Q' of a key block): a0/a1 channels cb, cb+4, a2/a3 cb+1,
 // cb+5 with cb = t*D/4 + 8(j/2) + 2(j%2), the pairs group_pair unpacks.
@@ -519,7 +666,7 @@ template <int DT> KBIT_DEVICE void store_elem(void* p, size_t i, float v) {
 // relative to its max; part_ml [R][splits][2] the max and sum (log2 units).
 // ---------------------------------------------------------------------------------------
 template <int D, int DT>
-__global__ void __launch_bounds__(kThreads, D <= 128 ? 3 : 1)
+__global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
 kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16* vs2, const u16* vz2, const int* p2,
                const u8* k3, const u8* v3, const u16* vs3, const u16* vz3, const int* p3, const u8* k4, const u8* v4,
                const u16* vs4, const u16* vz4, const int* p4, const u8* k8, const u8* v8, const u16* ks8, const u16* vs8,
@@ -561,8 +708,11 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
             x = load_elem<DT>(q, (((size_t)b * Hq + hq) * Q + qi) * D + c) * scale_log2;
         }
         qrows[i] = x;
-        outs[i] = 0.f;
     }
+    // the split's bucket offsets (key blocks kb0 .. kb0 + kbps, ends included)
+    int4* offs = reinterpret_cast<int4*>(smem + SM::OFFS);
+    for (int i = tid; i <= kbps && split * kbps + i <= nblk; i += kThreads)
+        offs[i] = reinterpret_cast<const int4*>(offsets)[(size_t)b * (nblk + 1) + split * kbps + i];
     __syncthreads();
     for (int i = tid; i < KSTEPS * 32; i += kThreads) qfrag[i] = a_fragment<D>(qrows, i % 32, i / 32, nullptr);
     __syncthreads();
@@ -579,23 +729,42 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
             for (int c = 0; c < 4; ++c) st.acc[grp][j][c] = 0.f;
     }
 
-    const int kb_end = min(nblk, (split + 1) * kbps);
-    for (int kb = split * kbps + warp; kb < kb_end; kb += kWarps) {
-        const int* o = offsets + ((size_t)b * (nblk + 1) + kb) * kTiers;
-        const int4 beg = *reinterpret_cast<const int4*>(o), end = *reinterpret_cast<const int4*>(o + kTiers);
-        float qmin0 = 0.f, qmin1 = 0.f;
-        if ((beg.x < end.x || beg.y < end.y || beg.z < end.z) && kb < NB) {
-            // Q' of this key block (lower widths only exist in blocks that have a range)
-            const size_t blk = (((size_t)b * NB + kb) * H + h) * D;
+    // ---- each warp's tiles through its copy ring ----
+    const int kb0 = split * kbps, kb_end = min(nblk, kb0 + kbps);
+    u8* ring = smem + SM::RING + warp * stages_for(D) * Stage<D>::BYTES;
+    Cursor copy, comp;
+    copy.start(offs, kb0, kb0 + warp, kb_end, kWarps);
+    comp = copy;
 #pragma unroll
-            for (int j = 0; j < KSTEPS; ++j) qpfrag[j * 32 + lane] = a_fragment<D>(qrows, lane, j, k_range + blk);
-            q_dot_min<D>(qrows, lane, k_min + blk, qmin0, qmin1);
-            for (int e = beg.x; e < end.x; e += kTile) attend_tile<D, 0>(pr, st, qpfrag, qmin0, qmin1, e, end.x);
-            for (int e = beg.y; e < end.y; e += kTile) attend_tile<D, 1>(pr, st, qpfrag, qmin0, qmin1, e, end.y);
-            for (int e = beg.z; e < end.z; e += kTile) attend_tile<D, 2>(pr, st, qpfrag, qmin0, qmin1, e, end.z);
-        }
-        for (int e = beg.w; e < end.w; e += kTile) attend_tile<D, 3>(pr, st, qfrag, 0.f, 0.f, e, end.w);
+    for (int i = 0; i < stages_for(D) - 1; ++i) {
+        copy_at<D>(pr, copy, ring + i * Stage<D>::BYTES, lane);
+        cp_async_commit();
+        if (!copy.done) copy.next(offs, kb0, kWarps);
     }
+    float qmin0 = 0.f, qmin1 = 0.f;
+    for (int i = 0; !comp.done; ++i) {
+        copy_at<D>(pr, copy, ring + ((i + stages_for(D) - 1) % stages_for(D)) * Stage<D>::BYTES, lane);
+        cp_async_commit();
+        if (!copy.done) copy.next(offs, kb0, kWarps);
+        cp_async_wait<stages_for(D) - 1>();
+        __syncwarp();
+        const u8* stage = ring + (i % stages_for(D)) * Stage<D>::BYTES;
+        if (comp.first) {  // Q' of the key block (lower widths only exist in blocks with a range)
+            const u16* range = reinterpret_cast<const u16*>(stage + Stage<D>::RANGE);
+#pragma unroll
+            for (int j = 0; j < KSTEPS; ++j) qpfrag[j * 32 + lane] = a_fragment<D>(qrows, lane, j, range);
+            q_dot_min<D>(qrows, lane, reinterpret_cast<const u16*>(stage + Stage<D>::MIN), qmin0, qmin1);
+        }
+        switch (comp.tier) {
+            case 0: attend_tile<D, 0>(pr, st, stage, qpfrag, qmin0, qmin1, comp.e, comp.end); break;
+            case 1: attend_tile<D, 1>(pr, st, stage, qpfrag, qmin0, qmin1, comp.e, comp.end); break;
+            case 2: attend_tile<D, 2>(pr, st, stage, qpfrag, qmin0, qmin1, comp.e, comp.end); break;
+            default: attend_tile<D, 3>(pr, st, stage, qfrag, 0.f, 0.f, comp.e, comp.end); break;
+        }
+        __syncwarp();  // every lane is done with the stage before it is refilled
+        comp.next(offs, kb0, kWarps);
+    }
+    cp_async_wait<0>();
     allow_dependent_launch();
 
     // ---- the block's four warps -> one partial per row ----
@@ -613,6 +782,8 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
             ml[(warp * kRows + g + 8 * half) * 2 + 1] = st.l[half];
         }
     }
+    __syncthreads();  // every warp is past its ring: the output may take its place
+    for (int i = tid; i < kRows * D; i += kThreads) outs[i] = 0.f;
     __syncthreads();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {

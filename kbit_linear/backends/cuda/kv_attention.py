@@ -19,7 +19,7 @@ from ...kv_format import TIERS, KVBucket, mask_bias
 from . import loader, tuning
 from .tensors import aligned16
 
-__all__ = ["HEAD_DIMS", "kv_attention_instances", "decode_smem_bytes", "combine_smem_bytes", "kv_decode_attention_cuda"]
+__all__ = ["HEAD_DIMS", "MAX_SPLIT_KEY_BLOCKS", "stage_bytes", "kv_attention_instances", "decode_smem_bytes", "combine_smem_bytes", "kv_decode_attention_cuda"]
 
 _SOURCE = "kv_attention.cu"
 HEAD_DIMS = (64, 128, 256)
@@ -27,6 +27,9 @@ HEAD_DIMS = (64, 128, 256)
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _ROWS = 16  # query rows per decode block (one m16 fragment)
 _WARPS = 4  # warps per decode block
+_TILE = 16  # bucket entries per tile
+MAX_SPLIT_KEY_BLOCKS = 256
+"""Key blocks one decode block takes at most (kMaxSplitBlocks): longer contexts get more splits."""
 _OFFSET_THREADS = 1024
 _COMBINE_THREADS = 128
 _MASS_THREADS = 256
@@ -42,10 +45,26 @@ _COMBINE_ARGS = loader.ArgPack("kbit_kv_combine", "part_acc:p part_ml:p out:p ml
 _MASS_ARGS = loader.ArgPack("kbit_kv_mass", "logits:p ml:p mass:p rows:i S:i")
 
 
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def stage_bytes(head_dim: int) -> int:
+    """Bytes of one copy stage of the decode kernel (``Stage<D>::BYTES``): a tile's key and value
+    rows (padded to head_dim + 16 bytes), value scales, zeros, 8-bit key scales, positions, and
+    a key block's range and minimum."""
+    groups = head_dim // 64
+    pos = 2 * _TILE * (head_dim + 16) + 3 * _TILE * groups * 2
+    return _round16(_round16(pos + _TILE * 4) + 4 * head_dim)
+
+
 def decode_smem_bytes(head_dim: int) -> int:
     """Dynamic shared memory of one decode block (``Smem<D>::BYTES`` in the kernel)."""
     ksteps = head_dim // 16
-    return _ROWS * head_dim * 4 + ksteps * 32 * 16 + _WARPS * ksteps * 32 * 16 + _WARPS * _ROWS * 2 * 4 + _ROWS * head_dim * 4
+    ring = _ROWS * head_dim * 4 + ksteps * 32 * 16 + _WARPS * ksteps * 32 * 16 + _WARPS * _ROWS * 2 * 4
+    ring += (MAX_SPLIT_KEY_BLOCKS + 1) * 16
+    stages = 3 if head_dim <= 128 else 2  # tiles in flight per warp (stages_for in the kernel)
+    return ring + max(_WARPS * stages * stage_bytes(head_dim), _ROWS * head_dim * 4)
 
 
 def combine_smem_bytes(splits: int) -> int:
@@ -64,9 +83,9 @@ def kv_attention_instances() -> list[str]:
 
 def _splits(key_blocks: int, blocks_per_split_unit: int, sm_count: int) -> tuple[int, int]:
     """(key blocks per split, splits): enough blocks for tuning.KV_DECODE_BLOCKS_PER_SM per SM,
-    at least KV_DECODE_MIN_KEY_BLOCKS key blocks per split."""
+    at least KV_DECODE_MIN_KEY_BLOCKS and at most MAX_SPLIT_KEY_BLOCKS key blocks per split."""
     want = max(1, math.ceil(tuning.KV_DECODE_BLOCKS_PER_SM * sm_count / max(1, blocks_per_split_unit)))
-    kbps = max(tuning.KV_DECODE_MIN_KEY_BLOCKS, math.ceil(key_blocks / want))
+    kbps = min(MAX_SPLIT_KEY_BLOCKS, max(tuning.KV_DECODE_MIN_KEY_BLOCKS, math.ceil(key_blocks / want)))
     return kbps, max(1, math.ceil(key_blocks / kbps))
 
 
