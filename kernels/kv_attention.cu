@@ -41,14 +41,14 @@ namespace kbit {
 namespace kv {
 
 constexpr int kTiers = 4;    // widths 2, 3, 4, 8 in this order
-constexpr int kTile = 16;    // bucket entries per warp step (two n8 fragments)
+constexpr int kTile = 16;    // bucket entries per warp step (one m16 fragment)
 constexpr int kWarps = 4;    // warps per decode block
 constexpr int kThreads = 32 * kWarps;
-constexpr int kRows = 16;    // query rows per block (one m16 fragment)
+constexpr int kRows = 8;     // query rows per block (one n8 fragment)
 constexpr int kGroup = 64;   // channels per value scale group (and 8-bit key scale group)
 // tiles in flight per warp (its ring of copy stages); head_dim 256 takes two so that a block
 // fits an sm_80 block's shared memory
-__host__ __device__ constexpr int stages_for(int d) { return d <= 128 ? 3 : 2; }
+__host__ __device__ constexpr int stages_for(int) { return 2; }
 constexpr int kMaxSplitBlocks = 256;  // key blocks per split at most (the host splits finer)
 constexpr u32 kMagic = 0x64006400u;
 #define KV_NEG_INF __int_as_float(0xff800000u)  // -inf without math headers (NVRTC has none)  // fp16 1024 in both halves: 0x6400 | c == 1024 + c
@@ -81,9 +81,10 @@ template <int D>
 struct Smem {
     static constexpr int KSTEPS = D / 16;
     static constexpr int Q_ROWS = 0;                                  // float [kRows][D]
-    static constexpr int Q_FRAG = Q_ROWS + kRows * D * 4;             // uint4 [KSTEPS][32]
-    static constexpr int QP_FRAG = Q_FRAG + KSTEPS * 32 * 16;         // uint4 [kWarps][KSTEPS][32]
-    static constexpr int ML = QP_FRAG + kWarps * KSTEPS * 32 * 16;    // float [kWarps][kRows][2]
+    static constexpr int Q_FRAG = Q_ROWS + kRows * D * 4;             // uint2 [KSTEPS][32]
+    static constexpr int QP_FRAG = Q_FRAG + KSTEPS * 32 * 8;          // uint2 [kWarps][KSTEPS][32]
+    static constexpr int PT = QP_FRAG + kWarps * KSTEPS * 32 * 8;     // u16 [kWarps][D/64][kRows][kTile]
+    static constexpr int ML = PT + kWarps * (D / kGroup) * kRows * kTile * 2;  // float [kWarps][kRows][2]
     static constexpr int OFFS = ML + kWarps * kRows * 2 * 4;          // int4 [kMaxSplitBlocks + 1]
     static constexpr int RING = OFFS + (kMaxSplitBlocks + 1) * 16;    // kWarps x stages_for(D) stages
     static constexpr int OUT = RING;                                  // float [kRows][D], after the ring's last use
@@ -275,7 +276,7 @@ kbit_kv_offsets(const signed char* __restrict__ tier, const int* __restrict__ rs
 namespace kbit {
 namespace kv {
 
-// Everything one decode block knows about its problem.
+// What the copies of a decode block need to find its tiles.
 struct Problem {
     const u8* k[kTiers];
     const u8* v[kTiers];
@@ -285,168 +286,164 @@ struct Problem {
     const int* pos[kTiers];
     const u16* k_min;         // [B, NB, H, D]
     const u16* k_range;
-    const float* bias;        // [B, Q, S] additive (log2 units applied here), or null: causal
-    float* logits;            // [B, Hq, Q, S] or null
-    int H, G, Q, S, NB, b, h, row0, nrows;
+    int H, NB, b, h;
 };
 
-// The warp's running softmax state for its two row halves (rows g and g + 8) and its output
-// accumulators: acc[grp][j][c], c = 0, 1 row g, channels 2t, 2t+1 of n8 fragment j; c = 2, 3 row g + 8.
+// Per lane, the softmax state of its two query rows 2t, 2t+1 (the same in the 8 lanes of t) and
+// its output accumulators: acc[grp][i][c] is channel 64 grp + 8g + 2i (c = 0, 1) or + 1 (c = 2,
+// 3), rows 2t (c even) and 2t+1 (c odd).
 template <int D>
 struct WarpState {
     static constexpr int GROUPS = D / kGroup;
     float m[2], l[2];
-    float zs[2][GROUPS];  // sum of p * zero per row half and group (this lane's tokens)
-    float acc[GROUPS][8][4];
+    float zs[2][GROUPS];  // sum of p * zero per row and group (this lane's tokens g, g+8)
+    float acc[GROUPS][4][4];
 };
 
-// One tile of 16 entries [e0, e0 + 16) (valid below e_end) of bucket TIER, from its stage.
+// Where this lane's two rows go: valid, query index, causal limit, logits row.
+struct RowInfo {
+    bool ok[2];
+    int qi[2], limit[2];
+    float* logits[2];
+    const float* bias[2];
+};
+
+// One tile of 16 entries [e0, e0 + 16) (valid below e_end) of bucket TIER, from its stage:
+//   logits^T [16 tokens x 8 rows] = K [16 tokens x 16 ch] * Q'^T [16 ch x 8 rows]   (per k16 step)
+//   out^T    [16 ch x 8 rows]    += V^T [16 ch x 16 tokens] * P'^T [16 tokens x 8 rows]
+// The probabilities come out of the first product as (token, row) and go into the second as
+// (token pair, row): a per-warp shared-memory transpose (pt), times each token's value scale.
 template <int D, int TIER>
-KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const u8* stage, const uint4* afrag, float qmin0, float qmin1, int e0,
-                             int e_end) {
+KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stage, const uint2* bfrag, float qmin0, float qmin1,
+                             u16* pt, int e0, int e_end) {
+    using ST = Stage<D>;
     constexpr int BITS = tier_bits(TIER);
     constexpr int KSTEPS = D / 16;
     constexpr int GROUPS = D / kGroup;
-    constexpr int ROW_BYTES = D * BITS / 8;  // one token of one head
-    constexpr int CHUNK = ROW_BYTES / 4;     // lane t's quarter of a key
+    constexpr int CHUNK = D * BITS / 32;  // lane t's quarter of a key row
     constexpr int CHUNK_WORDS = (CHUNK + 3) / 4;
+    constexpr int VBYTES = BITS;          // 8 channels of one token
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 
-    using ST = Stage<D>;
-    // values: tokens 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1) of the tile
-    // token slot u: 0 -> 2t, 1 -> 2t+1, 2 -> 2t+8, 3 -> 2t+9; p for slot u is s[u / 2][half * 2 + u % 2]
-    constexpr int VBYTES = BITS;  // 8 channels of one token
-    const u16* vsc = reinterpret_cast<const u16*>(stage + ST::VSCALE);
-    const u16* vze = reinterpret_cast<const u16*>(stage + ST::VZERO);
+    // ---- keys: chunk t of tokens g and g+8 ----
+    u32 kw[2][CHUNK_WORDS], kscale[2] = {0u, 0u};
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int slot = g + 8 * hf;
+        load_bytes<CHUNK, (CHUNK % 16 == 0 ? 16 : CHUNK)>(kw[hf], stage + ST::K + slot * ST::ROW + t * CHUNK, true);
+        if constexpr (BITS == 8) {
+            const u16 sc = reinterpret_cast<const u16*>(stage + ST::KSCALE)[slot * GROUPS + (t * D / 4) / kGroup];
+            kscale[hf] = (u32)sc | ((u32)sc << 16);
+        }
+    }
+    // ---- values: channels 8g..8g+7 of each group, token slots 2t, 2t+1, 2t+8, 2t+9 ----
     u32 vw[4][GROUPS][(VBYTES + 3) / 4];
-    float vscale[4][GROUPS], vzero[4][GROUPS];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
         const int slot = 8 * (u / 2) + 2 * t + (u % 2);
 #pragma unroll
-        for (int grp = 0; grp < GROUPS; ++grp) {
+        for (int grp = 0; grp < GROUPS; ++grp)
             load_bytes<VBYTES, VBYTES>(vw[u][grp], stage + ST::V + slot * ST::ROW + grp * (kGroup * BITS / 8) + g * VBYTES, true);
-            vscale[u][grp] = half_lo(vsc[slot * GROUPS + grp]);  // entries past the bucket: zero-filled
-            vzero[u][grp] = BITS < 8 ? half_lo(vze[slot * GROUPS + grp]) : 0.f;
-        }
     }
-    int p[2][2];
-    bool valid[2][2];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const int slot = 8 * nt + 2 * t + c;
-            valid[nt][c] = e0 + slot < e_end;
-            p[nt][c] = reinterpret_cast<const int*>(stage + ST::POS)[slot];
-        }
-    // keys: lane (g, t) takes chunk t of token g of each n8 fragment
-    u32 kw[2][CHUNK_WORDS], kscale[2] = {0u, 0u};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-        const int slot = 8 * nt + g;
-        load_bytes<CHUNK, (CHUNK % 16 == 0 ? 16 : CHUNK)>(kw[nt], stage + ST::K + slot * ST::ROW + t * CHUNK, true);
-        if constexpr (BITS == 8) {
-            const u16 sc = reinterpret_cast<const u16*>(stage + ST::KSCALE)[slot * GROUPS + (t * D / 4) / kGroup];
-            kscale[nt] = (u32)sc | ((u32)sc << 16);
-        }
-    }
-    // ---- logits: two n8 fragments of tokens ----
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    const int pos[2] = {reinterpret_cast<const int*>(stage + ST::POS)[g], reinterpret_cast<const int*>(stage + ST::POS)[g + 8]};
+    const bool valid[2] = {e0 + g < e_end, e0 + g + 8 < e_end};
+
+    // ---- logits ----
+    float c[4] = {0.f, 0.f, 0.f, 0.f};  // (token g: rows 2t, 2t+1), (token g+8: rows 2t, 2t+1)
 #pragma unroll
     for (int j = 0; j < KSTEPS; ++j) {
-        const uint4 av = afrag[j * 32 + lane];
-        const u32 a[4] = {av.x, av.y, av.z, av.w};
+        u32 a[4];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {  // the two fragments' products alternate (independent chains)
+        for (int hf = 0; hf < 2; ++hf) {
             u32 lo = 0, hi = 0;
-            group_words<BITS>(kw[nt], j / 2, lo, hi);
-            u32 b0 = group_pair<BITS>(lo, hi, 2 * (j % 2));
-            u32 b1 = group_pair<BITS>(lo, hi, 2 * (j % 2) + 1);
+            group_words<BITS>(kw[hf], j / 2, lo, hi);
+            u32 p0 = group_pair<BITS>(lo, hi, 2 * (j % 2));
+            u32 p1 = group_pair<BITS>(lo, hi, 2 * (j % 2) + 1);
             if constexpr (BITS == 8) {
-                b0 = hmul2(b0, kscale[nt]);
-                b1 = hmul2(b1, kscale[nt]);
+                p0 = hmul2(p0, kscale[hf]);
+                p1 = hmul2(p1, kscale[hf]);
             }
-            mma_16816<KBIT_F16>(s[nt], a, b0, b1);
+            a[hf] = p0;      // a0 / a1: tokens g / g+8, k 2t, 2t+1
+            a[2 + hf] = p1;  // a2 / a3: k 2t+8, 2t+9
         }
+        const uint2 bq = bfrag[j * 32 + lane];
+        mma_16816<KBIT_F16>(c, a, bq.x, bq.y);
     }
-    // ---- positions, scale, mask ----
     constexpr float kInvLevels = BITS == 8 ? 1.f : 1.f / (float)((1 << BITS) - 1);
-    float rowmax[2] = {KV_NEG_INF, KV_NEG_INF};
+    float x[2][2];  // [token g / g+8][row 2t / 2t+1]
+    float tmax[2] = {KV_NEG_INF, KV_NEG_INF};
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = pr.row0 + g + 8 * half;  // row within the kv head's G*Q rows
-        const int qi = r % pr.Q;
-        const float qmin = half ? qmin1 : qmin0;
+    for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                float x = BITS == 8 ? s[nt][2 * half + c] : s[nt][2 * half + c] * kInvLevels + qmin;
-                if (!valid[nt][c]) {
-                    x = KV_NEG_INF;
-                } else if (pr.bias != nullptr) {
-                    x += pr.bias[((size_t)pr.b * pr.Q + qi) * pr.S + p[nt][c]] * 1.4426950408889634f;
-                } else if (p[nt][c] > pr.S - pr.Q + qi) {
-                    x = KV_NEG_INF;
-                }
-                s[nt][2 * half + c] = x;
-                rowmax[half] = fmaxf(rowmax[half], x);
-                if (pr.logits != nullptr && valid[nt][c] && g + 8 * half < pr.nrows) {
-                    const int hq = pr.h * pr.G + r / pr.Q;
-                    pr.logits[(((size_t)pr.b * pr.H * pr.G + hq) * pr.Q + qi) * pr.S + p[nt][c]] = x;
-                }
+        for (int rr = 0; rr < 2; ++rr) {
+            float v = BITS == 8 ? c[2 * hf + rr] : c[2 * hf + rr] * kInvLevels + (rr ? qmin1 : qmin0);
+            if (!valid[hf]) {
+                v = KV_NEG_INF;
+            } else if (ri.bias[rr] != nullptr) {
+                v += ri.bias[rr][pos[hf]] * 1.4426950408889634f;
+            } else if (pos[hf] > ri.limit[rr]) {
+                v = KV_NEG_INF;
             }
-    }
-    // ---- online softmax ----
+            if (ri.logits[rr] != nullptr && valid[hf]) ri.logits[rr][pos[hf]] = v;
+            x[hf][rr] = v;
+            tmax[rr] = fmaxf(tmax[rr], v);
+        }
+    // ---- online softmax (rows 2t, 2t+1; the tile's 16 tokens are spread over g) ----
     float alpha[2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float mx = rowmax[half];
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(st.m[half], mx);
+    for (int rr = 0; rr < 2; ++rr) {
+        float mx = tmax[rr];
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(st.m[rr], mx);
         const float safe = m_new == KV_NEG_INF ? 0.f : m_new;
-        alpha[half] = exp2f(st.m[half] - safe);
-        float sum = 0.f;
+        alpha[rr] = exp2f(st.m[rr] - safe);
+        x[0][rr] = exp2f(x[0][rr] - safe);
+        x[1][rr] = exp2f(x[1][rr] - safe);
+        st.l[rr] = st.l[rr] * alpha[rr] + x[0][rr] + x[1][rr];
+        st.m[rr] = m_new;
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the running max moved
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int grp = 0; grp < GROUPS; ++grp) {
+            st.zs[0][grp] *= alpha[0];
+            st.zs[1][grp] *= alpha[1];
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const float pv = exp2f(s[nt][2 * half + c] - safe);
-                s[nt][2 * half + c] = pv;
-                sum += pv;
+            for (int i = 0; i < 4; ++i) {
+                st.acc[grp][i][0] *= alpha[0];
+                st.acc[grp][i][1] *= alpha[1];
+                st.acc[grp][i][2] *= alpha[0];
+                st.acc[grp][i][3] *= alpha[1];
             }
-        st.l[half] = st.l[half] * alpha[half] + sum;
-        st.m[half] = m_new;
-    }
-#pragma unroll
-    for (int grp = 0; grp < GROUPS; ++grp) {
-        st.zs[0][grp] *= alpha[0];
-        st.zs[1][grp] *= alpha[1];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            st.acc[grp][j][0] *= alpha[0];
-            st.acc[grp][j][1] *= alpha[0];
-            st.acc[grp][j][2] *= alpha[1];
-            st.acc[grp][j][3] *= alpha[1];
         }
     }
+    // ---- P'^T per group through shared memory: pt[grp][row][token] = p * value scale ----
+    const u16* vsc = reinterpret_cast<const u16*>(stage + ST::VSCALE);
+    const u16* vze = reinterpret_cast<const u16*>(stage + ST::VZERO);
 #pragma unroll
     for (int grp = 0; grp < GROUPS; ++grp) {
-        // P' = p * scale as the A fragment: a0 row g tokens (2t, 2t+1), a1 row g+8, a2/a3 tokens + 8
-        u32 a[4];
-        a[0] = f16x2(s[0][0] * vscale[0][grp], s[0][1] * vscale[1][grp]);
-        a[1] = f16x2(s[0][2] * vscale[0][grp], s[0][3] * vscale[1][grp]);
-        a[2] = f16x2(s[1][0] * vscale[2][grp], s[1][1] * vscale[3][grp]);
-        a[3] = f16x2(s[1][2] * vscale[2][grp], s[1][3] * vscale[3][grp]);
-        if constexpr (BITS < 8) {
+        u16* ptg = pt + grp * kRows * kTile;
 #pragma unroll
-            for (int half = 0; half < 2; ++half)
-                st.zs[half][grp] += s[0][2 * half] * vzero[0][grp] + s[0][2 * half + 1] * vzero[1][grp] +
-                                    s[1][2 * half] * vzero[2][grp] + s[1][2 * half + 1] * vzero[3][grp];
+        for (int hf = 0; hf < 2; ++hf) {
+            const int slot = g + 8 * hf;
+            const float sc = half_lo(vsc[slot * GROUPS + grp]);  // zero-filled past the bucket
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) ptg[(2 * t + rr) * kTile + slot] = f32_to_bits<KBIT_F16>(x[hf][rr] * sc);
+            if constexpr (BITS < 8) {
+                const float z = half_lo(vze[slot * GROUPS + grp]);
+                st.zs[0][grp] += x[hf][0] * z;
+                st.zs[1][grp] += x[hf][1] * z;
+            }
         }
-        // codes of the 4 tokens as nibble words (BITS < 8) or biased bytes (8)
+    }
+    __syncwarp();
+#pragma unroll
+    for (int grp = 0; grp < GROUPS; ++grp) {
+        const u16* ptg = pt + grp * kRows * kTile + g * kTile;
+        const u32 b0 = *reinterpret_cast<const u32*>(ptg + 2 * t);      // row g, tokens 2t, 2t+1
+        const u32 b1 = *reinterpret_cast<const u32*>(ptg + 2 * t + 8);  // row g, tokens 2t+8, 2t+9
+        // codes of the 4 token slots as nibble words (BITS < 8) or biased bytes (8)
         u32 lo[4], hi[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
@@ -454,32 +451,35 @@ KBIT_DEVICE void attend_tile(const Problem& pr, WarpState<D>& st, const u8* stag
             group_words<BITS>(vw[u][grp], 0, lo[u], hi[u]);
         }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            u32 b[2];
+        for (int i = 0; i < 4; ++i) {  // m16 fragment i: channels 8g + 2i (rows g) and 8g + 2i + 1 (rows g+8)
+            u32 a[4];
 #pragma unroll
-            for (int k = 0; k < 2; ++k) {  // b0: slots 0, 1; b1: slots 2, 3
-                const u32 x = lo[2 * k], y = lo[2 * k + 1];
-                if constexpr (BITS == 8) {
-                    const u32 xs = j < 4 ? x : hi[2 * k], ys = j < 4 ? y : hi[2 * k + 1];
-                    const u32 sel = (u32)(j % 4) | ((u32)(4 + j % 4) << 8);
-                    b[k] = hsub2(and_or(prmt(xs, ys, sel), 0x00ff00ffu, kMagic), 0x64806480u);
-                } else if constexpr (BITS == 2) {
-                    // code j at bits 2(j%4) + 16 (j/4) of the spread word: take byte 2 (j/4) of both
-                    const u32 sel = (u32)(2 * (j / 4)) | ((u32)(4 + 2 * (j / 4)) << 8);
-                    const u32 z = prmt(x, y, sel);
-                    b[k] = unmagic(and_or(z >> (2 * (j % 4)), 0x00030003u, kMagic));
-                } else {
-                    // nibble words: code j at bits 4(j%4) + 16 (j/4) (BITS == 3: 3(j%4) + 16(j/4))
-                    constexpr int SH = BITS == 4 ? 4 : 3;
-                    const u32 sel = (u32)(2 * (j / 4)) | ((u32)(2 * (j / 4) + 1) << 4) | ((u32)(4 + 2 * (j / 4)) << 8) |
-                                    ((u32)(5 + 2 * (j / 4)) << 12);
-                    const u32 z = prmt(x, y, sel);  // x's half j/4 in bits 0..15, y's in 16..31
-                    b[k] = unmagic(and_or(z >> (SH * (j % 4)), BITS == 4 ? 0x000f000fu : 0x00070007u, kMagic));
+            for (int k = 0; k < 2; ++k) {      // token pair: slots (0, 1) -> a0/a1, (2, 3) -> a2/a3
+#pragma unroll
+                for (int cc = 0; cc < 2; ++cc) {  // channel 2i + cc
+                    const int ch = 2 * i + cc;
+                    const u32 xa = lo[2 * k], ya = lo[2 * k + 1];
+                    u32 r;
+                    if constexpr (BITS == 8) {
+                        const u32 xs = ch < 4 ? xa : hi[2 * k], ys = ch < 4 ? ya : hi[2 * k + 1];
+                        const u32 sel = (u32)(ch % 4) | ((u32)(4 + ch % 4) << 8);
+                        r = hsub2(and_or(prmt(xs, ys, sel), 0x00ff00ffu, kMagic), 0x64806480u);
+                    } else if constexpr (BITS == 2) {
+                        const u32 sel = (u32)(2 * (ch / 4)) | ((u32)(4 + 2 * (ch / 4)) << 8);
+                        r = unmagic(and_or(prmt(xa, ya, sel) >> (2 * (ch % 4)), 0x00030003u, kMagic));
+                    } else {
+                        constexpr int SH = BITS == 4 ? 4 : 3;
+                        const u32 sel = (u32)(2 * (ch / 4)) | ((u32)(2 * (ch / 4) + 1) << 4) | ((u32)(4 + 2 * (ch / 4)) << 8) |
+                                        ((u32)(5 + 2 * (ch / 4)) << 12);
+                        r = unmagic(and_or(prmt(xa, ya, sel) >> (SH * (ch % 4)), BITS == 4 ? 0x000f000fu : 0x00070007u, kMagic));
+                    }
+                    a[2 * k + cc] = r;  // a0 (ch 2i, tokens 2t..), a1 (ch 2i+1), a2/a3 tokens 2t+8..
                 }
             }
-            mma_16816<KBIT_F16>(st.acc[grp][j], a, b[0], b[1]);
+            mma_16816<KBIT_F16>(st.acc[grp][i], a, b0, b1);
         }
     }
+    __syncwarp();  // pt is rewritten by the next tile
 }
 
 }  // namespace kv
@@ -610,11 +610,11 @@ KBIT_DEVICE void copy_at(const Problem& pr, const Cursor& c, u8* stage, int lane
     }
 }
 
-// Lane (g, t)'s A fragment of k16 step j for rows g, g+8 of `qrows` (fp32 [kRows][D]), each
-// channel times `range[c]` when given (Q' of a key block): a0/a1 channels cb, cb+4, a2/a3 cb+1,
-// cb+5 with cb = t*D/4 + 8(j/2) + 2(j%2), the pairs group_pair unpacks.
+// Lane (g, t)'s B fragment of k16 step j for row g of `qrows` (fp32 [kRows][D]), each channel
+// times `range[c]` when given (Q' of a key block): b0 channels cb, cb+4, b1 cb+1, cb+5 with
+// cb = t*D/4 + 8(j/2) + 2(j%2), the pairs group_pair unpacks from the keys.
 template <int D>
-KBIT_DEVICE uint4 a_fragment(const float* qrows, int lane, int j, const u16* range) {
+KBIT_DEVICE uint2 b_fragment(const float* qrows, int lane, int j, const u16* range) {
     const int g = lane >> 2, t = lane & 3;
     const int cb = t * (D / 4) + 8 * (j / 2) + 2 * (j % 2);
     float r0 = 1.f, r1 = 1.f, r4 = 1.f, r5 = 1.f;
@@ -623,27 +623,27 @@ KBIT_DEVICE uint4 a_fragment(const float* qrows, int lane, int j, const u16* ran
         r0 = half_lo(lo); r1 = half_lo(lo >> 16); r4 = half_lo(hi); r5 = half_lo(hi >> 16);
     }
     const float* q0 = qrows + g * D + cb;
-    const float* q1 = qrows + (g + 8) * D + cb;
-    return make_uint4(f16x2(q0[0] * r0, q0[4] * r4), f16x2(q1[0] * r0, q1[4] * r4), f16x2(q0[1] * r1, q0[5] * r5),
-                      f16x2(q1[1] * r1, q1[5] * r5));
+    return make_uint2(f16x2(q0[0] * r0, q0[4] * r4), f16x2(q0[1] * r1, q0[5] * r5));
 }
 
-// q . min over lane (g, t)'s chunk for rows g and g+8, summed over the four lanes of g.
+// q . min for lane (g, t)'s rows 2t and 2t+1: the lanes of t split the channels (lane g takes
+// [g D/8, (g+1) D/8)) and sum over g.
 template <int D>
 KBIT_DEVICE void q_dot_min(const float* qrows, int lane, const u16* kmin, float& m0, float& m1) {
     const int g = lane >> 2, t = lane & 3;
     float a = 0.f, b = 0.f;
-#pragma unroll 8
-    for (int c = t * (D / 4); c < (t + 1) * (D / 4); c += 2) {
+#pragma unroll
+    for (int c = g * (D / 8); c < (g + 1) * (D / 8); c += 2) {
         const u32 mm = *reinterpret_cast<const u32*>(kmin + c);
         const float lo = half_lo(mm), hi = half_lo(mm >> 16);
-        a += qrows[g * D + c] * lo + qrows[g * D + c + 1] * hi;
-        b += qrows[(g + 8) * D + c] * lo + qrows[(g + 8) * D + c + 1] * hi;
+        a += qrows[(2 * t) * D + c] * lo + qrows[(2 * t) * D + c + 1] * hi;
+        b += qrows[(2 * t + 1) * D + c] * lo + qrows[(2 * t + 1) * D + c + 1] * hi;
     }
-    a += __shfl_xor_sync(0xffffffffu, a, 1);
-    a += __shfl_xor_sync(0xffffffffu, a, 2);
-    b += __shfl_xor_sync(0xffffffffu, b, 1);
-    b += __shfl_xor_sync(0xffffffffu, b, 2);
+#pragma unroll
+    for (int d = 4; d < 32; d <<= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, d);
+        b += __shfl_xor_sync(0xffffffffu, b, d);
+    }
     m0 = a;
     m1 = b;
 }
@@ -666,7 +666,7 @@ template <int DT> KBIT_DEVICE void store_elem(void* p, size_t i, float v) {
 // relative to its max; part_ml [R][splits][2] the max and sum (log2 units).
 // ---------------------------------------------------------------------------------------
 template <int D, int DT>
-__global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
+__global__ void __launch_bounds__(kThreads, D <= 128 ? 3 : 1)
 kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16* vs2, const u16* vz2, const int* p2,
                const u8* k3, const u8* v3, const u16* vs3, const u16* vz3, const int* p3, const u8* k4, const u8* v4,
                const u16* vs4, const u16* vz4, const int* p4, const u8* k8, const u8* v8, const u16* ks8, const u16* vs8,
@@ -679,14 +679,15 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     extern __shared__ uint4 smem_u4[];
     u8* smem = reinterpret_cast<u8*>(smem_u4);
     float* qrows = reinterpret_cast<float*>(smem + SM::Q_ROWS);
-    uint4* qfrag = reinterpret_cast<uint4*>(smem + SM::Q_FRAG);
+    uint2* qfrag = reinterpret_cast<uint2*>(smem + SM::Q_FRAG);
     float* ml = reinterpret_cast<float*>(smem + SM::ML);
     float* outs = reinterpret_cast<float*>(smem + SM::OUT);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int rows = G * Q, chunks = (rows + kRows - 1) / kRows;
     const int split = blockIdx.x, h = blockIdx.y / chunks, b = blockIdx.z;
     const int row0 = (blockIdx.y % chunks) * kRows, nrows = min(kRows, rows - row0);
-    uint4* qpfrag = reinterpret_cast<uint4*>(smem + SM::QP_FRAG) + warp * KSTEPS * 32;
+    uint2* qpfrag = reinterpret_cast<uint2*>(smem + SM::QP_FRAG) + warp * KSTEPS * 32;
+    u16* pt = reinterpret_cast<u16*>(smem + SM::PT) + warp * GROUPS * kRows * kTile;
 
     Problem pr;
     pr.k[0] = k2; pr.k[1] = k3; pr.k[2] = k4; pr.k[3] = k8;
@@ -694,8 +695,8 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     pr.v_scale[0] = vs2; pr.v_scale[1] = vs3; pr.v_scale[2] = vs4; pr.v_scale[3] = vs8;
     pr.v_zero[0] = vz2; pr.v_zero[1] = vz3; pr.v_zero[2] = vz4; pr.v_zero[3] = nullptr;
     pr.pos[0] = p2; pr.pos[1] = p3; pr.pos[2] = p4; pr.pos[3] = p8;
-    pr.k_scale8 = ks8; pr.k_min = k_min; pr.k_range = k_range; pr.bias = bias; pr.logits = logits;
-    pr.H = H; pr.G = G; pr.Q = Q; pr.S = S; pr.NB = NB; pr.b = b; pr.h = h; pr.row0 = row0; pr.nrows = nrows;
+    pr.k_scale8 = ks8; pr.k_min = k_min; pr.k_range = k_range;
+    pr.H = H; pr.NB = NB; pr.b = b; pr.h = h;
 
     grid_dependency_wait();
     // the block's query rows, times scale * log2(e) (rows past nrows are zero)
@@ -714,7 +715,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     for (int i = tid; i <= kbps && split * kbps + i <= nblk; i += kThreads)
         offs[i] = reinterpret_cast<const int4*>(offsets)[(size_t)b * (nblk + 1) + split * kbps + i];
     __syncthreads();
-    for (int i = tid; i < KSTEPS * 32; i += kThreads) qfrag[i] = a_fragment<D>(qrows, i % 32, i / 32, nullptr);
+    for (int i = tid; i < KSTEPS * 32; i += kThreads) qfrag[i] = b_fragment<D>(qrows, i % 32, i / 32, nullptr);
     __syncthreads();
 
     WarpState<D> st;
@@ -724,9 +725,21 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     for (int grp = 0; grp < GROUPS; ++grp) {
         st.zs[0][grp] = st.zs[1][grp] = 0.f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 4; ++i)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) st.acc[grp][j][c] = 0.f;
+            for (int c = 0; c < 4; ++c) st.acc[grp][i][c] = 0.f;
+    }
+    // this lane's rows 2t, 2t+1 of the block's chunk
+    RowInfo ri;
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const int r = 2 * t + rr, rg = row0 + r;
+        ri.ok[rr] = r < nrows;
+        ri.qi[rr] = rg % Q;
+        ri.limit[rr] = S - Q + ri.qi[rr];
+        const int hq = h * G + rg / Q;
+        ri.logits[rr] = logits != nullptr && ri.ok[rr] ? logits + (((size_t)b * Hq + hq) * Q + ri.qi[rr]) * S : nullptr;
+        ri.bias[rr] = bias != nullptr ? bias + ((size_t)b * Q + ri.qi[rr]) * S : nullptr;
     }
 
     // ---- each warp's tiles through its copy ring ----
@@ -752,14 +765,14 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         if (comp.first) {  // Q' of the key block (lower widths only exist in blocks with a range)
             const u16* range = reinterpret_cast<const u16*>(stage + Stage<D>::RANGE);
 #pragma unroll
-            for (int j = 0; j < KSTEPS; ++j) qpfrag[j * 32 + lane] = a_fragment<D>(qrows, lane, j, range);
+            for (int j = 0; j < KSTEPS; ++j) qpfrag[j * 32 + lane] = b_fragment<D>(qrows, lane, j, range);
             q_dot_min<D>(qrows, lane, reinterpret_cast<const u16*>(stage + Stage<D>::MIN), qmin0, qmin1);
         }
         switch (comp.tier) {
-            case 0: attend_tile<D, 0>(pr, st, stage, qpfrag, qmin0, qmin1, comp.e, comp.end); break;
-            case 1: attend_tile<D, 1>(pr, st, stage, qpfrag, qmin0, qmin1, comp.e, comp.end); break;
-            case 2: attend_tile<D, 2>(pr, st, stage, qpfrag, qmin0, qmin1, comp.e, comp.end); break;
-            default: attend_tile<D, 3>(pr, st, stage, qfrag, 0.f, 0.f, comp.e, comp.end); break;
+            case 0: attend_tile<D, 0>(ri, st, stage, qpfrag, qmin0, qmin1, pt, comp.e, comp.end); break;
+            case 1: attend_tile<D, 1>(ri, st, stage, qpfrag, qmin0, qmin1, pt, comp.e, comp.end); break;
+            case 2: attend_tile<D, 2>(ri, st, stage, qpfrag, qmin0, qmin1, pt, comp.e, comp.end); break;
+            default: attend_tile<D, 3>(ri, st, stage, qfrag, 0.f, 0.f, pt, comp.e, comp.end); break;
         }
         __syncwarp();  // every lane is done with the stage before it is refilled
         comp.next(offs, kb0, kWarps);
@@ -769,38 +782,37 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
 
     // ---- the block's four warps -> one partial per row ----
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        st.l[half] += __shfl_xor_sync(0xffffffffu, st.l[half], 1);
-        st.l[half] += __shfl_xor_sync(0xffffffffu, st.l[half], 2);
+    for (int rr = 0; rr < 2; ++rr) {
 #pragma unroll
-        for (int grp = 0; grp < GROUPS; ++grp) {
-            st.zs[half][grp] += __shfl_xor_sync(0xffffffffu, st.zs[half][grp], 1);
-            st.zs[half][grp] += __shfl_xor_sync(0xffffffffu, st.zs[half][grp], 2);
+        for (int d = 4; d < 32; d <<= 1) {
+            st.l[rr] += __shfl_xor_sync(0xffffffffu, st.l[rr], d);
+#pragma unroll
+            for (int grp = 0; grp < GROUPS; ++grp) st.zs[rr][grp] += __shfl_xor_sync(0xffffffffu, st.zs[rr][grp], d);
         }
-        if (t == 0) {
-            ml[(warp * kRows + g + 8 * half) * 2] = st.m[half];
-            ml[(warp * kRows + g + 8 * half) * 2 + 1] = st.l[half];
+        if (g == 0) {
+            ml[(warp * kRows + 2 * t + rr) * 2] = st.m[rr];
+            ml[(warp * kRows + 2 * t + rr) * 2 + 1] = st.l[rr];
         }
     }
     __syncthreads();  // every warp is past its ring: the output may take its place
     for (int i = tid; i < kRows * D; i += kThreads) outs[i] = 0.f;
     __syncthreads();
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int row = g + 8 * half;
+    for (int rr = 0; rr < 2; ++rr) {
+        const int row = 2 * t + rr;
         float mx = KV_NEG_INF;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml[(w * kRows + row) * 2]);
-        const float f = exp2f(st.m[half] - (mx == KV_NEG_INF ? 0.f : mx));
+        const float f = exp2f(st.m[rr] - (mx == KV_NEG_INF ? 0.f : mx));
         if (row < nrows && f > 0.f) {
 #pragma unroll
             for (int grp = 0; grp < GROUPS; ++grp)
 #pragma unroll
-                for (int j = 0; j < 8; ++j)
+                for (int i = 0; i < 4; ++i)
 #pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const int ch = grp * kGroup + 8 * (2 * t + c) + j;
-                        atomicAdd(&outs[row * D + ch], (st.acc[grp][j][2 * half + c] + st.zs[half][grp]) * f);
+                    for (int cc = 0; cc < 2; ++cc) {
+                        const int ch = grp * kGroup + 8 * g + 2 * i + cc;
+                        atomicAdd(&outs[row * D + ch], (st.acc[grp][i][2 * cc + rr] + st.zs[rr][grp]) * f);
                     }
         }
     }

@@ -4,7 +4,7 @@ against the reference (:func:`kbit_linear.kv_format.bucket_attention`).
 Caches are drawn fresh per case: random keys (one outlier channel) and values, each position's
 width drawn at random among the four (positions past the last complete key block stay at 8 bits,
 as in the cache), so every bucket holds tokens and key blocks mix widths. Odd context lengths,
-batches with left padding, GQA groups of 1..8, several queries (row chunks past 16 rows), every
+batches with left padding, GQA groups of 1..8, several queries (row chunks past 8 rows), every
 head size and query dtype the kernel has. The allocator is NaN-poisoned before each call, so an
 output element or a position's mass that is not written shows. The last test runs a tiny model
 with ``KbitKVCache`` on the GPU and checks every attention call of a generation (widths change

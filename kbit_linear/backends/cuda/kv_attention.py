@@ -25,8 +25,9 @@ _SOURCE = "kv_attention.cu"
 HEAD_DIMS = (64, 128, 256)
 """Head sizes the kernel has instances for."""
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-_ROWS = 16  # query rows per decode block (one m16 fragment)
+_ROWS = 8  # query rows per decode block (one n8 fragment)
 _WARPS = 4  # warps per decode block
+_STAGES = 2  # tiles in flight per warp (stages_for in the kernel)
 _TILE = 16  # bucket entries per tile
 MAX_SPLIT_KEY_BLOCKS = 256
 """Key blocks one decode block takes at most (kMaxSplitBlocks): longer contexts get more splits."""
@@ -60,11 +61,10 @@ def stage_bytes(head_dim: int) -> int:
 
 def decode_smem_bytes(head_dim: int) -> int:
     """Dynamic shared memory of one decode block (``Smem<D>::BYTES`` in the kernel)."""
-    ksteps = head_dim // 16
-    ring = _ROWS * head_dim * 4 + ksteps * 32 * 16 + _WARPS * ksteps * 32 * 16 + _WARPS * _ROWS * 2 * 4
-    ring += (MAX_SPLIT_KEY_BLOCKS + 1) * 16
-    stages = 3 if head_dim <= 128 else 2  # tiles in flight per warp (stages_for in the kernel)
-    return ring + max(_WARPS * stages * stage_bytes(head_dim), _ROWS * head_dim * 4)
+    ksteps, groups = head_dim // 16, head_dim // 64
+    ring_at = _ROWS * head_dim * 4 + ksteps * 32 * 8 + _WARPS * ksteps * 32 * 8 + _WARPS * groups * _ROWS * _TILE * 2
+    ring_at += _WARPS * _ROWS * 2 * 4 + (MAX_SPLIT_KEY_BLOCKS + 1) * 16
+    return ring_at + max(_WARPS * _STAGES * stage_bytes(head_dim), _ROWS * head_dim * 4)
 
 
 def combine_smem_bytes(splits: int) -> int:
