@@ -34,8 +34,8 @@ def register_decode_attention(device_type: str, fn: Implementation) -> None:
 
 def decode_attention(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Tensor | None,
                      k_block_range: torch.Tensor | None, block_size: int, kv_len: int, tier: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float,
-                     need_mass: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     attention_mask: torch.Tensor | None, scaling: float, need_mass: bool = True,
+                     workspace: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query`` over a layer's buckets, and each position's attention mass.
 
     Args:
@@ -48,6 +48,9 @@ def decode_attention(query: torch.Tensor, buckets: list[KVBucket], k_block_min: 
         attention_mask: see :func:`kbit_linear.kv_format.mask_bias`.
         scaling: the logit scale.
         need_mass: also return the mass (else ``None`` in its place).
+        workspace: a dict a backend may keep derived data in between calls (the CUDA backend
+            keeps each key block's bucket offsets); the caller empties it whenever the widths,
+            rows or key blocks change.
 
     Returns:
         ``(out [B, q_len, Hq, D], mass float32 [B, kv_len] or None)``, as
@@ -55,7 +58,7 @@ def decode_attention(query: torch.Tensor, buckets: list[KVBucket], k_block_min: 
     """
     fn = _backends.get(query.device.type)
     if fn is not None:
-        res = fn(query, buckets, k_block_min, k_block_range, block_size, kv_len, tier, attention_mask, scaling, need_mass)
+        res = fn(query, buckets, k_block_min, k_block_range, block_size, kv_len, tier, attention_mask, scaling, need_mass, workspace)
         if res is not None:
             return res
     out, mass = bucket_attention(query, buckets, k_block_min, k_block_range, block_size, kv_len, attention_mask, scaling)

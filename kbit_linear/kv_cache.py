@@ -199,6 +199,7 @@ class KbitKVLayer(CacheLayerMixin):
         self.seen = torch.zeros_like(self.mass)
         self.first_valid: torch.Tensor | None = None
         self.seq_len, self._next_alloc = 0, 0
+        self.workspace: dict = {}  # what the attention backend derives from the widths (emptied when they change)
         self.is_initialized = True
 
     # ---- transformers' layer API -------------------------------------------------------------
@@ -248,6 +249,7 @@ class KbitKVLayer(CacheLayerMixin):
         self.is_initialized = False
         self.seq_len = 0
         self.buckets = {}
+        self.workspace = {}
 
     def _remap_rows(self, src: torch.Tensor) -> None:
         """New batch row ``r`` becomes a copy of old row ``src[r]`` (beam search and batch edits)."""
@@ -255,6 +257,7 @@ class KbitKVLayer(CacheLayerMixin):
             return
         src = src.to(self.device, torch.int64)
         nb = src.numel()
+        self.workspace.clear()
         for t, bk in self.buckets.items():
             starts, ends = bk.row_start[:-1].to(torch.int64)[src], bk.row_start[1:].to(torch.int64)[src]
             counts = ends - starts
@@ -292,6 +295,7 @@ class KbitKVLayer(CacheLayerMixin):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         keep = max(self.seq_len + tokens_to_remove, 0)
+        self.workspace.clear()
         for t, bk in self.buckets.items():
             idx = torch.nonzero(bk.pos < keep).reshape(-1)
             self.buckets[t] = _select(bk, idx, bk.rows()[idx], self.batch)
@@ -376,6 +380,7 @@ class KbitKVLayer(CacheLayerMixin):
 
     def _move(self, new_tier: torch.Tensor) -> None:
         """Re-code every token whose width changed into its new bucket (decoded, then quantized again)."""
+        self.workspace.clear()
         moving: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {t: [] for t in TIERS}
         for t, bk in list(self.buckets.items()):
             rows, pos = bk.rows(), bk.pos.to(torch.int64)
@@ -419,7 +424,7 @@ class KbitKVLayer(CacheLayerMixin):
             self.first_valid = torch.where(seen_last.any(1), seen_last.to(torch.int8).argmax(1), 0).to(torch.int64)
         if q <= DECODE_MAX_QUERIES:
             out, mass = decode_attention(query, [self.buckets[t] for t in TIERS], self.k_block_min, self.k_block_range,
-                                         self.block_size, s, self.tier, attention_mask, scaling)
+                                         self.block_size, s, self.tier, attention_mask, scaling, workspace=self.workspace)
             visible = torch.isfinite(bias).sum(1).float() * hq
         else:
             k, v = self.dequantize()

@@ -73,8 +73,8 @@ struct Stage {
     static constexpr int BYTES = (MIN + D * 2 + 15) / 16 * 16;
 };
 
-// Shared memory of the decode block: query rows (fp32), the A fragments of q (shared by the
-// warps) and of each warp's Q' (private to its lanes), the warps' row maxima/sums, the bucket
+// Shared memory of the decode block: query rows (fp32), the B fragments of q (shared by the
+// warps), each warp's probability transpose tile, the warps' row maxima/sums, the bucket
 // offsets of the split's key blocks, and each warp's ring of stages_for(D) copy stages (reused for the
 // split's output once every tile is done).
 template <int D>
@@ -82,8 +82,7 @@ struct Smem {
     static constexpr int KSTEPS = D / 16;
     static constexpr int Q_ROWS = 0;                                  // float [kRows][D]
     static constexpr int Q_FRAG = Q_ROWS + kRows * D * 4;             // uint2 [KSTEPS][32]
-    static constexpr int QP_FRAG = Q_FRAG + KSTEPS * 32 * 8;          // uint2 [kWarps][KSTEPS][32]
-    static constexpr int PT = QP_FRAG + kWarps * KSTEPS * 32 * 8;     // u16 [kWarps][D/64][kRows][kTile]
+    static constexpr int PT = Q_FRAG + KSTEPS * 32 * 8;               // u16 [kWarps][D/64][kRows][kTile]
     static constexpr int ML = PT + kWarps * (D / kGroup) * kRows * kTile * 2;  // float [kWarps][kRows][2]
     static constexpr int OFFS = ML + kWarps * kRows * 2 * 4;          // int4 [kMaxSplitBlocks + 1]
     static constexpr int RING = OFFS + (kMaxSplitBlocks + 1) * 16;    // kWarps x stages_for(D) stages
@@ -194,11 +193,15 @@ KBIT_DEVICE u32 group_pair(u32 lo, u32 hi, int s) {
 }
 
 // ---------------------------------------------------------------------------------------
-// kbit_kv_offsets: grid (B), 1024 threads.
-// offsets[b][kb][t] (kb = 0..nblk) = row_start_t[b] + #{p < kb * bs : tier[b][p] == bits(t)}.
+// kbit_kv_offsets: grid (B), 1024 threads. Where each bucket's entries of the first C key blocks
+// start, relative to the row's start in that bucket:
+//   rel[b][kb][t] (kb = 0..C) = #{p < kb * bs : tier[b][p] == bits(t)}.
+// Positions from C * bs on are all 8-bit (lower widths exist only in key blocks with a range),
+// so the decode kernel extends rel past C without it; rel only changes when widths do, and the
+// cache keeps it between steps.
 // Pass 1: a warp per key block counts its positions 32 at a time (one ballot per width) and
-// stores the counts at offsets[b][kb + 1]; pass 2: the block scans them in place, 1024 key
-// blocks at a time, carrying the running totals.
+// stores the counts at rel[b][kb + 1]; pass 2: the block scans them in place, 1024 key blocks at
+// a time, carrying the running totals.
 // ---------------------------------------------------------------------------------------
 constexpr int kOffsetThreads = 1024;
 
@@ -209,15 +212,14 @@ using namespace kbit;
 using namespace kbit::kv;
 
 extern "C" __global__ void __launch_bounds__(kOffsetThreads)
-kbit_kv_offsets(const signed char* __restrict__ tier, const int* __restrict__ rs2, const int* __restrict__ rs3,
-                const int* __restrict__ rs4, const int* __restrict__ rs8, int* __restrict__ offsets, int S, int nblk, int bs) {
+kbit_kv_offsets(const signed char* __restrict__ tier, int* __restrict__ rel, int S, int C, int bs) {
     __shared__ int warp_sums[kOffsetThreads / 32][kTiers];
     __shared__ int carry[kTiers];
     const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const signed char* row = tier + (size_t)b * S;
-    int* out = offsets + (size_t)b * (nblk + 1) * kTiers;
+    int* out = rel + (size_t)b * (C + 1) * kTiers;
     grid_dependency_wait();
-    for (int kb = warp; kb < nblk; kb += kOffsetThreads / 32) {
+    for (int kb = warp; kb < C; kb += kOffsetThreads / 32) {
         const int p0 = kb * bs, p1 = min(p0 + bs, S);
         int c[kTiers] = {0, 0, 0, 0};
         for (int p = p0; p < p1; p += 32) {
@@ -229,17 +231,17 @@ kbit_kv_offsets(const signed char* __restrict__ tier, const int* __restrict__ rs
     }
     if (tid < kTiers) {
         carry[tid] = 0;
-        out[tid] = (tid == 0 ? rs2 : tid == 1 ? rs3 : tid == 2 ? rs4 : rs8)[b];
+        out[tid] = 0;
     }
     __syncthreads();
-    // pass 2: offsets[kb] = offsets[0] + sum of the counts of key blocks < kb (inclusive scan of
-    // the counts stored at kb + 1), 1024 at a time
-    for (int k0 = 1; k0 <= nblk; k0 += kOffsetThreads) {
+    // pass 2: rel[kb] = sum of the counts of key blocks < kb (inclusive scan of the counts stored
+    // at kb + 1), 1024 at a time
+    for (int k0 = 1; k0 <= C; k0 += kOffsetThreads) {
         const int kb = k0 + tid;
         int incl[kTiers];
 #pragma unroll
         for (int t = 0; t < kTiers; ++t) {
-            int v = kb <= nblk ? out[kb * kTiers + t] : 0;
+            int v = kb <= C ? out[kb * kTiers + t] : 0;
 #pragma unroll
             for (int d = 1; d < 32; d <<= 1) {
                 const int u = __shfl_up_sync(0xffffffffu, v, d);
@@ -262,10 +264,9 @@ kbit_kv_offsets(const signed char* __restrict__ tier, const int* __restrict__ rs
             }
         }
         __syncthreads();
-        if (kb <= nblk) {
+        if (kb <= C) {
 #pragma unroll
-            for (int t = 0; t < kTiers; ++t)
-                out[kb * kTiers + t] = out[t] + carry[t] + (warp ? warp_sums[warp - 1][t] : 0) + incl[t];
+            for (int t = 0; t < kTiers; ++t) out[kb * kTiers + t] = carry[t] + (warp ? warp_sums[warp - 1][t] : 0) + incl[t];
         }
         __syncthreads();  // every thread has read carry and the warp totals
         if (tid < kTiers) carry[tid] += warp_sums[kOffsetThreads / 32 - 1][tid];
@@ -314,7 +315,7 @@ struct RowInfo {
 // The probabilities come out of the first product as (token, row) and go into the second as
 // (token pair, row): a per-warp shared-memory transpose (pt), times each token's value scale.
 template <int D, int TIER>
-KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stage, const uint2* bfrag, float qmin0, float qmin1,
+KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stage, const uint2 (&bq)[D / 16], float qmin0, float qmin1,
                              u16* pt, int e0, int e_end) {
     using ST = Stage<D>;
     constexpr int BITS = tier_bits(TIER);
@@ -366,8 +367,7 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
             a[hf] = p0;      // a0 / a1: tokens g / g+8, k 2t, 2t+1
             a[2 + hf] = p1;  // a2 / a3: k 2t+8, 2t+9
         }
-        const uint2 bq = bfrag[j * 32 + lane];
-        mma_16816<KBIT_F16>(c, a, bq.x, bq.y);
+        mma_16816<KBIT_F16>(c, a, bq[j].x, bq[j].y);
     }
     constexpr float kInvLevels = BITS == 8 ? 1.f : 1.f / (float)((1 << BITS) - 1);
     float x[2][2];  // [token g / g+8][row 2t / 2t+1]
@@ -670,7 +670,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 3 : 1)
 kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16* vs2, const u16* vz2, const int* p2,
                const u8* k3, const u8* v3, const u16* vs3, const u16* vz3, const int* p3, const u8* k4, const u8* v4,
                const u16* vs4, const u16* vz4, const int* p4, const u8* k8, const u8* v8, const u16* ks8, const u16* vs8,
-               const int* p8, const u16* k_min, const u16* k_range, const int* __restrict__ offsets, const float* bias,
+               const int* p8, const u16* k_min, const u16* k_range, const int* __restrict__ rel, const int* rs2, const int* rs3, const int* rs4,
+               const int* rs8, int C, int bs, const float* bias,
                float* logits, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int G, int Q, int S, int NB,
                int nblk, int kbps, int splits, float scale_log2) {
     using SM = Smem<D>;
@@ -686,7 +687,6 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     const int rows = G * Q, chunks = (rows + kRows - 1) / kRows;
     const int split = blockIdx.x, h = blockIdx.y / chunks, b = blockIdx.z;
     const int row0 = (blockIdx.y % chunks) * kRows, nrows = min(kRows, rows - row0);
-    uint2* qpfrag = reinterpret_cast<uint2*>(smem + SM::QP_FRAG) + warp * KSTEPS * 32;
     u16* pt = reinterpret_cast<u16*>(smem + SM::PT) + warp * GROUPS * kRows * kTile;
 
     Problem pr;
@@ -710,10 +710,15 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         }
         qrows[i] = x;
     }
-    // the split's bucket offsets (key blocks kb0 .. kb0 + kbps, ends included)
+    // the split's bucket offsets (key blocks kb0 .. kb0 + kbps, ends included): row start + rel
     int4* offs = reinterpret_cast<int4*>(smem + SM::OFFS);
-    for (int i = tid; i <= kbps && split * kbps + i <= nblk; i += kThreads)
-        offs[i] = reinterpret_cast<const int4*>(offsets)[(size_t)b * (nblk + 1) + split * kbps + i];
+    for (int i = tid; i <= kbps && split * kbps + i <= nblk; i += kThreads) {
+        const int kb = split * kbps + i;
+        const int4* r = reinterpret_cast<const int4*>(rel) + (size_t)b * (C + 1);
+        int4 o = r[min(kb, C)];
+        if (kb > C) o.w += min(kb * bs, S) - C * bs;  // past C every position is 8-bit
+        offs[i] = make_int4(rs2[b] + o.x, rs3[b] + o.y, rs4[b] + o.z, rs8[b] + o.w);
+    }
     __syncthreads();
     for (int i = tid; i < KSTEPS * 32; i += kThreads) qfrag[i] = b_fragment<D>(qrows, i % 32, i / 32, nullptr);
     __syncthreads();
@@ -755,6 +760,10 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         if (!copy.done) copy.next(offs, kb0, kWarps);
     }
     float qmin0 = 0.f, qmin1 = 0.f;
+    uint2 bq[KSTEPS];  // the B fragments of the current tile: Q' of its key block, or q (8-bit keys)
+    bool bq_is_q = false;
+#pragma unroll
+    for (int j = 0; j < KSTEPS; ++j) bq[j] = make_uint2(0u, 0u);
     for (int i = 0; !comp.done; ++i) {
         copy_at<D>(pr, copy, ring + ((i + stages_for(D) - 1) % stages_for(D)) * Stage<D>::BYTES, lane);
         cp_async_commit();
@@ -765,14 +774,19 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         if (comp.first) {  // Q' of the key block (lower widths only exist in blocks with a range)
             const u16* range = reinterpret_cast<const u16*>(stage + Stage<D>::RANGE);
 #pragma unroll
-            for (int j = 0; j < KSTEPS; ++j) qpfrag[j * 32 + lane] = b_fragment<D>(qrows, lane, j, range);
+            for (int j = 0; j < KSTEPS; ++j) bq[j] = b_fragment<D>(qrows, lane, j, range);
             q_dot_min<D>(qrows, lane, reinterpret_cast<const u16*>(stage + Stage<D>::MIN), qmin0, qmin1);
+            bq_is_q = false;
+        } else if (comp.tier == 3 && !bq_is_q) {  // 8-bit keys multiply q itself
+#pragma unroll
+            for (int j = 0; j < KSTEPS; ++j) bq[j] = qfrag[j * 32 + lane];
+            bq_is_q = true;
         }
         switch (comp.tier) {
-            case 0: attend_tile<D, 0>(ri, st, stage, qpfrag, qmin0, qmin1, pt, comp.e, comp.end); break;
-            case 1: attend_tile<D, 1>(ri, st, stage, qpfrag, qmin0, qmin1, pt, comp.e, comp.end); break;
-            case 2: attend_tile<D, 2>(ri, st, stage, qpfrag, qmin0, qmin1, pt, comp.e, comp.end); break;
-            default: attend_tile<D, 3>(ri, st, stage, qfrag, 0.f, 0.f, pt, comp.e, comp.end); break;
+            case 0: attend_tile<D, 0>(ri, st, stage, bq, qmin0, qmin1, pt, comp.e, comp.end); break;
+            case 1: attend_tile<D, 1>(ri, st, stage, bq, qmin0, qmin1, pt, comp.e, comp.end); break;
+            case 2: attend_tile<D, 2>(ri, st, stage, bq, qmin0, qmin1, pt, comp.e, comp.end); break;
+            default: attend_tile<D, 3>(ri, st, stage, bq, 0.f, 0.f, pt, comp.e, comp.end); break;
         }
         __syncwarp();  // every lane is done with the stage before it is refilled
         comp.next(offs, kb0, kWarps);
@@ -873,6 +887,7 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
     const size_t o = ((b * Q + qi) * Hq + hq) * D;
     for (int c = tid; c < D; c += kCombineThreads) {
         float acc = 0.f;
+#pragma unroll 8
         for (int s = 0; s < splits; ++s) acc += factor[s] * part_acc[(R * splits + s) * D + c];
         store_elem<DT>(out, o + c, acc * inv);
     }
@@ -897,6 +912,7 @@ kbit_kv_mass(const float* __restrict__ logits, const float* __restrict__ ml, flo
     __syncthreads();
     if (p >= S) return;
     float acc = 0.f;
+#pragma unroll 8
     for (int r = 0; r < rows; ++r) {
         const float inv = row_ml[2 * r + 1];
         if (inv > 0.f) acc += exp2f(logits[((size_t)b * rows + r) * S + p] - row_ml[2 * r]) * inv;

@@ -111,6 +111,35 @@ def test_single_width_and_no_mass(probs) -> None:
     assert (out.float().cpu() - ref).abs().max() < 1e-2 * ref.abs().max()
 
 
+def test_workspace_keeps_offsets_and_appended_8bit_tokens_need_no_recount() -> None:
+    # offsets kept in the workspace stay right when 8-bit tokens are appended past the key blocks
+    batch, heads, hq, d, block = 2, 2, 8, 128, 32
+    buckets, kmin, krange, tier = random_cache(batch, heads, d, 300, block, 5)
+    q = torch.randn(batch, hq, 1, d, generator=torch.Generator().manual_seed(6)).half()
+    ws: dict = {}
+    for length in (300, 301, 333):  # the cache grows by 8-bit tokens only; key blocks unchanged
+        if length > 300:
+            g = torch.Generator().manual_seed(length)
+            n = length - 300
+            rows = torch.arange(batch).repeat_interleave(n)
+            pos = torch.arange(300, length).repeat(batch)
+            extra = quantize_tokens(torch.randn(batch * n, heads, d, generator=g), torch.randn(batch * n, heads, d, generator=g), 8,
+                                    rows, pos, batch)
+            old = buckets[3]
+            cat = {name: torch.cat([x, extra.tensors()[name]]) for name, x in old.tensors().items() if name != "row_start"}
+            allrows = torch.cat([old.rows(), extra.rows()])
+            order = torch.argsort(allrows * 100000 + cat["pos"].long(), stable=True)
+            row_start = torch.zeros(batch + 1, dtype=torch.int32)
+            row_start[1:] = torch.bincount(allrows, minlength=batch).cumsum(0)
+            buckets = buckets[:3] + [KVBucket(8, row_start, **{n_: x[order] for n_, x in cat.items()})]
+            tier = torch.cat([tier, torch.full((batch, n), 8, dtype=torch.int8)], 1)
+        ref, _ = bucket_attention(q.float(), buckets, kmin, krange, block, length, None, d**-0.5)
+        out, _ = kkv.kv_decode_attention_cuda(q.cuda(), _cuda(buckets), kmin.cuda(), krange.cuda(), block, length, tier.cuda(),
+                                              None, d**-0.5, workspace=ws)
+        assert len(ws) == 1
+        assert (out.float().cpu() - ref).abs().max() < 1e-2 * ref.abs().max(), length
+
+
 def test_matches_sdpa_on_the_dequantized_cache() -> None:
     batch, heads, hq, d, length, block = 2, 2, 8, 128, 300, 32
     buckets, kmin, krange, tier = random_cache(batch, heads, d, length, block, 11)
@@ -161,11 +190,12 @@ def test_generation_on_gpu_checks_every_call_against_the_reference(monkeypatch) 
     model = LlamaForCausalLM(cfg).eval().cuda()
     for layer in model.model.layers:  # sharper attention than a random init gives
         layer.self_attn.q_proj.weight.data *= 4
-    calls = []
+    calls, reused = [], []
     kernel = _kv_ops._backends["cuda"]
 
-    def checked(query, buckets, kmin, krange, block, kv_len, tier, mask, scaling, need_mass):
-        out, mass = kernel(query, buckets, kmin, krange, block, kv_len, tier, mask, scaling, need_mass)
+    def checked(query, buckets, kmin, krange, block, kv_len, tier, mask, scaling, need_mass, workspace):
+        reused.append(bool(workspace))  # offsets kept from an earlier step
+        out, mass = kernel(query, buckets, kmin, krange, block, kv_len, tier, mask, scaling, need_mass, workspace)
         ref, ref_mass = bucket_attention(query, buckets, kmin, krange, block, kv_len, mask, scaling)
         assert (out.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max() + 1e-4
         torch.testing.assert_close(mass, ref_mass, atol=2e-3 * query.shape[1] * query.shape[2], rtol=2e-2)
@@ -180,3 +210,4 @@ def test_generation_on_gpu_checks_every_call_against_the_reference(monkeypatch) 
     model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=40, do_sample=False, pad_token_id=0)
     assert len(calls) >= 2 * 39
     assert len(set(calls)) > 5 and sum(1 for n in calls[-1] if n) >= 3, calls[-1]  # widths changed, several buckets
+    assert any(reused) and not all(reused)  # kept between steps, recomputed after widths changed

@@ -36,11 +36,12 @@ _COMBINE_THREADS = 128
 _MASS_THREADS = 256
 _LOG2E = 1.4426950408889634
 
-_OFFSETS_ARGS = loader.ArgPack("kbit_kv_offsets", "tier:p rs2:p rs3:p rs4:p rs8:p offsets:p S:i nblk:i bs:i")
+_OFFSETS_ARGS = loader.ArgPack("kbit_kv_offsets", "tier:p rel:p S:i C:i bs:i")
 _DECODE_ARGS = loader.ArgPack(
     "kbit_kv_decode",
     "q:p k2:p v2:p vs2:p vz2:p p2:p k3:p v3:p vs3:p vz3:p p3:p k4:p v4:p vs4:p vz4:p p4:p k8:p v8:p ks8:p vs8:p p8:p "
-    "k_min:p k_range:p offsets:p bias:p logits:p part_acc:p part_ml:p H:i G:i Q:i S:i NB:i nblk:i kbps:i splits:i "
+    "k_min:p k_range:p rel:p rs2:p rs3:p rs4:p rs8:p C:i bs:i bias:p logits:p part_acc:p part_ml:p H:i G:i Q:i S:i NB:i nblk:i "
+    "kbps:i splits:i "
     "scale_log2:f")
 _COMBINE_ARGS = loader.ArgPack("kbit_kv_combine", "part_acc:p part_ml:p out:p ml:p Hq:i Q:i D:i splits:i")
 _MASS_ARGS = loader.ArgPack("kbit_kv_mass", "logits:p ml:p mass:p rows:i S:i")
@@ -62,7 +63,7 @@ def stage_bytes(head_dim: int) -> int:
 def decode_smem_bytes(head_dim: int) -> int:
     """Dynamic shared memory of one decode block (``Smem<D>::BYTES`` in the kernel)."""
     ksteps, groups = head_dim // 16, head_dim // 64
-    ring_at = _ROWS * head_dim * 4 + ksteps * 32 * 8 + _WARPS * ksteps * 32 * 8 + _WARPS * groups * _ROWS * _TILE * 2
+    ring_at = _ROWS * head_dim * 4 + ksteps * 32 * 8 + _WARPS * groups * _ROWS * _TILE * 2
     ring_at += _WARPS * _ROWS * 2 * 4 + (MAX_SPLIT_KEY_BLOCKS + 1) * 16
     return ring_at + max(_WARPS * _STAGES * stage_bytes(head_dim), _ROWS * head_dim * 4)
 
@@ -89,11 +90,32 @@ def _splits(key_blocks: int, blocks_per_split_unit: int, sm_count: int) -> tuple
     return kbps, max(1, math.ceil(key_blocks / kbps))
 
 
+def _relative_offsets(tier: torch.Tensor, complete: int, block_size: int, kv_len: int, workspace: dict | None) -> torch.Tensor:
+    """int32 ``[B, complete + 1, 4]``: per row and key block ``kb <= complete``, how many positions
+    before ``kb * block_size`` each width holds (the kernel adds the buckets' row starts, and
+    extends it past ``complete``, where every position is 8-bit). Kept in ``workspace`` (the
+    cache layer empties it whenever widths change) so that decode steps do not recount."""
+    key = ("relative_offsets", complete, tier.shape[0])
+    if workspace is not None and key in workspace:
+        return workspace[key]
+    b = tier.shape[0]
+    rel = torch.empty((b, complete + 1, len(TIERS)), dtype=torch.int32, device=tier.device)
+    kern = loader.get_kernel(_SOURCE, "kbit_kv_offsets", tier.device)
+    loader.launch(kern, b, _OFFSET_THREADS, _OFFSETS_ARGS.Values(tier=aligned16(tier), rel=rel, S=kv_len, C=complete, bs=block_size),
+                  0, tier.device, pack=_OFFSETS_ARGS)
+    if workspace is not None:
+        workspace[key] = rel
+    return rel
+
+
 def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Tensor | None,
                              k_block_range: torch.Tensor | None, block_size: int, kv_len: int, tier: torch.Tensor,
-                             attention_mask: torch.Tensor | None, scaling: float,
-                             need_mass: bool = True) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The CUDA :func:`kbit_linear._kv_ops.decode_attention`; ``None`` for a problem it does not take."""
+                             attention_mask: torch.Tensor | None, scaling: float, need_mass: bool = True,
+                             workspace: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The CUDA :func:`kbit_linear._kv_ops.decode_attention`; ``None`` for a problem it does not take.
+
+    Lower widths must lie in the first ``k_block_min.shape[1]`` key blocks only (what the cache
+    guarantees: later positions are 8-bit)."""
     b, hq, q_len, d = query.shape
     if d not in HEAD_DIMS or query.dtype not in _DT or len(buckets) != len(TIERS) or kv_len == 0:
         return None
@@ -116,14 +138,8 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
     props = loader.device_properties(dev)
     kbps, splits = _splits(nblk, b * h * chunks, props.sm_count)
 
-    tier = aligned16(tier)
-    offsets = torch.empty((b, nblk + 1, len(TIERS)), dtype=torch.int32, device=dev)
+    rel = _relative_offsets(tier, nb, block_size, kv_len, workspace)
     rs = [aligned16(bk.row_start) for bk in buckets]
-    kern = loader.get_kernel(_SOURCE, "kbit_kv_offsets", dev)
-    loader.launch(kern, b, _OFFSET_THREADS, _OFFSETS_ARGS.Values(tier=tier, rs2=rs[0], rs3=rs[1], rs4=rs[2], rs8=rs[3],
-                                                                  offsets=offsets, S=kv_len, nblk=nblk, bs=block_size),
-                  0, dev, pack=_OFFSETS_ARGS)
-
     logits = torch.empty((b, hq, q_len, kv_len), dtype=torch.float32, device=dev) if need_mass else None
     part_acc = torch.empty((b * hq * q_len, splits, d), dtype=torch.float32, device=dev)
     part_ml = torch.empty((b * hq * q_len, splits, 2), dtype=torch.float32, device=dev)
@@ -140,7 +156,7 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
         k3=a(t[3].k), v3=a(t[3].v), vs3=a(t[3].v_scale), vz3=a(t[3].v_zero), p3=a(t[3].pos),
         k4=a(t[4].k), v4=a(t[4].v), vs4=a(t[4].v_scale), vz4=a(t[4].v_zero), p4=a(t[4].pos),
         k8=a(t[8].k), v8=a(t[8].v), ks8=a(t[8].k_scale), vs8=a(t[8].v_scale), p8=a(t[8].pos),
-        k_min=kmin, k_range=krange, offsets=offsets, bias=bias, logits=logits, part_acc=part_acc, part_ml=part_ml,
+        k_min=kmin, k_range=krange, rel=rel, rs2=rs[0], rs3=rs[1], rs4=rs[2], rs8=rs[3], C=nb, bs=block_size, bias=bias, logits=logits, part_acc=part_acc, part_ml=part_ml,
         H=h, G=g, Q=q_len, S=kv_len, NB=nb, nblk=nblk, kbps=kbps, splits=splits, scale_log2=float(scaling) * _LOG2E),
         decode_smem_bytes(d), dev, pack=_DECODE_ARGS)
 
