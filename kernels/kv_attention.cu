@@ -113,8 +113,6 @@ KBIT_DEVICE u32 f16x2(float lo, float hi) {
 }
 KBIT_DEVICE float half_lo(u32 h) { return bits_to_f32<KBIT_F16>((u16)(h & 0xffffu)); }
 
-// (1024 + a, 1024 + b) -> (a, b): exact.
-KBIT_DEVICE u32 unmagic(u32 x) { return hsub2(x, kMagic); }
 
 // `n` bytes at p (n a multiple of 2 or 3-byte pieces are read bytewise), zero-extended into
 // words; `ok` false gives zeros. p's alignment is the largest power of two dividing `align`.
@@ -176,21 +174,27 @@ KBIT_DEVICE void group_words(const u32* w, int i, u32& lo, u32& hi) {
     }
 }
 
-// Pair (s, s+4) of a group as fp16x2 codes (exact).
+// Pair (s, s+4) of a group as fp16x2 values, exact: below 8 bits the codes' bits themselves,
+// which as fp16 are the subnormals code * 2^-24 (no conversion instruction at all; products and
+// sums stay exact in the fp32 accumulators, which are scaled by 2^24 once); 8 bits: the signed
+// codes as normal values.
 template <int BITS>
 KBIT_DEVICE u32 group_pair(u32 lo, u32 hi, int s) {
     if constexpr (BITS == 4) {
-        return unmagic(and_or(lo >> (4 * s), 0x000f000fu, kMagic));
+        return (lo >> (4 * s)) & 0x000f000fu;
     } else if constexpr (BITS == 2) {
-        return unmagic(and_or(lo >> (2 * s), 0x00030003u, kMagic));
+        return (lo >> (2 * s)) & 0x00030003u;
     } else if constexpr (BITS == 3) {
-        return unmagic(and_or(lo >> (3 * s), 0x00070007u, kMagic));
+        return (lo >> (3 * s)) & 0x00070007u;
     } else {
         // byte s of lo and byte s of hi, each 128 + code
         const u32 x = prmt(lo, hi, (u32)s | ((u32)(s + 4) << 8));  // byte 0 <- lo.s, byte 2 <- hi.s
         return hsub2(and_or(x, 0x00ff00ffu, kMagic), 0x64806480u);  // - 1152
     }
 }
+
+constexpr float kTinyScale = 16777216.f;  // 2^24: subnormal fp16 codes -> codes
+constexpr u32 kTinyUnit = 0x00010001u;    // fp16 2^-24 in both halves
 
 // ---------------------------------------------------------------------------------------
 // kbit_kv_offsets: grid (B), 1024 threads. Where each bucket's entries of the first C key blocks
@@ -292,7 +296,7 @@ struct Problem {
 
 // Per lane, the softmax state of its two query rows 2t, 2t+1 (the same in the 8 lanes of t) and
 // its output accumulators: acc[grp][i][c] is channel 64 grp + 8g + 2i (c = 0, 1) or + 1 (c = 2,
-// 3), rows 2t (c even) and 2t+1 (c odd).
+// 3), rows 2t (c even) and 2t+1 (c odd), in units of 2^-24 (the value codes enter as subnormals).
 template <int D>
 struct WarpState {
     static constexpr int GROUPS = D / kGroup;
@@ -350,7 +354,9 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
     const bool valid[2] = {e0 + g < e_end, e0 + g + 8 < e_end};
 
     // ---- logits ----
-    float c[4] = {0.f, 0.f, 0.f, 0.f};  // (token g: rows 2t, 2t+1), (token g+8: rows 2t, 2t+1)
+    // (token g: rows 2t, 2t+1), (token g+8: rows 2t, 2t+1); even and odd k16 steps accumulate apart
+    // (two independent chains of products)
+    float c2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int j = 0; j < KSTEPS; ++j) {
         u32 a[4];
@@ -367,9 +373,10 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
             a[hf] = p0;      // a0 / a1: tokens g / g+8, k 2t, 2t+1
             a[2 + hf] = p1;  // a2 / a3: k 2t+8, 2t+9
         }
-        mma_16816<KBIT_F16>(c, a, bq[j].x, bq[j].y);
+        mma_16816<KBIT_F16>(c2[j % 2], a, bq[j].x, bq[j].y);
     }
-    constexpr float kInvLevels = BITS == 8 ? 1.f : 1.f / (float)((1 << BITS) - 1);
+    const float c[4] = {c2[0][0] + c2[1][0], c2[0][1] + c2[1][1], c2[0][2] + c2[1][2], c2[0][3] + c2[1][3]};
+    constexpr float kInvLevels = BITS == 8 ? 1.f : kTinyScale / (float)((1 << BITS) - 1);
     float x[2][2];  // [token g / g+8][row 2t / 2t+1]
     float tmax[2] = {KV_NEG_INF, KV_NEG_INF};
 #pragma unroll
@@ -460,18 +467,18 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
                     const int ch = 2 * i + cc;
                     const u32 xa = lo[2 * k], ya = lo[2 * k + 1];
                     u32 r;
-                    if constexpr (BITS == 8) {
+                    if constexpr (BITS == 8) {  // signed codes, times 2^-24 like the lower widths' (exact)
                         const u32 xs = ch < 4 ? xa : hi[2 * k], ys = ch < 4 ? ya : hi[2 * k + 1];
                         const u32 sel = (u32)(ch % 4) | ((u32)(4 + ch % 4) << 8);
-                        r = hsub2(and_or(prmt(xs, ys, sel), 0x00ff00ffu, kMagic), 0x64806480u);
+                        r = hmul2(hsub2(and_or(prmt(xs, ys, sel), 0x00ff00ffu, kMagic), 0x64806480u), kTinyUnit);
                     } else if constexpr (BITS == 2) {
                         const u32 sel = (u32)(2 * (ch / 4)) | ((u32)(4 + 2 * (ch / 4)) << 8);
-                        r = unmagic(and_or(prmt(xa, ya, sel) >> (2 * (ch % 4)), 0x00030003u, kMagic));
+                        r = (prmt(xa, ya, sel) >> (2 * (ch % 4))) & 0x00030003u;
                     } else {
                         constexpr int SH = BITS == 4 ? 4 : 3;
                         const u32 sel = (u32)(2 * (ch / 4)) | ((u32)(2 * (ch / 4) + 1) << 4) | ((u32)(4 + 2 * (ch / 4)) << 8) |
                                         ((u32)(5 + 2 * (ch / 4)) << 12);
-                        r = unmagic(and_or(prmt(xa, ya, sel) >> (SH * (ch % 4)), BITS == 4 ? 0x000f000fu : 0x00070007u, kMagic));
+                        r = (prmt(xa, ya, sel) >> (SH * (ch % 4))) & (BITS == 4 ? 0x000f000fu : 0x00070007u);
                     }
                     a[2 * k + cc] = r;  // a0 (ch 2i, tokens 2t..), a1 (ch 2i+1), a2/a3 tokens 2t+8..
                 }
@@ -826,7 +833,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
 #pragma unroll
                     for (int cc = 0; cc < 2; ++cc) {
                         const int ch = grp * kGroup + 8 * g + 2 * i + cc;
-                        atomicAdd(&outs[row * D + ch], (st.acc[grp][i][2 * cc + rr] + st.zs[rr][grp]) * f);
+                        atomicAdd(&outs[row * D + ch], (st.acc[grp][i][2 * cc + rr] * kTinyScale + st.zs[rr][grp]) * f);
                     }
         }
     }

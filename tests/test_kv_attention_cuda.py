@@ -117,12 +117,13 @@ def test_workspace_keeps_offsets_and_appended_8bit_tokens_need_no_recount() -> N
     buckets, kmin, krange, tier = random_cache(batch, heads, d, 300, block, 5)
     q = torch.randn(batch, hq, 1, d, generator=torch.Generator().manual_seed(6)).half()
     ws: dict = {}
+    cur = 300
     for length in (300, 301, 333):  # the cache grows by 8-bit tokens only; key blocks unchanged
-        if length > 300:
+        if length > cur:
             g = torch.Generator().manual_seed(length)
-            n = length - 300
+            n = length - cur
             rows = torch.arange(batch).repeat_interleave(n)
-            pos = torch.arange(300, length).repeat(batch)
+            pos = torch.arange(cur, length).repeat(batch)
             extra = quantize_tokens(torch.randn(batch * n, heads, d, generator=g), torch.randn(batch * n, heads, d, generator=g), 8,
                                     rows, pos, batch)
             old = buckets[3]
@@ -133,6 +134,7 @@ def test_workspace_keeps_offsets_and_appended_8bit_tokens_need_no_recount() -> N
             row_start[1:] = torch.bincount(allrows, minlength=batch).cumsum(0)
             buckets = buckets[:3] + [KVBucket(8, row_start, **{n_: x[order] for n_, x in cat.items()})]
             tier = torch.cat([tier, torch.full((batch, n), 8, dtype=torch.int8)], 1)
+            cur = length
         ref, _ = bucket_attention(q.float(), buckets, kmin, krange, block, length, None, d**-0.5)
         out, _ = kkv.kv_decode_attention_cuda(q.cuda(), _cuda(buckets), kmin.cuda(), krange.cuda(), block, length, tier.cuda(),
                                               None, d**-0.5, workspace=ws)
