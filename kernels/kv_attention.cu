@@ -889,14 +889,40 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
         }
     }
     __syncthreads();
-    const float inv = total[1] > 0.f ? 1.f / total[1] : 0.f;
-    const size_t b = R / ((size_t)Hq * Q), rem = R % ((size_t)Hq * Q), hq = rem / Q, qi = rem % Q;
-    const size_t o = ((b * Q + qi) * Hq + hq) * D;
-    for (int c = tid; c < D; c += kCombineThreads) {
-        float acc = 0.f;
+    // thread (part, c4): channels 4 c4 .. 4 c4 + 3 over the splits part, part + kParts, ...; the
+    // loads of a thread are independent (one latency, not one per split), the parts summed after
+    constexpr int kParts = 4;
+    __shared__ float4 partial[kParts][kCombineThreads / kParts];
+    const int part = tid / (kCombineThreads / kParts), c4 = tid % (kCombineThreads / kParts);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c0 = 0; c0 < D / 4; c0 += kCombineThreads / kParts) {
+        const int c = c0 + c4;
+        if (c < D / 4) {
 #pragma unroll 8
-        for (int s = 0; s < splits; ++s) acc += factor[s] * part_acc[(R * splits + s) * D + c];
-        store_elem<DT>(out, o + c, acc * inv);
+            for (int s = part; s < splits; s += kParts) {
+                const float4 v = reinterpret_cast<const float4*>(part_acc + (R * splits + s) * D)[c];
+                const float f = factor[s];
+                acc.x += f * v.x; acc.y += f * v.y; acc.z += f * v.z; acc.w += f * v.w;
+            }
+        }
+        partial[part][c4] = acc;
+        __syncthreads();
+        if (part == 0 && c < D / 4) {
+            const float inv = total[1] > 0.f ? 1.f / total[1] : 0.f;
+            const size_t b = R / ((size_t)Hq * Q), rem = R % ((size_t)Hq * Q), hq = rem / Q, qi = rem % Q;
+            const size_t o = ((b * Q + qi) * Hq + hq) * D + 4 * c;
+            float4 sum = partial[0][c4];
+#pragma unroll
+            for (int p = 1; p < kParts; ++p) {
+                sum.x += partial[p][c4].x; sum.y += partial[p][c4].y; sum.z += partial[p][c4].z; sum.w += partial[p][c4].w;
+            }
+            store_elem<DT>(out, o, sum.x * inv);
+            store_elem<DT>(out, o + 1, sum.y * inv);
+            store_elem<DT>(out, o + 2, sum.z * inv);
+            store_elem<DT>(out, o + 3, sum.w * inv);
+        }
+        __syncthreads();
+        acc = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 
@@ -919,7 +945,7 @@ kbit_kv_mass(const float* __restrict__ logits, const float* __restrict__ ml, flo
     __syncthreads();
     if (p >= S) return;
     float acc = 0.f;
-#pragma unroll 8
+#pragma unroll 16
     for (int r = 0; r < rows; ++r) {
         const float inv = row_ml[2 * r + 1];
         if (inv > 0.f) acc += exp2f(logits[((size_t)b * rows + r) * S + p] - row_ml[2 * r]) * inv;

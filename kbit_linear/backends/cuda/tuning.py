@@ -24,7 +24,6 @@ __all__ = [
     "FUSED_MIN_SPLIT_ITERS",
     "GGUF_GEMV_MAX_M",
     "GGUF_GEMV_LAUNCH",
-    "KV_DECODE_BLOCKS_PER_SM",
     "KV_DECODE_MIN_KEY_BLOCKS",
     "DecodeConfig",
     "DECODE_CONFIGS",
@@ -256,8 +255,8 @@ GGUF_GEMV_LAUNCH: dict[int, tuple[int, int]] = {1: (8, 2), 2: (8, 1), 4: (8, 2),
 # decode attention over the quantized KV cache (kbit_linear.backends.cuda.kv_attention)
 # ---------------------------------------------------------------------------------------
 
-# The context is split so that the decode grid has about this many blocks per SM (flash-decoding:
+# The context is split so that the decode grid fills whole waves of resident blocks (flash-decoding:
 # one sequence must fill the GPU), each split at least KV_DECODE_MIN_KEY_BLOCKS key blocks (one
-# per warp, so no warp of a block idles). First guess, to be tuned by scripts/bench_kv_attention.py.
-KV_DECODE_BLOCKS_PER_SM = 4
+# per warp, so no warp of a block idles). H100, scripts/bench_kv_attention.py (2026-11-23): with
+# 4 blocks per SM wanted, 32k context batch 1 ran 1.3 waves (512 blocks, 396 resident).
 KV_DECODE_MIN_KEY_BLOCKS = 4
