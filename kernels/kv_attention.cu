@@ -673,7 +673,7 @@ template <int DT> KBIT_DEVICE void store_elem(void* p, size_t i, float v) {
 // relative to its max; part_ml [R][splits][2] the max and sum (log2 units).
 // ---------------------------------------------------------------------------------------
 template <int D, int DT>
-__global__ void __launch_bounds__(kThreads, D <= 128 ? 3 : 1)
+__global__ void __launch_bounds__(kThreads, D <= 128 ? 4 : 1)
 kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16* vs2, const u16* vz2, const int* p2,
                const u8* k3, const u8* v3, const u16* vs3, const u16* vz3, const int* p3, const u8* k4, const u8* v4,
                const u16* vs4, const u16* vz4, const int* p4, const u8* k8, const u8* v8, const u16* ks8, const u16* vs8,

@@ -82,17 +82,19 @@ def kv_attention_instances() -> list[str]:
     return names
 
 
-def resident_blocks_per_sm(head_dim: int) -> int:
-    """Decode blocks an SM holds at once (the kernel's __launch_bounds__ minimum: registers and
-    shared memory are sized for it)."""
-    return 3 if head_dim <= 128 else 1
+def resident_blocks_per_sm(head_dim: int, shared_per_sm: int) -> int:
+    """Decode blocks an SM holds at once: the kernel's __launch_bounds__ minimum (its registers
+    are sized for it), or fewer where the SM's shared memory holds fewer (1 KiB of it reserved
+    per block)."""
+    by_registers = 4 if head_dim <= 128 else 1
+    return max(1, min(by_registers, shared_per_sm // (decode_smem_bytes(head_dim) + 1024)))
 
 
-def _splits(key_blocks: int, row_heads: int, head_dim: int, sm_count: int) -> tuple[int, int]:
+def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> tuple[int, int]:
     """(key blocks per split, splits): the grid (``row_heads`` x splits blocks) fills whole waves
     of resident blocks, so that no last wave runs mostly empty, with at least
     KV_DECODE_MIN_KEY_BLOCKS (one per warp) and at most MAX_SPLIT_KEY_BLOCKS key blocks a split."""
-    wave = resident_blocks_per_sm(head_dim) * sm_count
+    wave = resident * sm_count
     waves = max(1, math.ceil(row_heads * math.ceil(key_blocks / MAX_SPLIT_KEY_BLOCKS) / wave))
     want = max(1, waves * wave // max(1, row_heads))  # splits per row and head
     kbps = min(MAX_SPLIT_KEY_BLOCKS, max(tuning.KV_DECODE_MIN_KEY_BLOCKS, math.ceil(key_blocks / want)))
@@ -145,7 +147,7 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
     if attention_mask is not None:
         bias = aligned16(mask_bias(attention_mask, b, q_len, kv_len).to(dev, torch.float32))
     props = loader.device_properties(dev)
-    kbps, splits = _splits(nblk, b * h * chunks, d, props.sm_count)
+    kbps, splits = _splits(nblk, b * h * chunks, resident_blocks_per_sm(d, props.shared_per_sm), props.sm_count)
 
     rel = _relative_offsets(tier, nb, block_size, kv_len, workspace)
     rs = [aligned16(bk.row_start) for bk in buckets]
