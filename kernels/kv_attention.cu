@@ -309,7 +309,7 @@ struct WarpState {
 struct RowInfo {
     bool ok[2];
     int qi[2], limit[2];
-    u16* logits[2];  // fp16 logits (log2 units) of the row, for the mass
+    float* logits[2];
     const float* bias[2];
 };
 
@@ -391,7 +391,7 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
             } else if (pos[hf] > ri.limit[rr]) {
                 v = KV_NEG_INF;
             }
-            if (ri.logits[rr] != nullptr && valid[hf]) ri.logits[rr][pos[hf]] = f32_to_bits<KBIT_F16>(v);
+            if (ri.logits[rr] != nullptr && valid[hf]) ri.logits[rr][pos[hf]] = v;
             x[hf][rr] = v;
             tmax[rr] = fmaxf(tmax[rr], v);
         }
@@ -557,15 +557,12 @@ KBIT_DEVICE void copy_tile(const Problem& pr, u8* stage, int e0, int e_end, int 
     }
 }
 
-// A walk over a warp's tiles: the split's tiles in order (key blocks kb0.., in each the entries
-// of bucket 2, 3, 4 then 8, 16 at a time), of which warp w takes numbers w, w + kWarps, ...
-// (so the warps share even a single key block). `offs` holds the split's bucket offsets per key
-// block (int4 of the four buckets' first entries; the next key block's are its ends).
+// A walk over a warp's tiles. `offs` holds the split's bucket offsets per key block (int4 of
+// the four buckets' first entries; the next key block's are its ends).
 struct Cursor {
-    int kb, kb_end, tier, e, end, index;  // index: the tile's number in the split
-    int own_kb;     // key block of the warp's previous tile
-    bool low_seen;  // the warp already had a lower-width tile of own_kb
-    bool first;     // the current tile is the warp's first lower-width one of its key block
+    int kb, kb_end, tier, e, end;
+    bool low_seen;  // a lower-width tile of this key block was already produced
+    bool first;     // the current tile is the key block's first lower-width one
     bool done;
 
     KBIT_DEVICE int beg_of(const int4* offs, int k, int t) const {
@@ -573,11 +570,13 @@ struct Cursor {
         return t == 0 ? o.x : t == 1 ? o.y : t == 2 ? o.z : o.w;
     }
     // Moves to the first non-empty tile at or after (kb, tier, e).
-    KBIT_DEVICE void settle(const int4* offs, int kb0) {
+    KBIT_DEVICE void settle(const int4* offs, int kb0, int step) {
         while (!done && e >= end) {
             if (++tier == kTiers) {
+                kb += step;
                 tier = 0;
-                if (++kb >= kb_end) {
+                low_seen = false;
+                if (kb >= kb_end) {
                     done = true;
                     break;
                 }
@@ -585,43 +584,25 @@ struct Cursor {
             e = beg_of(offs, kb - kb0, tier);
             end = beg_of(offs, kb - kb0 + 1, tier);
         }
-    }
-    // Moves on to the warp's next tile (the current one if it is the warp's) and sets `first`.
-    KBIT_DEVICE void claim(const int4* offs, int kb0, int warp) {
-        while (!done && index % kWarps != warp) {
-            e += kTile;
-            ++index;
-            settle(offs, kb0);
-        }
-        if (done) return;
-        if (kb != own_kb) {
-            own_kb = kb;
-            low_seen = false;
-        }
-        first = tier < 3 && !low_seen;
+        first = !done && tier < 3 && !low_seen;
         if (first) low_seen = true;
     }
-    KBIT_DEVICE void start(const int4* offs, int kb0, int kb_last, int warp) {
-        kb = kb0;
+    KBIT_DEVICE void start(const int4* offs, int kb0, int kb_first, int kb_last, int step) {
+        kb = kb_first;
         kb_end = kb_last;
         tier = 0;
-        index = 0;
-        own_kb = -1;
-        low_seen = first = false;
+        low_seen = false;
         done = kb >= kb_end;
         e = end = 0;
         if (!done) {
-            e = beg_of(offs, 0, 0);
-            end = beg_of(offs, 1, 0);
+            e = beg_of(offs, kb - kb0, 0);
+            end = beg_of(offs, kb - kb0 + 1, 0);
         }
-        settle(offs, kb0);
-        claim(offs, kb0, warp);
+        settle(offs, kb0, step);
     }
-    KBIT_DEVICE void next(const int4* offs, int kb0, int warp) {
+    KBIT_DEVICE void next(const int4* offs, int kb0, int step) {
         e += kTile;
-        ++index;
-        settle(offs, kb0);
-        claim(offs, kb0, warp);
+        settle(offs, kb0, step);
     }
 };
 
@@ -698,7 +679,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
                const u16* vs4, const u16* vz4, const int* p4, const u8* k8, const u8* v8, const u16* ks8, const u16* vs8,
                const int* p8, const u16* k_min, const u16* k_range, const int* __restrict__ rel, const int* rs2, const int* rs3, const int* rs4,
                const int* rs8, int C, int bs, const float* bias,
-               u16* logits, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int G, int Q, int S, int NB,
+               float* logits, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int G, int Q, int S, int NB,
                int nblk, int kbps, int splits, float scale_log2) {
     using SM = Smem<D>;
     constexpr int KSTEPS = D / 16;
@@ -777,13 +758,13 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     const int kb0 = split * kbps, kb_end = min(nblk, kb0 + kbps);
     u8* ring = smem + SM::RING + warp * stages_for(D) * Stage<D>::BYTES;
     Cursor copy, comp;
-    copy.start(offs, kb0, kb_end, warp);
+    copy.start(offs, kb0, kb0 + warp, kb_end, kWarps);
     comp = copy;
 #pragma unroll
     for (int i = 0; i < stages_for(D) - 1; ++i) {
         copy_at<D>(pr, copy, ring + i * Stage<D>::BYTES, lane);
         cp_async_commit();
-        if (!copy.done) copy.next(offs, kb0, warp);
+        if (!copy.done) copy.next(offs, kb0, kWarps);
     }
     float qmin0 = 0.f, qmin1 = 0.f;
     uint2 bq[KSTEPS];  // the B fragments of the current tile: Q' of its key block, or q (8-bit keys)
@@ -793,7 +774,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     for (int i = 0; !comp.done; ++i) {
         copy_at<D>(pr, copy, ring + ((i + stages_for(D) - 1) % stages_for(D)) * Stage<D>::BYTES, lane);
         cp_async_commit();
-        if (!copy.done) copy.next(offs, kb0, warp);
+        if (!copy.done) copy.next(offs, kb0, kWarps);
         cp_async_wait<stages_for(D) - 1>();
         __syncwarp();
         const u8* stage = ring + (i % stages_for(D)) * Stage<D>::BYTES;
@@ -815,7 +796,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
             default: attend_tile<D, 3>(ri, st, stage, bq, 0.f, 0.f, pt, comp.e, comp.end); break;
         }
         __syncwarp();  // every lane is done with the stage before it is refilled
-        comp.next(offs, kb0, warp);
+        comp.next(offs, kb0, kWarps);
     }
     cp_async_wait<0>();
     allow_dependent_launch();
@@ -952,7 +933,7 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
 constexpr int kMassThreads = 256;
 
 extern "C" __global__ void __launch_bounds__(kMassThreads)
-kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float* __restrict__ mass, int rows, int S) {
+kbit_kv_mass(const float* __restrict__ logits, const float* __restrict__ ml, float* __restrict__ mass, int rows, int S) {
     extern __shared__ float row_ml[];  // [rows][2]: max, 1 / sum (0 when the sum is 0)
     const int b = blockIdx.y, p = blockIdx.x * kMassThreads + threadIdx.x;
     grid_dependency_wait();
@@ -967,7 +948,7 @@ kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float
 #pragma unroll 16
     for (int r = 0; r < rows; ++r) {
         const float inv = row_ml[2 * r + 1];
-        if (inv > 0.f) acc += exp2f(bits_to_f32<KBIT_F16>(logits[((size_t)b * rows + r) * S + p]) - row_ml[2 * r]) * inv;
+        if (inv > 0.f) acc += exp2f(logits[((size_t)b * rows + r) * S + p] - row_ml[2 * r]) * inv;
     }
     mass[(size_t)b * S + p] = acc;
 }
