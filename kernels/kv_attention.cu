@@ -309,7 +309,7 @@ struct WarpState {
 struct RowInfo {
     bool ok[2];
     int qi[2], limit[2];
-    float* logits[2];
+    u16* logits[2];  // fp16 logits (log2 units) of the row, for the mass
     const float* bias[2];
 };
 
@@ -391,7 +391,7 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
             } else if (pos[hf] > ri.limit[rr]) {
                 v = KV_NEG_INF;
             }
-            if (ri.logits[rr] != nullptr && valid[hf]) ri.logits[rr][pos[hf]] = v;
+            if (ri.logits[rr] != nullptr && valid[hf]) ri.logits[rr][pos[hf]] = f32_to_bits<KBIT_F16>(v);
             x[hf][rr] = v;
             tmax[rr] = fmaxf(tmax[rr], v);
         }
@@ -679,7 +679,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
                const u16* vs4, const u16* vz4, const int* p4, const u8* k8, const u8* v8, const u16* ks8, const u16* vs8,
                const int* p8, const u16* k_min, const u16* k_range, const int* __restrict__ rel, const int* rs2, const int* rs3, const int* rs4,
                const int* rs8, int C, int bs, const float* bias,
-               float* logits, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int G, int Q, int S, int NB,
+               u16* logits, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int G, int Q, int S, int NB,
                int nblk, int kbps, int splits, float scale_log2) {
     using SM = Smem<D>;
     constexpr int KSTEPS = D / 16;
@@ -933,7 +933,7 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
 constexpr int kMassThreads = 256;
 
 extern "C" __global__ void __launch_bounds__(kMassThreads)
-kbit_kv_mass(const float* __restrict__ logits, const float* __restrict__ ml, float* __restrict__ mass, int rows, int S) {
+kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float* __restrict__ mass, int rows, int S) {
     extern __shared__ float row_ml[];  // [rows][2]: max, 1 / sum (0 when the sum is 0)
     const int b = blockIdx.y, p = blockIdx.x * kMassThreads + threadIdx.x;
     grid_dependency_wait();
@@ -948,7 +948,7 @@ kbit_kv_mass(const float* __restrict__ logits, const float* __restrict__ ml, flo
 #pragma unroll 16
     for (int r = 0; r < rows; ++r) {
         const float inv = row_ml[2 * r + 1];
-        if (inv > 0.f) acc += exp2f(logits[((size_t)b * rows + r) * S + p] - row_ml[2 * r]) * inv;
+        if (inv > 0.f) acc += exp2f(bits_to_f32<KBIT_F16>(logits[((size_t)b * rows + r) * S + p]) - row_ml[2 * r]) * inv;
     }
     mass[(size_t)b * S + p] = acc;
 }

@@ -151,7 +151,7 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
 
     rel = _relative_offsets(tier, nb, block_size, kv_len, workspace)
     rs = [aligned16(bk.row_start) for bk in buckets]
-    logits = torch.empty((b, hq, q_len, kv_len), dtype=torch.float32, device=dev) if need_mass else None
+    logits = torch.empty((b, hq, q_len, kv_len), dtype=torch.float16, device=dev) if need_mass else None  # log2 units
     part_acc = torch.empty((b * hq * q_len, splits, d), dtype=torch.float32, device=dev)
     part_ml = torch.empty((b * hq * q_len, splits, 2), dtype=torch.float32, device=dev)
     t = {bk.bits: bk for bk in buckets}

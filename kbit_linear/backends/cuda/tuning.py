@@ -258,5 +258,7 @@ GGUF_GEMV_LAUNCH: dict[int, tuple[int, int]] = {1: (8, 2), 2: (8, 1), 4: (8, 2),
 # The context is split so that the decode grid fills whole waves of resident blocks (flash-decoding:
 # one sequence must fill the GPU), each split at least KV_DECODE_MIN_KEY_BLOCKS key blocks (one
 # per warp, so no warp of a block idles). H100, scripts/bench_kv_attention.py (2026-11-23): with
-# 4 blocks per SM wanted, 32k context batch 1 ran 1.3 waves (512 blocks, 396 resident).
+# 4 blocks per SM wanted, 32k context batch 1 ran 1.3 waves (512 blocks, 396 resident); whole
+# waves took 32k batch 8 from 306 to 232 us. (Warps sharing a key block's tiles round-robin was
+# 2x slower: each warp then forms Q' for every key block.)
 KV_DECODE_MIN_KEY_BLOCKS = 4
