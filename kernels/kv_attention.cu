@@ -112,6 +112,13 @@ KBIT_DEVICE u32 f16x2(float lo, float hi) {
     return d;
 }
 KBIT_DEVICE float half_lo(u32 h) { return bits_to_f32<KBIT_F16>((u16)(h & 0xffffu)); }
+// 2^x in one instruction (ex2.approx: 2 ulp; -inf -> 0; results below 2^-126 flush to 0, which
+// the probabilities can afford: they are rounded to fp16 next).
+KBIT_DEVICE float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 
 // `n` bytes at p (n a multiple of 2 or 3-byte pieces are read bytewise), zero-extended into
@@ -378,23 +385,32 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
     const float c[4] = {c2[0][0] + c2[1][0], c2[0][1] + c2[1][1], c2[0][2] + c2[1][2], c2[0][3] + c2[1][3]};
     constexpr float kInvLevels = BITS == 8 ? 1.f : kTinyScale / (float)((1 << BITS) - 1);
     float x[2][2];  // [token g / g+8][row 2t / 2t+1]
-    float tmax[2] = {KV_NEG_INF, KV_NEG_INF};
+    const bool has_bias = ri.bias[0] != nullptr;  // the same for the whole grid
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
-            float v = BITS == 8 ? c[2 * hf + rr] : c[2 * hf + rr] * kInvLevels + (rr ? qmin1 : qmin0);
-            if (!valid[hf]) {
-                v = KV_NEG_INF;
-            } else if (ri.bias[rr] != nullptr) {
-                v += ri.bias[rr][pos[hf]] * 1.4426950408889634f;
-            } else if (pos[hf] > ri.limit[rr]) {
-                v = KV_NEG_INF;
-            }
-            if (ri.logits[rr] != nullptr && valid[hf]) ri.logits[rr][pos[hf]] = f32_to_bits<KBIT_F16>(v);
-            x[hf][rr] = v;
-            tmax[rr] = fmaxf(tmax[rr], v);
+            const float v = BITS == 8 ? c[2 * hf + rr] : c[2 * hf + rr] * kInvLevels + (rr ? qmin1 : qmin0);
+            // past the bucket, or (no mask given) after the query's position: excluded
+            x[hf][rr] = valid[hf] && (has_bias || pos[hf] <= ri.limit[rr]) ? v : KV_NEG_INF;
         }
+    if (has_bias) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr)
+                if (valid[hf]) x[hf][rr] += ri.bias[rr][pos[hf]] * 1.4426950408889634f;
+    }
+    float tmax[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        tmax[rr] = fmaxf(x[0][rr], x[1][rr]);
+        if (ri.logits[rr] != nullptr) {
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+                if (valid[hf]) ri.logits[rr][pos[hf]] = f32_to_bits<KBIT_F16>(x[hf][rr]);
+        }
+    }
     // ---- online softmax (rows 2t, 2t+1; the tile's 16 tokens are spread over g) ----
     float alpha[2];
 #pragma unroll
@@ -405,9 +421,9 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
         const float m_new = fmaxf(st.m[rr], mx);
         const float safe = m_new == KV_NEG_INF ? 0.f : m_new;
-        alpha[rr] = exp2f(st.m[rr] - safe);
-        x[0][rr] = exp2f(x[0][rr] - safe);
-        x[1][rr] = exp2f(x[1][rr] - safe);
+        alpha[rr] = fast_exp2(st.m[rr] - safe);
+        x[0][rr] = fast_exp2(x[0][rr] - safe);
+        x[1][rr] = fast_exp2(x[1][rr] - safe);
         st.l[rr] = st.l[rr] * alpha[rr] + x[0][rr] + x[1][rr];
         st.m[rr] = m_new;
     }
