@@ -201,7 +201,12 @@ KBIT_DEVICE u32 group_pair(u32 lo, u32 hi, int s) {
 }
 
 constexpr float kTinyScale = 16777216.f;  // 2^24: subnormal fp16 codes -> codes
-constexpr u32 kTinyUnit = 0x00010001u;    // fp16 2^-24 in both halves
+
+// fp16 2^e in both halves, -24 <= e <= 15 (exact powers of two; subnormal below -14).
+__host__ __device__ constexpr u32 pow2_pair(int e) {
+    const u32 h = e >= -14 ? (u32)(e + 15) << 10 : 1u << (e + 24);
+    return h | (h << 16);
+}
 
 // ---------------------------------------------------------------------------------------
 // kbit_kv_offsets: grid (B), 1024 threads. Where each bucket's entries of the first C key blocks
@@ -303,7 +308,8 @@ struct Problem {
 
 // Per lane, the softmax state of its two query rows 2t, 2t+1 (the same in the 8 lanes of t) and
 // its output accumulators: acc[grp][i][c] is channel 64 grp + 8g + 2i (c = 0, 1) or + 1 (c = 2,
-// 3), rows 2t (c even) and 2t+1 (c odd), in units of 2^-24 (the value codes enter as subnormals).
+// 3), rows 2t (c even) and 2t+1 (c odd), in units of 2^(4 (ch % 2) - 24) for channel ch (the value
+// codes enter as fp16 subnormals).
 template <int D>
 struct WarpState {
     static constexpr int GROUPS = D / kGroup;
@@ -483,18 +489,25 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
                     const int ch = 2 * i + cc;
                     const u32 xa = lo[2 * k], ya = lo[2 * k + 1];
                     u32 r;
-                    if constexpr (BITS == 8) {  // signed codes, times 2^-24 like the lower widths' (exact)
+                    // value channel ch enters as code * 2^(4 (ch % 2) - 24) for every width (exact:
+                    // fp16 subnormals): 4 bits keep nibble 1 of a half in place (no shift), nibbles
+                    // 2, 3 shift by 8; the other widths are scaled to match; the epilogue divides
+                    if constexpr (BITS == 8) {
                         const u32 xs = ch < 4 ? xa : hi[2 * k], ys = ch < 4 ? ya : hi[2 * k + 1];
                         const u32 sel = (u32)(ch % 4) | ((u32)(4 + ch % 4) << 8);
-                        r = hmul2(hsub2(and_or(prmt(xs, ys, sel), 0x00ff00ffu, kMagic), 0x64806480u), kTinyUnit);
-                    } else if constexpr (BITS == 2) {
-                        const u32 sel = (u32)(2 * (ch / 4)) | ((u32)(4 + 2 * (ch / 4)) << 8);
-                        r = (prmt(xa, ya, sel) >> (2 * (ch % 4))) & 0x00030003u;
-                    } else {
-                        constexpr int SH = BITS == 4 ? 4 : 3;
+                        r = hmul2(hsub2(and_or(prmt(xs, ys, sel), 0x00ff00ffu, kMagic), 0x64806480u), pow2_pair(4 * (ch % 2) - 24));
+                    } else if constexpr (BITS == 4) {
                         const u32 sel = (u32)(2 * (ch / 4)) | ((u32)(2 * (ch / 4) + 1) << 4) | ((u32)(4 + 2 * (ch / 4)) << 8) |
                                         ((u32)(5 + 2 * (ch / 4)) << 12);
-                        r = (prmt(xa, ya, sel) >> (SH * (ch % 4))) & (BITS == 4 ? 0x000f000fu : 0x00070007u);
+                        const u32 z = prmt(xa, ya, sel);
+                        r = ((ch % 4) < 2 ? z : z >> 8) & (0x000f000fu << (4 * (ch % 2)));
+                    } else {
+                        constexpr int SH = BITS == 2 ? 2 : 3;
+                        const u32 sel = BITS == 2 ? (u32)(2 * (ch / 4)) | ((u32)(4 + 2 * (ch / 4)) << 8)
+                                                  : (u32)(2 * (ch / 4)) | ((u32)(2 * (ch / 4) + 1) << 4) | ((u32)(4 + 2 * (ch / 4)) << 8) |
+                                                        ((u32)(5 + 2 * (ch / 4)) << 12);
+                        r = (prmt(xa, ya, sel) >> (SH * (ch % 4))) & (BITS == 2 ? 0x00030003u : 0x00070007u);
+                        if (ch % 2) r = hmul2(r, pow2_pair(4));
                     }
                     a[2 * k + cc] = r;  // a0 (ch 2i, tokens 2t..), a1 (ch 2i+1), a2/a3 tokens 2t+8..
                 }
@@ -633,20 +646,24 @@ KBIT_DEVICE void copy_at(const Problem& pr, const Cursor& c, u8* stage, int lane
     }
 }
 
-// Lane (g, t)'s B fragment of k16 step j for row g of `qrows` (fp32 [kRows][D]), each channel
-// times `range[c]` when given (Q' of a key block): b0 channels cb, cb+4, b1 cb+1, cb+5 with
-// cb = t*D/4 + 8(j/2) + 2(j%2), the pairs group_pair unpacks from the keys.
+// Lane (g, t)'s B fragment of k16 step j for row g of `qrows` (fp32 [kRows][D]): b0 channels
+// cb, cb+4, b1 cb+1, cb+5 with cb = t*D/4 + 8(j/2) + 2(j%2), the pairs group_pair unpacks.
 template <int D>
-KBIT_DEVICE uint2 b_fragment(const float* qrows, int lane, int j, const u16* range) {
+KBIT_DEVICE uint2 b_fragment(const float* qrows, int lane, int j) {
     const int g = lane >> 2, t = lane & 3;
     const int cb = t * (D / 4) + 8 * (j / 2) + 2 * (j % 2);
-    float r0 = 1.f, r1 = 1.f, r4 = 1.f, r5 = 1.f;
-    if (range != nullptr) {
-        const u32 lo = *reinterpret_cast<const u32*>(range + cb), hi = *reinterpret_cast<const u32*>(range + cb + 4);
-        r0 = half_lo(lo); r1 = half_lo(lo >> 16); r4 = half_lo(hi); r5 = half_lo(hi >> 16);
-    }
     const float* q0 = qrows + g * D + cb;
-    return make_uint2(f16x2(q0[0] * r0, q0[4] * r4), f16x2(q0[1] * r1, q0[5] * r5));
+    return make_uint2(f16x2(q0[0], q0[4]), f16x2(q0[1], q0[5]));
+}
+
+// Q' = q * range as lane (g, t)'s B fragment of k16 step j, from q's (`qf`): the range's pairs
+// (cb, cb+4) and (cb+1, cb+5) multiply q's in fp16.
+template <int D>
+KBIT_DEVICE uint2 times_range(uint2 qf, int lane, int j, const u16* range) {
+    const int t = lane & 3;
+    const int cb = t * (D / 4) + 8 * (j / 2) + 2 * (j % 2);
+    const u32 lo = *reinterpret_cast<const u32*>(range + cb), hi = *reinterpret_cast<const u32*>(range + cb + 4);
+    return make_uint2(hmul2(qf.x, prmt(lo, hi, 0x5410u)), hmul2(qf.y, prmt(lo, hi, 0x7632u)));
 }
 
 // q . min for lane (g, t)'s rows 2t and 2t+1: the lanes of t split the channels (lane g takes
@@ -743,7 +760,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         offs[i] = make_int4(rs2[b] + o.x, rs3[b] + o.y, rs4[b] + o.z, rs8[b] + o.w);
     }
     __syncthreads();
-    for (int i = tid; i < KSTEPS * 32; i += kThreads) qfrag[i] = b_fragment<D>(qrows, i % 32, i / 32, nullptr);
+    for (int i = tid; i < KSTEPS * 32; i += kThreads) qfrag[i] = b_fragment<D>(qrows, i % 32, i / 32);
     __syncthreads();
 
     WarpState<D> st;
@@ -797,7 +814,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         if (comp.first) {  // Q' of the key block (lower widths only exist in blocks with a range)
             const u16* range = reinterpret_cast<const u16*>(stage + Stage<D>::RANGE);
 #pragma unroll
-            for (int j = 0; j < KSTEPS; ++j) bq[j] = b_fragment<D>(qrows, lane, j, range);
+            for (int j = 0; j < KSTEPS; ++j) bq[j] = times_range<D>(qfrag[j * 32 + lane], lane, j, range);
             q_dot_min<D>(qrows, lane, reinterpret_cast<const u16*>(stage + Stage<D>::MIN), qmin0, qmin1);
             bq_is_q = false;
         } else if (comp.tier == 3 && !bq_is_q) {  // 8-bit keys multiply q itself
@@ -849,7 +866,9 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
 #pragma unroll
                     for (int cc = 0; cc < 2; ++cc) {
                         const int ch = grp * kGroup + 8 * g + 2 * i + cc;
-                        atomicAdd(&outs[row * D + ch], (st.acc[grp][i][2 * cc + rr] * kTinyScale + st.zs[rr][grp]) * f);
+                        // value channel ch accumulated times 2^(4 (ch % 2) - 24)
+                        const float unscale = cc ? kTinyScale / 16.f : kTinyScale;
+                        atomicAdd(&outs[row * D + ch], (st.acc[grp][i][2 * cc + rr] * unscale + st.zs[rr][grp]) * f);
                     }
         }
     }
