@@ -10,7 +10,8 @@ since the last allocation (tokens outside the recent window and the sinks, in co
 blocks, get widths from their importance; a token only ever moves down, re-coded from its
 decoded values), then stores the new tokens at 8 bits and returns a :class:`KbitKVView` in
 place of the key and value tensors. The model's attention, ``"kbit_kv"``, sees that view and
-runs :func:`kbit_linear.kv_format.bucket_attention` (prefill: dequantize + SDPA), which also
+runs :func:`kbit_linear._kv_ops.decode_attention` (the fused CUDA kernel on a GPU, the reference
+:func:`kbit_linear.kv_format.bucket_attention` elsewhere; prefill: dequantize + SDPA), which also
 yields each token's attention mass; its running mean per token is the importance.
 """
 
@@ -411,7 +412,8 @@ class KbitKVLayer(CacheLayerMixin):
     def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Attention of ``query`` ``[B, Hq, q, D]`` over the cache; returns ``[B, q, Hq, D]`` and records the mass.
 
-        Up to :data:`DECODE_MAX_QUERIES` queries it is :func:`~kbit_linear.kv_format.bucket_attention`;
+        Up to :data:`DECODE_MAX_QUERIES` queries it is :func:`~kbit_linear._kv_ops.decode_attention`
+        (the fused kernel on a GPU, :func:`~kbit_linear.kv_format.bucket_attention` elsewhere);
         longer inputs dequantize the cache and call SDPA (importance from the last 32 queries).
         """
         b, hq, q, d = query.shape

@@ -2,39 +2,43 @@
 // every cached token of a batch row sits in one of four buckets (2, 3, 4 or 8 bits), and one
 // pass reads each bucket's packed codes and scales where they lie, with an online softmax.
 //
-// Three kernels per call, one stream:
-//   kbit_kv_offsets  per (row, key block of `bs` positions), where each bucket's entries of that
-//                    block start: offsets[b][kb][tier], from the per-position tier array.
+// Kernels, one stream:
+//   kbit_kv_offsets  per (row, key block of `bs` positions) where each bucket's entries of that
+//                    block start, relative to the row's start in the bucket, over the key blocks
+//                    that have ranges (later positions are all 8-bit). Only when widths change:
+//                    the cache keeps the result between decode steps.
 //   kbit_kv_decode   grid (split, kv head x row chunk, batch row): a block takes the key blocks
-//                    [split * kbps, (split + 1) * kbps) of its row, its 4 warps take every 4th key
-//                    block, and within a key block each bucket's entries, 16 at a time (a tile).
-//                    It writes the split's unnormalized output, max and sum (flash-decoding).
-//   kbit_kv_combine  merges the splits (out) and, when asked, turns the logits that the decode
-//                    kernel stored into each position's attention mass (the allocator's signal).
+//                    [split * kbps, (split + 1) * kbps) of its row, its 4 warps every 4th key
+//                    block, and within a key block each bucket's entries, 16 at a time (a tile),
+//                    streamed through a per-warp ring of cp.async stages. It writes the split's
+//                    unnormalized output, max and sum (flash-decoding) and, for the mass, the
+//                    logits (fp16).
+//   kbit_kv_combine  merges the splits into the output.
+//   kbit_kv_mass     each position's attention mass (the allocator's signal) from the logits.
 //
 // Query rows: a kv head serves G query heads and Q queries, rows r = j * Q + i (head h*G + j,
-// query i), 16 rows per block (one m16 fragment; row chunks for G*Q > 16). A tile is two
-// tensor-core products per warp, fp16 operands, fp32 accumulators (lane = 4g + t):
+// query i), 8 rows per block (one n8 fragment; row chunks for G*Q > 8). Tokens are the M side of
+// both tensor-core products (fp16 operands, fp32 accumulators; lane = 4g + t):
 //
-//   logits [16 rows x 8 tokens] += A [16 rows x 16 channels] * B [16 channels x 8 tokens]
-//        A: the queries (8-bit keys) or Q' = q * key range (lower widths), from shared memory
-//        B: key codes, lane (g, t) decodes token g, its quarter of the channels (chunk t)
-//   out    [16 rows x 8 channels] += P' [16 rows x 16 tokens] * V [16 tokens x 8 channels]
-//        P': the probabilities times each token's value scale, straight from the logits'
-//            accumulators (their layout is mma's A layout); one product per 64-channel group
-//        V: value codes, lane (g, t) decodes tokens 2t, 2t+1 (b0), 2t+8, 2t+9 (b1) at channel
-//            8g + j of the group for the j-th n8 fragment
+//   logits^T [16 tokens x 8 rows] += K [16 tokens x 16 ch] * Q'^T [16 ch x 8 rows]   (D/16 steps)
+//        A: key codes, lane (g, t) decodes tokens g and g+8, its quarter of the channels (chunk t)
+//        B: Q' = q * key range of the key block (lower widths) or q (8-bit keys), in registers
+//   out^T    [16 ch x 8 rows]    += V^T [16 ch x 16 tokens] * P'^T [16 tokens x 8 rows]
+//        A: value codes, lane (g, t) decodes tokens 2t, 2t+1, 2t+8, 2t+9 at channels 8g.. of a
+//            64-channel group; one product per (group, pair of channels)
+//        B: the probabilities times each token's value scale, transposed through shared memory
 //
 // Keys below 8 bits decode as min + code * range / levels with one (min, range) per (row, key
 // block, head, channel): q . k = (Q' . code) / levels + q . min, so the product runs on the raw
 // codes and Q' (and q . min) is formed once per key block. Values: zero + code * scale per
 // (token, group): sum_t p v = sum_t (p * scale) code + sum_t p * zero. 8-bit keys and values are
-// int8 times a per-(token, group) scale. Codes become fp16 exactly (0x6400 | c is 1024 + c).
+// int8 times a per-(token, group) scale. Codes below 8 bits enter the products as their own bits,
+// i.e. the fp16 subnormals code * 2^-24 (exact; the fp32 accumulators are rescaled once).
 //
 // Channel order inside a product is free as long as A and B agree: lane t's chunk of a key is
-// channels [t*D/4, (t+1)*D/4), taken 8 at a time (k16 step j: values s, s+4 (b0) and s+1, s+5
-// (b1) of the chunk's group j/2, s = 2 (j % 2)): the pairs every width unpacks with a shift and
-// a mask. Logits are in log2 units (the scale includes log2 e).
+// channels [t*D/4, (t+1)*D/4), taken 8 at a time (k16 step j: values s, s+4 and s+1, s+5 of the
+// chunk's group j/2, s = 2 (j % 2)): the pairs every width unpacks with a shift and a mask.
+// Logits are in log2 units (the scale includes log2 e).
 #include "common.cuh"
 
 namespace kbit {

@@ -1,11 +1,11 @@
 """The fused decode-attention kernels over the mixed-precision KV cache (``kernels/kv_attention.cu``).
 
-Registered as the CUDA implementation of :func:`kbit_linear._kv_ops.decode_attention`: per call
-one launch computes where each bucket's entries of every key block start (from the per-position
-tier array), one the attention over all buckets split along the context, one merges the splits
-and, when the mass is asked for, one turns the stored logits into each position's attention mass.
-Head sizes 64, 128 and 256 with fp16, bf16 or fp32 queries take the kernels; anything else
-returns ``None`` (the reference runs).
+Registered as the CUDA implementation of :func:`kbit_linear._kv_ops.decode_attention`. Per call:
+the attention over all buckets, split along the context (one launch), the merge of the splits
+(one) and, when the mass is asked for, each position's attention mass (one). Where each
+bucket's entries of every key block start is counted by a fourth kernel only when the widths
+changed: the caller's ``workspace`` keeps it between steps. Head sizes 64, 128 and 256 with
+fp16, bf16 or fp32 queries take the kernels; anything else returns ``None`` (the reference runs).
 """
 
 from __future__ import annotations
