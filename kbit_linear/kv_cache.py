@@ -96,22 +96,71 @@ def allocate_tiers(current: torch.Tensor, importance: torch.Tensor, budget: floa
     new = torch.minimum(cur, ideal)
     slack = budget - float(new.sum())
     imp = importance.to(torch.float64)
+    walk_cur, walk_new = cur[order], new[order]  # in the walk's order: most important first
     if hysteresis > 0 and slack > 0:
-        cutoff = {t: float(imp[ideal >= t].min()) for t in TIERS if bool((ideal >= t).any())}
-        for i in order.tolist():
-            c = int(cur[i])
-            if new[i] < c and c in cutoff and imp[i] >= (1 - hysteresis) * cutoff[c] and c - new[i] <= slack:
-                slack -= float(c - new[i])
-                new[i] = c
-    for i in order.tolist():  # spend what is left on the most important tokens
-        if slack < 1:
-            break
-        c = int(cur[i])
-        if new[i] < c:
-            t = max(t for t in TIERS if t <= c and t - new[i] <= slack) if new[i] + 1 <= c else int(new[i])
-            slack -= float(t - new[i])
-            new[i] = t
+        cutoff = torch.full((TIERS[-1] + 1,), math.inf, dtype=torch.float64)
+        for t in TIERS:
+            if bool((ideal >= t).any()):
+                cutoff[t] = imp[ideal >= t].min()
+        keep = (walk_new < walk_cur) & (imp[order] >= (1 - hysteresis) * cutoff[walk_cur])
+        taken, slack = _take_in_order((walk_cur - walk_new).to(torch.float64), keep, slack)
+        walk_new = torch.where(taken, walk_cur, walk_new)
+    walk_new, slack = _spend_in_order(walk_cur, walk_new, slack)
+    new[order] = walk_new
     return new.to(device, torch.int8)
+
+
+def _take_in_order(cost: torch.Tensor, allowed: torch.Tensor, slack: float) -> tuple[torch.Tensor, float]:
+    """Walk the items in order, taking an allowed one when its cost fits the slack (which it then
+    uses up): the result of that loop, found run by run (cumulative sums) instead of item by item.
+
+    Returns the mask of taken items and the slack left.
+    """
+    taken = torch.zeros_like(allowed)
+    pos, n = 0, cost.numel()
+    while pos < n:
+        fits = torch.nonzero(allowed[pos:] & (cost[pos:] <= slack))
+        if fits.numel() == 0:
+            break
+        start = pos + int(fits[0])
+        used = torch.where(allowed[start:], cost[start:], torch.zeros_like(cost[start:])).cumsum(0)
+        k = int(torch.searchsorted(used, torch.tensor([slack], dtype=used.dtype), right=True))  # >= 1: item start fits
+        taken[start:start + k] = allowed[start:start + k]
+        slack -= float(used[k - 1])
+        pos = start + k
+    return taken, slack
+
+
+_NEXT_TIER = torch.tensor([TIERS[min(TIERS.index(t) + 1, len(TIERS) - 1)] if t in TIERS else t for t in range(TIERS[-1] + 1)])
+
+
+def _spend_in_order(cur: torch.Tensor, new: torch.Tensor, slack: float) -> tuple[torch.Tensor, float]:
+    """The allocator's last step, in walk order: while at least one bit is left, each token below
+    its current width rises to the highest width (at most its current) that the slack pays for.
+    Runs of full rises are taken at once (cumulative sums); a partial rise is one item."""
+    new = new.clone()
+    pos, n = 0, cur.numel()
+    gap = (cur - new).to(torch.float64)
+    step = (_NEXT_TIER[new] - new).to(torch.float64)
+    while slack >= 1 and pos < n:
+        fits = torch.nonzero((gap[pos:] > 0) & (step[pos:] <= slack))
+        if fits.numel() == 0:
+            break
+        start = pos + int(fits[0])
+        used = gap[start:].cumsum(0)
+        k = int(torch.searchsorted(used, torch.tensor([slack], dtype=used.dtype), right=True))
+        if k > 0:  # these rise all the way
+            new[start:start + k] = cur[start:start + k]
+            slack -= float(used[k - 1])
+            gap[start:start + k] = 0
+            pos = start + k
+            continue
+        c, w = int(cur[start]), int(new[start])  # a partial rise to the highest width the slack pays for
+        t = max(t for t in TIERS if w <= t <= c and t - w <= slack)
+        slack -= float(t - w)
+        new[start] = t
+        pos = start + 1
+    return new, slack
 
 
 def _select(bucket: KVBucket, index: torch.Tensor, rows: torch.Tensor, batch: int) -> KVBucket:

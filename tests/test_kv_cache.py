@@ -156,6 +156,64 @@ def test_allocator_budget_monotone_deterministic() -> None:
     assert (full[1:].to(torch.int64) >= full[:-1].to(torch.int64)).all()
 
 
+def _allocate_tiers_loop(current: torch.Tensor, importance: torch.Tensor, budget: float, hysteresis: float = 0.1) -> torch.Tensor:
+    """The allocator written as the plain loop over tokens that its docstring describes (the
+    oracle for the vectorized ``allocate_tiers``)."""
+    m = current.numel()
+    cur = current.to(torch.int64)
+    if m == 0:
+        return cur.to(torch.int8)
+    order = torch.argsort(-importance.to(torch.float64), stable=True)
+    avg = budget / m
+    ideal = torch.full((m,), TIERS[0], dtype=torch.int64)
+    if avg >= TIERS[-1]:
+        ideal[:] = TIERS[-1]
+    elif avg > TIERS[0]:
+        hi_i = next(i for i, t in enumerate(TIERS) if t > avg)
+        lo, hi = TIERS[hi_i - 1], TIERS[hi_i]
+        n_hi = int(math.floor(m * (avg - lo) / (hi - lo) + 1e-9))
+        ranked = torch.full((m,), lo, dtype=torch.int64)
+        ranked[:n_hi] = hi
+        ideal[order] = ranked
+    new = torch.minimum(cur, ideal)
+    slack = budget - float(new.sum())
+    imp = importance.to(torch.float64)
+    if hysteresis > 0 and slack > 0:
+        cutoff = {t: float(imp[ideal >= t].min()) for t in TIERS if bool((ideal >= t).any())}
+        for i in order.tolist():
+            c = int(cur[i])
+            if new[i] < c and c in cutoff and imp[i] >= (1 - hysteresis) * cutoff[c] and c - new[i] <= slack:
+                slack -= float(c - new[i])
+                new[i] = c
+    for i in order.tolist():
+        if slack < 1:
+            break
+        c = int(cur[i])
+        if new[i] < c:
+            t = max(t for t in TIERS if t <= c and t - new[i] <= slack) if new[i] + 1 <= c else int(new[i])
+            slack -= float(t - new[i])
+            new[i] = t
+    return new.to(torch.int8)
+
+
+def test_allocator_equals_the_token_by_token_loop() -> None:
+    g = torch.Generator().manual_seed(0)
+    tiers = torch.tensor(TIERS)
+    for case in range(300):
+        m = int(torch.randint(1, 300, (1,), generator=g))
+        weights = torch.rand(4, generator=g) + 0.05
+        cur = tiers[torch.multinomial(weights, m, replacement=True, generator=g)]
+        imp = torch.rand(m, generator=g)
+        if case % 3 == 0:
+            imp = (imp * 5).round() / 5  # ties
+        budget = float(cur.sum()) * float(torch.rand(1, generator=g)) * 1.2 + float(torch.rand(1, generator=g)) * 3
+        if case % 5 == 0:
+            budget = round(budget * 2) / 2
+        hyst = [0.0, 0.05, 0.1, 0.3][case % 4]
+        got = allocate_tiers(cur, imp, budget, hyst)
+        assert torch.equal(got, _allocate_tiers_loop(cur, imp, budget, hyst)), (case, m, budget, hyst)
+
+
 def test_allocator_hysteresis() -> None:
     # 10 tokens at 4 bits, budget for 5 at 4 and 5 at 3: the 6th most important sits just below the cutoff
     cur = torch.full((10,), 4)
