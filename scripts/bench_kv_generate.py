@@ -1,0 +1,131 @@
+"""End-to-end decode with the quantized KV cache at long context, beside transformers' bf16 cache.
+
+A Llama-3-8B-shaped model with random weights (``bench_generate.py``'s builder), its linear layers
+at kbit K = 4, prefilled with ``--context`` random tokens (in chunks of ``--chunk``, the same for
+both caches), then ``--decode`` greedy tokens one forward call at a time (eager, as
+``model.generate`` would run them), with:
+
+* ``DynamicCache`` (bf16 keys and values, SDPA attention), and
+* ``KbitKVCache(kv_bits=...)`` (the ``"kbit_kv"`` attention: the fused decode kernel; the
+  allocator re-runs every 64 tokens inside the timed steps).
+
+Reported per cache: decode ms per step (mean over the steps, reallocations included, and
+median), tokens/s, the cache's bytes, and peak GPU memory. The longest context that fits is
+estimated from the bytes per token of each cache and the memory left beside the model (not run).
+
+Usage::
+
+    python3 scripts/bench_kv_generate.py --context 32768 --decode 128 --md bench/results/kv-generate-h100.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench_common as bc  # noqa: E402
+import bench_generate as bg  # noqa: E402
+
+
+def _prefill(model: Any, ids: torch.Tensor, cache: Any, chunk: int) -> torch.Tensor:
+    logits = None
+    with torch.no_grad():
+        for i in range(0, ids.shape[1], chunk):
+            logits = model(input_ids=ids[:, i:i + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    return logits[:, -1]
+
+
+def _decode(model: Any, cache: Any, first: torch.Tensor, steps: int) -> list[float]:
+    """Wall seconds of each greedy decode step (synchronized)."""
+    nxt = first.argmax(-1, keepdim=True)
+    times = []
+    with torch.no_grad():
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            logits = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            nxt = logits.argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill tokens per forward call")
+    ap.add_argument("--kv-bits", type=float, default=4.0)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--md")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = bc.require_cuda()
+    import kbit_linear
+
+    config = bg.llama3_8b_config(args.layers)
+    config.max_position_embeddings = max(config.max_position_embeddings, args.context + args.decode + 16)
+    model = bg.build_variant("kbit4", config, dev, {})
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.context), device=dev, generator=torch.Generator(device=dev).manual_seed(0))
+    rows = []
+    for name in ("bf16 DynamicCache", f"KbitKVCache {args.kv_bits:g} bits"):
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        if name.startswith("bf16"):
+            from transformers import DynamicCache
+
+            model.config._attn_implementation = "sdpa"
+            cache = DynamicCache(config=model.config)
+        else:
+            cache = kbit_linear.KbitKVCache(model.config, kv_bits=args.kv_bits)
+        t0 = time.perf_counter()
+        first = _prefill(model, ids, cache, args.chunk)
+        torch.cuda.synchronize()
+        prefill_s = time.perf_counter() - t0
+        times = _decode(model, cache, first, args.decode)
+        nbytes = cache.nbytes if hasattr(cache, "nbytes") else sum(
+            layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size() for layer in cache.layers)
+        row = {"cache": name, "prefill_s": prefill_s, "step_ms_mean": 1e3 * statistics.mean(times),
+               "step_ms_median": 1e3 * statistics.median(times), "tok_s": args.batch / statistics.mean(times),
+               "cache_bytes": int(nbytes), "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30}
+        rows.append(row)
+        print(row, flush=True)
+        del cache
+    total = torch.cuda.get_device_properties(dev).total_memory
+    text = _markdown(args, bc.environment(dev), rows, total)
+    if args.md:
+        bc.write_text(args.md, text + "\n")
+    if args.json:
+        bc.write_json(args.json, {"rows": rows, "args": vars(args)})
+    print(text)
+
+
+def _markdown(args: argparse.Namespace, env: dict[str, Any], rows: list[dict[str, Any]], total: int) -> str:
+    lines = ["# End-to-end decode at long context: KbitKVCache vs bf16 DynamicCache", ""]
+    lines += bc.env_lines(env)
+    lines += [f"- model: Llama-3-8B-shaped, {args.layers} layers, linear layers kbit K = 4, random weights; batch {args.batch}, "
+              f"context {args.context} (prefilled in chunks of {args.chunk}), {args.decode} greedy decode steps, eager forward calls", ""]
+    base = rows[0]
+    table = []
+    for r in rows:
+        per_tok = r["cache_bytes"] / (args.batch * (args.context + args.decode))
+        table.append([r["cache"], bc.fmt(r["step_ms_mean"]), bc.fmt(r["step_ms_median"]), f"{r['tok_s']:.1f}",
+                      f"{base['step_ms_mean'] / r['step_ms_mean']:.2f}x", f"{r['cache_bytes'] / 2**30:.2f}",
+                      f"{per_tok / 1024:.1f}", bc.fmt(r["peak_gib"], 1), bc.fmt(r["prefill_s"], 1)])
+    lines.append(bc.markdown_table(["cache", "ms/step (mean)", "ms/step (median)", "tok/s", "speed vs bf16 cache",
+                                    "cache GiB", "KiB/token", "peak GiB", "prefill s"], table))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
