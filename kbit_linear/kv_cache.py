@@ -37,6 +37,7 @@ from .kv_format import (
     key_block_ranges,
     mask_bias,
     quantize_tokens,
+    visible_queries,
 )
 
 __all__ = ["ATTENTION_NAME", "KbitKVCache", "KbitKVLayer", "KbitKVView", "allocate_tiers", "kbit_kv_attention"]
@@ -469,15 +470,19 @@ class KbitKVLayer(CacheLayerMixin):
         if d != self.head_dim or hq % self.heads:
             raise ValueError(f"query of shape {tuple(query.shape)} does not fit the cache ({self.heads} KV heads of {self.head_dim})")
         s = self.seq_len
-        bias = mask_bias(attention_mask, b, q, s).to(query.device)
+        dev = query.device
         if self.first_valid is None:
-            seen_last = torch.isfinite(bias[:, -1, :])
-            self.first_valid = torch.where(seen_last.any(1), seen_last.to(torch.int8).argmax(1), 0).to(torch.int64)
+            if attention_mask is None:
+                self.first_valid = torch.zeros(b, dtype=torch.int64, device=dev)
+            else:
+                seen_last = torch.isfinite(mask_bias(attention_mask[:, :, -1:], b, 1, s, dev)[:, 0, :])
+                self.first_valid = torch.where(seen_last.any(1), seen_last.to(torch.int8).argmax(1), 0).to(torch.int64)
         if q <= DECODE_MAX_QUERIES:
             out, mass = decode_attention(query, [self.buckets[t] for t in TIERS], self.k_block_min, self.k_block_range,
                                          self.block_size, s, self.tier, attention_mask, scaling, workspace=self.workspace)
-            visible = torch.isfinite(bias).sum(1).float() * hq
+            visible = visible_queries(attention_mask, b, q, s, dev) * hq
         else:
+            bias = mask_bias(attention_mask, b, q, s, dev)
             k, v = self.dequantize()
             k = k.repeat_interleave(hq // self.heads, 1).to(query.dtype)
             v = v.repeat_interleave(hq // self.heads, 1).to(query.dtype)

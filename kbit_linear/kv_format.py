@@ -51,6 +51,7 @@ __all__ = [
     "bytes_per_token",
     "bucket_attention",
     "mask_bias",
+    "visible_queries",
 ]
 
 TIERS: tuple[int, ...] = (2, 3, 4, 8)
@@ -285,22 +286,37 @@ def bytes_per_token(bits: int, head_dim: int, block_size: int = 64) -> float:
     return payload + groups * 4 + head_dim * 4 / block_size  # value scale+zero; key min+range per block
 
 
-def mask_bias(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
+def mask_bias(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int,
+              device: torch.device | str | None = None) -> torch.Tensor:
     """The attention mask as an additive float32 bias ``[B, q_len, kv_len]``.
 
     ``mask`` is what transformers hands to attention: boolean ``[B, 1 or heads, q, kv]`` (True =
     attend), an additive float mask of that shape, or ``None`` for causal attention with the
-    queries at the end of the sequence (query ``i`` sees positions ``<= kv_len - q_len + i``).
-    A mask with more than one head must be the same for every head.
+    queries at the end of the sequence (query ``i`` sees positions ``<= kv_len - q_len + i``),
+    built on ``device`` (default: the mask's device, else the CPU). A mask with more than one head
+    must be the same for every head.
     """
     if mask is None:
-        qi = torch.arange(q_len).unsqueeze(1) + (kv_len - q_len)
-        allowed = torch.arange(kv_len).unsqueeze(0) <= qi
+        qi = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
+        allowed = torch.arange(kv_len, device=device).unsqueeze(0) <= qi
         return torch.where(allowed, 0.0, -math.inf).expand(batch, q_len, kv_len)
     m = mask[:, 0, -q_len:, -kv_len:]
+    if device is not None:
+        m = m.to(device)
     if m.dtype == torch.bool:
         return torch.where(m, 0.0, -math.inf).to(torch.float32)
     return m.float()
+
+
+def visible_queries(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int,
+                    device: torch.device | str | None = None) -> torch.Tensor:
+    """float32 ``[B, kv_len]``: how many of the ``q_len`` queries may attend to each position
+    (the mask as in :func:`mask_bias`), without building the bias for a causal mask."""
+    if mask is None:
+        p = torch.arange(kv_len, device=device, dtype=torch.float32)
+        late = (p - (kv_len - q_len)).clamp(min=0)  # queries before the position's own cannot see it
+        return (q_len - late).clamp(min=0).expand(batch, kv_len)
+    return torch.isfinite(mask_bias(mask, batch, q_len, kv_len, device)).sum(1).float()
 
 
 def bucket_attention(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Tensor | None,
@@ -329,7 +345,7 @@ def bucket_attention(query: torch.Tensor, buckets: list[KVBucket], k_block_min: 
         probability summed over query heads and queries (the allocator's importance signal).
     """
     b_sz, hq, q_len, d = query.shape
-    bias = mask_bias(attention_mask, b_sz, q_len, kv_len).to(query.device)
+    bias = mask_bias(attention_mask, b_sz, q_len, kv_len, query.device)
     out = torch.zeros(b_sz, hq, q_len, d, dtype=torch.float32, device=query.device)
     mass = torch.zeros(b_sz, kv_len, dtype=torch.float32, device=query.device)
     decoded = [dequantize_bucket(bk, k_block_min, k_block_range, block_size) for bk in buckets]

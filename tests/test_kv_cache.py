@@ -398,3 +398,13 @@ def test_view_refuses_tensor_use() -> None:
 def test_top_level_export() -> None:
     assert kbit_linear.KbitKVCache is KbitKVCache
     assert math.isclose(KbitKVCache(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1), 3.5).kv_bits, 3.5)
+
+
+def test_visible_queries_counts_what_the_bias_allows() -> None:
+    from kbit_linear.kv_format import mask_bias, visible_queries
+
+    mask = torch.ones(2, 1, 3, 10, dtype=torch.bool).tril(7)
+    mask[1, :, :, :2] = False
+    for m in (None, mask, torch.where(mask, 0.0, -math.inf)):
+        expect = torch.isfinite(mask_bias(m, 2, 3, 10)).sum(1).float()
+        assert torch.equal(visible_queries(m, 2, 3, 10), expect)

@@ -145,7 +145,7 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
     nb = 0 if k_block_min is None else k_block_min.shape[1]
     bias = None
     if attention_mask is not None:
-        bias = aligned16(mask_bias(attention_mask, b, q_len, kv_len).to(dev, torch.float32))
+        bias = aligned16(mask_bias(attention_mask, b, q_len, kv_len, dev))
     props = loader.device_properties(dev)
     kbps, splits = _splits(nblk, b * h * chunks, resident_blocks_per_sm(d, props.shared_per_sm), props.sm_count)
 
