@@ -29,6 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ._kv_ops import decode_attention
+from .kv_format import _quantize_parts  # the new tokens' 8-bit codes, without re-sorting them
 from .kv_format import (
     TIERS,
     KVBucket,
@@ -174,6 +175,31 @@ def _select(bucket: KVBucket, index: torch.Tensor, rows: torch.Tensor, batch: in
     return KVBucket(bucket.bits, row_start, **t)
 
 
+def _append(a: KVBucket, b: KVBucket) -> KVBucket:
+    """``a`` with ``b``'s entries after each row's own: ``b`` holds positions later than any of
+    ``a``'s in the same row (new tokens). The same bucket as :func:`_merge`, without sorting: one
+    concatenation per field for a single row, else each entry's place from the row starts."""
+    fa, fb = a.tensors(), b.tensors()
+    row_start = a.row_start + b.row_start  # row r of the union starts after both parts' earlier rows
+    if a.row_start.numel() == 2:
+        fields = {name: torch.cat([val, fb[name]]) for name, val in fa.items() if name != "row_start"}
+        return KVBucket(a.bits, row_start, **fields)
+    na, nb = a.num_tokens, b.num_tokens
+    counts_a = (a.row_start[1:] - a.row_start[:-1]).to(torch.int64)
+    counts_b = (b.row_start[1:] - b.row_start[:-1]).to(torch.int64)
+    dest_a = torch.arange(na, device=a.pos.device) + torch.repeat_interleave(b.row_start[:-1].to(torch.int64), counts_a, output_size=na)
+    dest_b = torch.arange(nb, device=a.pos.device) + torch.repeat_interleave(a.row_start[1:].to(torch.int64), counts_b, output_size=nb)
+    fields = {}
+    for name, val in fa.items():
+        if name == "row_start":
+            continue
+        out = val.new_empty((na + nb, *val.shape[1:]))
+        out[dest_a] = val
+        out[dest_b] = fb[name]
+        fields[name] = out
+    return KVBucket(a.bits, row_start, **fields)
+
+
 def _merge(a: KVBucket, b: KVBucket, batch: int) -> KVBucket:
     """Union of two buckets of the same width."""
     cat = {name: torch.cat([val, b.tensors()[name]]) for name, val in a.tensors().items() if name != "row_start"}
@@ -265,11 +291,13 @@ class KbitKVLayer(CacheLayerMixin):
         if self.seq_len >= self._next_alloc:
             self.reallocate()
             self._next_alloc = self.seq_len + self.block_size
-        pos = torch.arange(self.seq_len, self.seq_len + q, device=self.device).repeat(b)
-        rows = torch.arange(b, device=self.device).repeat_interleave(q)
-        new = quantize_tokens(key_states.permute(0, 2, 1, 3).reshape(b * q, h, d), value_states.permute(0, 2, 1, 3).reshape(b * q, h, d),
-                              8, rows, pos, b)
-        self.buckets[8] = _merge(self.buckets[8], new, b)
+        # the new tokens at 8 bits, already in (row, position) order: row r's q tokens at rq..rq+q-1
+        pos = torch.arange(self.seq_len, self.seq_len + q, device=self.device, dtype=torch.int32).repeat(b)
+        parts = _quantize_parts(key_states.permute(0, 2, 1, 3).reshape(b * q, h, d).float(),
+                                value_states.permute(0, 2, 1, 3).reshape(b * q, h, d).float(), 8, None, None)
+        row_start = torch.arange(0, (b + 1) * q, q, device=self.device, dtype=torch.int32)
+        new = KVBucket(8, row_start, pos, **parts)
+        self.buckets[8] = _append(self.buckets[8], new)  # new positions follow every stored one
         self.tier = torch.cat([self.tier, torch.full((b, q), 8, dtype=torch.int8, device=self.device)], 1)
         self.mass = torch.cat([self.mass, torch.zeros(b, q, device=self.device)], 1)
         self.seen = torch.cat([self.seen, torch.zeros(b, q, device=self.device)], 1)

@@ -408,3 +408,22 @@ def test_visible_queries_counts_what_the_bias_allows() -> None:
     for m in (None, mask, torch.where(mask, 0.0, -math.inf)):
         expect = torch.isfinite(mask_bias(m, 2, 3, 10)).sum(1).float()
         assert torch.equal(visible_queries(m, 2, 3, 10), expect)
+
+
+def test_append_equals_the_sorting_merge() -> None:
+    from kbit_linear.kv_cache import _append, _merge
+
+    g = torch.Generator().manual_seed(3)
+    for batch in (1, 3):
+        n_old = [5, 0, 7][:batch]
+        rows = torch.cat([torch.full((n,), r) for r, n in enumerate(n_old)]).long()
+        pos = torch.cat([torch.sort(torch.randperm(20, generator=g)[:n]).values for n in n_old]).long()
+        old = quantize_tokens(torch.randn(rows.numel(), 2, 64, generator=g), torch.randn(rows.numel(), 2, 64, generator=g), 8, rows, pos, batch)
+        q = 2
+        new_rows = torch.arange(batch).repeat_interleave(q)
+        new_pos = torch.arange(20, 20 + q).repeat(batch)
+        new = quantize_tokens(torch.randn(batch * q, 2, 64, generator=g), torch.randn(batch * q, 2, 64, generator=g), 8, new_rows,
+                              new_pos, batch)
+        a, b = _append(old, new), _merge(old, new, batch)
+        for name, x in b.tensors().items():
+            assert torch.equal(a.tensors()[name], x), (batch, name)
