@@ -508,7 +508,8 @@ class KbitKVLayer(CacheLayerMixin):
         if q <= DECODE_MAX_QUERIES:
             out, mass = decode_attention(query, [self.buckets[t] for t in TIERS], self.k_block_min, self.k_block_range,
                                          self.block_size, s, self.tier, attention_mask, scaling, workspace=self.workspace)
-            visible = visible_queries(attention_mask, b, q, s, dev) * hq
+            # one query and no mask (a plain decode step): every position is seen by every head
+            visible = hq if attention_mask is None and q == 1 else visible_queries(attention_mask, b, q, s, dev) * hq
         else:
             bias = mask_bias(attention_mask, b, q, s, dev)
             k, v = self.dequantize()
