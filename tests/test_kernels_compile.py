@@ -108,6 +108,13 @@ def test_every_kernel_instance_builds_for_sm80_and_sm90():
         if name.startswith("kbit_gemm_sm90<"):
             tile = int(name.split(",")[1])
             assert regs == khopper.launch_registers(tile), f"{name}: {regs} registers, launched with {khopper.launch_registers(tile)}"
+    # The KV decode kernel's split planner counts on resident_blocks_per_sm blocks per SM: its
+    # registers must allow that many (the __launch_bounds__ minimum says the same to ptxas).
+    for name, arch, regs, _, _ in rows:
+        if name.startswith("kbit_kv_decode<"):
+            d = int(name.split("<")[1].split(",")[0])
+            blocks = kkv.resident_blocks_per_sm(d, 1 << 30)
+            assert regs * 32 * kkv._WARPS * blocks <= 65536, f"{name}: {regs} registers do not fit {blocks} blocks per SM"
     assert len(rows) == expected, f"ptxas reported {len(rows)} entry points, expected {expected}"
 
 
