@@ -300,12 +300,14 @@ def mask_bias(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int,
         qi = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
         allowed = torch.arange(kv_len, device=device).unsqueeze(0) <= qi
         return torch.where(allowed, 0.0, -math.inf).expand(batch, q_len, kv_len)
+    if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[-2] < q_len or mask.shape[-1] < kv_len:
+        raise ValueError(f"attention_mask of shape {tuple(mask.shape)} does not cover batch {batch}, {q_len} queries "
+                         f"and {kv_len} cached positions ([batch or 1, heads, >= queries, >= positions])")
     m = mask[:, 0, -q_len:, -kv_len:]
     if device is not None:
         m = m.to(device)
-    if m.dtype == torch.bool:
-        return torch.where(m, 0.0, -math.inf).to(torch.float32)
-    return m.float()
+    m = torch.where(m, 0.0, -math.inf).to(torch.float32) if m.dtype == torch.bool else m.float()
+    return m.expand(batch, q_len, kv_len)
 
 
 def visible_queries(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int,

@@ -213,3 +213,46 @@ def test_generation_on_gpu_checks_every_call_against_the_reference(monkeypatch) 
     assert len(calls) >= 2 * 39
     assert len(set(calls)) > 5 and sum(1 for n in calls[-1] if n) >= 3, calls[-1]  # widths changed, several buckets
     assert any(reused) and not all(reused)  # kept between steps, recomputed after widths changed
+
+
+def test_crop_then_decode_matches_the_reference() -> None:
+    # after a crop the key blocks' ranges outlive the cut: offsets kept from before must not be
+    # used while positions below the last ranged block are missing
+    from kbit_linear.kv_cache import KbitKVLayer
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, hq, d, block = 2, 8, 64, 16
+    layer = KbitKVLayer(3.0, window=8, sink_tokens=2, block_size=block, hysteresis=0.1)
+
+    def step(n: int) -> None:
+        layer.update(torch.randn(1, h, n, d, device="cuda", generator=g), torch.randn(1, h, n, d, device="cuda", generator=g))
+        q = torch.randn(1, hq, 1, d, device="cuda", generator=g)
+        s, buckets = layer.seq_len, [layer.buckets[t] for t in TIERS]
+        out, mass = kkv.kv_decode_attention_cuda(q, buckets, layer.k_block_min, layer.k_block_range, block, s, layer.tier, None,
+                                                 d**-0.5, workspace=layer.workspace)
+        ref, ref_mass = bucket_attention(q, buckets, layer.k_block_min, layer.k_block_range, block, s, None, d**-0.5)
+        assert (out.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max(), s
+        torch.testing.assert_close(mass, ref_mass, atol=2e-3 * hq, rtol=2e-2)
+        layer.attend(q, None, d**-0.5)  # the step itself (importance, kept offsets)
+
+    step(40)
+    for _ in range(47):
+        step(1)
+    assert sum(layer.buckets[t].num_tokens for t in TIERS[:3]) > 0  # widths below 8 in use
+    layer.crop(-10)  # 77 tokens; key block 4 (positions 64..79) keeps its range
+    for _ in range(12):
+        step(1)
+
+
+def test_mask_of_batch_one_is_broadcast() -> None:
+    batch, heads, hq, d, length, block = 2, 2, 8, 128, 100, 32
+    buckets, kmin, krange, tier = random_cache(batch, heads, d, length, block, 21)
+    q = torch.randn(batch, hq, 1, d, generator=torch.Generator().manual_seed(4))
+    mask = _padding_mask(1, 1, length, [7])
+    ref, _ = bucket_attention(q, buckets, kmin, krange, block, length, mask, d**-0.5)
+    out, _ = kkv.kv_decode_attention_cuda(q.cuda(), _cuda(buckets), kmin.cuda(), krange.cuda(), block, length, tier.cuda(),
+                                          mask.cuda(), d**-0.5)
+    assert (out.cpu() - ref).abs().max() < 1e-2 * ref.abs().max()
+    with pytest.raises(ValueError, match="attention_mask"):
+        kkv.kv_decode_attention_cuda(q.cuda(), _cuda(buckets), kmin.cuda(), krange.cuda(), block, length, tier.cuda(),
+                                     mask[..., :50].cuda(), d**-0.5)

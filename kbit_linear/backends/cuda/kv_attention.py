@@ -107,6 +107,10 @@ def _relative_offsets(tier: torch.Tensor, complete: int, block_size: int, kv_len
     extends it past ``complete``, where every position is 8-bit). Kept in ``workspace`` (the
     cache layer empties it whenever widths change) so that decode steps do not recount."""
     key = ("relative_offsets", complete, tier.shape[0])
+    # Positions up to complete * block_size must all exist to be counted once for good: after a
+    # crop they may not yet (the key blocks' ranges outlive it), and then each call recounts.
+    if complete * block_size > kv_len:
+        workspace = None
     if workspace is not None and key in workspace:
         return workspace[key]
     b = tier.shape[0]
@@ -143,10 +147,12 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
     chunks = math.ceil(rows / _ROWS)
     nblk = math.ceil(kv_len / block_size)
     nb = 0 if k_block_min is None else k_block_min.shape[1]
+    props = loader.device_properties(dev)
+    if decode_smem_bytes(d) > props.max_shared_per_block:
+        return None  # head_dim 256 on GPUs with less than ~100 KiB of shared memory per block
     bias = None
     if attention_mask is not None:
         bias = aligned16(mask_bias(attention_mask, b, q_len, kv_len, dev))
-    props = loader.device_properties(dev)
     kbps, splits = _splits(nblk, b * h * chunks, resident_blocks_per_sm(d, props.shared_per_sm), props.sm_count)
 
     rel = _relative_offsets(tier, nb, block_size, kv_len, workspace)
