@@ -98,6 +98,14 @@ KBIT_DEVICE u32 and_or(u32 a, u32 mask, u32 c) {
     return d;
 }
 
+// Byte permute in the generic mode: selector nibble = source byte 0..7, +8 = replicate that
+// byte's sign bit (gives 0x00 for a byte below 0x80).
+KBIT_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
 // Value of `v` from lane `src & 31` (only the low 5 bits of src are used by the hardware with
 // a clamp of 31, which lets callers pass a word whose low byte is the lane).
 KBIT_DEVICE u32 shfl_idx(u32 v, u32 src) {

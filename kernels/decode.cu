@@ -133,13 +133,6 @@ KBIT_DEVICE void fence_acq_rel_gpu() {
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
-// Byte permute in the generic mode: selector nibble = source byte 0..7, +8 = replicate that
-// byte's sign bit (gives 0x00 for a byte below 0x80).
-KBIT_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
 
 // (a & mask) | (b & ~mask) in one lop3 (the compiler splits the C++ form into two).
 KBIT_DEVICE u32 bsel(u32 a, u32 b, u32 mask) {

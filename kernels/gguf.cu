@@ -61,11 +61,6 @@ template <int QT> struct Traits {
     static constexpr int kQsBytes = kEight ? 32 : 16;  // qs bytes per block
 };
 
-KBIT_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
 
 // Bits 0..3 of x to bit 4 of bytes 0..3 (x * 0x00204081 puts bit j at bit 8j, no carries).
 KBIT_DEVICE u32 spread4(u32 x) {

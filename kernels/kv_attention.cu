@@ -95,19 +95,9 @@ struct Smem {
     static constexpr int BYTES = RING + (RING_BYTES > kRows * D * 4 ? RING_BYTES : kRows * D * 4);
 };
 
-KBIT_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
 KBIT_DEVICE u32 hsub2(u32 a, u32 b) {
     u32 d;
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-KBIT_DEVICE u32 hmul2(u32 a, u32 b) {
-    u32 d;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
     return d;
 }
 KBIT_DEVICE u32 f16x2(float lo, float hi) {
@@ -384,8 +374,8 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
             u32 p0 = group_pair<BITS>(lo, hi, 2 * (j % 2));
             u32 p1 = group_pair<BITS>(lo, hi, 2 * (j % 2) + 1);
             if constexpr (BITS == 8) {
-                p0 = hmul2(p0, kscale[hf]);
-                p1 = hmul2(p1, kscale[hf]);
+                p0 = mul2<KBIT_F16>(p0, kscale[hf]);
+                p1 = mul2<KBIT_F16>(p1, kscale[hf]);
             }
             a[hf] = p0;      // a0 / a1: tokens g / g+8, k 2t, 2t+1
             a[2 + hf] = p1;  // a2 / a3: k 2t+8, 2t+9
@@ -499,7 +489,7 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
                     if constexpr (BITS == 8) {
                         const u32 xs = ch < 4 ? xa : hi[2 * k], ys = ch < 4 ? ya : hi[2 * k + 1];
                         const u32 sel = (u32)(ch % 4) | ((u32)(4 + ch % 4) << 8);
-                        r = hmul2(hsub2(and_or(prmt(xs, ys, sel), 0x00ff00ffu, kMagic), 0x64806480u), pow2_pair(4 * (ch % 2) - 24));
+                        r = mul2<KBIT_F16>(hsub2(and_or(prmt(xs, ys, sel), 0x00ff00ffu, kMagic), 0x64806480u), pow2_pair(4 * (ch % 2) - 24));
                     } else if constexpr (BITS == 4) {
                         const u32 sel = (u32)(2 * (ch / 4)) | ((u32)(2 * (ch / 4) + 1) << 4) | ((u32)(4 + 2 * (ch / 4)) << 8) |
                                         ((u32)(5 + 2 * (ch / 4)) << 12);
@@ -511,7 +501,7 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
                                                   : (u32)(2 * (ch / 4)) | ((u32)(2 * (ch / 4) + 1) << 4) | ((u32)(4 + 2 * (ch / 4)) << 8) |
                                                         ((u32)(5 + 2 * (ch / 4)) << 12);
                         r = (prmt(xa, ya, sel) >> (SH * (ch % 4))) & (BITS == 2 ? 0x00030003u : 0x00070007u);
-                        if (ch % 2) r = hmul2(r, pow2_pair(4));
+                        if (ch % 2) r = mul2<KBIT_F16>(r, pow2_pair(4));
                     }
                     a[2 * k + cc] = r;  // a0 (ch 2i, tokens 2t..), a1 (ch 2i+1), a2/a3 tokens 2t+8..
                 }
@@ -667,7 +657,7 @@ KBIT_DEVICE uint2 times_range(uint2 qf, int lane, int j, const u16* range) {
     const int t = lane & 3;
     const int cb = t * (D / 4) + 8 * (j / 2) + 2 * (j % 2);
     const u32 lo = *reinterpret_cast<const u32*>(range + cb), hi = *reinterpret_cast<const u32*>(range + cb + 4);
-    return make_uint2(hmul2(qf.x, prmt(lo, hi, 0x5410u)), hmul2(qf.y, prmt(lo, hi, 0x7632u)));
+    return make_uint2(mul2<KBIT_F16>(qf.x, prmt(lo, hi, 0x5410u)), mul2<KBIT_F16>(qf.y, prmt(lo, hi, 0x7632u)));
 }
 
 // q . min for lane (g, t)'s rows 2t and 2t+1: the lanes of t split the channels (lane g takes
