@@ -55,6 +55,26 @@ _PREFILL_OBSERVED = 32  # prefill scores importance from its last 32 queries (Sn
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
 
 
+def _ideal_widths(importance: torch.Tensor, budget: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1 of :func:`allocate_tiers`: the walk order (most important first, ties to the earlier
+    token) and the ideal widths, int64 ``[m]``, that split ``budget`` between the two tiers around
+    its average (all 8 above it, all 2 below 2), the upper one to the most important tokens."""
+    m = importance.numel()
+    order = torch.argsort(-importance.to(torch.float64), stable=True)
+    avg = budget / m
+    ideal = torch.full((m,), TIERS[0], dtype=torch.int64)
+    if avg >= TIERS[-1]:
+        ideal[:] = TIERS[-1]
+    elif avg > TIERS[0]:
+        hi_i = next(i for i, t in enumerate(TIERS) if t > avg)
+        lo, hi = TIERS[hi_i - 1], TIERS[hi_i]
+        n_hi = int(math.floor(m * (avg - lo) / (hi - lo) + 1e-9))
+        ranked = torch.full((m,), lo, dtype=torch.int64)
+        ranked[:n_hi] = hi
+        ideal[order] = ranked
+    return order, ideal
+
+
 def allocate_tiers(current: torch.Tensor, importance: torch.Tensor, budget: float, hysteresis: float = 0.1) -> torch.Tensor:
     """Choose the widths of a row's movable tokens for a bit budget (deterministic, never raises a width).
 
@@ -77,24 +97,12 @@ def allocate_tiers(current: torch.Tensor, importance: torch.Tensor, budget: floa
     Returns:
         int8 ``[m]``: the new widths, each ``<= current``.
     """
-    m = current.numel()
     device = current.device
-    cur = current.to("cpu", torch.int64)  # a sequential, data-dependent walk: on the host
+    cur = current.to("cpu", torch.int64)  # the walks below read values back step by step: on the host
     importance = importance.to("cpu")
-    if m == 0:
+    if cur.numel() == 0:
         return cur.to(torch.int8)
-    order = torch.argsort(-importance.to(torch.float64), stable=True)
-    avg = budget / m
-    ideal = torch.full((m,), TIERS[0], dtype=torch.int64)
-    if avg >= TIERS[-1]:
-        ideal[:] = TIERS[-1]
-    elif avg > TIERS[0]:
-        hi_i = next(i for i, t in enumerate(TIERS) if t > avg)
-        lo, hi = TIERS[hi_i - 1], TIERS[hi_i]
-        n_hi = int(math.floor(m * (avg - lo) / (hi - lo) + 1e-9))
-        ranked = torch.full((m,), lo, dtype=torch.int64)
-        ranked[:n_hi] = hi
-        ideal[order] = ranked
+    order, ideal = _ideal_widths(importance, budget)
     new = torch.minimum(cur, ideal)
     slack = budget - float(new.sum())
     imp = importance.to(torch.float64)

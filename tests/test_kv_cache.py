@@ -21,7 +21,7 @@ from transformers import (
 )
 
 import kbit_linear
-from kbit_linear.kv_cache import KbitKVCache, KbitKVLayer, KbitKVView, allocate_tiers
+from kbit_linear.kv_cache import KbitKVCache, KbitKVLayer, KbitKVView, allocate_tiers, _ideal_widths
 from kbit_linear.kv_format import (
     TIERS,
     bytes_per_token,
@@ -157,24 +157,12 @@ def test_allocator_budget_monotone_deterministic() -> None:
 
 
 def _allocate_tiers_loop(current: torch.Tensor, importance: torch.Tensor, budget: float, hysteresis: float = 0.1) -> torch.Tensor:
-    """The allocator written as the plain loop over tokens that its docstring describes (the
-    oracle for the vectorized ``allocate_tiers``)."""
-    m = current.numel()
+    """Steps 2-4 of the allocator written as the plain loop over tokens that its docstring
+    describes (the oracle for the vectorized walks of ``allocate_tiers``; step 1 is shared)."""
     cur = current.to(torch.int64)
-    if m == 0:
+    if cur.numel() == 0:
         return cur.to(torch.int8)
-    order = torch.argsort(-importance.to(torch.float64), stable=True)
-    avg = budget / m
-    ideal = torch.full((m,), TIERS[0], dtype=torch.int64)
-    if avg >= TIERS[-1]:
-        ideal[:] = TIERS[-1]
-    elif avg > TIERS[0]:
-        hi_i = next(i for i, t in enumerate(TIERS) if t > avg)
-        lo, hi = TIERS[hi_i - 1], TIERS[hi_i]
-        n_hi = int(math.floor(m * (avg - lo) / (hi - lo) + 1e-9))
-        ranked = torch.full((m,), lo, dtype=torch.int64)
-        ranked[:n_hi] = hi
-        ideal[order] = ranked
+    order, ideal = _ideal_widths(importance, budget)
     new = torch.minimum(cur, ideal)
     slack = budget - float(new.sum())
     imp = importance.to(torch.float64)
