@@ -310,7 +310,16 @@ struct WarpState {
     float m[2], l[2];
     float zs[2][GROUPS];  // sum of p * zero per row and group (this lane's tokens g, g+8)
     float acc[GROUPS][4][4];
+    int pexp[GROUPS];     // P' of group grp is p * scale * 2^pexp (and acc with it), see scale_exponent
 };
+
+// The power of two that keeps a tile's P' = p * scale (p <= 1) in fp16's normal range: the
+// largest scale of the tile times 2^e stays below 2^15. Without it a small p times a small
+// scale (say 1e-5 * 1e-3) would underflow fp16 and drop out of the sum.
+KBIT_DEVICE int scale_exponent(float max_scale) {
+    return 14 - ((__float_as_int(max_scale) >> 23) - 127);  // max_scale * 2^e in [2^14, 2^15)
+}
+KBIT_DEVICE float pow2f(int e) { return __int_as_float((127 + e) << 23); }  // -126 <= e <= 127
 
 // Where this lane's two rows go: valid, query index, causal limit, logits row.
 struct RowInfo {
@@ -441,18 +450,34 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
             }
         }
     }
-    // ---- P'^T per group through shared memory: pt[grp][row][token] = p * value scale ----
+    // ---- P'^T per group through shared memory: pt[grp][row][token] = p * value scale * 2^pexp ----
     const u16* vsc = reinterpret_cast<const u16*>(stage + ST::VSCALE);
     const u16* vze = reinterpret_cast<const u16*>(stage + ST::VZERO);
 #pragma unroll
     for (int grp = 0; grp < GROUPS; ++grp) {
         u16* ptg = pt + grp * kRows * kTile;
+        const float sc[2] = {half_lo(vsc[g * GROUPS + grp]), half_lo(vsc[(g + 8) * GROUPS + grp])};  // zero past the bucket
+        float mx = fmaxf(fabsf(sc[0]), fabsf(sc[1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        if (mx > 0.f) {
+            const int e = min(scale_exponent(mx), 100);
+            if (e < st.pexp[grp]) {  // a larger scale than before: bring the sums down to the new exponent
+                const float f = pow2f(e - st.pexp[grp]);
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) st.acc[grp][i][c] *= f;
+                st.pexp[grp] = e;
+            }
+        }
+        const float up = pow2f(st.pexp[grp]);
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             const int slot = g + 8 * hf;
-            const float sc = half_lo(vsc[slot * GROUPS + grp]);  // zero-filled past the bucket
 #pragma unroll
-            for (int rr = 0; rr < 2; ++rr) ptg[(2 * t + rr) * kTile + slot] = f32_to_bits<KBIT_F16>(x[hf][rr] * sc);
+            for (int rr = 0; rr < 2; ++rr) ptg[(2 * t + rr) * kTile + slot] = f32_to_bits<KBIT_F16>(x[hf][rr] * (sc[hf] * up));
             if constexpr (BITS < 8) {
                 const float z = half_lo(vze[slot * GROUPS + grp]);
                 st.zs[0][grp] += x[hf][0] * z;
@@ -763,6 +788,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
 #pragma unroll
     for (int grp = 0; grp < GROUPS; ++grp) {
         st.zs[0][grp] = st.zs[1][grp] = 0.f;
+        st.pexp[grp] = 100;  // lowered by the first tile with a nonzero scale
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -860,8 +886,8 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
 #pragma unroll
                     for (int cc = 0; cc < 2; ++cc) {
                         const int ch = grp * kGroup + 8 * g + 2 * i + cc;
-                        // value channel ch accumulated times 2^(4 (ch % 2) - 24)
-                        const float unscale = cc ? kTinyScale / 16.f : kTinyScale;
+                        // value channel ch accumulated times 2^(4 (ch % 2) - 24) and 2^pexp
+                        const float unscale = (cc ? kTinyScale / 16.f : kTinyScale) * pow2f(-st.pexp[grp]);
                         atomicAdd(&outs[row * D + ch], (st.acc[grp][i][2 * cc + rr] * unscale + st.zs[rr][grp]) * f);
                     }
         }
