@@ -8,8 +8,9 @@
 //                    that have ranges (later positions are all 8-bit). Only when widths change:
 //                    the cache keeps the result between decode steps.
 //   kbit_kv_decode   grid (split, kv head x row chunk, batch row): a block takes the key blocks
-//                    [split * kbps, (split + 1) * kbps) of its row, its 4 warps every 4th key
-//                    block, and within a key block each bucket's entries, 16 at a time (a tile),
+//                    [split * kbps, (split + 1) * kbps) of its row; a key block's entries are
+//                    taken 16 at a time per bucket (a tile); its 4 warps take every 4th key
+//                    block whole or, for short splits, every 4th tile of each key block (Cursor),
 //                    streamed through a per-warp ring of cp.async stages. It writes the split's
 //                    unnormalized output, max and sum (flash-decoding) and, for the mass, the
 //                    logits (fp16).
@@ -544,8 +545,9 @@ namespace kbit {
 namespace kv {
 
 // ---------------------------------------------------------------------------------------
-// The copy ring. A warp walks its tiles (key blocks split*kbps + warp, + kWarps, ...; in each,
-// the entries of bucket 2, 3, 4 then 8, 16 at a time) twice with two cursors: the copy cursor
+// The copy ring. A warp walks its tiles (Cursor: whole key blocks split*kbps + warp, + kWarps,
+// ..., or its share of every key block's tiles; within a key block the entries of bucket 2, 3,
+// 4 then 8, 16 at a time) twice with two cursors: the copy cursor
 // runs stages_for(D) - 1 tiles ahead, putting each tile's bytes into the next stage with cp.async
 // (entries past the bucket are zero-filled), one commit group per tile; the compute cursor waits
 // for its tile's group, and the warp meets at __syncwarp before a stage is refilled.
@@ -606,56 +608,89 @@ KBIT_DEVICE void copy_tile(const Problem& pr, u8* stage, int e0, int e_end, int 
 }
 
 // A walk over a warp's tiles. `offs` holds the split's bucket offsets per key block (int4 of
-// the four buckets' first entries; the next key block's are its ends).
+// the four buckets' first entries; the next key block's are its ends). A key block's tiles are
+// numbered across its buckets in width order (2, 3, 4, 8 bits; 16 entries each, the last of a
+// bucket partial). The two ways to share a split among the warps:
+//   SPLIT_TILES false  warp w takes key blocks w, w + 4, ... and every tile of each;
+//   SPLIT_TILES true   every warp takes every key block and its tiles w, w + 4, ... (for splits
+//                      of few key blocks, where whole blocks would leave warps idle).
+template <bool SPLIT_TILES>
 struct Cursor {
-    int kb, kb_end, tier, e, end;
+    static constexpr int kKbStep = SPLIT_TILES ? 1 : kWarps;
+    int kb, kb_end, k, tier, e, end;  // key block, its tile k: bucket `tier`, entries [e, min(e + 16, end))
     bool low_seen;  // a lower-width tile of this key block was already produced
-    bool first;     // the current tile is the key block's first lower-width one
+    bool first;     // the current tile is this walk's first lower-width one in the key block
     bool done;
 
-    KBIT_DEVICE int beg_of(const int4* offs, int k, int t) const {
-        const int4 o = offs[k];
+    KBIT_DEVICE static int beg_of(const int4* offs, int i, int t) {
+        const int4 o = offs[i];
         return t == 0 ? o.x : t == 1 ? o.y : t == 2 ? o.z : o.w;
     }
-    // Moves to the first non-empty tile at or after (kb, tier, e).
-    KBIT_DEVICE void settle(const int4* offs, int kb0, int step) {
-        while (!done && e >= end) {
-            if (++tier == kTiers) {
-                kb += step;
-                tier = 0;
-                low_seen = false;
-                if (kb >= kb_end) {
-                    done = true;
-                    break;
-                }
-            }
+    // Places tile k of key block kb; false when the block has no tile k.
+    KBIT_DEVICE bool locate(const int4* offs, int kb0) {
+        int rest = k;
+        for (tier = 0; tier < kTiers; ++tier) {
             e = beg_of(offs, kb - kb0, tier);
             end = beg_of(offs, kb - kb0 + 1, tier);
+            const int n = (end - e + kTile - 1) / kTile;
+            if (rest < n) {
+                e += rest * kTile;
+                return true;
+            }
+            rest -= n;
+        }
+        return false;
+    }
+    // Moves to the next key block of the walk (done past the split's last).
+    KBIT_DEVICE void next_block(int phase) {
+        kb += kKbStep;
+        k = phase;
+        tier = 0;
+        low_seen = false;
+        done = kb >= kb_end;
+    }
+    // From the current position on, the first tile that exists. Whole key blocks step through
+    // the buckets one tile at a time; split tiles place tile k directly.
+    KBIT_DEVICE void settle(const int4* offs, int kb0, int phase) {
+        if constexpr (SPLIT_TILES) {
+            while (!done && !locate(offs, kb0)) next_block(phase);
+        } else {
+            while (!done && e >= end) {
+                if (++tier == kTiers) {
+                    next_block(phase);
+                    if (done) break;
+                }
+                e = beg_of(offs, kb - kb0, tier);
+                end = beg_of(offs, kb - kb0 + 1, tier);
+            }
         }
         first = !done && tier < 3 && !low_seen;
         if (first) low_seen = true;
     }
-    KBIT_DEVICE void start(const int4* offs, int kb0, int kb_first, int kb_last, int step) {
-        kb = kb_first;
+    KBIT_DEVICE int phase_of(int warp) const { return SPLIT_TILES ? warp : 0; }
+    KBIT_DEVICE void start(const int4* offs, int kb0, int kb_last, int warp) {
+        kb = kb0 + (SPLIT_TILES ? 0 : warp);
         kb_end = kb_last;
+        k = phase_of(warp);
         tier = 0;
         low_seen = false;
         done = kb >= kb_end;
         e = end = 0;
-        if (!done) {
+        if (!done && !SPLIT_TILES) {
             e = beg_of(offs, kb - kb0, 0);
             end = beg_of(offs, kb - kb0 + 1, 0);
         }
-        settle(offs, kb0, step);
+        settle(offs, kb0, k);
     }
-    KBIT_DEVICE void next(const int4* offs, int kb0, int step) {
-        e += kTile;
-        settle(offs, kb0, step);
+    KBIT_DEVICE void next(const int4* offs, int kb0, int warp) {
+        if constexpr (SPLIT_TILES) k += kWarps;
+        else e += kTile;
+        settle(offs, kb0, phase_of(warp));
     }
 };
 
-template <int D>
-KBIT_DEVICE void copy_at(const Problem& pr, const Cursor& c, u8* stage, int lane) {
+template <int D, bool SPLIT_TILES>
+KBIT_DEVICE void copy_at(const Problem& pr, const Cursor<SPLIT_TILES>& c, u8* stage, int lane) {
     if (c.done) return;
     switch (c.tier) {
         case 0: copy_tile<D, 0>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
@@ -720,11 +755,12 @@ template <int DT> KBIT_DEVICE void store_elem(void* p, size_t i, float v) {
 }  // namespace kbit
 
 // ---------------------------------------------------------------------------------------
-// kbit_kv_decode<D, DT>: grid (splits, H * row chunks, B), kThreads threads, Smem<D>::BYTES.
+// kbit_kv_decode<D, DT, SPLIT_TILES>: grid (splits, H * row chunks, B), kThreads threads,
+// Smem<D>::BYTES; SPLIT_TILES: how the warps share the split (Cursor).
 // part_acc [R][splits][D] (R = (b * Hq + hq) * Q + i) holds the split's output times its sum,
 // relative to its max; part_ml [R][splits][2] the max and sum (log2 units).
 // ---------------------------------------------------------------------------------------
-template <int D, int DT>
+template <int D, int DT, bool SPLIT_TILES>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 4 : 1)
 kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16* vs2, const u16* vz2, const int* p2,
                const u8* k3, const u8* v3, const u16* vs3, const u16* vz3, const int* p3, const u8* k4, const u8* v4,
@@ -810,14 +846,14 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     // ---- each warp's tiles through its copy ring ----
     const int kb0 = split * kbps, kb_end = min(nblk, kb0 + kbps);
     u8* ring = smem + SM::RING + warp * stages_for(D) * Stage<D>::BYTES;
-    Cursor copy, comp;
-    copy.start(offs, kb0, kb0 + warp, kb_end, kWarps);
+    Cursor<SPLIT_TILES> copy, comp;
+    copy.start(offs, kb0, kb_end, warp);
     comp = copy;
 #pragma unroll
     for (int i = 0; i < stages_for(D) - 1; ++i) {
         copy_at<D>(pr, copy, ring + i * Stage<D>::BYTES, lane);
         cp_async_commit();
-        if (!copy.done) copy.next(offs, kb0, kWarps);
+        if (!copy.done) copy.next(offs, kb0, warp);
     }
     float qmin0 = 0.f, qmin1 = 0.f;
     uint2 bq[KSTEPS];  // the B fragments of the current tile: Q' of its key block, or q (8-bit keys)
@@ -827,7 +863,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     for (int i = 0; !comp.done; ++i) {
         copy_at<D>(pr, copy, ring + ((i + stages_for(D) - 1) % stages_for(D)) * Stage<D>::BYTES, lane);
         cp_async_commit();
-        if (!copy.done) copy.next(offs, kb0, kWarps);
+        if (!copy.done) copy.next(offs, kb0, warp);
         cp_async_wait<stages_for(D) - 1>();
         __syncwarp();
         const u8* stage = ring + (i % stages_for(D)) * Stage<D>::BYTES;
@@ -849,7 +885,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
             default: attend_tile<D, 3>(ri, st, stage, bq, 0.f, 0.f, pt, comp.e, comp.end); break;
         }
         __syncwarp();  // every lane is done with the stage before it is refilled
-        comp.next(offs, kb0, kWarps);
+        comp.next(offs, kb0, warp);
     }
     cp_async_wait<0>();
     allow_dependent_launch();

@@ -41,6 +41,17 @@ def settings(config) -> list[tuple[str, callable]]:
     return out
 
 
+def quantized_cache_bits(cache: QuantizedCache) -> float:
+    """Mean stored bits per K/V element of a QuantizedCache at the end of a window: its quantized
+    tokens at ``nbits`` plus a 16-bit scale and zero point per group, the tokens of its residual
+    window (up to ``residual_length``, kept unquantized) at 16."""
+    layer = cache.layers[0]
+    residual = layer.keys.shape[-2] if layer.keys.dim() == 4 else 0
+    quantized = layer.cumulative_length - residual
+    per_quantized = layer.nbits + 2 * 16 / layer.q_group_size
+    return (quantized * per_quantized + residual * 16) / layer.cumulative_length
+
+
 def decode_kl(model, ids: torch.Tensor, prefill: int, make_cache) -> tuple[float, object]:
     """Mean KL over teacher-forced decode steps of the cache from ``make_cache`` vs DynamicCache."""
     caches = [DynamicCache(config=model.config), make_cache()]
@@ -62,6 +73,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=1)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--only", default=None, help="run only the settings whose label contains this text")
     args = ap.parse_args()
     path = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
@@ -73,6 +85,8 @@ def main() -> None:
     print("| cache | KL vs dense cache (nats/token) | mean stored bits | bytes vs bf16 | s |")
     print("|---|---|---|---|---|")
     for label, make in settings(model.config):
+        if args.only is not None and args.only not in label:
+            continue
         start = time.perf_counter()
         kl, bits, ratio = 0.0, None, None
         for w in windows:
@@ -82,6 +96,8 @@ def main() -> None:
             layer = cache.layers[0]
             bf16 = 2 * layer.heads * layer.head_dim * 2 * cache.get_seq_length() * len(cache.layers)
             bits, ratio = f"{cache.average_bits():.2f}", f"{cache.nbytes / bf16:.3f}x"
+        elif isinstance(cache, QuantizedCache):
+            bits = f"{quantized_cache_bits(cache):.2f}"
         print(f"| {label} | {kl:.5f} | {bits or '-'} | {ratio or '-'} | {time.perf_counter() - start:.0f} |", flush=True)
 
 

@@ -24,6 +24,7 @@ from kbit_linear.backends.cuda import hopper as khopper
 from kbit_linear.backends.cuda import gguf as kgguf
 from kbit_linear.backends.cuda import kv_attention as kkv
 from kbit_linear.backends.cuda import routing as krouting
+from kbit_linear.backends.cuda import tuning
 from kbit_linear import format as fmt
 from kbit_linear.backends.cuda.loader import read_source
 
@@ -199,3 +200,15 @@ def test_host_shared_memory_sizes_match_the_kernels(tmp_path):
         assert kkv.decode_smem_bytes(d) == kernel[("kv", str(d))], f"kv_attention head_dim={d}"
     for b, mt, c in configs:
         assert kdecode._smem(b, mt, c) == kernel[("decode", str(b), str(mt), str(c.warps), str(c.k_warps), str(c.row_groups))], (b, mt, c)
+
+
+def test_kv_decode_split_plan_covers_every_key_block_once():
+    # An H100 (132 SMs) holding 4 decode blocks of head_dim 128 per SM.
+    for key_blocks, row_heads in [(1, 1), (5, 3), (64, 8), (64, 64), (512, 8), (512, 64), (2048, 8), (2048, 64), (9999, 7)]:
+        kbps, splits, split_tiles = kkv._splits(key_blocks, row_heads, 4, 132)
+        assert 1 <= kbps <= kkv.MAX_SPLIT_KEY_BLOCKS
+        assert (splits - 1) * kbps < key_blocks <= splits * kbps  # no empty split, none left out
+        assert split_tiles == (kbps <= tuning.KV_DECODE_SPLIT_TILES_MAX_KEY_BLOCKS)
+        assert split_tiles or kbps >= tuning.KV_DECODE_MIN_KEY_BLOCKS
+    # 4k tokens, batch 1, 8 KV heads: one wave of single-key-block splits, the warps sharing its tiles
+    assert kkv._splits(64, 8, 4, 132) == (1, 64, True)

@@ -62,6 +62,15 @@ def _padding_mask(batch: int, q_len: int, length: int, pad: list[int]) -> torch.
     return mask
 
 
+@pytest.fixture(params=["whole-key-blocks", "split-tiles"])
+def walk(request, monkeypatch) -> str:
+    """Both ways the decode block's warps share a split (the host picks one by the split's size):
+    whole key blocks per warp, or every key block's tiles shared among the warps."""
+    limit = 0 if request.param == "whole-key-blocks" else kkv.MAX_SPLIT_KEY_BLOCKS
+    monkeypatch.setattr(kkv.tuning, "KV_DECODE_SPLIT_TILES_MAX_KEY_BLOCKS", limit)
+    return request.param
+
+
 CASES = [  # batch, kv heads, query heads, head_dim, length, block, q_len
     (1, 1, 1, 64, 1, 16, 1),
     (1, 2, 8, 128, 37, 16, 1),
@@ -76,7 +85,7 @@ CASES = [  # batch, kv heads, query heads, head_dim, length, block, q_len
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-hq{}-d{}-s{}-bs{}-q{}".format(*c))
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "padding"])
-def test_kernel_matches_reference(case, dtype: torch.dtype, masked: bool) -> None:
+def test_kernel_matches_reference(case, dtype: torch.dtype, masked: bool, walk: str) -> None:
     batch, heads, hq, d, length, block, q_len = case
     seed = zlib.crc32(repr((case, str(dtype), masked)).encode())
     buckets, kmin, krange, tier = random_cache(batch, heads, d, length, block, seed)
@@ -100,7 +109,7 @@ def test_kernel_matches_reference(case, dtype: torch.dtype, masked: bool) -> Non
 
 @pytest.mark.parametrize("probs", [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (0.5, 0, 0, 0.5)],
                          ids=["2", "3", "4", "8", "2+8"])
-def test_single_width_and_no_mass(probs) -> None:
+def test_single_width_and_no_mass(probs, walk: str) -> None:
     batch, heads, hq, d, length, block = 2, 2, 8, 128, 517, 64
     buckets, kmin, krange, tier = random_cache(batch, heads, d, length, block, 7, probs)
     q = torch.randn(batch, hq, 1, d, generator=torch.Generator().manual_seed(3)).half()
@@ -258,7 +267,7 @@ def test_mask_of_batch_one_is_broadcast() -> None:
                                      mask[..., :50].cuda(), d**-0.5)
 
 
-def test_many_small_probabilities_times_small_value_scales_still_count() -> None:
+def test_many_small_probabilities_times_small_value_scales_still_count(walk: str) -> None:
     # Every 256th position is favoured by the mask (+8, log e), so each warp's running max sits
     # far above its other tokens (p ~ 3e-4); the values are small and all positive, so their 8-bit
     # scale is ~7e-5 and p * scale ~2e-8, below half of fp16's smallest subnormal, yet those tokens

@@ -77,7 +77,7 @@ def combine_smem_bytes(splits: int) -> int:
 def kv_attention_instances() -> list[str]:
     """Every instance of ``kv_attention.cu`` the backend can launch (name expressions)."""
     names = ["kbit_kv_offsets", "kbit_kv_mass"]
-    names += [f"kbit_kv_decode<{d}, {dt}>" for d in HEAD_DIMS for dt in _DT.values()]
+    names += [f"kbit_kv_decode<{d}, {dt}, {split}>" for d in HEAD_DIMS for dt in _DT.values() for split in ("false", "true")]
     names += [f"kbit_kv_combine<{dt}>" for dt in _DT.values()]
     return names
 
@@ -90,15 +90,21 @@ def resident_blocks_per_sm(head_dim: int, shared_per_sm: int) -> int:
     return max(1, min(by_registers, shared_per_sm // (decode_smem_bytes(head_dim) + 1024)))
 
 
-def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> tuple[int, int]:
-    """(key blocks per split, splits): the grid (``row_heads`` x splits blocks) fills whole waves
-    of resident blocks, so that no last wave runs mostly empty, with at least
-    KV_DECODE_MIN_KEY_BLOCKS (one per warp) and at most MAX_SPLIT_KEY_BLOCKS key blocks a split."""
+def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> tuple[int, int, bool]:
+    """(key blocks per split, splits, whether the warps split each key block's tiles): the grid
+    (``row_heads`` x splits blocks) fills whole waves of resident blocks, so that no last wave
+    runs mostly empty, with at most MAX_SPLIT_KEY_BLOCKS key blocks a split. Splits of up to
+    KV_DECODE_SPLIT_TILES_MAX_KEY_BLOCKS key blocks share each key block's tiles among the warps
+    (short contexts: more warps at work); longer ones give each warp whole key blocks, at least
+    KV_DECODE_MIN_KEY_BLOCKS a split (one per warp)."""
     wave = resident * sm_count
     waves = max(1, math.ceil(row_heads * math.ceil(key_blocks / MAX_SPLIT_KEY_BLOCKS) / wave))
     want = max(1, waves * wave // max(1, row_heads))  # splits per row and head
-    kbps = min(MAX_SPLIT_KEY_BLOCKS, max(tuning.KV_DECODE_MIN_KEY_BLOCKS, math.ceil(key_blocks / want)))
-    return kbps, max(1, math.ceil(key_blocks / kbps))
+    kbps = min(MAX_SPLIT_KEY_BLOCKS, math.ceil(key_blocks / want))
+    split_tiles = kbps <= tuning.KV_DECODE_SPLIT_TILES_MAX_KEY_BLOCKS
+    if not split_tiles:
+        kbps = min(MAX_SPLIT_KEY_BLOCKS, max(tuning.KV_DECODE_MIN_KEY_BLOCKS, kbps))
+    return kbps, max(1, math.ceil(key_blocks / kbps)), split_tiles
 
 
 def _relative_offsets(tier: torch.Tensor, complete: int, block_size: int, kv_len: int, workspace: dict | None) -> torch.Tensor:
@@ -153,7 +159,7 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
     bias = None
     if attention_mask is not None:
         bias = aligned16(mask_bias(attention_mask, b, q_len, kv_len, dev))
-    kbps, splits = _splits(nblk, b * h * chunks, resident_blocks_per_sm(d, props.shared_per_sm), props.sm_count)
+    kbps, splits, split_tiles = _splits(nblk, b * h * chunks, resident_blocks_per_sm(d, props.shared_per_sm), props.sm_count)
 
     rel = _relative_offsets(tier, nb, block_size, kv_len, workspace)
     rs = [aligned16(bk.row_start) for bk in buckets]
@@ -167,7 +173,7 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
 
     kmin = a(k_block_min) if nb else None
     krange = a(k_block_range) if nb else None
-    kern = loader.get_kernel(_SOURCE, f"kbit_kv_decode<{d}, {_DT[query.dtype]}>", dev)
+    kern = loader.get_kernel(_SOURCE, f"kbit_kv_decode<{d}, {_DT[query.dtype]}, {str(split_tiles).lower()}>", dev)
     loader.launch(kern, (splits, h * chunks, b), 32 * _WARPS, _DECODE_ARGS.Values(
         q=aligned16(query), k2=a(t[2].k), v2=a(t[2].v), vs2=a(t[2].v_scale), vz2=a(t[2].v_zero), p2=a(t[2].pos),
         k3=a(t[3].k), v3=a(t[3].v), vs3=a(t[3].v_scale), vz3=a(t[3].v_zero), p3=a(t[3].pos),

@@ -25,6 +25,7 @@ __all__ = [
     "GGUF_GEMV_MAX_M",
     "GGUF_GEMV_LAUNCH",
     "KV_DECODE_MIN_KEY_BLOCKS",
+    "KV_DECODE_SPLIT_TILES_MAX_KEY_BLOCKS",
     "DecodeConfig",
     "DECODE_CONFIGS",
     "DECODE_SPLIT_COST_BYTES",
@@ -262,3 +263,7 @@ GGUF_GEMV_LAUNCH: dict[int, tuple[int, int]] = {1: (8, 2), 2: (8, 1), 4: (8, 2),
 # waves took 32k batch 8 from 306 to 232 us. (Warps sharing a key block's tiles round-robin was
 # 2x slower: each warp then forms Q' for every key block.)
 KV_DECODE_MIN_KEY_BLOCKS = 4
+# Splits of at most this many key blocks share each key block's tiles among the block's warps
+# instead (each warp forms Q' for every key block then, which only pays where whole key blocks
+# would leave warps with one or two blocks each: short contexts).
+KV_DECODE_SPLIT_TILES_MAX_KEY_BLOCKS = 4
