@@ -267,6 +267,8 @@ def dequantize_bucket(bucket: KVBucket, k_block_min: torch.Tensor | None = None,
         k = (bucket.k.float().reshape(n, h, d // g, g) * bucket.k_scale.float().unsqueeze(-1)).reshape(n, h, d)
         v = (bucket.v.float().reshape(n, h, d // g, g) * bucket.v_scale.float().unsqueeze(-1)).reshape(n, h, d)
         return k, v
+    if n == 0:  # an empty lower-width bucket needs no key ranges (an all-8-bit cache has none)
+        return torch.zeros(0, h, d, device=bucket.k.device), torch.zeros(0, h, d, device=bucket.k.device)
     levels = 2**bucket.bits - 1
     vq = unpack_codes(bucket.v, bucket.bits).float().reshape(n, h, d // g, g)
     v = (bucket.v_zero.float().unsqueeze(-1) + vq * bucket.v_scale.float().unsqueeze(-1)).reshape(n, h, d)

@@ -81,7 +81,7 @@ struct Stage {
 // Shared memory of the decode block: query rows (fp32), the B fragments of q (shared by the
 // warps), each warp's probability transpose tile, the warps' row maxima/sums, the bucket
 // offsets of the split's key blocks, and each warp's ring of stages_for(D) copy stages (reused for the
-// split's output once every tile is done).
+// warps' partial outputs once every tile is done).
 template <int D>
 struct Smem {
     static constexpr int KSTEPS = D / 16;
@@ -91,9 +91,10 @@ struct Smem {
     static constexpr int ML = PT + kWarps * (D / kGroup) * kRows * kTile * 2;  // float [kWarps][kRows][2]
     static constexpr int OFFS = ML + kWarps * kRows * 2 * 4;          // int4 [kMaxSplitBlocks + 1]
     static constexpr int RING = OFFS + (kMaxSplitBlocks + 1) * 16;    // kWarps x stages_for(D) stages
-    static constexpr int OUT = RING;                                  // float [kRows][D], after the ring's last use
+    static constexpr int OUT = RING;                                  // float [kWarps][kRows][D], after the ring's last use
     static constexpr int RING_BYTES = kWarps * stages_for(D) * Stage<D>::BYTES;
-    static constexpr int BYTES = RING + (RING_BYTES > kRows * D * 4 ? RING_BYTES : kRows * D * 4);
+    static constexpr int OUT_BYTES = kWarps * kRows * D * 4;
+    static constexpr int BYTES = RING + (RING_BYTES > OUT_BYTES ? RING_BYTES : OUT_BYTES);
 };
 
 KBIT_DEVICE u32 hsub2(u32 a, u32 b) {
@@ -796,14 +797,17 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     grid_dependency_wait();
     // the block's query rows, times scale * log2(e) (rows past nrows are zero)
     const int Hq = H * G;
-    for (int i = tid; i < kRows * D; i += kThreads) {
-        const int r = i / D, c = i % D;
-        float x = 0.f;
-        if (r < nrows) {
+    {
+        constexpr int PER = kRows * D / kThreads;  // elements per thread; every load issued before the first store
+        float x[PER];
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const int i = tid + k * kThreads, r = i / D, c = i % D;
             const int rr = row0 + r, hq = h * G + rr / Q, qi = rr % Q;
-            x = load_elem<DT>(q, (((size_t)b * Hq + hq) * Q + qi) * D + c) * scale_log2;
+            x[k] = r < nrows ? load_elem<DT>(q, (((size_t)b * Hq + hq) * Q + qi) * D + c) : 0.f;
         }
-        qrows[i] = x;
+#pragma unroll
+        for (int k = 0; k < PER; ++k) qrows[tid + k * kThreads] = x[k] * scale_log2;
     }
     // the split's bucket offsets (key blocks kb0 .. kb0 + kbps, ends included): row start + rel
     int4* offs = reinterpret_cast<int4*>(smem + SM::OFFS);
@@ -904,33 +908,37 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
             ml[(warp * kRows + 2 * t + rr) * 2 + 1] = st.l[rr];
         }
     }
-    __syncthreads();  // every warp is past its ring: the output may take its place
-    for (int i = tid; i < kRows * D; i += kThreads) outs[i] = 0.f;
-    __syncthreads();
+    __syncthreads();  // every warp is past its ring: the partial outputs may take its place
+    // each warp's output, scaled to the block's max, into its own slice (plain stores: shared
+    // float atomics are compare-and-swap loops), then summed over the warps
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
         const int row = 2 * t + rr;
         float mx = KV_NEG_INF;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml[(w * kRows + row) * 2]);
-        const float f = exp2f(st.m[rr] - (mx == KV_NEG_INF ? 0.f : mx));
-        if (row < nrows && f > 0.f) {
+        const float f = exp2f(st.m[rr] - (mx == KV_NEG_INF ? 0.f : mx));  // 0 for a warp without tokens
+        float* mine = outs + (warp * kRows + row) * D;
 #pragma unroll
-            for (int grp = 0; grp < GROUPS; ++grp)
+        for (int grp = 0; grp < GROUPS; ++grp)
 #pragma unroll
-                for (int i = 0; i < 4; ++i)
-#pragma unroll
-                    for (int cc = 0; cc < 2; ++cc) {
-                        const int ch = grp * kGroup + 8 * g + 2 * i + cc;
-                        // value channel ch accumulated times 2^(4 (ch % 2) - 24) and 2^pexp
-                        const float unscale = (cc ? kTinyScale / 16.f : kTinyScale) * pow2f(-st.pexp[grp]);
-                        atomicAdd(&outs[row * D + ch], (st.acc[grp][i][2 * cc + rr] * unscale + st.zs[rr][grp]) * f);
-                    }
-        }
+            for (int i = 0; i < 4; ++i) {
+                const int ch = grp * kGroup + 8 * g + 2 * i;
+                // value channel ch accumulated times 2^(4 (ch % 2) - 24) and 2^pexp
+                const float unscale = kTinyScale * pow2f(-st.pexp[grp]);
+                const float2 v = make_float2((st.acc[grp][i][rr] * unscale + st.zs[rr][grp]) * f,
+                                             (st.acc[grp][i][2 + rr] * (unscale / 16.f) + st.zs[rr][grp]) * f);
+                *reinterpret_cast<float2*>(mine + ch) = v;
+            }
     }
     __syncthreads();
     const size_t R0 = ((size_t)b * Hq + (size_t)h * G) * Q + row0;  // first output row of the block
-    for (int i = tid; i < nrows * D; i += kThreads) part_acc[((R0 + i / D) * splits + split) * D + i % D] = outs[i];
+    for (int i = tid; i < nrows * D; i += kThreads) {
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) sum += outs[w * kRows * D + i];
+        part_acc[((R0 + i / D) * splits + split) * D + i % D] = sum;
+    }
     if (tid < nrows) {
         float mx = KV_NEG_INF, sum = 0.f;
         for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml[(w * kRows + tid) * 2]);
@@ -1018,10 +1026,10 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
 }
 
 // ---------------------------------------------------------------------------------------
-// kbit_kv_mass: grid (ceil(S / 256), B), 256 threads, rows * 8 bytes of shared memory.
+// kbit_kv_mass: grid (ceil(S / 128), B), 128 threads, rows * 8 bytes of shared memory.
 // mass[b][p] = sum over the row's Hq * Q query rows of 2^(logit - M) / L (rows with L = 0 add 0).
 // ---------------------------------------------------------------------------------------
-constexpr int kMassThreads = 256;
+constexpr int kMassThreads = 128;  // small blocks: short contexts still spread over many SMs
 
 extern "C" __global__ void __launch_bounds__(kMassThreads)
 kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float* __restrict__ mass, int rows, int S) {
@@ -1036,10 +1044,13 @@ kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float
     __syncthreads();
     if (p >= S) return;
     float acc = 0.f;
+    // every valid row wrote every position's logit; a row without mass (inv = 0) is skipped by
+    // the select, not by a branch, so that the unrolled loads are all in flight at once
 #pragma unroll 16
     for (int r = 0; r < rows; ++r) {
         const float inv = row_ml[2 * r + 1];
-        if (inv > 0.f) acc += exp2f(bits_to_f32<KBIT_F16>(logits[((size_t)b * rows + r) * S + p]) - row_ml[2 * r]) * inv;
+        const float x = bits_to_f32<KBIT_F16>(logits[((size_t)b * rows + r) * S + p]);
+        acc += inv > 0.f ? fast_exp2(x - row_ml[2 * r]) * inv : 0.f;
     }
     mass[(size_t)b * S + p] = acc;
 }

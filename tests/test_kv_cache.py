@@ -24,6 +24,8 @@ import kbit_linear
 from kbit_linear.kv_cache import KbitKVCache, KbitKVLayer, KbitKVView, allocate_tiers, _ideal_widths
 from kbit_linear.kv_format import (
     TIERS,
+    KVBucket,
+    bucket_attention,
     bytes_per_token,
     dequantize_bucket,
     key_block_ranges,
@@ -123,6 +125,24 @@ def test_bucket_attention_matches_sdpa(q_len: int, batch: int, heads: int, hq: i
     mass = layer.mass - mass_before
     torch.testing.assert_close(mass.sum(1), torch.full((batch,), float(hq * q_len)))  # probabilities sum to 1
     assert (mass[~mask[:, 0].any(1)] == 0).all()
+
+
+def test_all_8bit_cache_needs_no_key_ranges() -> None:
+    # Before its first complete key block a cache holds 8-bit tokens only and no key ranges:
+    # the empty lower-width buckets must then not ask for them.
+    batch, heads, d, length = 2, 2, 64, 40
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(batch, length, heads, d, generator=g), torch.randn(batch, length, heads, d, generator=g)
+    rows, pos = torch.nonzero(torch.ones(batch, length, dtype=torch.bool), as_tuple=True)
+    buckets = [KVBucket.empty(t, batch, heads, d) for t in TIERS[:3]]
+    buckets.append(quantize_tokens(k[rows, pos], v[rows, pos], 8, rows, pos, batch))
+    q = torch.randn(batch, 4, 1, d, generator=g)
+    out, mass = bucket_attention(q, buckets, None, None, 64, length, torch.zeros(batch, 1, 1, length), d**-0.5)
+    kd, vd = dequantize_bucket(buckets[3])
+    kd, vd = kd.reshape(batch, length, heads, d).transpose(1, 2), vd.reshape(batch, length, heads, d).transpose(1, 2)
+    ref = F.scaled_dot_product_attention(q, kd.repeat_interleave(2, 1), vd.repeat_interleave(2, 1), scale=d**-0.5)
+    torch.testing.assert_close(out, ref.transpose(1, 2), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(mass.sum(1), torch.full((batch,), 4.0))
 
 
 def test_prefill_path_matches_sdpa() -> None:

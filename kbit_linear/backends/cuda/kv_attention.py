@@ -33,7 +33,7 @@ MAX_SPLIT_KEY_BLOCKS = 256
 """Key blocks one decode block takes at most (kMaxSplitBlocks): longer contexts get more splits."""
 _OFFSET_THREADS = 1024
 _COMBINE_THREADS = 128
-_MASS_THREADS = 256
+_MASS_THREADS = 128
 _LOG2E = 1.4426950408889634
 
 _OFFSETS_ARGS = loader.ArgPack("kbit_kv_offsets", "tier:p rel:p S:i C:i bs:i")
@@ -65,7 +65,7 @@ def decode_smem_bytes(head_dim: int) -> int:
     ksteps, groups = head_dim // 16, head_dim // 64
     ring_at = _ROWS * head_dim * 4 + ksteps * 32 * 8 + _WARPS * groups * _ROWS * _TILE * 2
     ring_at += _WARPS * _ROWS * 2 * 4 + (MAX_SPLIT_KEY_BLOCKS + 1) * 16
-    return ring_at + max(_WARPS * _STAGES * stage_bytes(head_dim), _ROWS * head_dim * 4)
+    return ring_at + max(_WARPS * _STAGES * stage_bytes(head_dim), _WARPS * _ROWS * head_dim * 4)  # ring, then the warps' outputs
 
 
 def combine_smem_bytes(splits: int) -> int:
