@@ -797,14 +797,16 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     grid_dependency_wait();
     // the block's query rows, times scale * log2(e) (rows past nrows are zero)
     const int Hq = H * G;
+    // a kv head's rows are contiguous in q ([B][Hq][Q][D]; row r = j * Q + i is head h*G + j,
+    // query i), in the outputs and in the logits: the block's row r is global row R0 + r
+    const size_t R0 = ((size_t)b * Hq + (size_t)h * G) * Q + row0;
     {
         constexpr int PER = kRows * D / kThreads;  // elements per thread; every load issued before the first store
         float x[PER];
 #pragma unroll
         for (int k = 0; k < PER; ++k) {
-            const int i = tid + k * kThreads, r = i / D, c = i % D;
-            const int rr = row0 + r, hq = h * G + rr / Q, qi = rr % Q;
-            x[k] = r < nrows ? load_elem<DT>(q, (((size_t)b * Hq + hq) * Q + qi) * D + c) : 0.f;
+            const int i = tid + k * kThreads, r = i / D;
+            x[k] = r < nrows ? load_elem<DT>(q, R0 * D + i) : 0.f;
         }
 #pragma unroll
         for (int k = 0; k < PER; ++k) qrows[tid + k * kThreads] = x[k] * scale_log2;
@@ -842,8 +844,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         ri.ok[rr] = r < nrows;
         ri.qi[rr] = rg % Q;
         ri.limit[rr] = S - Q + ri.qi[rr];
-        const int hq = h * G + rg / Q;
-        ri.logits[rr] = logits != nullptr && ri.ok[rr] ? logits + (((size_t)b * Hq + hq) * Q + ri.qi[rr]) * S : nullptr;
+        ri.logits[rr] = logits != nullptr && ri.ok[rr] ? logits + (R0 + r) * S : nullptr;
         ri.bias[rr] = bias != nullptr ? bias + ((size_t)b * Q + ri.qi[rr]) * S : nullptr;
     }
 
@@ -932,7 +933,6 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
             }
     }
     __syncthreads();
-    const size_t R0 = ((size_t)b * Hq + (size_t)h * G) * Q + row0;  // first output row of the block
     for (int i = tid; i < nrows * D; i += kThreads) {
         float sum = 0.f;
 #pragma unroll

@@ -208,7 +208,9 @@ def test_kv_decode_split_plan_covers_every_key_block_once():
         kbps, splits, split_tiles = kkv._splits(key_blocks, row_heads, 4, 132)
         assert 1 <= kbps <= kkv.MAX_SPLIT_KEY_BLOCKS
         assert (splits - 1) * kbps < key_blocks <= splits * kbps  # no empty split, none left out
-        assert split_tiles == (kbps <= tuning.KV_DECODE_SPLIT_TILES_MAX_KEY_BLOCKS)
         assert split_tiles or kbps >= tuning.KV_DECODE_MIN_KEY_BLOCKS
-    # 4k tokens, batch 1, 8 KV heads: one wave of single-key-block splits, the warps sharing its tiles
-    assert kkv._splits(64, 8, 4, 132) == (1, 64, True)
+    # 1k tokens, batch 1, 8 KV heads: whole key blocks would give 32 blocks; shared tiles give 128
+    assert kkv._splits(16, 8, 4, 132) == (1, 16, True)
+    # 4k tokens: 16 splits of 4 key blocks, one per warp (128 blocks); 32k, batch 8: whole waves
+    assert kkv._splits(64, 8, 4, 132) == (4, 16, False)
+    assert kkv._splits(512, 64, 4, 132) == (64, 8, False)

@@ -66,8 +66,8 @@ def _padding_mask(batch: int, q_len: int, length: int, pad: list[int]) -> torch.
 def walk(request, monkeypatch) -> str:
     """Both ways the decode block's warps share a split (the host picks one by the split's size):
     whole key blocks per warp, or every key block's tiles shared among the warps."""
-    limit = 0 if request.param == "whole-key-blocks" else kkv.MAX_SPLIT_KEY_BLOCKS
-    monkeypatch.setattr(kkv.tuning, "KV_DECODE_SPLIT_TILES_MAX_KEY_BLOCKS", limit)
+    idle = 1.0 if request.param == "whole-key-blocks" else -1e9  # never / always share tiles
+    monkeypatch.setattr(kkv.tuning, "KV_DECODE_SPLIT_TILES_IDLE_SHARE", idle)
     return request.param
 
 

@@ -93,17 +93,18 @@ def resident_blocks_per_sm(head_dim: int, shared_per_sm: int) -> int:
 def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> tuple[int, int, bool]:
     """(key blocks per split, splits, whether the warps split each key block's tiles): the grid
     (``row_heads`` x splits blocks) fills whole waves of resident blocks, so that no last wave
-    runs mostly empty, with at most MAX_SPLIT_KEY_BLOCKS key blocks a split. Splits of up to
-    KV_DECODE_SPLIT_TILES_MAX_KEY_BLOCKS key blocks share each key block's tiles among the warps
-    (short contexts: more warps at work); longer ones give each warp whole key blocks, at least
-    KV_DECODE_MIN_KEY_BLOCKS a split (one per warp)."""
+    runs mostly empty, with at most MAX_SPLIT_KEY_BLOCKS key blocks a split. Each warp takes whole
+    key blocks, at least KV_DECODE_MIN_KEY_BLOCKS a split (one per warp), unless that leaves more
+    than KV_DECODE_SPLIT_TILES_IDLE_SHARE of the SMs without a block (short contexts): then the
+    warps of a block share each key block's tiles and a split may be a single key block."""
     wave = resident * sm_count
     waves = max(1, math.ceil(row_heads * math.ceil(key_blocks / MAX_SPLIT_KEY_BLOCKS) / wave))
     want = max(1, waves * wave // max(1, row_heads))  # splits per row and head
     kbps = min(MAX_SPLIT_KEY_BLOCKS, math.ceil(key_blocks / want))
-    split_tiles = kbps <= tuning.KV_DECODE_SPLIT_TILES_MAX_KEY_BLOCKS
+    whole = min(MAX_SPLIT_KEY_BLOCKS, max(tuning.KV_DECODE_MIN_KEY_BLOCKS, kbps))
+    split_tiles = row_heads * math.ceil(key_blocks / whole) < sm_count * (1 - tuning.KV_DECODE_SPLIT_TILES_IDLE_SHARE)
     if not split_tiles:
-        kbps = min(MAX_SPLIT_KEY_BLOCKS, max(tuning.KV_DECODE_MIN_KEY_BLOCKS, kbps))
+        kbps = whole
     return kbps, max(1, math.ceil(key_blocks / kbps)), split_tiles
 
 

@@ -25,7 +25,7 @@ __all__ = [
     "GGUF_GEMV_MAX_M",
     "GGUF_GEMV_LAUNCH",
     "KV_DECODE_MIN_KEY_BLOCKS",
-    "KV_DECODE_SPLIT_TILES_MAX_KEY_BLOCKS",
+    "KV_DECODE_SPLIT_TILES_IDLE_SHARE",
     "DecodeConfig",
     "DECODE_CONFIGS",
     "DECODE_SPLIT_COST_BYTES",
@@ -263,7 +263,9 @@ GGUF_GEMV_LAUNCH: dict[int, tuple[int, int]] = {1: (8, 2), 2: (8, 1), 4: (8, 2),
 # waves took 32k batch 8 from 306 to 232 us. (Warps sharing a key block's tiles round-robin was
 # 2x slower: each warp then forms Q' for every key block.)
 KV_DECODE_MIN_KEY_BLOCKS = 4
-# Splits of at most this many key blocks share each key block's tiles among the block's warps
-# instead (each warp forms Q' for every key block then, which only pays where whole key blocks
-# would leave warps with one or two blocks each: short contexts).
-KV_DECODE_SPLIT_TILES_MAX_KEY_BLOCKS = 4
+# Where whole key blocks per warp would leave more than this share of the SMs without a block,
+# the block's warps share each key block's tiles instead (and a split may be one key block).
+# H100, 4-bit cache, Llama-3-8B heads, batch 1, call us (2026-11-23, .../kv-attention-kernel.md):
+# 1k tokens whole 18.4 / shared 15.6 (32 vs 128 blocks); 4k whole 20.5 / shared 23.1 (128 vs
+# 512 blocks: each warp then forms Q' for every key block and each block pays the prologue).
+KV_DECODE_SPLIT_TILES_IDLE_SHARE = 0.5
