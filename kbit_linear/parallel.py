@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import format as fmt
+from . import hadamard
 from .linear import KbitLinear
 
 __all__ = ["COLWISE_STYLES", "ROWWISE_STYLES", "SUPPORTED_STYLES", "shard_for_tensor_parallel", "shard_plan", "slice_linear"]
@@ -85,13 +86,26 @@ def slice_linear(layer: KbitLinear | nn.Linear, rows: tuple[int, int] | None = N
 
     Raises:
         TypeError: ``layer`` is neither, or a range is not a pair of ints.
-        ValueError: a range outside the layer, or a column cut inside a 32-weight block.
+        ValueError: a range outside the layer, a column cut inside a 32-weight block, or (for a
+            Hadamard-rotated layer) inside a rotation block.
     """
     if isinstance(layer, KbitLinear):
+        signs = None
+        if layer.hadamard_signs is not None:  # the stored weight is W R, R block diagonal along in_features
+            c0, c1 = _span("cols", cols, layer.in_features)
+            block = hadamard.hadamard_block(layer.in_features)
+            if c0 % block or hadamard.hadamard_block(c1 - c0) != block:
+                raise ValueError(
+                    f"cols {(c0, c1)} do not keep a Hadamard-rotated layer's rotation blocks of {block} in-features: "
+                    f"the slice must start at a multiple of {block} and its width's own block "
+                    f"(kbit_linear.hadamard.hadamard_block) must be {block} too")
+            signs = layer.hadamard_signs[c0:c1].clone()
         q = fmt.slice_weight(layer.kbit_weight(), rows, cols)
-        new = KbitLinear(q.in_features, q.out_features, bias=False, bits=q.bits, device="meta")
+        new = KbitLinear(q.in_features, q.out_features, bias=False, bits=q.bits, device="meta", hadamard=signs is not None)
         new.weight = nn.Parameter(q.packed, requires_grad=False)
         new.absmax, new.codebook, new.tensor_scale = q.absmax, q.codebook, q.tensor_scale
+        if signs is not None:
+            new.hadamard_signs = signs
     elif isinstance(layer, nn.Linear):
         r0, r1 = _span("rows", rows, layer.out_features)
         c0, c1 = _span("cols", cols, layer.in_features)

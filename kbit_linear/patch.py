@@ -268,7 +268,8 @@ def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def kbit_placeholder(
-    linear: nn.Linear, bits: int, *, bias: bool | None = None, device: torch.device | str | None = None
+    linear: nn.Linear, bits: int, *, bias: bool | None = None, device: torch.device | str | None = None,
+    hadamard: bool = False,
 ) -> KbitLinear:
     """An unfilled :class:`KbitLinear` standing in for ``linear``, to be filled by a state dict.
 
@@ -280,6 +281,7 @@ def kbit_placeholder(
         bits: index width, 2..5.
         bias: whether it has a bias (default: as ``linear``).
         device: where its tensors live (default: ``linear.weight``'s device).
+        hadamard: whether it holds a Hadamard-rotated weight (a ``hadamard_signs`` buffer).
     """
     ref = linear.bias if linear.bias is not None else linear.weight
     layer = KbitLinear(
@@ -289,6 +291,7 @@ def kbit_placeholder(
         bits=bits,
         device=linear.weight.device if device is None else device,
         dtype=ref.dtype,
+        hadamard=hadamard,
     )
     layer.train(linear.training)
     return layer
@@ -385,6 +388,7 @@ def quantize_model(
     scale_search: bool = False,
     device: torch.device | str | None = None,
     calibration: Calibration | torch.Tensor | None = None,
+    hadamard: bool = False,
 ) -> QuantizationSummary:
     """Replace the ``nn.Linear`` layers of ``model`` by :class:`KbitLinear`, in place, and
     the experts modules of mixture-of-experts blocks by :class:`KbitExperts`.
@@ -419,6 +423,11 @@ def quantize_model(
             (:func:`kbit_linear.calibration.calibrate_model`), each layer rounded with its
             inputs' Hessian; same stored format, works with ``codebook`` and ``scale_search``.
             Needs a model on one real device and no ``device``. Experts modules stay data-free.
+        hadamard: quantize each ``nn.Linear`` weight rotated by a randomized Hadamard transform
+            along in_features (:mod:`kbit_linear.hadamard`; the layer rotates its inputs to
+            match, one multiply and one small matrix product per call). Much better at K = 2
+            and 3 on real weights (Gemma-3-270M, K = 3: KL 3.04 -> 1.54 nats/token); works
+            with ``calibration``. Experts modules are not rotated.
 
     Returns:
         A :class:`QuantizationSummary`: converted names, skipped names with reasons, bytes
@@ -434,6 +443,8 @@ def quantize_model(
     if isinstance(model, nn.Linear):
         raise TypeError("model is a bare nn.Linear, which cannot be replaced in place; use KbitLinear.from_linear(model, bits)")
     fmt.check_bits(bits)
+    if not isinstance(hadamard, bool):
+        raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
     rules = check_skip_rules(skip)
     if codebook is not None:
         # fail before the first layer is touched, not halfway through the model
@@ -473,10 +484,10 @@ def quantize_model(
                 src.bias = nn.Parameter(linear.bias.detach().to(target), requires_grad=linear.bias.requires_grad)
         try:
             if hessian is None:
-                new = KbitLinear.from_linear(src, bits=bits, codebook=codebook, scale_search=scale_search)
+                new = KbitLinear.from_linear(src, bits=bits, codebook=codebook, scale_search=scale_search, hadamard=hadamard)
             else:
                 new = KbitLinear.from_linear(src, bits=bits, codebook=codebook, scale_search=scale_search,
-                                             hessian=hessian, damp=calibration.damp)
+                                             hessian=hessian, damp=calibration.damp, hadamard=hadamard)
         except (TypeError, ValueError) as e:
             raise ValueError(f"cannot quantize layer {name!r} ({linear.out_features}x{linear.in_features}): {e}") from e
         new.train(linear.training)

@@ -20,6 +20,7 @@ import torch
 from . import _ops  # noqa: F401  (registers the torch.library ops used below)
 from . import calibration
 from . import format as fmt
+from . import hadamard
 
 __all__ = ["KbitTensors", "quantize_weight"]
 
@@ -53,6 +54,7 @@ def quantize_weight(
     scale_search: bool = False,
     hessian: torch.Tensor | None = None,
     damp: float = calibration.DEFAULT_DAMP,
+    hadamard_signs: torch.Tensor | None = None,
     name: str = "weight",
 ) -> KbitTensors:
     """Quantize a dense weight to the tiled kbit format, on the weight's device.
@@ -75,6 +77,9 @@ def quantize_weight(
             GPTQ-style error feedback (:func:`kbit_linear.calibration.gptq_quantize_blocks`, in
             PyTorch on the weight's device) instead of to nearest; same stored format.
         damp: the Hessian's damping (fraction of its mean diagonal), with ``hessian`` only.
+        hadamard_signs: int8 ``[in_features]`` of +-1: quantize ``W R`` instead of ``W``, the
+            randomized Hadamard rotation of :mod:`kbit_linear.hadamard` (the layer then rotates
+            its inputs by the same signs); ``hessian`` is rotated with it.
         name: what to call ``weight`` in error messages (e.g. ``"model.layers.0.q_proj.weight"``).
 
     Returns:
@@ -84,13 +89,20 @@ def quantize_weight(
         TypeError: ``bits`` not an int, ``weight`` not a floating-point tensor, ``codebook`` not
             a floating-point tensor.
         ValueError: ``bits`` not in 2..5; ``weight`` not 2-D, empty or not finite; ``codebook``
-            of the wrong size, not strictly increasing, or outside [-1, 1]. Every message names
-            the argument.
+            of the wrong size, not strictly increasing, or outside [-1, 1]; ``hadamard_signs`` not
+            int8 ``[in_features]`` of +-1. Every message names the argument.
     """
     fmt.check_bits(bits)
     fmt.check_weight(weight, name=name)
+    if hadamard_signs is not None:
+        hadamard.check_signs(hadamard_signs, weight.shape[1], "hadamard_signs")
     with torch.no_grad():
         w = weight.detach()
+        if hadamard_signs is not None:
+            signs = hadamard_signs.to(w.device)
+            w = hadamard.rotate(w.to(torch.float32), signs)
+            if hessian is not None:
+                hessian = hadamard.rotate_hessian(hessian.to(device=w.device, dtype=torch.float32), signs)
         cb = fmt.resolve_codebook(codebook, bits, w.device)
         ts = fmt.compute_tensor_scale(w)
         if not isinstance(scale_search, bool):

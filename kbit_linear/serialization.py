@@ -1,13 +1,16 @@
 """Quantized checkpoints in safetensors: save, load, and the checks shared with the plug-in.
 
-On-disk format (version ``"1"``), one ``.safetensors`` file:
+On-disk format (version ``"1"``; ``"2"`` when a layer is Hadamard-rotated), one ``.safetensors`` file:
 
 * every tensor of the model's state dict; a quantized linear ``<prefix>`` contributes
   ``<prefix>.weight`` (int32 ``[K_pad/64, N_pad/128, 128, 2, bits]``, deliberately not
   ``[out, in]``: a loader that does not know the format fails with a size mismatch),
   ``<prefix>.absmax`` (uint8 ``[K_pad/64, N_pad/128, 128, 2]``), ``<prefix>.codebook``
   (float32 ``[2**bits]``), ``<prefix>.tensor_scale`` (float32 ``[1]``) and optionally
-  ``<prefix>.bias`` (the model dtype, ``[out_features]``);
+  ``<prefix>.bias`` (the model dtype, ``[out_features]``), and for a layer quantized with the
+  randomized Hadamard rotation (:mod:`kbit_linear.hadamard`) ``<prefix>.hadamard_signs`` (int8
+  ``[in_features]`` of +-1; its metadata says ``"hadamard": true`` and the file's version is
+  ``"2"``, so that a reader that predates the rotation refuses it instead of ignoring it);
 * a GGUF module ``<prefix>`` (:class:`~kbit_linear.gguf_linear.GGUFLinear` or
   :class:`~kbit_linear.gguf_linear.GGUFEmbedding`: a llama.cpp block type kept quantized)
   contributes its arrays under their buffer names, ``<prefix>.qs``, ``<prefix>.qh``,
@@ -24,7 +27,7 @@ On-disk format (version ``"1"``), one ``.safetensors`` file:
 * header metadata (all strings, as safetensors requires):
 
   - ``format``: ``"pt"`` (what transformers expects of a PyTorch file);
-  - ``kbit_linear.version``: ``"1"``;
+  - ``kbit_linear.version``: ``"1"`` (``"2"`` with a Hadamard-rotated layer);
   - ``kbit_linear.layers``: JSON ``{prefix: layer metadata}`` (see :func:`layer_metadata`:
     bits, true and padded shape, block size, tile config, bias flag);
   - ``kbit_linear.sha256``: JSON ``{tensor name: hex sha256 of its bytes}``;
@@ -75,6 +78,7 @@ import torch
 from torch import nn
 
 from . import format as fmt
+from . import hadamard
 from .experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem
 from .gguf_linear import GGUFEmbedding, GGUFLinear
 from .linear import KbitLinear
@@ -82,6 +86,9 @@ from .patch import experts_placeholder, is_convertible, kbit_placeholder, replac
 
 __all__ = [
     "FORMAT_VERSION",
+    "HADAMARD_FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "stored_tensor_names",
     "LAYER_TENSORS",
     "QUANTIZED_TENSORS",
     "CheckpointError",
@@ -103,9 +110,15 @@ __all__ = [
 ]
 
 FORMAT_VERSION = "1"
-"""The on-disk format version this code writes and reads."""
-LAYER_TENSORS = ("weight", "absmax", "codebook", "tensor_scale", "bias")
-"""Tensor names of one quantized linear (``bias`` optional)."""
+"""The on-disk format version this code writes for checkpoints without Hadamard-rotated layers
+(readers of any version take them)."""
+HADAMARD_FORMAT_VERSION = "2"
+"""The version written when a layer is Hadamard-rotated (its ``hadamard_signs`` tensor and
+``"hadamard": true`` metadata): a reader of version 1 would ignore the rotation, so it must refuse."""
+READABLE_VERSIONS = (FORMAT_VERSION, HADAMARD_FORMAT_VERSION)
+"""The on-disk format versions this code reads."""
+LAYER_TENSORS = ("weight", "absmax", "codebook", "tensor_scale", "bias", "hadamard_signs")
+"""Tensor names of one quantized linear (``bias`` and ``hadamard_signs`` optional)."""
 QUANTIZED_TENSORS = LAYER_TENSORS[:4]
 """The tensors of one quantized linear that hold the format (all but the bias)."""
 
@@ -161,17 +174,27 @@ def layer_metadata(layer: KbitLinear) -> dict[str, Any]:
 
     Returns:
         ``{"bits", "in_features", "out_features", "in_features_padded",
-        "out_features_padded", "block_size", "tile_k", "tile_n", "bias"}`` (ints and a bool).
+        "out_features_padded", "block_size", "tile_k", "tile_n", "bias"}`` (ints and a bool),
+        and ``"hadamard": True`` for a Hadamard-rotated layer.
     """
     if not isinstance(layer, KbitLinear):
         raise TypeError(f"layer must be a KbitLinear, got {type(layer).__name__}")
-    return {
+    meta = {
         "bits": layer.bits,
         "in_features": layer.in_features,
         "out_features": layer.out_features,
         **_layout_metadata(layer.out_features, layer.in_features),
         "bias": layer.bias is not None,
     }
+    if layer.hadamard_signs is not None:
+        meta["hadamard"] = True
+    return meta
+
+
+def stored_tensor_names(layer: KbitLinear) -> tuple[str, ...]:
+    """The names of the tensors that hold a layer's quantized weight: :data:`QUANTIZED_TENSORS`,
+    and ``hadamard_signs`` for a Hadamard-rotated layer (the bias apart)."""
+    return QUANTIZED_TENSORS + (("hadamard_signs",) if layer.hadamard_signs is not None else ())
 
 
 def _layout_metadata(out_features: int, in_features: int) -> dict[str, int]:
@@ -196,7 +219,7 @@ def validate_layer_metadata(prefix: str, meta: Mapping[str, Any], *, where: str 
     Required keys: ``bits`` (2..5), ``in_features``, ``out_features`` (positive ints).
     Optional keys, checked when present: ``in_features_padded``, ``out_features_padded``
     (must equal the shapes rounded up to 64 / 128), ``block_size`` (32), ``tile_k`` (64),
-    ``tile_n`` (128), ``bias`` (bool).
+    ``tile_n`` (128), ``bias`` (bool), ``hadamard`` (bool, default false).
 
     Args:
         prefix: the layer's module name (for messages).
@@ -228,9 +251,10 @@ def validate_layer_metadata(prefix: str, meta: Mapping[str, Any], *, where: str 
     for key, want in expected.items():
         if key in meta and get_int(key) != want:
             raise _fail(ctx, f"metadata {key}={meta[key]} does not match this format (expected {want} for shape ({n}, {k}))")
-    has_bias = meta.get("bias")
-    if has_bias is not None and not isinstance(has_bias, bool):
-        raise _fail(ctx, f"metadata 'bias' must be a bool, got {has_bias!r}")
+    for key in ("bias", "hadamard"):
+        flag = meta.get(key)
+        if flag is not None and not isinstance(flag, bool):
+            raise _fail(ctx, f"metadata {key!r} must be a bool, got {flag!r}")
     out = dict(meta)
     out.update(expected)
     out.update(bits=bits, in_features=k, out_features=n)
@@ -290,6 +314,16 @@ def validate_layer_tensors(
             raise _fail(
                 ctx, f"{name!r} has shape {tuple(t.shape)}, expected {shape} for bits={bits}, out_features={n}, in_features={k}"
             )
+    signs = tensors.get("hadamard_signs")
+    if meta.get("hadamard") is True and signs is None:
+        raise _fail(ctx, "tensor 'hadamard_signs' is missing (the metadata says the layer is Hadamard-rotated)")
+    if meta.get("hadamard") is not True and signs is not None:
+        raise _fail(ctx, "has a 'hadamard_signs' tensor but the metadata does not say the layer is Hadamard-rotated")
+    if signs is not None:
+        try:
+            hadamard.check_signs(signs, k, "'hadamard_signs'", values=check_values)
+        except (TypeError, ValueError) as e:
+            raise _fail(ctx, str(e)) from None
     bias = tensors.get("bias")
     if meta.get("bias") is True and bias is None:
         raise _fail(ctx, "tensor 'bias' is missing (the metadata says the layer has a bias)")
@@ -766,8 +800,9 @@ def header_metadata(
     Returns:
         str -> str entries, as safetensors requires; the caller adds ``format`` and any others.
     """
+    rotated = any(m.get("hadamard") is True for m in layers.values())
     header = {
-        _KEY_VERSION: FORMAT_VERSION,
+        _KEY_VERSION: HADAMARD_FORMAT_VERSION if rotated else FORMAT_VERSION,
         _KEY_LAYERS: json.dumps(layers, sort_keys=True),
         _KEY_SHA256: json.dumps(dict(sha256), sort_keys=True),
     }
@@ -796,19 +831,24 @@ def parse_header(header: Mapping[str, str], where: str, *, verify_digest: bool =
         raise CheckpointError(
             f"{where}: not a kbit_linear checkpoint: the safetensors header has no {_KEY_VERSION!r} (not written by kbit_linear)"
         )
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{where}: format version {version!r} is not supported (this version of kbit_linear reads {FORMAT_VERSION!r})"
+            f"{where}: format version {version!r} is not supported (this version of kbit_linear reads {list(READABLE_VERSIONS)})"
         )
     if verify_digest and header.get(_KEY_HEADER_SHA256) != _header_digest(header):
         raise CheckpointError(f"{where}: the header metadata fails its sha256 check: the file is corrupted or was modified")
-    return CheckpointHeader(
+    parsed = CheckpointHeader(
         layers=_parse_json(where, _KEY_LAYERS, header.get(_KEY_LAYERS), None),
         sha256=_parse_json(where, _KEY_SHA256, header.get(_KEY_SHA256), None),
         aliases=_parse_json(where, _KEY_ALIASES, header.get(_KEY_ALIASES), {}),
         experts=_parse_json(where, _KEY_EXPERTS, header.get(_KEY_EXPERTS), {}),
         gguf=_parse_json(where, _KEY_GGUF, header.get(_KEY_GGUF), {}),
     )
+    if version == FORMAT_VERSION and isinstance(parsed.layers, Mapping) and any(
+            isinstance(m, Mapping) and m.get("hadamard") is True for m in parsed.layers.values()):
+        raise CheckpointError(f"{where}: a version {FORMAT_VERSION!r} file cannot hold Hadamard-rotated layers "
+                              f"(they need version {HADAMARD_FORMAT_VERSION!r}): the header was modified")
+    return parsed
 
 
 def load_quantized(
@@ -945,18 +985,20 @@ def load_into(
         except AttributeError:
             raise CheckpointError(f"{where}: layer {prefix!r} has no module in the model") from None
         bits, k, n, has_bias = meta["bits"], meta["in_features"], meta["out_features"], f"{prefix}.bias" in ckpt.tensors
+        rotated = meta.get("hadamard") is True
         if isinstance(module, KbitLinear):
-            got = (module.bits, module.in_features, module.out_features, module.bias is not None)
-            if got != (bits, k, n, has_bias):
+            got = (module.bits, module.in_features, module.out_features, module.bias is not None, module.hadamard_signs is not None)
+            if got != (bits, k, n, has_bias, rotated):
                 raise CheckpointError(
-                    f"{where}: layer {prefix!r} is (bits, in, out, bias)={(bits, k, n, has_bias)} in the checkpoint but {got} in the model"
+                    f"{where}: layer {prefix!r} is (bits, in, out, bias, hadamard)={(bits, k, n, has_bias, rotated)} in the "
+                    f"checkpoint but {got} in the model"
                 )
         elif is_convertible(module):
             if (module.in_features, module.out_features) != (k, n):
                 raise CheckpointError(
                     f"{where}: layer {prefix!r} is {n}x{k} in the checkpoint but {module.out_features}x{module.in_features} in the model"
                 )
-            replace_module(model, prefix, kbit_placeholder(module, bits, bias=has_bias))
+            replace_module(model, prefix, kbit_placeholder(module, bits, bias=has_bias, hadamard=rotated))
         else:
             # the swap rule of kbit_linear.patch.is_convertible: exact nn.Linear only
             raise CheckpointError(

@@ -130,3 +130,21 @@ def test_smollm_shaped_llama_forward_matches_cpu_reference():
         ref = cpu(ids).logits
         out = gpu(ids.to(DEV)).logits.float().cpu()
     assert _rel_err(out, ref) < 3e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("m", [1, 5, 300])
+def test_hadamard_rotated_layer_on_cuda_matches_the_cpu_layer(dtype, m):
+    torch.manual_seed(m)
+    dense = nn.Linear(576, 200)
+    cpu = kbit_linear.KbitLinear.from_linear(dense, bits=3, hadamard=True)
+    gpu = kbit_linear.KbitLinear.from_linear(dense.to(DEV), bits=3, hadamard=True).to(dtype=dtype)
+    for t in ("weight", "absmax", "codebook", "tensor_scale", "hadamard_signs"):  # quantized on the GPU: same tensors
+        assert torch.equal(getattr(gpu, t).cpu(), getattr(cpu, t)), t
+    x = torch.randn(m, 576)
+    with torch.no_grad():
+        y = gpu(x.to(DEV, dtype))
+        graph_x = x.to(DEV, dtype)
+        ref = cpu(x)
+    assert y.dtype == dtype
+    assert _rel_err(y, ref) < TOL

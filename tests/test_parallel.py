@@ -304,3 +304,20 @@ def test_from_pretrained_tp_plan_is_refused_with_directions(tmp_path: Path) -> N
         assert not hfq.param_needs_quantization(model, "proj.bias")
     finally:
         dist.destroy_process_group()
+
+
+def test_slices_of_a_hadamard_rotated_layer_keep_its_rotation_or_refuse():
+    torch.manual_seed(4)
+    dense = nn.Linear(512, 96)
+    layer = kbit_linear.KbitLinear.from_linear(dense, bits=3, hadamard=True)  # rotation blocks of 256
+    x = torch.randn(3, 512)
+    rows = slice_linear(layer, rows=(32, 96))
+    torch.testing.assert_close(rows(x), layer(x)[:, 32:96])
+    cols = [slice_linear(layer, cols=(c, c + 256)) for c in (0, 256)]
+    assert all(c.hadamard_signs is not None for c in cols)
+    summed = cols[0](x[:, :256]) + cols[1](x[:, 256:]) - layer.bias
+    torch.testing.assert_close(summed, layer(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cols[1].dequantize(), layer.dequantize()[:, 256:])
+    for bad in [(0, 128), (128, 384)]:
+        with pytest.raises(ValueError, match="rotation blocks"):
+            slice_linear(layer, cols=bad)

@@ -275,7 +275,7 @@ CORRUPTIONS = {
     "dirty-padding": (_tensor_edit("4.absmax", _dirty_padding), r"layer '4': absmax is not zero in the padding \(rows 200\.\.255\)"),
     "missing-tensor": (_tensor_edit("2.tensor_scale", None), r"layer '2': tensor 'tensor_scale' is missing"),
     "missing-bias": (_tensor_edit("0.bias", None), r"layer '0': tensor 'bias' is missing"),
-    "unknown-version": (_header_edit(ser._KEY_VERSION, "2"), r"format version '2' is not supported"),
+    "unknown-version": (_header_edit(ser._KEY_VERSION, "3"), r"format version '3' is not supported"),
     "bad-layers-json": (_header_edit(ser._KEY_LAYERS, "{not json"), r"'kbit_linear.layers' is not valid JSON"),
 }
 
@@ -307,7 +307,7 @@ def test_load_into_mismatched_model(saved):
     with pytest.raises(CheckpointError, match=r"layer '0' is 33x100 in the checkpoint but 34x100 in the model"):
         load_into(wrong, path)
     other_bits = _quantized_mlp(bits=2)
-    with pytest.raises(CheckpointError, match=r"layer '0' is \(bits, in, out, bias\)=\(3, 100, 33, True\) in the checkpoint but \(2, 100, 33, True\)"):
+    with pytest.raises(CheckpointError, match=r"layer '0' is \(bits, in, out, bias, hadamard\)=\(3, 100, 33, True, False\) in the checkpoint but \(2, 100, 33, True, False\)"):
         load_into(other_bits, path)
     extra = nn.Sequential(*_mlp(), nn.Linear(7, 2))
     with pytest.raises(CheckpointError, match=r"(?s)does not match the model.*Missing key"):

@@ -113,6 +113,7 @@ def test_config_round_trips_through_json():
         "skip_modules": ["mlp", "re:layers\\.0\\."],
         "codebook": [float(v) for v in cb.tolist()],
         "scale_search": False,
+        "hadamard": False,
         "format_version": "1",
     }
     back = KbitConfig.from_dict(d)
@@ -134,7 +135,7 @@ def test_config_round_trips_through_json():
         (dict(skip_modules=[""]), TypeError, "skip_modules"),
         (dict(skip_modules=["re:("]), ValueError, "regular expression"),
         (dict(quant_method="gptq"), ValueError, "quant_method"),
-        (dict(format_version="2"), ValueError, "format version"),
+        (dict(format_version="3"), ValueError, "format version"),
         (dict(group_size=64), TypeError, "unexpected"),
     ],
     ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(v),
@@ -211,6 +212,42 @@ def test_scale_search_at_load_equals_quantize_model_and_round_trips(dense_dir, t
     r = _load(tmp_path)
     ids = _ids()
     assert torch.equal(_logits(r, ids).float(), _logits(q, ids).float())
+
+
+def test_hadamard_at_load_equals_quantize_model_and_round_trips(dense_dir, tmp_path):
+    q = _load(dense_dir, quantization_config=KbitConfig(bits=3, hadamard=True), dtype=torch.bfloat16)
+    ref = _load(dense_dir, dtype=torch.bfloat16)
+    quantize_model(ref, bits=3, progress=False, hadamard=True)
+    layers = _kbit_layers(q)
+    assert layers and all(layer.hadamard_signs is not None for layer in layers.values())
+    for name, layer in layers.items():
+        for t in (*QUANTIZED, "hadamard_signs"):
+            assert torch.equal(getattr(layer, t), getattr(ref.get_submodule(name), t)), f"{name}.{t}"
+    ids = _ids()
+    assert torch.equal(_logits(q, ids).float(), _logits(ref, ids).float())
+    q.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert saved["hadamard"] is True and saved["format_version"] == "2"
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert f.metadata()["kbit_linear.version"] == "2"
+    r = _load(tmp_path)
+    assert torch.equal(_logits(r, ids).float(), _logits(q, ids).float())
+    # a rotated checkpoint loaded as a plain one (config edited) fails instead of ignoring the rotation
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["hadamard"] = False
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="hadamard"):
+        _load(tmp_path)
+
+
+def test_config_rejects_bad_hadamard_arguments():
+    with pytest.raises(TypeError, match="hadamard"):
+        KbitConfig(bits=3, hadamard=1)
+    with pytest.raises(ValueError, match="format_version"):
+        KbitConfig(bits=3, hadamard=True, format_version="1")
+    with pytest.raises(ValueError, match="format version"):
+        KbitConfig(bits=3, format_version="3")
 
 
 def test_config_rejects_a_non_bool_scale_search():
@@ -388,7 +425,7 @@ def test_save_then_reload_in_a_fresh_process_is_bit_identical(dense_dir, tmp_pat
 
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"] == {"quant_method": "kbit", "bits": 4, "skip_modules": None, "codebook": None, "scale_search": False,
-                                         "format_version": "1"}
+                                         "hadamard": False, "format_version": "1"}
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), "pt") as f:

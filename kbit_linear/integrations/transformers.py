@@ -59,6 +59,7 @@ from torch import nn
 from .. import format as fmt
 from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem, quantize_experts_weight
 from ..gguf_linear import GGUFEmbedding, GGUFLinear
+from ..hadamard import random_signs
 from ..linear import KbitLinear
 from ..patch import (
     check_skip_rules,
@@ -72,12 +73,15 @@ from ..patch import (
 from ..quantizer import quantize_weight
 from ..serialization import (
     FORMAT_VERSION,
+    HADAMARD_FORMAT_VERSION,
     QUANTIZED_TENSORS,
+    READABLE_VERSIONS,
     CheckpointError,
     experts_metadata,
     header_metadata,
     layer_metadata,
     parse_header,
+    stored_tensor_names,
     tensor_sha256,
     validate_experts_metadata,
     validate_experts_tensors,
@@ -102,7 +106,7 @@ QUANT_METHOD = "kbit"
 """The ``quant_method`` written to ``config.json``."""
 
 # safetensors dtype names of the quantized tensors (anything else is reported by its raw name)
-_SAFETENSORS_DTYPES = {"I32": torch.int32, "U8": torch.uint8, "F32": torch.float32}
+_SAFETENSORS_DTYPES = {"I32": torch.int32, "U8": torch.uint8, "I8": torch.int8, "F32": torch.float32}
 # attribute names of a KbitExperts's quantized tensors
 _EXPERTS_TENSORS = tuple(proj + suffix for proj in PROJECTIONS for suffix in TENSOR_SUFFIXES.values())
 
@@ -129,8 +133,12 @@ class KbitConfig(QuantizationConfigMixin):
         scale_search: choose each block's scale for the least error instead of rounding its
             absmax up when quantizing at load (better at 2 and 3 bits, slower to load); a
             quantize-time choice: checkpoints store the chosen scales in the same format.
+        hadamard: quantize each weight rotated by a randomized Hadamard transform along
+            in_features (:mod:`kbit_linear.hadamard`; the layers rotate their inputs to match):
+            much better at 2 and 3 bits. Checkpoints store each layer's sign vector and use
+            format version ``"2"``.
         format_version: the checkpoint format version (written by this code; read back from
-            ``config.json``).
+            ``config.json``; default: ``"2"`` with ``hadamard``, else ``"1"``).
 
     Raises:
         TypeError / ValueError: a bad argument, named.
@@ -142,7 +150,8 @@ class KbitConfig(QuantizationConfigMixin):
         skip_modules: list[str] | tuple[str, ...] | None = None,
         codebook: list[float] | torch.Tensor | None = None,
         scale_search: bool = False,
-        format_version: str = FORMAT_VERSION,
+        hadamard: bool = False,
+        format_version: str | None = None,
         **kwargs: Any,
     ) -> None:
         method = kwargs.pop("quant_method", QUANT_METHOD)
@@ -157,13 +166,20 @@ class KbitConfig(QuantizationConfigMixin):
         if not isinstance(scale_search, bool):
             raise TypeError(f"scale_search must be a bool, got {type(scale_search).__name__}")
         self.scale_search = scale_search
+        if not isinstance(hadamard, bool):
+            raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
+        self.hadamard = hadamard
+        if format_version is None:
+            format_version = HADAMARD_FORMAT_VERSION if hadamard else FORMAT_VERSION
         if not isinstance(format_version, str):
             raise TypeError(f"format_version must be a str, got {type(format_version).__name__}")
-        if format_version != FORMAT_VERSION:
+        if format_version not in READABLE_VERSIONS:
             raise ValueError(
                 f"this checkpoint uses kbit_linear format version {format_version!r}; this version of "
-                f"kbit_linear reads {FORMAT_VERSION!r} (upgrade kbit_linear)"
+                f"kbit_linear reads {list(READABLE_VERSIONS)} (upgrade kbit_linear)"
             )
+        if hadamard and format_version == FORMAT_VERSION:
+            raise ValueError(f"hadamard=True needs format_version {HADAMARD_FORMAT_VERSION!r}, got {format_version!r}")
         self.format_version = format_version
 
     def codebook_tensor(self) -> torch.Tensor | None:
@@ -239,17 +255,22 @@ class KbitQuantize(ConversionOps):
                     f"{key}: the checkpoint weight has shape {tuple(tensor.shape)}, expected "
                     f"[{linear.out_features}, {linear.in_features}] (is this checkpoint already quantized?)"
                 )
+            rotated = hfq.quantization_config.hadamard
+            signs = random_signs(linear.in_features, device=tensor.device) if rotated else None
             try:
-                q = quantize_weight(tensor, bits, hfq.codebook, scale_search=hfq.quantization_config.scale_search, name=key)
+                q = quantize_weight(tensor, bits, hfq.codebook, scale_search=hfq.quantization_config.scale_search,
+                                    hadamard_signs=signs, name=key)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"cannot quantize {key} ({linear.out_features}x{linear.in_features}): {e}") from e
             del tensor, value
-            layer = kbit_placeholder(linear, bits, bias=False, device="meta")
+            layer = kbit_placeholder(linear, bits, bias=False, device="meta", hadamard=rotated)
             layer.bias = linear.bias  # loaded already, or still meta and set on the new layer later
             replace_module(model, prefix, layer)
             hfq.pending.discard(prefix)
             del linear
             out.update({f"{prefix}.{t}": v for t, v in zip(QUANTIZED_TENSORS, q)})
+            if signs is not None:
+                out[f"{prefix}.hadamard_signs"] = signs
         return out
 
     def _convert_experts(self, model: nn.Module, prefix: str, proj: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -374,7 +395,8 @@ class KbitHfQuantizer(HfQuantizer):
             self.pending_experts = {name: set(PROJECTIONS) for name in experts}
             return model
         for name in names:
-            replace_module(model, name, kbit_placeholder(model.get_submodule(name), config.bits, device="meta"))
+            replace_module(model, name, kbit_placeholder(model.get_submodule(name), config.bits, device="meta",
+                                                         hadamard=config.hadamard))
         for name in experts:
             replace_module(model, name, experts_placeholder(model.get_submodule(name), config.bits, device="meta"))
         self._check_headers(model, kwargs.get("checkpoint_files"))
@@ -417,12 +439,13 @@ class KbitHfQuantizer(HfQuantizer):
                 raise CheckpointError(f"{where}: layer {name!r} should be quantized but the checkpoint header does not list it")
             meta = validate_layer_metadata(name, layers[name], where=where)
             want = {k: v for k, v in layer_metadata(module).items() if k in ("bits", "in_features", "out_features")}
-            got = {k: meta.get(k) for k in want}
+            want["hadamard"] = module.hadamard_signs is not None
+            got = {k: meta.get(k, False if k == "hadamard" else None) for k in want}
             if got != want:
                 raise CheckpointError(
                     f"{where}: layer {name!r} is {got} in the checkpoint but the model (config.json) expects {want}"
                 )
-            for tensor in QUANTIZED_TENSORS:
+            for tensor in stored_tensor_names(module):
                 _check_header_tensor(shapes, f"{name}.{tensor}", getattr(module, tensor),
                                      f"a {module.bits}-bit {module.out_features}x{module.in_features} layer", where)
         _refuse_stray(layers, placeholders, "layers", where)
@@ -463,7 +486,8 @@ class KbitHfQuantizer(HfQuantizer):
             linear = model.get_submodule(name)
             if is_convertible(linear):
                 layer = KbitLinear.from_linear(linear, self.quantization_config.bits, self.codebook,
-                                               scale_search=self.quantization_config.scale_search)
+                                               scale_search=self.quantization_config.scale_search,
+                                               hadamard=self.quantization_config.hadamard)
                 layer.train(linear.training)
                 replace_module(model, name, layer)
         self.pending = set()
@@ -480,7 +504,7 @@ class KbitHfQuantizer(HfQuantizer):
                 continue
             if not isinstance(module, KbitLinear):
                 continue
-            tensors = {t: getattr(module, t) for t in (*QUANTIZED_TENSORS, "bias") if getattr(module, t) is not None}
+            tensors = {t: getattr(module, t) for t in (*stored_tensor_names(module), "bias") if getattr(module, t) is not None}
             for t_name, t in tensors.items():
                 if t.device.type == "meta":
                     raise CheckpointError(f"layer {name!r}: tensor {t_name!r} was not loaded (still on the meta device)")
@@ -489,7 +513,7 @@ class KbitHfQuantizer(HfQuantizer):
             except CheckpointError as e:
                 raise CheckpointError(f"after loading: {e}") from None
             if self.pre_quantized and self._header_sha256:
-                for t_name in QUANTIZED_TENSORS:
+                for t_name in stored_tensor_names(module):
                     verify_sha256(f"{name}.{t_name}", tensors[t_name], self._header_sha256)
             for p in module.parameters(recurse=False):
                 p.requires_grad_(False)
@@ -536,7 +560,7 @@ class KbitHfQuantizer(HfQuantizer):
         for name, module in model.named_modules():
             if isinstance(module, KbitLinear):
                 layers[name] = layer_metadata(module)
-                for t_name in QUANTIZED_TENSORS:
+                for t_name in stored_tensor_names(module):
                     sums[f"{name}.{t_name}"] = tensor_sha256(getattr(module, t_name))
             elif isinstance(module, KbitExperts):
                 experts[name] = experts_metadata(module)

@@ -1,0 +1,208 @@
+"""The randomized Hadamard rotation (``kbit_linear/hadamard.py``) and the layers, checkpoints and
+model conversion that use it (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+import kbit_linear
+from kbit_linear import hadamard as hd
+from kbit_linear import serialization as ser
+from kbit_linear.quantizer import quantize_weight
+from kbit_linear.serialization import CheckpointError, load_into, load_quantized, save_quantized
+
+
+def _rotation(signs: torch.Tensor) -> torch.Tensor:
+    """R = diag(signs) blockdiag(H, H, ...) in float64, built the slow way."""
+    k = signs.numel()
+    b = hd.hadamard_block(k)
+    h = hd.hadamard_matrix(b, torch.float64)
+    return torch.diag(signs.double()) @ torch.block_diag(*[h] * (k // b))
+
+
+def test_block_is_the_largest_power_of_two_dividing_in_features_up_to_256():
+    assert [hd.hadamard_block(k) for k in (1, 97, 100, 192, 576, 640, 1536, 4096, 14336)] == [1, 1, 4, 64, 64, 128, 256, 256, 256]
+    for bad in (0, -64, 2.0, True):
+        with pytest.raises(ValueError, match="in_features"):
+            hd.hadamard_block(bad)
+
+
+@pytest.mark.parametrize("k", [1, 96, 100, 576, 1024])
+def test_rotate_is_multiplication_by_the_orthogonal_block_rotation(k):
+    g = torch.Generator().manual_seed(k)
+    signs = hd.random_signs(k, seed=k)
+    r = _rotation(signs)
+    torch.testing.assert_close(r @ r.T, torch.eye(k, dtype=torch.float64))
+    x = torch.randn(3, 5, k, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(hd.rotate(x, signs), x @ r)
+    torch.testing.assert_close(hd.unrotate(hd.rotate(x, signs), signs), x)
+    a = x.reshape(-1, k).T @ x.reshape(-1, k)
+    torch.testing.assert_close(hd.rotate_hessian(a, signs), r.T @ a @ r)
+
+
+def test_signs_are_deterministic_and_checked():
+    a, b = hd.random_signs(300, seed=5), hd.random_signs(300, seed=5)
+    assert torch.equal(a, b) and a.dtype == torch.int8 and set(a.tolist()) == {-1, 1}
+    assert not torch.equal(a, hd.random_signs(300, seed=6))
+    with pytest.raises(TypeError, match="seed"):
+        hd.random_signs(300, seed=1.5)
+    with pytest.raises(TypeError, match="hadamard_signs"):
+        hd.check_signs(a.float(), 300)
+    with pytest.raises(ValueError, match=r"hadamard_signs must have shape \(64,\)"):
+        hd.check_signs(a, 64)
+    with pytest.raises(ValueError, match="only"):
+        hd.check_signs(torch.zeros(300, dtype=torch.int8), 300)
+    with pytest.raises(ValueError, match="power of two"):
+        hd.hadamard_matrix(48)
+
+
+def _outlier_linear(k: int = 512, n: int = 96, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    linear = nn.Linear(k, n)
+    with torch.no_grad():
+        linear.weight.normal_()
+        linear.weight[:, 7] *= 25  # an outlier input channel, as real layers have
+    return linear
+
+
+def test_rotated_layer_computes_x_times_its_dequantized_weight_and_rounds_better_with_outliers():
+    linear = _outlier_linear()
+    rotated = kbit_linear.KbitLinear.from_linear(linear, bits=3, hadamard=True, scale_search=True)
+    plain = kbit_linear.KbitLinear.from_linear(linear, bits=3, scale_search=True)
+    assert rotated.hadamard_signs is not None and "hadamard=True" in repr(rotated)
+    x = torch.randn(4, 7, 512)
+    torch.testing.assert_close(rotated(x), x @ rotated.dequantize().T + linear.bias, atol=1e-4, rtol=1e-4)
+    err = [float((q.dequantize() - linear.weight).norm() / linear.weight.norm()) for q in (rotated, plain)]
+    assert err[0] < 0.8 * err[1], err
+    # the stored weight is W R: read as a plain layer and rotated back, it is dequantize()
+    stored = kbit_linear.KbitLinear(512, 96, bits=3)
+    stored.load_state_dict({k: v for k, v in rotated.state_dict().items() if k != "hadamard_signs"})
+    torch.testing.assert_close(hd.unrotate(stored.dequantize(), rotated.hadamard_signs), rotated.dequantize())
+    assert (stored.dequantize() - rotated.dequantize()).abs().max() > 0.1
+
+
+def test_quantize_weight_checks_the_signs_and_rotates_the_hessian():
+    w = torch.randn(40, 64)
+    with pytest.raises(ValueError, match="hadamard_signs"):
+        quantize_weight(w, 3, hadamard_signs=torch.ones(32, dtype=torch.int8))
+    with pytest.raises(TypeError, match="hadamard_signs"):
+        quantize_weight(w, 3, hadamard_signs=torch.ones(64))
+    signs = hd.random_signs(64, seed=2)
+    x = torch.randn(256, 64)
+    x[:, 3] *= 10
+    # calibrated rounding of the rotated weight with the rotated inputs' Hessian beats it without data
+    h = x.T @ x
+    data_free = quantize_weight(w, 3, hadamard_signs=signs)
+    calibrated = quantize_weight(w, 3, hadamard_signs=signs, hessian=h)
+
+    def out_err(q):
+        layer = kbit_linear.KbitLinear(64, 40, bias=False, bits=3, hadamard=True)
+        layer.load_state_dict({"weight": q.packed, "absmax": q.absmax, "codebook": q.codebook, "tensor_scale": q.tensor_scale,
+                               "hadamard_signs": signs})
+        return float((layer(x) - x @ w.T).norm())
+
+    assert out_err(calibrated) < out_err(data_free)
+
+
+def test_state_dicts_of_rotated_and_plain_layers_do_not_mix():
+    rotated = kbit_linear.KbitLinear.from_linear(_outlier_linear(), bits=4, hadamard=True)
+    sd = rotated.state_dict()
+    assert sd["hadamard_signs"].dtype == torch.int8
+    fresh = kbit_linear.KbitLinear(512, 96, bits=4, hadamard=True)
+    fresh.load_state_dict(sd)
+    x = torch.randn(2, 512)
+    assert torch.equal(fresh(x), rotated(x))
+    with pytest.raises(RuntimeError, match="hadamard_signs"):
+        kbit_linear.KbitLinear(512, 96, bits=4).load_state_dict(sd)
+    with pytest.raises(RuntimeError, match="hadamard_signs"):
+        fresh.load_state_dict({k: v for k, v in sd.items() if k != "hadamard_signs"})
+    with pytest.raises(RuntimeError, match="hadamard_signs"):
+        fresh.load_state_dict({**sd, "hadamard_signs": sd["hadamard_signs"].float()})
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(192, 100), nn.GELU(), nn.Linear(100, 64))
+
+
+def test_quantize_model_save_and_load_into_a_fresh_model(tmp_path):
+    model = _model()
+    summary = kbit_linear.quantize_model(model, bits=3, skip=None, hadamard=True, progress=False)
+    assert len(summary.converted) == 2 and all(m.hadamard_signs is not None for m in model if isinstance(m, kbit_linear.KbitLinear))
+    path = tmp_path / "m.safetensors"
+    save_quantized(model, path)
+    with safetensors.safe_open(str(path), "pt") as f:
+        header = dict(f.metadata())
+    assert header[ser._KEY_VERSION] == ser.HADAMARD_FORMAT_VERSION
+    assert all(meta["hadamard"] is True for meta in json.loads(header[ser._KEY_LAYERS]).values())
+    fresh = _model()
+    load_into(fresh, path)
+    x = torch.randn(5, 192)
+    assert torch.equal(fresh(x), model(x))
+    # a plain model's checkpoint keeps version 1
+    plain = _model()
+    kbit_linear.quantize_model(plain, bits=3, skip=None, progress=False)
+    save_quantized(plain, tmp_path / "p.safetensors")
+    with safetensors.safe_open(str(tmp_path / "p.safetensors"), "pt") as f:
+        assert f.metadata()[ser._KEY_VERSION] == ser.FORMAT_VERSION
+    with pytest.raises(TypeError, match="hadamard"):
+        kbit_linear.quantize_model(_model(), bits=3, hadamard="yes", progress=False)
+
+
+def _forge(path, edit) -> None:
+    with safetensors.safe_open(str(path), "pt") as f:
+        tensors, header = {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+    edit(tensors, header)
+    header[ser._KEY_SHA256] = json.dumps({k: ser._sha256(t) for k, t in tensors.items()})
+    header[ser._KEY_HEADER_SHA256] = ser._header_digest(header)
+    safetensors.torch.save_file(tensors, str(path), metadata=header)
+
+
+def _zero_sign(tensors, header):
+    tensors["0.hadamard_signs"] = tensors["0.hadamard_signs"].clone()
+    tensors["0.hadamard_signs"][3] = 0
+
+
+def _drop_flag(tensors, header):
+    layers = json.loads(header[ser._KEY_LAYERS])
+    del layers["0"]["hadamard"]
+    header[ser._KEY_LAYERS] = json.dumps(layers)
+
+
+def _drop_signs(tensors, header):
+    del tensors["2.hadamard_signs"]
+
+
+def _version_one(tensors, header):
+    header[ser._KEY_VERSION] = ser.FORMAT_VERSION
+
+
+@pytest.mark.parametrize("edit,match", [
+    (_zero_sign, r"layer '0': 'hadamard_signs' must hold only \+1 and -1"),
+    (_drop_flag, r"layer '0': has a 'hadamard_signs' tensor but the metadata does not say"),
+    (_drop_signs, r"layer '2': tensor 'hadamard_signs' is missing"),
+    (_version_one, r"version '1' file cannot hold Hadamard-rotated layers"),
+], ids=["zero-sign", "flag-dropped", "signs-dropped", "version-1"])
+def test_corrupted_rotated_checkpoints_fail_loudly(tmp_path, edit, match):
+    model = _model()
+    kbit_linear.quantize_model(model, bits=3, skip=None, hadamard=True, progress=False)
+    path = tmp_path / "m.safetensors"
+    save_quantized(model, path)
+    _forge(path, edit)
+    with pytest.raises(CheckpointError, match=match):
+        load_quantized(path)
+
+
+def test_load_into_refuses_a_rotated_checkpoint_for_a_plain_layer(tmp_path):
+    model = _model()
+    kbit_linear.quantize_model(model, bits=3, skip=None, hadamard=True, progress=False)
+    save_quantized(model, tmp_path / "m.safetensors")
+    plain = _model()
+    kbit_linear.quantize_model(plain, bits=3, skip=None, progress=False)
+    with pytest.raises(CheckpointError, match=r"\(bits, in, out, bias, hadamard\)=\(3, 192, 100, True, True\) in the checkpoint"):
+        load_into(plain, tmp_path / "m.safetensors")
