@@ -20,7 +20,8 @@ dtype=torch.bfloat16)`` does.
 (``quantize_model(model, bits, calibration=Calibration(tokenizer=...))`` on the float32 load,
 :mod:`kbit_linear.calibration`): ``--calib-sequences`` windows of ``--calib-len`` tokens of the
 default calibration text (docstrings of the standard library, disjoint from the evaluation
-text); ``both`` gives the data-free and the calibrated rows. ``--scale-search`` applies to both.
+text); ``both`` gives the data-free and the calibrated rows. ``--scale-search`` applies to both,
+and so does ``--hadamard`` (the randomized Hadamard rotation, :mod:`kbit_linear.hadamard`).
 
 Baselines: ``--rtn-groups 32 64`` adds uniform asymmetric round-to-nearest at the same bits with
 one fp16 scale and zero point per group (fake-quantized dense weights,
@@ -101,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-nf4", action="store_true", help="skip the bitsandbytes NF4 row")
     p.add_argument("--scale-search", choices=["off", "on", "both"], default="off",
                    help="kbit rows with round-up absmax scales (off), with the block scale search (on), or both")
+    p.add_argument("--hadamard", choices=["off", "on", "both"], default="off",
+                   help="kbit rows without the randomized Hadamard rotation (off), with it (on), or both")
     p.add_argument("--out", type=Path, help="also write the table (with date, command and machine) to this markdown file")
     return p.parse_args(argv)
 
@@ -212,11 +215,12 @@ def main(argv: list[str] | None = None) -> int:
 
     searches = {"off": [False], "on": [True], "both": [False, True]}[args.scale_search]
     calibrations = {"off": [False], "on": [True], "both": [False, True]}[args.calibration]
+    rotations = {"off": [False], "on": [True], "both": [False, True]}[args.hadamard]
     for bits in args.bits:
-        for search in [] if args.no_kbit else searches:
-            name = f"kbit K={bits}" + (", scale search" if search else "")
+        for search, rotate in [] if args.no_kbit else [(s, r) for s in searches for r in rotations]:
+            name = f"kbit K={bits}" + (", scale search" if search else "") + (", Hadamard" if rotate else "")
             if False in calibrations:
-                config = KbitConfig(bits=bits, scale_search=search)
+                config = KbitConfig(bits=bits, scale_search=search, hadamard=rotate)
                 model, load_s = _load(path, DTYPES[args.quantize_dtype], device, config, causal=causal)
                 model.to(dtype)  # casts what stayed dense; the quantized tensors keep their dtypes
                 report(name, f"{stored_bits_per_weight(model):.2f}", model, load_s, "quantized at load")
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 model, load_s = _load(path, DTYPES[args.quantize_dtype], device, causal=causal)
                 start = time.perf_counter()
                 calib = Calibration(tokenizer=tokenizer, num_sequences=args.calib_sequences, seq_len=args.calib_len)
-                quantize_model(model, bits, scale_search=search, calibration=calib)
+                quantize_model(model, bits, scale_search=search, calibration=calib, hadamard=rotate)
                 quantize_s = time.perf_counter() - start
                 model.to(dtype)
                 report(f"{name}, calibrated", f"{stored_bits_per_weight(model):.2f}", model, quantize_s,

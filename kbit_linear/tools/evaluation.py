@@ -201,9 +201,9 @@ def evaluate(model: nn.Module, windows: torch.Tensor, reference: nn.Module | lis
 def stored_bits_per_weight(model: nn.Module) -> float | None:
     """Bits stored per weight over the model's quantized layers, everything counted.
 
-    Counts the planes, the E4M4 scales, the codebook and the tensor scale of every
-    :class:`~kbit_linear.KbitLinear` (padding to the 64 x 128 tiles included), divided by the
-    layers' true ``in_features * out_features``. Biases are not counted.
+    Counts the planes, the E4M4 scales, the codebook, the tensor scale and the Hadamard signs
+    (where present) of every :class:`~kbit_linear.KbitLinear` (padding to the 64 x 128 tiles
+    included), divided by the layers' true ``in_features * out_features``. Biases are not counted.
 
     Returns:
         The ratio, or ``None`` when the model has no quantized layer.
@@ -215,7 +215,8 @@ def stored_bits_per_weight(model: nn.Module) -> float | None:
     stored, weights = 0, 0
     for module in model.modules():
         if isinstance(module, KbitLinear):
-            stored += sum(t.numel() * t.element_size() for t in (module.weight, module.absmax, module.codebook, module.tensor_scale))
+            tensors = (module.weight, module.absmax, module.codebook, module.tensor_scale, module.hadamard_signs)
+            stored += sum(t.numel() * t.element_size() for t in tensors if t is not None)
             weights += module.in_features * module.out_features
     return 8 * stored / weights if weights else None
 
