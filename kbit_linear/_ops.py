@@ -8,6 +8,8 @@ reference stays the fallback and the spec. Schemas:
 * ``kbit_linear::repack(packed_flat, absmax_flat, bits) -> (packed, absmax)``
 * ``kbit_linear::dequantize(packed, absmax, codebook, tensor_scale, bits, out_features, in_features, dtype) -> Tensor``
 * ``kbit_linear::gemm(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias) -> Tensor``
+* ``kbit_linear::hadamard_rotate(x, signs) -> Tensor``: ``x R``, the randomized Hadamard rotation
+  of a Hadamard-rotated layer's input (:func:`kbit_linear.hadamard.rotate`)
 
 Shapes and dtypes are those of ``docs/format.md``: ``packed`` int32
 ``[K_pad/64, N_pad/128, 128, 2, bits]``, ``absmax`` uint8 ``[K_pad/64, N_pad/128, 128, 2]``
@@ -26,6 +28,7 @@ from typing import Callable
 import torch
 
 from . import format as fmt
+from . import hadamard as hd
 
 _NS = "kbit_linear"
 
@@ -47,6 +50,7 @@ torch.library.define(
     "(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, Tensor tensor_scale, int bits, "
     "int out_features, Tensor? bias) -> Tensor",
 )
+torch.library.define(f"{_NS}::hadamard_rotate", "(Tensor x, Tensor signs) -> Tensor")
 
 
 # ---------------------------------------------------------------------------------------
@@ -182,6 +186,24 @@ def _(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def check_rotate_args(x: torch.Tensor, signs: torch.Tensor) -> None:
+    """Metadata checks for ``hadamard_rotate``: ``x`` floating ``[..., K]`` and ``signs`` int8
+    ``[K]`` on its device (the +-1 values are checked once, when the layer gets them)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (its last is in_features)")
+    hd.check_signs(signs, x.shape[-1], "signs", values=False)
+    if signs.device != x.device:
+        raise ValueError(f"signs must be on x's device {x.device}, got {signs.device}")
+
+
+@torch.library.register_fake(f"{_NS}::hadamard_rotate")
+def _(x, signs):
+    check_rotate_args(x, signs)
+    return torch.empty_like(x)
+
+
 # ---------------------------------------------------------------------------------------
 # reference implementations (default for every device; the spec)
 # ---------------------------------------------------------------------------------------
@@ -210,6 +232,24 @@ def _(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias):
     check_gemm_args(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
     qw = fmt.KbitWeight(packed, absmax, codebook, tensor_scale, bits, out_features, x.shape[-1])
     return fmt.matmul(x, qw, bias)
+
+
+@torch.library.impl(f"{_NS}::hadamard_rotate", "default")
+def _(x, signs):
+    check_rotate_args(x, signs)
+    return hd.rotate(x, signs)
+
+
+def _rotate_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _rotate_backward(ctx, grad):
+    (signs,) = ctx.saved_tensors
+    return hd.unrotate(grad, signs), None  # y = x R, R orthogonal: dL/dx = dL/dy R^T
+
+
+torch.library.register_autograd(f"{_NS}::hadamard_rotate", _rotate_backward, setup_context=_rotate_setup_context)
 
 
 # ---------------------------------------------------------------------------------------
@@ -314,3 +354,32 @@ def gemm(
             if fn is not None:
                 return fn(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
     return _GEMM(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
+
+
+# ---------------------------------------------------------------------------------------
+# the eager fast path of hadamard_rotate
+# ---------------------------------------------------------------------------------------
+
+_ROTATE = torch.ops.kbit_linear.hadamard_rotate.default
+_eager_rotate: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+
+
+def register_eager_rotate(device_type: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Let a backend take eager :func:`hadamard_rotate` calls on ``device_type`` tensors directly
+    (as :func:`register_eager_gemm`; ``fn`` computes what the op computes on that device)."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if device_type != "cuda":
+        raise ValueError(f"device_type must be 'cuda', got {device_type!r}")
+    _eager_rotate[device_type] = fn
+
+
+def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``x R``: the ``kbit_linear::hadamard_rotate`` op, with the eager fast path of :func:`gemm`
+    (CUDA inputs outside torch.compile tracing and autograd recording go straight to the
+    backend; everything else through the op)."""
+    if x.is_cuda and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
+        fn = _eager_rotate.get("cuda")
+        if fn is not None:
+            return fn(x, signs)
+    return _ROTATE(x, signs)

@@ -230,7 +230,7 @@ class KbitLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x's last dimension must be in_features={self.in_features}, got shape {tuple(x.shape)}")
         if self.hadamard_signs is not None:
-            x = hd.rotate(x, self.hadamard_signs)
+            x = _ops.hadamard_rotate(x, self.hadamard_signs)
         return _ops.gemm(x, self.weight, self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features, self.bias)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -22,6 +22,7 @@ from kbit_linear.backends import cuda as kcuda
 from kbit_linear.backends.cuda import decode as kdecode
 from kbit_linear.backends.cuda import hopper as khopper
 from kbit_linear.backends.cuda import gguf as kgguf
+from kbit_linear.backends.cuda import hadamard as khadamard
 from kbit_linear.backends.cuda import kv_attention as kkv
 from kbit_linear.backends.cuda import routing as krouting
 from kbit_linear.backends.cuda import tuning
@@ -87,7 +88,8 @@ def _resource_table(log: str) -> list[tuple[str, str, int, int, int]]:
 def test_every_kernel_instance_builds_for_sm80_and_sm90():
     jobs = {"gemm.cu": kcuda.gemm_instances(), "quantize.cu": kcuda.format_instances(), "decode.cu": kdecode.decode_instances(),
             "gemm_sm90.cu": khopper.instances(), "route.cu": krouting.route_instances(),
-            "gguf.cu": kgguf.gguf_instances(), "kv_attention.cu": kkv.kv_attention_instances()}
+            "gguf.cu": kgguf.gguf_instances(), "kv_attention.cu": kkv.kv_attention_instances(),
+            "hadamard.cu": khadamard.hadamard_instances()}
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
         results = dict(zip(jobs, pool.map(lambda kv: _build(kv[0], kv[1], Path(tmp)), jobs.items())))
     failures = [f"{src}:\n{r.stderr[-6000:]}" for src, r in results.items() if r.returncode != 0]
@@ -148,10 +150,11 @@ def test_kernel_argument_packs_match_the_kernel_signatures():
     """Every ArgPack names the kernel's parameters, in its order, with the right kinds."""
     packs = [kcuda.ops._GEMM_ARGS, kcuda.ops._SM90_ARGS, kcuda.ops._QUANT_ARGS, kcuda.ops._REPACK_ARGS, kcuda.ops._DEQUANT_ARGS,
              kdecode._ARGS, kdecode._GROUPED_ARGS, krouting._ARGS, kgguf._DEQUANT_ARGS, kgguf._GEMV_ARGS,
-             kgguf._Q8_ARGS, kgguf._GEMV_A8_ARGS, kkv._OFFSETS_ARGS, kkv._DECODE_ARGS, kkv._COMBINE_ARGS, kkv._MASS_ARGS]
+             kgguf._Q8_ARGS, kgguf._GEMV_A8_ARGS, kkv._OFFSETS_ARGS, kkv._DECODE_ARGS, kkv._COMBINE_ARGS, kkv._MASS_ARGS,
+             khadamard._ARGS]
     sources = {**_kernel_params("gemm.cu"), **_kernel_params("quantize.cu"), **_kernel_params("decode.cu"),
                **_kernel_params("gemm_sm90.cu"), **_kernel_params("route.cu"), **_kernel_params("gguf.cu"),
-               **_kernel_params("kv_attention.cu")}
+               **_kernel_params("kv_attention.cu"), **_kernel_params("hadamard.cu")}
     assert {p.kernel for p in packs} <= set(sources), f"kernels found: {sorted(sources)}"
     for pack in packs:
         expected = sources[pack.kernel]

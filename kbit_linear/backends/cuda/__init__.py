@@ -11,6 +11,7 @@ with one job:
 * :mod:`.routing`: the routing kernel of mixture-of-experts layers;
 * :mod:`.gguf`: the GGUF block-format kernels (dequantize, small-M GEMM) and their ops;
 * :mod:`.kv_attention`: the fused decode attention over the quantized KV cache;
+* :mod:`.hadamard`: the Hadamard rotation of a rotated layer's input;
 * :mod:`.hopper`: the Hopper wgmma kernel's instances, shared-memory size and which GPUs run it;
 * :mod:`.tuning`: every dispatch threshold and launch-shape table, with its provenance;
 * :mod:`.loader`: finding, compiling (NVRTC through CuPy) and launching kernels, per device;
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from . import gguf as _gguf  # noqa: F401  (registers the GGUF ops' CUDA implementations)
 from . import kv_attention as _kv_attention  # noqa: F401  (registers the KV-cache decode attention)
+from . import hadamard as _hadamard  # noqa: F401  (registers the Hadamard rotation's CUDA implementation)
 from .ops import (
     GEMM_PATHS,
     dequantize_cuda,
