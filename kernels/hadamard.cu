@@ -20,9 +20,10 @@ constexpr int kHadamardWarps = 4;  // warps (chunks of 256 elements) per block
 template <int DT, int LOG_B>
 __global__ void __launch_bounds__(32 * kHadamardWarps)
 kbit_hadamard_rotate(const u16* __restrict__ x, const signed char* __restrict__ signs, u16* __restrict__ y, int total,
-                     int K, float scale) {
+                     int K) {
     constexpr int B = 1 << LOG_B;
     static_assert(B >= 8 && B <= 256, "a block spans 1 to 32 lanes");
+    const float scale = 1.f / sqrtf((float)B);  // the orthonormal matrix's 1 / sqrt(B)
     const int lane = threadIdx.x & 31;
     const long long chunk = (long long)blockIdx.x * kHadamardWarps + (threadIdx.x >> 5);
     const long long first = chunk * 256 + 8 * lane;  // this lane's first element

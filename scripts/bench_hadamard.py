@@ -2,9 +2,9 @@
 """What the randomized Hadamard rotation costs a ``KbitLinear`` forward pass on the GPU.
 
 For Llama-3-8B's layer shapes, K = 3, fp16, M = 1, 16, 256 and 4096 rows: the forward pass of a
-plain ``KbitLinear`` and of the same layer quantized with ``hadamard=True`` (its input rotated by
-:func:`kbit_linear.hadamard.rotate`: a multiply by the signs and one matrix product by the
-block's Hadamard matrix, before the kbit GEMM), and the rotation alone; CUDA-graph replay with
+plain ``KbitLinear`` and of the same layer quantized with ``hadamard=True`` (its input rotated by the
+``kbit_linear::hadamard_rotate`` op, on CUDA one pass of ``kernels/hadamard.cu``, before the
+kbit GEMM), and the rotation alone; CUDA-graph replay with
 weight copies rotated past L2 (``_bench_common.time_calls``), plus the eager wall time of one
 call at M = 1 (host overhead included, as ``model.generate`` pays it).
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402  (puts the repository on the path)
 
 from kbit_linear import KbitLinear  # noqa: E402
-from kbit_linear import hadamard as hd  # noqa: E402
+from kbit_linear import _ops  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
 ROWS = [1, 16, 256, 4096]
@@ -67,7 +67,7 @@ def main() -> None:
             with torch.no_grad():
                 t_plain = bc.time_calls(lambda i: plain[i](x), copies)
                 t_rot = bc.time_calls(lambda i: rotated[i](x), copies)
-                t_only = bc.time_calls(lambda i: hd.rotate(x, rotated[i].hadamard_signs), copies)
+                t_only = bc.time_calls(lambda i: _ops.hadamard_rotate(x, rotated[i].hadamard_signs), copies)
                 row = {"in": k, "out": n, "m": m, "plain_us": t_plain.us, "hadamard_us": t_rot.us, "rotation_us": t_only.us,
                        "method": t_rot.method}
                 if m == 1:

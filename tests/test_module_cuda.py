@@ -146,7 +146,7 @@ def test_hadamard_rotated_layer_on_cuda_matches_the_cpu_layer(dtype, m):
         y = gpu(x.to(DEV, dtype))
         ref = cpu(x)
     assert y.dtype == dtype
-    assert _rel_err(y, ref) < TOL
+    assert _rel_err(y.cpu(), ref) < TOL
     # quantized on the GPU (rotation and quantize kernel there): the same layer up to rounding ties
     on_gpu = kbit_linear.KbitLinear.from_linear(dense.to(DEV), bits=3, hadamard=True)
     assert torch.equal(on_gpu.hadamard_signs.cpu(), cpu.hadamard_signs)

@@ -25,7 +25,16 @@ _WARPS = 4  # kHadamardWarps
 _CHUNK = 256  # elements per warp
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 _LOG_BLOCKS = range(3, int(math.log2(hd.MAX_BLOCK)) + 1)  # blocks of 8 .. MAX_BLOCK
-_ARGS = loader.ArgPack("kbit_hadamard_rotate", "x:p signs:p y:p total:i K:i scale:f")
+_ARGS = loader.ArgPack("kbit_hadamard_rotate", "x:p signs:p y:p total:i K:i")
+_kernels: dict[tuple[int, torch.dtype, int], loader.CudaKernel] = {}  # (device index, dtype, log2 block) -> instance
+
+
+def _kernel(device: torch.device, dtype: torch.dtype, log_block: int) -> loader.CudaKernel:
+    key = (device.index if device.index is not None else torch.cuda.current_device(), dtype, log_block)
+    kern = _kernels.get(key)
+    if kern is None:
+        kern = _kernels[key] = loader.get_kernel(_SOURCE, f"kbit_hadamard_rotate<{_DT[dtype]}, {log_block}>", device)
+    return kern
 
 
 def hadamard_instances() -> list[str]:
@@ -48,11 +57,11 @@ def hadamard_rotate_cuda(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     xc = aligned16(x)
     sc = aligned16(signs)
     y = torch.empty_like(xc)
-    kern = loader.get_kernel(_SOURCE, f"kbit_hadamard_rotate<{_DT[x.dtype]}, {int(math.log2(block))}>", x.device)
+    kern = _kernel(x.device, x.dtype, block.bit_length() - 1)
     chunks = -(-total // _CHUNK)
-    loader.launch(kern, -(-chunks // _WARPS), 32 * _WARPS, _ARGS.Values(x=xc, signs=sc, y=y, total=total, K=k,
-                                                                        scale=1.0 / math.sqrt(block)),
-                  0, x.device, pack=_ARGS)
+    # every value a plain int, checked above: the fast launch
+    _ARGS.launch(kern, -(-chunks // _WARPS), 0, loader._current_raw_stream(kern.device_index),
+                 _ARGS.Values(x=xc.data_ptr(), signs=sc.data_ptr(), y=y.data_ptr(), total=total, K=k), threads=32 * _WARPS)
     return y.view(x.shape)
 
 
