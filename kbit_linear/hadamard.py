@@ -16,10 +16,11 @@ scale search, data-free) KL to the unquantized model went from 3.04 to 1.54 nats
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 
-__all__ = ["MAX_BLOCK", "cached_matrix", "hadamard_block", "hadamard_matrix", "random_signs", "check_signs", "rotate", "unrotate", "rotate_hessian"]
+__all__ = ["MAX_BLOCK", "cached_matrix", "layer_seed", "hadamard_block", "hadamard_matrix", "random_signs", "check_signs", "rotate", "unrotate", "rotate_hessian"]
 
 MAX_BLOCK = 256
 """The largest rotation block. Measured (SmolLM2-135M and Gemma-3-270M, K = 3, data-free KL vs
@@ -56,6 +57,15 @@ def cached_matrix(size: int, dtype: torch.dtype, device: torch.device) -> torch.
     if m is None:
         m = _MATRICES[key] = hadamard_matrix(size, dtype, device)
     return m
+
+
+def layer_seed(name: str) -> int:
+    """The sign vector's seed of the layer called ``name`` (a CRC-32 of it): distinct layers get
+    distinct rotations, so that their rounding errors do not line up along the same directions,
+    and the same model converts to the same signs every time."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    return zlib.crc32(name.encode())
 
 
 def random_signs(in_features: int, seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:

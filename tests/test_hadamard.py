@@ -206,3 +206,16 @@ def test_load_into_refuses_a_rotated_checkpoint_for_a_plain_layer(tmp_path):
     kbit_linear.quantize_model(plain, bits=3, skip=None, progress=False)
     with pytest.raises(CheckpointError, match=r"\(bits, in, out, bias, hadamard\)=\(3, 192, 100, True, True\) in the checkpoint"):
         load_into(plain, tmp_path / "m.safetensors")
+
+
+def test_each_layer_gets_its_own_signs_and_the_same_ones_every_time():
+    def convert() -> nn.Module:
+        torch.manual_seed(2)
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+        kbit_linear.quantize_model(model, bits=3, skip=None, hadamard=True, progress=False)
+        return model
+
+    a, b = convert(), convert()
+    assert not torch.equal(a[0].hadamard_signs, a[1].hadamard_signs)
+    assert all(torch.equal(x.hadamard_signs, y.hadamard_signs) for x, y in zip(a, b))
+    assert torch.equal(a[1].hadamard_signs, hd.random_signs(64, hd.layer_seed("1")))

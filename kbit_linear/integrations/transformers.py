@@ -59,7 +59,7 @@ from torch import nn
 from .. import format as fmt
 from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem, quantize_experts_weight
 from ..gguf_linear import GGUFEmbedding, GGUFLinear
-from ..hadamard import random_signs
+from ..hadamard import layer_seed, random_signs
 from ..linear import KbitLinear
 from ..patch import (
     check_skip_rules,
@@ -256,7 +256,7 @@ class KbitQuantize(ConversionOps):
                     f"[{linear.out_features}, {linear.in_features}] (is this checkpoint already quantized?)"
                 )
             rotated = hfq.quantization_config.hadamard
-            signs = random_signs(linear.in_features, device=tensor.device) if rotated else None
+            signs = random_signs(linear.in_features, layer_seed(prefix), tensor.device) if rotated else None
             try:
                 q = quantize_weight(tensor, bits, hfq.codebook, scale_search=hfq.quantization_config.scale_search,
                                     hadamard_signs=signs, name=key)
@@ -487,7 +487,7 @@ class KbitHfQuantizer(HfQuantizer):
             if is_convertible(linear):
                 layer = KbitLinear.from_linear(linear, self.quantization_config.bits, self.codebook,
                                                scale_search=self.quantization_config.scale_search,
-                                               hadamard=self.quantization_config.hadamard)
+                                               hadamard=self.quantization_config.hadamard, hadamard_seed=layer_seed(name))
                 layer.train(linear.training)
                 replace_module(model, name, layer)
         self.pending = set()
