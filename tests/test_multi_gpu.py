@@ -189,3 +189,39 @@ def test_llama_split_over_two_gpus_generates_the_one_gpu_tokens(tmp_path):
         a = one.generate(batch.to("cuda:0"), max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(batch).to("cuda:0"))
         b = split.generate(batch.to("cuda:0"), max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(batch).to("cuda:0"))
         assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("current", [0, 1], ids=["current0", "current1"])
+def test_hadamard_rotation_and_kv_attention_on_the_second_gpu(current):
+    from kbit_linear import hadamard as hd
+    from kbit_linear.backends.cuda import hadamard as khd
+
+    torch.manual_seed(5)
+    x = torch.randn(9, 576, device=SECOND, dtype=torch.float16)
+    signs = hd.random_signs(576, seed=3, device=SECOND)
+    with _current(current):
+        y = khd.hadamard_rotate_cuda(x, signs)
+        layer = kbit_linear.KbitLinear.from_linear(nn.Linear(576, 100).to(SECOND), bits=3, hadamard=True).half()
+        out = layer(x)
+    assert y.device == SECOND and out.device == SECOND
+    torch.testing.assert_close(y.double(), hd.rotate(x.double(), signs), atol=2e-2, rtol=2e-3)
+    ref = F.linear(x.float(), layer.dequantize(), layer.bias.float())
+    assert float((out.float() - ref).norm() / ref.norm()) < 2e-2
+    # the KV-cache decode attention there too (an all-8-bit cache: no key ranges needed)
+    from kbit_linear.backends.cuda import kv_attention as kkv
+    from kbit_linear.kv_format import TIERS, KVBucket, bucket_attention, quantize_tokens
+
+    batch, heads, d, length = 2, 2, 128, 300
+    k, v = torch.randn(batch, length, heads, d), torch.randn(batch, length, heads, d)
+    rows, pos = torch.nonzero(torch.ones(batch, length, dtype=torch.bool), as_tuple=True)
+    buckets = [KVBucket.empty(t, batch, heads, d) for t in TIERS[:3]]
+    buckets.append(quantize_tokens(k[rows, pos], v[rows, pos], 8, rows, pos, batch))
+    q = torch.randn(batch, 8, 1, d)
+    ref, ref_mass = bucket_attention(q, buckets, None, None, 64, length, None, d**-0.5)
+    on_second = [KVBucket(bk.bits, **{n: t.to(SECOND) for n, t in bk.tensors().items()}) for bk in buckets]
+    tier = torch.full((batch, length), 8, dtype=torch.int8, device=SECOND)
+    with _current(current):
+        got, mass = kkv.kv_decode_attention_cuda(q.to(SECOND), on_second, None, None, 64, length, tier, None, d**-0.5)
+    assert got.device == SECOND
+    assert float((got.cpu() - ref).abs().max() / ref.abs().max()) < 1e-2  # fp16 operands, as test_kv_attention_cuda
+    torch.testing.assert_close(mass.cpu(), ref_mass, atol=2e-3 * 8, rtol=2e-2)
