@@ -119,4 +119,5 @@ def rotate_hessian(hessian: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """``R^T A R`` for a symmetric ``[in, in]`` ``A = X^T X``: the Hessian of the rotated inputs
     ``R^T x``, for calibrated rounding of a rotated weight."""
     once = rotate(hessian, signs)  # A R
-    return rotate(once.transpose(0, 1).contiguous(), signs).transpose(0, 1)  # (R^T (A R)^T ... )^T = R^T A R
+    # (A R)^T R = R^T A R (A symmetric); the transpose back keeps the layout of A
+    return rotate(once.transpose(0, 1).contiguous(), signs).transpose(0, 1)
