@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import allocation
 from . import format as fmt
 from .calibration import Calibration, calibrate_model
 from .experts import KbitExperts, experts_layout_problem, looks_like_experts
@@ -72,7 +73,7 @@ class QuantizationSummary:
     """What :func:`quantize_model` did.
 
     Attributes:
-        bits: index width used.
+        bits: index width used (with ``target_bpw``: the experts modules' width).
         converted: qualified names of the layers replaced by ``KbitLinear``.
         skipped: qualified name -> reason, for every ``nn.Linear`` (or subclass) left as is.
         bytes_before: bytes of all parameters and buffers of the model before (shared
@@ -85,6 +86,10 @@ class QuantizationSummary:
             modules left dense are in ``skipped``).
         experts_bytes_before: bytes of their dense expert weights.
         experts_bytes_after: bytes of their quantized tensors.
+        layer_bits: with ``target_bpw``: qualified name -> the width chosen for that layer
+            (empty otherwise: every layer has ``bits``).
+        mean_layer_bits: with ``target_bpw``: the mean width over the converted layers'
+            weights (a layer shared under several names counted once).
     """
 
     bits: int
@@ -97,10 +102,18 @@ class QuantizationSummary:
     experts: list[str] = field(default_factory=list)
     experts_bytes_before: int = 0
     experts_bytes_after: int = 0
+    layer_bits: dict[str, int] = field(default_factory=dict)
+    mean_layer_bits: float = 0.0
 
     def __str__(self) -> str:
+        width = f"{self.bits} bits"
+        if self.layer_bits:
+            counts = defaultdict(int)
+            for b in self.layer_bits.values():
+                counts[b] += 1
+            width = "bits per layer: " + ", ".join(f"{b}: {counts[b]}" for b in sorted(counts)) + f"; mean {self.mean_layer_bits:.2f}"
         lines = [
-            f"kbit quantization ({self.bits} bits): {len(self.converted)} layers converted, {len(self.skipped)} skipped",
+            f"kbit quantization ({width}): {len(self.converted)} layers converted, {len(self.skipped)} skipped",
             f"  model bytes: {self.bytes_before:,} -> {self.bytes_after:,}",
             f"  converted layers: {self.converted_bytes_before:,} -> {self.converted_bytes_after:,} bytes",
         ]
@@ -390,6 +403,7 @@ def quantize_model(
     device: torch.device | str | None = None,
     calibration: Calibration | torch.Tensor | None = None,
     hadamard: bool = False,
+    target_bpw: float | None = None,
 ) -> QuantizationSummary:
     """Replace the ``nn.Linear`` layers of ``model`` by :class:`KbitLinear`, in place, and
     the experts modules of mixture-of-experts blocks by :class:`KbitExperts`.
@@ -429,6 +443,13 @@ def quantize_model(
             match: one more kernel per call on CUDA). Much better at K = 2 and 3 on real
             weights; works with ``calibration``. Each layer's signs are seeded by its name
             (:func:`kbit_linear.hadamard.layer_seed`). Experts modules are not rotated.
+        target_bpw: choose each ``nn.Linear``'s width from 2..5 so that the mean index width
+            over their weights is at most this (e.g. ``3.5``), by each layer's measured error at
+            every width (:mod:`kbit_linear.allocation`, data-free; with ``calibration`` the
+            widths are chosen the same way, then the layers are rounded with it). Quantizes
+            every weight once per width first (about 4x the data-free quantization time).
+            ``bits`` then applies to the experts modules only; the choice is in
+            ``summary.layer_bits``. Not with ``codebook`` (one codebook has one width).
 
     Returns:
         A :class:`QuantizationSummary`: converted names, skipped names with reasons, bytes
@@ -447,6 +468,10 @@ def quantize_model(
     if not isinstance(hadamard, bool):
         raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
     rules = check_skip_rules(skip)
+    if target_bpw is not None:
+        target_bpw = allocation.check_target_bpw(target_bpw)
+        if codebook is not None:
+            raise ValueError("target_bpw chooses each layer's width, and a codebook fixes it: pass one or the other")
     if codebook is not None:
         # fail before the first layer is touched, not halfway through the model
         codebook = fmt.validate_codebook(codebook, bits)
@@ -469,6 +494,19 @@ def quantize_model(
     summary.skipped.update(experts_skipped)
 
     converted: dict[int, KbitLinear] = {}  # a Linear reused under several names -> one KbitLinear
+    layer_bits: dict[str, int] = {}
+    if target_bpw is not None:
+        if any(model.get_submodule(n).weight.device.type == "meta" for n in to_convert):
+            raise ValueError("target_bpw measures each layer's weight: it needs real weights, not the meta device")
+        first = {}  # a Linear reused under several names is measured (and counted) once
+        for name in to_convert:
+            first.setdefault(id(model.get_submodule(name)), name)
+        chosen = allocation.plan_layer_bits(((n, model.get_submodule(n).weight) for n in first.values()), target_bpw,
+                                            scale_search=scale_search, hadamard=hadamard, progress=progress)
+        layer_bits = {n: chosen[first[id(model.get_submodule(n))]] for n in to_convert}
+        weights = {n: model.get_submodule(n).weight.numel() for n in first.values()}
+        summary.layer_bits = layer_bits
+        summary.mean_layer_bits = sum(chosen[n] * k for n, k in weights.items()) / max(1, sum(weights.values()))
 
     def convert(name: str, hessian: torch.Tensor | None = None) -> None:
         linear = model.get_submodule(name)
@@ -485,10 +523,11 @@ def quantize_model(
                 src.bias = nn.Parameter(linear.bias.detach().to(target), requires_grad=linear.bias.requires_grad)
         try:
             rotation = {"hadamard": hadamard, "hadamard_seed": layer_seed(name)}
+            width = layer_bits.get(name, bits)
             if hessian is None:
-                new = KbitLinear.from_linear(src, bits=bits, codebook=codebook, scale_search=scale_search, **rotation)
+                new = KbitLinear.from_linear(src, bits=width, codebook=codebook, scale_search=scale_search, **rotation)
             else:
-                new = KbitLinear.from_linear(src, bits=bits, codebook=codebook, scale_search=scale_search,
+                new = KbitLinear.from_linear(src, bits=width, codebook=codebook, scale_search=scale_search,
                                              hessian=hessian, damp=calibration.damp, **rotation)
         except (TypeError, ValueError) as e:
             raise ValueError(f"cannot quantize layer {name!r} ({linear.out_features}x{linear.in_features}): {e}") from e
@@ -499,11 +538,12 @@ def quantize_model(
         summary.converted_bytes_before += before
         summary.converted_bytes_after += sum(t.numel() * t.element_size() for t in (*new.parameters(), *new.buffers()))
 
+    width = f"{summary.mean_layer_bits:.2f} bits mean" if layer_bits else f"{bits} bits"
     if calibration is None:
-        for name in tqdm(to_convert, desc=f"kbit quantize ({bits} bits)", unit="layer", disable=not progress):
+        for name in tqdm(to_convert, desc=f"kbit quantize ({width})", unit="layer", disable=not progress):
             convert(name)
     else:
-        calibrate_model(model, to_convert, batches, convert, progress=progress, desc=f"kbit calibrate ({bits} bits)")
+        calibrate_model(model, to_convert, batches, convert, progress=progress, desc=f"kbit calibrate ({width})")
 
     converted_experts: dict[int, KbitExperts] = {}
     for name in tqdm(experts_to_convert, desc=f"kbit quantize experts ({bits} bits)", unit="module",

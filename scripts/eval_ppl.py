@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct), 'gemma-3-270m', 'all-minilm-l6-v2', a local HF folder or a hub id")
-    p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 5], choices=[2, 3, 4, 5], help="kbit widths to evaluate")
+    p.add_argument("--bits", type=int, nargs="*", default=[2, 3, 4, 5], choices=[2, 3, 4, 5], help="kbit widths to evaluate")
     p.add_argument("--dtype", choices=sorted(DTYPES),
                    help="dtype of the baseline and the activations (default: bf16 for causal LMs, fp32 for encoders)")
     p.add_argument(
@@ -98,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="kbit rows data-free (off), with calibrated GPTQ-style rounding (on), or both")
     p.add_argument("--calib-sequences", type=int, default=32, help="calibration windows (default text)")
     p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--target-bpw", type=float, nargs="*", default=[],
+                   help="add kbit rows with per-layer widths chosen for these mean index bits per weight (e.g. 3.5)")
     p.add_argument("--no-kbit", action="store_true", help="skip the kbit rows (baseline and RTN only)")
     p.add_argument("--no-nf4", action="store_true", help="skip the bitsandbytes NF4 row")
     p.add_argument("--scale-search", choices=["off", "on", "both"], default="off",
@@ -213,14 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(scorer.row(name, bits, result, load_s, note))
         print(f"{name}: {scorer.summary(result)}", file=sys.stderr)
 
-    searches = {"off": [False], "on": [True], "both": [False, True]}[args.scale_search]
-    calibrations = {"off": [False], "on": [True], "both": [False, True]}[args.calibration]
-    rotations = {"off": [False], "on": [True], "both": [False, True]}[args.hadamard]
-    for bits in args.bits:
+    def kbit_rows(label: str, width: dict) -> None:
+        """The kbit rows of one width setting (``{"bits": K}`` or ``{"target_bpw": t}``)."""
         for search, rotate in [] if args.no_kbit else [(s, r) for s in searches for r in rotations]:
-            name = f"kbit K={bits}" + (", scale search" if search else "") + (", Hadamard" if rotate else "")
+            name = label + (", scale search" if search else "") + (", Hadamard" if rotate else "")
             if False in calibrations:
-                config = KbitConfig(bits=bits, scale_search=search, hadamard=rotate)
+                config = KbitConfig(**width, scale_search=search, hadamard=rotate)
                 model, load_s = _load(path, DTYPES[args.quantize_dtype], device, config, causal=causal)
                 model.to(dtype)  # casts what stayed dense; the quantized tensors keep their dtypes
                 report(name, f"{stored_bits_per_weight(model):.2f}", model, load_s, "quantized at load")
@@ -230,13 +230,19 @@ def main(argv: list[str] | None = None) -> int:
                 model, load_s = _load(path, DTYPES[args.quantize_dtype], device, causal=causal)
                 start = time.perf_counter()
                 calib = Calibration(tokenizer=tokenizer, num_sequences=args.calib_sequences, seq_len=args.calib_len)
-                quantize_model(model, bits, scale_search=search, calibration=calib, hadamard=rotate)
+                quantize_model(model, **width, scale_search=search, calibration=calib, hadamard=rotate)
                 quantize_s = time.perf_counter() - start
                 model.to(dtype)
                 report(f"{name}, calibrated", f"{stored_bits_per_weight(model):.2f}", model, quantize_s,
                        f"GPTQ-style, {args.calib_sequences} x {args.calib_len} tokens of stdlib docstrings")
                 del model
                 gc.collect()
+
+    searches = {"off": [False], "on": [True], "both": [False, True]}[args.scale_search]
+    calibrations = {"off": [False], "on": [True], "both": [False, True]}[args.calibration]
+    rotations = {"off": [False], "on": [True], "both": [False, True]}[args.hadamard]
+    for bits in args.bits:
+        kbit_rows(f"kbit K={bits}", {"bits": bits})
         for group in args.gptq_groups:
             model, load_s = _load(path, DTYPES[args.quantize_dtype], device, causal=causal)
             start = time.perf_counter()
@@ -258,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             del model
             gc.collect()
 
+    for target in args.target_bpw:
+        kbit_rows(f"kbit target_bpw={target:g} (per-layer K 2..5)", {"target_bpw": target})
     if not args.no_nf4:
         rows.append(_nf4_row(path, dtype, device, scorer, causal))
 

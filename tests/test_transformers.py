@@ -137,6 +137,12 @@ def test_config_round_trips_through_json():
         (dict(quant_method="gptq"), ValueError, "quant_method"),
         (dict(format_version="3"), ValueError, "format version"),
         (dict(group_size=64), TypeError, "unexpected"),
+        (dict(target_bpw=1.5), ValueError, "target_bpw"),
+        (dict(target_bpw="3.5"), TypeError, "target_bpw"),
+        (dict(target_bpw=3.5, codebook=[-1.0, -0.3, 0.3, 1.0], bits=2), ValueError, "codebook"),
+        (dict(layer_bits=[("a", 3)]), TypeError, "layer_bits"),
+        (dict(layer_bits={"a": 6}), ValueError, "bits"),
+        (dict(layer_bits={"": 3}), TypeError, "layer_bits"),
     ],
     ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(v),
 )
@@ -238,6 +244,36 @@ def test_hadamard_at_load_equals_quantize_model_and_round_trips(dense_dir, tmp_p
     cfg["quantization_config"]["hadamard"] = False
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="hadamard"):
+        _load(tmp_path)
+
+
+def test_target_bpw_at_load_equals_quantize_model_and_round_trips(dense_dir, tmp_path):
+    """Quantizing at load with target_bpw loads the weights dense, chooses the widths from all
+    of them as quantize_model does, writes them to config.json, and the checkpoint loads back
+    with each layer's width; a width edited in config.json fails against the header."""
+    q = _load(dense_dir, quantization_config=KbitConfig(target_bpw=3.5), dtype=torch.bfloat16)
+    ref = _load(dense_dir, dtype=torch.bfloat16)
+    summary = quantize_model(ref, target_bpw=3.5, progress=False)
+    chosen = q.config.quantization_config.layer_bits
+    assert chosen == summary.layer_bits and set(chosen) == _block_names()
+    assert len(set(chosen.values())) > 1 and summary.mean_layer_bits <= 3.5
+    for name, layer in _kbit_layers(q).items():
+        assert layer.bits == chosen[name]
+        for t in QUANTIZED:
+            assert torch.equal(getattr(layer, t), getattr(ref.get_submodule(name), t)), f"{name}.{t}"
+    q.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert saved["layer_bits"] == chosen and saved["target_bpw"] == 3.5
+    r = _load(tmp_path)
+    assert {n: m.bits for n, m in _kbit_layers(r).items()} == chosen
+    ids = _ids()
+    assert torch.equal(_logits(r, ids).float(), _logits(q, ids).float())
+    name = sorted(chosen)[0]
+    saved["layer_bits"][name] = 2 if chosen[name] != 2 else 3
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = saved
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
         _load(tmp_path)
 
 

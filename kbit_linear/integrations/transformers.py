@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from .. import format as fmt
+from ..allocation import check_target_bpw, plan_layer_bits
 from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem, quantize_experts_weight
 from ..gguf_linear import GGUFEmbedding, GGUFLinear
 from ..hadamard import layer_seed, random_signs
@@ -139,6 +140,13 @@ class KbitConfig(QuantizationConfigMixin):
             format version ``"2"``.
         format_version: the checkpoint format version (written by this code; read back from
             ``config.json``; default: ``"2"`` with ``hadamard``, else ``"1"``).
+        target_bpw: choose each layer's width from 2..5 for a mean of at most this many index
+            bits per weight (:mod:`kbit_linear.allocation`, data-free). Quantizing at load, the
+            weights then load dense first (the model's dense size in memory), the widths are
+            chosen from all of them, then each layer is quantized; the choice is written to
+            ``layer_bits``. ``bits`` still applies to experts modules. Not with ``codebook``.
+        layer_bits: module name -> width, for the layers that do not have ``bits``: what
+            ``target_bpw`` chose, saved in ``config.json`` so that the checkpoint loads back.
 
     Raises:
         TypeError / ValueError: a bad argument, named.
@@ -152,6 +160,8 @@ class KbitConfig(QuantizationConfigMixin):
         scale_search: bool = False,
         hadamard: bool = False,
         format_version: str | None = None,
+        target_bpw: float | None = None,
+        layer_bits: dict[str, int] | None = None,
         **kwargs: Any,
     ) -> None:
         method = kwargs.pop("quant_method", QUANT_METHOD)
@@ -181,6 +191,25 @@ class KbitConfig(QuantizationConfigMixin):
         if hadamard and format_version == FORMAT_VERSION:
             raise ValueError(f"hadamard=True needs format_version {HADAMARD_FORMAT_VERSION!r}, got {format_version!r}")
         self.format_version = format_version
+        self.target_bpw = None if target_bpw is None else check_target_bpw(target_bpw)
+        if self.target_bpw is not None and self.codebook is not None:
+            raise ValueError("target_bpw chooses each layer's width, and a codebook fixes it: pass one or the other")
+        self.layer_bits = _check_layer_bits(layer_bits)
+        if self.layer_bits and self.codebook is not None and any(b != self.bits for b in self.layer_bits.values()):
+            raise ValueError(f"layer_bits has widths other than bits={self.bits}, which a {self.bits}-bit codebook cannot serve")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as ``config.json`` stores it; ``target_bpw`` and ``layer_bits`` only when
+        set, so that a config without them reads the same as before they existed."""
+        out = super().to_dict()
+        for key in ("target_bpw", "layer_bits"):
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
+
+    def bits_of(self, name: str) -> int:
+        """The width of the layer called ``name``: its ``layer_bits`` entry, else ``bits``."""
+        return self.layer_bits.get(name, self.bits) if self.layer_bits else self.bits
 
     def codebook_tensor(self) -> torch.Tensor | None:
         """The codebook as float32 ``[2**bits]`` (CPU), or ``None`` for the default."""
@@ -198,6 +227,18 @@ def _check_skip_modules(skip: Any) -> list[str] | None:
     if not all(isinstance(rule, str) for rule in skip):
         raise TypeError(f"skip_modules entries must be non-empty strings, got {list(skip)!r}")
     return list(check_skip_rules(skip, name="skip_modules"))
+
+
+def _check_layer_bits(layer_bits: Any) -> dict[str, int] | None:
+    if layer_bits is None:
+        return None
+    if not isinstance(layer_bits, dict):
+        raise TypeError(f"layer_bits must be a dict of module name -> bits, got {type(layer_bits).__name__}")
+    for name, bits in layer_bits.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"layer_bits keys must be module names, got {name!r}")
+        fmt.check_bits(bits)
+    return dict(layer_bits)
 
 
 def _check_codebook(codebook: Any, bits: int) -> list[float] | None:
@@ -238,7 +279,6 @@ class KbitQuantize(ConversionOps):
         if model is None:
             raise ValueError("KbitQuantize needs the model being loaded (model=...)")
         hfq = self.hf_quantizer
-        bits = hfq.quantization_config.bits
         out: dict[str, torch.Tensor] = {}
         for key, value in input_dict.items():
             tensor = value[0] if isinstance(value, (list, tuple)) else value
@@ -255,6 +295,7 @@ class KbitQuantize(ConversionOps):
                     f"{key}: the checkpoint weight has shape {tuple(tensor.shape)}, expected "
                     f"[{linear.out_features}, {linear.in_features}] (is this checkpoint already quantized?)"
                 )
+            bits = hfq.quantization_config.bits_of(prefix)
             rotated = hfq.quantization_config.hadamard
             signs = random_signs(linear.in_features, layer_seed(prefix), tensor.device) if rotated else None
             try:
@@ -337,6 +378,8 @@ class KbitHfQuantizer(HfQuantizer):
         self.modules_to_not_convert: list[str] = []
         # quantize at load: names of the dense layers still waiting for their weight
         self.pending: set[str] = set()
+        # ... or, with target_bpw, the layers loaded dense and quantized once all are read
+        self.deferred: list[str] = []
         # ... and experts module name -> its projections still waiting
         self.pending_experts: dict[str, set[str]] = {}
         # sha256 of every quantized tensor, from the headers of a pre-quantized checkpoint
@@ -353,7 +396,7 @@ class KbitHfQuantizer(HfQuantizer):
         """Bytes per element that ``device_map="auto"`` should plan for."""
         if self.param_needs_quantization(model, param_name):
             # planes + one E4M4 byte per 32 weights, per element of the dense [out, in] placeholder
-            return (self.quantization_config.bits + 8 / fmt.BLOCK_SIZE) / 8
+            return (self.quantization_config.bits_of(param_name.rpartition(".")[0]) + 8 / fmt.BLOCK_SIZE) / 8
         return param.element_size()
 
     # --- before loading: placeholders ----------------------------------------------------
@@ -391,11 +434,14 @@ class KbitHfQuantizer(HfQuantizer):
         names = [name for name in names if name in unique]
         experts = [name for name in experts if name in unique]
         if not self.pre_quantized:
-            self.pending = set(names)
+            if config.target_bpw is not None and not config.layer_bits:
+                self.deferred = list(names)  # the widths depend on every weight: quantize after loading
+            else:
+                self.pending = set(names)
             self.pending_experts = {name: set(PROJECTIONS) for name in experts}
             return model
         for name in names:
-            replace_module(model, name, kbit_placeholder(model.get_submodule(name), config.bits, device="meta",
+            replace_module(model, name, kbit_placeholder(model.get_submodule(name), config.bits_of(name), device="meta",
                                                          hadamard=config.hadamard))
         for name in experts:
             replace_module(model, name, experts_placeholder(model.get_submodule(name), config.bits, device="meta"))
@@ -482,10 +528,16 @@ class KbitHfQuantizer(HfQuantizer):
         for name, param in model.named_parameters():
             if _is_dtensor(param) and isinstance(model.get_submodule(name.rpartition(".")[0]), (KbitLinear, KbitExperts)):
                 _refuse_tensor_parallel(name)
+        config = self.quantization_config
+        if self.deferred:
+            config.layer_bits = plan_layer_bits(((n, model.get_submodule(n).weight) for n in self.deferred), config.target_bpw,
+                                                scale_search=config.scale_search, hadamard=config.hadamard)
+            self.pending |= set(self.deferred)
+            self.deferred = []
         for name in sorted(self.pending):
             linear = model.get_submodule(name)
             if is_convertible(linear):
-                layer = KbitLinear.from_linear(linear, self.quantization_config.bits, self.codebook,
+                layer = KbitLinear.from_linear(linear, config.bits_of(name), self.codebook,
                                                scale_search=self.quantization_config.scale_search,
                                                hadamard=self.quantization_config.hadamard, hadamard_seed=layer_seed(name))
                 layer.train(linear.training)

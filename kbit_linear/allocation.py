@@ -1,0 +1,132 @@
+"""Bit widths per layer to a budget: ``target_bpw``, data-free.
+
+A layer's sensitivity at width ``b`` is the relative squared error of its quantized weight,
+``||W - Q_b(W)||^2 / ||W||^2``, measured with the quantization the layer will get (codebook,
+scale search, Hadamard rotation). The model's loss grows about as the sum of these errors over
+the layers (the "linearity theorem" of data-free dynamic quantization, HIGGS), so the widths
+are chosen to minimize that sum while the mean width over all weights (each layer weighted by
+its weight count) stays at or below ``target_bpw``.
+
+The minimization is greedy on marginal gains: every layer starts at the narrowest width, then
+the upgrade by one width with the largest error drop per added bit (drop / the layer's weight
+count) is taken while it fits the budget, until none fits. The errors fall steeply and convexly
+with the width (about 4x per bit for normal weights), where greedy is optimal up to the last
+upgrade that did not fit.
+
+``target_bpw`` counts index bits (the K of each layer); what is stored per weight adds the E4M4
+block scales (8/32 bit) and the tiles' padding (:func:`kbit_linear.tools.evaluation.stored_bits_per_weight`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from . import format as fmt
+from . import hadamard as hd
+from .quantizer import quantize_weight
+
+__all__ = ["BIT_CHOICES", "check_target_bpw", "relative_errors", "allocate_bits", "plan_layer_bits"]
+
+BIT_CHOICES: tuple[int, ...] = tuple(fmt.SUPPORTED_BITS)
+"""The widths the allocation chooses from."""
+
+
+def check_target_bpw(target_bpw: object, name: str = "target_bpw") -> float:
+    """``target_bpw`` as a float in ``[min(BIT_CHOICES), max(BIT_CHOICES)]``.
+
+    Raises:
+        TypeError: not a real number.
+        ValueError: outside the widths' range.
+    """
+    if isinstance(target_bpw, bool) or not isinstance(target_bpw, (int, float)):
+        raise TypeError(f"{name} must be a number of bits per weight, got {type(target_bpw).__name__}")
+    value = float(target_bpw)
+    if not min(BIT_CHOICES) <= value <= max(BIT_CHOICES):
+        raise ValueError(f"{name} must be between {min(BIT_CHOICES)} and {max(BIT_CHOICES)} bits per weight, got {target_bpw!r}")
+    return value
+
+
+def relative_errors(weight: torch.Tensor, *, scale_search: bool = False, hadamard_signs: torch.Tensor | None = None,
+                    bit_choices: Sequence[int] = BIT_CHOICES, name: str = "weight") -> dict[int, float]:
+    """``{bits: ||W - Q_bits(W)||^2 / ||W||^2}`` for one ``[out, in]`` weight at each width.
+
+    Quantized as :func:`kbit_linear.quantizer.quantize_weight` does with the default
+    normal-float codebook of each width, ``scale_search`` and ``hadamard_signs`` (the rotation is
+    orthogonal: the error is measured on the rotated weight, where it is the same). A zero weight
+    has error 0 at every width.
+    """
+    with torch.no_grad():
+        w = weight.detach().to(torch.float32)
+        if hadamard_signs is not None:
+            w = hd.rotate(w, hadamard_signs.to(w.device))
+        norm = float(w.square().sum())
+        out = {}
+        for bits in bit_choices:
+            q = quantize_weight(weight, bits, scale_search=scale_search, hadamard_signs=hadamard_signs, name=name)
+            qw = fmt.KbitWeight(q.packed, q.absmax, q.codebook, q.tensor_scale, bits, w.shape[0], w.shape[1])
+            err = float((fmt.dequantize(qw, torch.float32) - w).square().sum())
+            out[bits] = err / norm if norm > 0 else 0.0
+    return out
+
+
+def allocate_bits(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str, int], target_bpw: float) -> dict[str, int]:
+    """The width of each layer: least total error with the size-weighted mean width <= ``target_bpw``.
+
+    Args:
+        errors: layer name -> ``{bits: relative error}`` over the same widths for every layer.
+        sizes: layer name -> its weight count (``out * in``), for every layer of ``errors``.
+        target_bpw: the budget, in index bits per weight, within the widths' range.
+
+    Returns:
+        layer name -> bits, in ``errors``' order.
+    """
+    if not errors:
+        return {}
+    if set(sizes) != set(errors) or any(not isinstance(sizes[n], int) or sizes[n] < 1 for n in errors):
+        raise ValueError("sizes must give a positive weight count for every layer of errors, and no other")
+    choices = sorted(next(iter(errors.values())))
+    if any(sorted(e) != choices for e in errors.values()):
+        raise ValueError("errors must cover the same widths for every layer")
+    if not choices[0] <= target_bpw <= choices[-1]:
+        raise ValueError(f"target_bpw={target_bpw} is outside the widths {choices[0]}..{choices[-1]}")
+    total = sum(sizes.values())
+    budget = target_bpw * total
+    level = {n: 0 for n in errors}  # index into choices
+    used = choices[0] * total
+    while True:
+        best, best_gain = None, 0.0
+        for n, i in level.items():
+            if i + 1 == len(choices):
+                continue
+            cost = (choices[i + 1] - choices[i]) * sizes[n]
+            if used + cost > budget + 1e-9 * total:
+                continue
+            gain = (errors[n][choices[i]] - errors[n][choices[i + 1]]) / cost
+            if best is None or gain > best_gain:
+                best, best_gain = n, gain
+        if best is None:
+            return {n: choices[i] for n, i in level.items()}
+        used += (choices[level[best] + 1] - choices[level[best]]) * sizes[best]
+        level[best] += 1
+
+
+def plan_layer_bits(layers: Iterable[tuple[str, torch.Tensor]], target_bpw: float, *, scale_search: bool = False,
+                    hadamard: bool = False, progress: bool = True) -> dict[str, int]:
+    """The width of each ``(name, weight)`` layer for a mean of ``target_bpw`` index bits per weight.
+
+    Measures :func:`relative_errors` at every width of :data:`BIT_CHOICES` (each weight is
+    quantized once per width: about four times the work of quantizing it once), with the
+    rotation a layer of that name gets under ``hadamard`` (signs seeded by
+    :func:`kbit_linear.hadamard.layer_seed`), then :func:`allocate_bits`.
+    """
+    target_bpw = check_target_bpw(target_bpw)
+    errors: dict[str, dict[int, float]] = {}
+    sizes: dict[str, int] = {}
+    for name, weight in tqdm(list(layers), desc="kbit bit widths (sensitivity)", unit="layer", disable=not progress):
+        signs = hd.random_signs(weight.shape[1], hd.layer_seed(name), weight.device) if hadamard else None
+        errors[name] = relative_errors(weight, scale_search=scale_search, hadamard_signs=signs, name=f"{name}.weight")
+        sizes[name] = weight.numel()
+    return allocate_bits(errors, sizes, target_bpw)
