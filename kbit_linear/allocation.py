@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from . import codebooks
 from . import format as fmt
 from . import hadamard as hd
 from .quantizer import quantize_weight
@@ -49,12 +50,14 @@ def check_target_bpw(target_bpw: object, name: str = "target_bpw") -> float:
     return value
 
 
-def relative_errors(weight: torch.Tensor, *, scale_search: bool = False, hadamard_signs: torch.Tensor | None = None,
-                    bit_choices: Sequence[int] = BIT_CHOICES, name: str = "weight") -> dict[int, float]:
+def relative_errors(weight: torch.Tensor, *, codebook: str | None = None, scale_search: bool = False,
+                    hadamard_signs: torch.Tensor | None = None, bit_choices: Sequence[int] = BIT_CHOICES,
+                    name: str = "weight") -> dict[int, float]:
     """``{bits: ||W - Q_bits(W)||^2 / ||W||^2}`` for one ``[out, in]`` weight at each width.
 
-    Quantized as :func:`kbit_linear.quantizer.quantize_weight` does with the default
-    normal-float codebook of each width, ``scale_search`` and ``hadamard_signs`` (the rotation is
+    Quantized as :func:`kbit_linear.quantizer.quantize_weight` does with the normal-float
+    codebook of each width (``codebook=None``) or levels fitted per width (``"fitted"``),
+    ``scale_search`` and ``hadamard_signs`` (the rotation is
     orthogonal: the error is measured on the rotated weight, where it is the same). A zero weight
     has error 0 at every width.
     """
@@ -65,7 +68,7 @@ def relative_errors(weight: torch.Tensor, *, scale_search: bool = False, hadamar
         norm = float(w.square().sum())
         out = {}
         for bits in bit_choices:
-            q = quantize_weight(weight, bits, scale_search=scale_search, hadamard_signs=hadamard_signs, name=name)
+            q = quantize_weight(weight, bits, codebook, scale_search=scale_search, hadamard_signs=hadamard_signs, name=name)
             qw = fmt.KbitWeight(q.packed, q.absmax, q.codebook, q.tensor_scale, bits, w.shape[0], w.shape[1])
             err = float((fmt.dequantize(qw, torch.float32) - w).square().sum())
             out[bits] = err / norm if norm > 0 else 0.0
@@ -113,20 +116,24 @@ def allocate_bits(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str,
         level[best] += 1
 
 
-def plan_layer_bits(layers: Iterable[tuple[str, torch.Tensor]], target_bpw: float, *, scale_search: bool = False,
-                    hadamard: bool = False, progress: bool = True) -> dict[str, int]:
+def plan_layer_bits(layers: Iterable[tuple[str, torch.Tensor]], target_bpw: float, *, codebook: str | None = None,
+                    scale_search: bool = False, hadamard: bool = False, progress: bool = True) -> dict[str, int]:
     """The width of each ``(name, weight)`` layer for a mean of ``target_bpw`` index bits per weight.
 
+    ``codebook``: ``None`` (normal-float) or ``"fitted"``.
     Measures :func:`relative_errors` at every width of :data:`BIT_CHOICES` (each weight is
     quantized once per width: about four times the work of quantizing it once), with the
     rotation a layer of that name gets under ``hadamard`` (signs seeded by
     :func:`kbit_linear.hadamard.layer_seed`), then :func:`allocate_bits`.
     """
     target_bpw = check_target_bpw(target_bpw)
+    if codebook is not None and not codebooks.is_fitted(codebook):
+        raise ValueError(f"codebook must be None or {codebooks.FITTED!r} when the widths are chosen, got {codebook!r}")
     errors: dict[str, dict[int, float]] = {}
     sizes: dict[str, int] = {}
     for name, weight in tqdm(list(layers), desc="kbit bit widths (sensitivity)", unit="layer", disable=not progress):
         signs = hd.random_signs(weight.shape[1], hd.layer_seed(name), weight.device) if hadamard else None
-        errors[name] = relative_errors(weight, scale_search=scale_search, hadamard_signs=signs, name=f"{name}.weight")
+        errors[name] = relative_errors(weight, codebook=codebook, scale_search=scale_search, hadamard_signs=signs,
+                                       name=f"{name}.weight")
         sizes[name] = weight.numel()
     return allocate_bits(errors, sizes, target_bpw)

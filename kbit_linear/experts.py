@@ -54,6 +54,7 @@ from torch import nn
 
 from . import _grouped_ops  # kbit_linear::grouped_gemm
 from . import _ops  # the op schemas and the gemm entry point
+from . import codebooks
 from . import format as fmt
 from .linear import _apply_keeping_float32, _check_features, _check_state_dtypes
 from .quantizer import KbitTensors, quantize_weight
@@ -223,7 +224,7 @@ def experts_layout_problem(module: nn.Module) -> str | None:
 def quantize_experts_weight(
     weight: torch.Tensor,
     bits: int,
-    codebook: torch.Tensor | None = None,
+    codebook: torch.Tensor | str | None = None,
     *,
     scale_search: bool = False,
     name: str = "weight",
@@ -240,7 +241,7 @@ def quantize_experts_weight(
         weight: floating-point ``[E, N, K]`` (``N`` out-features, ``K`` in-features per expert).
         bits: index width, 2..5.
         codebook: ``[2**bits]`` strictly increasing floats in [-1, 1] (default: normal-float),
-            shared by every expert.
+            shared by every expert; ``"fitted"``: levels fitted to all the experts' weights.
         scale_search: least-error block scales (see ``quantize_weight``).
         name: what to call ``weight`` in error messages.
         device: where to quantize and keep the result (default: ``weight``'s device).
@@ -261,7 +262,11 @@ def quantize_experts_weight(
     fmt.check_bits(bits)
     e, n, k = weight.shape
     device = weight.device if device is None else torch.device(device)
-    cb = fmt.resolve_codebook(codebook, bits, device)
+    if codebooks.is_fitted(codebook):  # one set of levels for all the experts: fitted on all of them (a sample of rows)
+        cb = fmt.resolve_codebook(None, bits, device) if device.type == "meta" else (
+            codebooks.fit_codebook(weight.detach().reshape(e * n, k), bits, scale_search=scale_search).to(device))
+    else:
+        cb = fmt.resolve_codebook(codebooks.check_codebook_option(codebook, bits), bits, device)
     packed_shape, absmax_shape = fmt.tiled_shapes(n, k, bits)
     packed = torch.empty((e, *packed_shape), dtype=torch.int32, device=device)
     absmax = torch.empty((e, *absmax_shape), dtype=torch.uint8, device=device)
@@ -357,7 +362,7 @@ class KbitExperts(nn.Module):
     # -----------------------------------------------------------------------------------
 
     @classmethod
-    def from_experts(cls, module: nn.Module, bits: int = 4, codebook: torch.Tensor | None = None, *,
+    def from_experts(cls, module: nn.Module, bits: int = 4, codebook: torch.Tensor | str | None = None, *,
                      scale_search: bool = False, device: torch.device | str | None = None) -> "KbitExperts":
         """Quantize a transformers experts module (``MixtralExperts``, ``Qwen3MoeExperts``, ...).
 
@@ -369,7 +374,8 @@ class KbitExperts(nn.Module):
         Args:
             module: the experts module.
             bits: index width, 2..5.
-            codebook: ``[2**bits]`` (default: the normal-float codebook), for both projections.
+            codebook: ``[2**bits]`` (default: the normal-float codebook), for both projections;
+                ``"fitted"``: each projection's levels fitted to all its experts.
             scale_search: least-error block scales (:func:`kbit_linear.quantizer.quantize_weight`).
             device: where to quantize and keep the new module (default: the weights' device).
 

@@ -158,7 +158,7 @@ class KbitLinear(nn.Module):
     # -----------------------------------------------------------------------------------
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int = 4, codebook: torch.Tensor | None = None, *,
+    def from_linear(cls, linear: nn.Linear, bits: int = 4, codebook: torch.Tensor | str | None = None, *,
                     scale_search: bool = False, hessian: torch.Tensor | None = None,
                     damp: float = DEFAULT_DAMP, hadamard: bool = False, hadamard_seed: int = 0) -> "KbitLinear":
         """Quantize an ``nn.Linear`` into a new ``KbitLinear`` on the same device.
@@ -175,7 +175,8 @@ class KbitLinear(nn.Module):
         Args:
             linear: the layer; its weight must be a finite floating-point ``[out, in]`` tensor.
             bits: index width, 2..5.
-            codebook: float ``[2**bits]`` (default: the normal-float codebook).
+            codebook: float ``[2**bits]`` (default: the normal-float codebook), or
+                ``"fitted"``: levels fitted to this weight (:mod:`kbit_linear.codebooks`).
             scale_search: choose block scales for the least error instead of the round-up
                 absmax (:func:`kbit_linear.quantizer.quantize_weight`).
             hessian: ``X^T X`` ``[in, in]`` of the layer's inputs for calibrated (GPTQ-style)

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import allocation
+from . import allocation, codebooks
 from . import format as fmt
 from .calibration import Calibration, calibrate_model
 from .experts import KbitExperts, experts_layout_problem, looks_like_experts
@@ -425,7 +425,9 @@ def quantize_model(
             ``("lm_head",)``; the given rules replace the default. ``None`` or ``()``
             converts every convertible layer.
         codebook: float ``[2**bits]`` shared by every layer (each layer stores its own
-            copy); default the normal-float codebook.
+            copy); default the normal-float codebook; ``"fitted"``: levels fitted to each
+            weight (:mod:`kbit_linear.codebooks`; an experts projection: one set for all its
+            experts).
         progress: show a tqdm progress bar.
         scale_search: choose each block's scale for the least error instead of rounding its
             absmax up (:func:`kbit_linear.quantizer.quantize_weight`): better at 2 and 3 bits,
@@ -449,7 +451,8 @@ def quantize_model(
             widths are chosen the same way, then the layers are rounded with it). Quantizes
             every weight once per width first (about 4x the data-free quantization time).
             ``bits`` then applies to the experts modules only; the choice is in
-            ``summary.layer_bits``. Not with ``codebook`` (one codebook has one width).
+            ``summary.layer_bits``. Not with a codebook tensor (it has one width); with
+            ``codebook="fitted"`` each width's error is measured with its fitted levels.
 
     Returns:
         A :class:`QuantizationSummary`: converted names, skipped names with reasons, bytes
@@ -470,11 +473,11 @@ def quantize_model(
     rules = check_skip_rules(skip)
     if target_bpw is not None:
         target_bpw = allocation.check_target_bpw(target_bpw)
-        if codebook is not None:
-            raise ValueError("target_bpw chooses each layer's width, and a codebook fixes it: pass one or the other")
-    if codebook is not None:
-        # fail before the first layer is touched, not halfway through the model
-        codebook = fmt.validate_codebook(codebook, bits)
+        if codebook is not None and not codebooks.is_fitted(codebook):
+            raise ValueError("target_bpw chooses each layer's width, and a codebook fixes it: pass one or the other "
+                             f"(or codebook={codebooks.FITTED!r})")
+    # fail before the first layer is touched, not halfway through the model
+    codebook = codebooks.check_codebook_option(codebook, bits)
     target = torch.device(device) if device is not None else None
     if isinstance(calibration, torch.Tensor):
         calibration = Calibration(tokens=calibration)
@@ -502,7 +505,7 @@ def quantize_model(
         for name in to_convert:
             first.setdefault(id(model.get_submodule(name)), name)
         chosen = allocation.plan_layer_bits(((n, model.get_submodule(n).weight) for n in first.values()), target_bpw,
-                                            scale_search=scale_search, hadamard=hadamard, progress=progress)
+                                            codebook=codebook, scale_search=scale_search, hadamard=hadamard, progress=progress)
         layer_bits = {n: chosen[first[id(model.get_submodule(n))]] for n in to_convert}
         weights = {n: model.get_submodule(n).weight.numel() for n in first.values()}
         summary.layer_bits = layer_bits

@@ -19,6 +19,7 @@ import torch
 
 from . import _ops  # noqa: F401  (registers the torch.library ops used below)
 from . import calibration
+from . import codebooks
 from . import format as fmt
 from . import hadamard
 
@@ -49,7 +50,7 @@ class KbitTensors(NamedTuple):
 def quantize_weight(
     weight: torch.Tensor,
     bits: int,
-    codebook: torch.Tensor | None = None,
+    codebook: torch.Tensor | str | None = None,
     *,
     scale_search: bool = False,
     hessian: torch.Tensor | None = None,
@@ -68,7 +69,9 @@ def quantize_weight(
         weight: floating-point ``[out_features, in_features]``; not modified, not kept.
         bits: index width, 2..5.
         codebook: ``[2**bits]`` strictly increasing floats in [-1, 1] (default: the
-            normal-float codebook of ``bits``); copied, never aliased.
+            normal-float codebook of ``bits``); copied, never aliased. ``"fitted"``: levels
+            fitted to this weight (:func:`kbit_linear.codebooks.fit_codebook`, after the
+            rotation when there is one, for the scales ``scale_search`` picks).
         scale_search: choose each block's scale for the least squared error
             (:func:`kbit_linear.format.search_block_codes`, in PyTorch on the weight's device)
             instead of rounding its absmax up (the quantize kernel); +1 to +2 dB SQNR on normal
@@ -89,7 +92,8 @@ def quantize_weight(
         TypeError: ``bits`` not an int, ``weight`` not a floating-point tensor, ``codebook`` not
             a floating-point tensor.
         ValueError: ``bits`` not in 2..5; ``weight`` not 2-D, empty or not finite; ``codebook``
-            of the wrong size, not strictly increasing, or outside [-1, 1]; ``hadamard_signs`` not
+            another string than ``"fitted"``, of the wrong size, not strictly increasing, or
+            outside [-1, 1]; ``hadamard_signs`` not
             int8 ``[in_features]`` of +-1. Every message names the argument.
     """
     fmt.check_bits(bits)
@@ -103,10 +107,14 @@ def quantize_weight(
             w = hadamard.rotate(w.to(torch.float32), signs)
             if hessian is not None:
                 hessian = hadamard.rotate_hessian(hessian.to(device=w.device, dtype=torch.float32), signs)
-        cb = fmt.resolve_codebook(codebook, bits, w.device)
-        ts = fmt.compute_tensor_scale(w)
         if not isinstance(scale_search, bool):
             raise TypeError(f"scale_search must be a bool, got {type(scale_search).__name__}")
+        if codebooks.is_fitted(codebook):
+            cb = fmt.resolve_codebook(None, bits, w.device) if w.device.type == "meta" else (
+                codebooks.fit_codebook(w, bits, scale_search=scale_search))
+        else:
+            cb = fmt.resolve_codebook(codebooks.check_codebook_option(codebook, bits), bits, w.device)
+        ts = fmt.compute_tensor_scale(w)
         if hessian is not None and w.device.type != "meta":
             packed_flat, absmax_flat, _ = calibration.gptq_quantize_blocks(
                 w, hessian, bits, cb, ts, scale_search=scale_search, damp=damp)

@@ -58,6 +58,7 @@ from torch import nn
 
 from .. import format as fmt
 from ..allocation import check_target_bpw, plan_layer_bits
+from ..codebooks import FITTED, is_fitted
 from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem, quantize_experts_weight
 from ..gguf_linear import GGUFEmbedding, GGUFLinear
 from ..hadamard import layer_seed, random_signs
@@ -130,7 +131,8 @@ class KbitConfig(QuantizationConfigMixin):
             rules of :func:`kbit_linear.patch.matches_skip`: exact name, ancestor prefix
             (``"model.layers.0"``), trailing path (``"o_proj"``), or a regex as ``"re:..."``.
         codebook: ``2**bits`` strictly increasing floats in [-1, 1] (list or tensor);
-            default: the normal-float codebook.
+            default: the normal-float codebook; ``"fitted"``: levels fitted to each weight
+            (:mod:`kbit_linear.codebooks`, data-free; each layer stores its own).
         scale_search: choose each block's scale for the least error instead of rounding its
             absmax up when quantizing at load (better at 2 and 3 bits, slower to load); a
             quantize-time choice: checkpoints store the chosen scales in the same format.
@@ -192,10 +194,11 @@ class KbitConfig(QuantizationConfigMixin):
             raise ValueError(f"hadamard=True needs format_version {HADAMARD_FORMAT_VERSION!r}, got {format_version!r}")
         self.format_version = format_version
         self.target_bpw = None if target_bpw is None else check_target_bpw(target_bpw)
-        if self.target_bpw is not None and self.codebook is not None:
+        fitted = is_fitted(self.codebook)
+        if self.target_bpw is not None and self.codebook is not None and not fitted:
             raise ValueError("target_bpw chooses each layer's width, and a codebook fixes it: pass one or the other")
         self.layer_bits = _check_layer_bits(layer_bits)
-        if self.layer_bits and self.codebook is not None and any(b != self.bits for b in self.layer_bits.values()):
+        if self.layer_bits and self.codebook is not None and not fitted and any(b != self.bits for b in self.layer_bits.values()):
             raise ValueError(f"layer_bits has widths other than bits={self.bits}, which a {self.bits}-bit codebook cannot serve")
 
     def to_dict(self) -> dict[str, Any]:
@@ -211,9 +214,12 @@ class KbitConfig(QuantizationConfigMixin):
         """The width of the layer called ``name``: its ``layer_bits`` entry, else ``bits``."""
         return self.layer_bits.get(name, self.bits) if self.layer_bits else self.bits
 
-    def codebook_tensor(self) -> torch.Tensor | None:
-        """The codebook as float32 ``[2**bits]`` (CPU), or ``None`` for the default."""
-        return None if self.codebook is None else torch.tensor(self.codebook, dtype=torch.float32)
+    def codebook_tensor(self) -> torch.Tensor | str | None:
+        """The codebook as the quantizers take it: float32 ``[2**bits]`` (CPU), ``None`` for the
+        default, or ``"fitted"``."""
+        if self.codebook is None or is_fitted(self.codebook):
+            return self.codebook
+        return torch.tensor(self.codebook, dtype=torch.float32)
 
 
 def _check_skip_modules(skip: Any) -> list[str] | None:
@@ -241,9 +247,11 @@ def _check_layer_bits(layer_bits: Any) -> dict[str, int] | None:
     return dict(layer_bits)
 
 
-def _check_codebook(codebook: Any, bits: int) -> list[float] | None:
-    if codebook is None:
-        return None
+def _check_codebook(codebook: Any, bits: int) -> list[float] | str | None:
+    if codebook is None or is_fitted(codebook):
+        return codebook
+    if isinstance(codebook, str):
+        raise ValueError(f"codebook must be a list of {1 << bits} floats, None or {FITTED!r}, got {codebook!r}")
     if isinstance(codebook, (list, tuple)):
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in codebook):
             raise TypeError("codebook must be a list of floats")
@@ -531,7 +539,7 @@ class KbitHfQuantizer(HfQuantizer):
         config = self.quantization_config
         if self.deferred:
             config.layer_bits = plan_layer_bits(((n, model.get_submodule(n).weight) for n in self.deferred), config.target_bpw,
-                                                scale_search=config.scale_search, hadamard=config.hadamard)
+                                                codebook=self.codebook, scale_search=config.scale_search, hadamard=config.hadamard)
             self.pending |= set(self.deferred)
             self.deferred = []
         for name in sorted(self.pending):

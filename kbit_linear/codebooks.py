@@ -1,0 +1,113 @@
+"""Fitted codebooks: ``codebook="fitted"``, the ``2**bits`` levels fitted to one weight, data-free.
+
+The stored format keeps a codebook per layer, so each layer may have its own levels. Here they
+are fitted to the weight's values in block-normalized space (``w / block scale``, in [-1, 1] with
+the round-up scales) by Lloyd-Max iterations: each level moves to the mean of the values nearest
+to it, weighted by the block scale squared (so the fit minimizes the squared error of the
+weights themselves), starting from the normal-float levels.
+
+The end levels stay at -1 and +1. Every block has a weight at (about) +-1 of its scale, its
+largest, and moving the ends inward, which plain Lloyd-Max does to serve the many small weights,
+rounds those largest weights down: on SmolLM2-135M and Gemma-3-270M at K = 3, plain Lloyd-Max
+levels gave a worse next-token KL than the normal-float ones, fitted levels with fixed ends a
+better one (``bench/results/accuracy.md``).
+
+With the block scale search the fit alternates: levels for the round-up scales, scales searched
+for those levels, levels refitted for the searched scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import format as fmt
+
+__all__ = ["FITTED", "is_fitted", "check_codebook_option", "fit_codebook"]
+
+FITTED = "fitted"
+"""The ``codebook`` value that asks for levels fitted to each weight."""
+
+LLOYD_ITERATIONS = 12
+"""Lloyd-Max iterations per fit (the levels move by less than 1e-3 after about ten)."""
+
+MAX_FIT_WEIGHTS = 1 << 22
+"""Weights a fit reads at most: larger weights are fitted on evenly spaced rows (a sample)."""
+
+_MIN_GAP = 1e-3  # the smallest spacing of neighbouring levels: the codebook must stay strictly increasing
+
+
+def is_fitted(codebook: object) -> bool:
+    """Whether ``codebook`` asks for fitted levels (the string ``"fitted"``)."""
+    return isinstance(codebook, str) and codebook == FITTED
+
+
+def check_codebook_option(codebook: object, bits: int, name: str = "codebook") -> torch.Tensor | str | None:
+    """``codebook`` as the quantizers take it: ``None`` (normal-float), ``"fitted"``, or a
+    validated tensor (:func:`kbit_linear.format.validate_codebook`).
+
+    Raises:
+        ValueError: another string, or an invalid codebook tensor.
+    """
+    if codebook is None or is_fitted(codebook):
+        return codebook
+    if isinstance(codebook, str):
+        raise ValueError(f"{name} must be a tensor of {1 << bits} levels, None or {FITTED!r}, got {codebook!r}")
+    return fmt.validate_codebook(codebook, bits, name)
+
+
+def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False, iterations: int = LLOYD_ITERATIONS) -> torch.Tensor:
+    """``2**bits`` increasing levels in [-1, 1], ends at -1 and +1, fitted to ``weight``.
+
+    Args:
+        weight: finite floating-point ``[out, in]`` (checked by the caller); a weight of more
+            than :data:`MAX_FIT_WEIGHTS` elements is fitted on evenly spaced rows.
+        bits: index width, 2..5.
+        scale_search: fit for the scales the block scale search picks (alternating, see the
+            module docstring) instead of the round-up ones.
+        iterations: Lloyd-Max iterations per fit.
+
+    Returns:
+        float32 ``[2**bits]`` on ``weight``'s device.
+    """
+    fmt.check_bits(bits)
+    w = weight.detach()
+    if w.numel() > MAX_FIT_WEIGHTS:  # sample rows before any copy
+        w = w[:: -(-w.numel() // MAX_FIT_WEIGHTS)]
+    w = w.to(torch.float32)
+    cb = fmt.create_normal_float_codebook(bits, w.device)
+    if w.numel() == 0 or not bool(w.abs().amax() > 0):
+        return cb
+    ts = fmt.compute_tensor_scale(w)
+    blocks = fmt._blocks_of(w)
+    # the zero padding of a last, partial block is not a weight: it takes no part in the fit
+    valid = (torch.arange(blocks.shape[1] * fmt.BLOCK_SIZE, device=w.device) < w.shape[1]).reshape(blocks.shape[1], fmt.BLOCK_SIZE)
+    codes = fmt._encode_e4m4_unchecked(blocks.abs().amax(dim=-1) / ts.reshape(()))
+    for round_ in range(2 if scale_search else 1):
+        if round_:
+            codes = fmt.search_block_codes(w, cb, ts)
+        scale = fmt._block_scales(codes, ts).unsqueeze(-1).expand_as(blocks)
+        keep = (scale > 0) & valid
+        values = (blocks[keep] / scale[keep]).clamp(-1.0, 1.0)
+        mass = scale[keep].square()
+        cb = _lloyd(values, mass, cb, iterations)
+    return cb
+
+
+def _lloyd(values: torch.Tensor, mass: torch.Tensor, levels: torch.Tensor, iterations: int) -> torch.Tensor:
+    """Lloyd-Max on 1-D ``values`` with weights ``mass``, from ``levels``; the end levels stay
+    at -1 and +1, a level with no values keeps its place, neighbours stay ``_MIN_GAP`` apart."""
+    c = levels.clone()
+    n = c.numel()
+    for _ in range(iterations):
+        idx = torch.searchsorted((c[:-1] + c[1:]) * 0.5, values)
+        total = torch.zeros_like(c).scatter_add_(0, idx, mass)
+        moment = torch.zeros_like(c).scatter_add_(0, idx, mass * values)
+        c = torch.where(total > 0, moment / total.clamp_min(torch.finfo(torch.float32).tiny), c)
+        c[0], c[-1] = -1.0, 1.0
+        c = torch.sort(c).values
+        # strictly increasing, ends fixed: push up from the left, then down from the right
+        for i in range(1, n - 1):
+            c[i] = torch.maximum(c[i], c[i - 1] + _MIN_GAP)
+        for i in range(n - 2, 0, -1):
+            c[i] = torch.minimum(c[i], c[i + 1] - _MIN_GAP)
+    return c

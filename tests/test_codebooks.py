@@ -1,0 +1,127 @@
+"""Fitted codebooks (``codebook="fitted"``, ``kbit_linear.codebooks``), on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import kbit_linear
+from kbit_linear import KbitConfig, KbitLinear, codebooks, hadamard, quantize_model
+from kbit_linear import format as fmt
+from kbit_linear.experts import quantize_experts_weight
+from kbit_linear.quantizer import quantize_weight
+
+
+def _rel_err(layer: KbitLinear, w: torch.Tensor) -> float:
+    return float((layer.dequantize(torch.float32) - w).square().sum() / w.square().sum())
+
+
+def _weight(n: int = 256, k: int = 200, seed: int = 0, heavy: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    if heavy:  # heavier tails than normal: where the normal-float levels fit worst
+        w = w * torch.rand(n, k, generator=g).pow(3) * 3
+    return w
+
+
+def _linear(w: torch.Tensor) -> nn.Linear:
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    return lin
+
+
+@pytest.mark.parametrize("bits", (2, 3, 4, 5))
+@pytest.mark.parametrize("heavy", (False, True), ids=("normal", "heavy-tailed"))
+def test_fitted_levels_are_a_valid_codebook_with_less_error(bits, heavy):
+    w = _weight(seed=bits, heavy=heavy)
+    cb = codebooks.fit_codebook(w, bits)
+    fmt.validate_codebook(cb, bits)
+    assert cb.dtype == torch.float32 and cb[0] == -1.0 and cb[-1] == 1.0
+    assert bool((cb[1:] - cb[:-1] >= 0.999e-3).all())
+    lin = _linear(w)
+    fitted, normal = _rel_err(KbitLinear.from_linear(lin, bits, "fitted"), w), _rel_err(KbitLinear.from_linear(lin, bits), w)
+    assert fitted <= normal * 1.001, (fitted, normal)
+    if heavy and bits >= 3:
+        assert fitted < normal * 0.95  # a real gain where the normal-float levels do not fit
+
+
+def test_fitted_codebook_is_stored_and_follows_rotation_and_scale_search():
+    w = _weight(120, 96, seed=3)
+    q = quantize_weight(w, 3, "fitted")
+    assert torch.equal(q.codebook, codebooks.fit_codebook(w, 3))
+    signs = hadamard.random_signs(96, 5)
+    q = quantize_weight(w, 3, "fitted", hadamard_signs=signs)
+    assert torch.equal(q.codebook, codebooks.fit_codebook(hadamard.rotate(w, signs), 3))
+    q = quantize_weight(w, 3, "fitted", scale_search=True)
+    assert torch.equal(q.codebook, codebooks.fit_codebook(w, 3, scale_search=True))
+    assert not torch.equal(q.codebook, codebooks.fit_codebook(w, 3))
+
+
+def test_fit_edge_cases(monkeypatch):
+    assert torch.equal(codebooks.fit_codebook(torch.zeros(4, 64), 3), fmt.create_normal_float_codebook(3))
+    odd = _weight(33, 45, seed=1)  # a partial last block: its zero padding is not fitted
+    fmt.validate_codebook(codebooks.fit_codebook(odd, 4), 4)
+    monkeypatch.setattr(codebooks, "MAX_FIT_WEIGHTS", 1000)  # a sample of rows for large weights
+    fmt.validate_codebook(codebooks.fit_codebook(_weight(300, 64), 3), 3)
+    with torch.device("meta"):
+        meta = nn.Linear(64, 32)
+    assert KbitLinear.from_linear(meta, 3, "fitted").codebook.shape == (8,)
+
+
+def test_codebook_option_checks():
+    with pytest.raises(ValueError, match="codebook"):
+        quantize_weight(_weight(), 3, "nf3")
+    with pytest.raises(ValueError, match="codebook"):
+        quantize_model(nn.Sequential(nn.Linear(64, 64)), 3, codebook="lloyd", progress=False)
+    with pytest.raises(ValueError, match="codebook"):
+        KbitConfig(bits=3, codebook="learned")
+    assert codebooks.check_codebook_option(None, 3) is None and codebooks.check_codebook_option("fitted", 3) == "fitted"
+
+
+def test_quantize_model_fits_each_layer_and_works_with_target_bpw():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 64))
+    with torch.no_grad():
+        net[2].weight.mul_(torch.rand_like(net[2].weight).pow(3))
+    dense = [net[0].weight.detach().clone(), net[2].weight.detach().clone()]
+    quantize_model(net, 3, codebook="fitted", skip=None, progress=False)
+    assert torch.equal(net[0].codebook, codebooks.fit_codebook(dense[0], 3))
+    assert torch.equal(net[2].codebook, codebooks.fit_codebook(dense[1], 3))
+    assert not torch.equal(net[0].codebook, net[2].codebook)
+    net = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 64))
+    summary = quantize_model(net, codebook="fitted", target_bpw=3.5, skip=None, progress=False)
+    for name, bits in summary.layer_bits.items():
+        layer = net.get_submodule(name)
+        assert layer.bits == bits and layer.codebook.shape == (1 << bits,) and layer.codebook[0] == -1.0
+
+
+def test_experts_share_one_fitted_codebook():
+    w = torch.randn(3, 64, 96)
+    q = quantize_experts_weight(w, 3, "fitted")
+    assert torch.equal(q.codebook, codebooks.fit_codebook(w.reshape(-1, 96), 3))
+
+
+def test_fitted_at_load_equals_quantize_model_and_round_trips(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "dense")
+    q = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dense"), quantization_config=KbitConfig(bits=3, codebook="fitted"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dense"))
+    quantize_model(ref, 3, codebook="fitted", progress=False)
+    layers = {n: m for n, m in q.named_modules() if isinstance(m, KbitLinear)}
+    assert layers
+    for name, layer in layers.items():
+        assert torch.equal(layer.codebook, ref.get_submodule(name).codebook)
+        assert torch.equal(layer.weight, ref.get_submodule(name).weight)
+    q.save_pretrained(tmp_path / "fitted")
+    assert json.loads((tmp_path / "fitted" / "config.json").read_text())["quantization_config"]["codebook"] == "fitted"
+    r = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fitted"))
+    ids = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(r(ids).logits, q(ids).logits)
