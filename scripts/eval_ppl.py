@@ -104,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-nf4", action="store_true", help="skip the bitsandbytes NF4 row")
     p.add_argument("--scale-search", choices=["off", "on", "both"], default="off",
                    help="kbit rows with round-up absmax scales (off), with the block scale search (on), or both")
+    p.add_argument("--codebook", choices=["nf", "fitted", "both"], default="nf",
+                   help="kbit rows with the normal-float codebook (nf), levels fitted per layer (fitted), or both")
     p.add_argument("--hadamard", choices=["off", "on", "both"], default="off",
                    help="kbit rows without the randomized Hadamard rotation (off), with it (on), or both")
     p.add_argument("--out", type=Path, help="also write the table (with date, command and machine) to this markdown file")
@@ -217,10 +219,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def kbit_rows(label: str, width: dict) -> None:
         """The kbit rows of one width setting (``{"bits": K}`` or ``{"target_bpw": t}``)."""
-        for search, rotate in [] if args.no_kbit else [(s, r) for s in searches for r in rotations]:
-            name = label + (", scale search" if search else "") + (", Hadamard" if rotate else "")
+        for fitted, search, rotate in [] if args.no_kbit else [(f, s, r) for f in fits for s in searches for r in rotations]:
+            name = label + (", fitted codebook" if fitted else "") + (", scale search" if search else "") + (", Hadamard" if rotate else "")
+            cb = {"codebook": "fitted"} if fitted else {}
             if False in calibrations:
-                config = KbitConfig(**width, scale_search=search, hadamard=rotate)
+                config = KbitConfig(**width, **cb, scale_search=search, hadamard=rotate)
                 model, load_s = _load(path, DTYPES[args.quantize_dtype], device, config, causal=causal)
                 model.to(dtype)  # casts what stayed dense; the quantized tensors keep their dtypes
                 report(name, f"{stored_bits_per_weight(model):.2f}", model, load_s, "quantized at load")
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 model, load_s = _load(path, DTYPES[args.quantize_dtype], device, causal=causal)
                 start = time.perf_counter()
                 calib = Calibration(tokenizer=tokenizer, num_sequences=args.calib_sequences, seq_len=args.calib_len)
-                quantize_model(model, **width, scale_search=search, calibration=calib, hadamard=rotate)
+                quantize_model(model, **width, **cb, scale_search=search, calibration=calib, hadamard=rotate)
                 quantize_s = time.perf_counter() - start
                 model.to(dtype)
                 report(f"{name}, calibrated", f"{stored_bits_per_weight(model):.2f}", model, quantize_s,
@@ -241,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     searches = {"off": [False], "on": [True], "both": [False, True]}[args.scale_search]
     calibrations = {"off": [False], "on": [True], "both": [False, True]}[args.calibration]
     rotations = {"off": [False], "on": [True], "both": [False, True]}[args.hadamard]
+    fits = {"nf": [False], "fitted": [True], "both": [False, True]}[args.codebook]
     for bits in args.bits:
         kbit_rows(f"kbit K={bits}", {"bits": bits})
         for group in args.gptq_groups:
