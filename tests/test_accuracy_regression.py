@@ -4,7 +4,9 @@ SmolLM2-135M-Instruct (the default model, float32), 2 windows of 256 tokens of t
 text, K = 3 with the block scale search, data-free, without and with the Hadamard rotation: KL
 of the next-token distribution against the unquantized model. Measured when the test was written
 (torch 2.13.0 CPU): 2.17 and 1.60 nats/token; the limits leave ~10 % for numerical drift between
-torch versions, so a change that makes 3 bits worse by more than that fails here. About a minute.
+torch versions, so a change that makes 3 bits worse by more than that fails here. The same
+holds for the fitted codebook at K = 3 (round-up scales: 2.17, against 2.65 with the
+normal-float levels) and for ``target_bpw=3.5`` (0.53). About two minutes.
 """
 
 from __future__ import annotations
@@ -50,3 +52,19 @@ def test_three_bits_data_free_do_not_regress(smollm2):
     assert kl[False] < LIMITS[False], kl
     assert kl[True] < LIMITS[True], kl
     assert kl[True] < 0.85 * kl[False], kl  # the rotation must keep paying for itself
+
+
+FITTED_LIMIT = 2.40  # KL at K = 3, fitted levels, round-up scales (measured 2.17; normal-float levels 2.65)
+TARGET_LIMIT = 0.60  # KL at target_bpw=3.5, normal-float levels (measured 0.53)
+
+
+def test_fitted_levels_and_per_layer_widths_do_not_regress(smollm2):
+    model, windows, reference = smollm2
+    kl = {}
+    for label, kwargs in (("fitted", {"bits": 3, "codebook": "fitted"}), ("target_bpw", {"target_bpw": 3.5})):
+        quantized = copy.deepcopy(model)
+        kbit_linear.quantize_model(quantized, **kwargs, progress=False)
+        kl[label] = evaluate(quantized, windows, reference).kl
+        del quantized
+    assert kl["fitted"] < FITTED_LIMIT, kl
+    assert kl["target_bpw"] < TARGET_LIMIT, kl
