@@ -266,7 +266,9 @@ def quantize_experts_weight(
         cb = fmt.resolve_codebook(None, bits, device) if device.type == "meta" else (
             codebooks.fit_codebook(weight.detach().reshape(e * n, k), bits, scale_search=scale_search).to(device))
     else:
-        cb = fmt.resolve_codebook(codebooks.check_codebook_option(codebook, bits), bits, device)
+        if isinstance(codebook, str):
+            codebooks.check_codebook_option(codebook, bits)  # names the strings it takes
+        cb = fmt.resolve_codebook(codebook, bits, device)  # validates a tensor (once)
     packed_shape, absmax_shape = fmt.tiled_shapes(n, k, bits)
     packed = torch.empty((e, *packed_shape), dtype=torch.int32, device=device)
     absmax = torch.empty((e, *absmax_shape), dtype=torch.uint8, device=device)

@@ -113,7 +113,9 @@ def quantize_weight(
             cb = fmt.resolve_codebook(None, bits, w.device) if w.device.type == "meta" else (
                 codebooks.fit_codebook(w, bits, scale_search=scale_search))
         else:
-            cb = fmt.resolve_codebook(codebooks.check_codebook_option(codebook, bits), bits, w.device)
+            if isinstance(codebook, str):
+                codebooks.check_codebook_option(codebook, bits)  # names the strings it takes
+            cb = fmt.resolve_codebook(codebook, bits, w.device)  # validates a tensor (once)
         ts = fmt.compute_tensor_scale(w)
         if hessian is not None and w.device.type != "meta":
             packed_flat, absmax_flat, _ = calibration.gptq_quantize_blocks(
