@@ -29,7 +29,7 @@ from . import format as fmt
 from . import hadamard as hd
 from .quantizer import quantize_weight
 
-__all__ = ["BIT_CHOICES", "check_target_bpw", "relative_errors", "allocate_bits", "plan_layer_bits"]
+__all__ = ["BIT_CHOICES", "check_target_bpw", "check_codebook_for_widths", "relative_errors", "allocate_bits", "plan_layer_bits"]
 
 BIT_CHOICES: tuple[int, ...] = tuple(fmt.SUPPORTED_BITS)
 """The widths the allocation chooses from."""
@@ -48,6 +48,18 @@ def check_target_bpw(target_bpw: object, name: str = "target_bpw") -> float:
     if not min(BIT_CHOICES) <= value <= max(BIT_CHOICES):
         raise ValueError(f"{name} must be between {min(BIT_CHOICES)} and {max(BIT_CHOICES)} bits per weight, got {target_bpw!r}")
     return value
+
+
+def check_codebook_for_widths(codebook: object) -> None:
+    """Refuse a codebook tensor (or list) where each layer's width is chosen: one set of levels
+    has one width. ``None`` (normal-float) and ``"fitted"`` serve every width.
+
+    Raises:
+        ValueError: naming the conflict.
+    """
+    if codebook is not None and not codebooks.is_fitted(codebook):
+        raise ValueError("target_bpw chooses each layer's width, and a codebook fixes it: pass one or the other "
+                         f"(or codebook={codebooks.FITTED!r})")
 
 
 def relative_errors(weight: torch.Tensor, *, codebook: str | None = None, scale_search: bool = False,
@@ -93,6 +105,7 @@ def allocate_bits(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str,
     choices = sorted(next(iter(errors.values())))
     if any(sorted(e) != choices for e in errors.values()):
         raise ValueError("errors must cover the same widths for every layer")
+    target_bpw = check_target_bpw(target_bpw)
     if not choices[0] <= target_bpw <= choices[-1]:
         raise ValueError(f"target_bpw={target_bpw} is outside the widths {choices[0]}..{choices[-1]}")
     total = sum(sizes.values())
@@ -108,7 +121,7 @@ def allocate_bits(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str,
             if used + cost > budget + 1e-9 * total:
                 continue
             gain = (errors[n][choices[i]] - errors[n][choices[i + 1]]) / cost
-            if best is None or gain > best_gain:
+            if gain > best_gain:  # only upgrades that lower the error spend bits
                 best, best_gain = n, gain
         if best is None:
             return {n: choices[i] for n, i in level.items()}
@@ -127,8 +140,7 @@ def plan_layer_bits(layers: Iterable[tuple[str, torch.Tensor]], target_bpw: floa
     :func:`kbit_linear.hadamard.layer_seed`), then :func:`allocate_bits`.
     """
     target_bpw = check_target_bpw(target_bpw)
-    if codebook is not None and not codebooks.is_fitted(codebook):
-        raise ValueError(f"codebook must be None or {codebooks.FITTED!r} when the widths are chosen, got {codebook!r}")
+    check_codebook_for_widths(codebook)
     errors: dict[str, dict[int, float]] = {}
     sizes: dict[str, int] = {}
     for name, weight in tqdm(list(layers), desc="kbit bit widths (sensitivity)", unit="layer", disable=not progress):

@@ -22,7 +22,7 @@ import torch
 
 from . import format as fmt
 
-__all__ = ["FITTED", "is_fitted", "check_codebook_option", "fit_codebook"]
+__all__ = ["FITTED", "is_fitted", "check_codebook_option", "resolve_codebook_option", "fit_codebook"]
 
 FITTED = "fitted"
 """The ``codebook`` value that asks for levels fitted to each weight."""
@@ -58,12 +58,28 @@ def check_codebook_option(codebook: object, bits: int, name: str = "codebook") -
     return fmt.validate_codebook(codebook, bits, name)
 
 
+def resolve_codebook_option(codebook: torch.Tensor | str | None, weight: torch.Tensor, bits: int, *,
+                            scale_search: bool = False, device: torch.device | None = None) -> torch.Tensor:
+    """The levels to quantize ``weight`` (2-D) with, as a fresh float32 tensor on ``device``
+    (default: the weight's): fitted to it for ``"fitted"`` (the normal-float levels on the meta
+    device), else :func:`kbit_linear.format.resolve_codebook` (normal-float for ``None``, a
+    tensor validated once)."""
+    device = weight.device if device is None else device
+    if is_fitted(codebook):
+        if weight.device.type == "meta" or device.type == "meta":
+            return fmt.resolve_codebook(None, bits, device)
+        return fit_codebook(weight, bits, scale_search=scale_search).to(device)
+    if isinstance(codebook, str):
+        check_codebook_option(codebook, bits)  # raises, naming the strings it takes
+    return fmt.resolve_codebook(codebook, bits, device)
+
+
 def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False, iterations: int = LLOYD_ITERATIONS) -> torch.Tensor:
     """``2**bits`` increasing levels in [-1, 1], ends at -1 and +1, fitted to ``weight``.
 
     Args:
-        weight: finite floating-point ``[out, in]`` (checked by the caller); a weight of more
-            than :data:`MAX_FIT_WEIGHTS` elements is fitted on evenly spaced rows.
+        weight: floating-point ``[out, in]``, finite (the values are not checked here); a
+            weight of more than :data:`MAX_FIT_WEIGHTS` elements is fitted on evenly spaced rows.
         bits: index width, 2..5.
         scale_search: fit for the scales the block scale search picks (alternating, see the
             module docstring) instead of the round-up ones.
@@ -73,6 +89,9 @@ def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False,
         float32 ``[2**bits]`` on ``weight``'s device.
     """
     fmt.check_bits(bits)
+    fmt.check_weight(weight, finite=False)  # 2-D floating point; the values are the caller's to check
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations must be a positive int, got {iterations!r}")
     w = weight.detach()
     if w.numel() > MAX_FIT_WEIGHTS:  # sample rows before any copy
         w = w[:: -(-w.numel() // MAX_FIT_WEIGHTS)]
@@ -84,7 +103,7 @@ def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False,
     blocks = fmt._blocks_of(w)
     # the zero padding of a last, partial block is not a weight: it takes no part in the fit
     valid = (torch.arange(blocks.shape[1] * fmt.BLOCK_SIZE, device=w.device) < w.shape[1]).reshape(blocks.shape[1], fmt.BLOCK_SIZE)
-    codes = fmt._encode_e4m4_unchecked(blocks.abs().amax(dim=-1) / ts.reshape(()))
+    codes = fmt._round_up_codes(blocks, ts)
     for round_ in range(2 if scale_search else 1):
         if round_:
             codes = fmt.search_block_codes(w, cb, ts)

@@ -262,13 +262,9 @@ def quantize_experts_weight(
     fmt.check_bits(bits)
     e, n, k = weight.shape
     device = weight.device if device is None else torch.device(device)
-    if codebooks.is_fitted(codebook):  # one set of levels for all the experts: fitted on all of them (a sample of rows)
-        cb = fmt.resolve_codebook(None, bits, device) if device.type == "meta" else (
-            codebooks.fit_codebook(weight.detach().reshape(e * n, k), bits, scale_search=scale_search).to(device))
-    else:
-        if isinstance(codebook, str):
-            codebooks.check_codebook_option(codebook, bits)  # names the strings it takes
-        cb = fmt.resolve_codebook(codebook, bits, device)  # validates a tensor (once)
+    # one set of levels for all the experts ("fitted": on all of them, a sample of rows)
+    cb = codebooks.resolve_codebook_option(codebook, weight.detach().reshape(e * n, k), bits, scale_search=scale_search,
+                                           device=device)
     packed_shape, absmax_shape = fmt.tiled_shapes(n, k, bits)
     packed = torch.empty((e, *packed_shape), dtype=torch.int32, device=device)
     absmax = torch.empty((e, *absmax_shape), dtype=torch.uint8, device=device)

@@ -352,6 +352,11 @@ def _blocks_of(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(n, nblk, BLOCK_SIZE)
 
 
+def _round_up_codes(blocks: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
+    """uint8 E4M4 code of each block's absmax over ``tensor_scale``, rounded up (``blocks``: ``[..., 32]``)."""
+    return _encode_e4m4_unchecked(blocks.abs().amax(dim=-1) / tensor_scale.to(torch.float32).reshape(()))
+
+
 def _block_scales(absmax_codes: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
     return decode_e4m4(absmax_codes) * tensor_scale.to(torch.float32).reshape(())
 
@@ -400,7 +405,7 @@ def _quantize_blocks(weight: torch.Tensor, bits: int, cb: torch.Tensor, ts: torc
     ``kbit_linear.quantizer.quantize_weight``), not again per layer.
     """
     blocks = _blocks_of(weight)  # [N, nblk, 32]
-    codes = _encode_e4m4_unchecked(blocks.abs().amax(dim=-1) / ts.reshape(()))
+    codes = _round_up_codes(blocks, ts)
     return _pack_bitplanes(_nearest_indices(blocks, _block_scales(codes, ts).unsqueeze(-1), cb), bits), codes
 
 
@@ -443,7 +448,7 @@ def search_block_codes(weight: torch.Tensor, codebook: torch.Tensor, tensor_scal
         raise ValueError(f"candidates must be a positive int, got {candidates!r}")
     blocks = _blocks_of(weight)
     ts = tensor_scale.to(torch.float32).reshape(())
-    first = _encode_e4m4_unchecked(blocks.abs().amax(dim=-1) / ts).to(torch.int64)  # [N, nblk]
+    first = _round_up_codes(blocks, ts).to(torch.int64)  # [N, nblk]
     table = _e4m4_table(weight.device)
     # The zero padding of a last, partial block is not a weight: its error does not count.
     valid = (torch.arange(blocks.shape[1] * BLOCK_SIZE, device=weight.device) < weight.shape[1]).reshape(-1, BLOCK_SIZE)

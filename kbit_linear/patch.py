@@ -397,7 +397,7 @@ def quantize_model(
     model: nn.Module,
     bits: int = 4,
     skip: Iterable[SkipRule] | str | None = ("lm_head",),
-    codebook: torch.Tensor | None = None,
+    codebook: torch.Tensor | str | None = None,
     progress: bool = True,
     scale_search: bool = False,
     device: torch.device | str | None = None,
@@ -473,9 +473,7 @@ def quantize_model(
     rules = check_skip_rules(skip)
     if target_bpw is not None:
         target_bpw = allocation.check_target_bpw(target_bpw)
-        if codebook is not None and not codebooks.is_fitted(codebook):
-            raise ValueError("target_bpw chooses each layer's width, and a codebook fixes it: pass one or the other "
-                             f"(or codebook={codebooks.FITTED!r})")
+        allocation.check_codebook_for_widths(codebook)
     # fail before the first layer is touched, not halfway through the model
     codebook = codebooks.check_codebook_option(codebook, bits)
     target = torch.device(device) if device is not None else None
@@ -504,7 +502,10 @@ def quantize_model(
         first = {}  # a Linear reused under several names is measured (and counted) once
         for name in to_convert:
             first.setdefault(id(model.get_submodule(name)), name)
-        chosen = allocation.plan_layer_bits(((n, model.get_submodule(n).weight) for n in first.values()), target_bpw,
+        # measured where the layers will be quantized (``device``), one weight at a time
+        weights_at = ((n, model.get_submodule(n).weight if target is None else model.get_submodule(n).weight.to(target))
+                      for n in first.values())
+        chosen = allocation.plan_layer_bits(weights_at, target_bpw,
                                             codebook=codebook, scale_search=scale_search, hadamard=hadamard, progress=progress)
         layer_bits = {n: chosen[first[id(model.get_submodule(n))]] for n in to_convert}
         weights = {n: model.get_submodule(n).weight.numel() for n in first.values()}

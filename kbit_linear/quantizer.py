@@ -109,13 +109,7 @@ def quantize_weight(
                 hessian = hadamard.rotate_hessian(hessian.to(device=w.device, dtype=torch.float32), signs)
         if not isinstance(scale_search, bool):
             raise TypeError(f"scale_search must be a bool, got {type(scale_search).__name__}")
-        if codebooks.is_fitted(codebook):
-            cb = fmt.resolve_codebook(None, bits, w.device) if w.device.type == "meta" else (
-                codebooks.fit_codebook(w, bits, scale_search=scale_search))
-        else:
-            if isinstance(codebook, str):
-                codebooks.check_codebook_option(codebook, bits)  # names the strings it takes
-            cb = fmt.resolve_codebook(codebook, bits, w.device)  # validates a tensor (once)
+        cb = codebooks.resolve_codebook_option(codebook, w, bits, scale_search=scale_search)
         ts = fmt.compute_tensor_scale(w)
         if hessian is not None and w.device.type != "meta":
             packed_flat, absmax_flat, _ = calibration.gptq_quantize_blocks(

@@ -47,6 +47,9 @@ def test_allocate_bits_budget_edges_and_sizes():
     mixed = allocation.allocate_bits(errors, sizes, 3.5)
     assert sum(mixed[n] * sizes[n] for n in sizes) <= 3.5 * 1000
     assert allocation.allocate_bits({}, {}, 3.0) == {}
+    # no bits for an upgrade that does not lower the error (a zero weight; an error rising with the width)
+    flat = {"zero": {b: 0.0 for b in allocation.BIT_CHOICES}, "odd": {2: 0.1, 3: 0.2, 4: 0.3, 5: 0.4}}
+    assert allocation.allocate_bits(flat, {"zero": 10, "odd": 10}, 5.0) == {"zero": 2, "odd": 2}
 
 
 @pytest.mark.parametrize(
@@ -60,6 +63,7 @@ def test_allocate_bits_budget_edges_and_sizes():
         (lambda: allocation.check_target_bpw(1.5), ValueError, "target_bpw"),
         (lambda: allocation.check_target_bpw("3.5"), TypeError, "target_bpw"),
         (lambda: allocation.check_target_bpw(True), TypeError, "target_bpw"),
+        (lambda: allocation.allocate_bits({"a": _convex_errors(1)}, {"a": 1}, "3"), TypeError, "target_bpw"),
     ],
 )
 def test_allocation_rejects_bad_arguments(call, error, match):

@@ -81,6 +81,12 @@ def test_codebook_option_checks():
     with pytest.raises(ValueError, match="codebook"):
         KbitConfig(bits=3, codebook="learned")
     assert codebooks.check_codebook_option(None, 3) is None and codebooks.check_codebook_option("fitted", 3) == "fitted"
+    with pytest.raises(ValueError, match="weight"):
+        codebooks.fit_codebook(torch.randn(2, 3, 4), 3)
+    with pytest.raises(TypeError, match="weight"):
+        codebooks.fit_codebook(torch.ones(4, 4, dtype=torch.int32), 3)
+    with pytest.raises(ValueError, match="iterations"):
+        codebooks.fit_codebook(torch.randn(4, 32), 3, iterations=0)
 
 
 def test_quantize_model_fits_each_layer_and_works_with_target_bpw():

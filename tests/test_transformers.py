@@ -141,7 +141,7 @@ def test_config_round_trips_through_json():
         (dict(target_bpw="3.5"), TypeError, "target_bpw"),
         (dict(target_bpw=3.5, codebook=[-1.0, -0.3, 0.3, 1.0], bits=2), ValueError, "codebook"),
         (dict(layer_bits=[("a", 3)]), TypeError, "layer_bits"),
-        (dict(layer_bits={"a": 6}), ValueError, "bits"),
+        (dict(layer_bits={"a": 6}), ValueError, r"layer_bits\['a'\]"),
         (dict(layer_bits={"": 3}), TypeError, "layer_bits"),
     ],
     ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(v),
@@ -275,6 +275,8 @@ def test_target_bpw_at_load_equals_quantize_model_and_round_trips(dense_dir, tmp
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
         _load(tmp_path)
+    with pytest.raises(ValueError, match="layer_bits names layers"):  # a key that names no quantized layer
+        _load(dense_dir, quantization_config=KbitConfig(layer_bits={"model.layers.0.self_attn.q_projj": 3}))
 
 
 def test_config_rejects_bad_hadamard_arguments():

@@ -57,8 +57,8 @@ import torch
 from torch import nn
 
 from .. import format as fmt
-from ..allocation import check_target_bpw, plan_layer_bits
-from ..codebooks import FITTED, is_fitted
+from ..allocation import check_codebook_for_widths, check_target_bpw, plan_layer_bits
+from ..codebooks import check_codebook_option, is_fitted
 from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem, quantize_experts_weight
 from ..gguf_linear import GGUFEmbedding, GGUFLinear
 from ..hadamard import layer_seed, random_signs
@@ -146,7 +146,9 @@ class KbitConfig(QuantizationConfigMixin):
             bits per weight (:mod:`kbit_linear.allocation`, data-free). Quantizing at load, the
             weights then load dense first (the model's dense size in memory), the widths are
             chosen from all of them, then each layer is quantized; the choice is written to
-            ``layer_bits``. ``bits`` still applies to experts modules. Not with ``codebook``.
+            ``layer_bits``. ``bits`` still applies to experts modules. Not with a codebook
+            list (``"fitted"`` is fine). Every chosen layer must be in memory when the widths
+            are chosen: a ``device_map`` that offloads layers to the CPU is refused then.
         layer_bits: module name -> width, for the layers that do not have ``bits``: what
             ``target_bpw`` chose, saved in ``config.json`` so that the checkpoint loads back.
 
@@ -194,11 +196,11 @@ class KbitConfig(QuantizationConfigMixin):
             raise ValueError(f"hadamard=True needs format_version {HADAMARD_FORMAT_VERSION!r}, got {format_version!r}")
         self.format_version = format_version
         self.target_bpw = None if target_bpw is None else check_target_bpw(target_bpw)
-        fitted = is_fitted(self.codebook)
-        if self.target_bpw is not None and self.codebook is not None and not fitted:
-            raise ValueError("target_bpw chooses each layer's width, and a codebook fixes it: pass one or the other")
+        if self.target_bpw is not None:
+            check_codebook_for_widths(self.codebook)
         self.layer_bits = _check_layer_bits(layer_bits)
-        if self.layer_bits and self.codebook is not None and not fitted and any(b != self.bits for b in self.layer_bits.values()):
+        fixed = self.codebook is not None and not is_fitted(self.codebook)
+        if self.layer_bits and fixed and any(b != self.bits for b in self.layer_bits.values()):
             raise ValueError(f"layer_bits has widths other than bits={self.bits}, which a {self.bits}-bit codebook cannot serve")
 
     def to_dict(self) -> dict[str, Any]:
@@ -243,15 +245,13 @@ def _check_layer_bits(layer_bits: Any) -> dict[str, int] | None:
     for name, bits in layer_bits.items():
         if not isinstance(name, str) or not name:
             raise TypeError(f"layer_bits keys must be module names, got {name!r}")
-        fmt.check_bits(bits)
+        fmt.check_bits(bits, f"layer_bits[{name!r}]")
     return dict(layer_bits)
 
 
 def _check_codebook(codebook: Any, bits: int) -> list[float] | str | None:
-    if codebook is None or is_fitted(codebook):
-        return codebook
-    if isinstance(codebook, str):
-        raise ValueError(f"codebook must be a list of {1 << bits} floats, None or {FITTED!r}, got {codebook!r}")
+    if codebook is None or isinstance(codebook, str):
+        return check_codebook_option(codebook, bits)  # None, "fitted", or a ValueError naming what it takes
     if isinstance(codebook, (list, tuple)):
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in codebook):
             raise TypeError("codebook must be a list of floats")
@@ -441,6 +441,9 @@ class KbitHfQuantizer(HfQuantizer):
         unique = {name for name, _ in model.named_modules()}
         names = [name for name in names if name in unique]
         experts = [name for name in experts if name in unique]
+        stray = sorted(set(config.layer_bits or ()) - set(names))
+        if stray:
+            raise ValueError(f"layer_bits names layers this model does not quantize: {stray[:5]}" + (" ..." if len(stray) > 5 else ""))
         if not self.pre_quantized:
             if config.target_bpw is not None and not config.layer_bits:
                 self.deferred = list(names)  # the widths depend on every weight: quantize after loading
@@ -538,6 +541,12 @@ class KbitHfQuantizer(HfQuantizer):
                 _refuse_tensor_parallel(name)
         config = self.quantization_config
         if self.deferred:
+            offloaded = [n for n in self.deferred if model.get_submodule(n).weight.device.type == "meta"]
+            if offloaded:
+                raise ValueError(
+                    f"target_bpw chooses the widths from every weight, but {len(offloaded)} layers (e.g. {offloaded[0]!r}) were "
+                    "offloaded by the device_map; load on devices that hold the dense model, or load dense and call "
+                    "kbit_linear.quantize_model(model, target_bpw=...)")
             config.layer_bits = plan_layer_bits(((n, model.get_submodule(n).weight) for n in self.deferred), config.target_bpw,
                                                 codebook=self.codebook, scale_search=config.scale_search, hadamard=config.hadamard)
             self.pending |= set(self.deferred)
