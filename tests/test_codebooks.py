@@ -131,3 +131,18 @@ def test_fitted_at_load_equals_quantize_model_and_round_trips(tmp_path):
     ids = torch.randint(0, 128, (1, 9))
     with torch.no_grad():
         assert torch.equal(r(ids).logits, q(ids).logits)
+
+
+@pytest.mark.cuda
+def test_fit_on_a_cuda_weight_matches_the_cpu_fit():
+    """The fit runs where the weight is: on a GPU the levels equal the CPU's up to float
+    rounding, and the quantized layer works there."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    w = _weight(512, 320, seed=9, heavy=True)
+    cpu = codebooks.fit_codebook(w, 3)
+    gpu = codebooks.fit_codebook(w.cuda(), 3)
+    assert gpu.is_cuda
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=0, atol=1e-5)
+    layer = KbitLinear.from_linear(_linear(w).cuda(), 3, "fitted")
+    assert layer.codebook.is_cuda and _rel_err(layer, w.cuda()) < 0.05
