@@ -80,7 +80,8 @@ def relative_errors(weight: torch.Tensor, *, codebook: str | None = None, scale_
         norm = float(w.square().sum())
         out = {}
         for bits in bit_choices:
-            q = quantize_weight(weight, bits, codebook, scale_search=scale_search, hadamard_signs=hadamard_signs, name=name)
+            # w is already rotated (once, here): quantizing it is what quantize_weight does after its own rotation
+            q = quantize_weight(w, bits, codebook, scale_search=scale_search, name=name)
             qw = fmt.KbitWeight(q.packed, q.absmax, q.codebook, q.tensor_scale, bits, w.shape[0], w.shape[1])
             err = float((fmt.dequantize(qw, torch.float32) - w).square().sum())
             out[bits] = err / norm if norm > 0 else 0.0
