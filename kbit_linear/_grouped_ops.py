@@ -7,7 +7,9 @@ the output; rows no group names are zero. The experts are stacked as :class:`Kbi
 them (``packed [E, K_pad/64, N_pad/128, 128, 2, bits]``, ``absmax [E, ...]``, one codebook,
 ``tensor_scale [E]``). The groups stay on the device, so the CUDA kernel
 (``kbit_decode_gemm_grouped``) needs no host sync; the reference below reads them on the host.
-``max_rows`` bounds every group's row count (it picks the kernel instance).
+``max_rows`` bounds every group's row count (it picks the kernel: up to
+:data:`DECODE_GROUP_ROWS` the decode kernel's schedule, above it the tensor-core kernel's where
+the GPU has one, :func:`large_groups_supported`).
 
 ``kbit_linear::route_experts`` turns a router's choice ``top_k_index [T, top_k]`` into the
 groups above: ``groups [3, G]`` listing the experts that received slots, ascending, as (expert,
@@ -25,11 +27,30 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Callable
+
 from . import format as fmt
 
 _NS = "kbit_linear"
-MAX_GROUP_ROWS = 16
-"""Most rows one group may have (the decode kernel's two n8 fragments)."""
+DECODE_GROUP_ROWS = 16
+"""Groups of at most this many rows run on the decode kernel (its two n8 fragments); larger ones
+need a device with a tensor-core grouped kernel (:func:`large_groups_supported`)."""
+
+_large_groups: dict[str, Callable[[torch.device], bool]] = {}
+
+
+def register_large_groups(device_type: str, fn: Callable[[torch.device], bool]) -> None:
+    """Backends say here which of their devices run ``grouped_gemm`` with more than
+    :data:`DECODE_GROUP_ROWS` rows per group without reading the groups on the host."""
+    _large_groups[device_type] = fn
+
+
+@torch.compiler.assume_constant_result  # a fact of the device: traced code takes the answer as a constant
+def large_groups_supported(device: torch.device) -> bool:
+    """Whether ``grouped_gemm`` on ``device`` takes groups of any size with no host sync (a
+    backend registered a kernel for it); elsewhere such calls run the reference loop."""
+    fn = _large_groups.get(device.type)
+    return fn is not None and fn(device)
 
 torch.library.define(
     f"{_NS}::route_experts",
@@ -72,8 +93,8 @@ def check_grouped_args(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tens
         raise ValueError(f"out_features={out_features!r} does not match packed padded to {n_pad} rows")
     if not k_pad - fmt.TILE_K < x.shape[1] <= k_pad:
         raise ValueError(f"x has {x.shape[1]} in-features; packed is padded to {k_pad}")
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_GROUP_ROWS:
-        raise ValueError(f"max_rows must be an int in 1..{MAX_GROUP_ROWS}, got {max_rows!r}")
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
     for name, t in (("packed", packed), ("absmax", absmax), ("codebook", codebook), ("tensor_scale", tensor_scale), ("groups", groups)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}: all tensors must be on one device")

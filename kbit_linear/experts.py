@@ -491,9 +491,11 @@ class KbitExperts(nn.Module):
 
         Rows per expert are at most T * top_k, and at most T when each token's experts are
         distinct (what routers built on ``torch.topk`` give; checked on the host unless
-        ``read_values`` is false, i.e. under CUDA-graph capture). The grouped kernel takes up to
-        :data:`~kbit_linear._grouped_ops.MAX_GROUP_ROWS`; gradients through the experts use
-        the reference."""
+        ``read_values`` is false, i.e. under CUDA-graph capture). Groups of up to
+        :data:`~kbit_linear._grouped_ops.DECODE_GROUP_ROWS` rows run anywhere the decode kernel
+        does; larger ones where the GPU has the grouped tensor-core kernel
+        (:func:`~kbit_linear._grouped_ops.large_groups_supported`). Gradients through the
+        experts use the reference."""
         if not hidden_states.is_cuda or hidden_states.dtype not in (torch.float16, torch.bfloat16):
             return 0
         if torch.is_grad_enabled() and hidden_states.requires_grad:
@@ -501,15 +503,18 @@ class KbitExperts(nn.Module):
         tokens, top_k = top_k_index.shape
         if tokens == 0:
             return 0
-        if tokens * top_k <= _grouped_ops.MAX_GROUP_ROWS:
+        limit = _grouped_ops.DECODE_GROUP_ROWS
+        if tokens * top_k <= limit:
             return tokens * top_k
-        if tokens > _grouped_ops.MAX_GROUP_ROWS:
-            return 0
+        # Any size: a bound without reading the ids (the tensor-core kernel needs no tight one).
+        large = tokens * top_k if _grouped_ops.large_groups_supported(hidden_states.device) else 0
+        if tokens > limit:
+            return large
         if read_values and top_k > 1:
             ids = torch.sort(top_k_index, dim=1).values
             if bool((ids[:, 1:] == ids[:, :-1]).any()):  # an expert twice for one token
-                return 0
-        return tokens
+                return large
+        return tokens  # the decode kernel's schedule
 
     def _grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                          max_rows: int) -> torch.Tensor:

@@ -49,6 +49,16 @@
 // fp32 partials summed in the workspace exactly as in gemm.cu (the consumers synchronize among
 // themselves with a named barrier).
 //
+// Grouped form (kbit_gemm_sm90_grouped, mixture-of-experts layers): several experts' weights,
+// each times its own rows of x, in one persistent launch. The work list is every (group, n-tile,
+// m-tile) of the groups the device holds (group q = rows [row0, row0 + rows) of x through expert
+// e, as kbit_decode_gemm_grouped reads them); block b takes items b, b + gridDim.x, ... in order,
+// m-tiles of one n-tile next to each other (they read the same weight tile from L2). Every item
+// covers its whole K (no split, no workspace). A tile's TMA box may reach into the next group's
+// rows: those accumulators are computed and dropped (the store keeps the group's rows only).
+// The producer and the consumers walk the same list (GroupWalk), so the pipeline below is the
+// dense kernel's, fed a different sequence of (weight tile, x rows, k range).
+//
 // Shared memory (base aligned up to 1024 bytes at run time):
 //   STAGES x [x tile BT*128 | plane words 128*2*BITS*4 | scale codes 256] (each 1024-aligned)
 //   | pair table | scale table | full[STAGES], empty[STAGES] barriers | flag
@@ -166,13 +176,18 @@ __device__ __forceinline__ void store_tile(const float (&acc)[Shape<BITS, BT>::N
 
 // The k-tiles a block works through, in order: its stream-K range [it, it_end) of the flat
 // (tile, k-tile) list cut into one segment per tile. Producer and consumers walk the same list.
+// Every walk gives, per segment: k-tiles [kb0, kb1), the n-tile nt, the first x row of the
+// token tile (x_row) and the weight's tiles (packed, absmax).
+template <int BT>
 struct RangeWalk {
     i64 it, it_end;
     int k_tiles, m_tiles;
-    int tile, kb0, kb1, mt, nt;
+    int tile, kb0, kb1, mt, nt, x_row;
+    const u32* packed;
+    const u8* absmax;
 
-    __device__ __forceinline__ RangeWalk(int iters, int total_tiles, int k_tiles_, int m_tiles_)
-        : k_tiles(k_tiles_), m_tiles(m_tiles_) {
+    __device__ __forceinline__ RangeWalk(int iters, int total_tiles, int k_tiles_, int m_tiles_, const u32* packed_, const u8* absmax_)
+        : k_tiles(k_tiles_), m_tiles(m_tiles_), packed(packed_), absmax(absmax_) {
         const i64 total = (i64)total_tiles * k_tiles_;
         it = (i64)blockIdx.x * iters;
         it_end = it + iters < total ? it + iters : total;
@@ -186,10 +201,119 @@ struct RangeWalk {
         kb1 = (int)((i64)k_tiles < left ? k_tiles : left);
         mt = tile % m_tiles;
         nt = tile / m_tiles;
+        x_row = mt * BT;
         it += kb1 - kb0;
         return true;
     }
 };
+
+// The grouped kernel's items: (group, n-tile, m-tile), whole K each, item i of the list going to
+// block i % gridDim.x. The list is walked group by group with a cursor that only moves forward,
+// so a block reads each group's entry once. A group with rows <= 0, an expert outside
+// [0, experts) or rows outside x has no items. Thread-local: the producer's one thread and every
+// consumer thread walk it alike.
+template <int BT>
+struct GroupWalk {
+    const int* groups;  // int32 [3][count]: expert, row0, rows
+    int count, experts, x_rows, n_tiles, k_tiles;
+    int expert_words, expert_scales;  // one expert's plane words and scale codes
+    const u32* packed0;
+    const u8* absmax0;
+    int rel, q, q_mtiles, q_row0, q_rows, q_expert;  // cursor: the current item is item rel of group q
+    int kb0, kb1, nt, x_row, rows, expert;           // the current item
+    const u32* packed;
+    const u8* absmax;
+
+    __device__ __forceinline__ GroupWalk(const int* groups_, int count_, int experts_, int x_rows_, int n_tiles_, int k_tiles_,
+                                         int expert_words_, int expert_scales_, const u32* packed_, const u8* absmax_)
+        : groups(groups_), count(count_), experts(experts_), x_rows(x_rows_), n_tiles(n_tiles_), k_tiles(k_tiles_),
+          expert_words(expert_words_), expert_scales(expert_scales_), packed0(packed_), absmax0(absmax_),
+          rel((int)blockIdx.x - (int)gridDim.x), q(-1), q_mtiles(0), q_row0(0), q_rows(0), q_expert(0) {}
+
+    // Moves to the next item; false when the list is done.
+    __device__ __forceinline__ bool next() {
+        rel += gridDim.x;
+        while (rel >= q_mtiles * n_tiles) {
+            rel -= q_mtiles * n_tiles;
+            if (++q >= count) return false;
+            q_expert = __ldg(groups + q);
+            q_row0 = __ldg(groups + count + q);
+            q_rows = __ldg(groups + 2 * count + q);
+            const bool valid = q_rows > 0 && q_expert >= 0 && q_expert < experts && q_row0 >= 0 && q_row0 <= x_rows - q_rows;
+            q_mtiles = valid ? (q_rows + BT - 1) / BT : 0;
+        }
+        const int mt = rel % q_mtiles;
+        nt = rel / q_mtiles;
+        kb0 = 0;
+        kb1 = k_tiles;
+        x_row = q_row0 + mt * BT;
+        rows = q_rows - mt * BT < BT ? q_rows - mt * BT : BT;
+        expert = q_expert;
+        packed = packed0 + (i64)expert * expert_words;
+        absmax = absmax0 + (i64)expert * expert_scales;
+        return true;
+    }
+};
+
+// The producer: one thread issues the copies of every k-tile the walk lists, into the stage ring.
+template <int BITS, int BT, class Walk>
+__device__ __forceinline__ void produce(Walk& walk, const TensorMap* x_map, u8* smem, u64* full, u64* empty, int n_tiles) {
+    using S = Shape<BITS, BT>;
+    u32 use = 0;  // k-tiles issued so far: stage use % STAGES, its (use / STAGES)-th use
+    while (walk.next()) {
+        for (int kt = walk.kb0; kt < walk.kb1; ++kt, ++use) {
+            const int s = use % S::STAGES;
+            if (use >= S::STAGES) mbar_wait(empty + s, ((use / S::STAGES) & 1) ^ 1);
+            u8* stage = smem + s * S::STAGE_BYTES;
+            mbar_arrive_expect_tx(full + s, S::STAGE_TX);
+            tma_load_2d(stage, x_map, full + s, kt * kTileK, walk.x_row);
+            const i64 wt = (i64)kt * n_tiles + walk.nt;
+            bulk_load(stage + S::X_BYTES, walk.packed + wt * (kTileN * 2 * BITS), S::P_BYTES, full + s);
+            bulk_load(stage + S::X_BYTES + S::P_BYTES, walk.absmax + wt * S::S_BYTES, S::S_BYTES, full + s);
+        }
+    }
+}
+
+// The consumers' k-loop over one segment [kb0, kb1): acc = the segment's partial product.
+// `use` counts the k-tiles consumed so far (the stage ring position), across segments.
+template <int BITS, int BT, int DT>
+__device__ __forceinline__ void consume(int kb0, int kb1, u32& use, u8* smem, u64* full, u64* empty, const u8* lut,
+                                        const u32* scale_tab, u32 cb_reg, int col0, float (&acc)[Shape<BITS, BT>::NACC],
+                                        u32 (&a)[2][2][4]) {
+    using S = Shape<BITS, BT>;
+#pragma unroll
+    for (int i = 0; i < S::NACC; ++i) acc[i] = 0.f;
+    for (int kt = kb0; kt < kb1; ++kt, ++use) {
+        const int s = use % S::STAGES;
+        mbar_wait(full + s, (use / S::STAGES) & 1);
+        compute_stage<BITS, BT, DT>(smem + s * S::STAGE_BYTES, lut, scale_tab, cb_reg, col0, acc, a);
+        // compute_stage retired every wgmma of the previous k-tile: release its stage.
+        if (kt > kb0) mbar_arrive(empty + (use + S::STAGES - 1) % S::STAGES);
+    }
+    wgmma_wait<0>();
+    hold_registers(acc);
+    mbar_arrive(empty + (use + S::STAGES - 1) % S::STAGES);
+}
+
+// Everything both kernels do before their main loops: the dequantization tables and the stage
+// barriers in shared memory. Returns the codebook register cb_reg of dequant_block.
+template <int BITS, int BT, int DT>
+__device__ __forceinline__ u32 setup_block(u8* smem, const float* codebook) {
+    using S = Shape<BITS, BT>;
+    if (blockDim.x != kThreads) __trap();  // without the producer warpgroup the consumers would wait forever
+    const u32 cb_reg = build_dequant_tables<BITS, DT, kThreads>(smem + S::LUT_OFFSET, reinterpret_cast<u32*>(smem + S::SCALE_OFFSET),
+                                                               codebook);
+    u64* full = reinterpret_cast<u64*>(smem + S::BARRIER_OFFSET);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S::STAGES; ++s) {
+            mbar_init(full + s, 1);                     // the producer's expect_tx arrival (+ the bytes)
+            mbar_init(full + S::STAGES + s, kConsumers);  // empty[s]: every consumer thread releases its own reads
+        }
+        fence_mbar_init();
+    }
+    __syncthreads();
+    return cb_reg;
+}
 
 }  // namespace sm90
 }  // namespace kbit
@@ -220,46 +344,19 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
     int* flag = reinterpret_cast<int*>(smem + S::FLAG_OFFSET);
     u64* full = reinterpret_cast<u64*>(smem + S::BARRIER_OFFSET);
     u64* empty = full + S::STAGES;
-    const u8* lut = smem + S::LUT_OFFSET;
-    const u32* scale_tab = reinterpret_cast<const u32*>(smem + S::SCALE_OFFSET);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int m_tiles = (M + BT - 1) / BT;
-    if (blockDim.x != kThreads) __trap();  // without the producer warpgroup the consumers would wait forever
 
     // Programmatic dependent launch, as in gemm.cu.
     allow_dependent_launch();
     grid_dependency_wait();
 
-    const u32 cb_reg = build_dequant_tables<BITS, DT, kThreads>(smem + S::LUT_OFFSET, reinterpret_cast<u32*>(smem + S::SCALE_OFFSET),
-                                                               codebook);
-    if (tid == 0) {
-        for (int s = 0; s < S::STAGES; ++s) {
-            mbar_init(full + s, 1);                // the producer's expect_tx arrival (+ the bytes)
-            mbar_init(empty + s, kConsumers);       // every consumer thread releases its own reads
-        }
-        fence_mbar_init();
-    }
-    __syncthreads();
-    RangeWalk walk(iters, m_tiles * n_tiles, k_tiles, m_tiles);
+    const u32 cb_reg = setup_block<BITS, BT, DT>(smem, codebook);
+    RangeWalk<BT> walk(iters, m_tiles * n_tiles, k_tiles, m_tiles, packed, absmax);
 
     if (warp >= kConsumers / 32) {
-        // Producer: one thread issues the copies of every k-tile of the range.
         set_max_registers_dec<S::PRODUCER_REGS>();
-        if (warp == kConsumers / 32 && lane == 0) {
-            u32 use = 0;  // k-tiles issued so far: stage use % STAGES, its (use / STAGES)-th use
-            while (walk.next()) {
-                for (int kt = walk.kb0; kt < walk.kb1; ++kt, ++use) {
-                    const int s = use % S::STAGES;
-                    if (use >= S::STAGES) mbar_wait(empty + s, ((use / S::STAGES) & 1) ^ 1);
-                    u8* stage = smem + s * S::STAGE_BYTES;
-                    mbar_arrive_expect_tx(full + s, S::STAGE_TX);
-                    tma_load_2d(stage, &x_map, full + s, kt * kTileK, walk.mt * BT);
-                    const i64 wt = (i64)kt * n_tiles + walk.nt;
-                    bulk_load(stage + S::X_BYTES, packed + wt * (kTileN * 2 * BITS), S::P_BYTES, full + s);
-                    bulk_load(stage + S::X_BYTES + S::P_BYTES, absmax + wt * S::S_BYTES, S::S_BYTES, full + s);
-                }
-            }
-        }
+        if (warp == kConsumers / 32 && lane == 0) produce<BITS, BT>(walk, &x_map, smem, full, empty, n_tiles);
         return;
     }
 
@@ -271,21 +368,10 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
     u32 use = 0;
     while (walk.next()) {
         const int tile = walk.tile, kb0 = walk.kb0, kb1 = walk.kb1;
-        const int m0 = walk.mt * BT;
+        const int m0 = walk.x_row;
         float acc[S::NACC];
-#pragma unroll
-        for (int i = 0; i < S::NACC; ++i) acc[i] = 0.f;
-
-        for (int kt = kb0; kt < kb1; ++kt, ++use) {
-            const int s = use % S::STAGES;
-            mbar_wait(full + s, (use / S::STAGES) & 1);
-            compute_stage<BITS, BT, DT>(smem + s * S::STAGE_BYTES, lut, scale_tab, cb_reg, col0, acc, a);
-            // compute_stage retired every wgmma of the previous k-tile: release its stage.
-            if (kt > kb0) mbar_arrive(empty + (use + S::STAGES - 1) % S::STAGES);
-        }
-        wgmma_wait<0>();
-        hold_registers(acc);
-        mbar_arrive(empty + (use + S::STAGES - 1) % S::STAGES);
+        consume<BITS, BT, DT>(kb0, kb1, use, smem, full, empty, smem + S::LUT_OFFSET,
+                              reinterpret_cast<const u32*>(smem + S::SCALE_OFFSET), cb_reg, col0, acc, a);
 
         const int n = walk.nt * kTileN + col0;
         if (kb0 == 0 && kb1 == k_tiles) {
@@ -327,5 +413,54 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
                 store_tile<BITS, BT, DT>(acc, out, bias, ts, M, N, m0, n);
             }
         }
+    }
+}
+
+
+// Template parameters as kbit_gemm_sm90.
+// Arguments: x_map: tensor map of x [x_rows, K] as for kbit_gemm_sm90; packed / absmax: every
+//   expert's tiled weight, stacked ([E, k_tiles, n_tiles, 128, 2, BITS] words, [E, k_tiles,
+//   n_tiles, 128, 2] codes); codebook (shared); tensor_scale [E]; out [x_rows, N]: group q's rows
+//   written, all others untouched; groups: int32 [3][count] on the device (expert, first row, rows);
+//   experts: E; expert_words / expert_scales: one expert's plane words / scale codes.
+// Launch: 384 threads, Shape::SMEM_BYTES of dynamic shared memory, any grid (persistent blocks;
+//   a block with no item returns at once).
+template <int BITS, int BT, int DT>
+__global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, BT>::MIN_BLOCKS)
+    kbit_gemm_sm90_grouped(const __grid_constant__ kbit::TensorMap x_map, const u32* __restrict__ packed,
+                           const u8* __restrict__ absmax, const float* __restrict__ codebook, const float* __restrict__ tensor_scale,
+                           u16* __restrict__ out, const int* __restrict__ groups, int count, int experts, int expert_words,
+                           int expert_scales, int x_rows, int N, int n_tiles, int k_tiles) {
+    using namespace kbit;
+    using namespace kbit::sm90;
+    using S = Shape<BITS, BT>;
+    extern __shared__ __align__(1024) u8 smem_raw[];
+    u8* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    u64* full = reinterpret_cast<u64*>(smem + S::BARRIER_OFFSET);
+    u64* empty = full + S::STAGES;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    allow_dependent_launch();
+    grid_dependency_wait();
+
+    const u32 cb_reg = setup_block<BITS, BT, DT>(smem, codebook);
+    GroupWalk<BT> walk(groups, count, experts, x_rows, n_tiles, k_tiles, expert_words, expert_scales, packed, absmax);
+
+    if (warp >= kConsumers / 32) {
+        set_max_registers_dec<S::PRODUCER_REGS>();
+        if (warp == kConsumers / 32 && lane == 0) produce<BITS, BT>(walk, &x_map, smem, full, empty, n_tiles);
+        return;
+    }
+
+    set_max_registers_inc<S::CONSUMER_REGS>();
+    const int col0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);
+    u32 a[2][2][4] = {};
+    u32 use = 0;
+    while (walk.next()) {
+        float acc[S::NACC];
+        consume<BITS, BT, DT>(walk.kb0, walk.kb1, use, smem, full, empty, smem + S::LUT_OFFSET,
+                              reinterpret_cast<const u32*>(smem + S::SCALE_OFFSET), cb_reg, col0, acc, a);
+        store_tile<BITS, BT, DT>(acc, out, nullptr, __ldg(tensor_scale + walk.expert), walk.x_row + walk.rows, N, walk.x_row,
+                                 walk.nt * kTileN + col0);
     }
 }

@@ -1,7 +1,8 @@
 """A sweep of kbit GEMM and format-kernel launches for compute-sanitizer (memcheck, racecheck).
 
 Every GEMM path (decode with each schedule, the grouped decode kernel of mixture-of-experts
-layers, fused, fused-splitk, wgmma and wgmma-splitk on GPUs of compute capability 9.0,
+layers, fused, fused-splitk, wgmma, wgmma-splitk and the grouped wgmma kernel (each token tile)
+on GPUs of compute capability 9.0,
 dequantize + cuBLAS), bits 2..5,
 fp16 and bf16, M from 1 to 300, small odd shapes and Llama-sized ones, a bias, and the quantize /
 repack / dequantize kernels that build each weight; with ``--bits`` including 4 (they have no
@@ -35,7 +36,9 @@ from kbit_linear import format as fmt  # noqa: E402
 from kbit_linear import gguf_format as gf  # noqa: E402
 from kbit_linear.backends import cuda as kcuda  # noqa: E402
 from kbit_linear.backends.cuda import decode as kdecode  # noqa: E402
+from kbit_linear.backends.cuda import grouped as kgrouped  # noqa: E402
 from kbit_linear.backends.cuda import hopper  # noqa: E402
+from kbit_linear.backends.cuda.tensors import kernel_rows  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
 # (n, k): out_features, in_features. Small ones are not tile multiples; the stream-K ranges of
@@ -79,6 +82,7 @@ def _calls(m: int, n: int, k: int, bits: int, dtype: torch.dtype, dev: torch.dev
         if every_path:
             calls.append(("wgmma", {"path": "wgmma", "split_k": 1}))
         calls.append(("wgmma-splitk", {"path": "wgmma-splitk"}))
+        calls += [(f"grouped-wgmma/{bt}", {"grouped": True, "token_tile": bt}) for bt in hopper.TOKEN_TILES]
     if every_path and m >= 17:
         calls.append(("dequantize", {"dequantize": True}))  # the dequant+cublas path's own kernel
     return calls
@@ -100,7 +104,13 @@ def _run(x: torch.Tensor, bias: torch.Tensor, qw: tuple[torch.Tensor, ...], bits
         absmax3 = torch.stack((torch.zeros_like(absmax), absmax, absmax))
         a = m // 2
         groups = torch.tensor([[1, 0, 2], [0, 0, a], [a, 0, m - a]], dtype=torch.int32, device=x.device)
-        kdecode.grouped_decode_gemm(x, packed3, absmax3, cb, ts.expand(3).contiguous(), groups, bits, n, out, max(a, m - a, 1))
+        ts3 = ts.expand(3).contiguous()
+        if "token_tile" in kw:  # the Hopper grouped kernel, a grid of half the items (blocks walk several)
+            plan = kgrouped.grouped_plan(m, 3, bits, x.dtype, packed.shape[1], x.get_device(), token_tile=kw["token_tile"],
+                                         grid=max(1, -(-n // 128)))
+            kgrouped.launch(plan, kernel_rows(x), packed3, absmax3, cb, ts3, groups, out)
+        else:
+            kdecode.grouped_decode_gemm(x, packed3, absmax3, cb, ts3, groups, bits, n, out, max(a, m - a, 1))
         return out + bias
     if "schedule" in kw:
         try:

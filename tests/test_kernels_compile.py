@@ -22,6 +22,7 @@ from kbit_linear.backends import cuda as kcuda
 from kbit_linear.backends.cuda import decode as kdecode
 from kbit_linear.backends.cuda import hopper as khopper
 from kbit_linear.backends.cuda import gguf as kgguf
+from kbit_linear.backends.cuda import grouped as kgrouped
 from kbit_linear.backends.cuda import hadamard as khadamard
 from kbit_linear.backends.cuda import kv_attention as kkv
 from kbit_linear.backends.cuda import routing as krouting
@@ -87,7 +88,7 @@ def _resource_table(log: str) -> list[tuple[str, str, int, int, int]]:
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: kernel build check skipped")
 def test_every_kernel_instance_builds_for_sm80_and_sm90():
     jobs = {"gemm.cu": kcuda.gemm_instances(), "quantize.cu": kcuda.format_instances(), "decode.cu": kdecode.decode_instances(),
-            "gemm_sm90.cu": khopper.instances(), "route.cu": krouting.route_instances(),
+            "gemm_sm90.cu": khopper.instances() + kgrouped.instances(), "route.cu": krouting.route_instances(),
             "gguf.cu": kgguf.gguf_instances(), "kv_attention.cu": kkv.kv_attention_instances(),
             "hadamard.cu": khadamard.hadamard_instances()}
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
@@ -108,7 +109,7 @@ def test_every_kernel_instance_builds_for_sm80_and_sm90():
     # Its warpgroups trade registers inside the launch allocation: every instance must be
     # compiled with exactly the cap it is launched with (hopper.launch_registers).
     for name, arch, regs, _, _ in rows:
-        if name.startswith("kbit_gemm_sm90<"):
+        if name.startswith("kbit_gemm_sm90"):  # the dense and the grouped kernel
             tile = int(name.split(",")[1])
             assert regs == khopper.launch_registers(tile), f"{name}: {regs} registers, launched with {khopper.launch_registers(tile)}"
     # The KV decode kernel's split planner counts on resident_blocks_per_sm blocks per SM: its
@@ -151,7 +152,7 @@ def test_kernel_argument_packs_match_the_kernel_signatures():
     packs = [kcuda.ops._GEMM_ARGS, kcuda.ops._SM90_ARGS, kcuda.ops._QUANT_ARGS, kcuda.ops._REPACK_ARGS, kcuda.ops._DEQUANT_ARGS,
              kdecode._ARGS, kdecode._GROUPED_ARGS, krouting._ARGS, kgguf._DEQUANT_ARGS, kgguf._GEMV_ARGS,
              kgguf._Q8_ARGS, kgguf._GEMV_A8_ARGS, kkv._OFFSETS_ARGS, kkv._DECODE_ARGS, kkv._COMBINE_ARGS, kkv._MASS_ARGS,
-             khadamard._ARGS]
+             khadamard._ARGS, kgrouped._ARGS]
     sources = {**_kernel_params("gemm.cu"), **_kernel_params("quantize.cu"), **_kernel_params("decode.cu"),
                **_kernel_params("gemm_sm90.cu"), **_kernel_params("route.cu"), **_kernel_params("gguf.cu"),
                **_kernel_params("kv_attention.cu"), **_kernel_params("hadamard.cu")}

@@ -34,7 +34,7 @@ import torch
 from ... import _grouped_ops  # the grouped GEMM's schema and reference
 from ... import _ops  # defines the op schemas before the registrations below
 from ... import format as fmt
-from . import decode, hopper, loader, plans, routing, tuning, workspace
+from . import decode, grouped, hopper, loader, plans, routing, tuning, workspace
 from .tensors import aligned16, kernel_rows
 
 __all__ = [
@@ -519,16 +519,33 @@ def _repack_op(packed_flat, absmax_flat, bits):
 @torch.library.impl("kbit_linear::grouped_gemm", "CUDA")
 def _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows):
     _grouped_ops.check_grouped_args(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
-    if x.dtype in (torch.float16, torch.bfloat16) and decode.decode_supported(max_rows, bits, x.dtype, x.device):
-        out = torch.zeros((x.shape[0], out_features), dtype=x.dtype, device=x.device)  # rows no group names stay zero
-        if x.shape[0] and groups.shape[1]:
+    if x.dtype in (torch.float16, torch.bfloat16):
+        small = max_rows <= _grouped_ops.DECODE_GROUP_ROWS and decode.decode_supported(max_rows, bits, x.dtype, x.device)
+        if small or _large_groups_supported(x.device):
+            out = torch.zeros((x.shape[0], out_features), dtype=x.dtype, device=x.device)  # rows no group names stay zero
+            if x.shape[0] == 0 or groups.shape[1] == 0:
+                return out
             # checked above (the op's own checks cover the launch's): plan and launch directly
-            plan = decode.decode_plan(max_rows, bits, x.dtype, out_features, packed.shape[1], x.device, groups=groups.shape[1])
-            decode.launch_grouped(plan, kernel_rows(x), aligned16(packed), aligned16(absmax), codebook.contiguous(),
-                                  tensor_scale.contiguous(), groups.contiguous(), out)
-        return out
-    # float32 activations, or a GPU without the decode kernel's shared memory: the reference (host reads the groups)
+            xk, packed, absmax = kernel_rows(x), aligned16(packed), aligned16(absmax)
+            codebook, tensor_scale, groups = codebook.contiguous(), tensor_scale.contiguous(), groups.contiguous()
+            if small:
+                plan = decode.decode_plan(max_rows, bits, x.dtype, out_features, packed.shape[1], x.device, groups=groups.shape[1])
+                decode.launch_grouped(plan, xk, packed, absmax, codebook, tensor_scale, groups, out)
+            else:
+                plan = grouped.grouped_plan(x.shape[0], groups.shape[1], bits, x.dtype, packed.shape[2], x.get_device())
+                grouped.launch(plan, xk, packed, absmax, codebook, tensor_scale, groups, out)
+            return out
+    # float32 activations, or large groups on a GPU without the grouped tensor-core kernel: the
+    # reference (reads the groups on the host)
     return _grouped_ops.grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
+
+
+def _large_groups_supported(device: torch.device) -> bool:
+    """Whether groups of any size run on the device without a host sync (the grouped wgmma kernel)."""
+    return device.type == "cuda" and hopper.supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_grouped_ops.register_large_groups("cuda", _large_groups_supported)
 
 
 @torch.library.impl("kbit_linear::route_experts", "CUDA")
