@@ -67,12 +67,14 @@ def _(x, qs, qh, scale, mins, qtype, out_features, bias):
     return x.new_empty((x.shape[0], out_features))
 
 
-@torch.library.impl(f"{_NS}::gguf_gemm", "default")
 def gguf_gemm_reference(x, qs, qh, scale, mins, qtype, out_features, bias):
     """The spec: :func:`kbit_linear.gguf_format.matmul`."""
     check_gemm_args(x, qs, qh, scale, mins, qtype, out_features, bias)
     weight = gf.GGUFWeight(qs, qh, scale, mins, qtype, out_features, x.shape[1])
     return gf.matmul(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+torch.library.impl(f"{_NS}::gguf_gemm", "default")(gguf_gemm_reference)  # not as a decorator: torch 2.11 binds its result (None) to the name
 
 
 @torch.library.register_fake(f"{_NS}::gguf_gemm_a8")
@@ -81,11 +83,13 @@ def _(x, qs, qh, scale, mins, qtype, out_features, bias):
     return x.new_empty((x.shape[0], out_features))
 
 
-@torch.library.impl(f"{_NS}::gguf_gemm_a8", "default")
 def gguf_gemm_a8_reference(x, qs, qh, scale, mins, qtype, out_features, bias):
     """The spec: :func:`kbit_linear.gguf_format.matmul_a8`."""
     check_gemm_args(x, qs, qh, scale, mins, qtype, out_features, bias)
     return gf.matmul_a8(x, gf.GGUFWeight(qs, qh, scale, mins, qtype, out_features, x.shape[1]), bias)
+
+
+torch.library.impl(f"{_NS}::gguf_gemm_a8", "default")(gguf_gemm_a8_reference)  # not as a decorator: torch 2.11 binds its result (None) to the name
 
 
 def check_dequantize_args(qs: torch.Tensor, qh: torch.Tensor | None, scale: torch.Tensor, mins: torch.Tensor | None, qtype: str,
@@ -102,11 +106,13 @@ def _(qs, qh, scale, mins, qtype, out_features, in_features, dtype):
     return qs.new_empty((out_features, in_features), dtype=dtype)
 
 
-@torch.library.impl(f"{_NS}::gguf_dequantize", "default")
 def gguf_dequantize_reference(qs, qh, scale, mins, qtype, out_features, in_features, dtype):
     """The spec: :func:`kbit_linear.gguf_format.dequantize`."""
     check_dequantize_args(qs, qh, scale, mins, qtype, out_features, in_features, dtype)
     return gf.dequantize(gf.GGUFWeight(qs, qh, scale, mins, qtype, out_features, in_features), dtype)
+
+
+torch.library.impl(f"{_NS}::gguf_dequantize", "default")(gguf_dequantize_reference)  # not as a decorator: torch 2.11 binds its result (None) to the name
 
 
 def _gemm_setup_context(ctx, inputs, output):

@@ -106,7 +106,6 @@ def _(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max
     return x.new_empty((x.shape[0], out_features))
 
 
-@torch.library.impl(f"{_NS}::grouped_gemm", "default")
 def grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows):
     """The spec: each group through :func:`kbit_linear.format.matmul` (reads the groups on the host)."""
     check_grouped_args(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
@@ -120,6 +119,9 @@ def grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bi
         qw = fmt.KbitWeight(packed[e], absmax[e], codebook, tensor_scale[e : e + 1], bits, out_features, x.shape[1])
         out[row0 : row0 + rows] = fmt.matmul(x[row0 : row0 + rows], qw)
     return out
+
+
+torch.library.impl(f"{_NS}::grouped_gemm", "default")(grouped_gemm_reference)  # not as a decorator: torch 2.11 binds its result (None) to the name
 
 
 # ---------------------------------------------------------------------------------------
@@ -166,7 +168,6 @@ def _(top_k_index, num_experts, groups):
             *(top_k_index.new_empty((slots,), dtype=torch.int64) for _ in range(3)))
 
 
-@torch.library.impl(f"{_NS}::route_experts", "default")
 def route_experts_reference(top_k_index, num_experts, groups):
     """The spec of ``route_experts`` in torch ops (no host sync). Ids outside ``0..E-1`` count
     as "no expert"."""
@@ -181,3 +182,7 @@ def route_experts_reference(top_k_index, num_experts, groups):
     table = torch.stack((order.to(torch.int32), offsets[order], counts[order])) * keep.to(torch.int32)
     position = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
     return table.contiguous(), perm, perm // top_k, position
+
+
+
+torch.library.impl(f"{_NS}::route_experts", "default")(route_experts_reference)  # not as a decorator (as above)
