@@ -1,4 +1,4 @@
-// Routing of a mixture-of-experts layer's slots to its experts, in one block (decode sizes).
+// Routing of a mixture-of-experts layer's slots to its experts, in one block.
 //
 // A slot is one (token, k) pair of the router's top-k choice, numbered s = token * top_k + k;
 // index[s] is its expert id, E (or anything outside 0..E-1) meaning "no expert". The kernel
@@ -16,64 +16,124 @@
 //   counts[e] = #slots of e; offset[e] = sum of counts below e; a slot's position is
 //   offset[its id] + #earlier slots with the same id.
 //
-// One block of THREADS threads: S <= kMaxSlots slots and E <= kMaxExperts experts (the host
-// checks); shared memory holds the ids and the counts. O(S) work per slot for its rank and O(E)
-// per expert for its offset: nothing at decode sizes (S = tokens * top_k <= a few hundred).
+// One block of THREADS threads, any S, E <= kMaxExperts (the host checks). The slots are cut
+// into one contiguous segment per warp; the rank of a slot among earlier slots of its expert is
+// then (slots of that expert in earlier warps' segments) + (in earlier 32-slot steps of its own
+// segment) + (in earlier lanes of its step: __match_any_sync). So the kernel walks the segments
+// twice:
+//
+//   pass 1   warp w counts its segment's slots per expert      -> seen[w][e]
+//   scan     per expert: seen[w][e] := slots of e in segments < w (exclusive over warps),
+//            counts[e] = the total; offsets[e] and the group number of each hit expert
+//            (exclusive scans over experts)
+//   pass 2   warp w walks its segment again: position = offsets[e] + seen[w][e] + lanes before
+//            it with the same id; seen[w][e] advances by the step's slots of e
+//
+// O(S / warps) steps per warp and O(E) per thread for the scans: a few microseconds at decode
+// sizes, tens at a prefill's tens of thousands of slots.
 #include "common.cuh"
 
 namespace kbit_route {
 
-constexpr int kMaxSlots = 2048;
 constexpr int kMaxExperts = 1024;
 
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS)
 kbit_route_experts(const i64* __restrict__ index, i64* __restrict__ perm, i64* __restrict__ tokens, i64* __restrict__ position,
                    int* __restrict__ groups, int S, int top_k, int E, int G) {
-    __shared__ int ids[kMaxSlots];
-    __shared__ int counts[kMaxExperts + 1];
+    constexpr int W = THREADS / 32;
+    constexpr int PER_THREAD = (kMaxExperts + 1 + THREADS - 1) / THREADS;  // ids per thread in the scans
+    __shared__ int seen[W][kMaxExperts + 1];
     __shared__ int offsets[kMaxExperts + 1];
-    const int tid = threadIdx.x;
-    for (int e = tid; e <= E; e += THREADS) counts[e] = 0;
-    __syncthreads();
-    for (int s = tid; s < S; s += THREADS) {
-        const i64 v = index[s];
-        const int id = (v >= 0 && v < E) ? (int)v : E;  // out of range: no expert
-        ids[s] = id;
-        atomicAdd(&counts[id], 1);
+    __shared__ int hit_before[kMaxExperts + 1];
+    __shared__ int part[2][THREADS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int seg = (S + W - 1) / W, s0 = warp * seg, s1 = min(S, s0 + seg);
+    for (int e = lane; e <= E; e += 32) seen[warp][e] = 0;
+    __syncwarp();
+
+    // pass 1: per-warp counts
+    for (int base = s0; base < s1; base += 32) {
+        const int s = base + lane;
+        const unsigned active = __ballot_sync(0xffffffffu, s < s1);
+        if (s < s1) {
+            const i64 v = index[s];
+            const int id = (v >= 0 && v < E) ? (int)v : E;  // out of range: no expert
+            const unsigned same = __match_any_sync(active, id);
+            if (lane == __ffs(same) - 1) seen[warp][id] += __popc(same);
+        }
+        __syncwarp();
     }
     __syncthreads();
-    // offsets (exclusive, over E + 1 ids) and each expert's group number (hit experts below it)
-    for (int e = tid; e <= E; e += THREADS) {
-        int off = 0, hits = 0;
-        for (int f = 0; f < e; ++f) {
-            off += counts[f];
-            hits += counts[f] > 0;
+
+    // per expert: exclusive sums over the warps; this thread's ids e0 .. e0 + PER_THREAD - 1
+    const int e0 = tid * PER_THREAD;
+    int count_sum = 0, hit_sum = 0;
+    for (int e = e0; e < e0 + PER_THREAD && e <= E; ++e) {
+        int total = 0;
+        for (int w = 0; w < W; ++w) {
+            const int c = seen[w][e];
+            seen[w][e] = total;
+            total += c;
         }
+        offsets[e] = total;  // the count for now; the offset below
+        count_sum += total;
+        hit_sum += e < E && total > 0;
+    }
+    part[0][tid] = count_sum;
+    part[1][tid] = hit_sum;
+    __syncthreads();
+    if (tid == 0) {  // exclusive scan of the THREADS partial sums
+        int c = 0, h = 0;
+        for (int t = 0; t < THREADS; ++t) {
+            const int pc = part[0][t], ph = part[1][t];
+            part[0][t] = c;
+            part[1][t] = h;
+            c += pc;
+            h += ph;
+        }
+    }
+    __syncthreads();
+    int off = part[0][tid], hits = part[1][tid];
+    for (int e = e0; e < e0 + PER_THREAD && e <= E; ++e) {
+        const int count = offsets[e];
         offsets[e] = off;
-        if (e < E && counts[e] > 0 && hits < G) {
-            groups[hits] = e;
-            groups[G + hits] = off;
-            groups[2 * G + hits] = counts[e];
+        hit_before[e] = hits;
+        if (e < E && count > 0) {
+            if (hits < G) {
+                groups[hits] = e;
+                groups[G + hits] = off;
+                groups[2 * G + hits] = count;
+            }
+            ++hits;
         }
+        off += count;
     }
-    // the unused groups: after the last hit expert (each thread counts the hits itself)
-    int total_hits = 0;
-    for (int f = 0; f < E; ++f) total_hits += counts[f] > 0;
+    __syncthreads();
+    // the unused groups: after the last hit expert
+    const int total_hits = hit_before[E];
     for (int q = total_hits + tid; q < G; q += THREADS) {
         groups[q] = 0;
         groups[G + q] = 0;
         groups[2 * G + q] = 0;
     }
-    __syncthreads();
-    for (int s = tid; s < S; s += THREADS) {
-        const int id = ids[s];
-        int rank = 0;
-        for (int r = 0; r < s; ++r) rank += ids[r] == id;
-        const int p = offsets[id] + rank;
-        perm[p] = s;
-        tokens[p] = s / top_k;
-        position[s] = p;
+
+    // pass 2: positions
+    for (int base = s0; base < s1; base += 32) {
+        const int s = base + lane;
+        const unsigned active = __ballot_sync(0xffffffffu, s < s1);
+        if (s < s1) {
+            const i64 v = index[s];
+            const int id = (v >= 0 && v < E) ? (int)v : E;
+            const unsigned same = __match_any_sync(active, id);
+            const int p = offsets[id] + seen[warp][id] + __popc(same & ((1u << lane) - 1u));
+            perm[p] = s;
+            tokens[p] = s / top_k;
+            position[s] = p;
+            __syncwarp(active);
+            if (lane == __ffs(same) - 1) seen[warp][id] += __popc(same);
+        }
+        __syncwarp();
     }
 }
 

@@ -846,7 +846,7 @@ def test_grouped_forward_matches_the_reference_forward(case, tokens):
 
 def _route_cases(device: str = "cpu"):
     """(top_k_index, num_experts, groups) routings: random, one expert, sentinels and ids out of
-    range, repeated experts per token, no slots for most experts, many slots."""
+    range, repeated experts per token, no slots for most experts, the most experts, prefill-sized."""
     g = torch.Generator().manual_seed(7)
     yield torch.randint(0, 8, (5, 2), generator=g), 8, 8
     yield torch.full((6, 3), 2), 4, 4
@@ -855,6 +855,8 @@ def _route_cases(device: str = "cpu"):
     yield torch.randint(0, 128, (16, 8), generator=g), 128, 128
     yield torch.randint(0, 1024, (256, 8), generator=g), 1024, 1024  # the kernel's limits
     yield torch.randint(0, 4, (300, 1), generator=g), 4, 4
+    yield torch.randint(0, 128, (2048, 8), generator=g), 128, 128  # a prefill: 16384 slots
+    yield torch.randint(-2, 12, (1500, 2), generator=g), 10, 10  # many slots with no expert
 
 
 def test_route_experts_reference_orders_slots_and_lists_hit_experts():
