@@ -13,6 +13,7 @@ with one job:
 * :mod:`.kv_attention`: the fused decode attention over the quantized KV cache;
 * :mod:`.hadamard`: the Hadamard rotation of a rotated layer's input;
 * :mod:`.hopper`: the Hopper wgmma kernel's instances, shared-memory size and which GPUs run it;
+* :mod:`.grouped`: the Hopper wgmma kernel's grouped form (mixture-of-experts layers): plans, launch;
 * :mod:`.tuning`: every dispatch threshold and launch-shape table, with its provenance;
 * :mod:`.loader`: finding, compiling (NVRTC through CuPy) and launching kernels, per device;
 * :mod:`.driver`: the few CUDA driver calls that neither torch nor CuPy expose;
