@@ -11,6 +11,10 @@ them (``packed [E, K_pad/64, N_pad/128, 128, 2, bits]``, ``absmax [E, ...]``, on
 :data:`DECODE_GROUP_ROWS` the decode kernel's schedule, above it the tensor-core kernel's where
 the GPU has one, :func:`large_groups_supported`).
 
+``kbit_linear::grouped_swiglu`` is the same through a gate_up weight (``2 * intermediate`` rows,
+the gate rows then the up rows) followed by ``silu(gate) * up``: ``[rows, intermediate]``; the
+CUDA backend fuses the activation into the grouped kernel's stores where it can.
+
 ``kbit_linear::route_experts`` turns a router's choice ``top_k_index [T, top_k]`` into the
 groups above: ``groups [3, G]`` listing the experts that received slots, ascending, as (expert,
 first sorted position, slots), then ``(0, 0, 0)``; the slots (``s = token * top_k + k``) sorted
@@ -60,6 +64,11 @@ torch.library.define(
     f"{_NS}::grouped_gemm",
     "(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, Tensor tensor_scale, Tensor groups, int bits, "
     "int out_features, int max_rows) -> Tensor",
+)
+torch.library.define(
+    f"{_NS}::grouped_swiglu",
+    "(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, Tensor tensor_scale, Tensor groups, int bits, "
+    "int intermediate, int max_rows) -> Tensor",
 )
 
 
@@ -122,6 +131,31 @@ def grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bi
 
 
 torch.library.impl(f"{_NS}::grouped_gemm", "default")(grouped_gemm_reference)  # not as a decorator: torch 2.11 binds its result (None) to the name
+
+
+def _check_intermediate(intermediate: int) -> None:
+    if isinstance(intermediate, bool) or not isinstance(intermediate, int) or intermediate < 1:
+        raise ValueError(f"intermediate must be a positive int, got {intermediate!r}")
+
+
+@torch.library.register_fake(f"{_NS}::grouped_swiglu")
+def _(x, packed, absmax, codebook, tensor_scale, groups, bits, intermediate, max_rows):
+    _check_intermediate(intermediate)
+    check_grouped_args(x, packed, absmax, codebook, tensor_scale, groups, bits, 2 * intermediate, max_rows)
+    return x.new_empty((x.shape[0], intermediate))
+
+
+def grouped_swiglu_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, intermediate, max_rows):
+    """The spec of ``grouped_swiglu``: ``silu(gate) * up`` of ``grouped_gemm`` through a gate_up
+    weight (``2 * intermediate`` rows: the gate rows, then the up rows), ``[rows, intermediate]``;
+    rows no group names are zero."""
+    _check_intermediate(intermediate)
+    gate, up = grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, 2 * intermediate,
+                                      max_rows).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+torch.library.impl(f"{_NS}::grouped_swiglu", "default")(grouped_swiglu_reference)
 
 
 # ---------------------------------------------------------------------------------------

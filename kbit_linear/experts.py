@@ -140,6 +140,12 @@ def route_tokens(top_k_index: torch.Tensor, num_experts: int) -> ExpertRouting:
 # ---------------------------------------------------------------------------------------
 
 
+def _is_silu(act_fn: Any) -> bool:
+    """Whether ``act_fn`` is plain SiLU (torch's module or transformers' ``SiLUActivation``), the
+    activation ``kbit_linear::grouped_swiglu`` fuses."""
+    return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ in ("SiLUActivation", "SiLU")
+
+
 def looks_like_experts(module: nn.Module) -> bool:
     """``True`` for a module that holds experts as 3-D weights: a class named ``*Expert*`` with a
     floating-point 3-D parameter of its own, or one with 3-D ``gate_up_proj``/``down_proj``.
@@ -525,11 +531,15 @@ class KbitExperts(nn.Module):
         groups, _, token_of_slot, position = torch.ops.kbit_linear.route_experts(top_k_index, self.num_experts,
                                                                                  min(self.num_experts, tokens * top_k))
         x = hidden_states[token_of_slot]
-        gate_up = torch.ops.kbit_linear.grouped_gemm(x, *self.projection_tensors("gate_up_proj"), groups, self.bits,
-                                                     2 * self.intermediate_dim, max_rows)
-        gate, up = gate_up.chunk(2, dim=-1)
-        y = torch.ops.kbit_linear.grouped_gemm(self.act_fn(gate) * up, *self.projection_tensors("down_proj"), groups,
-                                               self.bits, self.hidden_dim, max_rows)  # rows of no group: zero
+        if _is_silu(self.act_fn):  # one op; the backend fuses silu(gate) * up into the GEMM's stores where it can
+            h = torch.ops.kbit_linear.grouped_swiglu(x, *self.projection_tensors("gate_up_proj"), groups, self.bits,
+                                                     self.intermediate_dim, max_rows)
+        else:
+            gate, up = torch.ops.kbit_linear.grouped_gemm(x, *self.projection_tensors("gate_up_proj"), groups, self.bits,
+                                                          2 * self.intermediate_dim, max_rows).chunk(2, dim=-1)
+            h = self.act_fn(gate) * up
+        y = torch.ops.kbit_linear.grouped_gemm(h, *self.projection_tensors("down_proj"), groups, self.bits, self.hidden_dim,
+                                               max_rows)  # rows of no group: zero
         # Back to slot order (a token's top_k slots together), then the weighted sum over them
         # as one batched product: fp32 products and sums, rounded once.
         y = y[position].view(tokens, top_k, self.hidden_dim)

@@ -57,7 +57,11 @@
 // covers its whole K (no split, no workspace). A tile's TMA box may reach into the next group's
 // rows: those accumulators are computed and dropped (the store keeps the group's rows only).
 // The producer and the consumers walk the same list (GroupWalk), so the pipeline below is the
-// dense kernel's, fed a different sequence of (weight tile, x rows, k range).
+// dense kernel's, fed a different sequence of (weight tile, x rows, k range). With the fused
+// SwiGLU of a gate_up projection (rows: I gate rows, then I up rows, I a multiple of 128) an item
+// is an n-tile j < I / 128 of the gate and then tile j + I / 128 of the up half: the first store
+// writes silu(gate) into out [rows, I], the second multiplies it by up in place (same thread,
+// same elements).
 //
 // Shared memory (base aligned up to 1024 bytes at run time):
 //   STAGES x [x tile BT*128 | plane words 128*2*BITS*4 | scale codes 256] (each 1024-aligned)
@@ -174,6 +178,32 @@ __device__ __forceinline__ void store_tile(const float (&acc)[Shape<BITS, BT>::N
         }
 }
 
+// The grouped kernel's store, as store_tile without bias, in one of three modes: 0 writes
+// acc * ts; 1 (a gate tile of the fused SwiGLU) writes silu(acc * ts); 2 (its up tile) multiplies
+// what mode 1 wrote there by acc * ts. Modes 1 and 2 touch the same elements from the same thread,
+// so the second reads the first's stores with no barrier.
+template <int BITS, int BT, int DT, int MODE>
+__device__ __forceinline__ void store_grouped(const float (&acc)[Shape<BITS, BT>::NACC], u16* __restrict__ out, float ts, int M,
+                                              int N, int m0, int n) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int j = 0; j < BT / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int m = m0 + 8 * j + 2 * t + h;
+            if (m >= M) continue;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                if (n + 8 * r >= N) continue;
+                u16* o = out + (i64)m * N + n + 8 * r;
+                float v = acc[4 * j + 2 * r + h] * ts;
+                if (MODE == 1) v = v / (1.0f + __expf(-v));
+                if (MODE == 2) v *= bits_to_f32<DT>(*o);
+                *o = f32_to_bits<DT>(v);
+            }
+        }
+}
+
 // The k-tiles a block works through, in order: its stream-K range [it, it_end) of the flat
 // (tile, k-tile) list cut into one segment per tile. Producer and consumers walk the same list.
 // Every walk gives, per segment: k-tiles [kb0, kb1), the n-tile nt, the first x row of the
@@ -217,24 +247,31 @@ struct GroupWalk {
     const int* groups;  // int32 [3][count]: expert, row0, rows
     int count, experts, x_rows, n_tiles, k_tiles;
     int expert_words, expert_scales;  // one expert's plane words and scale codes
+    int swiglu;                        // nonzero: each item is a gate n-tile, then its up n-tile
     const u32* packed0;
     const u8* absmax0;
     int rel, q, q_mtiles, q_row0, q_rows, q_expert;  // cursor: the current item is item rel of group q
-    int kb0, kb1, nt, x_row, rows, expert;           // the current item
+    int kb0, kb1, nt, x_row, rows, expert, phase;    // the current segment (phase 1: the up half)
     const u32* packed;
     const u8* absmax;
 
     __device__ __forceinline__ GroupWalk(const int* groups_, int count_, int experts_, int x_rows_, int n_tiles_, int k_tiles_,
-                                         int expert_words_, int expert_scales_, const u32* packed_, const u8* absmax_)
+                                         int expert_words_, int expert_scales_, int swiglu_, const u32* packed_, const u8* absmax_)
         : groups(groups_), count(count_), experts(experts_), x_rows(x_rows_), n_tiles(n_tiles_), k_tiles(k_tiles_),
-          expert_words(expert_words_), expert_scales(expert_scales_), packed0(packed_), absmax0(absmax_),
-          rel((int)blockIdx.x - (int)gridDim.x), q(-1), q_mtiles(0), q_row0(0), q_rows(0), q_expert(0) {}
+          expert_words(expert_words_), expert_scales(expert_scales_), swiglu(swiglu_), packed0(packed_), absmax0(absmax_),
+          rel((int)blockIdx.x - (int)gridDim.x), q(-1), q_mtiles(0), q_row0(0), q_rows(0), q_expert(0), phase(1) {}
 
-    // Moves to the next item; false when the list is done.
+    // Moves to the next segment; false when the list is done.
     __device__ __forceinline__ bool next() {
+        const int item_tiles = swiglu ? n_tiles / 2 : n_tiles;  // n-tiles an item's index runs over
+        if (swiglu && phase == 0) {  // the same item's up half: n_tiles / 2 tiles further
+            phase = 1;
+            nt += item_tiles;
+            return true;
+        }
         rel += gridDim.x;
-        while (rel >= q_mtiles * n_tiles) {
-            rel -= q_mtiles * n_tiles;
+        while (rel >= q_mtiles * item_tiles) {
+            rel -= q_mtiles * item_tiles;
             if (++q >= count) return false;
             q_expert = __ldg(groups + q);
             q_row0 = __ldg(groups + count + q);
@@ -244,6 +281,7 @@ struct GroupWalk {
         }
         const int mt = rel % q_mtiles;
         nt = rel / q_mtiles;
+        phase = 0;
         kb0 = 0;
         kb1 = k_tiles;
         x_row = q_row0 + mt * BT;
@@ -422,7 +460,10 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
 //   expert's tiled weight, stacked ([E, k_tiles, n_tiles, 128, 2, BITS] words, [E, k_tiles,
 //   n_tiles, 128, 2] codes); codebook (shared); tensor_scale [E]; out [x_rows, N]: group q's rows
 //   written, all others untouched; groups: int32 [3][count] on the device (expert, first row, rows);
-//   experts: E; expert_words / expert_scales: one expert's plane words / scale codes.
+//   experts: E; expert_words / expert_scales: one expert's plane words / scale codes; swiglu:
+//   nonzero for the fused SwiGLU of a gate_up projection (n_tiles even, the weight's rows = gate
+//   rows then up rows, N / 128 <= n_tiles / 2 of each): out [x_rows, N] gets silu(gate) * up,
+//   each item computing a gate n-tile and then the up n-tile n_tiles / 2 further.
 // Launch: 384 threads, Shape::SMEM_BYTES of dynamic shared memory, any grid (persistent blocks;
 //   a block with no item returns at once).
 template <int BITS, int BT, int DT>
@@ -430,7 +471,7 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
     kbit_gemm_sm90_grouped(const __grid_constant__ kbit::TensorMap x_map, const u32* __restrict__ packed,
                            const u8* __restrict__ absmax, const float* __restrict__ codebook, const float* __restrict__ tensor_scale,
                            u16* __restrict__ out, const int* __restrict__ groups, int count, int experts, int expert_words,
-                           int expert_scales, int x_rows, int N, int n_tiles, int k_tiles) {
+                           int expert_scales, int x_rows, int N, int n_tiles, int k_tiles, int swiglu) {
     using namespace kbit;
     using namespace kbit::sm90;
     using S = Shape<BITS, BT>;
@@ -444,7 +485,7 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
     grid_dependency_wait();
 
     const u32 cb_reg = setup_block<BITS, BT, DT>(smem, codebook);
-    GroupWalk<BT> walk(groups, count, experts, x_rows, n_tiles, k_tiles, expert_words, expert_scales, packed, absmax);
+    GroupWalk<BT> walk(groups, count, experts, x_rows, n_tiles, k_tiles, expert_words, expert_scales, swiglu, packed, absmax);
 
     if (warp >= kConsumers / 32) {
         set_max_registers_dec<S::PRODUCER_REGS>();
@@ -460,7 +501,12 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
         float acc[S::NACC];
         consume<BITS, BT, DT>(walk.kb0, walk.kb1, use, smem, full, empty, smem + S::LUT_OFFSET,
                               reinterpret_cast<const u32*>(smem + S::SCALE_OFFSET), cb_reg, col0, acc, a);
-        store_tile<BITS, BT, DT>(acc, out, nullptr, __ldg(tensor_scale + walk.expert), walk.x_row + walk.rows, N, walk.x_row,
-                                 walk.nt * kTileN + col0);
+        const int nt = walk.phase ? walk.nt - n_tiles / 2 : walk.nt;  // the up half writes over its gate half
+        const float ts = __ldg(tensor_scale + walk.expert);
+        const int m_end = walk.x_row + walk.rows, n = nt * kTileN + col0;
+        // three instances, so that each indexes the accumulators at compile time only
+        if (!swiglu) store_grouped<BITS, BT, DT, 0>(acc, out, ts, m_end, N, walk.x_row, n);
+        else if (walk.phase == 0) store_grouped<BITS, BT, DT, 1>(acc, out, ts, m_end, N, walk.x_row, n);
+        else store_grouped<BITS, BT, DT, 2>(acc, out, ts, m_end, N, walk.x_row, n);
     }
 }

@@ -891,6 +891,20 @@ def test_cuda_route_experts_matches_the_reference():
             assert x.is_cuda and torch.equal(x.cpu(), w)
 
 
+def test_grouped_swiglu_reference_is_silu_gate_times_up():
+    k = KbitExperts.from_experts(_dense_experts(), bits=4)
+    x = torch.randn(7, k.hidden_dim, generator=torch.Generator().manual_seed(4))
+    groups = torch.tensor([[1, 4], [0, 3], [3, 4]], dtype=torch.int32)
+    args = (x, *k.projection_tensors("gate_up_proj"), groups, 4)
+    gate, up = torch.ops.kbit_linear.grouped_gemm(*args, 2 * k.intermediate_dim, 4).chunk(2, dim=-1)
+    got = torch.ops.kbit_linear.grouped_swiglu(*args, k.intermediate_dim, 4)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up)
+    with pytest.raises(ValueError, match="intermediate"):
+        torch.ops.kbit_linear.grouped_swiglu(*args, 0, 4)
+    with pytest.raises(ValueError, match="out_features"):
+        torch.ops.kbit_linear.grouped_swiglu(*args, k.intermediate_dim + 100, 4)
+
+
 def test_grouped_op_reference_checks_its_groups():
     k = KbitExperts.from_experts(_dense_experts(), bits=4)
     args = (torch.randn(4, k.hidden_dim), *k.projection_tensors("gate_up_proj"))

@@ -18,12 +18,12 @@ import torch
 from ... import format as fmt
 from . import hopper, loader, plans
 
-__all__ = ["instance_name", "instances", "GroupedPlan", "grouped_plan", "launch"]
+__all__ = ["instance_name", "instances", "GroupedPlan", "grouped_plan", "swiglu_fusable", "launch"]
 
 _ARGS = loader.ArgPack(
     "kbit_gemm_sm90_grouped",
     "x_map:m packed:p absmax:p codebook:p tensor_scale:p out:p groups:p count:i experts:i expert_words:i expert_scales:i "
-    "x_rows:i N:i n_tiles:i k_tiles:i",
+    "x_rows:i N:i n_tiles:i k_tiles:i swiglu:i",
 )
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 
@@ -88,10 +88,18 @@ def _make_plan(rows: int, groups: int, bits: int, dtype: torch.dtype, n_tiles: i
                        loader.grid_may_overlap(grid, per_sm, props.sm_count))
 
 
+def swiglu_fusable(n_tiles: int, intermediate: int) -> bool:
+    """Whether the kernel fuses ``silu(gate) * up`` for a gate_up weight of ``n_tiles`` n-tiles:
+    the gate half must end on an n-tile boundary (``intermediate`` a multiple of 128)."""
+    return intermediate % fmt.TILE_N == 0 and n_tiles * fmt.TILE_N == 2 * intermediate
+
+
 def launch(plan: GroupedPlan, x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
-           tensor_scale: torch.Tensor, groups: torch.Tensor, out: torch.Tensor) -> None:
+           tensor_scale: torch.Tensor, groups: torch.Tensor, out: torch.Tensor, swiglu: bool = False) -> None:
     """Write ``x[rows of q] @ W[expert of q]^T * tensor_scale[expert]`` into ``out[rows of q]``
-    for every group q, in one launch; other rows of ``out`` are left as they are.
+    for every group q, in one launch; other rows of ``out`` are left as they are. With
+    ``swiglu`` (:func:`swiglu_fusable` holds) ``out`` is ``[R, intermediate]`` and gets
+    ``silu(gate) * up`` of those products.
 
     The tensors meet the grouped op's checks already (``kbit_linear::grouped_gemm``) and are
     contiguous: ``x [R, K]`` fp16/bf16 with K a multiple of 8 and 16-byte aligned, ``packed
@@ -105,7 +113,7 @@ def launch(plan: GroupedPlan, x: torch.Tensor, packed: torch.Tensor, absmax: tor
         plan.kernel, plan.grid, plan.smem, loader._current_raw_stream(dev),
         (x_map[1], packed.data_ptr(), absmax.data_ptr(), codebook.data_ptr(), tensor_scale.data_ptr(), out.data_ptr(),
          groups.data_ptr(), groups.shape[1], packed.shape[0], packed[0].numel(), absmax[0].numel(), rows, out.shape[1],
-         packed.shape[2], packed.shape[1]),
+         packed.shape[2], packed.shape[1], int(swiglu)),
         threads=hopper.THREADS,
         programmatic=plan.programmatic,
     )

@@ -1,7 +1,7 @@
 """CUDA implementations of the kbit ops (kernels in ``kernels/``, compiled at run time).
 
 Importing this module registers ``torch.library`` CUDA kernels for ``kbit_linear::quantize``,
-``::repack``, ``::dequantize``, ``::gemm``, ``::grouped_gemm`` and ``::route_experts``. It needs neither CuPy nor a GPU to import: CuPy
+``::repack``, ``::dequantize``, ``::gemm``, ``::grouped_gemm``, ``::grouped_swiglu`` and ``::route_experts``. It needs neither CuPy nor a GPU to import: CuPy
 is loaded, and each kernel instance compiled, on the first call that needs it
 (:mod:`.loader`).
 
@@ -519,25 +519,49 @@ def _repack_op(packed_flat, absmax_flat, bits):
 @torch.library.impl("kbit_linear::grouped_gemm", "CUDA")
 def _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows):
     _grouped_ops.check_grouped_args(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
-    if x.dtype in (torch.float16, torch.bfloat16):
-        small = max_rows <= _grouped_ops.DECODE_GROUP_ROWS and decode.decode_supported(max_rows, bits, x.dtype, x.device)
-        if small or _large_groups_supported(x.device):
-            out = torch.zeros((x.shape[0], out_features), dtype=x.dtype, device=x.device)  # rows no group names stay zero
-            if x.shape[0] == 0 or groups.shape[1] == 0:
-                return out
-            # checked above (the op's own checks cover the launch's): plan and launch directly
-            xk, packed, absmax = kernel_rows(x), aligned16(packed), aligned16(absmax)
-            codebook, tensor_scale, groups = codebook.contiguous(), tensor_scale.contiguous(), groups.contiguous()
-            if small:
-                plan = decode.decode_plan(max_rows, bits, x.dtype, out_features, packed.shape[1], x.device, groups=groups.shape[1])
-                decode.launch_grouped(plan, xk, packed, absmax, codebook, tensor_scale, groups, out)
-            else:
-                plan = grouped.grouped_plan(x.shape[0], groups.shape[1], bits, x.dtype, packed.shape[2], x.get_device())
-                grouped.launch(plan, xk, packed, absmax, codebook, tensor_scale, groups, out)
-            return out
+    out = _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows, swiglu=False)
+    if out is not None:
+        return out
     # float32 activations, or large groups on a GPU without the grouped tensor-core kernel: the
     # reference (reads the groups on the host)
     return _grouped_ops.grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
+
+
+@torch.library.impl("kbit_linear::grouped_swiglu", "CUDA")
+def _grouped_swiglu_op(x, packed, absmax, codebook, tensor_scale, groups, bits, intermediate, max_rows):
+    if isinstance(intermediate, bool) or not isinstance(intermediate, int) or intermediate < 1:
+        raise ValueError(f"intermediate must be a positive int, got {intermediate!r}")
+    n = 2 * intermediate
+    _grouped_ops.check_grouped_args(x, packed, absmax, codebook, tensor_scale, groups, bits, n, max_rows)
+    if max_rows > _grouped_ops.DECODE_GROUP_ROWS and grouped.swiglu_fusable(packed.shape[2], intermediate):
+        out = _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, intermediate, max_rows, swiglu=True)
+        if out is not None:
+            return out
+    gate, up = _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, n, max_rows).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows, swiglu):
+    """The grouped product (``swiglu``: its fused SwiGLU, ``out_features`` = the intermediate
+    size) by a kernel that reads the groups on the device, or None where no kernel takes it."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    small = not swiglu and max_rows <= _grouped_ops.DECODE_GROUP_ROWS and decode.decode_supported(max_rows, bits, x.dtype, x.device)
+    if not (small or _large_groups_supported(x.device)):
+        return None
+    out = torch.zeros((x.shape[0], out_features), dtype=x.dtype, device=x.device)  # rows no group names stay zero
+    if x.shape[0] == 0 or groups.shape[1] == 0:
+        return out
+    # checked by the op (its checks cover the launch's): plan and launch directly
+    xk, packed, absmax = kernel_rows(x), aligned16(packed), aligned16(absmax)
+    codebook, tensor_scale, groups = codebook.contiguous(), tensor_scale.contiguous(), groups.contiguous()
+    if small:
+        plan = decode.decode_plan(max_rows, bits, x.dtype, out_features, packed.shape[1], x.device, groups=groups.shape[1])
+        decode.launch_grouped(plan, xk, packed, absmax, codebook, tensor_scale, groups, out)
+    else:
+        plan = grouped.grouped_plan(x.shape[0], groups.shape[1], bits, x.dtype, packed.shape[2], x.get_device())
+        grouped.launch(plan, xk, packed, absmax, codebook, tensor_scale, groups, out, swiglu=swiglu)
+    return out
 
 
 def _large_groups_supported(device: torch.device) -> bool:
