@@ -516,7 +516,6 @@ def _repack_op(packed_flat, absmax_flat, bits):
     return repack_cuda(packed_flat, absmax_flat, bits)
 
 
-@torch.library.impl("kbit_linear::grouped_gemm", "CUDA")
 def _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows):
     _grouped_ops.check_grouped_args(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
     out = _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows, swiglu=False)
@@ -527,7 +526,6 @@ def _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, ou
     return _grouped_ops.grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
 
 
-@torch.library.impl("kbit_linear::grouped_swiglu", "CUDA")
 def _grouped_swiglu_op(x, packed, absmax, codebook, tensor_scale, groups, bits, intermediate, max_rows):
     if isinstance(intermediate, bool) or not isinstance(intermediate, int) or intermediate < 1:
         raise ValueError(f"intermediate must be a positive int, got {intermediate!r}")
@@ -539,6 +537,12 @@ def _grouped_swiglu_op(x, packed, absmax, codebook, tensor_scale, groups, bits, 
             return out
     gate, up = _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, n, max_rows).chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+# Registered without the decorator form: torch 2.11's decorator binds None to the name, and
+# grouped_swiglu falls back on the grouped_gemm implementation by name.
+torch.library.impl("kbit_linear::grouped_gemm", "CUDA")(_grouped_gemm_op)
+torch.library.impl("kbit_linear::grouped_swiglu", "CUDA")(_grouped_swiglu_op)
 
 
 def _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows, swiglu):
