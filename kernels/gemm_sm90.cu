@@ -183,25 +183,38 @@ __device__ __forceinline__ void store_tile(const float (&acc)[Shape<BITS, BT>::N
 // what mode 1 wrote there by acc * ts. Modes 1 and 2 touch the same elements from the same thread,
 // so the second reads the first's stores with no barrier.
 template <int BITS, int BT, int DT, int MODE>
-__device__ __forceinline__ void store_grouped(const float (&acc)[Shape<BITS, BT>::NACC], u16* __restrict__ out, float ts, int M,
-                                              int N, int m0, int n) {
+__device__ __forceinline__ void store_grouped(float (&acc)[Shape<BITS, BT>::NACC], u16* __restrict__ out, float ts, int M, int N,
+                                              int m0, int n) {
+    constexpr int CHUNK = 4;  // token groups of 8 per chunk: mode 2 loads a chunk's gate values, then stores it
     const int t = threadIdx.x & 3;
 #pragma unroll
-    for (int j = 0; j < BT / 8; ++j)
+    for (int j0 = 0; j0 < BT / 8; j0 += CHUNK) {
+        if (MODE == 2) {  // loads first, so that they overlap (a store in between could alias them)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int m = m0 + 8 * j + 2 * t + h;
-            if (m >= M) continue;
+            for (int j = j0; j < j0 + CHUNK; ++j)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                if (n + 8 * r >= N) continue;
-                u16* o = out + (i64)m * N + n + 8 * r;
-                float v = acc[4 * j + 2 * r + h] * ts;
-                if (MODE == 1) v = v / (1.0f + __expf(-v));
-                if (MODE == 2) v *= bits_to_f32<DT>(*o);
-                *o = f32_to_bits<DT>(v);
-            }
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int m = m0 + 8 * j + 2 * t + h;
+                        if (m < M && n + 8 * r < N) acc[4 * j + 2 * r + h] *= bits_to_f32<DT>(out[(i64)m * N + n + 8 * r]);
+                    }
         }
+#pragma unroll
+        for (int j = j0; j < j0 + CHUNK; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m = m0 + 8 * j + 2 * t + h;
+                if (m >= M) continue;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    if (n + 8 * r >= N) continue;
+                    float v = acc[4 * j + 2 * r + h] * ts;
+                    if (MODE == 1) v = v / (1.0f + __expf(-v));
+                    out[(i64)m * N + n + 8 * r] = f32_to_bits<DT>(v);
+                }
+            }
+    }
 }
 
 // The k-tiles a block works through, in order: its stream-K range [it, it_end) of the flat

@@ -154,7 +154,10 @@ def test_experts_forward_fuses_swiglu_on_the_gpu():
 
     config = transformers.Qwen3MoeConfig(num_experts=6, num_experts_per_tok=2, hidden_size=96, moe_intermediate_size=256)
     torch.manual_seed(0)
-    dense = Qwen3MoeExperts(config)
+    dense = Qwen3MoeExperts(config)  # parameters allocated, not initialized: draw them
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.normal_(0.0, 0.05)
     k = KbitExperts.from_experts(dense, bits=4)
     gpu = KbitExperts.from_experts(dense, bits=4).cuda()
     g = torch.Generator().manual_seed(3)
