@@ -13,6 +13,11 @@ count) is taken while it fits the budget, until none fits. The errors fall steep
 with the width (about 4x per bit for normal weights), where greedy is optimal up to the last
 upgrade that did not fit.
 
+Mixture-of-experts layers take part as units of one width each (a ``KbitExperts`` module has
+one): an experts module's error is ``2 * e(gate_up) + e(down)``, the error of the stacked
+matrices quantized expert by expert, counted as the three projections (gate, up, down) of a
+dense MLP would be, and its size is all its experts' weights.
+
 ``target_bpw`` counts index bits (the K of each layer); what is stored per weight adds the E4M4
 block scales (8/32 bit) and the tiles' padding (:func:`kbit_linear.tools.evaluation.stored_bits_per_weight`).
 """
@@ -29,7 +34,12 @@ from . import format as fmt
 from . import hadamard as hd
 from .quantizer import quantize_weight
 
-__all__ = ["BIT_CHOICES", "check_target_bpw", "check_codebook_for_widths", "relative_errors", "allocate_bits", "plan_layer_bits"]
+__all__ = ["BIT_CHOICES", "check_target_bpw", "check_codebook_for_widths", "relative_errors", "experts_relative_errors",
+           "allocate_bits", "plan_layer_bits", "EXPERTS_ERROR_FACTORS"]
+
+EXPERTS_ERROR_FACTORS: dict[str, float] = {"gate_up_proj": 2.0, "down_proj": 1.0}
+"""Weight of each experts projection's relative error in its module's error: gate_up holds two
+projections of a dense MLP (gate and up), down one."""
 
 BIT_CHOICES: tuple[int, ...] = tuple(fmt.SUPPORTED_BITS)
 """The widths the allocation chooses from."""
@@ -88,6 +98,31 @@ def relative_errors(weight: torch.Tensor, *, codebook: str | None = None, scale_
     return out
 
 
+def experts_relative_errors(weight: torch.Tensor, *, codebook: str | None = None, scale_search: bool = False,
+                            bit_choices: Sequence[int] = BIT_CHOICES, name: str = "weight") -> dict[int, float]:
+    """``{bits: ||W - Q_bits(W)||^2 / ||W||^2}`` for ``E`` stacked matrices ``[E, out, in]``
+    quantized as :func:`kbit_linear.experts.quantize_experts_weight` does: expert by expert,
+    with one set of levels for all of them (normal-float, or ``"fitted"`` to all the experts'
+    weights). One expert's temporaries at a time."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 3-D [experts, out_features, in_features] tensor, "
+                         f"got {getattr(weight, 'shape', type(weight).__name__)}")
+    with torch.no_grad():
+        e, n, k = weight.shape
+        norm = sum(float(weight[i].detach().to(torch.float32).square().sum()) for i in range(e))
+        out = {}
+        for bits in bit_choices:
+            cb = codebooks.resolve_codebook_option(codebook, weight.detach().reshape(e * n, k), bits, scale_search=scale_search)
+            err = 0.0
+            for i in range(e):
+                w = weight[i].detach().to(torch.float32)
+                q = quantize_weight(w, bits, cb, scale_search=scale_search, name=f"{name}[expert {i}]")
+                qw = fmt.KbitWeight(q.packed, q.absmax, q.codebook, q.tensor_scale, bits, n, k)
+                err += float((fmt.dequantize(qw, torch.float32) - w).square().sum())
+            out[bits] = err / norm if norm > 0 else 0.0
+    return out
+
+
 def allocate_bits(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str, int], target_bpw: float) -> dict[str, int]:
     """The width of each layer: least total error with the size-weighted mean width <= ``target_bpw``.
 
@@ -131,14 +166,19 @@ def allocate_bits(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str,
 
 
 def plan_layer_bits(layers: Iterable[tuple[str, torch.Tensor]], target_bpw: float, *, codebook: str | None = None,
-                    scale_search: bool = False, hadamard: bool = False, progress: bool = True) -> dict[str, int]:
-    """The width of each ``(name, weight)`` layer for a mean of ``target_bpw`` index bits per weight.
+                    scale_search: bool = False, hadamard: bool = False, progress: bool = True,
+                    experts: Iterable[tuple[str, Mapping[str, torch.Tensor]]] = ()) -> dict[str, int]:
+    """The width of each ``(name, weight)`` layer (and each experts module) for a mean of
+    ``target_bpw`` index bits per weight.
 
     ``codebook``: ``None`` (normal-float) or ``"fitted"``.
     Measures :func:`relative_errors` at every width of :data:`BIT_CHOICES` (each weight is
     quantized once per width: about four times the work of quantizing it once), with the
     rotation a layer of that name gets under ``hadamard`` (signs seeded by
-    :func:`kbit_linear.hadamard.layer_seed`), then :func:`allocate_bits`.
+    :func:`kbit_linear.hadamard.layer_seed`), then :func:`allocate_bits`. ``experts``: ``(name,
+    {"gate_up_proj": [E, 2I, H], "down_proj": [E, H, I]})`` of each experts module, measured
+    with :func:`experts_relative_errors` (experts are not rotated) and weighted by
+    :data:`EXPERTS_ERROR_FACTORS`; each gets one width.
     """
     target_bpw = check_target_bpw(target_bpw)
     check_codebook_for_widths(codebook)
@@ -149,4 +189,14 @@ def plan_layer_bits(layers: Iterable[tuple[str, torch.Tensor]], target_bpw: floa
         errors[name] = relative_errors(weight, codebook=codebook, scale_search=scale_search, hadamard_signs=signs,
                                        name=f"{name}.weight")
         sizes[name] = weight.numel()
+    for name, projections in tqdm(list(experts), desc="kbit bit widths (experts)", unit="module", disable=not progress):
+        if set(projections) != set(EXPERTS_ERROR_FACTORS):
+            raise ValueError(f"experts {name!r}: expected the projections {sorted(EXPERTS_ERROR_FACTORS)}, got {sorted(projections)}")
+        total = dict.fromkeys(BIT_CHOICES, 0.0)
+        for proj, weight in projections.items():
+            errs = experts_relative_errors(weight, codebook=codebook, scale_search=scale_search, name=f"{name}.{proj}")
+            for bits, err in errs.items():
+                total[bits] += EXPERTS_ERROR_FACTORS[proj] * err
+        errors[name] = total
+        sizes[name] = sum(w.numel() for w in projections.values())
     return allocate_bits(errors, sizes, target_bpw)

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from . import allocation, codebooks
 from . import format as fmt
 from .calibration import Calibration, calibrate_model
-from .experts import KbitExperts, experts_layout_problem, looks_like_experts
+from .experts import PROJECTIONS, KbitExperts, experts_layout_problem, looks_like_experts
 from .hadamard import layer_seed
 from .linear import KbitLinear
 
@@ -73,7 +73,7 @@ class QuantizationSummary:
     """What :func:`quantize_model` did.
 
     Attributes:
-        bits: index width used (with ``target_bpw``: the experts modules' width).
+        bits: index width used (with ``target_bpw``: unused, see ``layer_bits``).
         converted: qualified names of the layers replaced by ``KbitLinear``.
         skipped: qualified name -> reason, for every ``nn.Linear`` (or subclass) left as is.
         bytes_before: bytes of all parameters and buffers of the model before (shared
@@ -86,10 +86,10 @@ class QuantizationSummary:
             modules left dense are in ``skipped``).
         experts_bytes_before: bytes of their dense expert weights.
         experts_bytes_after: bytes of their quantized tensors.
-        layer_bits: with ``target_bpw``: qualified name -> the width chosen for that layer
-            (empty otherwise: every layer has ``bits``).
-        mean_layer_bits: with ``target_bpw``: the mean width over the converted layers'
-            weights (a layer shared under several names counted once).
+        layer_bits: with ``target_bpw``: qualified name -> the width chosen for that layer or
+            experts module (empty otherwise: every layer has ``bits``).
+        mean_layer_bits: with ``target_bpw``: the mean width over the converted layers' and
+            experts modules' weights (a module shared under several names counted once).
     """
 
     bits: int
@@ -450,8 +450,9 @@ def quantize_model(
             every width (:mod:`kbit_linear.allocation`, data-free; with ``calibration`` the
             widths are chosen the same way, then the layers are rounded with it). Quantizes
             every weight once per width first (about 4x the data-free quantization time).
-            ``bits`` then applies to the experts modules only; the choice is in
-            ``summary.layer_bits``. Not with a codebook tensor (it has one width); with
+            Experts modules take part with one width per module (measured where they are;
+            :mod:`kbit_linear.allocation` says how their error counts); ``bits`` is then unused.
+            The choice is in ``summary.layer_bits``. Not with a codebook tensor (it has one width); with
             ``codebook="fitted"`` each width's error is measured with its fitted levels.
 
     Returns:
@@ -502,13 +503,19 @@ def quantize_model(
         first = {}  # a Linear reused under several names is measured (and counted) once
         for name in to_convert:
             first.setdefault(id(model.get_submodule(name)), name)
-        # measured where the layers will be quantized (``device``), one weight at a time
+        # layers measured where they will be quantized (``device``); experts where they are
+        for name in experts_to_convert:
+            first.setdefault(id(model.get_submodule(name)), name)
+        firsts = set(first.values())
+        experts_at = ((n, {p: getattr(model.get_submodule(n), p) for p in PROJECTIONS}) for n in experts_to_convert if n in firsts)
         weights_at = ((n, model.get_submodule(n).weight if target is None else model.get_submodule(n).weight.to(target))
-                      for n in first.values())
-        chosen = allocation.plan_layer_bits(weights_at, target_bpw,
-                                            codebook=codebook, scale_search=scale_search, hadamard=hadamard, progress=progress)
-        layer_bits = {n: chosen[first[id(model.get_submodule(n))]] for n in to_convert}
-        weights = {n: model.get_submodule(n).weight.numel() for n in first.values()}
+                      for n in to_convert if n in firsts)
+        chosen = allocation.plan_layer_bits(weights_at, target_bpw, codebook=codebook, scale_search=scale_search,
+                                            hadamard=hadamard, progress=progress, experts=experts_at)
+        layer_bits = {n: chosen[first[id(model.get_submodule(n))]] for n in (*to_convert, *experts_to_convert)}
+        experts_set = set(experts_to_convert)
+        weights = {n: sum(getattr(model.get_submodule(n), p).numel() for p in PROJECTIONS) if n in experts_set
+                   else model.get_submodule(n).weight.numel() for n in firsts}
         summary.layer_bits = layer_bits
         summary.mean_layer_bits = sum(chosen[n] * k for n, k in weights.items()) / max(1, sum(weights.values()))
 
@@ -550,12 +557,13 @@ def quantize_model(
         calibrate_model(model, to_convert, batches, convert, progress=progress, desc=f"kbit calibrate ({width})")
 
     converted_experts: dict[int, KbitExperts] = {}
-    for name in tqdm(experts_to_convert, desc=f"kbit quantize experts ({bits} bits)", unit="module",
+    for name in tqdm(experts_to_convert, desc=f"kbit quantize experts ({width})", unit="module",
                      disable=not progress or not experts_to_convert):
         module = model.get_submodule(name)
         if id(module) not in converted_experts:
             try:
-                new = KbitExperts.from_experts(module, bits=bits, codebook=codebook, scale_search=scale_search, device=target)
+                new = KbitExperts.from_experts(module, bits=layer_bits.get(name, bits), codebook=codebook, scale_search=scale_search,
+                                               device=target)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"cannot quantize experts {name!r}: {e}") from e
             converted_experts[id(module)] = new

@@ -982,3 +982,53 @@ def test_cuda_forward_matches_the_cpu_reference(dtype):
     got = gpu(x.to("cuda", dtype), index.cuda(), weights.cuda())
     assert got.dtype == dtype
     assert float((got.float().cpu() - ref).norm() / ref.norm()) < 2e-2
+
+
+# ---------------------------------------------------------------------------------------
+# target_bpw with experts modules
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codebook", [None, "fitted"])
+def test_experts_relative_errors_match_the_quantized_module(codebook):
+    """The allocation's error of a stacked projection is the error KbitExperts actually has at
+    each width (same levels, same per-expert quantization)."""
+    from kbit_linear import allocation
+
+    dense = _dense_experts()
+    errors = allocation.experts_relative_errors(dense.down_proj, codebook=codebook, bit_choices=(2, 4))
+    w = dense.down_proj.detach().float()
+    for bits in (2, 4):
+        k = KbitExperts.from_experts(dense, bits=bits, codebook=codebook)
+        got = float((k.dequantize()["down_proj"] - w).square().sum() / w.square().sum())
+        assert errors[bits] == pytest.approx(got, rel=1e-5)
+    assert errors[2] > errors[4] > 0
+    with pytest.raises(ValueError, match="3-D"):
+        allocation.experts_relative_errors(w[0])
+
+
+def test_quantize_model_target_bpw_gives_experts_modules_a_width():
+    model = _model("qwen3_moe")
+    ids = _ids()
+    summary = quantize_model(model, target_bpw=3.5, progress=False)
+    experts = _experts_names(model)
+    assert set(experts) <= set(summary.layer_bits) and summary.experts == experts
+    sizes = {}
+    for name, width in summary.layer_bits.items():
+        module = model.get_submodule(name)
+        assert module.bits == width, name
+        if isinstance(module, KbitExperts):
+            sizes[name] = module.num_experts * 3 * module.hidden_dim * module.intermediate_dim
+        else:
+            sizes[name] = module.in_features * module.out_features
+    mean = sum(summary.layer_bits[n] * sizes[n] for n in sizes) / sum(sizes.values())
+    assert mean <= 3.5 + 1e-9 and summary.mean_layer_bits == pytest.approx(mean)
+    assert torch.isfinite(_logits(model, ids)).all()
+    # the mixed widths survive a save and reload
+    import kbit_linear
+
+    path = kbit_linear.save_quantized(model, Path(pytest.importorskip("tempfile").mkdtemp()) / "moe.safetensors")
+    fresh = _model("qwen3_moe", seed=5)
+    kbit_linear.load_into(fresh, path)
+    assert [fresh.get_submodule(n).bits for n in experts] == [model.get_submodule(n).bits for n in experts]
+    assert torch.equal(_logits(fresh, ids), _logits(model, ids))
