@@ -41,7 +41,7 @@ from . import _ops  # the op schemas and the gemm entry point (with its eager fa
 from . import format as fmt
 from . import hadamard as hd
 from .calibration import DEFAULT_DAMP
-from .quantizer import quantize_weight
+from .quantizer import check_hadamard_search, hadamard_signs_for, quantize_weight
 
 __all__ = ["KbitLinear"]
 
@@ -160,7 +160,8 @@ class KbitLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int = 4, codebook: torch.Tensor | str | None = None, *,
                     scale_search: bool = False, hessian: torch.Tensor | None = None,
-                    damp: float = DEFAULT_DAMP, hadamard: bool = False, hadamard_seed: int = 0) -> "KbitLinear":
+                    damp: float = DEFAULT_DAMP, hadamard: bool = False, hadamard_seed: int = 0,
+                    hadamard_search: int = 1) -> "KbitLinear":
         """Quantize an ``nn.Linear`` into a new ``KbitLinear`` on the same device.
 
         The weight goes through :func:`kbit_linear.quantizer.quantize_weight` (validated once,
@@ -185,6 +186,10 @@ class KbitLinear(nn.Module):
                 (:mod:`kbit_linear.hadamard`; the layer rotates its inputs to match). Better
                 accuracy at K = 2 and 3 for a rotation of the input per call.
             hadamard_seed: the seed of the rotation's sign vector.
+            hadamard_search: try this many sign vectors (seeds ``hadamard_seed`` onwards) and
+                keep the one whose rotated weight quantizes with the least error
+                (:func:`kbit_linear.quantizer.hadamard_signs_for`; that many data-free
+                quantizations more).
 
         Returns:
             The quantized layer.
@@ -197,7 +202,12 @@ class KbitLinear(nn.Module):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         if not isinstance(hadamard, bool):
             raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
-        signs = hd.random_signs(linear.in_features, hadamard_seed, linear.weight.device) if hadamard else None
+        hadamard_search = check_hadamard_search(hadamard_search)
+        signs = None
+        if hadamard:
+            signs = hadamard_signs_for(linear.weight, bits, codebook, scale_search=scale_search, seed=hadamard_seed,
+                                       candidates=hadamard_search,
+                                       name=f"linear.weight ({linear.out_features}x{linear.in_features})")
         q = quantize_weight(
             linear.weight, bits, codebook, scale_search=scale_search, hessian=hessian, damp=damp, hadamard_signs=signs,
             name=f"linear.weight ({linear.out_features}x{linear.in_features})",

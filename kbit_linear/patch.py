@@ -48,6 +48,7 @@ from .calibration import Calibration, calibrate_model
 from .experts import PROJECTIONS, KbitExperts, experts_layout_problem, looks_like_experts
 from .hadamard import layer_seed
 from .linear import KbitLinear
+from .quantizer import check_hadamard_search
 
 __all__ = [
     "QuantizationSummary",
@@ -404,6 +405,7 @@ def quantize_model(
     calibration: Calibration | torch.Tensor | None = None,
     hadamard: bool = False,
     target_bpw: float | None = None,
+    hadamard_search: int = 1,
 ) -> QuantizationSummary:
     """Replace the ``nn.Linear`` layers of ``model`` by :class:`KbitLinear`, in place, and
     the experts modules of mixture-of-experts blocks by :class:`KbitExperts`.
@@ -454,6 +456,10 @@ def quantize_model(
             :mod:`kbit_linear.allocation` says how their error counts); ``bits`` is then unused.
             The choice is in ``summary.layer_bits``. Not with a codebook tensor (it has one width); with
             ``codebook="fitted"`` each width's error is measured with its fitted levels.
+        hadamard_search: with ``hadamard``, try this many sign vectors per layer and keep the
+            one whose rotated weight quantizes with the least error (data-free, also before
+            calibrated rounding; :func:`kbit_linear.quantizer.hadamard_signs_for`); 1 = the
+            layer's seeded vector. Costs that many quantizations per layer more.
 
     Returns:
         A :class:`QuantizationSummary`: converted names, skipped names with reasons, bytes
@@ -471,6 +477,7 @@ def quantize_model(
     fmt.check_bits(bits)
     if not isinstance(hadamard, bool):
         raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
+    hadamard_search = check_hadamard_search(hadamard_search)
     rules = check_skip_rules(skip)
     if target_bpw is not None:
         target_bpw = allocation.check_target_bpw(target_bpw)
@@ -533,7 +540,7 @@ def quantize_model(
             if linear.bias is not None:
                 src.bias = nn.Parameter(linear.bias.detach().to(target), requires_grad=linear.bias.requires_grad)
         try:
-            rotation = {"hadamard": hadamard, "hadamard_seed": layer_seed(name)}
+            rotation = {"hadamard": hadamard, "hadamard_seed": layer_seed(name), "hadamard_search": hadamard_search}
             width = layer_bits.get(name, bits)
             if hessian is None:
                 new = KbitLinear.from_linear(src, bits=width, codebook=codebook, scale_search=scale_search, **rotation)

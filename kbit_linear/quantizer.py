@@ -23,7 +23,7 @@ from . import codebooks
 from . import format as fmt
 from . import hadamard
 
-__all__ = ["KbitTensors", "quantize_weight"]
+__all__ = ["KbitTensors", "quantize_weight", "check_hadamard_search", "hadamard_signs_for"]
 
 # Resolved once: an OpOverload call skips the overload lookup of the packet on every call.
 _QUANTIZE = torch.ops.kbit_linear.quantize.default
@@ -121,3 +121,51 @@ def quantize_weight(
             packed_flat, absmax_flat = _QUANTIZE(w, cb, ts, bits)
         packed, absmax = _REPACK(packed_flat, absmax_flat, bits)
     return KbitTensors(packed, absmax, cb, ts)
+
+
+# ---------------------------------------------------------------------------------------
+# the rotation's signs
+# ---------------------------------------------------------------------------------------
+
+
+def check_hadamard_search(candidates: object, name: str = "hadamard_search") -> int:
+    """``candidates`` as a positive int (sign vectors to try per layer).
+
+    Raises:
+        TypeError / ValueError: naming ``name``.
+    """
+    if isinstance(candidates, bool) or not isinstance(candidates, int):
+        raise TypeError(f"{name} must be an int (sign vectors tried per layer), got {type(candidates).__name__}")
+    if candidates < 1:
+        raise ValueError(f"{name} must be at least 1, got {candidates}")
+    return candidates
+
+
+def hadamard_signs_for(weight: torch.Tensor, bits: int, codebook: torch.Tensor | str | None = None, *,
+                       scale_search: bool = False, seed: int = 0, candidates: int = 1, name: str = "weight") -> torch.Tensor:
+    """The sign vector of the randomized Hadamard rotation for ``weight`` (int8 ``[in_features]``).
+
+    Among the vectors seeded ``seed, seed + 1, ..., seed + candidates - 1``
+    (:func:`kbit_linear.hadamard.random_signs`), the one whose rotated weight quantizes
+    data-free (:func:`quantize_weight` with ``bits``, ``codebook``, ``scale_search``) with the
+    least squared error: the error after rounding depends on how the rotation spreads the
+    weight's outliers over the blocks, and it varies from one draw to the next. The rotation is
+    orthogonal, so the errors compare as they are. ``candidates=1`` (or a weight on the meta
+    device) returns the seed's own vector without quantizing. ``name``: what to call the
+    weight in error messages.
+    """
+    candidates = check_hadamard_search(candidates)
+    vectors = [hadamard.random_signs(weight.shape[1], seed + i, weight.device) for i in range(candidates)]
+    if candidates == 1 or weight.device.type == "meta":
+        return vectors[0]
+    best, best_err = vectors[0], float("inf")
+    with torch.no_grad():
+        w = weight.detach().to(torch.float32)
+        for signs in vectors:
+            rotated = hadamard.rotate(w, signs)
+            q = quantize_weight(rotated, bits, codebook, scale_search=scale_search, name=name)
+            qw = fmt.KbitWeight(q.packed, q.absmax, q.codebook, q.tensor_scale, bits, w.shape[0], w.shape[1])
+            err = float((fmt.dequantize(qw, torch.float32) - rotated).square().sum())
+            if err < best_err:
+                best, best_err = signs, err
+    return best

@@ -106,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="kbit rows with round-up absmax scales (off), with the block scale search (on), or both")
     p.add_argument("--codebook", choices=["nf", "fitted", "both"], default="nf",
                    help="kbit rows with the normal-float codebook (nf), levels fitted per layer (fitted), or both")
+    p.add_argument("--hadamard-search", type=int, default=1,
+                   help="with --hadamard, sign vectors tried per layer (the least quantization error is kept)")
     p.add_argument("--hadamard", choices=["off", "on", "both"], default="off",
                    help="kbit rows without the randomized Hadamard rotation (off), with it (on), or both")
     p.add_argument("--out", type=Path, help="also write the table (with date, command and machine) to this markdown file")
@@ -221,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         """The kbit rows of one width setting (``{"bits": K}`` or ``{"target_bpw": t}``)."""
         for fitted, search, rotate in [] if args.no_kbit else [(f, s, r) for f in fits for s in searches for r in rotations]:
             name = label + (", fitted codebook" if fitted else "") + (", scale search" if search else "") + (", Hadamard" if rotate else "")
+            if rotate and args.hadamard_search > 1:
+                name += f" (best of {args.hadamard_search} signs)"
             cb = {"codebook": "fitted"} if fitted else {}
             if False in calibrations:
-                config = KbitConfig(**width, **cb, scale_search=search, hadamard=rotate)
+                config = KbitConfig(**width, **cb, scale_search=search, hadamard=rotate, hadamard_search=args.hadamard_search)
                 model, load_s = _load(path, DTYPES[args.quantize_dtype], device, config, causal=causal)
                 model.to(dtype)  # casts what stayed dense; the quantized tensors keep their dtypes
                 report(name, f"{stored_bits_per_weight(model):.2f}", model, load_s, "quantized at load")
@@ -233,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                 model, load_s = _load(path, DTYPES[args.quantize_dtype], device, causal=causal)
                 start = time.perf_counter()
                 calib = Calibration(tokenizer=tokenizer, num_sequences=args.calib_sequences, seq_len=args.calib_len)
-                quantize_model(model, **width, **cb, scale_search=search, calibration=calib, hadamard=rotate)
+                quantize_model(model, **width, **cb, scale_search=search, calibration=calib, hadamard=rotate,
+                               hadamard_search=args.hadamard_search)
                 quantize_s = time.perf_counter() - start
                 model.to(dtype)
                 report(f"{name}, calibrated", f"{stored_bits_per_weight(model):.2f}", model, quantize_s,

@@ -219,3 +219,51 @@ def test_each_layer_gets_its_own_signs_and_the_same_ones_every_time():
     assert not torch.equal(a[0].hadamard_signs, a[1].hadamard_signs)
     assert all(torch.equal(x.hadamard_signs, y.hadamard_signs) for x, y in zip(a, b))
     assert torch.equal(a[1].hadamard_signs, hd.random_signs(64, hd.layer_seed("1")))
+
+
+def _rotated_error(w: torch.Tensor, signs: torch.Tensor, bits: int) -> float:
+    rotated = hd.rotate(w, signs)
+    q = quantize_weight(rotated, bits)
+    qw = kbit_linear.format.KbitWeight(q.packed, q.absmax, q.codebook, q.tensor_scale, bits, *w.shape)
+    return float((kbit_linear.format.dequantize(qw, torch.float32) - rotated).square().sum())
+
+
+def test_sign_search_keeps_the_candidate_with_the_least_error():
+    from kbit_linear.quantizer import hadamard_signs_for
+
+    torch.manual_seed(0)
+    w = torch.randn(96, 256)
+    w[:, :3] *= 30.0  # outlier columns: the draws differ
+    errors = [_rotated_error(w, hd.random_signs(256, 7 + i), 3) for i in range(6)]
+    chosen = hadamard_signs_for(w, 3, seed=7, candidates=6)
+    assert torch.equal(chosen, hd.random_signs(256, 7 + min(range(6), key=errors.__getitem__)))
+    assert torch.equal(hadamard_signs_for(w, 3, seed=7), hd.random_signs(256, 7))  # one candidate: no search
+    layer = kbit_linear.KbitLinear.from_linear(nn.Linear(256, 96), bits=3, hadamard=True, hadamard_seed=7, hadamard_search=6)
+    assert layer.hadamard_signs.shape == (256,)
+    for bad, err in ((0, ValueError), (2.0, TypeError), (True, TypeError)):
+        with pytest.raises(err, match="hadamard_search"):
+            hadamard_signs_for(w, 3, candidates=bad)
+        with pytest.raises(err, match="hadamard_search"):
+            kbit_linear.quantize_model(nn.Sequential(nn.Linear(64, 64)), hadamard=True, hadamard_search=bad, skip=None,
+                                       progress=False)
+
+
+def test_quantize_model_sign_search_lowers_each_layers_error():
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 64))
+    with torch.no_grad():
+        net[0].weight[:, :2] *= 25.0
+    dense = [net[0].weight.detach().clone(), net[2].weight.detach().clone()]
+    plain, searched = (kbit_linear.quantize_model(copy_net, bits=3, hadamard=True, hadamard_search=n, skip=None, progress=False)
+                       and copy_net for copy_net, n in ((_copy(net), 1), (_copy(net), 8)))
+    for i, w in zip((0, 2), dense):
+        err = [float((m[i].dequantize(torch.float32) - w).square().sum()) for m in (plain, searched)]
+        assert err[1] <= err[0] * (1 + 1e-6)
+    x = torch.randn(4, 256)
+    assert torch.isfinite(searched(x)).all()
+
+
+def _copy(net: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(net)

@@ -220,10 +220,11 @@ def test_scale_search_at_load_equals_quantize_model_and_round_trips(dense_dir, t
     assert torch.equal(_logits(r, ids).float(), _logits(q, ids).float())
 
 
-def test_hadamard_at_load_equals_quantize_model_and_round_trips(dense_dir, tmp_path):
-    q = _load(dense_dir, quantization_config=KbitConfig(bits=3, hadamard=True), dtype=torch.bfloat16)
+@pytest.mark.parametrize("search", [1, 3])
+def test_hadamard_at_load_equals_quantize_model_and_round_trips(dense_dir, tmp_path, search):
+    q = _load(dense_dir, quantization_config=KbitConfig(bits=3, hadamard=True, hadamard_search=search), dtype=torch.bfloat16)
     ref = _load(dense_dir, dtype=torch.bfloat16)
-    quantize_model(ref, bits=3, progress=False, hadamard=True)
+    quantize_model(ref, bits=3, progress=False, hadamard=True, hadamard_search=search)
     layers = _kbit_layers(q)
     assert layers and all(layer.hadamard_signs is not None for layer in layers.values())
     for name, layer in layers.items():
@@ -234,6 +235,7 @@ def test_hadamard_at_load_equals_quantize_model_and_round_trips(dense_dir, tmp_p
     q.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert saved["hadamard"] is True and saved["format_version"] == "2"
+    assert saved.get("hadamard_search", 1) == search and ("hadamard_search" in saved) == (search != 1)
     from safetensors import safe_open
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         assert f.metadata()["kbit_linear.version"] == "2"
@@ -286,6 +288,8 @@ def test_config_rejects_bad_hadamard_arguments():
         KbitConfig(bits=3, hadamard=True, format_version="1")
     with pytest.raises(ValueError, match="format version"):
         KbitConfig(bits=3, format_version="3")
+    with pytest.raises(ValueError, match="hadamard_search"):
+        KbitConfig(bits=3, hadamard=True, hadamard_search=0)
 
 
 def test_config_rejects_a_non_bool_scale_search():

@@ -61,7 +61,7 @@ from ..allocation import check_codebook_for_widths, check_target_bpw, plan_layer
 from ..codebooks import check_codebook_option, is_fitted
 from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem, quantize_experts_weight
 from ..gguf_linear import GGUFEmbedding, GGUFLinear
-from ..hadamard import layer_seed, random_signs
+from ..hadamard import layer_seed
 from ..linear import KbitLinear
 from ..patch import (
     check_skip_rules,
@@ -72,7 +72,7 @@ from ..patch import (
     kbit_placeholder,
     replace_module,
 )
-from ..quantizer import quantize_weight
+from ..quantizer import check_hadamard_search, hadamard_signs_for, quantize_weight
 from ..serialization import (
     FORMAT_VERSION,
     HADAMARD_FORMAT_VERSION,
@@ -151,6 +151,9 @@ class KbitConfig(QuantizationConfigMixin):
             are chosen: a ``device_map`` that offloads layers to the CPU is refused then.
         layer_bits: module name -> width, for the layers that do not have ``bits``: what
             ``target_bpw`` chose, saved in ``config.json`` so that the checkpoint loads back.
+        hadamard_search: with ``hadamard``, sign vectors tried per layer when quantizing at
+            load; the one whose rotated weight quantizes with the least error is kept (and
+            stored: loading a saved checkpoint does not repeat the search). Default 1.
 
     Raises:
         TypeError / ValueError: a bad argument, named.
@@ -166,6 +169,7 @@ class KbitConfig(QuantizationConfigMixin):
         format_version: str | None = None,
         target_bpw: float | None = None,
         layer_bits: dict[str, int] | None = None,
+        hadamard_search: int = 1,
         **kwargs: Any,
     ) -> None:
         method = kwargs.pop("quant_method", QUANT_METHOD)
@@ -195,6 +199,7 @@ class KbitConfig(QuantizationConfigMixin):
         if hadamard and format_version == FORMAT_VERSION:
             raise ValueError(f"hadamard=True needs format_version {HADAMARD_FORMAT_VERSION!r}, got {format_version!r}")
         self.format_version = format_version
+        self.hadamard_search = check_hadamard_search(hadamard_search)
         self.target_bpw = None if target_bpw is None else check_target_bpw(target_bpw)
         if self.target_bpw is not None:
             check_codebook_for_widths(self.codebook)
@@ -204,12 +209,15 @@ class KbitConfig(QuantizationConfigMixin):
             raise ValueError(f"layer_bits has widths other than bits={self.bits}, which a {self.bits}-bit codebook cannot serve")
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as ``config.json`` stores it; ``target_bpw`` and ``layer_bits`` only when
-        set, so that a config without them reads the same as before they existed."""
+        """The config as ``config.json`` stores it; ``target_bpw``, ``layer_bits`` and
+        ``hadamard_search`` only when set, so that a config without them reads the same as
+        before they existed."""
         out = super().to_dict()
         for key in ("target_bpw", "layer_bits"):
             if out.get(key) is None:
                 out.pop(key, None)
+        if out.get("hadamard_search") == 1:
+            out.pop("hadamard_search", None)
         return out
 
     def bits_of(self, name: str) -> int:
@@ -305,8 +313,10 @@ class KbitQuantize(ConversionOps):
                 )
             bits = hfq.quantization_config.bits_of(prefix)
             rotated = hfq.quantization_config.hadamard
-            signs = random_signs(linear.in_features, layer_seed(prefix), tensor.device) if rotated else None
             try:
+                signs = hadamard_signs_for(tensor, bits, hfq.codebook, scale_search=hfq.quantization_config.scale_search,
+                                           seed=layer_seed(prefix), candidates=hfq.quantization_config.hadamard_search,
+                                           name=key) if rotated else None
                 q = quantize_weight(tensor, bits, hfq.codebook, scale_search=hfq.quantization_config.scale_search,
                                     hadamard_signs=signs, name=key)
             except (TypeError, ValueError) as e:
@@ -556,7 +566,8 @@ class KbitHfQuantizer(HfQuantizer):
             if is_convertible(linear):
                 layer = KbitLinear.from_linear(linear, config.bits_of(name), self.codebook,
                                                scale_search=self.quantization_config.scale_search,
-                                               hadamard=self.quantization_config.hadamard, hadamard_seed=layer_seed(name))
+                                               hadamard=self.quantization_config.hadamard, hadamard_seed=layer_seed(name),
+                                               hadamard_search=self.quantization_config.hadamard_search)
                 layer.train(linear.training)
                 replace_module(model, name, layer)
         self.pending = set()
