@@ -107,6 +107,8 @@ def experts_relative_errors(weight: torch.Tensor, *, codebook: str | None = None
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.numel() == 0:
         raise ValueError(f"{name} must be a non-empty 3-D [experts, out_features, in_features] tensor, "
                          f"got {getattr(weight, 'shape', type(weight).__name__)}")
+    if weight.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device: measuring its error needs real weights")
     with torch.no_grad():
         e, n, k = weight.shape
         norm = sum(float(weight[i].detach().to(torch.float32).square().sum()) for i in range(e))

@@ -459,7 +459,9 @@ def quantize_model(
         hadamard_search: with ``hadamard``, try this many sign vectors per layer and keep the
             one whose rotated weight quantizes with the least error (data-free, also before
             calibrated rounding; :func:`kbit_linear.quantizer.hadamard_signs_for`); 1 = the
-            layer's seeded vector. Costs that many quantizations per layer more.
+            layer's seeded vector. Costs that many quantizations per layer more. With
+            ``target_bpw`` the widths are chosen with each layer's seeded vector (the search
+            runs once, at the chosen width).
 
     Returns:
         A :class:`QuantizationSummary`: converted names, skipped names with reasons, bytes
@@ -505,7 +507,8 @@ def quantize_model(
     converted: dict[int, KbitLinear] = {}  # a Linear reused under several names -> one KbitLinear
     layer_bits: dict[str, int] = {}
     if target_bpw is not None:
-        if any(model.get_submodule(n).weight.device.type == "meta" for n in to_convert):
+        if any(model.get_submodule(n).weight.device.type == "meta" for n in to_convert) or any(
+                getattr(model.get_submodule(n), p).device.type == "meta" for n in experts_to_convert for p in PROJECTIONS):
             raise ValueError("target_bpw measures each layer's weight: it needs real weights, not the meta device")
         first = {}  # a Linear reused under several names is measured (and counted) once
         for name in to_convert:

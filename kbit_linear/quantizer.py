@@ -155,6 +155,8 @@ def hadamard_signs_for(weight: torch.Tensor, bits: int, codebook: torch.Tensor |
     weight in error messages.
     """
     candidates = check_hadamard_search(candidates)
+    fmt.check_bits(bits)
+    fmt.check_weight(weight, name, finite=False)  # the values are checked by quantize_weight below (or by the caller's)
     vectors = [hadamard.random_signs(weight.shape[1], seed + i, weight.device) for i in range(candidates)]
     if candidates == 1 or weight.device.type == "meta":
         return vectors[0]

@@ -1032,3 +1032,7 @@ def test_quantize_model_target_bpw_gives_experts_modules_a_width():
     kbit_linear.load_into(fresh, path)
     assert [fresh.get_submodule(n).bits for n in experts] == [model.get_submodule(n).bits for n in experts]
     assert torch.equal(_logits(fresh, ids), _logits(model, ids))
+    meta = _model("qwen3_moe")
+    meta.model.layers[0].mlp.experts.to("meta")
+    with pytest.raises(ValueError, match="meta"):
+        quantize_model(meta, target_bpw=3.5, progress=False)

@@ -240,6 +240,10 @@ def test_sign_search_keeps_the_candidate_with_the_least_error():
     assert torch.equal(hadamard_signs_for(w, 3, seed=7), hd.random_signs(256, 7))  # one candidate: no search
     layer = kbit_linear.KbitLinear.from_linear(nn.Linear(256, 96), bits=3, hadamard=True, hadamard_seed=7, hadamard_search=6)
     assert layer.hadamard_signs.shape == (256,)
+    with pytest.raises(ValueError, match="2-D"):
+        hadamard_signs_for(w[0], 3)
+    with pytest.raises(ValueError, match="bits"):
+        hadamard_signs_for(w, 9)
     for bad, err in ((0, ValueError), (2.0, TypeError), (True, TypeError)):
         with pytest.raises(err, match="hadamard_search"):
             hadamard_signs_for(w, 3, candidates=bad)

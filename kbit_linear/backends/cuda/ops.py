@@ -570,7 +570,12 @@ def _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, 
 
 def _large_groups_supported(device: torch.device) -> bool:
     """Whether groups of any size run on the device without a host sync (the grouped wgmma kernel)."""
-    return device.type == "cuda" and hopper.supported(device.index if device.index is not None else torch.cuda.current_device())
+    if device.type != "cuda":
+        return False
+    try:
+        return hopper.supported(device.index if device.index is not None else torch.cuda.current_device())
+    except RuntimeError:  # a GPU the backend does not run on at all (older than sm_80): the reference
+        return False
 
 
 _grouped_ops.register_large_groups("cuda", _large_groups_supported)
