@@ -133,14 +133,15 @@ def grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bi
 torch.library.impl(f"{_NS}::grouped_gemm", "default")(grouped_gemm_reference)  # not as a decorator: torch 2.11 binds its result (None) to the name
 
 
-def _check_intermediate(intermediate: int) -> None:
+def check_intermediate(intermediate: int) -> None:
+    """``intermediate`` of ``grouped_swiglu`` must be a positive int (ValueError naming it)."""
     if isinstance(intermediate, bool) or not isinstance(intermediate, int) or intermediate < 1:
         raise ValueError(f"intermediate must be a positive int, got {intermediate!r}")
 
 
 @torch.library.register_fake(f"{_NS}::grouped_swiglu")
 def _(x, packed, absmax, codebook, tensor_scale, groups, bits, intermediate, max_rows):
-    _check_intermediate(intermediate)
+    check_intermediate(intermediate)
     check_grouped_args(x, packed, absmax, codebook, tensor_scale, groups, bits, 2 * intermediate, max_rows)
     return x.new_empty((x.shape[0], intermediate))
 
@@ -149,7 +150,7 @@ def grouped_swiglu_reference(x, packed, absmax, codebook, tensor_scale, groups, 
     """The spec of ``grouped_swiglu``: ``silu(gate) * up`` of ``grouped_gemm`` through a gate_up
     weight (``2 * intermediate`` rows: the gate rows, then the up rows), ``[rows, intermediate]``;
     rows no group names are zero."""
-    _check_intermediate(intermediate)
+    check_intermediate(intermediate)
     gate, up = grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, 2 * intermediate,
                                       max_rows).chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from . import codebooks
 from . import format as fmt
 from . import hadamard as hd
-from .quantizer import quantize_weight
+from .quantizer import squared_error
 
 __all__ = ["BIT_CHOICES", "check_target_bpw", "check_codebook_for_widths", "relative_errors", "experts_relative_errors",
            "allocate_bits", "plan_layer_bits", "EXPERTS_ERROR_FACTORS"]
@@ -91,9 +91,7 @@ def relative_errors(weight: torch.Tensor, *, codebook: str | None = None, scale_
         out = {}
         for bits in bit_choices:
             # w is already rotated (once, here): quantizing it is what quantize_weight does after its own rotation
-            q = quantize_weight(w, bits, codebook, scale_search=scale_search, name=name)
-            qw = fmt.KbitWeight(q.packed, q.absmax, q.codebook, q.tensor_scale, bits, w.shape[0], w.shape[1])
-            err = float((fmt.dequantize(qw, torch.float32) - w).square().sum())
+            err = squared_error(w, bits, codebook, scale_search=scale_search, name=name)
             out[bits] = err / norm if norm > 0 else 0.0
     return out
 
@@ -117,10 +115,8 @@ def experts_relative_errors(weight: torch.Tensor, *, codebook: str | None = None
             cb = codebooks.resolve_codebook_option(codebook, weight.detach().reshape(e * n, k), bits, scale_search=scale_search)
             err = 0.0
             for i in range(e):
-                w = weight[i].detach().to(torch.float32)
-                q = quantize_weight(w, bits, cb, scale_search=scale_search, name=f"{name}[expert {i}]")
-                qw = fmt.KbitWeight(q.packed, q.absmax, q.codebook, q.tensor_scale, bits, n, k)
-                err += float((fmt.dequantize(qw, torch.float32) - w).square().sum())
+                err += squared_error(weight[i].detach().to(torch.float32), bits, cb, scale_search=scale_search,
+                                     name=f"{name}[expert {i}]")
             out[bits] = err / norm if norm > 0 else 0.0
     return out
 

@@ -23,7 +23,7 @@ from . import codebooks
 from . import format as fmt
 from . import hadamard
 
-__all__ = ["KbitTensors", "quantize_weight", "check_hadamard_search", "hadamard_signs_for"]
+__all__ = ["KbitTensors", "quantize_weight", "squared_error", "check_hadamard_search", "hadamard_signs_for"]
 
 # Resolved once: an OpOverload call skips the overload lookup of the packet on every call.
 _QUANTIZE = torch.ops.kbit_linear.quantize.default
@@ -123,6 +123,15 @@ def quantize_weight(
     return KbitTensors(packed, absmax, cb, ts)
 
 
+def squared_error(weight: torch.Tensor, bits: int, codebook: torch.Tensor | str | None = None, *, scale_search: bool = False,
+                  name: str = "weight") -> float:
+    """``||W - Q(W)||^2`` of a float32 ``[out, in]`` weight quantized by :func:`quantize_weight`
+    (no rotation: pass the rotated weight to measure a rotated layer) and dequantized in float32."""
+    q = quantize_weight(weight, bits, codebook, scale_search=scale_search, name=name)
+    qw = fmt.KbitWeight(q.packed, q.absmax, q.codebook, q.tensor_scale, bits, weight.shape[0], weight.shape[1])
+    return float((fmt.dequantize(qw, torch.float32) - weight).square().sum())
+
+
 # ---------------------------------------------------------------------------------------
 # the rotation's signs
 # ---------------------------------------------------------------------------------------
@@ -164,10 +173,7 @@ def hadamard_signs_for(weight: torch.Tensor, bits: int, codebook: torch.Tensor |
     with torch.no_grad():
         w = weight.detach().to(torch.float32)
         for signs in vectors:
-            rotated = hadamard.rotate(w, signs)
-            q = quantize_weight(rotated, bits, codebook, scale_search=scale_search, name=name)
-            qw = fmt.KbitWeight(q.packed, q.absmax, q.codebook, q.tensor_scale, bits, w.shape[0], w.shape[1])
-            err = float((fmt.dequantize(qw, torch.float32) - rotated).square().sum())
+            err = squared_error(hadamard.rotate(w, signs), bits, codebook, scale_search=scale_search, name=name)
             if err < best_err:
                 best, best_err = signs, err
     return best

@@ -20,22 +20,22 @@ from . import hopper, loader, plans
 
 __all__ = ["instance_name", "instances", "GroupedPlan", "grouped_plan", "swiglu_fusable", "launch"]
 
+_KERNEL = "kbit_gemm_sm90_grouped"
 _ARGS = loader.ArgPack(
-    "kbit_gemm_sm90_grouped",
+    _KERNEL,
     "x_map:m packed:p absmax:p codebook:p tensor_scale:p out:p groups:p count:i experts:i expert_words:i expert_scales:i "
     "x_rows:i N:i n_tiles:i k_tiles:i swiglu:i",
 )
-_DT = {torch.float16: 0, torch.bfloat16: 1}
 
 
 def instance_name(bits: int, token_tile: int, dtype: torch.dtype) -> str:
     """The name expression of one instance, e.g. ``"kbit_gemm_sm90_grouped<4, 128, 0>"``."""
-    return f"kbit_gemm_sm90_grouped<{bits}, {token_tile}, {_DT[dtype]}>"
+    return hopper.instance_name(bits, token_tile, dtype, _KERNEL)
 
 
 def instances() -> list[str]:
     """Every instance :func:`launch` can use."""
-    return [instance_name(b, bt, dt) for b in fmt.SUPPORTED_BITS for bt in hopper.TOKEN_TILES for dt in _DT]
+    return hopper.instances(_KERNEL)
 
 
 @dataclass(frozen=True)

@@ -51,14 +51,15 @@ def supported(device_index: int) -> bool:
     return loader.device_properties(device_index).capability == (9, 0)
 
 
-def instance_name(bits: int, token_tile: int, dtype: torch.dtype) -> str:
-    """The name expression of one instance, e.g. ``"kbit_gemm_sm90<4, 128, 0>"``."""
-    return f"kbit_gemm_sm90<{bits}, {token_tile}, {_DT[dtype]}>"
+def instance_name(bits: int, token_tile: int, dtype: torch.dtype, kernel: str = "kbit_gemm_sm90") -> str:
+    """The name expression of one instance, e.g. ``"kbit_gemm_sm90<4, 128, 0>"``; ``kernel``:
+    ``"kbit_gemm_sm90_grouped"`` for the grouped form (same template parameters)."""
+    return f"{kernel}<{bits}, {token_tile}, {_DT[dtype]}>"
 
 
-def instances() -> list[str]:
-    """Every instance the dispatcher can launch."""
-    return [instance_name(b, bt, dt) for b in fmt.SUPPORTED_BITS for bt in TOKEN_TILES for dt in _DT]
+def instances(kernel: str = "kbit_gemm_sm90") -> list[str]:
+    """Every instance of ``kernel`` (the dense or the grouped form) the dispatcher can launch."""
+    return [instance_name(b, bt, dt, kernel) for b in fmt.SUPPORTED_BITS for bt in TOKEN_TILES for dt in _DT]
 
 
 def token_tile(m: int, device_name: str) -> int:

@@ -527,8 +527,7 @@ def _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, ou
 
 
 def _grouped_swiglu_op(x, packed, absmax, codebook, tensor_scale, groups, bits, intermediate, max_rows):
-    if isinstance(intermediate, bool) or not isinstance(intermediate, int) or intermediate < 1:
-        raise ValueError(f"intermediate must be a positive int, got {intermediate!r}")
+    _grouped_ops.check_intermediate(intermediate)
     n = 2 * intermediate
     _grouped_ops.check_grouped_args(x, packed, absmax, codebook, tensor_scale, groups, bits, n, max_rows)
     if max_rows > _grouped_ops.DECODE_GROUP_ROWS and grouped.swiglu_fusable(packed.shape[2], intermediate):
