@@ -266,18 +266,23 @@ def _gemm_setup_context(ctx, inputs, output):
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _gemm_backward(ctx, grad):
+def _gemm_grads(ctx, grad, dequantize: Callable[..., torch.Tensor]):
+    """Gradients of gemm's eight inputs (x and bias only; the weight is frozen), the weight
+    dequantized by ``dequantize`` (the op's signature): shared by the op's autograd and the eager
+    autograd path, which differ only in how they reach the dequantize kernel."""
     packed, absmax, codebook, tensor_scale = ctx.saved_tensors
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
         # dL/dx = dL/dy @ W_hat, with the dequantized weight in the gradient's dtype.
-        w = torch.ops.kbit_linear.dequantize(
-            packed, absmax, codebook, tensor_scale, ctx.bits, ctx.out_features, ctx.in_features, grad.dtype
-        )
+        w = dequantize(packed, absmax, codebook, tensor_scale, ctx.bits, ctx.out_features, ctx.in_features, grad.dtype)
         grad_x = (grad @ w).to(ctx.x_dtype)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[7]:
         grad_bias = grad.reshape(-1, ctx.out_features).sum(0).to(ctx.bias_dtype)
     return grad_x, None, None, None, None, None, None, grad_bias
+
+
+def _gemm_backward(ctx, grad):
+    return _gemm_grads(ctx, grad, torch.ops.kbit_linear.dequantize)
 
 
 torch.library.register_autograd(f"{_NS}::gemm", _gemm_backward, setup_context=_gemm_setup_context)
@@ -310,6 +315,44 @@ def register_eager_cuda_gemm(fn: Callable[..., torch.Tensor]) -> None:
     register_eager_gemm("cuda", fn)
 
 
+_eager_dequantize: dict[str, Callable[..., torch.Tensor]] = {}  # device type -> backend function
+
+
+def register_eager_dequantize(device_type: str, fn: Callable[..., torch.Tensor]) -> None:
+    """Let a backend take the dequantize of eager training backward passes on ``device_type``
+    directly (see :class:`_EagerGemm`).
+
+    ``fn`` has the ``kbit_linear::dequantize`` signature and computes what the op computes on
+    that device; it may skip the op's input checks, since it only sees a weight that the
+    forward's gemm already checked.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if device_type != "cuda":
+        raise ValueError(f"device_type must be 'cuda', got {device_type!r}")
+    _eager_dequantize[device_type] = fn
+
+
+class _EagerGemm(torch.autograd.Function):
+    """gemm under eager autograd on a device with fast paths (training: QLoRA).
+
+    The same forward and gradients as the op's registered autograd (``_gemm_setup_context``,
+    ``_gemm_grads``), reaching the backend functions directly instead of through the dispatcher
+    and the op's Python autograd wrapper twice per layer call (~100-250 us of host time each on
+    an H100 host, which a training step at a few thousand tokens cannot hide).
+    """
+
+    @staticmethod
+    def forward(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias):
+        return _eager_gemm[x.device.type](x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
+
+    setup_context = staticmethod(_gemm_setup_context)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gemm_grads(ctx, grad, _eager_dequantize[grad.device.type])
+
+
 def _traced_or_transformed() -> bool:
     """Whether something watches the ops of this call and must see the op itself: a Python
     dispatch mode (FakeTensorMode, make_fx, profilers of FLOPs), a torch-function mode (e.g.
@@ -338,18 +381,20 @@ def gemm(
     dispatcher's Python round trip (~11 us of a ~25 us call on an H100 host, ~40 us of a CPU
     call): CUDA inputs outside torch.compile tracing; plain CPU tensors outside tracing, Python
     modes and functorch transforms (the CPU backend is torch ops, which those would otherwise
-    see one by one). Not when autograd records, since the backends have no backward and the
-    op path then differentiates (or reports that it cannot) instead of silently dropping
-    gradients. Arguments as for the op (``docs/format.md``).
+    see one by one). When autograd records on CUDA (training), outside Python modes and
+    functorch transforms, :class:`_EagerGemm` differentiates with the op's own gradient code; on
+    CPU the op path differentiates. Arguments as for the op (``docs/format.md``).
     """
-    if not torch.compiler.is_compiling() and not (
-        torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-    ):
+    if not torch.compiler.is_compiling():
+        recording = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
         if x.is_cuda:
             fn = _eager_gemm.get("cuda")
             if fn is not None:
-                return fn(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
-        elif x.is_cpu and type(x) is torch.Tensor and not _traced_or_transformed():
+                if not recording:
+                    return fn(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
+                if "cuda" in _eager_dequantize and type(x) is torch.Tensor and not _traced_or_transformed():
+                    return _EagerGemm.apply(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
+        elif not recording and x.is_cpu and type(x) is torch.Tensor and not _traced_or_transformed():
             fn = _eager_gemm.get("cpu")
             if fn is not None:
                 return fn(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)

@@ -63,6 +63,8 @@ def run_variant(name: str, args: argparse.Namespace, libs: dict[str, Any]) -> di
         return loss.item()
 
     losses = [step(), step()]  # warm-up: compiles kernels, allocates optimizer state
+    if args.profile:
+        print_profile(name, step)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -83,6 +85,17 @@ def run_variant(name: str, args: argparse.Namespace, libs: dict[str, Any]) -> di
     return row
 
 
+def print_profile(name: str, step: Any, rows: int = 20) -> None:
+    """Print the GPU kernels of one step, most time first (``--profile``): where the step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(f"# profile of one {name} step")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["bf16", "kbit4", "bnb-nf4"])
@@ -90,6 +103,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="print the GPU kernels of one step per variant")
     ap.add_argument("--json")
     ap.add_argument("--md")
     args = ap.parse_args()

@@ -73,12 +73,62 @@ def test_eager_fast_path_matches_reference(dtype, m):
 def test_gradients_flow_to_input_and_bias(m):
     layer = kbit_linear.KbitLinear.from_linear(nn.Linear(128, 64).to(DEV, torch.float16), bits=3)
     x = torch.randn(m, 128, device=DEV, dtype=torch.float16, requires_grad=True)
-    y = layer(x)  # autograd records: the op path, whose backward uses the dequantized weight
+    y = layer(x)  # autograd records: the eager autograd path, whose backward uses the dequantized weight
     g = torch.randn_like(y)
     y.backward(g)
     w_hat = layer.dequantize()
     assert _rel_err(x.grad, g.float() @ w_hat) < TOL
     assert _rel_err(layer.bias.grad, g.float().sum(0)) < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(3, 5, 200, 77, True), (1, 2048, 576, 1536, False), (2, 9, 1000, 333, True)])
+def test_eager_autograd_matches_the_op_autograd(monkeypatch, dtype, shape):
+    """Training calls take ``_EagerGemm`` (backend functions, no dispatcher); its outputs and
+    gradients must be the op path's exactly (same kernels), including bias and odd shapes."""
+    from kbit_linear import _ops
+
+    batch, seq, k, n, bias = shape
+    torch.manual_seed(k)
+    layer = kbit_linear.KbitLinear.from_linear(nn.Linear(k, n, bias=bias).to(DEV, dtype), bits=4)
+    calls = []
+    fast = _ops._eager_dequantize["cuda"]
+    monkeypatch.setitem(_ops._eager_dequantize, "cuda", lambda *a: calls.append(1) or fast(*a))
+    x = torch.randn(batch, seq, k, device=DEV, dtype=dtype)
+    g = torch.randn(batch, seq, n, device=DEV, dtype=dtype)
+    grads = []
+    for via_op in (False, True):
+        xi = x.clone().requires_grad_(True)
+        if layer.bias is not None:
+            layer.bias.grad = None
+        if via_op:
+            y = torch.ops.kbit_linear.gemm(xi, layer.weight, layer.absmax, layer.codebook, layer.tensor_scale, 4, n, layer.bias)
+        else:
+            y = layer(xi)
+        y.backward(g)
+        grads.append((y.detach(), xi.grad, None if layer.bias is None else layer.bias.grad.clone()))
+    assert calls == [1]  # the eager path ran its own backward once; the op path did not use it
+    (y0, gx0, gb0), (y1, gx1, gb1) = grads
+    assert y0.dtype == dtype and gx0.dtype == dtype
+    torch.testing.assert_close(y0, y1, rtol=0, atol=0)
+    torch.testing.assert_close(gx0, gx1, rtol=0, atol=0)
+    assert _rel_err(gx0, g.float() @ layer.dequantize()) < TOL
+    if bias:
+        torch.testing.assert_close(gb0, gb1, rtol=0, atol=0)
+
+
+def test_eager_autograd_under_checkpointing_matches_plain_backward():
+    """Non-reentrant activation checkpointing (QLoRA's recipe) recomputes through the eager path."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _Stack(4, torch.bfloat16)
+    x = torch.randn(2, 33, 576, device=DEV, dtype=torch.bfloat16)
+    g = torch.randn(2, 33, 576, device=DEV, dtype=torch.bfloat16)
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    model(xa).backward(g)
+    checkpoint(model, xb, use_reentrant=False).backward(g)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=0, atol=0)
+    assert torch.isfinite(xa.grad).all() and xa.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("bits", [2, 4, 5])

@@ -441,6 +441,12 @@ def dequantize_cuda(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.
     _ops.check_codebook_args(codebook, tensor_scale, bits, packed.device)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    return dequantize_checked_cuda(packed, absmax, codebook, tensor_scale, bits, out_features, in_features, dtype)
+
+
+def dequantize_checked_cuda(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, tensor_scale: torch.Tensor, bits: int, out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`dequantize_cuda` for arguments already checked (the eager training backward, whose
+    forward gemm checked the same tensors): no checks, the kernel launch only."""
     kdtype = dtype if dtype in _DT else torch.float32
     w = _dequantize_into(aligned16(packed), aligned16(absmax), codebook.contiguous(), tensor_scale.contiguous(), bits, out_features, in_features, kdtype)
     return w if kdtype is dtype else w.to(dtype)
@@ -586,3 +592,4 @@ def _route_experts_op(top_k_index, num_experts, groups):
 
 
 _ops.register_eager_cuda_gemm(gemm_cuda)
+_ops.register_eager_dequantize("cuda", dequantize_checked_cuda)
