@@ -412,17 +412,31 @@ def _blocks(n: int) -> int:
     return max(1, -(-n // _THREADS))
 
 
+def _dequantize_kernel(index: int, bits: int, dtype: torch.dtype) -> loader.CudaKernel:
+    """The dequantize instance for (device, bits, dtype), from the plan cache (no name formatting
+    on the hot path: the dequantize + cuBLAS path and training backward passes call it per layer)."""
+    key = ("dequantize", index, bits, dtype)
+    kern = plans.lookup(key)
+    if kern is None:
+        kern = plans.get_or_make(key, lambda: loader.get_kernel("quantize.cu", f"kbit_dequantize<{bits}, {_DT[dtype]}>",
+                                                                torch.device("cuda", index)))
+    return kern
+
+
 def _dequantize_into(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, tensor_scale: torch.Tensor, bits: int, out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
-    """Dense ``[out_features, in_features]`` weight in ``dtype`` (fp16, bf16 or fp32)."""
-    device = packed.device
-    out = torch.empty((out_features, in_features), dtype=dtype, device=device)
+    """Dense ``[out_features, in_features]`` weight in ``dtype`` (fp16, bf16 or fp32); the tensors
+    contiguous, 16-byte aligned and on one CUDA device."""
+    index = packed.get_device()
+    out = torch.empty((out_features, in_features), dtype=dtype, device=packed.device)
     kt, nt = packed.shape[0], packed.shape[1]
-    kern = loader.get_kernel("quantize.cu", f"kbit_dequantize<{bits}, {_DT[dtype]}>", device)
     warps = out_features * (-(-kt // 4))  # one warp per (row, 4 k-tiles)
-    loader.launch(kern, max(1, -(-warps // 8)), _THREADS,
-                  _DEQUANT_ARGS.Values(packed=packed, absmax=absmax, codebook=codebook, tensor_scale=tensor_scale, out=out,
-                                       N=out_features, K=in_features, n_tiles=nt, k_tiles=kt),
-                  0, device, pack=_DEQUANT_ARGS)
+    _DEQUANT_ARGS.launch(
+        _dequantize_kernel(index, bits, dtype), max(1, -(-warps // 8)), 0, loader._current_raw_stream(index),
+        _DEQUANT_ARGS.Values(packed=packed.data_ptr(), absmax=absmax.data_ptr(), codebook=codebook.data_ptr(),
+                             tensor_scale=tensor_scale.data_ptr(), out=out.data_ptr(), N=out_features, K=in_features,
+                             n_tiles=nt, k_tiles=kt),
+        threads=_THREADS,
+    )
     return out
 
 
