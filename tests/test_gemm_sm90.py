@@ -97,14 +97,26 @@ def test_wgmma_custom_codebook():
     assert _rel_err(_gemm(x, qw, path="wgmma"), _reference(x, qw)) < REL_TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("m", [17, 100, 300, 1000])
+@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("m", [17, 100, 300, 700, 1000])
 @pytest.mark.parametrize("k,n", [(4096, 4096), (8192, 16384)], ids=["4096x4096", "large"])
-def test_dispatch_takes_wgmma_for_its_rows(m, k, n):
-    first, last = kcuda.tuning.wgmma_rows(loader.device_properties(torch.cuda.current_device()).name, n * k)
-    path = kcuda.gemm_path(m, n, k, 4, torch.float16)
+def test_dispatch_takes_wgmma_for_its_rows(m, k, n, bits):
+    first, last = kcuda.tuning.wgmma_rows(loader.device_properties(torch.cuda.current_device()).name, n * k, bits)
+    path = kcuda.gemm_path(m, n, k, bits, torch.float16)
     assert path.startswith("wgmma") == (first <= m <= last), path
     if n * k < kcuda.tuning.DECODE_LARGE_WEIGHT:
-        _check_gemm(m, k, n, 4, torch.float16)
+        _check_gemm(m, k, n, bits, torch.float16)
+
+
+def test_a_nearly_full_wave_of_tiles_runs_unsplit():
+    # 4096->4096 at M = 1024: 128 tiles of 256 tokens on 132 SMs fill the one wave 97 %, so no
+    # tile is split (stream-K's fix-up would cost more than the idle 3 %).
+    dev = torch.cuda.current_device()
+    if loader.device_properties(dev).sm_count * 0.9 > 128:
+        pytest.skip("the case needs a GPU with at most 142 SMs")
+    plan = ops._make_plan(1024, 4096, 4096, 4, torch.float16, dev, None, None)
+    assert plan.path == "wgmma" and plan.grid == 128 and not plan.split
+    _check_gemm(1024, 4096, 4096, 4, torch.float16)
 
 
 def test_wgmma_path_refused_without_sm90(monkeypatch):

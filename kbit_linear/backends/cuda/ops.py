@@ -139,18 +139,24 @@ def _occupancy(kernel: loader.CudaKernel, smem: int, props: loader.DevicePropert
 
 
 def _plan_stream_k(path: str, kernel: loader.CudaKernel, args: loader.ArgPack, smem: int, nacc: int, tiles: int, k_tiles: int,
-                   device_index: int, split_k: int | None, force_split: bool, threads: int = _THREADS) -> _GemmPlan:
+                   device_index: int, split_k: int | None, force_split: bool, threads: int = _THREADS,
+                   unsplit_min_wave_fill: float | None = None) -> _GemmPlan:
     """Launch plan of a stream-K tensor-core kernel (gemm.cu, gemm_sm90.cu): the k-iterations
-    per block, the grid, and the split-K workspace (``nacc`` fp32 accumulators per thread)."""
+    per block, the grid, and the split-K workspace (``nacc`` fp32 accumulators per thread).
+    Whole tiles (no split) from four waves of them, or, given ``unsplit_min_wave_fill``, from one
+    wave where the last wave is at least that full."""
     props = loader.device_properties(device_index)
     total = tiles * k_tiles
     per_sm = _occupancy(kernel, smem, props, threads)
     slots = props.sm_count * per_sm
+    waves = -(-tiles // slots)
     if split_k is None and force_split:
         split_k = max(2, min(k_tiles, -(-slots // tiles)))
     if split_k is not None:
         iters = k_tiles if split_k <= 1 else max(1, -(-k_tiles // split_k))
-    elif tiles >= 4 * slots or k_tiles == 1:
+    elif tiles >= 4 * slots or k_tiles == 1 or (
+        unsplit_min_wave_fill is not None and tiles >= unsplit_min_wave_fill * waves * slots
+    ):
         iters = k_tiles
     else:
         iters = max(-(-total // slots), min(k_tiles, tuning.FUSED_MIN_SPLIT_ITERS))
@@ -179,7 +185,7 @@ def _plan_wgmma(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
     hopper.check_registers(kernel, bt)
     tiles = -(-m // bt) * n_tiles
     plan = _plan_stream_k("wgmma", kernel, _SM90_ARGS, hopper.smem_bytes(bits, bt), hopper.accumulators(bt), tiles, k_tiles,
-                          device_index, split_k, force_split, hopper.THREADS)
+                          device_index, split_k, force_split, hopper.THREADS, tuning.WGMMA_UNSPLIT_MIN_WAVE_FILL)
     plan.token_tile = bt
     return plan
 
@@ -208,7 +214,7 @@ def _make_plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_ind
     if path is None:
         if m <= tuning.decode_max_m(gpu, n * k) and decode.decode_supported(m, bits, dtype, device_index):
             path = "decode"
-        elif hopper.supported(device_index) and _within(m, tuning.wgmma_rows(gpu, n * k)):
+        elif hopper.supported(device_index) and _within(m, tuning.wgmma_rows(gpu, n * k, bits)):
             path = "wgmma"
         elif m >= tuning.dequant_cublas_min_m(gpu, bits):
             path = "dequant+cublas"

@@ -19,6 +19,8 @@ __all__ = [
     "DECODE_LARGE_WEIGHT",
     "FUSED_ROW_BLOCKS",
     "WGMMA_ROWS",
+    "WGMMA_LAST_ROW_BY_BITS",
+    "WGMMA_UNSPLIT_MIN_WAVE_FILL",
     "WGMMA_LARGE_WEIGHT_FIRST_ROW",
     "WGMMA_TOKEN_TILES",
     "FUSED_MIN_SPLIT_ITERS",
@@ -109,12 +111,28 @@ FUSED_MIN_SPLIT_ITERS = 4
 #   M = 2048: d+cuBLAS ahead or equal on every shape (1603.2 vs 1574.8 on 8192->28672).
 WGMMA_ROWS: dict[str, tuple[int, int]] = {"default": (33, 1024)}
 
+# Lower last wgmma row for some index widths, per GPU: K = 5 decodes more per weight, and from
+# M = 1024 dequantize + cuBLAS is faster. H100 (2026-11-23, one run of the dispatcher's plan vs
+# dequantize + cuBLAS, fp16, us): K = 5 M = 1024 4096->14336 290.5 vs 233.7, 14336->4096 260.5 vs
+# 227.3, 8192->28672 1041.1 vs 909.4, 28672->8192 973.7 vs 915.5; at M = 512 wgmma still wins
+# (137.4 vs 160.8, 142.7 vs 149.3, 545.4 vs 601.0, 525.5 vs 592.3). K = 4 keeps 1024 (M = 1024:
+# 870.6 vs 918.5, 228.9 vs 234.0, 205.4 vs 223.1, 839.0 vs 930.0).
+WGMMA_LAST_ROW_BY_BITS: dict[str, dict[int, int]] = {"default": {5: 512}}
+
 # First wgmma row for weights of at least DECODE_LARGE_WEIGHT elements (their decode range ends
 # earlier), per GPU. H100, same script (`--m 17 24 32 64 256`), 8192->28672 bits 4 fp16, wgmma
 # (tile 64) vs the mma.sync kernel: M = 17 92.0 vs 100.2, 24 90.4 vs 99.3, 32 92.2 vs 99.2 us;
 # on 4096-wide layers the two tie at M = 17..32 (4096->14336 M = 24: 33.4 vs 32.2), and
 # 4096->4096 prefers mma.sync (M = 17: 16.9 vs 15.2).
 WGMMA_LARGE_WEIGHT_FIRST_ROW: dict[str, int] = {"default": 17}
+
+# Smallest share of the last wave that a grid of whole tiles (no split of K) must fill for the
+# wgmma kernel to run unsplit: tiles / (slots * waves) with waves = ceil(tiles / slots). Below it,
+# stream-K evens the tail. H100 (2026-11-23, fp16, K = 4, us, unsplit vs stream-K as planned before
+# this rule): M = 1024 4096->4096 (128 tiles on 132 slots, 0.97) 53.7 vs 73.9, 14336->4096 (0.97)
+# 200.0 vs 205.4, 28672->8192 (256 tiles, 0.97) 819.3 vs 839.0; 4096->14336 (448 tiles, 0.85)
+# 251.7 vs 228.9, which stays stream-K.
+WGMMA_UNSPLIT_MIN_WAVE_FILL = 0.9
 
 # Token tiles (the kernel's BT) by rows, per GPU: (tile, largest M that takes it), in order; an M
 # above every limit takes the largest tile, 256. Same run: 64 is fastest up to M = 64 (8192->28672
@@ -124,13 +142,13 @@ WGMMA_LARGE_WEIGHT_FIRST_ROW: dict[str, int] = {"default": 17}
 WGMMA_TOKEN_TILES: dict[str, tuple[tuple[int, int], ...]] = {"default": ((64, 64), (128, 128))}
 
 
-def wgmma_rows(device_name: str, weight_elements: int = 0) -> tuple[int, int]:
+def wgmma_rows(device_name: str, weight_elements: int = 0, bits: int = 4) -> tuple[int, int]:
     """``(first, last)`` rows an sm_90 GPU named ``device_name`` hands the wgmma kernel for a
-    weight of ``weight_elements`` (``N * K``)."""
+    weight of ``weight_elements`` (``N * K``) at ``bits`` per index."""
     first, last = _row(WGMMA_ROWS, device_name)
     if weight_elements >= DECODE_LARGE_WEIGHT:
         first = min(first, _row(WGMMA_LARGE_WEIGHT_FIRST_ROW, device_name))
-    return first, last
+    return first, min(last, _row(WGMMA_LAST_ROW_BY_BITS, device_name).get(bits, last))
 
 
 def wgmma_token_tiles(device_name: str) -> tuple[tuple[int, int], ...]:
