@@ -1,7 +1,8 @@
 """Tuning table of the Hopper wgmma kernel: each token tile against cuBLAS fp16 and the other paths.
 
 For every (shape, bits, M) the wgmma kernel is timed with each token tile of
-``hopper.TOKEN_TILES`` forced (automatic split), beside cuBLAS fp16 on the dense weight, the
+``hopper.TOKEN_TILES`` forced (automatic split; with ``--splits`` also the automatic tile unsplit,
+split in two and stream-K, behind ``tuning.WGMMA_UNSPLIT_MIN_WAVE_FILL``), beside cuBLAS fp16 on the dense weight, the
 decode kernel (where it supports the problem), the mma.sync kernel and dequantize + cuBLAS. This
 is the measurement behind ``tuning.WGMMA_TOKEN_TILES`` and ``tuning.WGMMA_ROWS``.
 
@@ -49,7 +50,7 @@ def _force_tile(tile: int | None, saved: dict) -> None:
     plans.clear()
 
 
-def bench(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int]) -> list[dict[str, Any]]:
+def bench(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int], splits: bool = False) -> list[dict[str, Any]]:
     dev = torch.device("cuda")
     w = torch.randn(n, k, device=dev) * 0.02
     qw = fmt.quantize(w, bits)
@@ -73,6 +74,10 @@ def bench(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int]) -> list[
                 row[f"wgmma{tile}"] = _time(call(path="wgmma"), len(qws))
         finally:
             _force_tile(None, saved)
+        if splits:  # the automatic tile with every K-split choice of the planner forced
+            row["unsplit"] = _time(call(path="wgmma", split_k=1), len(qws))
+            row["split2"] = _time(call(path="wgmma", split_k=2), len(qws))
+            row["stream-K"] = _time(call(path="wgmma-splitk"), len(qws))
         row["fused"] = _time(call(path="fused"), len(qws))
         row["dequant+cublas"] = _time(call(path="dequant+cublas"), len(qws))
         if decode.decode_supported(m, bits, dtype):
@@ -84,7 +89,7 @@ def bench(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int]) -> list[
     return rows
 
 
-COLUMNS = ["cublas"] + [f"wgmma{t}" for t in hopper.TOKEN_TILES] + ["fused", "dequant+cublas", "decode", "auto"]
+COLUMNS = ["cublas"] + [f"wgmma{t}" for t in hopper.TOKEN_TILES] + ["unsplit", "split2", "stream-K", "fused", "dequant+cublas", "decode", "auto"]
 HEADER = ("| in x out | bits | dtype | M | " + " | ".join(f"{c} us" for c in COLUMNS) + " | auto path | best wgmma / cuBLAS |\n|"
           + "---|" * (len(COLUMNS) + 6))
 
@@ -101,6 +106,7 @@ def main() -> None:
     ap.add_argument("--m", nargs="+", type=int, default=MS)
     ap.add_argument("--bits", nargs="+", type=int, default=[4])
     ap.add_argument("--dtypes", nargs="+", default=["fp16"], choices=["fp16", "bf16"])
+    ap.add_argument("--splits", action="store_true", help="also time the automatic tile unsplit, split in two and stream-K")
     ap.add_argument("--json", help="write the rows as JSON")
     ap.add_argument("--md", help="write the markdown table")
     args = ap.parse_args()
@@ -115,7 +121,7 @@ def main() -> None:
     for k, n in args.shape or SHAPES:
         for bits in args.bits:
             for d in args.dtypes:
-                rows += bench(k, n, bits, dtypes[d], args.m)
+                rows += bench(k, n, bits, dtypes[d], args.m, args.splits)
     if args.json:
         bc.write_json(args.json, {"environment": env, "rows": rows})
     if args.md:
