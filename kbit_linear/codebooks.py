@@ -22,7 +22,7 @@ import torch
 
 from . import format as fmt
 
-__all__ = ["FITTED", "is_fitted", "check_codebook_option", "resolve_codebook_option", "fit_codebook"]
+__all__ = ["FITTED", "DEFAULT", "is_fitted", "default_codebook", "check_codebook_option", "resolve_codebook_option", "fit_codebook"]
 
 FITTED = "fitted"
 """The ``codebook`` value that asks for levels fitted to each weight."""
@@ -37,6 +37,27 @@ HISTOGRAM_BINS = 4096
 """Bins over [-1, 1] that the block-normalized weights are summarized in before the iterations."""
 
 _MIN_GAP = 1e-3  # the smallest spacing of neighbouring levels: the codebook must stay strictly increasing
+
+
+DEFAULT = "default"
+"""The ``codebook`` value of :func:`kbit_linear.quantize_model` and ``KbitConfig`` when none is
+given: resolved by :func:`default_codebook`."""
+
+
+def default_codebook(hadamard: bool) -> str | None:
+    """The codebook option behind :data:`DEFAULT`: fitted levels, or the normal-float levels
+    (``None``) for weights quantized with the Hadamard rotation.
+
+    Measured data-free (``bench/results/accuracy.md``, KL to the unquantized model): without the
+    rotation the fitted levels beat the normal-float ones at K = 3 and 4 on SmolLM2-135M
+    (2.689 -> 1.947, 0.235 -> 0.213), Gemma-3-270M (2.397 -> 2.063, 0.502 -> 0.448) and
+    all-MiniLM-L6-v2 (cosine 0.8205 -> 0.8532, 0.9703 -> 0.9729); rotated weights are close to
+    normal, where the fit gained nothing (SmolLM2 K = 3 1.633 normal-float vs 1.674 fitted,
+    Gemma 2.40 vs 2.92).
+    """
+    if not isinstance(hadamard, bool):
+        raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
+    return None if hadamard else FITTED
 
 
 def is_fitted(codebook: object) -> bool:
@@ -86,7 +107,7 @@ def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False,
         iterations: Lloyd-Max iterations per fit.
 
     Returns:
-        float32 ``[2**bits]`` on ``weight``'s device.
+        float32 ``[2**bits]`` on ``weight``'s device, the same on every device and in every run.
     """
     fmt.check_bits(bits)
     fmt.check_weight(weight, finite=False)  # 2-D floating point; the values are the caller's to check
@@ -106,13 +127,16 @@ def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False,
     codes = fmt._round_up_codes(blocks, ts)
     for round_ in range(2 if scale_search else 1):
         if round_:
-            codes = fmt.search_block_codes(w, cb, ts)
+            codes = fmt.search_block_codes(w, cb.to(w.device), ts)
         scale = fmt._block_scales(codes, ts).unsqueeze(-1).expand_as(blocks)
         keep = (scale > 0) & valid
         values = (blocks[keep] / scale[keep]).clamp(-1.0, 1.0)
-        centers, mass = _histogram(values, scale[keep].square())
-        cb = _lloyd(centers, mass, cb, iterations)
-    return cb
+        # The sums run on the CPU, in a fixed order: a GPU's scatter and index adds are atomics in
+        # any order, which would make the levels differ in their last bits from run to run and
+        # from the CPU's (the elementwise work above is exact on every device).
+        centers, mass = _histogram(values.cpu(), scale[keep].square().cpu())
+        cb = _lloyd(centers, mass, cb.cpu(), iterations)
+    return cb.to(w.device)
 
 
 def _histogram(values: torch.Tensor, mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

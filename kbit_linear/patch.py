@@ -398,7 +398,7 @@ def quantize_model(
     model: nn.Module,
     bits: int = 4,
     skip: Iterable[SkipRule] | str | None = ("lm_head",),
-    codebook: torch.Tensor | str | None = None,
+    codebook: torch.Tensor | str | None = codebooks.DEFAULT,
     progress: bool = True,
     scale_search: bool = False,
     device: torch.device | str | None = None,
@@ -427,9 +427,10 @@ def quantize_model(
             ``("lm_head",)``; the given rules replace the default. ``None`` or ``()``
             converts every convertible layer.
         codebook: float ``[2**bits]`` shared by every layer (each layer stores its own
-            copy); default the normal-float codebook; ``"fitted"``: levels fitted to each
+            copy); ``None``: the normal-float codebook; ``"fitted"``: levels fitted to each
             weight (:mod:`kbit_linear.codebooks`; an experts projection: one set for all its
-            experts).
+            experts). Default ``"default"``: fitted levels, or normal-float ones with
+            ``hadamard`` (:func:`kbit_linear.codebooks.default_codebook` has the measurements).
         progress: show a tqdm progress bar.
         scale_search: choose each block's scale for the least error instead of rounding its
             absmax up (:func:`kbit_linear.quantizer.quantize_weight`): better at 2 and 3 bits,
@@ -479,6 +480,8 @@ def quantize_model(
     fmt.check_bits(bits)
     if not isinstance(hadamard, bool):
         raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
+    if isinstance(codebook, str) and codebook == codebooks.DEFAULT:
+        codebook = codebooks.default_codebook(hadamard)
     hadamard_search = check_hadamard_search(hadamard_search)
     rules = check_skip_rules(skip)
     if target_bpw is not None:

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             name = label + (", fitted codebook" if fitted else "") + (", scale search" if search else "") + (", Hadamard" if rotate else "")
             if rotate and args.hadamard_search > 1:
                 name += f" (best of {args.hadamard_search} signs)"
-            cb = {"codebook": "fitted"} if fitted else {}
+            cb = {"codebook": "fitted" if fitted else None}  # None: the normal-float levels (not the default)
             if False in calibrations:
                 config = KbitConfig(**width, **cb, scale_search=search, hadamard=rotate, hadamard_search=args.hadamard_search)
                 model, load_s = _load(path, DTYPES[args.quantize_dtype], device, config, causal=causal)

@@ -106,6 +106,27 @@ def test_quantize_model_fits_each_layer_and_works_with_target_bpw():
         assert layer.bits == bits and layer.codebook.shape == (1 << bits,) and layer.codebook[0] == -1.0
 
 
+def test_the_default_codebook_is_fitted_without_the_rotation_and_normal_float_with_it():
+    assert codebooks.default_codebook(False) == "fitted" and codebooks.default_codebook(True) is None
+    with pytest.raises(TypeError, match="hadamard"):
+        codebooks.default_codebook(1)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(128, 96))
+    dense = net[0].weight.detach().clone()
+    quantize_model(net, 3, skip=None, progress=False)
+    assert torch.equal(net[0].codebook, codebooks.fit_codebook(dense, 3))
+    net = nn.Sequential(nn.Linear(128, 96))
+    quantize_model(net, 3, skip=None, hadamard=True, progress=False)
+    assert torch.equal(net[0].codebook, fmt.create_normal_float_codebook(3))
+    net = nn.Sequential(nn.Linear(128, 96))
+    quantize_model(net, 3, codebook=None, skip=None, progress=False)  # None still asks for normal-float
+    assert torch.equal(net[0].codebook, fmt.create_normal_float_codebook(3))
+    assert KbitConfig(bits=3).codebook == "fitted" and KbitConfig(bits=3, hadamard=True).codebook is None
+    assert KbitConfig(bits=3, codebook=None).codebook is None
+    # a config stored before the default changed (codebook null) still means normal-float
+    assert KbitConfig.from_dict({"quant_method": "kbit", "bits": 3, "codebook": None}).codebook is None
+
+
 def test_experts_share_one_fitted_codebook():
     w = torch.randn(3, 64, 96)
     q = quantize_experts_weight(w, 3, "fitted")
@@ -135,14 +156,14 @@ def test_fitted_at_load_equals_quantize_model_and_round_trips(tmp_path):
 
 @pytest.mark.cuda
 def test_fit_on_a_cuda_weight_matches_the_cpu_fit():
-    """The fit runs where the weight is: on a GPU the levels equal the CPU's up to float
-    rounding, and the quantized layer works there."""
+    """The fit reads the weight where it is: on a GPU the levels equal the CPU's bit for bit, and
+    the quantized layer works there."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     w = _weight(512, 320, seed=9, heavy=True)
     cpu = codebooks.fit_codebook(w, 3)
     gpu = codebooks.fit_codebook(w.cuda(), 3)
     assert gpu.is_cuda
-    torch.testing.assert_close(gpu.cpu(), cpu, rtol=0, atol=1e-5)
+    assert torch.equal(gpu.cpu(), cpu)  # the sums run on the CPU: the same levels on every device
     layer = KbitLinear.from_linear(_linear(w).cuda(), 3, "fitted")
     assert layer.codebook.is_cuda and _rel_err(layer, w.cuda()) < 0.05

@@ -119,7 +119,8 @@ def test_config_round_trips_through_json():
     back = KbitConfig.from_dict(d)
     assert back.to_dict() == cfg.to_dict()
     assert torch.equal(back.codebook_tensor(), cb)
-    assert KbitConfig().to_dict()["codebook"] is None
+    assert KbitConfig().to_dict()["codebook"] == "fitted"  # the default, stored resolved
+    assert KbitConfig(codebook=None).to_dict()["codebook"] is None
 
 
 @pytest.mark.parametrize(
@@ -466,7 +467,7 @@ def test_save_then_reload_in_a_fresh_process_is_bit_identical(dense_dir, tmp_pat
     q.save_pretrained(out)
 
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["quantization_config"] == {"quant_method": "kbit", "bits": 4, "skip_modules": None, "codebook": None, "scale_search": False,
+    assert cfg["quantization_config"] == {"quant_method": "kbit", "bits": 4, "skip_modules": None, "codebook": "fitted", "scale_search": False,
                                          "hadamard": False, "format_version": "1"}
     from safetensors import safe_open
 
@@ -619,13 +620,14 @@ def test_quantizer_refuses_disk_offload():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("device_map", ["cuda", "auto"])
 def test_cuda_device_map_quantize_save_reload(dense_dir, tmp_path, device_map):
-    q = _load(dense_dir, quantization_config=KbitConfig(bits=4), dtype=torch.bfloat16, device_map=device_map)
+    # normal-float levels: the CUDA quantize kernel must produce the reference's bits (the fitted
+    # levels' own CPU/GPU agreement is tested in test_codebooks.py)
+    q = _load(dense_dir, quantization_config=KbitConfig(bits=4, codebook=None), dtype=torch.bfloat16, device_map=device_map)
     layers = _kbit_layers(q)
     assert set(layers) == _block_names()
     assert all(layer.weight.is_cuda for layer in layers.values())
-    # the CUDA quantize kernel must produce the reference's bits
     ref = _load(dense_dir, dtype=torch.bfloat16)
-    quantize_model(ref, bits=4, progress=False)
+    quantize_model(ref, bits=4, codebook=None, progress=False)
     for name, layer in layers.items():
         for t in QUANTIZED:
             assert torch.equal(getattr(layer, t).cpu(), getattr(ref.get_submodule(name), t)), f"{name}.{t}"

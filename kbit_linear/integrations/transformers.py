@@ -58,7 +58,8 @@ from torch import nn
 
 from .. import format as fmt
 from ..allocation import check_codebook_for_widths, check_target_bpw, plan_layer_bits
-from ..codebooks import check_codebook_option, is_fitted
+from ..codebooks import DEFAULT as DEFAULT_CODEBOOK
+from ..codebooks import check_codebook_option, default_codebook, is_fitted
 from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem, quantize_experts_weight
 from ..gguf_linear import GGUFEmbedding, GGUFLinear
 from ..hadamard import layer_seed
@@ -131,8 +132,11 @@ class KbitConfig(QuantizationConfigMixin):
             rules of :func:`kbit_linear.patch.matches_skip`: exact name, ancestor prefix
             (``"model.layers.0"``), trailing path (``"o_proj"``), or a regex as ``"re:..."``.
         codebook: ``2**bits`` strictly increasing floats in [-1, 1] (list or tensor);
-            default: the normal-float codebook; ``"fitted"``: levels fitted to each weight
-            (:mod:`kbit_linear.codebooks`, data-free; each layer stores its own).
+            ``None``: the normal-float codebook; ``"fitted"``: levels fitted to each weight
+            (:mod:`kbit_linear.codebooks`, data-free; each layer stores its own). Default
+            ``"default"``: fitted levels, or normal-float ones with ``hadamard``
+            (:func:`kbit_linear.codebooks.default_codebook`); the config stores the resolved
+            choice, and a stored ``null`` means normal-float, as it did before.
         scale_search: choose each block's scale for the least error instead of rounding its
             absmax up when quantizing at load (better at 2 and 3 bits, slower to load); a
             quantize-time choice: checkpoints store the chosen scales in the same format.
@@ -163,7 +167,7 @@ class KbitConfig(QuantizationConfigMixin):
         self,
         bits: int = 4,
         skip_modules: list[str] | tuple[str, ...] | None = None,
-        codebook: list[float] | torch.Tensor | None = None,
+        codebook: list[float] | torch.Tensor | str | None = DEFAULT_CODEBOOK,
         scale_search: bool = False,
         hadamard: bool = False,
         format_version: str | None = None,
@@ -180,13 +184,15 @@ class KbitConfig(QuantizationConfigMixin):
         self.quant_method = QUANT_METHOD
         self.bits = fmt.check_bits(bits)
         self.skip_modules = _check_skip_modules(skip_modules)
-        self.codebook = _check_codebook(codebook, bits)
         if not isinstance(scale_search, bool):
             raise TypeError(f"scale_search must be a bool, got {type(scale_search).__name__}")
         self.scale_search = scale_search
         if not isinstance(hadamard, bool):
             raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
         self.hadamard = hadamard
+        if isinstance(codebook, str) and codebook == DEFAULT_CODEBOOK:
+            codebook = default_codebook(hadamard)  # stored resolved: config.json names what was used
+        self.codebook = _check_codebook(codebook, bits)
         if format_version is None:
             format_version = HADAMARD_FORMAT_VERSION if hadamard else FORMAT_VERSION
         if not isinstance(format_version, str):
@@ -226,7 +232,7 @@ class KbitConfig(QuantizationConfigMixin):
 
     def codebook_tensor(self) -> torch.Tensor | str | None:
         """The codebook as the quantizers take it: float32 ``[2**bits]`` (CPU), ``None`` for the
-        default, or ``"fitted"``."""
+        normal-float levels, or ``"fitted"``."""
         if self.codebook is None or is_fitted(self.codebook):
             return self.codebook
         return torch.tensor(self.codebook, dtype=torch.float32)
