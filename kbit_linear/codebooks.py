@@ -51,9 +51,11 @@ def default_codebook(hadamard: bool) -> str | None:
     Measured data-free (``bench/results/accuracy.md``, KL to the unquantized model): without the
     rotation the fitted levels beat the normal-float ones at K = 3 and 4 on SmolLM2-135M
     (2.689 -> 1.947, 0.235 -> 0.213), Gemma-3-270M (2.397 -> 2.063, 0.502 -> 0.448) and
-    all-MiniLM-L6-v2 (cosine 0.8205 -> 0.8532, 0.9703 -> 0.9729); rotated weights are close to
-    normal, where the fit gained nothing (SmolLM2 K = 3 1.633 normal-float vs 1.674 fitted,
-    Gemma 2.40 vs 2.92).
+    all-MiniLM-L6-v2 (cosine 0.8205 -> 0.8532, 0.9703 -> 0.9729). Rotated weights are close to
+    normal, where the normal-float levels already fit: at K = 3, the rotation's main use, they did
+    better with it (SmolLM2 1.633 against 1.674 fitted; on Gemma the fit with the rotation, 2.92,
+    was worse than the fit alone, 2.06), though at K = 4 the fit still helped SmolLM2 (0.273
+    against 0.318).
     """
     if not isinstance(hadamard, bool):
         raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
