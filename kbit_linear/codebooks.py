@@ -130,13 +130,16 @@ def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False,
     for round_ in range(2 if scale_search else 1):
         if round_:
             codes = fmt.search_block_codes(w, cb.to(w.device), ts)
-        scale = fmt._block_scales(codes, ts).unsqueeze(-1).expand_as(blocks)
-        keep = (scale > 0) & valid
-        values = (blocks[keep] / scale[keep]).clamp(-1.0, 1.0)
+        scale = fmt._block_scales(codes, ts).unsqueeze(-1)
+        # every element, no boolean selection (slow on large weights): padding and all-zero
+        # blocks get mass 0, which adds nothing to the sums below
+        live = scale > 0
+        values = (blocks / torch.where(live, scale, 1.0)).clamp_(-1.0, 1.0)
+        mass = (scale.square() * (live & valid)).expand_as(blocks)
         # The sums run on the CPU, in a fixed order: a GPU's scatter and index adds are atomics in
         # any order, which would make the levels differ in their last bits from run to run and
         # from the CPU's (the elementwise work above is exact on every device).
-        centers, mass = _histogram(values.cpu(), scale[keep].square().cpu())
+        centers, mass = _histogram(values.reshape(-1).cpu(), mass.reshape(-1).cpu())
         cb = _lloyd(centers, mass, cb.cpu(), iterations)
     return cb.to(w.device)
 
@@ -165,7 +168,10 @@ def _lloyd(values: torch.Tensor, mass: torch.Tensor, levels: torch.Tensor, itera
         c = torch.where(total > 0, moment / total.clamp_min(torch.finfo(torch.float32).tiny), c)
         c[0], c[-1] = -1.0, 1.0
         c = torch.sort(c).values
-        # strictly increasing, ends fixed: push up from the left, then down from the right
+        # strictly increasing, ends fixed: push up from the left, then down from the right (the
+        # usual case, levels already that far apart, skips the element-by-element passes)
+        if bool((c[1:] >= c[:-1] + _MIN_GAP).all()) and bool((c[:-1] <= c[1:] - _MIN_GAP).all()):
+            continue
         for i in range(1, n - 1):
             c[i] = torch.maximum(c[i], c[i - 1] + _MIN_GAP)
         for i in range(n - 2, 0, -1):
