@@ -158,3 +158,15 @@ def test_gemm_autograd_opcheck():
     bias = torch.randn(40, requires_grad=True)
     torch.library.opcheck(ops.gemm.default, (x, qw.packed, qw.absmax, qw.codebook, qw.tensor_scale, 3, 40, bias),
                           test_utils=("test_autograd_registration",))
+
+
+def test_eager_registrations_check_their_arguments():
+    from kbit_linear import _ops
+
+    for register in (_ops.register_eager_gemm, _ops.register_eager_dequantize, _ops.register_eager_rotate):
+        with pytest.raises(TypeError, match="fn must be callable"):
+            register("cuda", 3)
+        with pytest.raises(ValueError, match="device_type"):
+            register("tpu", lambda *a: None)
+    with pytest.raises(ValueError, match="device_type must be 'cuda'"):
+        _ops.register_eager_dequantize("cpu", lambda *a: None)  # the eager autograd path is CUDA's only
