@@ -296,6 +296,16 @@ _GEMM = torch.ops.kbit_linear.gemm.default  # resolved once: skips the packet's 
 _eager_gemm: dict[str, Callable[..., torch.Tensor]] = {}  # device type -> backend function
 
 
+def _register(table: dict[str, Callable[..., torch.Tensor]], device_type: str, fn: Callable[..., torch.Tensor],
+              device_types: tuple[str, ...]) -> None:
+    """The checks and the entry of every ``register_eager_*`` function."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if device_type not in device_types:
+        raise ValueError(f"device_type must be {' or '.join(map(repr, device_types))}, got {device_type!r}")
+    table[device_type] = fn
+
+
 def register_eager_gemm(device_type: str, fn: Callable[..., torch.Tensor]) -> None:
     """Let a backend take eager :func:`gemm` calls on ``device_type`` tensors directly (backends
     register themselves on import).
@@ -303,11 +313,7 @@ def register_eager_gemm(device_type: str, fn: Callable[..., torch.Tensor]) -> No
     ``fn`` has the op's signature and must compute the same thing as the op's implementation
     for that device, input checks included.
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if device_type not in ("cpu", "cuda"):
-        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
-    _eager_gemm[device_type] = fn
+    _register(_eager_gemm, device_type, fn, ("cpu", "cuda"))
 
 
 def register_eager_cuda_gemm(fn: Callable[..., torch.Tensor]) -> None:
@@ -326,11 +332,7 @@ def register_eager_dequantize(device_type: str, fn: Callable[..., torch.Tensor])
     that device; it may skip the op's input checks, since it only sees a weight that the
     forward's gemm already checked.
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if device_type != "cuda":
-        raise ValueError(f"device_type must be 'cuda', got {device_type!r}")
-    _eager_dequantize[device_type] = fn
+    _register(_eager_dequantize, device_type, fn, ("cuda",))
 
 
 class _EagerGemm(torch.autograd.Function):
@@ -415,11 +417,7 @@ _eager_rotate: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 def register_eager_rotate(device_type: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
     """Let a backend take eager :func:`hadamard_rotate` calls on ``device_type`` tensors directly
     (as :func:`register_eager_gemm`; ``fn`` computes what the op computes on that device)."""
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if device_type != "cuda":
-        raise ValueError(f"device_type must be 'cuda', got {device_type!r}")
-    _eager_rotate[device_type] = fn
+    _register(_eager_rotate, device_type, fn, ("cuda",))
 
 
 def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:

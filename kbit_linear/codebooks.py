@@ -22,7 +22,7 @@ import torch
 
 from . import format as fmt
 
-__all__ = ["FITTED", "DEFAULT", "is_fitted", "default_codebook", "check_codebook_option", "resolve_codebook_option", "fit_codebook"]
+__all__ = ["FITTED", "DEFAULT", "is_fitted", "default_codebook", "resolve_default", "check_codebook_option", "resolve_codebook_option", "fit_codebook"]
 
 FITTED = "fitted"
 """The ``codebook`` value that asks for levels fitted to each weight."""
@@ -60,6 +60,14 @@ def default_codebook(hadamard: bool) -> str | None:
     if not isinstance(hadamard, bool):
         raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
     return None if hadamard else FITTED
+
+
+def resolve_default(codebook: object, hadamard: bool) -> object:
+    """``codebook`` itself, or for :data:`DEFAULT` what :func:`default_codebook` gives with
+    ``hadamard`` (the one place the user-level entry points resolve it)."""
+    if isinstance(codebook, str) and codebook == DEFAULT:
+        return default_codebook(hadamard)
+    return codebook
 
 
 def is_fitted(codebook: object) -> bool:

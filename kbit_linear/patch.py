@@ -480,8 +480,7 @@ def quantize_model(
     fmt.check_bits(bits)
     if not isinstance(hadamard, bool):
         raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
-    if isinstance(codebook, str) and codebook == codebooks.DEFAULT:
-        codebook = codebooks.default_codebook(hadamard)
+    codebook = codebooks.resolve_default(codebook, hadamard)
     hadamard_search = check_hadamard_search(hadamard_search)
     rules = check_skip_rules(skip)
     if target_bpw is not None:

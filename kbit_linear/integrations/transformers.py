@@ -59,7 +59,7 @@ from torch import nn
 from .. import format as fmt
 from ..allocation import check_codebook_for_widths, check_target_bpw, plan_layer_bits
 from ..codebooks import DEFAULT as DEFAULT_CODEBOOK
-from ..codebooks import check_codebook_option, default_codebook, is_fitted
+from ..codebooks import check_codebook_option, is_fitted, resolve_default
 from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem, quantize_experts_weight
 from ..gguf_linear import GGUFEmbedding, GGUFLinear
 from ..hadamard import layer_seed
@@ -190,9 +190,8 @@ class KbitConfig(QuantizationConfigMixin):
         if not isinstance(hadamard, bool):
             raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
         self.hadamard = hadamard
-        if isinstance(codebook, str) and codebook == DEFAULT_CODEBOOK:
-            codebook = default_codebook(hadamard)  # stored resolved: config.json names what was used
-        self.codebook = _check_codebook(codebook, bits)
+        # stored resolved: config.json names what was used
+        self.codebook = _check_codebook(resolve_default(codebook, hadamard), bits)
         if format_version is None:
             format_version = HADAMARD_FORMAT_VERSION if hadamard else FORMAT_VERSION
         if not isinstance(format_version, str):
