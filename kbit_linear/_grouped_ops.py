@@ -15,6 +15,11 @@ the GPU has one, :func:`large_groups_supported`).
 the gate rows then the up rows) followed by ``silu(gate) * up``: ``[rows, intermediate]``; the
 CUDA backend fuses the activation into the grouped kernel's stores where it can.
 
+``kbit_linear::combine_experts`` brings the down projection's rows (sorted-slot order) back to
+the tokens: ``out[t] = sum_k top_k_weights[t, k] * y[position[t * top_k + k]]`` with
+``route_experts``'s ``position``, the weights rounded to ``y``'s dtype, products and sums in
+float32, rounded once.
+
 ``kbit_linear::route_experts`` turns a router's choice ``top_k_index [T, top_k]`` into the
 groups above: ``groups [3, G]`` listing the experts that received slots, ascending, as (expert,
 first sorted position, slots), then ``(0, 0, 0)``; the slots (``s = token * top_k + k``) sorted
@@ -64,6 +69,10 @@ torch.library.define(
     f"{_NS}::grouped_gemm",
     "(Tensor x, Tensor packed, Tensor absmax, Tensor codebook, Tensor tensor_scale, Tensor groups, int bits, "
     "int out_features, int max_rows) -> Tensor",
+)
+torch.library.define(
+    f"{_NS}::combine_experts",
+    "(Tensor y, Tensor position, Tensor top_k_weights) -> Tensor",
 )
 torch.library.define(
     f"{_NS}::grouped_swiglu",
@@ -157,6 +166,48 @@ def grouped_swiglu_reference(x, packed, absmax, codebook, tensor_scale, groups, 
 
 
 torch.library.impl(f"{_NS}::grouped_swiglu", "default")(grouped_swiglu_reference)
+
+
+def check_combine_args(y: torch.Tensor, position: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+    """Metadata checks of ``combine_experts`` (the positions themselves are not read).
+
+    Raises:
+        TypeError / ValueError: naming the argument.
+    """
+    for name, t in (("y", y), ("position", position), ("top_k_weights", top_k_weights)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not y.is_floating_point() or y.dim() != 2:
+        raise ValueError(f"y must be a floating-point [slots, hidden] tensor, got {y.dtype} {tuple(y.shape)}")
+    if not top_k_weights.is_floating_point() or top_k_weights.dim() != 2:
+        raise ValueError(f"top_k_weights must be a floating-point [tokens, top_k] tensor, got {top_k_weights.dtype} "
+                         f"{tuple(top_k_weights.shape)}")
+    if position.dtype != torch.int64 or tuple(position.shape) != (top_k_weights.numel(),):
+        raise ValueError(f"position must be int64 [tokens * top_k = {top_k_weights.numel()}], got {position.dtype} "
+                         f"{tuple(position.shape)}")
+    if y.shape[0] != position.shape[0]:
+        raise ValueError(f"y has {y.shape[0]} rows, position {position.shape[0]} slots: one row per slot")
+    for name, t in (("position", position), ("top_k_weights", top_k_weights)):
+        if t.device != y.device:
+            raise ValueError(f"{name} is on {t.device}, y on {y.device}: all tensors must be on one device")
+
+
+@torch.library.register_fake(f"{_NS}::combine_experts")
+def _(y, position, top_k_weights):
+    check_combine_args(y, position, top_k_weights)
+    return y.new_empty((top_k_weights.shape[0], y.shape[1]))
+
+
+def combine_experts_reference(y, position, top_k_weights):
+    """The spec of ``combine_experts``: the rows back in slot order, then the weighted sum over
+    each token's ``top_k`` slots as one batched product (float32 products and sums, rounded once)."""
+    check_combine_args(y, position, top_k_weights)
+    tokens, top_k = top_k_weights.shape
+    rows = y[position].view(tokens, top_k, y.shape[1])
+    return torch.bmm(top_k_weights.reshape(tokens, 1, top_k).to(y.dtype), rows).view(tokens, y.shape[1])
+
+
+torch.library.impl(f"{_NS}::combine_experts", "default")(combine_experts_reference)
 
 
 # ---------------------------------------------------------------------------------------

@@ -540,10 +540,8 @@ class KbitExperts(nn.Module):
             h = self.act_fn(gate) * up
         y = torch.ops.kbit_linear.grouped_gemm(h, *self.projection_tensors("down_proj"), groups, self.bits, self.hidden_dim,
                                                max_rows)  # rows of no group: zero
-        # Back to slot order (a token's top_k slots together), then the weighted sum over them
-        # as one batched product: fp32 products and sums, rounded once.
-        y = y[position].view(tokens, top_k, self.hidden_dim)
-        return torch.bmm(top_k_weights.reshape(tokens, 1, top_k).to(y.dtype), y).view(tokens, self.hidden_dim).to(hidden_states.dtype)
+        # Back to token order, weighted over each token's top_k slots (fp32 sums, rounded once).
+        return torch.ops.kbit_linear.combine_experts(y, position, top_k_weights).to(hidden_states.dtype)
 
     def _check_inputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                       read_values: bool = True) -> None:

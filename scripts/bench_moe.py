@@ -20,6 +20,7 @@ Usage::
 
     python3 scripts/bench_moe.py --json out.json --md out.md
     python3 scripts/bench_moe.py --shapes qwen3 --tokens 1 8 --bits 4
+    python3 scripts/bench_moe.py --shapes qwen3 --tokens 1 --profile   # also list each call's kernels
 """
 
 from __future__ import annotations
@@ -102,6 +103,23 @@ def graph_us(fn, warmup: int, repeats: int) -> float | None:
     return time_us(graph.replay, warmup, repeats)
 
 
+def kernel_list(fn) -> str:
+    """The CUDA kernels of one eager call of ``fn()`` in launch order, with their GPU microseconds
+    (``torch.profiler``): what a graph replay of the call runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.time_range.start)
+    lines = [f"    {e.device_time:7.1f} us  {e.name[:110]}" for e in kernels]
+    total = sum(e.device_time for e in kernels)
+    return "\n".join(lines + [f"    {total:7.1f} us in {len(kernels)} kernels"])
+
+
 def module_bytes(module: torch.nn.Module) -> int:
     """Bytes of a module's parameters and buffers."""
     return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
@@ -139,6 +157,8 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, bandwi
                 us = time_us(lambda: module(x, index, weights), args.warmup, args.repeats)
                 us_graph = graph_us(lambda: module(x, index, weights), args.warmup, args.repeats)
                 hit_bytes = module_bytes(module) * hit // experts
+                if args.profile:
+                    print(f"{shape} T={tokens} kbit K={bits}, kernels of one call:\n" + kernel_list(lambda: module(x, index, weights)))
                 rows.append({"shape": shape, "tokens": tokens, "path": f"kbit K={bits}", "us": us, "us_graph": us_graph, "experts_hit": hit,
                              "bytes": module_bytes(module), "hit_bytes": hit_bytes,
                              "hit_roofline_us": hit_bytes / bandwidth * 1e6,
@@ -181,6 +201,7 @@ def main() -> None:
     parser.add_argument("--bits", nargs="+", type=int, default=[4])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--profile", action="store_true", help="print the kernels of one kbit call per case")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--md", type=Path)
     args = parser.parse_args()

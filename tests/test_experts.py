@@ -891,6 +891,123 @@ def test_cuda_route_experts_matches_the_reference():
             assert x.is_cuda and torch.equal(x.cpu(), w)
 
 
+def _combine_case(tokens: int, top_k: int, hidden: int, dtype: torch.dtype, wdtype: torch.dtype, device: str = "cpu",
+                  seed: int = 0):
+    """(y, position, top_k_weights) of a random routing: position a random permutation of the slots."""
+    g = torch.Generator().manual_seed(seed)
+    slots = tokens * top_k
+    y = torch.randn(slots, hidden, generator=g).to(dtype)
+    position = torch.randperm(slots, generator=g)
+    weights = torch.rand(tokens, top_k, generator=g).to(wdtype)
+    return y.to(device), position.to(device), weights.to(device)
+
+
+def _combine_by_loop(y, position, weights):
+    """out[t] = sum_k round(w[t, k]) * y[position[t * top_k + k]], fp32 sums, rounded once."""
+    tokens, top_k = weights.shape
+    w = weights.to(y.dtype).float()
+    out = torch.zeros(tokens, y.shape[1])
+    for t in range(tokens):
+        for k in range(top_k):
+            out[t] += w[t, k] * y[position[t * top_k + k]].float()
+    return out.to(y.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_combine_experts_reference_is_the_weighted_sum_over_each_tokens_slots(dtype):
+    y, position, weights = _combine_case(5, 3, 24, dtype, torch.float32)
+    got = torch.ops.kbit_linear.combine_experts(y, position, weights)
+    assert got.dtype == dtype and got.shape == (5, 24)
+    torch.testing.assert_close(got, _combine_by_loop(y, position, weights), rtol=1e-2 if dtype != torch.float32 else 1e-6,
+                               atol=1e-2 if dtype != torch.float32 else 1e-6)
+
+
+@pytest.mark.parametrize(
+    "edit, error, match",
+    [
+        (lambda y, p, w: (y.long(), p, w), ValueError, "y must be a floating-point"),
+        (lambda y, p, w: (y, p.int(), w), ValueError, "position must be int64"),
+        (lambda y, p, w: (y, p[:-1], w), ValueError, "position must be int64"),
+        (lambda y, p, w: (y[:-1], p, w), ValueError, "y has 14 rows"),
+        (lambda y, p, w: (y, p, w.reshape(-1)), ValueError, "top_k_weights must be a floating-point"),
+        (lambda y, p, w: (y, p, w.long()), ValueError, "top_k_weights must be a floating-point"),
+    ],
+)
+def test_combine_experts_rejects_bad_arguments_naming_them(edit, error, match):
+    args = edit(*_combine_case(5, 3, 8, torch.float32, torch.float32))
+    with pytest.raises(error, match=match):
+        torch.ops.kbit_linear.combine_experts(*args)
+
+
+def _needs_cuda_kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("cupy")
+
+
+def _poison_cache(numel: int, dtype: torch.dtype) -> None:
+    """Leave NaN in the caching allocator's free blocks, so an output element the kernel does not
+    write shows up as NaN."""
+    torch.full((numel + 4096,), float("nan"), dtype=dtype, device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens, top_k, hidden", [(1, 8, 2048), (3, 2, 4096), (5, 1, 64), (37, 8, 100), (300, 2, 13),
+                                                   (1, 3, 8)])
+def test_cuda_combine_experts_matches_the_reference(dtype, wdtype, tokens, top_k, hidden):
+    """Every output element (poisoned memory first) against the loop on the CPU: 16-byte
+    accesses (hidden % 8 == 0) and element ones (hidden 100, 13), weights of every dtype."""
+    _needs_cuda_kernels()
+    y, position, weights = _combine_case(tokens, top_k, hidden, dtype, wdtype, seed=tokens * 7 + top_k)
+    want = _combine_by_loop(y, position, weights)
+    _poison_cache(tokens * hidden, dtype)
+    got = torch.ops.kbit_linear.combine_experts(y.cuda(), position.cuda(), weights.cuda())
+    assert got.is_cuda and got.dtype == dtype and not got.isnan().any()
+    # fp32 sums in another order than the loop: at most one rounding step apart
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.cuda
+def test_cuda_combine_experts_on_misaligned_views_and_bad_positions():
+    """Views that start off a 16-byte boundary take the element-wise kernel; a position outside
+    the slots adds nothing (no read outside y)."""
+    _needs_cuda_kernels()
+    y, position, weights = _combine_case(4, 2, 64, torch.bfloat16, torch.float32, device="cuda", seed=3)
+    y_off = torch.empty(y.numel() + 1, dtype=y.dtype, device="cuda")[1:].view_as(y)
+    y_off.copy_(y)
+    torch.testing.assert_close(torch.ops.kbit_linear.combine_experts(y_off, position, weights),
+                               torch.ops.kbit_linear.combine_experts(y, position, weights), rtol=0, atol=0)
+    bad = position.clone()
+    bad[1] = 10**9
+    bad[2] = -5
+    got = torch.ops.kbit_linear.combine_experts(y, bad, weights)
+    keep = position.clone()
+    w = weights.clone()
+    w.view(-1)[1] = 0
+    w.view(-1)[2] = 0
+    torch.testing.assert_close(got, torch.ops.kbit_linear.combine_experts(y, keep, w), rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows, inter", [(1, 768), (8, 14336), (33, 100), (5, 13), (0, 64)])
+def test_cuda_swiglu_is_silu_gate_times_up_rounded_once(dtype, rows, inter):
+    _needs_cuda_kernels()
+    from kbit_linear.backends.cuda import experts as cuda_experts
+
+    gate_up = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate) * up).to(dtype)
+    _poison_cache(rows * inter, dtype)
+    got = cuda_experts.swiglu_cuda(gate_up.cuda())
+    assert got.shape == (rows, inter) and got.dtype == dtype and not got.isnan().any()
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-2, atol=1e-3)  # fp32 exp vs the CPU's: one rounding step at most
+    with pytest.raises(ValueError, match="gate_up"):
+        cuda_experts.swiglu_cuda(gate_up.float().cuda())
+
+
 def test_grouped_swiglu_reference_is_silu_gate_times_up():
     k = KbitExperts.from_experts(_dense_experts(), bits=4)
     x = torch.randn(7, k.hidden_dim, generator=torch.Generator().manual_seed(4))

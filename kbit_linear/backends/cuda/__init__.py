@@ -9,6 +9,7 @@ with one job:
 * :mod:`.decode`: the small-M decode kernel's launch plans and schedules (also its grouped form
   for mixture-of-experts layers);
 * :mod:`.routing`: the routing kernel of mixture-of-experts layers;
+* :mod:`.experts`: the element-wise kernels around their grouped GEMMs (SwiGLU, the weighted combine);
 * :mod:`.gguf`: the GGUF block-format kernels (dequantize, small-M GEMM) and their ops;
 * :mod:`.kv_attention`: the fused decode attention over the quantized KV cache;
 * :mod:`.hadamard`: the Hadamard rotation of a rotated layer's input;

@@ -1,7 +1,8 @@
 """CUDA implementations of the kbit ops (kernels in ``kernels/``, compiled at run time).
 
 Importing this module registers ``torch.library`` CUDA kernels for ``kbit_linear::quantize``,
-``::repack``, ``::dequantize``, ``::gemm``, ``::grouped_gemm``, ``::grouped_swiglu`` and ``::route_experts``. It needs neither CuPy nor a GPU to import: CuPy
+``::repack``, ``::dequantize``, ``::gemm``, ``::grouped_gemm``, ``::grouped_swiglu``,
+``::combine_experts`` and ``::route_experts``. It needs neither CuPy nor a GPU to import: CuPy
 is loaded, and each kernel instance compiled, on the first call that needs it
 (:mod:`.loader`).
 
@@ -34,7 +35,7 @@ import torch
 from ... import _grouped_ops  # the grouped GEMM's schema and reference
 from ... import _ops  # defines the op schemas before the registrations below
 from ... import format as fmt
-from . import decode, grouped, hopper, loader, plans, routing, tuning, workspace
+from . import decode, experts, grouped, hopper, loader, plans, routing, tuning, workspace
 from .tensors import aligned16, kernel_rows
 
 __all__ = [
@@ -560,7 +561,10 @@ def _grouped_swiglu_op(x, packed, absmax, codebook, tensor_scale, groups, bits, 
         out = _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, intermediate, max_rows, swiglu=True)
         if out is not None:
             return out
-    gate, up = _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, n, max_rows).chunk(2, dim=-1)
+    gate_up = _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, n, max_rows)
+    if gate_up.dtype in (torch.float16, torch.bfloat16):
+        return experts.swiglu_cuda(gate_up)  # one launch (silu in float32, rounded once)
+    gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
@@ -604,6 +608,9 @@ def _large_groups_supported(device: torch.device) -> bool:
 
 
 _grouped_ops.register_large_groups("cuda", _large_groups_supported)
+
+
+torch.library.impl("kbit_linear::combine_experts", "CUDA")(experts.combine_experts_cuda)
 
 
 @torch.library.impl("kbit_linear::route_experts", "CUDA")

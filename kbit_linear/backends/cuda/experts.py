@@ -1,0 +1,93 @@
+"""The element-wise kernels of mixture-of-experts layers around the grouped GEMMs
+(``kernels/experts.cu``): SwiGLU over a gate_up output, and the weighted combine of the down
+projection's rows back into token order (``kbit_linear::combine_experts``).
+
+At decode sizes a MoE layer is bound by its launches, not its bytes: each kernel here replaces
+two to four torch kernels (silu and the product; the row gather, the weights' cast and the
+batched matmul). Both are launched as programmatic dependents, so they start while the grouped
+GEMM before them finishes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import _grouped_ops
+from . import loader
+
+__all__ = ["experts_instances", "swiglu_cuda", "combine_experts_cuda"]
+
+_SOURCE = "experts.cu"
+_THREADS = 256  # kThreads in experts.cu
+_DT = {torch.float16: 0, torch.bfloat16: 1}
+_WT = {torch.float32: 2, torch.float16: 0, torch.bfloat16: 1}
+_SWIGLU_ARGS = loader.ArgPack("kbit_swiglu", "gate_up:p out:p rows:i inter:i")
+_COMBINE_ARGS = loader.ArgPack("kbit_combine_experts", "y:p position:p weights:p out:p tokens:i top_k:i H:i")
+
+
+def experts_instances() -> list[str]:
+    """Every instance of the kernels in ``experts.cu``."""
+    swiglu = [f"kbit_swiglu<{dt}, {vec}>" for dt in _DT.values() for vec in (1, 8)]
+    combine = [f"kbit_combine_experts<{dt}, {wt}, {vec}>" for dt in _DT.values() for wt in _WT.values() for vec in (1, 8)]
+    return swiglu + combine
+
+
+def _vec(row: int, *tensors: torch.Tensor) -> int:
+    """8 (16-byte accesses) when rows are whole 16-byte pieces and every tensor is aligned, else 1."""
+    return 8 if row % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors) else 1
+
+
+def _grid(items: int, device_index: int) -> int:
+    """Enough blocks for one item per thread, at most a few waves of the GPU (grid-stride beyond)."""
+    return max(1, min(-(-items // _THREADS), loader.device_properties(device_index).sm_count * 8))
+
+
+def swiglu_cuda(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [R, 2I]`` (gate columns first), fp16/bf16 on a CUDA
+    device, computed in float32 and rounded once: ``[R, I]``.
+
+    Raises:
+        ValueError: ``gate_up`` is not a CUDA fp16/bf16 ``[R, 2I]`` tensor.
+    """
+    if not isinstance(gate_up, torch.Tensor) or gate_up.device.type != "cuda" or gate_up.dtype not in _DT \
+            or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be a CUDA fp16/bf16 [rows, 2 * intermediate] tensor, got "
+                         f"{getattr(gate_up, 'dtype', type(gate_up))} {tuple(getattr(gate_up, 'shape', ()))}")
+    gate_up = gate_up.contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel() == 0:
+        return out
+    vec = _vec(inter, gate_up, out)
+    dev = gate_up.get_device()
+    kern = loader.get_kernel(_SOURCE, f"kbit_swiglu<{_DT[gate_up.dtype]}, {vec}>", gate_up.device)
+    _SWIGLU_ARGS.launch(kern, _grid(rows * inter // vec, dev), 0, loader._current_raw_stream(dev),
+                        (gate_up.data_ptr(), out.data_ptr(), rows, inter), threads=_THREADS, programmatic=True)
+    return out
+
+
+def combine_experts_cuda(y: torch.Tensor, position: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """CUDA ``kbit_linear::combine_experts`` (the spec: :func:`kbit_linear._grouped_ops.combine_experts_reference`).
+    fp16/bf16 ``y`` takes the kernel; other dtypes the reference.
+
+    Raises:
+        TypeError / ValueError: bad arguments (named), or tensors not on one CUDA device.
+    """
+    _grouped_ops.check_combine_args(y, position, top_k_weights)
+    if y.device.type != "cuda":
+        raise ValueError(f"y must be on a CUDA device, got {y.device}")
+    if y.dtype not in _DT or top_k_weights.dtype not in _WT:
+        return _grouped_ops.combine_experts_reference(y, position, top_k_weights)
+    tokens, top_k = top_k_weights.shape
+    hidden = y.shape[1]
+    y, position, weights = y.contiguous(), position.contiguous(), top_k_weights.contiguous()
+    out = torch.empty((tokens, hidden), dtype=y.dtype, device=y.device)
+    if out.numel() == 0:
+        return out
+    vec = _vec(hidden, y, out)
+    dev = y.get_device()
+    kern = loader.get_kernel(_SOURCE, f"kbit_combine_experts<{_DT[y.dtype]}, {_WT[weights.dtype]}, {vec}>", y.device)
+    _COMBINE_ARGS.launch(kern, _grid(tokens * hidden // vec, dev), 0, loader._current_raw_stream(dev),
+                         (y.data_ptr(), position.data_ptr(), weights.data_ptr(), out.data_ptr(), tokens, top_k, hidden),
+                         threads=_THREADS, programmatic=True)
+    return out
