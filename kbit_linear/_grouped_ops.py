@@ -17,8 +17,10 @@ CUDA backend fuses the activation into the grouped kernel's stores where it can.
 
 ``kbit_linear::combine_experts`` brings the down projection's rows (sorted-slot order) back to
 the tokens: ``out[t] = sum_k top_k_weights[t, k] * y[position[t * top_k + k]]`` with
-``route_experts``'s ``position``, the weights rounded to ``y``'s dtype, products and sums in
-float32, rounded once.
+``route_experts``'s ``position`` (a permutation of the slots; a position outside them is an
+indexing error in the reference, and adds nothing in the CUDA kernel, which reads no memory for
+it), the weights rounded to ``y``'s dtype, products and sums in float32, rounded once.
+Differentiable in ``y`` and ``top_k_weights`` (router training through frozen experts).
 
 ``kbit_linear::route_experts`` turns a router's choice ``top_k_index [T, top_k]`` into the
 groups above: ``groups [3, G]`` listing the experts that received slots, ascending, as (expert,
@@ -208,6 +210,32 @@ def combine_experts_reference(y, position, top_k_weights):
 
 
 torch.library.impl(f"{_NS}::combine_experts", "default")(combine_experts_reference)
+
+
+def _combine_setup_context(ctx, inputs, output):
+    y, position, top_k_weights = inputs
+    ctx.save_for_backward(y, position, top_k_weights)
+
+
+def _combine_backward(ctx, grad):
+    """d/dy: each slot's row gets its token's gradient times the slot's (rounded) weight; d/dw:
+    the gradient dotted with the slot's row. Sums in float32, as the forward's."""
+    y, position, top_k_weights = ctx.saved_tensors
+    tokens, top_k = top_k_weights.shape
+    g = grad.float().unsqueeze(1)  # [T, 1, H]
+    grad_y = grad_w = None
+    if ctx.needs_input_grad[0]:
+        w = top_k_weights.to(y.dtype).float().unsqueeze(-1)  # [T, top_k, 1]
+        grad_y = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+        grad_y.index_add_(0, position, (w * g).reshape(-1, y.shape[1]))
+        grad_y = grad_y.to(y.dtype)
+    if ctx.needs_input_grad[2]:
+        rows = y[position].view(tokens, top_k, y.shape[1]).float()
+        grad_w = (rows * g).sum(-1).to(top_k_weights.dtype)
+    return grad_y, None, grad_w
+
+
+torch.library.register_autograd(f"{_NS}::combine_experts", _combine_backward, setup_context=_combine_setup_context)
 
 
 # ---------------------------------------------------------------------------------------

@@ -449,7 +449,8 @@ class KbitExperts(nn.Module):
             computed in the dtype ``top_k_weights`` promotes it to and summed in float32, then
             rounded once (as transformers' grouped_mm path does; its eager loop adds in the
             activations' dtype). The grouped GPU path rounds the routing weights to the
-            activations' dtype and forms products and sums in float32 in one batched matmul.
+            activations' dtype and forms products and sums in float32 in one launch
+            (``kbit_linear::combine_experts``).
 
         On a GPU with float16/bfloat16 activations and few enough routed rows per expert
         (:meth:`_grouped_max_rows`), both projections run as one grouped launch each

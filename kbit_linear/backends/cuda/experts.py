@@ -15,7 +15,7 @@ import torch
 from ... import _grouped_ops
 from . import loader
 
-__all__ = ["experts_instances", "swiglu_cuda", "combine_experts_cuda"]
+__all__ = ["experts_instances", "kernels_supported", "swiglu_cuda", "combine_experts_cuda"]
 
 _SOURCE = "experts.cu"
 _THREADS = 256  # kThreads in experts.cu
@@ -32,6 +32,25 @@ def experts_instances() -> list[str]:
     return swiglu + combine
 
 
+_supported: dict[int, bool] = {}
+
+
+def kernels_supported(device: torch.device) -> bool:
+    """Whether these kernels run on ``device``: a CUDA GPU of sm_80 or newer, with CuPy installed
+    (the answer is kept per device)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _supported.get(index)
+    if ok is None:
+        try:
+            ok = loader.cupy_available() and loader.device_properties(index) is not None
+        except RuntimeError:  # older than sm_80
+            ok = False
+        _supported[index] = ok
+    return ok
+
+
 def _vec(row: int, *tensors: torch.Tensor) -> int:
     """8 (16-byte accesses) when rows are whole 16-byte pieces and every tensor is aligned, else 1."""
     return 8 if row % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors) else 1
@@ -44,7 +63,7 @@ def _grid(items: int, device_index: int) -> int:
 
 def swiglu_cuda(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up [R, 2I]`` (gate columns first), fp16/bf16 on a CUDA
-    device, computed in float32 and rounded once: ``[R, I]``.
+    device where :func:`kernels_supported`, computed in float32 and rounded once: ``[R, I]``.
 
     Raises:
         ValueError: ``gate_up`` is not a CUDA fp16/bf16 ``[R, 2I]`` tensor.
@@ -68,7 +87,7 @@ def swiglu_cuda(gate_up: torch.Tensor) -> torch.Tensor:
 
 def combine_experts_cuda(y: torch.Tensor, position: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """CUDA ``kbit_linear::combine_experts`` (the spec: :func:`kbit_linear._grouped_ops.combine_experts_reference`).
-    fp16/bf16 ``y`` takes the kernel; other dtypes the reference.
+    fp16/bf16 ``y`` takes the kernel where :func:`kernels_supported`; other dtypes and GPUs the reference.
 
     Raises:
         TypeError / ValueError: bad arguments (named), or tensors not on one CUDA device.
@@ -76,7 +95,7 @@ def combine_experts_cuda(y: torch.Tensor, position: torch.Tensor, top_k_weights:
     _grouped_ops.check_combine_args(y, position, top_k_weights)
     if y.device.type != "cuda":
         raise ValueError(f"y must be on a CUDA device, got {y.device}")
-    if y.dtype not in _DT or top_k_weights.dtype not in _WT:
+    if y.dtype not in _DT or top_k_weights.dtype not in _WT or not kernels_supported(y.device):
         return _grouped_ops.combine_experts_reference(y, position, top_k_weights)
     tokens, top_k = top_k_weights.shape
     hidden = y.shape[1]

@@ -562,7 +562,7 @@ def _grouped_swiglu_op(x, packed, absmax, codebook, tensor_scale, groups, bits, 
         if out is not None:
             return out
     gate_up = _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, n, max_rows)
-    if gate_up.dtype in (torch.float16, torch.bfloat16):
+    if gate_up.dtype in (torch.float16, torch.bfloat16) and experts.kernels_supported(gate_up.device):
         return experts.swiglu_cuda(gate_up)  # one launch (silu in float32, rounded once)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
