@@ -881,9 +881,7 @@ def test_route_experts_reference_orders_slots_and_lists_hit_experts():
 
 @pytest.mark.cuda
 def test_cuda_route_experts_matches_the_reference():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("cupy")
+    _needs_cuda_kernels()
     for index, e, groups in _route_cases():
         want = torch.ops.kbit_linear.route_experts(index, e, groups)
         got = torch.ops.kbit_linear.route_experts(index.cuda(), e, groups)
@@ -1088,9 +1086,7 @@ def test_cuda_grouped_forward_and_graph(dtype, tokens):
     tensor-core grouped kernel on compute capability 9.0, the reference loop elsewhere) against
     the CPU reference; at one token (and at 40 where the grouped kernel takes it) the forward
     captured in a CUDA graph and replayed on new routing."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("cupy")
+    _needs_cuda_kernels()
     dense = _dense_experts()
     k = KbitExperts.from_experts(dense, bits=4)
     gpu = copy.deepcopy(k).cuda()
@@ -1130,9 +1126,7 @@ def test_cuda_grouped_forward_and_graph(dtype, tokens):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cuda_forward_matches_the_cpu_reference(dtype):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("cupy")
+    _needs_cuda_kernels()
     dense = _dense_experts()
     k = KbitExperts.from_experts(dense, bits=4)
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
@@ -1150,9 +1144,7 @@ def test_cuda_router_gradients_through_frozen_grouped_experts(tokens):
     """Activations without a gradient and routing weights with one (router training in front of
     frozen experts): the grouped GPU path runs and the routing weights' gradient matches the
     CPU reference module's."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("cupy")
+    _needs_cuda_kernels()
     k = KbitExperts.from_experts(_dense_experts(), bits=4)
     gpu = copy.deepcopy(k).cuda()
     index, w0 = _routing(tokens, 3, k.num_experts, "random", seed=tokens)
