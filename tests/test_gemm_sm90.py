@@ -119,6 +119,18 @@ def test_a_nearly_full_wave_of_tiles_runs_unsplit():
     _check_gemm(1024, 4096, 4096, 4, torch.float16)
 
 
+@pytest.mark.parametrize("bits", [2, 5])
+def test_a_few_tiles_split_k_into_equal_pieces(bits):
+    # 4096->1024 at M = 200: 8 tiles of 256 tokens, 64 k-tiles; the planner cuts each tile's K into
+    # equal pieces, one per block (tuning.WGMMA_SPLIT_FIXUP_KTILES), summed in the workspace.
+    dev = torch.cuda.current_device()
+    plan = ops._make_plan(200, 1024, 4096, bits, torch.float16, dev, "wgmma", None)
+    if not plan.split:
+        pytest.skip(f"this GPU's plan does not split K ({plan.grid} blocks)")
+    assert 64 % plan.iters == 0 and plan.grid == plan.tiles * (64 // plan.iters)
+    _check_gemm(200, 4096, 1024, bits, torch.float16, path="wgmma")
+
+
 def test_wgmma_path_refused_without_sm90(monkeypatch):
     # Planned directly (the plan cache may already hold this problem): a GPU without wgmma is
     # refused when the path is forced, and the automatic dispatch does not pick it.

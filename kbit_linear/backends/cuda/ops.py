@@ -176,15 +176,41 @@ def _plan_fused(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
                           force_split)
 
 
+def _wgmma_single_wave_split(tiles: int, k_tiles: int, sm_count: int, token_tile: int) -> int | None:
+    """``split_k`` for a wgmma grid of at most one whole tile per SM: 1 (unsplit) or s equal
+    pieces of K per tile, by the cost model of :data:`.tuning.WGMMA_SPLIT_FIXUP_KTILES`; None
+    where stream-K costs less or the model does not cover the token tile or the grid."""
+    fixup = tuning.WGMMA_SPLIT_FIXUP_KTILES.get(token_tile)
+    if fixup is None or tiles > sm_count or k_tiles <= 1:
+        return None
+    base, per_split = fixup
+    best_split, best_cost = 1, float(k_tiles)
+    for s in range(2, min(k_tiles, sm_count // tiles) + 1):
+        cost = k_tiles / s + base + per_split * s
+        if k_tiles % s == 0 and cost < best_cost:
+            best_split, best_cost = s, cost
+    # stream-K: pieces of `iters` k-tiles; a block whose range is not aligned to its tiles works
+    # on two of them, each with one more piece
+    iters = -(-tiles * k_tiles // sm_count)
+    pieces, aligned = -(-k_tiles // iters), k_tiles % iters == 0
+    stream_k_cost = iters * tuning.WGMMA_STREAM_K_PENALTY + (
+        base + per_split * pieces if aligned else 2 * (base + per_split * (pieces + 1)))
+    if stream_k_cost < best_cost:
+        return None
+    return best_split
+
+
 def _plan_wgmma(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtype, device_index: int, split_k: int | None, force_split: bool) -> _GemmPlan:
+    props = loader.device_properties(device_index)
     if not hopper.supported(device_index):
-        raise ValueError(f"the wgmma path needs a GPU of compute capability 9.0, cuda:{device_index} is "
-                         f"{loader.device_properties(device_index).arch}")
-    bt = hopper.token_tile(m, loader.device_properties(device_index).name)
+        raise ValueError(f"the wgmma path needs a GPU of compute capability 9.0, cuda:{device_index} is {props.arch}")
+    bt = hopper.token_tile(m, props.name)
     kernel = loader.get_kernel("gemm_sm90.cu", hopper.instance_name(bits, bt, dtype), torch.device("cuda", device_index),
                                hopper.ARCH_OPTIONS)
     hopper.check_registers(kernel, bt)
     tiles = -(-m // bt) * n_tiles
+    if split_k is None and not force_split:
+        split_k = _wgmma_single_wave_split(tiles, k_tiles, props.sm_count, bt)
     plan = _plan_stream_k("wgmma", kernel, _SM90_ARGS, hopper.smem_bytes(bits, bt), hopper.accumulators(bt), tiles, k_tiles,
                           device_index, split_k, force_split, hopper.THREADS, tuning.WGMMA_UNSPLIT_MIN_WAVE_FILL)
     plan.token_tile = bt

@@ -21,6 +21,8 @@ __all__ = [
     "WGMMA_ROWS",
     "WGMMA_LAST_ROW_BY_BITS",
     "WGMMA_UNSPLIT_MIN_WAVE_FILL",
+    "WGMMA_SPLIT_FIXUP_KTILES",
+    "WGMMA_STREAM_K_PENALTY",
     "WGMMA_LARGE_WEIGHT_FIRST_ROW",
     "WGMMA_TOKEN_TILES",
     "FUSED_MIN_SPLIT_ITERS",
@@ -128,11 +130,27 @@ WGMMA_LARGE_WEIGHT_FIRST_ROW: dict[str, int] = {"default": 17}
 
 # Smallest share of the last wave that a grid of whole tiles (no split of K) must fill for the
 # wgmma kernel to run unsplit: tiles / (slots * waves) with waves = ceil(tiles / slots). Below it,
-# stream-K evens the tail. H100 (2026-11-23, fp16, K = 4, us, unsplit vs stream-K as planned before
+# stream-K evens the tail. Applies to grids of more tiles than SMs and to token tile 64; the
+# others follow WGMMA_SPLIT_FIXUP_KTILES below. H100 (2026-11-23, fp16, K = 4, us, unsplit vs stream-K as planned before
 # this rule): M = 1024 4096->4096 (128 tiles on 132 slots, 0.97) 53.7 vs 73.9, 14336->4096 (0.97)
 # 200.0 vs 205.4, 28672->8192 (256 tiles, 0.97) 819.3 vs 839.0; 4096->14336 (448 tiles, 0.85)
 # 251.7 vs 228.9, which stays stream-K.
 WGMMA_UNSPLIT_MIN_WAVE_FILL = 0.9
+
+# Grids of at most one whole tile per SM (token tiles 128 and 256: one block per SM) split K into
+# s equal pieces, one per block (s * tiles <= SMs, s divides the k-tiles), or run stream-K, by
+# whichever costs least in k-tile times: k_tiles / s + fixup(s), fixup(s) = base + per_split * s
+# for s > 1 (the last block of a tile reads s partial tiles of the workspace), and stream-K
+# iters * WGMMA_STREAM_K_PENALTY + fixup(pieces per tile), twice (with one more piece) where the
+# blocks' ranges do not align with the tiles (two segments per block).
+# (base, per_split) by token tile, fitted to one H100 run (2026-11-23, fp16, K = 4, us, this plan
+# vs the stream-K plan before it): 4096->14336 M = 256 unsplit 54.9 vs 67.5, M = 128 37.1 vs 42.1;
+# 14336->4096 M = 256 s = 4 59.5 vs 69.4, M = 512 s = 2 99.7 vs 119.5; 28672->8192 M = 256 s = 2
+# 188.9 vs 223.3; 4096->1024 M = 256 s = 4 24.8 vs 34.1; 4096->6144 M = 384 unsplit 51.1 vs 74.8.
+# Token tile 64 (two blocks per SM, where sharing an SM changes a block's speed by shape) keeps
+# the stream-K rule above.
+WGMMA_SPLIT_FIXUP_KTILES: dict[int, tuple[float, float]] = {128: (5.0, 1.4), 256: (7.7, 2.15)}
+WGMMA_STREAM_K_PENALTY = 1.1
 
 # Token tiles (the kernel's BT) by rows, per GPU: (tile, largest M that takes it), in order; an M
 # above every limit takes the largest tile, 256. Same run: 64 is fastest up to M = 64 (8192->28672
