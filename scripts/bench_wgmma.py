@@ -2,7 +2,8 @@
 
 For every (shape, bits, M) the wgmma kernel is timed with each token tile of
 ``hopper.TOKEN_TILES`` forced (automatic split; with ``--splits`` also the automatic tile unsplit,
-split in two and stream-K, behind ``tuning.WGMMA_UNSPLIT_MIN_WAVE_FILL``), beside cuBLAS fp16 on the dense weight, the
+split in two and four and stream-K, behind ``tuning.WGMMA_UNSPLIT_MIN_WAVE_FILL`` and
+``tuning.WGMMA_SPLIT_FIXUP_KTILES``), beside cuBLAS fp16 on the dense weight, the
 decode kernel (where it supports the problem), the mma.sync kernel and dequantize + cuBLAS. This
 is the measurement behind ``tuning.WGMMA_TOKEN_TILES`` and ``tuning.WGMMA_ROWS``.
 
@@ -77,6 +78,7 @@ def bench(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int], splits: 
         if splits:  # the automatic tile with every K-split choice of the planner forced
             row["unsplit"] = _time(call(path="wgmma", split_k=1), len(qws))
             row["split2"] = _time(call(path="wgmma", split_k=2), len(qws))
+            row["split4"] = _time(call(path="wgmma", split_k=4), len(qws))
             row["stream-K"] = _time(call(path="wgmma-splitk"), len(qws))
         row["fused"] = _time(call(path="fused"), len(qws))
         row["dequant+cublas"] = _time(call(path="dequant+cublas"), len(qws))
@@ -89,7 +91,7 @@ def bench(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int], splits: 
     return rows
 
 
-COLUMNS = ["cublas"] + [f"wgmma{t}" for t in hopper.TOKEN_TILES] + ["unsplit", "split2", "stream-K", "fused", "dequant+cublas", "decode", "auto"]
+COLUMNS = ["cublas"] + [f"wgmma{t}" for t in hopper.TOKEN_TILES] + ["unsplit", "split2", "split4", "stream-K", "fused", "dequant+cublas", "decode", "auto"]
 HEADER = ("| in x out | bits | dtype | M | " + " | ".join(f"{c} us" for c in COLUMNS) + " | auto path | best wgmma / cuBLAS |\n|"
           + "---|" * (len(COLUMNS) + 6))
 
@@ -106,7 +108,7 @@ def main() -> None:
     ap.add_argument("--m", nargs="+", type=int, default=MS)
     ap.add_argument("--bits", nargs="+", type=int, default=[4])
     ap.add_argument("--dtypes", nargs="+", default=["fp16"], choices=["fp16", "bf16"])
-    ap.add_argument("--splits", action="store_true", help="also time the automatic tile unsplit, split in two and stream-K")
+    ap.add_argument("--splits", action="store_true", help="also time the automatic tile unsplit, split in two and four, and stream-K")
     ap.add_argument("--json", help="write the rows as JSON")
     ap.add_argument("--md", help="write the markdown table")
     args = ap.parse_args()
