@@ -66,6 +66,11 @@ template <int DT> KBIT_DEVICE u32 pack2(float lo, float hi) {
     return (u32)f32_to_bits<DT>(lo) | ((u32)f32_to_bits<DT>(hi) << 16);
 }
 
+// Eight floats -> eight half-precision values in one 16-byte word, in order (one vector store).
+template <int DT> KBIT_DEVICE uint4 pack8(const float (&v)[8]) {
+    return make_uint4(pack2<DT>(v[0], v[1]), pack2<DT>(v[2], v[3]), pack2<DT>(v[4], v[5]), pack2<DT>(v[6], v[7]));
+}
+
 // Element-wise product of two packed pairs, rounded to nearest.
 template <int DT> KBIT_DEVICE u32 mul2(u32 a, u32 b);
 template <> KBIT_DEVICE u32 mul2<KBIT_F16>(u32 a, u32 b) {

@@ -40,12 +40,7 @@ template <int DT, int VEC> KBIT_DEVICE void load_vec(float (&v)[VEC], const u16*
 
 template <int DT, int VEC> KBIT_DEVICE void store_vec(u16* __restrict__ p, const float (&v)[VEC]) {
     if constexpr (VEC == 8) {
-        uint4 w;
-        w.x = pack2<DT>(v[0], v[1]);
-        w.y = pack2<DT>(v[2], v[3]);
-        w.z = pack2<DT>(v[4], v[5]);
-        w.w = pack2<DT>(v[6], v[7]);
-        *reinterpret_cast<uint4*>(p) = w;
+        *reinterpret_cast<uint4*>(p) = pack8<DT>(v);
     } else {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) p[i] = f32_to_bits<DT>(v[i]);

@@ -178,13 +178,14 @@ __device__ __forceinline__ void store_tile(const float (&acc)[Shape<BITS, BT>::N
         }
 }
 
-// The grouped kernel's store, as store_tile without bias, in one of three modes: 0 writes
-// acc * ts; 1 (a gate tile of the fused SwiGLU) writes silu(acc * ts); 2 (its up tile) multiplies
-// what mode 1 wrote there by acc * ts. Modes 1 and 2 touch the same elements from the same thread,
-// so the second reads the first's stores with no barrier.
+// The fused SwiGLU's stores in the grouped kernel, as store_tile without bias: MODE 1 (a gate
+// tile) writes silu(acc * ts); MODE 2 (its up tile) multiplies what mode 1 wrote there by
+// acc * ts. Both touch the same elements from the same thread, so the second reads the first's
+// stores with no barrier.
 template <int BITS, int BT, int DT, int MODE>
-__device__ __forceinline__ void store_grouped(float (&acc)[Shape<BITS, BT>::NACC], u16* __restrict__ out, float ts, int M, int N,
-                                              int m0, int n) {
+__device__ __forceinline__ void store_swiglu(float (&acc)[Shape<BITS, BT>::NACC], u16* __restrict__ out, float ts, int M, int N,
+                                             int m0, int n) {
+    static_assert(MODE == 1 || MODE == 2, "gate or up tile");
     constexpr int CHUNK = 4;  // token groups of 8 per chunk: mode 2 loads a chunk's gate values, then stores it
     const int t = threadIdx.x & 3;
 #pragma unroll
@@ -517,9 +518,9 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
         const int nt = walk.phase ? walk.nt - n_tiles / 2 : walk.nt;  // the up half writes over its gate half
         const float ts = __ldg(tensor_scale + walk.expert);
         const int m_end = walk.x_row + walk.rows, n = nt * kTileN + col0;
-        // three instances, so that each indexes the accumulators at compile time only
-        if (!swiglu) store_grouped<BITS, BT, DT, 0>(acc, out, ts, m_end, N, walk.x_row, n);
-        else if (walk.phase == 0) store_grouped<BITS, BT, DT, 1>(acc, out, ts, m_end, N, walk.x_row, n);
-        else store_grouped<BITS, BT, DT, 2>(acc, out, ts, m_end, N, walk.x_row, n);
+        // one instance per mode, so that each indexes the accumulators at compile time only
+        if (!swiglu) store_tile<BITS, BT, DT>(acc, out, nullptr, ts, m_end, N, walk.x_row, n);
+        else if (walk.phase == 0) store_swiglu<BITS, BT, DT, 1>(acc, out, ts, m_end, N, walk.x_row, n);
+        else store_swiglu<BITS, BT, DT, 2>(acc, out, ts, m_end, N, walk.x_row, n);
     }
 }

@@ -138,8 +138,7 @@ kbit_gguf_dequantize(const u8* __restrict__ qs, const u32* __restrict__ qh, cons
         dst[0] = make_float4(f[0], f[1], f[2], f[3]);
         dst[1] = make_float4(f[4], f[5], f[6], f[7]);
     } else {
-        reinterpret_cast<uint4*>(out)[i] = make_uint4(pack2<DT>(f[0], f[1]), pack2<DT>(f[2], f[3]), pack2<DT>(f[4], f[5]),
-                                                      pack2<DT>(f[6], f[7]));
+        reinterpret_cast<uint4*>(out)[i] = pack8<DT>(f);
     }
 }
 

@@ -199,12 +199,7 @@ __global__ void __launch_bounds__(256) kbit_dequantize(const u32* __restrict__ p
     } else {
         u16* dst = static_cast<u16*>(out) + o;
         if (vec) {
-            uint4 pk;
-            pk.x = pack2<DT>(vals[0], vals[1]);
-            pk.y = pack2<DT>(vals[2], vals[3]);
-            pk.z = pack2<DT>(vals[4], vals[5]);
-            pk.w = pack2<DT>(vals[6], vals[7]);
-            *reinterpret_cast<uint4*>(dst) = pk;
+            *reinterpret_cast<uint4*>(dst) = pack8<DT>(vals);
         } else {
 #pragma unroll
             for (int t = 0; t < 8; ++t)

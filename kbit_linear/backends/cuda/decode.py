@@ -114,12 +114,10 @@ def decode_supported(m: int, bits: int, dtype: torch.dtype, device: torch.device
         if not torch.cuda.is_available():
             return True
         device = torch.cuda.current_device()
-    index = device if isinstance(device, int) else loader._device_index(device)
-    try:
-        props = loader.device_properties(index)
-    except RuntimeError:
-        return False
-    return _MAX_SMEM[bits] <= props.max_shared_per_block
+    if isinstance(device, torch.device) and device.type != "cuda":
+        raise ValueError(f"device must be a CUDA torch.device, got {device!r}")
+    props = loader.runnable_properties(device)
+    return props is not None and _MAX_SMEM[bits] <= props.max_shared_per_block
 
 
 # ---------------------------------------------------------------------------------------

@@ -43,11 +43,7 @@ def kernels_supported(device: torch.device) -> bool:
     index = device.index if device.index is not None else torch.cuda.current_device()
     ok = _supported.get(index)
     if ok is None:
-        try:
-            ok = loader.cupy_available() and loader.device_properties(index) is not None
-        except RuntimeError:  # older than sm_80
-            ok = False
-        _supported[index] = ok
+        ok = _supported[index] = loader.cupy_available() and loader.runnable_properties(index) is not None
     return ok
 
 
@@ -56,9 +52,13 @@ def _vec(row: int, *tensors: torch.Tensor) -> int:
     return 8 if row % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors) else 1
 
 
-def _grid(items: int, device_index: int) -> int:
-    """Enough blocks for one item per thread, at most a few waves of the GPU (grid-stride beyond)."""
-    return max(1, min(-(-items // _THREADS), loader.device_properties(device_index).sm_count * 8))
+def _launch(args: loader.ArgPack, instance: str, device: torch.device, items: int, values: tuple) -> None:
+    """Launch ``instance`` of experts.cu on ``device``'s current stream as a programmatic dependent:
+    enough blocks for one item per thread, at most a few waves of the GPU (grid-stride beyond)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    grid = max(1, min(-(-items // _THREADS), loader.device_properties(index).sm_count * 8))
+    args.launch(loader.get_kernel(_SOURCE, instance, device), grid, 0, loader._current_raw_stream(index), values,
+                threads=_THREADS, programmatic=True)
 
 
 def swiglu_cuda(gate_up: torch.Tensor) -> torch.Tensor:
@@ -78,10 +78,8 @@ def swiglu_cuda(gate_up: torch.Tensor) -> torch.Tensor:
     if out.numel() == 0:
         return out
     vec = _vec(inter, gate_up, out)
-    dev = gate_up.get_device()
-    kern = loader.get_kernel(_SOURCE, f"kbit_swiglu<{_DT[gate_up.dtype]}, {vec}>", gate_up.device)
-    _SWIGLU_ARGS.launch(kern, _grid(rows * inter // vec, dev), 0, loader._current_raw_stream(dev),
-                        (gate_up.data_ptr(), out.data_ptr(), rows, inter), threads=_THREADS, programmatic=True)
+    _launch(_SWIGLU_ARGS, f"kbit_swiglu<{_DT[gate_up.dtype]}, {vec}>", gate_up.device, rows * inter // vec,
+            (gate_up.data_ptr(), out.data_ptr(), rows, inter))
     return out
 
 
@@ -104,9 +102,6 @@ def combine_experts_cuda(y: torch.Tensor, position: torch.Tensor, top_k_weights:
     if out.numel() == 0:
         return out
     vec = _vec(hidden, y, out)
-    dev = y.get_device()
-    kern = loader.get_kernel(_SOURCE, f"kbit_combine_experts<{_DT[y.dtype]}, {_WT[weights.dtype]}, {vec}>", y.device)
-    _COMBINE_ARGS.launch(kern, _grid(tokens * hidden // vec, dev), 0, loader._current_raw_stream(dev),
-                         (y.data_ptr(), position.data_ptr(), weights.data_ptr(), out.data_ptr(), tokens, top_k, hidden),
-                         threads=_THREADS, programmatic=True)
+    _launch(_COMBINE_ARGS, f"kbit_combine_experts<{_DT[y.dtype]}, {_WT[weights.dtype]}, {vec}>", y.device, tokens * hidden // vec,
+            (y.data_ptr(), position.data_ptr(), weights.data_ptr(), out.data_ptr(), tokens, top_k, hidden))
     return out

@@ -45,6 +45,7 @@ __all__ = [
     "set_programmatic_launch",
     "grid_may_overlap",
     "device_properties",
+    "runnable_properties",
     "cupy_available",
 ]
 
@@ -157,6 +158,20 @@ def device_properties(device: torch.device | int) -> DeviceProperties:
             )
         _props[index] = props
     return props
+
+
+def runnable_properties(device: torch.device | int) -> DeviceProperties | None:
+    """The :class:`DeviceProperties` of a CUDA device the kernels run on (sm_80 or newer), or
+    None for a device that is not CUDA or a GPU older than that: the first step of every "does
+    this kernel take the device" check (the checks add their own limits to the properties)."""
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            return None
+        device = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        return device_properties(device)
+    except RuntimeError:  # older than sm_80
+        return None
 
 
 def _device_index(device: torch.device) -> int:

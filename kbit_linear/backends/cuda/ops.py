@@ -625,12 +625,8 @@ def _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, 
 
 def _large_groups_supported(device: torch.device) -> bool:
     """Whether groups of any size run on the device without a host sync (the grouped wgmma kernel)."""
-    if device.type != "cuda":
-        return False
-    try:
-        return hopper.supported(device.index if device.index is not None else torch.cuda.current_device())
-    except RuntimeError:  # a GPU the backend does not run on at all (older than sm_80): the reference
-        return False
+    props = loader.runnable_properties(device)  # None: a GPU the backend does not run on at all, so the reference
+    return props is not None and hopper.supported(props.index)
 
 
 _grouped_ops.register_large_groups("cuda", _large_groups_supported)
