@@ -455,6 +455,19 @@ template <int BITS, int NWR, int R, bool GROUPED> struct Cursor {
     }
 };
 
+// 1 + the last group with rows (0 if none), found by every warp on its own: one load per lane per
+// 32 groups and a ballot.
+KBIT_DEVICE int used_groups(const Groups& grp) {
+    const int lane = threadIdx.x & 31;
+    int used = 0;
+    for (int q0 = 0; q0 < grp.count; q0 += 32) {
+        const int q = q0 + lane;
+        const u32 hit = __ballot_sync(0xffffffffu, q < grp.count && __ldg(grp.info + 2 * grp.count + q) > 0);
+        if (hit) used = q0 + 32 - __clz(hit);
+    }
+    return used;
+}
+
 template <int R, int MT> KBIT_DEVICE void zero_acc(float (&acc)[R][MT][4]) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -660,15 +673,19 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
     const int kc = (k_tiles + 1) >> 1;          // 128-wide chunks
     constexpr int kRows = NWR * R * 16;         // rows per row tile
     grp.rt_per_group = (N + kRows - 1) / kRows;
-    const int row_tiles = GROUPED ? grp.count * grp.rt_per_group : grp.rt_per_group;
-    const int units = row_tiles * (kc / align);  // the grid's items, in multiples of `align`
-    const int i0 = align * (int)(((long long)blockIdx.x * units) / gridDim.x);
-    const int i1 = align * (int)(((long long)(blockIdx.x + 1) * units) / gridDim.x);
     // The next programmatic launch may start (and run up to its own wait) once every block has
     // passed here: its launch and prologue overlap this grid's work instead of following it.
     // (Triggering only as blocks exit gains nearly nothing: measured in bench/results/decode.md.)
     allow_dependent_launch();
-    if (i0 >= i1) return;  // whole block, before any barrier
+    // A grouped launch's items are known only after the wait (the groups come from the previous
+    // kernel), so its blocks find their ranges below; a single weight's are known now.
+    int units = 0, i0 = 0, i1 = 0;
+    if constexpr (!GROUPED) {
+        units = grp.rt_per_group * (kc / align);  // the grid's items, in multiples of `align`
+        i0 = align * (int)(((long long)blockIdx.x * units) / gridDim.x);
+        i1 = align * (int)(((long long)(blockIdx.x + 1) * units) / gridDim.x);
+        if (i0 >= i1) return;  // whole block, before any barrier
+    }
     const int rg_valid = (N + 15) >> 4;  // row groups holding real rows
 
     // Tables: the pair/quad table on a kAlign boundary of the shared window, then the scales,
@@ -680,18 +697,6 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
     using Slot = RedSlot<KS, R, MT>;
     const u32 slots_win = stab_win + 1024u;                              // Slot [2][NWR]
     const u32 ctls_win = slots_win + 2u * NWR * (u32)sizeof(Slot);       // RedCtl [2][NWR]
-
-    // Order of this block's items: when its range ends inside a row tile that it does not also
-    // start in, that partial tile goes first; then the range from its start. A range holding a
-    // whole row tile thus ends on one, stored directly, and the split-K finalisation of partial
-    // tiles happens early instead of on the kernel's critical path. Segment = the block's items
-    // of one row tile; warp (wr, wk) takes positions wk, wk + KS, ... of the sequence.
-    const int n_items = i1 - i0;
-    const int last_rt_start = ((i1 - 1) / kc) * kc;
-    const int n_tail = (i1 % kc != 0 && last_rt_start > i0) ? i1 - last_rt_start : 0;
-    const int body_end = n_tail ? last_rt_start : i1;
-    auto item_at = [&](int p) { return p < n_tail ? last_rt_start + p : i0 + (p - n_tail); };
-    const int n_mine = wk < n_items ? (n_items - wk + KS - 1) / KS : 0;
 
     // Under a programmatic launch the previous kernel may still be running until
     // grid_dependency_wait(). Before it: build the tables from the codebook as it reads now
@@ -710,9 +715,30 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
         kbit::mbar_init(ctl_s + kFreeOffset, 32);
     }
     grid_dependency_wait();
+    if constexpr (GROUPED) {
+        // The items run over the groups up to the last one with rows: the routing lists the hit
+        // experts first and leaves the rest empty, so the grid's blocks share only the hit ones'
+        // items (empty groups in between still take items, which load and store nothing).
+        units = used_groups(grp) * grp.rt_per_group * (kc / align);
+        i0 = align * (int)(((long long)blockIdx.x * units) / gridDim.x);
+        i1 = align * (int)(((long long)(blockIdx.x + 1) * units) / gridDim.x);
+        if (i0 >= i1) return;  // whole block, before any barrier
+    }
     // The codebook as it reads now: if the previous kernel changed it, the tables are rebuilt
     // below (no lookup has happened yet).
     const bool cb_changed = ldg_cg_word(cb_entry) != cb_early;
+
+    // Order of this block's items: when its range ends inside a row tile that it does not also
+    // start in, that partial tile goes first; then the range from its start. A range holding a
+    // whole row tile thus ends on one, stored directly, and the split-K finalisation of partial
+    // tiles happens early instead of on the kernel's critical path. Segment = the block's items
+    // of one row tile; warp (wr, wk) takes positions wk, wk + KS, ... of the sequence.
+    const int n_items = i1 - i0;
+    const int last_rt_start = ((i1 - 1) / kc) * kc;
+    const int n_tail = (i1 % kc != 0 && last_rt_start > i0) ? i1 - last_rt_start : 0;
+    const int body_end = n_tail ? last_rt_start : i1;
+    auto item_at = [&](int p) { return p < n_tail ? last_rt_start + p : i0 + (p - n_tail); };
+    const int n_mine = wk < n_items ? (n_items - wk + KS - 1) / KS : 0;
 
     // Ring of in-flight plane loads: ring[d] holds the R row groups of this warp's unit (j + d).
     Sub<BITS> ring[D][R];
