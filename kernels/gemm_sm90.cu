@@ -367,6 +367,46 @@ __device__ __forceinline__ u32 setup_block(u8* smem, const float* codebook) {
     return cb_reg;
 }
 
+// The block's dynamic shared memory, its base aligned up to 1024 bytes (the swizzle atoms).
+__device__ __forceinline__ u8* block_smem() {
+    extern __shared__ __align__(1024) u8 smem_raw[];
+    return smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+}
+
+// A block's whole life in both kernels: the programmatic-launch handshake, the tables and
+// barriers, then the producer warpgroup's copies and the consumers' k-loops over `walk`. After
+// each segment the consumers call epilogue(acc, col0): acc the segment's partial product, col0
+// the thread's first feature in the tile.
+template <int BITS, int BT, int DT, class Walk, class Epilogue>
+__device__ __forceinline__ void run_block(u8* smem, Walk& walk, const TensorMap* x_map, const float* codebook, int n_tiles,
+                                          Epilogue&& epilogue) {
+    using S = Shape<BITS, BT>;
+    u64* full = reinterpret_cast<u64*>(smem + S::BARRIER_OFFSET);
+    u64* empty = full + S::STAGES;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    // Programmatic dependent launch, as in gemm.cu.
+    allow_dependent_launch();
+    grid_dependency_wait();
+    const u32 cb_reg = setup_block<BITS, BT, DT>(smem, codebook);
+
+    if (warp >= kConsumers / 32) {
+        set_max_registers_dec<S::PRODUCER_REGS>();
+        if (warp == kConsumers / 32 && lane == 0) produce<BITS, BT>(walk, x_map, smem, full, empty, n_tiles);
+        return;
+    }
+    set_max_registers_inc<S::CONSUMER_REGS>();
+    const int col0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);  // this lane's first feature in the tile
+    u32 a[2][2][4] = {};  // A registers: [32-block of the k-tile][k16 step][fragment]
+    u32 use = 0;
+    while (walk.next()) {
+        float acc[S::NACC];
+        consume<BITS, BT, DT>(walk.kb0, walk.kb1, use, smem, full, empty, smem + S::LUT_OFFSET,
+                              reinterpret_cast<const u32*>(smem + S::SCALE_OFFSET), cb_reg, col0, acc, a);
+        epilogue(acc, col0);
+    }
+}
+
 }  // namespace sm90
 }  // namespace kbit
 
@@ -391,81 +431,54 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
     using namespace kbit;
     using namespace kbit::sm90;
     using S = Shape<BITS, BT>;
-    extern __shared__ __align__(1024) u8 smem_raw[];
-    u8* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    u8* smem = block_smem();
     int* flag = reinterpret_cast<int*>(smem + S::FLAG_OFFSET);
-    u64* full = reinterpret_cast<u64*>(smem + S::BARRIER_OFFSET);
-    u64* empty = full + S::STAGES;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     const int m_tiles = (M + BT - 1) / BT;
-
-    // Programmatic dependent launch, as in gemm.cu.
-    allow_dependent_launch();
-    grid_dependency_wait();
-
-    const u32 cb_reg = setup_block<BITS, BT, DT>(smem, codebook);
     RangeWalk<BT> walk(iters, m_tiles * n_tiles, k_tiles, m_tiles, packed, absmax);
-
-    if (warp >= kConsumers / 32) {
-        set_max_registers_dec<S::PRODUCER_REGS>();
-        if (warp == kConsumers / 32 && lane == 0) produce<BITS, BT>(walk, &x_map, smem, full, empty, n_tiles);
-        return;
-    }
-
-    // Consumers.
-    set_max_registers_inc<S::CONSUMER_REGS>();
-    const int col0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);  // this lane's first feature in the tile
-    const float ts = *tensor_scale;
-    u32 a[2][2][4] = {};  // A registers: [32-block of the k-tile][k16 step][fragment]
-    u32 use = 0;
-    while (walk.next()) {
-        const int tile = walk.tile, kb0 = walk.kb0, kb1 = walk.kb1;
-        const int m0 = walk.x_row;
-        float acc[S::NACC];
-        consume<BITS, BT, DT>(kb0, kb1, use, smem, full, empty, smem + S::LUT_OFFSET,
-                              reinterpret_cast<const u32*>(smem + S::SCALE_OFFSET), cb_reg, col0, acc, a);
-
+    run_block<BITS, BT, DT>(smem, walk, &x_map, codebook, n_tiles, [&](float (&acc)[S::NACC], int col0) {
+        const float ts = *tensor_scale;  // read here, after run_block's dependency wait
+        const int tile = walk.tile, m0 = walk.x_row;
         const int n = walk.nt * kTileN + col0;
-        if (kb0 == 0 && kb1 == k_tiles) {
+        if (walk.kb0 == 0 && walk.kb1 == k_tiles) {
             store_tile<BITS, BT, DT>(acc, out, bias, ts, M, N, m0, n);
-        } else {
-            // Split tile: contributors are the blocks whose ranges meet [tile*k_tiles, (tile+1)*k_tiles).
-            const i64 t0 = (i64)tile * k_tiles;
-            const int first = (int)(t0 / iters), last = (int)((t0 + k_tiles - 1) / iters);
-            const int side = tile == (int)(((i64)blockIdx.x * iters) / k_tiles) ? 0 : 1;
-            float4* slot = reinterpret_cast<float4*>(workspace) + ((i64)blockIdx.x * 2 + side) * (S::NACC / 4) * kConsumers;
+            return;
+        }
+        // Split tile: contributors are the blocks whose ranges meet [tile*k_tiles, (tile+1)*k_tiles).
+        const i64 t0 = (i64)tile * k_tiles;
+        const int first = (int)(t0 / iters), last = (int)((t0 + k_tiles - 1) / iters);
+        const int side = tile == (int)(((i64)blockIdx.x * iters) / k_tiles) ? 0 : 1;
+        float4* slot = reinterpret_cast<float4*>(workspace) + ((i64)blockIdx.x * 2 + side) * (S::NACC / 4) * kConsumers;
 #pragma unroll
-            for (int v = 0; v < S::NACC / 4; ++v)
-                slot[v * kConsumers + tid] = make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]);
-            __threadfence();
-            named_barrier(kConsumerBarrier, kConsumers);
-            if (tid == 0) {
-                const int arrived = atomicAdd(counters + tile, 1);
-                const int is_last = arrived == last - first;
-                if (is_last) counters[tile] = 0;  // every contributor has counted: reset for the next launch
-                *flag = is_last;
-            }
-            named_barrier(kConsumerBarrier, kConsumers);
-            if (*flag) {
-                __threadfence();
+        for (int v = 0; v < S::NACC / 4; ++v)
+            slot[v * kConsumers + tid] = make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]);
+        __threadfence();
+        named_barrier(kConsumerBarrier, kConsumers);
+        if (tid == 0) {
+            const int arrived = atomicAdd(counters + tile, 1);
+            const int is_last = arrived == last - first;
+            if (is_last) counters[tile] = 0;  // every contributor has counted: reset for the next launch
+            *flag = is_last;
+        }
+        named_barrier(kConsumerBarrier, kConsumers);
+        if (!*flag) return;
+        __threadfence();
 #pragma unroll
-                for (int i = 0; i < S::NACC; ++i) acc[i] = 0.f;
-                for (int cta = first; cta <= last; ++cta) {
-                    const int cside = tile == (int)(((i64)cta * iters) / k_tiles) ? 0 : 1;
-                    const float4* cs = reinterpret_cast<const float4*>(workspace) + ((i64)cta * 2 + cside) * (S::NACC / 4) * kConsumers;
+        for (int i = 0; i < S::NACC; ++i) acc[i] = 0.f;
+        for (int cta = first; cta <= last; ++cta) {
+            const int cside = tile == (int)(((i64)cta * iters) / k_tiles) ? 0 : 1;
+            const float4* cs = reinterpret_cast<const float4*>(workspace) + ((i64)cta * 2 + cside) * (S::NACC / 4) * kConsumers;
 #pragma unroll
-                    for (int v = 0; v < S::NACC / 4; ++v) {
-                        const float4 p = ld_cg(cs + v * kConsumers + tid);
-                        acc[4 * v] += p.x;
-                        acc[4 * v + 1] += p.y;
-                        acc[4 * v + 2] += p.z;
-                        acc[4 * v + 3] += p.w;
-                    }
-                }
-                store_tile<BITS, BT, DT>(acc, out, bias, ts, M, N, m0, n);
+            for (int v = 0; v < S::NACC / 4; ++v) {
+                const float4 p = ld_cg(cs + v * kConsumers + tid);
+                acc[4 * v] += p.x;
+                acc[4 * v + 1] += p.y;
+                acc[4 * v + 2] += p.z;
+                acc[4 * v + 3] += p.w;
             }
         }
-    }
+        store_tile<BITS, BT, DT>(acc, out, bias, ts, M, N, m0, n);
+    });
 }
 
 
@@ -489,32 +502,8 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
     using namespace kbit;
     using namespace kbit::sm90;
     using S = Shape<BITS, BT>;
-    extern __shared__ __align__(1024) u8 smem_raw[];
-    u8* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    u64* full = reinterpret_cast<u64*>(smem + S::BARRIER_OFFSET);
-    u64* empty = full + S::STAGES;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-
-    allow_dependent_launch();
-    grid_dependency_wait();
-
-    const u32 cb_reg = setup_block<BITS, BT, DT>(smem, codebook);
     GroupWalk<BT> walk(groups, count, experts, x_rows, n_tiles, k_tiles, expert_words, expert_scales, swiglu, packed, absmax);
-
-    if (warp >= kConsumers / 32) {
-        set_max_registers_dec<S::PRODUCER_REGS>();
-        if (warp == kConsumers / 32 && lane == 0) produce<BITS, BT>(walk, &x_map, smem, full, empty, n_tiles);
-        return;
-    }
-
-    set_max_registers_inc<S::CONSUMER_REGS>();
-    const int col0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);
-    u32 a[2][2][4] = {};
-    u32 use = 0;
-    while (walk.next()) {
-        float acc[S::NACC];
-        consume<BITS, BT, DT>(walk.kb0, walk.kb1, use, smem, full, empty, smem + S::LUT_OFFSET,
-                              reinterpret_cast<const u32*>(smem + S::SCALE_OFFSET), cb_reg, col0, acc, a);
+    run_block<BITS, BT, DT>(block_smem(), walk, &x_map, codebook, n_tiles, [&](float (&acc)[S::NACC], int col0) {
         const int nt = walk.phase ? walk.nt - n_tiles / 2 : walk.nt;  // the up half writes over its gate half
         const float ts = __ldg(tensor_scale + walk.expert);
         const int m_end = walk.x_row + walk.rows, n = nt * kTileN + col0;
@@ -522,5 +511,5 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
         if (!swiglu) store_tile<BITS, BT, DT>(acc, out, nullptr, ts, m_end, N, walk.x_row, n);
         else if (walk.phase == 0) store_swiglu<BITS, BT, DT, 1>(acc, out, ts, m_end, N, walk.x_row, n);
         else store_swiglu<BITS, BT, DT, 2>(acc, out, ts, m_end, N, walk.x_row, n);
-    }
+    });
 }
