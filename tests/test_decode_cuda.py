@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from kbit_linear import format as fmt
 from kbit_linear.backends.cuda import decode, loader, plans
+from kbit_linear.backends.cuda import experts as kexperts
 
 _GPU_MARKS = (
     pytest.mark.cuda,
@@ -565,6 +566,14 @@ def test_supported_range():
     assert not decode.decode_supported(1, 4, torch.float32)
     assert not decode.decode_supported(True, 4, torch.float16)
     assert len(decode.decode_instances()) == 64  # 4 bits x 2 fragment counts x 2 launch shapes x 2 dtypes x 2 kernels (single, grouped)
+
+
+def test_device_checks_refuse_what_the_kernels_do_not_run_on():
+    # the shared first step of the backend's device checks (loader.runnable_properties)
+    assert loader.runnable_properties(torch.device("cpu")) is None
+    assert not kexperts.kernels_supported(torch.device("cpu"))
+    with pytest.raises(ValueError, match="CUDA"):
+        decode.decode_supported(1, 4, torch.float16, device=torch.device("cpu"))
 
 
 def test_argument_errors():
