@@ -114,9 +114,8 @@ def decode_supported(m: int, bits: int, dtype: torch.dtype, device: torch.device
         if not torch.cuda.is_available():
             return True
         device = torch.cuda.current_device()
-    if isinstance(device, torch.device) and device.type != "cuda":
-        raise ValueError(f"device must be a CUDA torch.device, got {device!r}")
-    props = loader.runnable_properties(device)
+    index = device if isinstance(device, int) else loader._device_index(device)
+    props = loader.runnable_properties(index)
     return props is not None and _MAX_SMEM[bits] <= props.max_shared_per_block
 
 

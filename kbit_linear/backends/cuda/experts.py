@@ -40,7 +40,7 @@ def kernels_supported(device: torch.device) -> bool:
     (the answer is kept per device)."""
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = loader._device_index(device)
     ok = _supported.get(index)
     if ok is None:
         ok = _supported[index] = loader.cupy_available() and loader.runnable_properties(index) is not None
@@ -55,7 +55,7 @@ def _vec(row: int, *tensors: torch.Tensor) -> int:
 def _launch(args: loader.ArgPack, instance: str, device: torch.device, items: int, values: tuple) -> None:
     """Launch ``instance`` of experts.cu on ``device``'s current stream as a programmatic dependent:
     enough blocks for one item per thread, at most a few waves of the GPU (grid-stride beyond)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = loader._device_index(device)
     grid = max(1, min(-(-items // _THREADS), loader.device_properties(index).sm_count * 8))
     args.launch(loader.get_kernel(_SOURCE, instance, device), grid, 0, loader._current_raw_stream(index), values,
                 threads=_THREADS, programmatic=True)

@@ -167,7 +167,7 @@ def runnable_properties(device: torch.device | int) -> DeviceProperties | None:
     if isinstance(device, torch.device):
         if device.type != "cuda":
             return None
-        device = device.index if device.index is not None else torch.cuda.current_device()
+        device = _device_index(device)
     try:
         return device_properties(device)
     except RuntimeError:  # older than sm_80
