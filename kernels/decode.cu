@@ -657,6 +657,14 @@ template <int BITS, int MT, int NW, int KS, int R> struct DecodeSmem {
 // NW/KS*R*16 rows), D items of loads in flight per warp, MINB blocks per SM (register budget:
 // 65536 / (MINB * NW * 32) per thread).
 // The body of both kernels below; GROUPED: grp describes the groups (else M rows of one weight).
+// This block's share [i0, i1) of the grid's `units` x `align` items: even shares, cut at multiples
+// of `align`. False when the share is empty (more blocks than units).
+KBIT_DEVICE bool block_range(int units, int align, int& i0, int& i1) {
+    i0 = align * (int)(((long long)blockIdx.x * units) / gridDim.x);
+    i1 = align * (int)(((long long)(blockIdx.x + 1) * units) / gridDim.x);
+    return i0 < i1;
+}
+
 template <int BITS, int DT, int MT, int NW, int KS, int R, int D, bool GROUPED>
 KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
                                   const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
@@ -682,9 +690,7 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
     int units = 0, i0 = 0, i1 = 0;
     if constexpr (!GROUPED) {
         units = grp.rt_per_group * (kc / align);  // the grid's items, in multiples of `align`
-        i0 = align * (int)(((long long)blockIdx.x * units) / gridDim.x);
-        i1 = align * (int)(((long long)(blockIdx.x + 1) * units) / gridDim.x);
-        if (i0 >= i1) return;  // whole block, before any barrier
+        if (!block_range(units, align, i0, i1)) return;  // whole block, before any barrier
     }
     const int rg_valid = (N + 15) >> 4;  // row groups holding real rows
 
@@ -720,9 +726,7 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
         // experts first and leaves the rest empty, so the grid's blocks share only the hit ones'
         // items (empty groups in between still take items, which load and store nothing).
         units = used_groups(grp) * grp.rt_per_group * (kc / align);
-        i0 = align * (int)(((long long)blockIdx.x * units) / gridDim.x);
-        i1 = align * (int)(((long long)(blockIdx.x + 1) * units) / gridDim.x);
-        if (i0 >= i1) return;  // whole block, before any barrier
+        if (!block_range(units, align, i0, i1)) return;  // whole block, before any barrier
     }
     // The codebook as it reads now: if the previous kernel changed it, the tables are rebuilt
     // below (no lookup has happened yet).

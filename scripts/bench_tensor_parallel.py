@@ -1,7 +1,7 @@
 """Decode-step time of kbit layers on one GPU against tensor parallelism over several.
 
     torchrun --nproc_per_node 2 scripts/bench_tensor_parallel.py                # Llama-3-8B shapes, K = 4
-    torchrun --nproc_per_node 2 scripts/bench_tensor_parallel.py --compile      # + torch.compile'd step
+    torchrun --nproc_per_node 2 scripts/bench_tensor_parallel.py --modes eager compiled graphed
     torchrun --nproc_per_node 2 scripts/bench_tensor_parallel.py --smoke        # tiny shapes, CPU/gloo allowed
 
 Every rank builds the same random Llama with Llama-3-8B layer shapes (hidden 4096, MLP 14336,
@@ -43,14 +43,17 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
 SMOKE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 LLAMA3_8B_LAYERS = 32
+LLAMA3_8B_VOCAB = 128256
+MODES = ("eager", "compiled", "graphed")
 
 
 def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
     """The same random model on every rank, quantized on ``device``."""
     torch.manual_seed(0)
     shapes = SMOKE if args.smoke else LLAMA3_8B
-    # a small vocabulary: the embedding and head are not part of the timed step
-    config = LlamaConfig(num_hidden_layers=args.layers, vocab_size=1024, **shapes)
+    # the head is timed only with --head; without it a small vocabulary saves memory
+    vocab = (LLAMA3_8B_VOCAB if not args.smoke else 4096) if args.head else 1024
+    config = LlamaConfig(num_hidden_layers=args.layers, vocab_size=vocab, tie_word_embeddings=False, **shapes)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
     kbit_linear.quantize_model(model, bits=args.bits, progress=False)
@@ -72,6 +75,16 @@ def _step_fn(model: LlamaForCausalLM) -> Callable[[torch.Tensor], torch.Tensor]:
             x = layer.post_attention_layernorm(h)
             h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
         return h
+
+    return step
+
+
+def _head_fn(model: LlamaForCausalLM) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The step after the last layer: final RMSNorm and the head (kept dense, as quantize_model does)."""
+    norm, head = model.model.norm, model.lm_head
+
+    def step(h: torch.Tensor) -> torch.Tensor:
+        return head(norm(h))
 
     return step
 
@@ -108,42 +121,85 @@ def _time(step: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, args: a
     return per_step
 
 
-def _measure(model: LlamaForCausalLM, h: torch.Tensor, args: argparse.Namespace, group: Any | None) -> dict[str, Any]:
-    """Eager (and, with --compile, compiled) step times and the step's output."""
-    step = _step_fn(model)
+def _graphed(step: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``step`` captured once into a CUDA graph on ``h``; the returned function replays it.
+
+    This is how a served decode step runs: no host time per kernel, so the step costs what its
+    kernels and collectives cost on the GPU (NCCL's all-reduce is captured like any kernel).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream (compilation, workspaces, NCCL setup)
+        for _ in range(3):
+            step(h)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(h)
+
+    def replay(_: torch.Tensor) -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return replay
+
+
+def _measure(step: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, args: argparse.Namespace,
+             group: Any | None) -> dict[str, Any]:
+    """Times of ``step`` in each of ``args.modes`` and its output."""
+    result: dict[str, Any] = {}
     with torch.no_grad():
         out = step(h).float()
-        result = {"eager_ms": statistics.median(_time(step, h, args, group))}
-        if args.compile:
-            torch._dynamo.reset()
-            compiled = torch.compile(step, mode=args.compile_mode, fullgraph=True)
-            result["compiled_ms"] = statistics.median(_time(compiled, h, args, group))
+        compiled = None
+        for mode in args.modes:
+            if mode == "eager":
+                fn = step
+            else:
+                if compiled is None:
+                    torch._dynamo.reset()
+                    compiled = torch.compile(step, mode=args.compile_mode, fullgraph=True)
+                fn = compiled if mode == "compiled" else _graphed(compiled, h)
+            result[f"{mode}_ms"] = statistics.median(_time(fn, h, args, group))
     return {**result, "out": out}
 
 
 def _report(args: argparse.Namespace, env: dict[str, Any], rows: list[dict[str, Any]], world: int) -> None:
     """Write the JSON and markdown results (rank 0)."""
-    modes = ["eager"] + (["compiled"] if args.compile else [])
+    scale = LLAMA3_8B_LAYERS / args.layers
+    head = {(r["batch"], mode): (r[f"one_{mode}_ms"], r[f"tp_{mode}_ms"]) for r in rows if r["part"] == "head"
+            for mode in args.modes}
     table = []
     for r in rows:
-        for mode in modes:
+        for mode in args.modes:
             one, tp = r[f"one_{mode}_ms"], r[f"tp_{mode}_ms"]
-            scale = LLAMA3_8B_LAYERS / args.layers
-            table.append([r["batch"], mode, bc.fmt(one, 3), bc.fmt(tp, 3), bc.fmt(one / tp, 2),
-                          bc.fmt(r["batch"] * 1e3 / (one * scale), 0), bc.fmt(r["batch"] * 1e3 / (tp * scale), 0),
-                          f"{r['max_rel_diff']:.1e}"])
+            cells = [r["part"], r["batch"], mode, bc.fmt(one, 3), bc.fmt(tp, 3), bc.fmt(one / tp, 2)]
+            if r["part"] == "layers":  # a whole model's step: 32 layers (+ the head when timed)
+                one_model = one * scale + head.get((r["batch"], mode), (0.0, 0.0))[0]
+                tp_model = tp * scale + head.get((r["batch"], mode), (0.0, 0.0))[1]
+                cells += [bc.fmt(r["batch"] * 1e3 / one_model, 0), bc.fmt(r["batch"] * 1e3 / tp_model, 0),
+                          bc.fmt(one_model / tp_model, 2)]
+            else:
+                cells += ["", "", ""]
+            table.append(cells + [f"{r['max_rel_diff']:.1e}"])
+    model_words = f"32 layers{' + head' if args.head else ''}"
     text = "\n".join([
         f"# Tensor parallelism: decode step of {args.layers} {'tiny (--smoke)' if args.smoke else 'Llama-3-8B-shaped'} layers, "
         f"K = {args.bits}, 1 vs {world} GPUs",
         "",
         *bc.env_lines(env),
         f"- step: per layer RMSNorm, q/k/v, o_proj (+ all-reduce), RMSNorm, gate/up, SiLU*up, down (+ all-reduce), "
-        f"residuals; no attention, embedding or head; {args.iters} steps between events, median of {args.repeats}",
-        f"- tok/s columns: batch / (step time x {LLAMA3_8B_LAYERS}/{args.layers}), the 32 layers' projections only",
+        f"residuals; no attention or embedding; {args.iters} steps between events, median of {args.repeats}",
+        "- head (with --head): final RMSNorm and the dense bf16 head over Llama-3's 128256 tokens (split by "
+        "columns, logits all-gathered)",
+        f"- modes: eager = the step as written; compiled = torch.compile(mode={args.compile_mode!r}, fullgraph=True); "
+        "graphed = the compiled step captured in one CUDA graph and replayed (GPU time, no host time per kernel)",
+        f"- model tok/s: batch / (layers step x {LLAMA3_8B_LAYERS}/{args.layers}"
+        f"{' + head step' if args.head else ''}), no attention",
         f"- weights per rank: {rows[0]['one_bytes']:,} bytes whole, {rows[0]['tp_bytes']:,} bytes per rank split",
         "",
-        bc.markdown_table(["batch", "step", "1 GPU (ms)", f"{world} GPUs (ms)", "speed-up", "1 GPU tok/s (32 layers)",
-                           f"{world} GPUs tok/s (32 layers)", "max rel. diff of the output"], table),
+        bc.markdown_table(["part", "batch", "mode", "1 GPU (ms)", f"{world} GPUs (ms)", "speed-up",
+                           f"1 GPU tok/s ({model_words})", f"{world} GPUs tok/s ({model_words})", "model speed-up",
+                           "max rel. diff of the output"], table),
         "",
         "`scripts/bench_tensor_parallel.py`; the split is `kbit_linear.shard_for_tensor_parallel` with the model's own plan.",
     ])
@@ -162,9 +218,13 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--compile", action="store_true", help="also time torch.compile(step, fullgraph=True)")
-    parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs",
-                        help="torch.compile mode (e.g. reduce-overhead for CUDA graphs)")
+    parser.add_argument("--modes", nargs="+", default=["eager"], choices=MODES,
+                        help="eager: the step as written; compiled: torch.compile(step, fullgraph=True); "
+                             "graphed: the compiled step captured in one CUDA graph and replayed (GPU time only)")
+    parser.add_argument("--compile-mode", default="default", help="torch.compile mode for compiled and graphed")
+    parser.add_argument("--head", action="store_true",
+                        help="also time the final norm and a dense head of Llama-3's vocabulary (128256; split by columns, "
+                             "logits all-gathered) and add it to the tokens/s")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (checks the script; CPU with gloo allowed)")
     parser.add_argument("--json", help="results JSON (default bench/results/tensor-parallel-<gpu>.json)")
     parser.add_argument("--md", help="results markdown (default bench/results/tensor-parallel-<gpu>.md)")
@@ -200,9 +260,10 @@ def main() -> None:
     one_bytes = sum(t.numel() * t.element_size() for t in (*model.model.layers.parameters(), *model.model.layers.buffers()))
 
     # one GPU: rank 0 alone, the others wait
-    whole: dict[int, dict[str, Any]] = {}
+    parts = {"layers": _step_fn(model), **({"head": _head_fn(model)} if args.head else {})}
+    whole: dict[tuple[str, int], dict[str, Any]] = {}
     if rank == 0:
-        whole = {b: _measure(model, h, args, None) for b, h in inputs.items()}
+        whole = {(part, b): _measure(fn, h, args, None) for part, fn in parts.items() for b, h in inputs.items()}
     dist.barrier()
 
     kbit_linear.shard_for_tensor_parallel(model)
@@ -210,16 +271,16 @@ def main() -> None:
         torch.cuda.empty_cache()
     tp_bytes = sum(t.numel() * t.element_size() for t in (*model.model.layers.parameters(), *model.model.layers.buffers()))
     rows = []
-    for b, h in inputs.items():
-        split = _measure(model, h, args, dist.group.WORLD)
-        if rank == 0:
-            ref = whole[b]
-            row = {"batch": b, "one_bytes": one_bytes, "tp_bytes": tp_bytes,
-                   "max_rel_diff": float((split["out"] - ref["out"]).abs().max() / ref["out"].abs().max())}
-            for mode in ("eager", "compiled"):
-                if f"{mode}_ms" in ref:
+    for part, fn in parts.items():
+        for b, h in inputs.items():
+            split = _measure(fn, h, args, dist.group.WORLD)
+            if rank == 0:
+                ref = whole[(part, b)]
+                row = {"part": part, "batch": b, "one_bytes": one_bytes, "tp_bytes": tp_bytes,
+                       "max_rel_diff": float((split["out"] - ref["out"]).abs().max() / ref["out"].abs().max())}
+                for mode in args.modes:
                     row[f"one_{mode}_ms"], row[f"tp_{mode}_ms"] = ref[f"{mode}_ms"], split[f"{mode}_ms"]
-            rows.append(row)
+                rows.append(row)
     if rank == 0:
         _report(args, env, rows, world)
     dist.barrier()
