@@ -1,7 +1,7 @@
 """Decode-step time of kbit layers on one GPU against tensor parallelism over several.
 
     torchrun --nproc_per_node 2 scripts/bench_tensor_parallel.py                # Llama-3-8B shapes, K = 4
-    torchrun --nproc_per_node 2 scripts/bench_tensor_parallel.py --modes eager compiled graphed
+    torchrun --nproc_per_node 2 scripts/bench_tensor_parallel.py --head --modes eager compiled graphed
     torchrun --nproc_per_node 2 scripts/bench_tensor_parallel.py --smoke        # tiny shapes, CPU/gloo allowed
 
 Every rank builds the same random Llama with Llama-3-8B layer shapes (hidden 4096, MLP 14336,
@@ -13,12 +13,15 @@ RMSNorm -> gate/up -> SiLU * up -> down -> residual, for ``--batch`` tokens at o
 0 alone runs it on the whole model (one GPU), then the model is split with
 ``kbit_linear.shard_for_tensor_parallel`` and every rank runs its shard, with the all-reduces
 after o_proj and down_proj. The output of the split step is compared with the whole step's.
+With ``--head`` the final RMSNorm and a dense head over Llama-3's vocabulary are timed the same
+way, as a second step (split by columns, the logits all-gathered).
 
 Timing: ``--iters`` steps back to back between CUDA events (``time.perf_counter`` on CPU), after
 ``--warmup`` steps, median of ``--repeats``; all ranks start together after a barrier. Rank 0
 writes ``--json`` and ``--md`` (default ``bench/results/tensor-parallel-<gpu>.{json,md}``). The
-per-token figures extrapolate the measured layers to the 32 of Llama-3-8B (linear layers only:
-no attention, embedding or head).
+per-token figures extrapolate the measured layers to the 32 of Llama-3-8B, plus the head step
+when timed (no attention or embedding). Modes: ``eager`` and ``compiled`` include the host's
+time per kernel; ``graphed`` (the compiled step captured once in a CUDA graph) is the GPU's.
 """
 
 from __future__ import annotations
