@@ -390,6 +390,7 @@ struct Groups {
     const int* info;  // int32 [3][count]: expert, row0, rows (device memory)
     int count, rt_per_group;
     int expert_words, expert_scales;
+    int stream_k_slack;  // see grouped_align (-1: keep the plan's align)
 };
 
 // Where one work item's loads come from, advanced without divisions inside a row tile.
@@ -657,6 +658,21 @@ template <int BITS, int MT, int NW, int KS, int R> struct DecodeSmem {
 // NW/KS*R*16 rows), D items of loads in flight per warp, MINB blocks per SM (register budget:
 // 65536 / (MINB * NW * 32) per thread).
 // The body of both kernels below; GROUPED: grp describes the groups (else M rows of one weight).
+// The align a grouped launch runs with. The host plans for every group entry, but only the
+// groups up to the last one with rows have work (used_rt row tiles). A whole-tile plan (align
+// = kc) shares those tiles out in whole tiles, so when they do not divide evenly over the grid
+// the busiest block carries up to a tile more than its fair share; stream-K (align 1) splits
+// the tiles' chunks evenly at the price of the split-K finalisation. The launch switches to
+// stream-K when the whole-tile rounding costs more than `slack` chunks of the busiest block
+// (slack: the finalisation's cost in chunks, from the host; -1 never switches).
+KBIT_DEVICE int grouped_align(int align, int kc, int used_rt, int slack) {
+    if (align != kc || slack < 0) return align;
+    const int g = gridDim.x;
+    const int tiles_most = (used_rt + g - 1) / g * kc;                     // whole tiles, in chunks
+    const int chunks_most = (int)(((long long)used_rt * kc + g - 1) / g);  // stream-K
+    return tiles_most - chunks_most > slack ? 1 : align;
+}
+
 // This block's share [i0, i1) of the grid's `units` x `align` items: even shares, cut at multiples
 // of `align`. False when the share is empty (more blocks than units).
 KBIT_DEVICE bool block_range(int units, int align, int& i0, int& i1) {
@@ -725,8 +741,10 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
         // The items run over the groups up to the last one with rows: the routing lists the hit
         // experts first and leaves the rest empty, so the grid's blocks share only the hit ones'
         // items (empty groups in between still take items, which load and store nothing).
-        units = used_groups(grp) * grp.rt_per_group * (kc / align);
-        if (!block_range(units, align, i0, i1)) return;  // whole block, before any barrier
+        const int used_rt = used_groups(grp) * grp.rt_per_group;
+        const int run_align = grouped_align(align, kc, used_rt, grp.stream_k_slack);
+        units = used_rt * (kc / run_align);
+        if (!block_range(units, run_align, i0, i1)) return;  // whole block, before any barrier
     }
     // The codebook as it reads now: if the previous kernel changed it, the tables are rebuilt
     // below (no lookup has happened yet).
@@ -833,21 +851,24 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
                  const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
                  float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K, int k_tiles, int n_tiles, int align) {
     decode_gemm_body<BITS, DT, MT, NW, KS, R, D, false>(x, packed, absmax, codebook, tensor_scale, out, ws, counters, M, N, K,
-                                                        k_tiles, n_tiles, align, Groups{nullptr, 1, 0, 0, 0});
+                                                        k_tiles, n_tiles, align, Groups{nullptr, 1, 0, 0, 0, -1});
 }
 
 // Grouped: `groups` int32 [3][count] (expert, row0, rows per group, on the device), x and out
 // [total rows, K] / [total rows, N] with each group's rows contiguous; packed/absmax/tensor_scale
 // hold every expert, expert_words / expert_scales apart (the other parameters as above, for one
-// expert's weight). Workspace and counters: count times the single weight's.
+// expert's weight). Workspace and counters: count times the single weight's (also for a
+// whole-tile plan when stream_k_slack >= 0: it may run split, grouped_align).
 template <int BITS, int DT, int MT, int NW, int KS, int R, int D, int MINB>
 __global__ void __launch_bounds__(NW * 32, MINB)
 kbit_decode_gemm_grouped(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
                          const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
                          float* __restrict__ ws, int* __restrict__ counters, const int* __restrict__ groups, int count,
-                         int expert_words, int expert_scales, int N, int K, int k_tiles, int n_tiles, int align) {
+                         int expert_words, int expert_scales, int N, int K, int k_tiles, int n_tiles, int align,
+                         int stream_k_slack) {
     decode_gemm_body<BITS, DT, MT, NW, KS, R, D, true>(x, packed, absmax, codebook, tensor_scale, out, ws, counters, 0, N, K,
-                                                       k_tiles, n_tiles, align, Groups{groups, count, 0, expert_words, expert_scales});
+                                                       k_tiles, n_tiles, align,
+                                                       Groups{groups, count, 0, expert_words, expert_scales, stream_k_slack});
 }
 
 }  // namespace kbit_decode

@@ -331,6 +331,36 @@ def test_grouped_large_and_split(bits):
 
 
 @gpu
+@pytest.mark.parametrize("bits", (2, 4), ids=lambda b: f"k{b}")
+def test_grouped_whole_tile_plan_runs_stream_k_when_the_used_groups_share_unevenly(bits):
+    """A whole-tile grouped plan made for 8 group entries: when fewer of them hold rows, the used
+    row tiles may share out unevenly over the grid and the launch runs stream-K instead
+    (decode.cu's grouped_align, which needs the split-K scratch); otherwise it keeps whole tiles.
+    One count of each kind must match the reference."""
+    e, k, n = 8, 4096, 4096
+    packed, absmax, codebook, ts, dense = _experts(e, k, n, bits)
+    plan = decode.decode_plan(1, bits, torch.float16, n, packed.shape[1], DEV, groups=e)
+    assert plan.schedule == "tiles" and plan.stream_k_slack >= 0 and plan.split, plan
+    kc = (packed.shape[1] + 1) // 2
+    rt_per_group = -(-n // plan.config.tile_rows)
+
+    def switches(used_groups: int) -> bool:  # grouped_align's rule
+        used_rt = used_groups * rt_per_group
+        return -(-used_rt // plan.grid) * kc - -(-used_rt * kc // plan.grid) > plan.stream_k_slack
+
+    switching = [u for u in range(1, e + 1) if switches(u)]
+    keeping = [u for u in range(1, e + 1) if not switches(u)]
+    assert switching and keeping, (switching, keeping)  # the shape exercises both ways
+    for used in (switching[0], keeping[-1]):
+        counts = [1] * used + [0] * (e - used)
+        experts = [(3 * i + 1) % e for i in range(e)]
+        for dtype in DTYPES:
+            x = torch.randn(sum(counts) + 2, k, device=DEV, dtype=dtype)
+            out = _run_grouped(x, packed, absmax, codebook, ts, _groups(counts, experts), bits, n, 1)
+            _check_grouped(out, x, dense, counts, experts, dtype)
+
+
+@gpu
 def test_grouped_in_a_cuda_graph():
     """The groups are read on the device: a captured launch replays with new groups and new x."""
     bits, k, n = 4, 1000, 700

@@ -25,6 +25,7 @@ kernel leaves zeroed (:mod:`.workspace`: kept per device and stream, outside gra
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,7 @@ _ARGS = loader.ArgPack("kbit_decode_gemm", "x:p packed:p absmax:p codebook:p ten
                                           "M:i N:i K:i k_tiles:i n_tiles:i align:i")
 _GROUPED_ARGS = loader.ArgPack("kbit_decode_gemm_grouped", "x:p packed:p absmax:p codebook:p tensor_scale:p out:p ws:p counters:p "
                                                           "groups:p count:i expert_words:i expert_scales:i N:i K:i k_tiles:i "
-                                                          "n_tiles:i align:i")
+                                                          "n_tiles:i align:i stream_k_slack:i")
 
 
 # Dynamic shared memory per block (kernels/decode.cu): the pair/quad table (Lut<BITS>::kSmem:
@@ -204,11 +205,14 @@ class DecodePlan:
         items: (row tile, 128-wide k chunk) work items.
         align: block ranges are cut on multiples of this many items (kernel argument).
         schedule: the :class:`Schedule` kind (``"stream-k"``, ``"tiles"``, ``"tile-split"``).
-        split: whether some row tile's K is split over blocks (workspace + counters used).
+        split: whether some row tile's K may be split over blocks (workspace + counters used).
         ws_numel: fp32 workspace elements (0 without split).
         counters: int32 counters (0 without split).
         programmatic: launch it so that it may start while the previous kernel finishes
             (:func:`.loader.grid_may_overlap`).
+        stream_k_slack: grouped whole-tile plans only (else -1): the launch runs stream-K instead
+            when the used groups' row tiles leave its busiest block more than this many chunks
+            above an even share (``grouped_align`` in ``kernels/decode.cu``).
     """
 
     kernel: object
@@ -223,6 +227,7 @@ class DecodePlan:
     ws_numel: int
     counters: int
     programmatic: bool
+    stream_k_slack: int = -1
 
 
 def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_tiles: int, configs: tuple[DecodeConfig, ...],
@@ -245,16 +250,23 @@ def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_til
                 raise
             continue  # this schedule kind does not apply to this launch shape
         if best is None or sch.cost < best[0].cost:
-            best = (sch, cfg, smem, row_tiles, per_sm)
+            best = (sch, cfg, smem, row_tiles, per_sm, item_bytes)
     if best is None:
         raise ValueError(f"schedule {kind!r} applies to none of the launch shapes for n={n}")
-    sch, cfg, smem, row_tiles, per_sm = best
+    sch, cfg, smem, row_tiles, per_sm, item_bytes = best
     name = _name(bits, dtype, mt, cfg, grouped=groups is not None)
     kernel = loader.get_kernel(_SOURCE, name, torch.device("cuda", index))
-    ws = row_tiles * cfg.tile_rows * 8 * mt if sch.split else 0
-    cnt = row_tiles * cfg.row_slots if sch.split else 0
-    return DecodePlan(kernel, name, cfg, sch.grid, smem, row_tiles * kc, sch.align, sch.kind, sch.split, ws, cnt,
-                      loader.grid_may_overlap(sch.grid, per_sm, props.sm_count))
+    # A grouped plan is made for every group entry, but only the hit experts' groups have rows:
+    # a whole-tile plan may then run stream-K (decode.cu's grouped_align) when its tiles share
+    # out unevenly, by more than what the split-K finalisation costs, so it keeps the scratch.
+    slack = -1
+    if groups is not None and kind == "auto" and sch.align == kc > 1:
+        slack = math.ceil((DECODE_SPLIT_COST_BYTES + DECODE_SEGMENT_COST_BYTES) / item_bytes)
+    split = sch.split or slack >= 0
+    ws = row_tiles * cfg.tile_rows * 8 * mt if split else 0
+    cnt = row_tiles * cfg.row_slots if split else 0
+    return DecodePlan(kernel, name, cfg, sch.grid, smem, row_tiles * kc, sch.align, sch.kind, split, ws, cnt,
+                      loader.grid_may_overlap(sch.grid, per_sm, props.sm_count), slack)
 
 
 def decode_plan(
@@ -486,7 +498,7 @@ def launch_grouped(plan: DecodePlan, x: torch.Tensor, packed: torch.Tensor, absm
                              tensor_scale=tensor_scale.data_ptr(), out=out.data_ptr(), ws=ws_ptr, counters=cnt_ptr,
                              groups=groups.data_ptr(), count=groups.shape[1], expert_words=packed[0].numel(),
                              expert_scales=absmax[0].numel(), N=out.shape[1], K=x.shape[1], k_tiles=packed.shape[1],
-                             n_tiles=packed.shape[2], align=plan.align),
+                             n_tiles=packed.shape[2], align=plan.align, stream_k_slack=plan.stream_k_slack),
         threads=plan.config.warps * 32,
         programmatic=plan.programmatic,
     )
