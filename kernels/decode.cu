@@ -669,7 +669,7 @@ KBIT_DEVICE int grouped_align(int align, int kc, int used_rt, int slack) {
     if (align != kc || slack < 0) return align;
     const int g = gridDim.x;
     const int tiles_most = (used_rt + g - 1) / g * kc;                     // whole tiles, in chunks
-    const int chunks_most = (int)(((long long)used_rt * kc + g - 1) / g);  // stream-K
+    const int chunks_most = (used_rt * kc + g - 1) / g;                    // stream-K
     return tiles_most - chunks_most > slack ? 1 : align;
 }
 

@@ -339,7 +339,7 @@ def test_grouped_whole_tile_plan_runs_stream_k_when_the_used_groups_share_uneven
     One count of each kind must match the reference."""
     e, k, n = 8, 4096, 4096
     packed, absmax, codebook, ts, dense = _experts(e, k, n, bits)
-    plan = decode.decode_plan(1, bits, torch.float16, n, packed.shape[1], DEV, groups=e)
+    plan = decode.decode_plan(1, bits, torch.float16, n, packed.shape[1], groups=e)
     assert plan.schedule == "tiles" and plan.stream_k_slack >= 0 and plan.split, plan
     kc = (packed.shape[1] + 1) // 2
     rt_per_group = -(-n // plan.config.tile_rows)
