@@ -307,15 +307,31 @@ struct GroupWalk {
     }
 };
 
+// A position in the stage ring, carried across k-tiles and segments: the stage of the next
+// k-tile, the parity of its use and whether the ring has wrapped at least once (the modulo and
+// the division by STAGES, kept incrementally).
+struct RingPos {
+    int stage = 0;
+    u32 parity = 0;
+    bool wrapped = false;
+    template <int STAGES> __device__ __forceinline__ void advance() {
+        if (++stage == STAGES) {
+            stage = 0;
+            parity ^= 1u;
+            wrapped = true;
+        }
+    }
+};
+
 // The producer: one thread issues the copies of every k-tile the walk lists, into the stage ring.
 template <int BITS, int BT, class Walk>
 __device__ __forceinline__ void produce(Walk& walk, const TensorMap* x_map, u8* smem, u64* full, u64* empty, int n_tiles) {
     using S = Shape<BITS, BT>;
-    u32 use = 0;  // k-tiles issued so far: stage use % STAGES, its (use / STAGES)-th use
+    RingPos pos;  // of the next k-tile to issue
     while (walk.next()) {
-        for (int kt = walk.kb0; kt < walk.kb1; ++kt, ++use) {
-            const int s = use % S::STAGES;
-            if (use >= S::STAGES) mbar_wait(empty + s, ((use / S::STAGES) & 1) ^ 1);
+        for (int kt = walk.kb0; kt < walk.kb1; ++kt, pos.advance<S::STAGES>()) {
+            const int s = pos.stage;
+            if (pos.wrapped) mbar_wait(empty + s, pos.parity ^ 1u);  // the consumers' release of its previous use
             u8* stage = smem + s * S::STAGE_BYTES;
             mbar_arrive_expect_tx(full + s, S::STAGE_TX);
             tma_load_2d(stage, x_map, full + s, kt * kTileK, walk.x_row);
@@ -327,24 +343,27 @@ __device__ __forceinline__ void produce(Walk& walk, const TensorMap* x_map, u8* 
 }
 
 // The consumers' k-loop over one segment [kb0, kb1): acc = the segment's partial product.
-// `use` counts the k-tiles consumed so far (the stage ring position), across segments.
+// `pos` is the stage ring position of the next k-tile, across segments.
 template <int BITS, int BT, int DT>
-__device__ __forceinline__ void consume(int kb0, int kb1, u32& use, u8* smem, u64* full, u64* empty, const u8* lut,
+__device__ __forceinline__ void consume(int kb0, int kb1, RingPos& pos, u8* smem, u64* full, u64* empty, const u8* lut,
                                         const u32* scale_tab, u32 cb_reg, int col0, float (&acc)[Shape<BITS, BT>::NACC],
                                         u32 (&a)[2][2][4]) {
     using S = Shape<BITS, BT>;
 #pragma unroll
     for (int i = 0; i < S::NACC; ++i) acc[i] = 0.f;
-    for (int kt = kb0; kt < kb1; ++kt, ++use) {
-        const int s = use % S::STAGES;
-        mbar_wait(full + s, (use / S::STAGES) & 1);
+    int prev = 0;  // the stage of the previous k-tile
+    for (int kt = kb0; kt < kb1; ++kt) {
+        const int s = pos.stage;
+        mbar_wait(full + s, pos.parity);
         compute_stage<BITS, BT, DT>(smem + s * S::STAGE_BYTES, lut, scale_tab, cb_reg, col0, acc, a);
         // compute_stage retired every wgmma of the previous k-tile: release its stage.
-        if (kt > kb0) mbar_arrive(empty + (use + S::STAGES - 1) % S::STAGES);
+        if (kt > kb0) mbar_arrive(empty + prev);
+        prev = s;
+        pos.advance<S::STAGES>();
     }
     wgmma_wait<0>();
     hold_registers(acc);
-    mbar_arrive(empty + (use + S::STAGES - 1) % S::STAGES);
+    mbar_arrive(empty + prev);
 }
 
 // Everything both kernels do before their main loops: the dequantization tables and the stage
@@ -398,10 +417,10 @@ __device__ __forceinline__ void run_block(u8* smem, Walk& walk, const TensorMap*
     set_max_registers_inc<S::CONSUMER_REGS>();
     const int col0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);  // this lane's first feature in the tile
     u32 a[2][2][4] = {};  // A registers: [32-block of the k-tile][k16 step][fragment]
-    u32 use = 0;
+    RingPos pos;
     while (walk.next()) {
         float acc[S::NACC];
-        consume<BITS, BT, DT>(walk.kb0, walk.kb1, use, smem, full, empty, smem + S::LUT_OFFSET,
+        consume<BITS, BT, DT>(walk.kb0, walk.kb1, pos, smem, full, empty, smem + S::LUT_OFFSET,
                               reinterpret_cast<const u32*>(smem + S::SCALE_OFFSET), cb_reg, col0, acc, a);
         epilogue(acc, col0);
     }
