@@ -88,7 +88,7 @@ __device__ __forceinline__ void dequant_block(const u32 (&w)[BITS], u32 i, u32 s
     if constexpr (BITS <= 4) {
         u32 pairs = 0;
 #pragma unroll
-        for (int b = 0; b < BITS; ++b) pairs |= rotr(w[b], (2 * i - 2 * b) & 31) & (0x03030303u << (2 * b));
+        for (int b = 0; b < BITS; ++b) pairs |= rotr(w[b], 2 * i - 2 * b) & (0x03030303u << (2 * b));  // rotr: mod 32
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             // byte j of `pairs` times 128 (32 copies x 4 bytes), plus this lane's copy
@@ -99,8 +99,8 @@ __device__ __forceinline__ void dequant_block(const u32 (&w)[BITS], u32 i, u32 s
         u32 even = 0, odd = 0;
 #pragma unroll
         for (int b = 0; b < BITS; ++b) {
-            even |= rotr(w[b], (2 * i - b) & 31) & (0x01010101u << b);
-            odd |= rotr(w[b], (2 * i + 1 - b) & 31) & (0x01010101u << b);
+            even |= rotr(w[b], 2 * i - b) & (0x01010101u << b);  // rotr: mod 32
+            odd |= rotr(w[b], 2 * i + 1 - b) & (0x01010101u << b);
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {

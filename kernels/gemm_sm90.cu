@@ -112,11 +112,19 @@ struct Shape {
 // the group of the previous k-tile's block 1 (a[1]) may still be in flight. The shared-memory
 // words of both blocks (planes and scales) are loaded first, so block 1's loads are in flight
 // while block 0 is decoded and issued.
+// The per-thread constants of the k-loop, computed once before it (see consumer_lane).
+struct ConsumerLane {
+    int col0;   // this lane's first feature in the tile
+    u32 quad;   // lane % 4: which pairs of a block the lane decodes
+    u32 lane4;  // 4 * lane: its bank-private copy in the pair table
+};
+
 template <int BITS, int BT, int DT>
-__device__ __forceinline__ void compute_stage(const u8* stage, const u8* lut, const u32* scale_tab, u32 cb_reg, int col0,
-                                              float (&acc)[Shape<BITS, BT>::NACC], u32 (&a)[2][2][4]) {
+__device__ __forceinline__ void compute_stage(const u8* stage, const u8* lut, const u32* scale_tab, u32 cb_reg,
+                                              const ConsumerLane& cl, float (&acc)[Shape<BITS, BT>::NACC],
+                                              u32 (&a)[2][2][4]) {
     using S = Shape<BITS, BT>;
-    const int lane = threadIdx.x & 31;
+    const int col0 = cl.col0;
     const u32* ps = reinterpret_cast<const u32*>(stage + S::X_BYTES);
     const u8* ss = stage + S::X_BYTES + S::P_BYTES;
     const u64 desc = sw128_kmajor_desc(smem_addr(stage));
@@ -133,7 +141,7 @@ __device__ __forceinline__ void compute_stage(const u8* stage, const u8* lut, co
     for (int kb = 0; kb < 2; ++kb) {
         u32 q[2][4];  // q[r]: feature col0 + 8r, the block's four pairs
 #pragma unroll
-        for (int r = 0; r < 2; ++r) dequant_block<BITS, DT>(w[kb][r], lane & 3, s2[kb][r], lut, lane * 4, cb_reg, q[r]);
+        for (int r = 0; r < 2; ++r) dequant_block<BITS, DT>(w[kb][r], cl.quad, s2[kb][r], lut, cl.lane4, cb_reg, q[r]);
 #pragma unroll
         for (int sub = 0; sub < 2; ++sub) {
             a[kb][sub][0] = q[0][2 * sub];
@@ -346,7 +354,7 @@ __device__ __forceinline__ void produce(Walk& walk, const TensorMap* x_map, u8* 
 // `pos` is the stage ring position of the next k-tile, across segments.
 template <int BITS, int BT, int DT>
 __device__ __forceinline__ void consume(int kb0, int kb1, RingPos& pos, u8* smem, u64* full, u64* empty, const u8* lut,
-                                        const u32* scale_tab, u32 cb_reg, int col0, float (&acc)[Shape<BITS, BT>::NACC],
+                                        const u32* scale_tab, u32 cb_reg, const ConsumerLane& cl, float (&acc)[Shape<BITS, BT>::NACC],
                                         u32 (&a)[2][2][4]) {
     using S = Shape<BITS, BT>;
 #pragma unroll
@@ -355,7 +363,7 @@ __device__ __forceinline__ void consume(int kb0, int kb1, RingPos& pos, u8* smem
     for (int kt = kb0; kt < kb1; ++kt) {
         const int s = pos.stage;
         mbar_wait(full + s, pos.parity);
-        compute_stage<BITS, BT, DT>(smem + s * S::STAGE_BYTES, lut, scale_tab, cb_reg, col0, acc, a);
+        compute_stage<BITS, BT, DT>(smem + s * S::STAGE_BYTES, lut, scale_tab, cb_reg, cl, acc, a);
         // compute_stage retired every wgmma of the previous k-tile: release its stage.
         if (kt > kb0) mbar_arrive(empty + prev);
         prev = s;
@@ -384,6 +392,15 @@ __device__ __forceinline__ u32 setup_block(u8* smem, const float* codebook) {
     }
     __syncthreads();
     return cb_reg;
+}
+
+// A consumer thread's ConsumerLane. The values go through an empty asm so that the compiler
+// keeps them in registers instead of recomputing them from threadIdx in every k-tile (it did:
+// ~15 instructions of a 177-instruction loop).
+__device__ __forceinline__ ConsumerLane consumer_lane(int warp, int lane) {
+    ConsumerLane cl{(warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2), (u32)lane & 3u, (u32)lane * 4u};
+    asm volatile("" : "+r"(cl.col0), "+r"(cl.quad), "+r"(cl.lane4));
+    return cl;
 }
 
 // The block's dynamic shared memory, its base aligned up to 1024 bytes (the swizzle atoms).
@@ -415,14 +432,14 @@ __device__ __forceinline__ void run_block(u8* smem, Walk& walk, const TensorMap*
         return;
     }
     set_max_registers_inc<S::CONSUMER_REGS>();
-    const int col0 = (warp >> 2) * 64 + (warp & 3) * 16 + (lane >> 2);  // this lane's first feature in the tile
+    const ConsumerLane cl = consumer_lane(warp, lane);
     u32 a[2][2][4] = {};  // A registers: [32-block of the k-tile][k16 step][fragment]
     RingPos pos;
     while (walk.next()) {
         float acc[S::NACC];
         consume<BITS, BT, DT>(walk.kb0, walk.kb1, pos, smem, full, empty, smem + S::LUT_OFFSET,
-                              reinterpret_cast<const u32*>(smem + S::SCALE_OFFSET), cb_reg, col0, acc, a);
-        epilogue(acc, col0);
+                              reinterpret_cast<const u32*>(smem + S::SCALE_OFFSET), cb_reg, cl, acc, a);
+        epilogue(acc, cl.col0);
     }
 }
 
