@@ -645,19 +645,6 @@ template <int BITS, int MT, int NW, int KS, int R> struct DecodeSmem {
     static constexpr int kBytes = Lut<BITS>::kSmem + 2 * (NW / KS) * (int)(sizeof(RedSlot<KS, R, MT>) + kCtlBytes);
 };
 
-// Kernel parameters:
-//   x [M, K] (fp16/bf16 bits), packed/absmax tiled (k_tiles x n_tiles storage tiles),
-//   codebook f32 [2^BITS], tensor_scale f32 [1], out [M, N] (x's type);
-//   ws f32 [row tiles * NWR*R*16, 8*MT] and counters i32 [row tiles * NWR]: zero on entry and
-//   left zero (only touched when a row tile is split over blocks; may be null otherwise);
-//   M, N; K: x's row length, a multiple of 8 (x 16-byte aligned), at most 64 * k_tiles;
-//   align: the block ranges of items are cut on multiples of `align` (1: stream-K, balanced to
-//   one item; kc: whole row tiles per block, never split).
-// Template: BITS 2..5, DT (KBIT_F16 / KBIT_BF16), MT = ceil(M / 8) n8 fragments, NW warps per
-// block, of them KS side by side along K (so NW/KS row slots of R row groups: a row tile is
-// NW/KS*R*16 rows), D items of loads in flight per warp, MINB blocks per SM (register budget:
-// 65536 / (MINB * NW * 32) per thread).
-// The body of both kernels below; GROUPED: grp describes the groups (else M rows of one weight).
 // The align a grouped launch runs with. The host plans for every group entry, but only the
 // groups up to the last one with rows have work (used_rt row tiles). A whole-tile plan (align
 // = kc) shares those tiles out in whole tiles, so when they do not divide evenly over the grid
@@ -681,6 +668,19 @@ KBIT_DEVICE bool block_range(int units, int align, int& i0, int& i1) {
     return i0 < i1;
 }
 
+// Kernel parameters:
+//   x [M, K] (fp16/bf16 bits), packed/absmax tiled (k_tiles x n_tiles storage tiles),
+//   codebook f32 [2^BITS], tensor_scale f32 [1], out [M, N] (x's type);
+//   ws f32 [row tiles * NWR*R*16, 8*MT] and counters i32 [row tiles * NWR]: zero on entry and
+//   left zero (only touched when a row tile is split over blocks; may be null otherwise);
+//   M, N; K: x's row length, a multiple of 8 (x 16-byte aligned), at most 64 * k_tiles;
+//   align: the block ranges of items are cut on multiples of `align` (1: stream-K, balanced to
+//   one item; kc: whole row tiles per block, never split).
+// Template: BITS 2..5, DT (KBIT_F16 / KBIT_BF16), MT = ceil(M / 8) n8 fragments, NW warps per
+// block, of them KS side by side along K (so NW/KS row slots of R row groups: a row tile is
+// NW/KS*R*16 rows), D items of loads in flight per warp, MINB blocks per SM (register budget:
+// 65536 / (MINB * NW * 32) per thread).
+// The body of both kernels below; GROUPED: grp describes the groups (else M rows of one weight).
 template <int BITS, int DT, int MT, int NW, int KS, int R, int D, bool GROUPED>
 KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
                                   const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,

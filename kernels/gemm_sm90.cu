@@ -107,11 +107,6 @@ struct Shape {
     static_assert(X_BYTES % 1024 == 0, "swizzle atoms");
 };
 
-// One k-tile of one warpgroup: two 32-blocks, each dequantized into an A register set and
-// multiplied by two wgmmas (one commit group). a[kb] is the register set of block kb; on entry
-// the group of the previous k-tile's block 1 (a[1]) may still be in flight. The shared-memory
-// words of both blocks (planes and scales) are loaded first, so block 1's loads are in flight
-// while block 0 is decoded and issued.
 // The per-thread constants of the k-loop, computed once before it (see consumer_lane).
 struct ConsumerLane {
     int col0;   // this lane's first feature in the tile
@@ -119,6 +114,11 @@ struct ConsumerLane {
     u32 lane4;  // 4 * lane: its bank-private copy in the pair table
 };
 
+// One k-tile of one warpgroup: two 32-blocks, each dequantized into an A register set and
+// multiplied by two wgmmas (one commit group). a[kb] is the register set of block kb; on entry
+// the group of the previous k-tile's block 1 (a[1]) may still be in flight. The shared-memory
+// words of both blocks (planes and scales) are loaded first, so block 1's loads are in flight
+// while block 0 is decoded and issued.
 template <int BITS, int BT, int DT>
 __device__ __forceinline__ void compute_stage(const u8* stage, const u8* lut, const u32* scale_tab, u32 cb_reg,
                                               const ConsumerLane& cl, float (&acc)[Shape<BITS, BT>::NACC],
