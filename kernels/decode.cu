@@ -651,7 +651,8 @@ template <int BITS, int MT, int NW, int KS, int R> struct DecodeSmem {
 // the busiest block carries up to a tile more than its fair share; stream-K (align 1) splits
 // the tiles' chunks evenly at the price of the split-K finalisation. The launch switches to
 // stream-K when the whole-tile rounding costs more than `slack` chunks of the busiest block
-// (slack: the finalisation's cost in chunks, from the host; -1 never switches).
+// (slack: the finalisation's cost in chunks, from the host; -1 never switches). The grid stays
+// the plan's (at most one block per SM slot, possibly fewer than the SMs).
 KBIT_DEVICE int grouped_align(int align, int kc, int used_rt, int slack) {
     if (align != kc || slack < 0) return align;
     const int g = gridDim.x;
@@ -675,7 +676,8 @@ KBIT_DEVICE bool block_range(int units, int align, int& i0, int& i1) {
 //   left zero (only touched when a row tile is split over blocks; may be null otherwise);
 //   M, N; K: x's row length, a multiple of 8 (x 16-byte aligned), at most 64 * k_tiles;
 //   align: the block ranges of items are cut on multiples of `align` (1: stream-K, balanced to
-//   one item; kc: whole row tiles per block, never split).
+//   one item; kc: whole row tiles per block, never split, except in a grouped launch with
+//   stream_k_slack >= 0, see grouped_align).
 // Template: BITS 2..5, DT (KBIT_F16 / KBIT_BF16), MT = ceil(M / 8) n8 fragments, NW warps per
 // block, of them KS side by side along K (so NW/KS row slots of R row groups: a row tile is
 // NW/KS*R*16 rows), D items of loads in flight per warp, MINB blocks per SM (register budget:

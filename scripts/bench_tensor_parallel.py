@@ -198,7 +198,7 @@ def _report(args: argparse.Namespace, env: dict[str, Any], rows: list[dict[str, 
         "graphed = the compiled step captured in one CUDA graph and replayed (GPU time, no host time per kernel)",
         f"- model tok/s: batch / (layers step x {LLAMA3_8B_LAYERS}/{args.layers}"
         f"{' + head step' if args.head else ''}), no attention",
-        f"- weights per rank: {rows[0]['one_bytes']:,} bytes whole, {rows[0]['tp_bytes']:,} bytes per rank split",
+        f"- decoder-layer weights per rank: {rows[0]['one_bytes']:,} bytes whole, {rows[0]['tp_bytes']:,} bytes per rank split",
         "",
         bc.markdown_table(["part", "batch", "mode", "1 GPU (ms)", f"{world} GPUs (ms)", "speed-up",
                            f"1 GPU tok/s ({model_words})", f"{world} GPUs tok/s ({model_words})", "model speed-up",
@@ -232,6 +232,8 @@ def main() -> None:
     parser.add_argument("--json", help="results JSON (default bench/results/tensor-parallel-<gpu>.json)")
     parser.add_argument("--md", help="results markdown (default bench/results/tensor-parallel-<gpu>.md)")
     args = parser.parse_args()
+    if "graphed" in args.modes and args.compile_mode in ("reduce-overhead", "max-autotune"):
+        parser.error(f"--compile-mode {args.compile_mode} captures CUDA graphs itself: the graphed mode would nest them")
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))

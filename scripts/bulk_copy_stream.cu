@@ -1,6 +1,6 @@
 // How fast can bulk copies (cp.async.bulk, the wgmma kernel's weight path) stream a large buffer
 // into shared memory, by chunk size, stages and blocks per SM? Consumers only wait and release.
-// The reference points: plain 16-byte loads over the same 128 MiB ("ldg read") and a
+// The reference points: 16-byte streaming loads (ld.global.cs) over the same 128 MiB ("ldg read") and a
 // device-to-device memcpy (read + write). Used for bench/results/gemm-sm90-h100.md.
 //
 //   nvcc -arch=sm_90a -O3 -o bulk_copy_stream scripts/bulk_copy_stream.cu && ./bulk_copy_stream
@@ -81,6 +81,7 @@ int main() {
     cudaMemset(flush, rep, 256 << 20);
     cudaEventRecord(a); readall<<<sms * 4, 512>>>((const int4*)src, total / 16, sink); cudaEventRecord(b); cudaEventSynchronize(b);
     float ms; cudaEventElapsedTime(&ms, a, b); printf("ldg read: %.2f TB/s\n", total / (ms * 1e-3) / 1e12);
+    cudaMemset(flush, rep + 1, 256 << 20);
     cudaEventRecord(a); cudaMemcpy(flush, src, total, cudaMemcpyDeviceToDevice); cudaEventRecord(b); cudaEventSynchronize(b);
     cudaEventElapsedTime(&ms, a, b); printf("memcpy: %.2f TB/s read+write\n", 2.0 * total / (ms * 1e-3) / 1e12);
   }

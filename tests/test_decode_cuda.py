@@ -333,24 +333,36 @@ def test_grouped_large_and_split(bits):
 @gpu
 @pytest.mark.parametrize("bits", (2, 4), ids=lambda b: f"k{b}")
 def test_grouped_whole_tile_plan_runs_stream_k_when_the_used_groups_share_unevenly(bits):
-    """A whole-tile grouped plan made for 8 group entries: when fewer of them hold rows, the used
+    """A whole-tile grouped plan made for every group entry: when fewer of them hold rows, the used
     row tiles may share out unevenly over the grid and the launch runs stream-K instead
     (decode.cu's grouped_align, which needs the split-K scratch); otherwise it keeps whole tiles.
     One count of each kind must match the reference."""
-    e, k, n = 8, 4096, 4096
+    k, k_tiles = 4096, 64
+
+    def used_counts(e: int, n: int) -> tuple[list[int], list[int]] | None:
+        """Used-group counts that switch and that keep whole tiles under grouped_align's rule,
+        for the plan of (e groups, n rows); None unless the plan is whole-tile and both occur."""
+        plan = decode.decode_plan(1, bits, torch.float16, n, k_tiles, groups=e)
+        if plan.schedule != "tiles":
+            return None
+        assert plan.stream_k_slack >= 0 and plan.split, plan  # a whole-tile grouped plan may run split
+        kc, rt_per_group = (k_tiles + 1) // 2, -(-n // plan.config.tile_rows)
+
+        def switches(used: int) -> bool:
+            used_rt = used * rt_per_group
+            return -(-used_rt // plan.grid) * kc - -(-used_rt * kc // plan.grid) > plan.stream_k_slack
+
+        switching = [u for u in range(1, e + 1) if switches(u)]
+        keeping = [u for u in range(1, e + 1) if not switches(u)]
+        return (switching, keeping) if switching and keeping else None
+
+    # The plan depends on the GPU's SM count: take the first shape that exercises both ways.
+    found = next(((e, n, c) for e in (8, 6, 12) for n in (4096, 2048, 6144) if (c := used_counts(e, n))), None)
+    if found is None:
+        pytest.skip("no whole-tile grouped plan with both outcomes among the shapes tried on this GPU")
+    e, n, (switching, keeping) = found
     packed, absmax, codebook, ts, dense = _experts(e, k, n, bits)
-    plan = decode.decode_plan(1, bits, torch.float16, n, packed.shape[1], groups=e)
-    assert plan.schedule == "tiles" and plan.stream_k_slack >= 0 and plan.split, plan
-    kc = (packed.shape[1] + 1) // 2
-    rt_per_group = -(-n // plan.config.tile_rows)
-
-    def switches(used_groups: int) -> bool:  # grouped_align's rule
-        used_rt = used_groups * rt_per_group
-        return -(-used_rt // plan.grid) * kc - -(-used_rt * kc // plan.grid) > plan.stream_k_slack
-
-    switching = [u for u in range(1, e + 1) if switches(u)]
-    keeping = [u for u in range(1, e + 1) if not switches(u)]
-    assert switching and keeping, (switching, keeping)  # the shape exercises both ways
+    assert packed.shape[1] == k_tiles
     for used in (switching[0], keeping[-1]):
         counts = [1] * used + [0] * (e - used)
         experts = [(3 * i + 1) % e for i in range(e)]
