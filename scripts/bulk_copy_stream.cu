@@ -5,6 +5,8 @@
 //
 //   nvcc -arch=sm_90a -O3 -o bulk_copy_stream scripts/bulk_copy_stream.cu && ./bulk_copy_stream
 //
+// The copies and barriers are the kernels' own (kernels/async_copy.cuh, kernels/mbarrier.cuh).
+//
 // Layout: per block, `stages` buffers of `chunk` (+ `side`) bytes in a ring, full/empty
 // mbarriers; thread 0 of warp 0 issues one bulk copy per chunk (plus a `side`-byte copy from a
 // second array, as the weight tiles' scale codes), the other warps wait for full[s], read one
@@ -12,37 +14,29 @@
 #include <cstdio>
 #include <cstdint>
 #include <cuda_runtime.h>
-typedef unsigned long long u64; typedef unsigned u32;
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(u64* b, u32 n) { asm volatile("mbarrier.init.shared.b64 [%0], %1;" :: "r"(smem_u32(b)), "r"(n)); }
-__device__ __forceinline__ void mbar_expect_tx(u64* b, u32 bytes) { asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" :: "r"(smem_u32(b)), "r"(bytes)); }
-__device__ __forceinline__ void mbar_arrive(u64* b) { asm volatile("mbarrier.arrive.shared.b64 _, [%0];" :: "r"(smem_u32(b))); }
-__device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
-  asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared.b64 p, [%0], %1;\n @!p bra W;\n}" :: "r"(smem_u32(b)), "r"(parity));
-}
-__device__ __forceinline__ void bulk(void* dst, const void* src, u32 bytes, u64* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
+#include "../kernels/async_copy.cuh"  // the kernels' own barriers and bulk copies
+using namespace kbit;
 // side: a second small copy per chunk from another array (the scale codes)
 __global__ void stream(const char* __restrict__ src, const char* __restrict__ side, long long n_chunks, int chunk, int stages, int side_bytes, unsigned* sink) {
   extern __shared__ __align__(1024) char smem[];
   const int stage_bytes = (chunk + side_bytes + 1023) / 1024 * 1024;
   u64* full = (u64*)(smem + (size_t)stages * stage_bytes);
   u64* empty = full + stages;
-  if (threadIdx.x == 0) { for (int s = 0; s < stages; ++s) { mbar_init(full + s, 1); mbar_init(empty + s, blockDim.x - 32); } }
-  asm volatile("fence.mbarrier_init.release.cluster;");
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) { mbar_init(full + s, 1); mbar_init(empty + s, blockDim.x - 32); }
+    fence_mbar_init();
+  }
   __syncthreads();
-  long long my = 0; for (long long c = blockIdx.x; c < n_chunks; c += gridDim.x) ++my;
+  const long long my = blockIdx.x < n_chunks ? (n_chunks - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;  // chunks b, b + grid, ...
   if (threadIdx.x < 32) {
     if (threadIdx.x == 0) {
       long long c = blockIdx.x;
       for (long long j = 0; j < my; ++j, c += gridDim.x) {
         int s = j % stages; u32 use = j / stages;
         if (use > 0) mbar_wait(empty + s, (use - 1) & 1);
-        mbar_expect_tx(full + s, chunk + side_bytes);
-        bulk(smem + (size_t)s * stage_bytes, src + c * chunk, chunk, full + s);
-        if (side_bytes) bulk(smem + (size_t)s * stage_bytes + chunk, side + c * side_bytes, side_bytes, full + s);
+        mbar_arrive_expect_tx(full + s, chunk + side_bytes);
+        bulk_load(smem + (size_t)s * stage_bytes, src + c * chunk, chunk, full + s);
+        if (side_bytes) bulk_load(smem + (size_t)s * stage_bytes + chunk, side + c * side_bytes, side_bytes, full + s);
       }
     }
   } else {
