@@ -214,31 +214,43 @@ template <int BITS> KBIT_DEVICE void lut_indices(u32 idx, u32 (&e)[4]) {
 }
 
 // Fill the pair/quad table (at shared address `lut`) and the scale table (at `stab`: E4M4 code
-// -> half2 of the block scale). Thread tid passes codebook entry tid % 2^BITS as `cb`; entries are
-// gathered with shuffles, so all lanes of a warp run every iteration (stores past the end are
-// skipped).
-template <int BITS, int DT>
-KBIT_DEVICE void build_tables(u32 lut, u32 stab, float cb, int tid, int nthreads) {
+// -> half2 of the block scale); NTHREADS threads, thread tid passes codebook entry
+// tid % 2^BITS as `cb`. Each thread forms one entry's value (codebook entries gathered with
+// shuffles, so all lanes of a warp run every round) and stores it into its share of the entry's
+// 32 lane copies: kPer threads per entry (more entries than threads: one thread per entry and
+// several rounds). A thread's 16-byte stores are rotated by the entry index, so the lanes of a
+// warp spread over every bank.
+template <int BITS, int DT, int NTHREADS>
+KBIT_DEVICE void build_tables(u32 lut, u32 stab, float cb, int tid) {
     using L = Lut<BITS>;
     const u32 cbh = pack2<DT>(cb, 0.0f);
+    constexpr int kEntries = 1 << L::kIdxBits;
     constexpr int kVecPerRow = 32 * L::kEntryBytes / 16;  // 16-byte stores per table row
-    constexpr int kVecs = (1 << L::kIdxBits) * kVecPerRow;
-    for (int base = 0; base < kVecs; base += nthreads) {
-        const int v = base + tid;
-        const u32 idx = (u32)min(v, kVecs - 1) / kVecPerRow;
-        const u32 part = (u32)v % kVecPerRow;
+    constexpr int kPer = NTHREADS >= kEntries ? (NTHREADS / kEntries < kVecPerRow ? NTHREADS / kEntries : kVecPerRow) : 1;
+    static_assert(NTHREADS % 32 == 0 && kVecPerRow % kPer == 0, "whole warps; threads share a row evenly");
+    constexpr int kVecsEach = kVecPerRow / kPer;
+    constexpr int kSlots = kEntries * kPer;  // (entry, share) pairs
+#pragma unroll
+    for (int s0 = 0; s0 < kSlots; s0 += NTHREADS) {
+        const int s = s0 + tid;
+        const u32 idx = (u32)min(s, kSlots - 1) / kPer;
+        const u32 share = (u32)s % kPer;
         u32 e[4];
         lut_indices<BITS>(idx, e);
-        u32 h[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) h[j] = __shfl_sync(0xffffffffu, cbh, (int)e[j]);
-        const u32 w0 = h[0] | (h[1] << 16);
-        const u32 w1 = h[2] | (h[3] << 16);
+        const u32 w0 = __shfl_sync(0xffffffffu, cbh, (int)e[0]) | (__shfl_sync(0xffffffffu, cbh, (int)e[1]) << 16);
+        u32 w1 = w0;
+        if constexpr (BITS == 2) w1 = __shfl_sync(0xffffffffu, cbh, (int)e[2]) | (__shfl_sync(0xffffffffu, cbh, (int)e[3]) << 16);
         // two lanes' copies of a quad, or four lanes' copies of a pair
-        const uint4 val = BITS == 2 ? make_uint4(w0, w1, w0, w1) : make_uint4(w0, w0, w0, w0);
-        if (v < kVecs) sts128(lut + idx * L::kStride + part * 16, val);
+        const uint4 val = make_uint4(w0, w1, w0, w1);
+        if (s < kSlots) {
+#pragma unroll
+            for (int i = 0; i < kVecsEach; ++i) {
+                const u32 vec = (share * kVecsEach + (u32)i + idx) % kVecPerRow;
+                sts128(lut + idx * L::kStride + vec * 16, val);
+            }
+        }
     }
-    for (int c = tid; c < 256; c += nthreads) {
+    for (int c = tid; c < 256; c += NTHREADS) {
         const float sc = e4m4_decode((u32)c);
         sts32(stab + 4 * c, pack2<DT>(sc, sc));
     }
@@ -730,7 +742,7 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
     // 0.6-1.4 us lost at K = 3.)
     const float* cb_entry = codebook + (threadIdx.x & ((1 << BITS) - 1));
     const u32 cb_early = ldg_cg_word(cb_entry);
-    build_tables<BITS, DT>(lut_win, stab_win, __uint_as_float(cb_early), threadIdx.x, NW * 32);
+    build_tables<BITS, DT, NW * 32>(lut_win, stab_win, __uint_as_float(cb_early), threadIdx.x);
     if (KS > 1 && threadIdx.x < 2 * NWR) {
         const u32 ctl_s = ctls_win + threadIdx.x * kCtlBytes;
         sts32(ctl_s + kGenOffset, threadIdx.x / NWR);  // slot 0 starts with segment 0, slot 1 with 1
@@ -786,7 +798,7 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
     u32 bx[MT][16];
     load_x<MT>(bx, GROUPED ? x + (size_t)cur.xrow0 * K : x, GROUPED ? cur.xrows : M, K, cur.ch * 128 + 32 * t, g);
     if (__syncthreads_or(cb_changed)) {
-        build_tables<BITS, DT>(lut_win, stab_win, __ldcg(cb_entry), threadIdx.x, NW * 32);
+        build_tables<BITS, DT, NW * 32>(lut_win, stab_win, __ldcg(cb_entry), threadIdx.x);
         __syncthreads();
     }
     if (n_mine == 0) return;
