@@ -33,25 +33,38 @@ __device__ __forceinline__ u32 build_dequant_tables(u8* lut_bytes, u32* scale_ta
     const float cb_f32 = lane < (1 << BITS) ? codebook[lane] : 0.f;
     u32 cb_reg = 0;
     if constexpr (BITS <= 4) {
-        // Work item = (entry, 4 copies): one 16-byte store.
+        // Each thread forms one entry (index bits, two shuffles) and stores its share of the
+        // entry's 8 16-byte pieces (4 copies each): kPer threads per entry, a power of two; more
+        // entries than threads take several rounds. The pieces are rotated by the entry index so
+        // that a warp's stores cover every bank.
         constexpr int ENTRIES = 1 << (2 * BITS);
-        constexpr int ITEMS = ENTRIES * 8;
+        constexpr int FIT = THREADS / ENTRIES < 8 ? THREADS / ENTRIES : 8;
+        constexpr int kPer = FIT >= 8 ? 8 : FIT >= 4 ? 4 : FIT >= 2 ? 2 : 1;
+        constexpr int kPieces = 8 / kPer;  // per thread
+        constexpr int SLOTS = ENTRIES * kPer;
         u32* lut = reinterpret_cast<u32*>(lut_bytes);
 #pragma unroll
-        for (int it = 0; it < (ITEMS + THREADS - 1) / THREADS; ++it) {
-            const int item = it * THREADS + tid;
-            const int e = (item >> 3) & (ENTRIES - 1);
+        for (int r = 0; r < (SLOTS + THREADS - 1) / THREADS; ++r) {
+            const int slot = r * THREADS + tid;
+            const int e = (slot < SLOTS ? slot : SLOTS - 1) / kPer;
+            const int share = slot % kPer;
             int lo = 0, hi = 0;
 #pragma unroll
             for (int b = 0; b < BITS; ++b) {
                 lo |= ((e >> (2 * b)) & 1) << b;
                 hi |= ((e >> (2 * b + 1)) & 1) << b;
             }
-            // all lanes shuffle (convergent), only in-range items store
+            // all lanes shuffle (convergent), only in-range slots store
             const float vlo = __uint_as_float(shfl_idx(__float_as_uint(cb_f32), lo));
             const float vhi = __uint_as_float(shfl_idx(__float_as_uint(cb_f32), hi));
             const u32 v = pack2<DT>(vlo, vhi);
-            if (item < ITEMS) *reinterpret_cast<uint4*>(lut + e * 32 + (item & 7) * 4) = make_uint4(v, v, v, v);
+            if (slot < SLOTS) {
+#pragma unroll
+                for (int i = 0; i < kPieces; ++i) {
+                    const int piece = (share * kPieces + i + e) & 7;
+                    *reinterpret_cast<uint4*>(lut + e * 32 + piece * 4) = make_uint4(v, v, v, v);
+                }
+            }
         }
     } else {
         cb_reg = f32_to_bits<DT>(cb_f32);
