@@ -31,11 +31,16 @@
 // producer warpgroup, one thread of which issues every copy (setmaxnreg moves the producer's
 // registers to the consumers):
 //
-//   producer, per k-tile:  wait empty[s] -> expect_tx(full[s], stage bytes) -> TMA x tile,
-//                          bulk copies of the tile's plane words and scale codes -> full[s]
-//   consumers, per k-tile: wait full[s] -> decode + wgmma (compute_stage) -> release the
-//                          previous stage (its wgmmas are retired by now): every consumer
-//                          thread arrives on empty[s'] after its own reads of it
+//   producer, per stage:   wait empty[s] -> expect_tx(full[s], stage bytes) -> per k-tile of the
+//                          stage: TMA x tile, bulk copies of the tile's plane words and scale
+//                          codes -> full[s]
+//   consumers, per stage:  wait full[s] -> per k-tile: decode + wgmma (compute_stage); after the
+//                          first, release the previous stage (its wgmmas are retired by then):
+//                          every consumer thread arrives on empty[s'] after its own reads of it
+//
+// A stage holds KPS k-tiles (2 at BT = 64, else 1): at the small token tile a k-tile's MMAs are
+// short, and the per-stage work (barrier wait and release, ring position, addresses) is paid once
+// per two k-tiles. A segment's last stage may hold fewer (both sides count the same).
 //
 // STAGES stage buffers in a ring; the j-th use of stage s waits for phase parity j & 1 of
 // full[s] (consumers) and for the release of use j - 1 on empty[s] (producer). No block-wide
@@ -64,7 +69,7 @@
 // same elements).
 //
 // Shared memory (base aligned up to 1024 bytes at run time):
-//   STAGES x [x tile BT*128 | plane words 128*2*BITS*4 | scale codes 256] (each 1024-aligned)
+//   STAGES x KPS x [x tile BT*128 | plane words 128*2*BITS*4 | scale codes 256] (each 1024-aligned)
 //   | pair table | scale table | full[STAGES], empty[STAGES] barriers | flag
 #include "dequant.cuh"  // load_planes, dequant_block, build_dequant_tables
 #include "wgmma.cuh"    // wgmma_rs, fences, sw128_kmajor_desc
@@ -82,17 +87,19 @@ constexpr int kTileK = 64;     // in-features per k-tile = one storage k-tile (t
 template <int BITS, int BT>
 struct Shape {
     static_assert(BT == 64 || BT == 128 || BT == 256, "token tile");
-    static constexpr int STAGES = BT == 256 ? 5 : 6;
+    static constexpr int KPS = BT == 64 ? 2 : 1;                // k-tiles per stage
+    static constexpr int STAGES = BT == 256 ? 5 : 6 / KPS;
     static constexpr int X_BYTES = BT * kTileK * 2;        // activation tile
     static constexpr int P_BYTES = kTileN * 2 * BITS * 4;  // one storage tile of plane words
     static constexpr int S_BYTES = kTileN * 2;             // its scale codes
-    static constexpr int STAGE_BYTES = (X_BYTES + P_BYTES + S_BYTES + 1023) / 1024 * 1024;
+    static constexpr int SUB_BYTES = (X_BYTES + P_BYTES + S_BYTES + 1023) / 1024 * 1024;  // one k-tile's buffers
+    static constexpr int STAGE_BYTES = KPS * SUB_BYTES;
     static constexpr int LUT_OFFSET = STAGES * STAGE_BYTES;
     static constexpr int SCALE_OFFSET = LUT_OFFSET + pair_table_bytes<BITS>();
     static constexpr int BARRIER_OFFSET = SCALE_OFFSET + 256 * 4;  // full[STAGES], then empty[STAGES]
     static constexpr int FLAG_OFFSET = BARRIER_OFFSET + 2 * STAGES * 8;
     static constexpr int SMEM_BYTES = FLAG_OFFSET + 16 + 1024;  // + the run-time alignment of the base
-    static constexpr u32 STAGE_TX = X_BYTES + P_BYTES + S_BYTES;  // bytes the copies of one stage bring
+    static constexpr u32 SUB_TX = X_BYTES + P_BYTES + S_BYTES;  // bytes the copies of one k-tile bring
     static constexpr int NACC = BT / 2;                         // fp32 accumulators per thread
     static constexpr int MIN_BLOCKS = BT == 64 ? 2 : 1;  // blocks per SM the registers are sized for
     // Registers per thread at launch: the cap __launch_bounds__ sets (ptxas allocates exactly
@@ -337,15 +344,20 @@ __device__ __forceinline__ void produce(Walk& walk, const TensorMap* x_map, u8* 
     using S = Shape<BITS, BT>;
     RingPos pos;  // of the next k-tile to issue
     while (walk.next()) {
-        for (int kt = walk.kb0; kt < walk.kb1; ++kt, pos.advance<S::STAGES>()) {
+        for (int kt = walk.kb0; kt < walk.kb1; kt += S::KPS, pos.advance<S::STAGES>()) {
             const int s = pos.stage;
+            const int n = walk.kb1 - kt < S::KPS ? walk.kb1 - kt : S::KPS;  // k-tiles in this stage
             if (pos.wrapped) mbar_wait(empty + s, pos.parity ^ 1u);  // the consumers' release of its previous use
-            u8* stage = smem + s * S::STAGE_BYTES;
-            mbar_arrive_expect_tx(full + s, S::STAGE_TX);
-            tma_load_2d(stage, x_map, full + s, kt * kTileK, walk.x_row);
-            const i64 wt = (i64)kt * n_tiles + walk.nt;
-            bulk_load(stage + S::X_BYTES, walk.packed + wt * (kTileN * 2 * BITS), S::P_BYTES, full + s);
-            bulk_load(stage + S::X_BYTES + S::P_BYTES, walk.absmax + wt * S::S_BYTES, S::S_BYTES, full + s);
+            mbar_arrive_expect_tx(full + s, (u32)n * S::SUB_TX);
+#pragma unroll
+            for (int sub = 0; sub < S::KPS; ++sub) {
+                if (sub >= n) break;
+                u8* buf = smem + s * S::STAGE_BYTES + sub * S::SUB_BYTES;
+                tma_load_2d(buf, x_map, full + s, (kt + sub) * kTileK, walk.x_row);
+                const i64 wt = (i64)(kt + sub) * n_tiles + walk.nt;
+                bulk_load(buf + S::X_BYTES, walk.packed + wt * (kTileN * 2 * BITS), S::P_BYTES, full + s);
+                bulk_load(buf + S::X_BYTES + S::P_BYTES, walk.absmax + wt * S::S_BYTES, S::S_BYTES, full + s);
+            }
         }
     }
 }
@@ -359,13 +371,18 @@ __device__ __forceinline__ void consume(int kb0, int kb1, RingPos& pos, u8* smem
     using S = Shape<BITS, BT>;
 #pragma unroll
     for (int i = 0; i < S::NACC; ++i) acc[i] = 0.f;
-    int prev = 0;  // the stage of the previous k-tile
-    for (int kt = kb0; kt < kb1; ++kt) {
+    int prev = 0;  // the previous stage
+    for (int kt = kb0; kt < kb1; kt += S::KPS) {
         const int s = pos.stage;
+        const int n = kb1 - kt < S::KPS ? kb1 - kt : S::KPS;  // k-tiles in this stage, as the producer counts
         mbar_wait(full + s, pos.parity);
-        compute_stage<BITS, BT, DT>(smem + s * S::STAGE_BYTES, lut, scale_tab, cb_reg, cl, acc, a);
-        // compute_stage retired every wgmma of the previous k-tile: release its stage.
-        if (kt > kb0) mbar_arrive(empty + prev);
+#pragma unroll
+        for (int sub = 0; sub < S::KPS; ++sub) {
+            if (sub >= n) break;
+            compute_stage<BITS, BT, DT>(smem + s * S::STAGE_BYTES + sub * S::SUB_BYTES, lut, scale_tab, cb_reg, cl, acc, a);
+            // The first compute_stage retired every wgmma of the previous stage: release it.
+            if (sub == 0 && kt > kb0) mbar_arrive(empty + prev);
+        }
         prev = s;
         pos.advance<S::STAGES>();
     }

@@ -71,14 +71,18 @@ def token_tile(m: int, device_name: str) -> int:
     return TOKEN_TILES[-1]
 
 
+def _tiles_per_stage(token_tile: int) -> int:
+    return 2 if token_tile == 64 else 1
+
+
 def _stages(token_tile: int) -> int:
-    return 5 if token_tile == 256 else 6
+    return 5 if token_tile == 256 else 6 // _tiles_per_stage(token_tile)
 
 
 def smem_bytes(bits: int, token_tile: int) -> int:
     """Dynamic shared memory of an instance (mirrors ``Shape::SMEM_BYTES``)."""
-    stage = token_tile * _TILE_K * 2 + _TILE_N * 2 * bits * 4 + _TILE_N * 2
-    stage = -(-stage // 1024) * 1024
+    sub = token_tile * _TILE_K * 2 + _TILE_N * 2 * bits * 4 + _TILE_N * 2
+    stage = -(-sub // 1024) * 1024 * _tiles_per_stage(token_tile)
     lut = (1 << (2 * bits)) * 32 * 4 if bits <= 4 else 0
     barriers = 2 * _stages(token_tile) * 8
     return _stages(token_tile) * stage + lut + 256 * 4 + barriers + 16 + 1024
