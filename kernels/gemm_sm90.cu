@@ -322,9 +322,9 @@ struct GroupWalk {
     }
 };
 
-// A position in the stage ring, carried across k-tiles and segments: the stage of the next
-// k-tile, the parity of its use and whether the ring has wrapped at least once (the modulo and
-// the division by STAGES, kept incrementally).
+// A position in the stage ring, carried across stages and segments: the next stage, the parity
+// of its use and whether the ring has wrapped at least once (the modulo and the division by
+// STAGES, kept incrementally).
 struct RingPos {
     int stage = 0;
     u32 parity = 0;
@@ -342,7 +342,7 @@ struct RingPos {
 template <int BITS, int BT, class Walk>
 __device__ __forceinline__ void produce(Walk& walk, const TensorMap* x_map, u8* smem, u64* full, u64* empty, int n_tiles) {
     using S = Shape<BITS, BT>;
-    RingPos pos;  // of the next k-tile to issue
+    RingPos pos;  // of the next stage to fill
     while (walk.next()) {
         for (int kt = walk.kb0; kt < walk.kb1; kt += S::KPS, pos.advance<S::STAGES>()) {
             const int s = pos.stage;
@@ -363,7 +363,7 @@ __device__ __forceinline__ void produce(Walk& walk, const TensorMap* x_map, u8* 
 }
 
 // The consumers' k-loop over one segment [kb0, kb1): acc = the segment's partial product.
-// `pos` is the stage ring position of the next k-tile, across segments.
+// `pos` is the stage ring position of the next stage, across segments.
 template <int BITS, int BT, int DT>
 __device__ __forceinline__ void consume(int kb0, int kb1, RingPos& pos, u8* smem, u64* full, u64* empty, const u8* lut,
                                         const u32* scale_tab, u32 cb_reg, const ConsumerLane& cl, float (&acc)[Shape<BITS, BT>::NACC],
