@@ -65,7 +65,10 @@ DEQUANT_CUBLAS_MIN_M: dict[str, dict[int, int]] = {
 # (`python3 scripts/kernel_bench.py --dispatch`, bench/results/decode.md): decode is faster or
 # equal at M = 4..16 on 4096->4096, 4096->14336 and 14336->4096 for bits 2..5 (e.g. bits 4
 # M = 16: 11.9 vs 18.4, 24.7 vs 28.1, 23.7 vs 29.7), while on 8192->28672 the fused kernel wins
-# from M = 12 (bits 4 M = 16: 87.4 vs 78.9).
+# from M = 12 (bits 4 M = 16: 87.4 vs 78.9). The H200 needs no row: there the decode kernel is
+# the fastest or within 2 % of the fused and wgmma kernels at M = 8..16 on 8192->28672,
+# 28672->8192 and 4096->14336 for bits 2, 4, 5 (`scripts/bench_wgmma.py --m 8 12 16`,
+# 2026-11-24; bits 4 M = 16 on 8192->28672: 80.1 vs 80.7 fused, 81.9 wgmma; gemm-sm90-h100.md).
 DECODE_MAX_M: dict[str, tuple[int, int]] = {"H100": (16, 8)}
 DECODE_LARGE_WEIGHT = 128 * 2**20
 
