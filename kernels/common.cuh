@@ -85,6 +85,17 @@ template <> KBIT_DEVICE u32 mul2<KBIT_BF16>(u32 a, u32 b) {
     return d;
 }
 
+// Lookup tables in shared memory (decode.cu's pair/quad table, dequant.cuh's pair table) hold
+// each entry as several 16-byte pieces (lane copies). When `threads` threads fill `entries`
+// entries of `pieces` pieces each, each thread forms one entry and stores its share of it: this
+// many threads share an entry (a power of two, at most `pieces`; 1 when there are more entries
+// than threads, which then take several rounds).
+__host__ __device__ constexpr int table_threads_per_entry(int threads, int entries, int pieces) {
+    int per = 1;
+    while (per * 2 <= pieces && per * 2 * entries <= threads) per *= 2;
+    return per;
+}
+
 // ---------------------------------------------------------------------------------------
 // bit tricks
 // ---------------------------------------------------------------------------------------

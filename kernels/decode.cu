@@ -226,7 +226,7 @@ KBIT_DEVICE void build_tables(u32 lut, u32 stab, float cb, int tid) {
     const u32 cbh = pack2<DT>(cb, 0.0f);
     constexpr int kEntries = 1 << L::kIdxBits;
     constexpr int kVecPerRow = 32 * L::kEntryBytes / 16;  // 16-byte stores per table row
-    constexpr int kPer = NTHREADS >= kEntries ? (NTHREADS / kEntries < kVecPerRow ? NTHREADS / kEntries : kVecPerRow) : 1;
+    constexpr int kPer = table_threads_per_entry(NTHREADS, kEntries, kVecPerRow);
     static_assert(NTHREADS % 32 == 0 && kVecPerRow % kPer == 0, "whole warps; threads share a row evenly");
     constexpr int kVecsEach = kVecPerRow / kPer;
     constexpr int kSlots = kEntries * kPer;  // (entry, share) pairs

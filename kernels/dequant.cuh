@@ -34,12 +34,11 @@ __device__ __forceinline__ u32 build_dequant_tables(u8* lut_bytes, u32* scale_ta
     u32 cb_reg = 0;
     if constexpr (BITS <= 4) {
         // Each thread forms one entry (index bits, two shuffles) and stores its share of the
-        // entry's 8 16-byte pieces (4 copies each): kPer threads per entry, a power of two; more
-        // entries than threads take several rounds. The pieces are rotated by the entry index so
-        // that a warp's stores cover every bank.
+        // entry's 8 16-byte pieces (4 copies each): kPer threads per entry
+        // (table_threads_per_entry). The pieces are rotated by the entry index so that a warp's
+        // stores cover every bank.
         constexpr int ENTRIES = 1 << (2 * BITS);
-        constexpr int FIT = THREADS / ENTRIES < 8 ? THREADS / ENTRIES : 8;
-        constexpr int kPer = FIT >= 8 ? 8 : FIT >= 4 ? 4 : FIT >= 2 ? 2 : 1;
+        constexpr int kPer = table_threads_per_entry(THREADS, ENTRIES, 8);
         constexpr int kPieces = 8 / kPer;  // per thread
         constexpr int SLOTS = ENTRIES * kPer;
         u32* lut = reinterpret_cast<u32*>(lut_bytes);

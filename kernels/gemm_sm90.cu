@@ -112,6 +112,9 @@ struct Shape {
     static constexpr int CONSUMER_REGS = (kThreads * LAUNCH_REGS - 128 * PRODUCER_REGS) / kConsumers / 8 * 8;
     static_assert(128 * PRODUCER_REGS + kConsumers * CONSUMER_REGS <= kThreads * LAUNCH_REGS, "register budget");
     static_assert(X_BYTES % 1024 == 0, "swizzle atoms");
+    // k-tiles in the stage that starts at k-tile kt of a segment ending at kb1 (the last stage of
+    // a segment may hold fewer than KPS): the producer's copies and the consumers' reads agree.
+    __device__ __forceinline__ static int tiles_in_stage(int kt, int kb1) { return kb1 - kt < KPS ? kb1 - kt : KPS; }
 };
 
 // The per-thread constants of the k-loop, computed once before it (see consumer_lane).
@@ -346,7 +349,7 @@ __device__ __forceinline__ void produce(Walk& walk, const TensorMap* x_map, u8* 
     while (walk.next()) {
         for (int kt = walk.kb0; kt < walk.kb1; kt += S::KPS, pos.advance<S::STAGES>()) {
             const int s = pos.stage;
-            const int n = walk.kb1 - kt < S::KPS ? walk.kb1 - kt : S::KPS;  // k-tiles in this stage
+            const int n = S::tiles_in_stage(kt, walk.kb1);
             if (pos.wrapped) mbar_wait(empty + s, pos.parity ^ 1u);  // the consumers' release of its previous use
             mbar_arrive_expect_tx(full + s, (u32)n * S::SUB_TX);
 #pragma unroll
@@ -374,7 +377,7 @@ __device__ __forceinline__ void consume(int kb0, int kb1, RingPos& pos, u8* smem
     int prev = 0;  // the previous stage
     for (int kt = kb0; kt < kb1; kt += S::KPS) {
         const int s = pos.stage;
-        const int n = kb1 - kt < S::KPS ? kb1 - kt : S::KPS;  // k-tiles in this stage, as the producer counts
+        const int n = S::tiles_in_stage(kt, kb1);
         mbar_wait(full + s, pos.parity);
 #pragma unroll
         for (int sub = 0; sub < S::KPS; ++sub) {
