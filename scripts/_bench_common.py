@@ -352,6 +352,30 @@ def weight_copies(
     return [first] + [build() for _ in range(n - 1)]
 
 
+def capture_graph(fn: Callable[[], Any], warmup: int = 1,
+                  warm: Callable[[], Any] | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``fn()`` captured into a CUDA graph, after ``warmup`` calls of ``warm`` (default ``fn``) on
+    a side stream, as ``torch.cuda.graphs`` requires: compilation, workspaces and library set-up
+    happen outside the capture. Returns the graph and what the captured call returned (its output
+    tensors, which every replay refreshes). Raises what the capture raises (a call that syncs the
+    host, say), after releasing the failed graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            (warm or fn)()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            out = fn()
+    except BaseException:
+        del graph
+        raise
+    return graph, out
+
+
 def time_calls(
     fn: Callable[[int], Any],
     n_copies: int,
@@ -402,16 +426,8 @@ def time_calls(
 
     note = ""
     if use_graph:
-        graph = torch.cuda.CUDAGraph()
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn(0)  # a warm-up on the capture stream, as torch.cuda.graphs requires
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph):
-                run_all()
+            graph, _ = capture_graph(run_all, warm=lambda: fn(0))
             graph.replay()
             torch.cuda.synchronize()
             per_rep = _event_ms(graph.replay, repeats)
@@ -421,7 +437,6 @@ def time_calls(
             if not fallback:
                 raise
             note = f"not capturable: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
-            del graph
             torch.cuda.synchronize()
     run_all()
     torch.cuda.synchronize()

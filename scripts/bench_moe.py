@@ -88,15 +88,8 @@ def time_us(fn, warmup: int, repeats: int) -> float:
 def graph_us(fn, warmup: int, repeats: int) -> float | None:
     """Median microseconds of one CUDA-graph replay of ``fn()``, or None when ``fn`` cannot be
     captured (it syncs the host or does something else a graph forbids)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
     try:
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = bc.capture_graph(fn)
     except Exception:  # noqa: BLE001  (any capture failure means: not capturable)
         torch.cuda.synchronize()
         return None

@@ -130,15 +130,7 @@ def _graphed(step: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> C
     This is how a served decode step runs: no host time per kernel, so the step costs what its
     kernels and collectives cost on the GPU (NCCL's all-reduce is captured like any kernel).
     """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream (compilation, workspaces, NCCL setup)
-        for _ in range(3):
-            step(h)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(h)
+    graph, out = bc.capture_graph(lambda: step(h), warmup=3)  # warm-up: compilation, workspaces, NCCL set-up
 
     def replay(_: torch.Tensor) -> torch.Tensor:
         graph.replay()
