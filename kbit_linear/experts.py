@@ -16,6 +16,9 @@ up to 128 (:func:`kbit_linear.format.tiled_shapes`)::
     p_codebook        float32 [2**bits]                               shared by the E experts of p
     p_tensor_scale    float32 [E]                                     one power of two per expert
 
+On a CUDA device a 4-bit ``p`` is held as uint8 pair codes ``[..., 2, 16]`` (the same bytes,
+:mod:`kbit_linear.weight_layout`); the state dict gives planes.
+
 One contiguous buffer per projection, experts back to back at a fixed stride::
 
     gate_up_proj (int32 words)
@@ -56,6 +59,7 @@ from . import _grouped_ops  # kbit_linear::grouped_gemm
 from . import _ops  # the op schemas and the gemm entry point
 from . import codebooks
 from . import format as fmt
+from . import weight_layout
 from .linear import _apply_keeping_float32, _check_features, _check_state_dtypes
 from .quantizer import KbitTensors, quantize_weight
 
@@ -425,7 +429,7 @@ class KbitExperts(nn.Module):
                 raise TypeError(f"{proj}{TENSOR_SUFFIXES[field]} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
             if tuple(t.shape) != shape:
                 raise ValueError(f"{proj}{TENSOR_SUFFIXES[field]} must have shape {shape}, got {tuple(t.shape)}")
-        setattr(self, proj, nn.Parameter(tensors.packed, requires_grad=False))
+        setattr(self, proj, nn.Parameter(weight_layout.device_form(tensors.packed, self.bits), requires_grad=False))
         for field in ("absmax", "codebook", "tensor_scale"):
             setattr(self, proj + TENSOR_SUFFIXES[field], getattr(tensors, field))
         self._views.pop(proj, None)
@@ -629,7 +633,16 @@ class KbitExperts(nn.Module):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "KbitExperts":
         self._views.clear()  # views of the old tensors would keep them alive
-        return _apply_keeping_float32(self, _FLOAT32_BUFFERS, fn, recurse)
+        _apply_keeping_float32(self, _FLOAT32_BUFFERS, fn, recurse)
+        for proj in PROJECTIONS:  # the new device's layout (kbit_linear.weight_layout)
+            weight_layout.adopt(getattr(self, proj), self.bits)
+        return self
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for proj in PROJECTIONS:  # state dicts and checkpoints hold planes
+            if prefix + proj in destination:
+                destination[prefix + proj] = weight_layout.storage_form(destination[prefix + proj])
 
     def _load_from_state_dict(
         self,
@@ -648,4 +661,9 @@ class KbitExperts(nn.Module):
         if not _check_state_dtypes(state_dict, prefix, expected, error_msgs, f"a {self.bits}-bit KbitExperts"):
             return
         self._views.clear()
+        # The state dict holds planes: take them in planes, then move to the device's layout.
+        for proj in PROJECTIONS:
+            getattr(self, proj).data = weight_layout.storage_form(getattr(self, proj).data)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        for proj in PROJECTIONS:
+            weight_layout.adopt(getattr(self, proj), self.bits)

@@ -49,6 +49,11 @@ __all__ = [
     "padded_shape",
     "tiled_shapes",
     "check_tiled",
+    "PAIR_CODE_BITS",
+    "is_pair_codes",
+    "block_entries",
+    "to_pair_codes",
+    "to_planes",
     "slice_weight",
     "quantize",
     "dequantize",
@@ -601,6 +606,93 @@ def tile_blocks(packed_flat: torch.Tensor, absmax_flat: torch.Tensor, bits: int)
     return p, a
 
 
+# ---------------------------------------------------------------------------------------
+# 4-bit pair codes: the layout the CUDA kernels read fastest (docs/format.md, section 7a)
+# ---------------------------------------------------------------------------------------
+
+PAIR_CODE_BITS = 4
+"""The one index width with a pair-code layout."""
+PAIR_CODE_BYTES = 16
+"""Bytes (pair codes) per 32-weight block: the same 16 bytes as its four planes."""
+
+# Bits 2b and 2b+1 of a pair code: bit b of the pair's first and second index. Byte j of word w
+# is the pair (2w + 8j, 2w + 8j + 1); in plane b its two bits sit at 2w + 8j, so rotating plane b
+# right by 2w - 2b (mod 32) and keeping bits 8j + 2b, 8j + 2b + 1 of every byte gives word w.
+_PAIR_MASKS = tuple(0x03030303 << (2 * b) for b in range(PAIR_CODE_BITS))
+_U32 = 0xFFFFFFFF
+
+
+def _rotr32(v: torch.Tensor, s: int) -> torch.Tensor:
+    """Rotate the low 32 bits of int64 ``v`` right by ``s`` (0..31)."""
+    return ((v >> s) | (v << (32 - s))) & _U32 if s else v
+
+
+def is_pair_codes(packed: torch.Tensor) -> bool:
+    """Whether a tiled ``packed`` tensor holds pair codes (uint8) rather than bit-planes (int32)."""
+    return isinstance(packed, torch.Tensor) and packed.dtype == torch.uint8
+
+
+def block_entries(packed: torch.Tensor, bits: int) -> int:
+    """Length of ``packed``'s last dimension for ``bits``: ``bits`` planes (int32) or 16 pair
+    codes (uint8, 4 bits only).
+
+    Raises:
+        ValueError: uint8 pair codes with ``bits`` other than 4.
+    """
+    if not is_pair_codes(packed):
+        return bits
+    if bits != PAIR_CODE_BITS:
+        raise ValueError(f"packed is uint8 pair codes, which exist only at bits={PAIR_CODE_BITS}, not bits={bits}")
+    return PAIR_CODE_BYTES
+
+
+def to_pair_codes(packed: torch.Tensor) -> torch.Tensor:
+    """4-bit bit-planes -> pair codes, block by block (the block's bytes are permuted bits).
+
+    A block's 16 pair-code bytes, read as four little-endian uint32 words: byte ``j`` of word
+    ``w`` is the *pair code* of elements ``2w + 8j`` and ``2w + 8j + 1``, whose bit ``2b`` is
+    bit ``b`` of the first index and bit ``2b + 1`` bit ``b`` of the second. A GEMM lane that
+    needs those four pairs loads one word instead of four planes and a gather.
+
+    Args:
+        packed: int32 ``[..., 4]``, the planes of one block per row (any leading shape, e.g. the
+            tiled ``[K_pad/64, N_pad/128, 128, 2, 4]``).
+
+    Returns:
+        uint8 ``[..., 16]`` on the same device.
+    """
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
+        raise TypeError(f"packed must be an int32 torch.Tensor, got {getattr(packed, 'dtype', type(packed).__name__)}")
+    if packed.dim() == 0 or packed.shape[-1] != PAIR_CODE_BITS:
+        raise ValueError(f"packed must have a last dimension of {PAIR_CODE_BITS} planes, got shape {tuple(packed.shape)}")
+    _check_little_endian()
+    planes = packed.to(torch.int64) & _U32
+    words = torch.zeros_like(planes)
+    for w in range(4):
+        for b in range(PAIR_CODE_BITS):
+            words[..., w] |= _rotr32(planes[..., b], (2 * w - 2 * b) % 32) & _PAIR_MASKS[b]
+    # int64 in [0, 2**32) -> the int32 with the same low 32 bits -> its 4 little-endian bytes
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return words.contiguous().view(torch.uint8).reshape(*packed.shape[:-1], PAIR_CODE_BYTES)
+
+
+def to_planes(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_pair_codes`: uint8 ``[..., 16]`` -> int32 planes ``[..., 4]``."""
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        raise TypeError(f"codes must be a uint8 torch.Tensor, got {getattr(codes, 'dtype', type(codes).__name__)}")
+    if codes.dim() == 0 or codes.shape[-1] != PAIR_CODE_BYTES:
+        raise ValueError(f"codes must have a last dimension of {PAIR_CODE_BYTES}, got shape {tuple(codes.shape)}")
+    _check_little_endian()
+    words = codes.contiguous().view(torch.int32).to(torch.int64) & _U32
+    planes = torch.zeros_like(words)
+    for b in range(PAIR_CODE_BITS):
+        for w in range(4):
+            # rotate left by 2w - 2b = rotate right by the complement
+            planes[..., b] |= _rotr32(words[..., w] & _PAIR_MASKS[b], (2 * b - 2 * w) % 32)
+    planes = torch.where(planes >= 1 << 31, planes - (1 << 32), planes).to(torch.int32)
+    return planes
+
+
 def check_tiled(
     packed: torch.Tensor,
     absmax: torch.Tensor,
@@ -610,7 +702,7 @@ def check_tiled(
 ) -> tuple[int, int]:
     """Validate a tiled pair and return ``(N_pad, K_pad)``.
 
-    Checks dtypes (int32 planes, uint8 scales), the tile shape of ``packed`` for ``bits``, that
+    Checks dtypes (int32 planes or 4-bit uint8 pair codes, uint8 scales), the tile shape of ``packed`` for ``bits``, that
     ``absmax`` has the same tiles, and, where given, that ``out_features`` / ``in_features``
     pad to exactly these tiles (:func:`tiled_shapes`). Metadata only: no pass over the data.
 
@@ -618,13 +710,16 @@ def check_tiled(
         TypeError: wrong type or dtype.
         ValueError: any shape that does not match, named.
     """
-    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
-        raise TypeError(f"packed must be an int32 torch.Tensor, got {getattr(packed, 'dtype', type(packed).__name__)}")
+    if not isinstance(packed, torch.Tensor) or packed.dtype not in (torch.int32, torch.uint8):
+        raise TypeError(f"packed must be an int32 torch.Tensor (bit-planes) or, at bits={PAIR_CODE_BITS}, a uint8 one "
+                        f"(pair codes), got {getattr(packed, 'dtype', type(packed).__name__)}")
     if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.uint8:
         raise TypeError(f"absmax must be a uint8 torch.Tensor, got {getattr(absmax, 'dtype', type(absmax).__name__)}")
-    kb = TILE_K // BLOCK_SIZE
-    if packed.dim() != 5 or tuple(packed.shape[2:]) != (TILE_N, kb, bits):
-        raise ValueError(f"packed must have shape [k_tiles, n_tiles, {TILE_N}, {kb}, bits={bits}], got {tuple(packed.shape)}")
+    kb, per_block = TILE_K // BLOCK_SIZE, block_entries(packed, bits)
+    if packed.dim() != 5 or tuple(packed.shape[2:]) != (TILE_N, kb, per_block):
+        what = "pair codes" if is_pair_codes(packed) else "planes"
+        raise ValueError(f"packed ({what}) must have shape [k_tiles, n_tiles, {TILE_N}, {kb}, {per_block}] for bits={bits}, "
+                         f"got {tuple(packed.shape)}")
     if tuple(absmax.shape) != tuple(packed.shape[:4]):
         raise ValueError(f"absmax shape {tuple(absmax.shape)} does not match packed {tuple(packed.shape)} (expected {tuple(packed.shape[:4])})")
     n_pad, k_pad = packed.shape[1] * TILE_N, packed.shape[0] * TILE_K
@@ -636,9 +731,13 @@ def check_tiled(
 
 
 def untile_blocks(packed: torch.Tensor, absmax: torch.Tensor, bits: int, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`tile_blocks`: back to flat ``[N, ceil(K/32), bits]`` and ``[N, ceil(K/32)]``."""
+    """Inverse of :func:`tile_blocks`: back to flat ``[N, ceil(K/32), bits]`` and ``[N, ceil(K/32)]``.
+
+    ``packed`` may be bit-planes or pair codes (:func:`to_pair_codes`); the result is planes.
+    """
     check_bits(bits)
     n_pad, k_pad = check_tiled(packed, absmax, bits, out_features, in_features)
+    packed = to_planes(packed) if is_pair_codes(packed) else packed
     nblk_pad, nblk = k_pad // BLOCK_SIZE, -(-in_features // BLOCK_SIZE)
     p = packed.permute(1, 2, 0, 3, 4).reshape(n_pad, nblk_pad, bits)[:out_features, :nblk].contiguous()
     a = absmax.permute(1, 2, 0, 3).reshape(n_pad, nblk_pad)[:out_features, :nblk].contiguous()
@@ -655,7 +754,8 @@ class KbitWeight:
     """A quantized ``[out_features, in_features]`` weight in the tiled layout.
 
     Attributes:
-        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` bit-planes.
+        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` bit-planes, or at 4 bits
+            possibly uint8 ``[K_pad/64, N_pad/128, 128, 2, 16]`` pair codes (:func:`to_pair_codes`).
         absmax: uint8 ``[K_pad/64, N_pad/128, 128, 2]`` E4M4 block scales.
         codebook: float32 ``[2**bits]``.
         tensor_scale: float32 ``[1]`` power of two.
@@ -749,6 +849,8 @@ def slice_weight(qweight: KbitWeight, rows: tuple[int, int] | None = None, cols:
         p, a = untile_blocks(qweight.packed, qweight.absmax, qweight.bits, qweight.out_features, qweight.in_features)
         b0, b1 = c0 // BLOCK_SIZE, -(-c1 // BLOCK_SIZE)
         packed, absmax = tile_blocks(p[r0:r1, b0:b1], a[r0:r1, b0:b1], qweight.bits)
+        if is_pair_codes(qweight.packed):  # the slice keeps its weight's layout
+            packed = to_pair_codes(packed)
     return KbitWeight(packed, absmax, qweight.codebook.clone(), qweight.tensor_scale.clone(), qweight.bits, n, k)
 
 

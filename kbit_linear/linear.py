@@ -3,7 +3,9 @@
 The module holds the tensors of ``docs/format.md`` and nothing else:
 
 * ``weight``: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]``, the tiled bit-planes, an
-  ``nn.Parameter`` with ``requires_grad=False``;
+  ``nn.Parameter`` with ``requires_grad=False``; on a CUDA device a 4-bit layer holds it as
+  uint8 pair codes ``[..., 2, 16]`` instead (:mod:`kbit_linear.weight_layout`), and its state
+  dict gives planes;
 * ``absmax``: uint8 ``[K_pad/64, N_pad/128, 128, 2]``, E4M4 block scales, a buffer;
 * ``codebook``: float32 ``[2**bits]``, levels in [-1, 1], a buffer;
 * ``tensor_scale``: float32 ``[1]``, a power of two, a buffer;
@@ -40,6 +42,7 @@ from torch import nn
 from . import _ops  # the op schemas and the gemm entry point (with its eager fast path)
 from . import format as fmt
 from . import hadamard as hd
+from . import weight_layout
 from .calibration import DEFAULT_DAMP
 from .quantizer import check_hadamard_search, hadamard_signs_for, quantize_weight
 
@@ -216,7 +219,7 @@ class KbitLinear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, bias=False, bits=bits, device="meta", hadamard=hadamard)
         if hadamard:
             layer.hadamard_signs = signs
-        layer.weight = nn.Parameter(q.packed, requires_grad=False)
+        layer.weight = nn.Parameter(weight_layout.device_form(q.packed, bits), requires_grad=False)
         layer.absmax = q.absmax
         layer.codebook = q.codebook
         layer.tensor_scale = q.tensor_scale
@@ -280,7 +283,14 @@ class KbitLinear(nn.Module):
     # -----------------------------------------------------------------------------------
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "KbitLinear":
-        return _apply_keeping_float32(self, _FLOAT32_BUFFERS, fn, recurse)
+        _apply_keeping_float32(self, _FLOAT32_BUFFERS, fn, recurse)
+        weight_layout.adopt(self.weight, self.bits)  # the new device's layout (kbit_linear.weight_layout)
+        return self
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if prefix + "weight" in destination:  # state dicts and checkpoints hold planes
+            destination[prefix + "weight"] = weight_layout.storage_form(destination[prefix + "weight"])
 
     def _load_from_state_dict(
         self,
@@ -296,4 +306,7 @@ class KbitLinear(nn.Module):
                     "hadamard_signs": torch.int8}
         if not _check_state_dtypes(state_dict, prefix, expected, error_msgs, f"a {self.bits}-bit KbitLinear"):
             return
+        # The state dict holds planes: take them in planes, then move to the device's layout.
+        self.weight.data = weight_layout.storage_form(self.weight.data)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        weight_layout.adopt(self.weight, self.bits)

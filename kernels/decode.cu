@@ -50,7 +50,8 @@
 //   1. Gather: a few shifts and lop3 merges turn the planes into "index bytes": one byte per two
 //      adjacent weights (BITS = 3, 4, 5: bits 2b and 2b+1 = plane b of weights e and e+1;
 //      BITS = 5 keeps plane 4 in a second word) or per four weights (BITS = 2: bits j and 4+j
-//      = planes 0 and 1 of weight e+j). About 12 ALU ops per 32 weights at BITS = 4.
+//      = planes 0 and 1 of weight e+j). About 12 ALU ops per 32 weights at BITS = 4, none with
+//      4-bit pair codes (docs/format.md, section 7a), which are these index bytes as stored.
 //   2. Lookup: one prmt moves an index byte into the address of a shared-memory table entry
 //      that holds the decoded pair (half2) or quad (two half2). The table has one copy per lane
 //      (the lane picks the bank), so lookups never conflict. For BITS <= 4 the rows are 256 B
@@ -355,10 +356,18 @@ KBIT_DEVICE void load_x(u32 (&bx)[MT][16], const u16* __restrict__ x, int M, int
 template <int BITS> struct Prepped {
     u32 q[2][4], r[2][4], s2[2];
 };
-template <int BITS> KBIT_DEVICE void prep(const Sub<BITS>& d, Prepped<BITS>& o, u32 stab) {
+// PAIRS: the four words are pair codes (docs/format.md, section 7a), which are the index bytes
+// already: word j byte m = the pair (8m + 2j, 8m + 2j + 1).
+template <int BITS, bool PAIRS> KBIT_DEVICE void prep(const Sub<BITS>& d, Prepped<BITS>& o, u32 stab) {
+    static_assert(!PAIRS || BITS == 4, "pair codes are 4-bit");
 #pragma unroll
     for (int rho = 0; rho < 2; ++rho) {
-        gather<BITS>(d.p[rho], o.q[rho], o.r[rho]);
+        if constexpr (PAIRS) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) o.q[rho][j] = d.p[rho][j];
+        } else {
+            gather<BITS>(d.p[rho], o.q[rho], o.r[rho]);
+        }
         o.s2[rho] = lds32(stab + d.a[rho] * 4u);
     }
 }
@@ -693,9 +702,9 @@ KBIT_DEVICE bool block_range(int units, int align, int& i0, int& i1) {
 // Template: BITS 2..5, DT (KBIT_F16 / KBIT_BF16), MT = ceil(M / 8) n8 fragments, NW warps per
 // block, of them KS side by side along K (so NW/KS row slots of R row groups: a row tile is
 // NW/KS*R*16 rows), D items of loads in flight per warp, MINB blocks per SM (register budget:
-// 65536 / (MINB * NW * 32) per thread).
+// 65536 / (MINB * NW * 32) per thread), PAIRS: packed holds 4-bit pair codes (no gather).
 // The body of both kernels below; GROUPED: grp describes the groups (else M rows of one weight).
-template <int BITS, int DT, int MT, int NW, int KS, int R, int D, bool GROUPED>
+template <int BITS, int DT, int MT, int NW, int KS, int R, int D, bool GROUPED, bool PAIRS>
 KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
                                   const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
                                   float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K, int k_tiles, int n_tiles,
@@ -817,7 +826,7 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 Prepped<BITS> o;
-                prep<BITS>(ring[d][r], o, stab_win);
+                prep<BITS, PAIRS>(ring[d][r], o, stab_win);
                 // The planes are consumed: reload the slot with row group r of unit j + D.
                 load_sub<BITS>(ring[d][r], pre.pw + r * 32 * BITS, pre.pa + r * 32,
                                refill && pre.khi && r < pre.vrg);
@@ -859,12 +868,12 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
     }
 }
 
-template <int BITS, int DT, int MT, int NW, int KS, int R, int D, int MINB>
+template <int BITS, int DT, int MT, int NW, int KS, int R, int D, int MINB, bool PAIRS = false>
 __global__ void __launch_bounds__(NW * 32, MINB)
 kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
                  const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
                  float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K, int k_tiles, int n_tiles, int align) {
-    decode_gemm_body<BITS, DT, MT, NW, KS, R, D, false>(x, packed, absmax, codebook, tensor_scale, out, ws, counters, M, N, K,
+    decode_gemm_body<BITS, DT, MT, NW, KS, R, D, false, PAIRS>(x, packed, absmax, codebook, tensor_scale, out, ws, counters, M, N, K,
                                                         k_tiles, n_tiles, align, Groups{nullptr, 1, 0, 0, 0, -1});
 }
 
@@ -873,14 +882,14 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
 // hold every expert, expert_words / expert_scales apart (the other parameters as above, for one
 // expert's weight). Workspace and counters: count times the single weight's (also for a
 // whole-tile plan when stream_k_slack >= 0: it may run split, grouped_align).
-template <int BITS, int DT, int MT, int NW, int KS, int R, int D, int MINB>
+template <int BITS, int DT, int MT, int NW, int KS, int R, int D, int MINB, bool PAIRS = false>
 __global__ void __launch_bounds__(NW * 32, MINB)
 kbit_decode_gemm_grouped(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
                          const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
                          float* __restrict__ ws, int* __restrict__ counters, const int* __restrict__ groups, int count,
                          int expert_words, int expert_scales, int N, int K, int k_tiles, int n_tiles, int align,
                          int stream_k_slack) {
-    decode_gemm_body<BITS, DT, MT, NW, KS, R, D, true>(x, packed, absmax, codebook, tensor_scale, out, ws, counters, 0, N, K,
+    decode_gemm_body<BITS, DT, MT, NW, KS, R, D, true, PAIRS>(x, packed, absmax, codebook, tensor_scale, out, ws, counters, 0, N, K,
                                                        k_tiles, n_tiles, align,
                                                        Groups{groups, count, 0, expert_words, expert_scales, stream_k_slack});
 }

@@ -11,6 +11,10 @@
 //   scale table: 256 u32, E4M4 code -> its value as a packed pair (exact in fp16 and bf16).
 // BITS = 5 uses no pair table: each lane keeps codebook[lane] in a register (cb_reg) and lanes
 // fetch entries with shfl.
+//
+// Weight words of a block: BITS bit-planes, or at BITS = 4 with PAIRS the four pair-code words
+// (docs/format.md, section 7a): word i is exactly the `pairs` word that lane i would gather
+// from the planes, so it loads one word and skips the gather.
 #pragma once
 #include "common.cuh"
 
@@ -75,10 +79,14 @@ __device__ __forceinline__ u32 build_dequant_tables(u8* lut_bytes, u32* scale_ta
     return cb_reg;
 }
 
-// The BITS plane words of one (column, 32-block) from shared memory, as wide as alignment allows.
-template <int BITS>
-__device__ __forceinline__ void load_planes(u32 (&w)[BITS], const u32* p) {
-    if constexpr (BITS == 4) {
+// The words of one (column, 32-block) from shared memory that lane quad i decodes: the BITS
+// planes, as wide as alignment allows, or (PAIRS) its pair-code word i in w[0].
+template <int BITS, bool PAIRS>
+__device__ __forceinline__ void load_block(u32 (&w)[BITS], const u32* p, u32 i) {
+    static_assert(!PAIRS || BITS == 4, "pair codes are 4-bit");
+    if constexpr (PAIRS) {
+        w[0] = p[i];
+    } else if constexpr (BITS == 4) {
         const uint4 v = *reinterpret_cast<const uint4*>(p);
         w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
     } else if constexpr (BITS == 2) {
@@ -93,14 +101,19 @@ __device__ __forceinline__ void load_planes(u32 (&w)[BITS], const u32* p) {
 // Dequantizes the 8 weights of one lane in one (column, 32-block) into four fragment
 // registers: out[j] holds rows (2i + 8j, 2i + 8j + 1) as a packed pair, already times the block
 // scale `s2` (both halves). j = 0, 1 are b0, b1 of the first k16 step; j = 2, 3 of the second.
-// lut: the pair table (BITS <= 4); lane4 = 4 * lane selects this lane's bank-private copy.
-template <int BITS, int DT>
+// lut: the pair table (BITS <= 4); lane4 = 4 * lane selects this lane's bank-private copy;
+// w: what load_block<BITS, PAIRS> loaded for this lane.
+template <int BITS, int DT, bool PAIRS>
 __device__ __forceinline__ void dequant_block(const u32 (&w)[BITS], u32 i, u32 s2, const u8* lut, u32 lane4, u32 cb_reg,
                                               u32 (&out)[4]) {
     if constexpr (BITS <= 4) {
         u32 pairs = 0;
+        if constexpr (PAIRS) {
+            pairs = w[0];
+        } else {
 #pragma unroll
-        for (int b = 0; b < BITS; ++b) pairs |= rotr(w[b], 2 * i - 2 * b) & (0x03030303u << (2 * b));  // rotr: mod 32
+            for (int b = 0; b < BITS; ++b) pairs |= rotr(w[b], 2 * i - 2 * b) & (0x03030303u << (2 * b));  // rotr: mod 32
+        }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             // byte j of `pairs` times 128 (32 copies x 4 bytes), plus this lane's copy

@@ -49,7 +49,9 @@
 // over a 32-row block a lane needs the index pairs at bit positions 2i + 8j, j = 0..3, of each
 // plane word. Rotating plane b right by 2i - 2b and masking with 0x03030303 << 2b drops both
 // bits of each pair into byte j at bits 2b, 2b+1; OR-ing the BITS planes leaves one "pair index"
-// (lo/hi bits interleaved) per byte. BITS <= 4: a shared-memory table maps a pair index straight
+// (lo/hi bits interleaved) per byte. With 4-bit pair codes (PAIRS, docs/format.md, section 7a)
+// that word is stored as such: the lane loads word i of the block and skips the gather.
+// BITS <= 4: a shared-memory table maps a pair index straight
 // to the two codebook values (one 32-bit load per two weights; 32 copies of the table, one per
 // bank, so lanes never conflict). BITS = 5: each lane keeps one codebook entry in a register and
 // lanes fetch entries with shfl (the codebook in registers).
@@ -58,7 +60,7 @@
 // accumulators in the epilogue.
 //
 // Shared memory: STAGES x [A tile | plane words | scale codes] | pair table | scale table | flag
-#include "dequant.cuh"  // load_planes, dequant_block, build_dequant_tables (includes common.cuh)
+#include "dequant.cuh"  // load_block, dequant_block, build_dequant_tables (includes common.cuh)
 
 namespace kbit {
 
@@ -155,7 +157,7 @@ struct StageLoader {
 
 // One k-tile of MMAs from pipeline stage `stage`. a_off[fm]: this lane's ldmatrix row offset
 // with its swizzle bits, XOR-ed with the k16 chunk below.
-template <int BITS, int MB, int DT>
+template <int BITS, int MB, int DT, bool PAIRS>
 __device__ __forceinline__ void compute_stage(const u8* stage, const u8* smem, u32 cb_reg, int warp_n,
                                               const u32 (&a_off)[GemmShape<BITS, MB>::FM],
                                               float (&acc)[GemmShape<BITS, MB>::FM][GemmShape<BITS, MB>::FN][4]) {
@@ -172,8 +174,8 @@ __device__ __forceinline__ void compute_stage(const u8* stage, const u8* smem, u
             const int col = (warp_n * S::FN + f) * 8 + (lane >> 2);
             const u32 s2 = scale_tab[ss[col * 2 + kb]];
             u32 w[BITS];
-            load_planes<BITS>(w, bs + (col * 2 + kb) * BITS);
-            dequant_block<BITS, DT>(w, lane & 3, s2, smem + S::LUT_OFFSET, lane * 4, cb_reg, bfrag[f]);
+            load_block<BITS, PAIRS>(w, bs + (col * 2 + kb) * BITS, lane & 3);
+            dequant_block<BITS, DT, PAIRS>(w, lane & 3, s2, smem + S::LUT_OFFSET, lane * 4, cb_reg, bfrag[f]);
         }
 #pragma unroll
         for (int sub = 0; sub < 2; ++sub) {
@@ -231,6 +233,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[GemmShape<BITS, MB
 //   BITS  index width, 2..5
 //   MB    m16 row blocks per block tile (1, 2, 4, 8): BM = 16 * MB rows
 //   DT    activation/output type: KBIT_F16 or KBIT_BF16
+//   PAIRS packed holds 4-bit pair codes instead of planes (docs/format.md, section 7a)
 // Arguments:
 //   x [M, K] (row-major, K % 8 == 0, 16-byte aligned), packed/absmax: the tiled weight,
 //   codebook float32 [2^BITS], tensor_scale float32 [1], bias [N] in DT or null, out [M, N],
@@ -240,7 +243,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[GemmShape<BITS, MB
 //   iters: k-iterations per block (the stream-K range length L).
 // Launch: 256 threads, GemmShape::SMEM_BYTES of dynamic shared memory, ceil(total / iters) blocks
 // where total = ceil(M / BM) * n_tiles * k_tiles.
-template <int BITS, int MB, int DT>
+template <int BITS, int MB, int DT, bool PAIRS = false>
 __global__ void __launch_bounds__(kbit::kThreads, MB == 1 ? 3 : (MB <= 4 ? 2 : 1))
     kbit_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
               const float* __restrict__ codebook, const float* __restrict__ tensor_scale, const u16* __restrict__ bias,
@@ -307,7 +310,7 @@ __global__ void __launch_bounds__(kbit::kThreads, MB == 1 ? 3 : (MB <= 4 ? 2 : 1
             __syncthreads();  // stage i landed for everyone; stage i-1 is free again
             if (i + S::STAGES - 1 < nk) loader.issue(smem + ((i + S::STAGES - 1) % S::STAGES) * S::STAGE_BYTES);
             cp_async_commit();
-            compute_stage<BITS, MB, DT>(smem + (i % S::STAGES) * S::STAGE_BYTES, smem, cb_reg, warp_n, a_off, acc);
+            compute_stage<BITS, MB, DT, PAIRS>(smem + (i % S::STAGES) * S::STAGE_BYTES, smem, cb_reg, warp_n, a_off, acc);
         }
         cp_async_wait<0>();
         __syncthreads();  // all reads of the stages done before the next range refills them

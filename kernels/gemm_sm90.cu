@@ -71,7 +71,7 @@
 // Shared memory (base aligned up to 1024 bytes at run time):
 //   STAGES x KPS x [x tile BT*128 | plane words 128*2*BITS*4 | scale codes 256] (each 1024-aligned)
 //   | pair table | scale table | full[STAGES], empty[STAGES] barriers | flag
-#include "dequant.cuh"  // load_planes, dequant_block, build_dequant_tables
+#include "dequant.cuh"  // load_block, dequant_block, build_dequant_tables
 #include "wgmma.cuh"    // wgmma_rs, fences, sw128_kmajor_desc
 #include "async_copy.cuh"  // mbarriers, TMA, bulk copies, named barriers
 
@@ -129,7 +129,7 @@ struct ConsumerLane {
 // the group of the previous k-tile's block 1 (a[1]) may still be in flight. The shared-memory
 // words of both blocks (planes and scales) are loaded first, so block 1's loads are in flight
 // while block 0 is decoded and issued.
-template <int BITS, int BT, int DT>
+template <int BITS, int BT, int DT, bool PAIRS>
 __device__ __forceinline__ void compute_stage(const u8* stage, const u8* lut, const u32* scale_tab, u32 cb_reg,
                                               const ConsumerLane& cl, float (&acc)[Shape<BITS, BT>::NACC],
                                               u32 (&a)[2][2][4]) {
@@ -144,14 +144,14 @@ __device__ __forceinline__ void compute_stage(const u8* stage, const u8* lut, co
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int col = col0 + 8 * r;
-            load_planes<BITS>(w[kb][r], ps + (col * 2 + kb) * BITS);
+            load_block<BITS, PAIRS>(w[kb][r], ps + (col * 2 + kb) * BITS, cl.quad);
             s2[kb][r] = scale_tab[ss[col * 2 + kb]];
         }
 #pragma unroll
     for (int kb = 0; kb < 2; ++kb) {
         u32 q[2][4];  // q[r]: feature col0 + 8r, the block's four pairs
 #pragma unroll
-        for (int r = 0; r < 2; ++r) dequant_block<BITS, DT>(w[kb][r], cl.quad, s2[kb][r], lut, cl.lane4, cb_reg, q[r]);
+        for (int r = 0; r < 2; ++r) dequant_block<BITS, DT, PAIRS>(w[kb][r], cl.quad, s2[kb][r], lut, cl.lane4, cb_reg, q[r]);
 #pragma unroll
         for (int sub = 0; sub < 2; ++sub) {
             a[kb][sub][0] = q[0][2 * sub];
@@ -367,7 +367,7 @@ __device__ __forceinline__ void produce(Walk& walk, const TensorMap* x_map, u8* 
 
 // The consumers' k-loop over one segment [kb0, kb1): acc = the segment's partial product.
 // `pos` is the stage ring position of the next stage, across segments.
-template <int BITS, int BT, int DT>
+template <int BITS, int BT, int DT, bool PAIRS>
 __device__ __forceinline__ void consume(int kb0, int kb1, RingPos& pos, u8* smem, u64* full, u64* empty, const u8* lut,
                                         const u32* scale_tab, u32 cb_reg, const ConsumerLane& cl, float (&acc)[Shape<BITS, BT>::NACC],
                                         u32 (&a)[2][2][4]) {
@@ -382,7 +382,7 @@ __device__ __forceinline__ void consume(int kb0, int kb1, RingPos& pos, u8* smem
 #pragma unroll
         for (int sub = 0; sub < S::KPS; ++sub) {
             if (sub >= n) break;
-            compute_stage<BITS, BT, DT>(smem + s * S::STAGE_BYTES + sub * S::SUB_BYTES, lut, scale_tab, cb_reg, cl, acc, a);
+            compute_stage<BITS, BT, DT, PAIRS>(smem + s * S::STAGE_BYTES + sub * S::SUB_BYTES, lut, scale_tab, cb_reg, cl, acc, a);
             // The first compute_stage retired every wgmma of the previous stage: release it.
             if (sub == 0 && kt > kb0) mbar_arrive(empty + prev);
         }
@@ -433,7 +433,7 @@ __device__ __forceinline__ u8* block_smem() {
 // barriers, then the producer warpgroup's copies and the consumers' k-loops over `walk`. After
 // each segment the consumers call epilogue(acc, col0): acc the segment's partial product, col0
 // the thread's first feature in the tile.
-template <int BITS, int BT, int DT, class Walk, class Epilogue>
+template <int BITS, int BT, int DT, bool PAIRS, class Walk, class Epilogue>
 __device__ __forceinline__ void run_block(u8* smem, Walk& walk, const TensorMap* x_map, const float* codebook, int n_tiles,
                                           Epilogue&& epilogue) {
     using S = Shape<BITS, BT>;
@@ -457,7 +457,7 @@ __device__ __forceinline__ void run_block(u8* smem, Walk& walk, const TensorMap*
     RingPos pos;
     while (walk.next()) {
         float acc[S::NACC];
-        consume<BITS, BT, DT>(walk.kb0, walk.kb1, pos, smem, full, empty, smem + S::LUT_OFFSET,
+        consume<BITS, BT, DT, PAIRS>(walk.kb0, walk.kb1, pos, smem, full, empty, smem + S::LUT_OFFSET,
                               reinterpret_cast<const u32*>(smem + S::SCALE_OFFSET), cb_reg, cl, acc, a);
         epilogue(acc, cl.col0);
     }
@@ -470,6 +470,7 @@ __device__ __forceinline__ void run_block(u8* smem, Walk& walk, const TensorMap*
 //   BITS  index width, 2..5
 //   BT    tokens per block tile (wgmma's N): 64, 128 or 256
 //   DT    activation/output type: KBIT_F16 or KBIT_BF16
+//   PAIRS packed holds 4-bit pair codes instead of planes (docs/format.md, section 7a)
 // Arguments: x_map: tensor map of x [M, K] (16-bit elements, row stride K * 2 bytes, box 64 x BT,
 //   128-byte swizzle, zero fill; hopper.py builds it); the tiled weight; codebook, tensor_scale,
 //   bias or null, out [M, N]; workspace of gridDim.x * 2 * 256 * BT / 2 floats, touched only for
@@ -478,7 +479,7 @@ __device__ __forceinline__ void run_block(u8* smem, Walk& walk, const TensorMap*
 //   n_tiles, k_tiles of the padded weight; iters: k-iterations per block; m_tiles = ceil(M / BT).
 // Launch: 384 threads, Shape::SMEM_BYTES of dynamic shared memory, ceil(total / iters) blocks
 // where total = m_tiles * n_tiles * k_tiles.
-template <int BITS, int BT, int DT>
+template <int BITS, int BT, int DT, bool PAIRS = false>
 __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, BT>::MIN_BLOCKS)
     kbit_gemm_sm90(const __grid_constant__ kbit::TensorMap x_map, const u32* __restrict__ packed, const u8* __restrict__ absmax,
                    const float* __restrict__ codebook, const float* __restrict__ tensor_scale, const u16* __restrict__ bias,
@@ -492,7 +493,7 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
     const int tid = threadIdx.x;
     const int m_tiles = (M + BT - 1) / BT;
     RangeWalk<BT> walk(iters, m_tiles * n_tiles, k_tiles, m_tiles, packed, absmax);
-    run_block<BITS, BT, DT>(smem, walk, &x_map, codebook, n_tiles, [&](float (&acc)[S::NACC], int col0) {
+    run_block<BITS, BT, DT, PAIRS>(smem, walk, &x_map, codebook, n_tiles, [&](float (&acc)[S::NACC], int col0) {
         const float ts = *tensor_scale;  // read here, after run_block's dependency wait
         const int tile = walk.tile, m0 = walk.x_row;
         const int n = walk.nt * kTileN + col0;
@@ -549,7 +550,7 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
 //   each item computing a gate n-tile and then the up n-tile n_tiles / 2 further.
 // Launch: 384 threads, Shape::SMEM_BYTES of dynamic shared memory, any grid (persistent blocks;
 //   a block with no item returns at once).
-template <int BITS, int BT, int DT>
+template <int BITS, int BT, int DT, bool PAIRS = false>
 __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, BT>::MIN_BLOCKS)
     kbit_gemm_sm90_grouped(const __grid_constant__ kbit::TensorMap x_map, const u32* __restrict__ packed,
                            const u8* __restrict__ absmax, const float* __restrict__ codebook, const float* __restrict__ tensor_scale,
@@ -559,7 +560,7 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
     using namespace kbit::sm90;
     using S = Shape<BITS, BT>;
     GroupWalk<BT> walk(groups, count, experts, x_rows, n_tiles, k_tiles, expert_words, expert_scales, swiglu, packed, absmax);
-    run_block<BITS, BT, DT>(block_smem(), walk, &x_map, codebook, n_tiles, [&](float (&acc)[S::NACC], int col0) {
+    run_block<BITS, BT, DT, PAIRS>(block_smem(), walk, &x_map, codebook, n_tiles, [&](float (&acc)[S::NACC], int col0) {
         const int nt = walk.phase ? walk.nt - n_tiles / 2 : walk.nt;  // the up half writes over its gate half
         const float ts = __ldg(tensor_scale + walk.expert);
         const int m_end = walk.x_row + walk.rows, n = nt * kTileN + col0;

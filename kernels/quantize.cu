@@ -9,6 +9,7 @@
 // Layouts (docs/format.md):
 //   packed_flat int32 [N, nblk, BITS]    absmax_flat uint8 [N, nblk]        nblk = ceil(K / 32)
 //   packed      int32 [KT, NT, 128, 2, BITS]   absmax uint8 [KT, NT, 128, 2]   KT = K_pad/64, NT = N_pad/128
+//               (dequantize also reads 4-bit pair codes, uint8 [KT, NT, 128, 2, 16]: section 7a)
 #include "common.cuh"
 
 namespace kbit {
@@ -133,8 +134,10 @@ __global__ void __launch_bounds__(256) kbit_repack(const u32* __restrict__ packe
 // own byte of the block and fetches codebook entries with shfl (lane l holds codebook[l]).
 //   out [N, K] in DT (fp16, bf16 or fp32), row-major; values are codebook[idx] * (e4m4 * ts)
 //   in fp32 (as the reference), rounded once to DT.
+// PAIRS: packed holds 4-bit pair codes: the lane's pairs (8q + 2w, 8q + 2w + 1) are byte q of
+// word w.
 // Launch: 256 threads per block, ceil(N * ceil(KT / 4) / 8) blocks.
-template <int BITS, int DT>
+template <int BITS, int DT, bool PAIRS = false>
 __global__ void __launch_bounds__(256) kbit_dequantize(const u32* __restrict__ packed, const u8* __restrict__ absmax,
                                                        const float* __restrict__ codebook,
                                                        const float* __restrict__ tensor_scale, void* __restrict__ out, int N,
@@ -166,21 +169,35 @@ __global__ void __launch_bounds__(256) kbit_dequantize(const u32* __restrict__ p
     }
     const float scale = mul_rn(e4m4_decode(absmax[blk]), *tensor_scale);
 
-    // Byte t of lo (hi) = index of element 8q + t (8q + 4 + t): a nibble of plane b times
-    // 0x00204081 << b puts its bit t at bit 8t + b (the four shifted copies never overlap).
-    u32 lo = 0, hi = 0;
+    // idx[t]: the index of element 8q + t (bits past the low 5 are ignored by the shuffle).
+    u32 idx[8];
+    if constexpr (PAIRS) {
+        static_assert(BITS == 4, "pair codes are 4-bit");
 #pragma unroll
-    for (int b = 0; b < BITS; ++b) {
-        const u32 v = w[b] >> (8 * q);
-        lo |= ((v & 15u) * (0x00204081u << b)) & (0x01010101u << b);
-        hi |= (((v >> 4) & 15u) * (0x00204081u << b)) & (0x01010101u << b);
+        for (int t = 0; t < 8; ++t) {
+            // the pair code's even bits (odd element: its odd bits) compacted to a nibble
+            const u32 c = (w[t >> 1] >> (8 * q + (t & 1))) & 0x55u;
+            idx[t] = (c & 1u) | ((c >> 1) & 2u) | ((c >> 2) & 4u) | ((c >> 3) & 8u);
+        }
+    } else {
+        // Byte t of lo (hi) = index of element 8q + t (8q + 4 + t): a nibble of plane b times
+        // 0x00204081 << b puts its bit t at bit 8t + b (the four shifted copies never overlap).
+        u32 lo = 0, hi = 0;
+#pragma unroll
+        for (int b = 0; b < BITS; ++b) {
+            const u32 v = w[b] >> (8 * q);
+            lo |= ((v & 15u) * (0x00204081u << b)) & (0x01010101u << b);
+            hi |= (((v >> 4) & 15u) * (0x00204081u << b)) & (0x01010101u << b);
+        }
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            idx[t] = lo >> (8 * t);
+            idx[t + 4] = hi >> (8 * t);
+        }
     }
     float vals[8];
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        vals[t] = mul_rn(__uint_as_float(shfl_idx(cb, lo >> (8 * t))), scale);
-        vals[t + 4] = mul_rn(__uint_as_float(shfl_idx(cb, hi >> (8 * t))), scale);
-    }
+    for (int t = 0; t < 8; ++t) vals[t] = mul_rn(__uint_as_float(shfl_idx(cb, idx[t])), scale);
 
     const int k = kt * 64 + kb * 32 + q * 8;
     if (!kt_ok || k >= K) return;

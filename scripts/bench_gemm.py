@@ -163,9 +163,17 @@ def make_gemlite(gemlite: Any, w: torch.Tensor, dtype: torch.dtype, bits: int, l
     return Impl(f"gemlite int{bits} g64", "peer", lambda x, i: layers[i](x), len(layers), nbytes)
 
 
-def make_kbit(w: torch.Tensor, bits: int, l2: int, cuda_backend: Any) -> Impl:
-    """kbit weights through ``torch.ops.kbit_linear.gemm`` (the CUDA backend's kernels)."""
+def _pair_code_bits() -> int:
     from kbit_linear import format as kfmt
+
+    return kfmt.PAIR_CODE_BITS
+
+
+def make_kbit(w: torch.Tensor, bits: int, l2: int, cuda_backend: Any, planes: bool = False) -> Impl:
+    """kbit weights through ``torch.ops.kbit_linear.gemm`` (the CUDA backend's kernels), in the
+    layout a ``KbitLinear`` holds on the GPU (pair codes at 4 bits), or with ``planes`` as bit-planes."""
+    from kbit_linear import format as kfmt
+    from kbit_linear import weight_layout
 
     n_out, k_in = w.shape
     codebook = kfmt.create_normal_float_codebook(bits, device=w.device)
@@ -176,6 +184,8 @@ def make_kbit(w: torch.Tensor, bits: int, l2: int, cuda_backend: Any) -> Impl:
         torch.cat([f[0] for f in flats]), torch.cat([f[1] for f in flats]), bits
     )
     del flats
+    if not planes:
+        packed = weight_layout.device_form(packed, bits)
     copies = bc.weight_copies((packed, absmax), l2)
 
     def call(x: torch.Tensor, i: int) -> torch.Tensor:
@@ -184,7 +194,7 @@ def make_kbit(w: torch.Tensor, bits: int, l2: int, cuda_backend: Any) -> Impl:
     def path(m: int, dtype: torch.dtype) -> str:
         return str(cuda_backend.gemm_path(m, n_out, k_in, bits, dtype, w.device))
 
-    return Impl(f"kbit K={bits}", "kbit", call, len(copies), bc.tensor_bytes(packed, absmax), path)
+    return Impl(f"kbit K={bits}" + (" planes" if planes else ""), "kbit", call, len(copies), bc.tensor_bytes(packed, absmax), path)
 
 
 # ---------------------------------------------------------------------------------------
@@ -285,12 +295,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kbit_impls: list[Impl] = []
         if cuda_backend is not None:
             for bits in args.bits:
-                try:
-                    t = time.perf_counter()
-                    kbit_impls.append(make_kbit(w, bits, l2, cuda_backend))
-                    kbit_impls[-1].setup_s = time.perf_counter() - t
-                except Exception as exc:  # noqa: BLE001
-                    notes.append(f"kbit K={bits} {k_in}x{n_out}: setup failed: {type(exc).__name__}: {exc}"[:300])
+                for planes in (False, True) if args.planes and bits == _pair_code_bits() else (False,):
+                    try:
+                        t = time.perf_counter()
+                        kbit_impls.append(make_kbit(w, bits, l2, cuda_backend, planes))
+                        kbit_impls[-1].setup_s = time.perf_counter() - t
+                    except Exception as exc:  # noqa: BLE001
+                        notes.append(f"kbit K={bits} {k_in}x{n_out}: setup failed: {type(exc).__name__}: {exc}"[:300])
         for dname in args.dtypes:
             dtype = DTYPES[dname]
             impls = prepare_peers(args, w, dtype, l2, libs, notes) + kbit_impls
@@ -537,6 +548,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bits", nargs="+", type=int, default=ALL_BITS, help="kbit widths (default 2 3 4 5)")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--peers", nargs="+", default=PEERS, choices=PEERS, help="which rows to time")
+    p.add_argument("--planes", action="store_true",
+                   help="also time the 4-bit weights as bit-planes (the modules hold pair codes on a GPU): a layout A/B")
     p.add_argument("--gemlite-bits", nargs="+", type=int, default=[4], choices=[2, 4],
                    help="gemlite weight widths (default 4; each width costs Triton compiles per shape and M)")
     p.add_argument("--repeats", type=int, default=5, help="timed graph replays per row (median reported)")

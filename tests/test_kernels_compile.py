@@ -39,14 +39,16 @@ _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 
 
 def _demangle(sym: str) -> str:
-    """``_Z9kbit_gemmILi4ELi1ELi0EE...`` -> ``kbit_gemm<4, 1, 0>`` (integer template arguments only)."""
+    """``_Z9kbit_gemmILi4ELi1ELi0ELb1EE...`` -> ``kbit_gemm<4, 1, 0, true>`` (int and bool template
+    arguments only)."""
     m = re.match(r"_Z(\d+)", sym)
     if not m:
         return sym
     n = int(m.group(1))
     name = sym[m.end(): m.end() + n]
-    args = re.findall(r"Li(-?\d+)E", sym[m.end() + n:].split("EE", 1)[0] + "E")
-    return f"{name}<{', '.join(args)}>" if args else name
+    args = re.findall(r"L([ib])(-?\d+)E", sym[m.end() + n:].split("EE", 1)[0] + "E")
+    shown = [v if kind == "i" else ("true" if v == "1" else "false") for kind, v in args]
+    return f"{name}<{', '.join(shown)}>" if shown else name
 
 
 def _translation_unit(source: str, instances: list[str]) -> str:

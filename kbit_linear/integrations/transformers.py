@@ -74,6 +74,7 @@ from ..patch import (
     replace_module,
 )
 from ..quantizer import check_hadamard_search, hadamard_signs_for, quantize_weight
+from .. import weight_layout
 from ..serialization import (
     FORMAT_VERSION,
     HADAMARD_FORMAT_VERSION,
@@ -589,7 +590,9 @@ class KbitHfQuantizer(HfQuantizer):
                 continue
             if not isinstance(module, KbitLinear):
                 continue
-            tensors = {t: getattr(module, t) for t in (*stored_tensor_names(module), "bias") if getattr(module, t) is not None}
+            # checked as stored: planes (a layer quantized above holds its device's layout already)
+            tensors = {t: weight_layout.storage_form(getattr(module, t)) for t in (*stored_tensor_names(module), "bias")
+                       if getattr(module, t) is not None}
             for t_name, t in tensors.items():
                 if t.device.type == "meta":
                     raise CheckpointError(f"layer {name!r}: tensor {t_name!r} was not loaded (still on the meta device)")
@@ -602,13 +605,14 @@ class KbitHfQuantizer(HfQuantizer):
                     verify_sha256(f"{name}.{t_name}", tensors[t_name], self._header_sha256)
             for p in module.parameters(recurse=False):
                 p.requires_grad_(False)
+            weight_layout.adopt(module.weight, module.bits)  # loaded as planes: the device's layout
         self._header_sha256 = {}
         return model
 
     def _check_loaded_experts(self, name: str, module: KbitExperts) -> None:
         """:meth:`_process_model_after_weight_loading` for one KbitExperts: all loaded, valid,
         matching the header's checksums, frozen."""
-        tensors = {t: getattr(module, t) for t in _EXPERTS_TENSORS}
+        tensors = {t: weight_layout.storage_form(getattr(module, t)) for t in _EXPERTS_TENSORS}
         for t_name, t in tensors.items():
             if t.device.type == "meta":
                 raise CheckpointError(f"experts {name!r}: tensor {t_name!r} was not loaded (still on the meta device)")
@@ -621,6 +625,8 @@ class KbitHfQuantizer(HfQuantizer):
                 verify_sha256(f"{name}.{t_name}", t, self._header_sha256)
         for p in module.parameters(recurse=False):
             p.requires_grad_(False)
+        for proj in PROJECTIONS:  # loaded as planes: the device's layout
+            weight_layout.adopt(getattr(module, proj), module.bits)
 
     # --- saving ------------------------------------------------------------------------
 
@@ -646,11 +652,11 @@ class KbitHfQuantizer(HfQuantizer):
             if isinstance(module, KbitLinear):
                 layers[name] = layer_metadata(module)
                 for t_name in stored_tensor_names(module):
-                    sums[f"{name}.{t_name}"] = tensor_sha256(getattr(module, t_name))
+                    sums[f"{name}.{t_name}"] = tensor_sha256(weight_layout.storage_form(getattr(module, t_name)))
             elif isinstance(module, KbitExperts):
                 experts[name] = experts_metadata(module)
-                for t_name in _EXPERTS_TENSORS:
-                    sums[f"{name}.{t_name}"] = tensor_sha256(getattr(module, t_name))
+                for t_name in _EXPERTS_TENSORS:  # of the tensors as saved: planes
+                    sums[f"{name}.{t_name}"] = tensor_sha256(weight_layout.storage_form(getattr(module, t_name)))
         _keep_quantized_names(model, list(sums))
         return None, header_metadata(layers, sums, experts)
 

@@ -32,7 +32,7 @@ import torch
 
 from ... import format as fmt
 from . import loader, plans, workspace
-from .tensors import aligned16, kernel_rows
+from .tensors import aligned16, kernel_rows, layout_arg, weight_layouts
 from .tuning import DECODE_CONFIGS, DECODE_SEGMENT_COST_BYTES, DECODE_SPLIT_COST_BYTES, DecodeConfig
 
 __all__ = [
@@ -80,17 +80,17 @@ def _smem(bits: int, mt: int, cfg: DecodeConfig) -> int:
 _MAX_SMEM = {bits: max(_smem(bits, mt, cfg) for (b, mt), cfgs in DECODE_CONFIGS.items() if b == bits for cfg in cfgs) for bits in _TABLE_SMEM}
 
 
-def _name(bits: int, dtype: torch.dtype, mt: int, cfg: DecodeConfig, grouped: bool = False) -> str:
+def _name(bits: int, dtype: torch.dtype, mt: int, cfg: DecodeConfig, grouped: bool = False, pairs: bool = False) -> str:
     kernel = "kbit_decode_gemm_grouped" if grouped else "kbit_decode_gemm"
     return (f"{kernel}<{bits}, {_DT[dtype]}, {mt}, {cfg.warps}, {cfg.k_warps}, {cfg.row_groups}, {cfg.depth}, "
-            f"{cfg.min_blocks}>")
+            f"{cfg.min_blocks}{layout_arg(pairs)}>")
 
 
 def decode_instances() -> list[str]:
     """Every kernel template instance :func:`decode_gemm` and :func:`grouped_decode_gemm` can
     launch (name expressions in ``decode.cu``)."""
-    return [_name(b, dt, mt, cfg, grouped) for grouped in (False, True) for (b, mt), cfgs in sorted(DECODE_CONFIGS.items())
-            for cfg in cfgs for dt in _DT]
+    return [_name(b, dt, mt, cfg, grouped, pairs) for grouped in (False, True) for (b, mt), cfgs in sorted(DECODE_CONFIGS.items())
+            for pairs in weight_layouts(b) for cfg in cfgs for dt in _DT]
 
 
 def decode_supported(m: int, bits: int, dtype: torch.dtype, device: torch.device | int | None = None) -> bool:
@@ -231,7 +231,7 @@ class DecodePlan:
 
 
 def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_tiles: int, configs: tuple[DecodeConfig, ...],
-               kind: str, groups: int | None = None) -> DecodePlan:
+               kind: str, groups: int | None, pairs: bool) -> DecodePlan:
     props = loader.device_properties(index)
     kc = (k_tiles + 1) // 2
     best = None
@@ -254,7 +254,7 @@ def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_til
     if best is None:
         raise ValueError(f"schedule {kind!r} applies to none of the launch shapes for n={n}")
     sch, cfg, smem, row_tiles, per_sm, item_bytes = best
-    name = _name(bits, dtype, mt, cfg, grouped=groups is not None)
+    name = _name(bits, dtype, mt, cfg, grouped=groups is not None, pairs=pairs)
     kernel = loader.get_kernel(_SOURCE, name, torch.device("cuda", index))
     # A grouped plan is made for every group entry, but only the hit experts' groups have rows:
     # a whole-tile plan may then run stream-K (decode.cu's grouped_align) when its tiles share
@@ -279,6 +279,7 @@ def decode_plan(
     config: DecodeConfig | None = None,
     schedule_kind: str = "auto",
     groups: int | None = None,
+    pairs: bool = False,
 ) -> DecodePlan:
     """The cached launch plan for a problem (compiles the kernel instance on first use).
 
@@ -293,6 +294,7 @@ def decode_plan(
         schedule_kind: one of :data:`SCHEDULES` (benchmarks and tests; default ``"auto"``).
         groups: for the grouped kernel, the number of groups (``m`` is then the most rows one
             group may have); ``None`` for the single-weight kernel.
+        pairs: the weight holds 4-bit pair codes (uint8 ``packed``) instead of planes.
 
     Returns:
         The :class:`DecodePlan` (cached per device, fragment count, bits, dtype, shape, config, groups).
@@ -307,8 +309,8 @@ def decode_plan(
     configs = (config,) if config is not None else DECODE_CONFIGS[(bits, mt)]
     if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
         raise ValueError(f"groups must be a positive int or None, got {groups!r}")
-    return plans.get_or_make(("decode", index, mt, bits, dtype, out_features, k_tiles, config, schedule_kind, groups),
-                             lambda: _make_plan(index, mt, bits, dtype, out_features, k_tiles, configs, schedule_kind, groups))
+    return plans.get_or_make(("decode", index, mt, bits, dtype, out_features, k_tiles, config, schedule_kind, groups, pairs),
+                             lambda: _make_plan(index, mt, bits, dtype, out_features, k_tiles, configs, schedule_kind, groups, pairs))
 
 
 # ---------------------------------------------------------------------------------------
@@ -363,7 +365,8 @@ def decode_gemm(
     Args:
         x2d: ``[M, K]`` float16 or bfloat16 on a CUDA device, ``1 <= M <= 16``; K is
             in_features (or in_features zero-padded up to at most ``K_pad``).
-        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` tiled bit-planes.
+        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` tiled bit-planes, or at 4 bits
+            uint8 ``[..., 16]`` pair codes.
         absmax: uint8 ``[K_pad/64, N_pad/128, 128, 2]`` E4M4 block scales.
         codebook: float32 ``[2**bits]``.
         tensor_scale: float32 ``[1]``.
@@ -380,7 +383,8 @@ def decode_gemm(
     """
     _check(x2d, packed, absmax, codebook, tensor_scale, bits, out_features, out)
     x2d = kernel_rows(x2d)
-    plan = decode_plan(x2d.shape[0], bits, x2d.dtype, out_features, packed.shape[0], x2d.device, config, schedule_kind)
+    plan = decode_plan(x2d.shape[0], bits, x2d.dtype, out_features, packed.shape[0], x2d.device, config, schedule_kind,
+                       pairs=fmt.is_pair_codes(packed))
     launch(plan, x2d, aligned16(packed), aligned16(absmax), codebook.contiguous(), tensor_scale, out)
 
 
@@ -441,7 +445,8 @@ def grouped_decode_gemm(
 
     Args:
         x: ``[R, K]`` float16 or bfloat16 on a CUDA device, contiguous.
-        packed: int32 ``[E, K_pad/64, N_pad/128, 128, 2, bits]``: every expert's tiled planes.
+        packed: int32 ``[E, K_pad/64, N_pad/128, 128, 2, bits]``: every expert's tiled planes (or
+            uint8 4-bit pair codes ``[..., 16]``).
         absmax: uint8 ``[E, K_pad/64, N_pad/128, 128, 2]``.
         codebook: float32 ``[2**bits]``, shared by the experts.
         tensor_scale: float32 ``[E]``.
@@ -479,7 +484,8 @@ def grouped_decode_gemm(
     count = groups.shape[1]
     if rows == 0 or count == 0:
         return
-    launch_grouped(decode_plan(max_rows, bits, x.dtype, out_features, packed.shape[1], x.device, groups=count), kernel_rows(x),
+    launch_grouped(decode_plan(max_rows, bits, x.dtype, out_features, packed.shape[1], x.device, groups=count,
+                               pairs=fmt.is_pair_codes(packed)), kernel_rows(x),
                    aligned16(packed), aligned16(absmax), codebook.contiguous(), tensor_scale.contiguous(), groups, out)
 
 
@@ -496,7 +502,7 @@ def launch_grouped(plan: DecodePlan, x: torch.Tensor, packed: torch.Tensor, absm
         stream,
         _GROUPED_ARGS.Values(x=x.data_ptr(), packed=packed.data_ptr(), absmax=absmax.data_ptr(), codebook=codebook.data_ptr(),
                              tensor_scale=tensor_scale.data_ptr(), out=out.data_ptr(), ws=ws_ptr, counters=cnt_ptr,
-                             groups=groups.data_ptr(), count=groups.shape[1], expert_words=packed[0].numel(),
+                             groups=groups.data_ptr(), count=groups.shape[1], expert_words=packed[0].nbytes // 4,
                              expert_scales=absmax[0].numel(), N=out.shape[1], K=x.shape[1], k_tiles=packed.shape[1],
                              n_tiles=packed.shape[2], align=plan.align, stream_k_slack=plan.stream_k_slack),
         threads=plan.config.warps * 32,

@@ -28,9 +28,9 @@ _ARGS = loader.ArgPack(
 )
 
 
-def instance_name(bits: int, token_tile: int, dtype: torch.dtype) -> str:
+def instance_name(bits: int, token_tile: int, dtype: torch.dtype, pairs: bool = False) -> str:
     """The name expression of one instance, e.g. ``"kbit_gemm_sm90_grouped<4, 128, 0>"``."""
-    return hopper.instance_name(bits, token_tile, dtype, _KERNEL)
+    return hopper.instance_name(bits, token_tile, dtype, _KERNEL, pairs)
 
 
 def instances() -> list[str]:
@@ -50,23 +50,23 @@ class GroupedPlan:
 
 
 def grouped_plan(rows: int, groups: int, bits: int, dtype: torch.dtype, n_tiles: int, device_index: int,
-                 token_tile: int | None = None, grid: int | None = None) -> GroupedPlan:
+                 token_tile: int | None = None, grid: int | None = None, pairs: bool = False) -> GroupedPlan:
     """The cached plan of ``rows`` rows of x in at most ``groups`` groups of a weight with
-    ``n_tiles`` n-tiles. ``token_tile`` / ``grid`` force those (tests: a grid of one block walks
-    every item).
+    ``n_tiles`` n-tiles (``pairs``: stored as 4-bit pair codes). ``token_tile`` / ``grid`` force
+    those (tests: a grid of one block walks every item).
 
     Raises:
         ValueError: the GPU is not compute capability 9.0, or a forced value is invalid.
     """
-    key = ("grouped-sm90", device_index, rows, groups, bits, dtype, n_tiles, token_tile, grid)
+    key = ("grouped-sm90", device_index, rows, groups, bits, dtype, n_tiles, token_tile, grid, pairs)
     plan = plans.lookup(key)
     if plan is not None:
         return plan
-    return plans.get_or_make(key, lambda: _make_plan(rows, groups, bits, dtype, n_tiles, device_index, token_tile, grid))
+    return plans.get_or_make(key, lambda: _make_plan(rows, groups, bits, dtype, n_tiles, device_index, token_tile, grid, pairs))
 
 
 def _make_plan(rows: int, groups: int, bits: int, dtype: torch.dtype, n_tiles: int, device_index: int, token_tile: int | None,
-               grid: int | None) -> GroupedPlan:
+               grid: int | None, pairs: bool) -> GroupedPlan:
     props = loader.device_properties(device_index)
     if not hopper.supported(device_index):
         raise ValueError(f"the grouped wgmma kernel needs a GPU of compute capability 9.0, cuda:{device_index} is {props.arch}")
@@ -74,7 +74,7 @@ def _make_plan(rows: int, groups: int, bits: int, dtype: torch.dtype, n_tiles: i
         token_tile = hopper.token_tile(-(-rows // max(1, groups)), props.name)
     elif token_tile not in hopper.TOKEN_TILES:
         raise ValueError(f"token_tile must be one of {hopper.TOKEN_TILES}, got {token_tile!r}")
-    kernel = loader.get_kernel("gemm_sm90.cu", instance_name(bits, token_tile, dtype), torch.device("cuda", device_index),
+    kernel = loader.get_kernel("gemm_sm90.cu", instance_name(bits, token_tile, dtype, pairs), torch.device("cuda", device_index),
                                hopper.ARCH_OPTIONS)
     hopper.check_registers(kernel, token_tile)
     per_sm = hopper.min_blocks_per_sm(token_tile)
@@ -103,7 +103,8 @@ def launch(plan: GroupedPlan, x: torch.Tensor, packed: torch.Tensor, absmax: tor
 
     The tensors meet the grouped op's checks already (``kbit_linear::grouped_gemm``) and are
     contiguous: ``x [R, K]`` fp16/bf16 with K a multiple of 8 and 16-byte aligned, ``packed
-    [E, K_pad/64, N_pad/128, 128, 2, bits]``, ``absmax [E, ...]``, 16-byte aligned,
+    [E, K_pad/64, N_pad/128, 128, 2, bits]`` (or uint8 pair codes, the plan's layout), ``absmax
+    [E, ...]``, 16-byte aligned,
     ``tensor_scale [E]``, ``groups`` int32 ``[3, G]``, ``out [R, N]`` of x's dtype.
     """
     dev = x.get_device()
@@ -112,7 +113,7 @@ def launch(plan: GroupedPlan, x: torch.Tensor, packed: torch.Tensor, absmax: tor
     _ARGS.launch(
         plan.kernel, plan.grid, plan.smem, loader._current_raw_stream(dev),
         (x_map[1], packed.data_ptr(), absmax.data_ptr(), codebook.data_ptr(), tensor_scale.data_ptr(), out.data_ptr(),
-         groups.data_ptr(), groups.shape[1], packed.shape[0], packed[0].numel(), absmax[0].numel(), rows, out.shape[1],
+         groups.data_ptr(), groups.shape[1], packed.shape[0], packed[0].nbytes // 4, absmax[0].numel(), rows, out.shape[1],
          packed.shape[2], packed.shape[1], int(swiglu)),
         threads=hopper.THREADS,
         programmatic=plan.programmatic,

@@ -16,6 +16,7 @@ import torch
 
 from ... import format as fmt
 from . import driver, loader, tuning
+from .tensors import layout_arg, weight_layouts
 
 __all__ = [
     "ARCH_OPTIONS",
@@ -51,15 +52,17 @@ def supported(device_index: int) -> bool:
     return loader.device_properties(device_index).capability == (9, 0)
 
 
-def instance_name(bits: int, token_tile: int, dtype: torch.dtype, kernel: str = "kbit_gemm_sm90") -> str:
+def instance_name(bits: int, token_tile: int, dtype: torch.dtype, kernel: str = "kbit_gemm_sm90", pairs: bool = False) -> str:
     """The name expression of one instance, e.g. ``"kbit_gemm_sm90<4, 128, 0>"``; ``kernel``:
-    ``"kbit_gemm_sm90_grouped"`` for the grouped form (same template parameters)."""
-    return f"{kernel}<{bits}, {token_tile}, {_DT[dtype]}>"
+    ``"kbit_gemm_sm90_grouped"`` for the grouped form (same template parameters); ``pairs``: the
+    weight holds 4-bit pair codes."""
+    return f"{kernel}<{bits}, {token_tile}, {_DT[dtype]}{layout_arg(pairs)}>"
 
 
 def instances(kernel: str = "kbit_gemm_sm90") -> list[str]:
     """Every instance of ``kernel`` (the dense or the grouped form) the dispatcher can launch."""
-    return [instance_name(b, bt, dt, kernel) for b in fmt.SUPPORTED_BITS for bt in TOKEN_TILES for dt in _DT]
+    return [instance_name(b, bt, dt, kernel, pairs) for b in fmt.SUPPORTED_BITS for pairs in weight_layouts(b) for bt in TOKEN_TILES
+            for dt in _DT]
 
 
 def token_tile(m: int, device_name: str) -> int:

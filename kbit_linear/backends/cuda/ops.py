@@ -36,7 +36,7 @@ from ... import _grouped_ops  # the grouped GEMM's schema and reference
 from ... import _ops  # defines the op schemas before the registrations below
 from ... import format as fmt
 from . import decode, experts, grouped, hopper, loader, plans, routing, tuning, workspace
-from .tensors import aligned16, kernel_rows
+from .tensors import aligned16, kernel_rows, layout_arg, weight_layouts
 
 __all__ = [
     "GEMM_PATHS",
@@ -56,6 +56,9 @@ _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _ACT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _BITS = frozenset(fmt.SUPPORTED_BITS)
 _CB_SHAPES = {b: torch.Size([1 << b]) for b in fmt.SUPPORTED_BITS}
+# packed's last dimension by (pair codes?, bits); pair codes exist at 4 bits only (-1: never matches)
+_BLOCK_ENTRIES = {False: {b: b for b in fmt.SUPPORTED_BITS},
+                  True: {b: fmt.PAIR_CODE_BYTES if b == fmt.PAIR_CODE_BITS else -1 for b in fmt.SUPPORTED_BITS}}
 _GEMM_ARGS_SPEC = "x:p packed:p absmax:p codebook:p tensor_scale:p bias:p out:p workspace:p counters:p M:i N:i K:i n_tiles:i k_tiles:i iters:i"
 _GEMM_ARGS = loader.ArgPack("kbit_gemm", _GEMM_ARGS_SPEC)
 # The wgmma kernel reads x through a tensor map (passed by value) instead of a pointer.
@@ -70,13 +73,18 @@ _DEQUANT_ARGS = loader.ArgPack("kbit_dequantize", "packed:p absmax:p codebook:p 
 # ---------------------------------------------------------------------------------------
 
 
-def _gemm_name(bits: int, mb: int, dtype: torch.dtype) -> str:
-    return f"kbit_gemm<{bits}, {mb}, {_DT[dtype]}>"
+def _gemm_name(bits: int, mb: int, dtype: torch.dtype, pairs: bool = False) -> str:
+    return f"kbit_gemm<{bits}, {mb}, {_DT[dtype]}{layout_arg(pairs)}>"
+
+
+def _dequantize_name(bits: int, dtype: torch.dtype, pairs: bool = False) -> str:
+    return f"kbit_dequantize<{bits}, {_DT[dtype]}{layout_arg(pairs)}>"
 
 
 def gemm_instances() -> list[str]:
     """Every GEMM template instance the dispatcher can launch (name expressions in ``gemm.cu``)."""
-    return [_gemm_name(b, mb, dt) for b in fmt.SUPPORTED_BITS for mb in tuning.FUSED_ROW_BLOCKS for dt in (torch.float16, torch.bfloat16)]
+    return [_gemm_name(b, mb, dt, pairs) for b in fmt.SUPPORTED_BITS for pairs in weight_layouts(b) for mb in tuning.FUSED_ROW_BLOCKS
+            for dt in (torch.float16, torch.bfloat16)]
 
 
 def format_instances() -> list[str]:
@@ -85,7 +93,7 @@ def format_instances() -> list[str]:
     for b in fmt.SUPPORTED_BITS:
         names += [f"kbit_quantize<{b}, {d}>" for d in range(3)]
         names.append(f"kbit_repack<{b}>")
-        names += [f"kbit_dequantize<{b}, {d}>" for d in range(3)]
+        names += [_dequantize_name(b, dt, pairs) for pairs in weight_layouts(b) for dt in _DT]
     return names
 
 
@@ -168,9 +176,10 @@ def _plan_stream_k(path: str, kernel: loader.CudaKernel, args: loader.ArgPack, s
                      loader.grid_may_overlap(grid, per_sm, props.sm_count), threads=threads)
 
 
-def _plan_fused(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtype, device_index: int, split_k: int | None, force_split: bool) -> _GemmPlan:
+def _plan_fused(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtype, device_index: int, split_k: int | None,
+                force_split: bool, pairs: bool) -> _GemmPlan:
     mb = _pick_mb(m)
-    kernel = loader.get_kernel("gemm.cu", _gemm_name(bits, mb, dtype), torch.device("cuda", device_index))
+    kernel = loader.get_kernel("gemm.cu", _gemm_name(bits, mb, dtype, pairs), torch.device("cuda", device_index))
     tiles = -(-m // (16 * mb)) * n_tiles
     return _plan_stream_k("fused", kernel, _GEMM_ARGS, _gemm_smem(bits, mb), _gemm_nacc(mb), tiles, k_tiles, device_index, split_k,
                           force_split)
@@ -200,12 +209,13 @@ def _wgmma_single_wave_split(tiles: int, k_tiles: int, sm_count: int, token_tile
     return best_split
 
 
-def _plan_wgmma(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtype, device_index: int, split_k: int | None, force_split: bool) -> _GemmPlan:
+def _plan_wgmma(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtype, device_index: int, split_k: int | None,
+                force_split: bool, pairs: bool) -> _GemmPlan:
     props = loader.device_properties(device_index)
     if not hopper.supported(device_index):
         raise ValueError(f"the wgmma path needs a GPU of compute capability 9.0, cuda:{device_index} is {props.arch}")
     bt = hopper.token_tile(m, props.name)
-    kernel = loader.get_kernel("gemm_sm90.cu", hopper.instance_name(bits, bt, dtype), torch.device("cuda", device_index),
+    kernel = loader.get_kernel("gemm_sm90.cu", hopper.instance_name(bits, bt, dtype, pairs=pairs), torch.device("cuda", device_index),
                                hopper.ARCH_OPTIONS)
     hopper.check_registers(kernel, bt)
     tiles = -(-m // bt) * n_tiles
@@ -217,9 +227,11 @@ def _plan_wgmma(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
     return plan
 
 
-def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None) -> _GemmPlan:
-    """The cached plan of a problem (``k`` a multiple of 8: x's row length as the kernels see it)."""
-    key = ("gemm", device_index, m, n, k, bits, dtype, path, split_k)
+def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None,
+          pairs: bool = False) -> _GemmPlan:
+    """The cached plan of a problem (``k`` a multiple of 8: x's row length as the kernels see it;
+    ``pairs``: the weight holds 4-bit pair codes)."""
+    key = ("gemm", device_index, m, n, k, bits, dtype, path, split_k, pairs)
     plan = plans.lookup(key)
     if plan is not None:
         return plan
@@ -227,14 +239,15 @@ def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: i
         raise ValueError(f"path must be one of {GEMM_PATHS} or None, got {path!r}")
     if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be a positive int or None, got {split_k!r}")
-    return plans.get_or_make(key, lambda: _make_plan(m, n, k, bits, dtype, device_index, path, split_k))
+    return plans.get_or_make(key, lambda: _make_plan(m, n, k, bits, dtype, device_index, path, split_k, pairs))
 
 
 def _within(m: int, rows: tuple[int, int]) -> bool:
     return rows[0] <= m <= rows[1]
 
 
-def _make_plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None) -> _GemmPlan:
+def _make_plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None,
+               pairs: bool) -> _GemmPlan:
     n_pad, k_pad = fmt.padded_shape(n, k)
     n_tiles, k_tiles = n_pad // _TILE_N, k_pad // _TILE_K
     gpu = loader.device_properties(device_index).name
@@ -248,12 +261,12 @@ def _make_plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_ind
         else:
             path = "fused"
     if path == "decode":  # decode_plan refuses a problem the kernel does not support
-        return _GemmPlan("decode", decode=decode.decode_plan(m, bits, dtype, n, k_tiles, device_index))
+        return _GemmPlan("decode", decode=decode.decode_plan(m, bits, dtype, n, k_tiles, device_index, pairs=pairs))
     if path == "dequant+cublas":
         return _GemmPlan("dequant+cublas")
     if path in ("wgmma", "wgmma-splitk"):
-        return _plan_wgmma(m, n_tiles, k_tiles, bits, dtype, device_index, split_k, path == "wgmma-splitk")
-    return _plan_fused(m, n_tiles, k_tiles, bits, dtype, device_index, split_k, path == "fused-splitk")
+        return _plan_wgmma(m, n_tiles, k_tiles, bits, dtype, device_index, split_k, path == "wgmma-splitk", pairs)
+    return _plan_fused(m, n_tiles, k_tiles, bits, dtype, device_index, split_k, path == "fused-splitk", pairs)
 
 
 def gemm_path(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device: torch.device | str | int | None = None) -> str:
@@ -324,7 +337,8 @@ def gemm_cuda(
     Args:
         x: ``[..., in_features]`` floating point, on a CUDA device (fp16/bf16 natively; others
             run in bf16).
-        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` bit-planes.
+        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` bit-planes, or at 4 bits uint8
+            ``[..., 16]`` pair codes (``kbit_linear.format.to_pair_codes``).
         absmax: uint8 ``[K_pad/64, N_pad/128, 128, 2]`` E4M4 codes.
         codebook: float32 ``[2**bits]``.
         tensor_scale: float32 ``[1]``.
@@ -349,11 +363,11 @@ def gemm_cuda(
         xs
         and x.dtype in _ACT_DTYPES
         and bits in _BITS
-        and packed.dtype is torch.int32
+        and (packed.dtype is torch.int32 or packed.dtype is torch.uint8)
         and absmax.dtype is torch.uint8
         and codebook.dtype is torch.float32
         and tensor_scale.dtype is torch.float32
-        and len(ps) == 5 and ps[2] == _TILE_N and ps[3] == 2 and ps[4] == bits
+        and len(ps) == 5 and ps[2] == _TILE_N and ps[3] == 2 and ps[4] == _BLOCK_ENTRIES[packed.dtype is torch.uint8][bits]
         and absmax.shape == ps[:4]
         and codebook.shape == _CB_SHAPES[bits]
         and tensor_scale.numel() == 1
@@ -390,9 +404,10 @@ def gemm_cuda(
         codebook = codebook.contiguous()
     if bias is not None and (bias.dtype is not dtype or not bias.is_contiguous()):
         bias = bias.to(dtype).contiguous()
-    plan = plans.lookup(("gemm", dev_index, m, out_features, k, bits, dtype, path, split_k))
+    pairs = packed.dtype is torch.uint8
+    plan = plans.lookup(("gemm", dev_index, m, out_features, k, bits, dtype, path, split_k, pairs))
     if plan is None:
-        plan = _plan(m, out_features, k, bits, dtype, dev_index, path, split_k)
+        plan = _plan(m, out_features, k, bits, dtype, dev_index, path, split_k, pairs)
 
     user_out = out
     if out is not None and dtype is in_dtype:
@@ -445,13 +460,14 @@ def _blocks(n: int) -> int:
     return max(1, -(-n // _THREADS))
 
 
-def _dequantize_kernel(index: int, bits: int, dtype: torch.dtype) -> loader.CudaKernel:
-    """The dequantize instance for (device, bits, dtype), from the plan cache (no name formatting
-    on the hot path: the dequantize + cuBLAS path and training backward passes call it per layer)."""
-    key = ("dequantize", index, bits, dtype)
+def _dequantize_kernel(index: int, bits: int, dtype: torch.dtype, pairs: bool) -> loader.CudaKernel:
+    """The dequantize instance for (device, bits, dtype, layout), from the plan cache (no name
+    formatting on the hot path: the dequantize + cuBLAS path and training backward passes call
+    it per layer)."""
+    key = ("dequantize", index, bits, dtype, pairs)
     kern = plans.lookup(key)
     if kern is None:
-        kern = plans.get_or_make(key, lambda: loader.get_kernel("quantize.cu", f"kbit_dequantize<{bits}, {_DT[dtype]}>",
+        kern = plans.get_or_make(key, lambda: loader.get_kernel("quantize.cu", _dequantize_name(bits, dtype, pairs),
                                                                 torch.device("cuda", index)))
     return kern
 
@@ -464,7 +480,7 @@ def _dequantize_into(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch
     kt, nt = packed.shape[0], packed.shape[1]
     warps = out_features * (-(-kt // 4))  # one warp per (row, 4 k-tiles)
     _DEQUANT_ARGS.launch(
-        _dequantize_kernel(index, bits, dtype), max(1, -(-warps // 8)), 0, loader._current_raw_stream(index),
+        _dequantize_kernel(index, bits, dtype, packed.dtype is torch.uint8), max(1, -(-warps // 8)), 0, loader._current_raw_stream(index),
         _DEQUANT_ARGS.Values(packed=packed.data_ptr(), absmax=absmax.data_ptr(), codebook=codebook.data_ptr(),
                              tensor_scale=tensor_scale.data_ptr(), out=out.data_ptr(), N=out_features, K=in_features,
                              n_tiles=nt, k_tiles=kt),
@@ -615,10 +631,12 @@ def _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, 
     xk, packed, absmax = kernel_rows(x), aligned16(packed), aligned16(absmax)
     codebook, tensor_scale, groups = codebook.contiguous(), tensor_scale.contiguous(), groups.contiguous()
     if small:
-        plan = decode.decode_plan(max_rows, bits, x.dtype, out_features, packed.shape[1], x.device, groups=groups.shape[1])
+        plan = decode.decode_plan(max_rows, bits, x.dtype, out_features, packed.shape[1], x.device, groups=groups.shape[1],
+                                  pairs=fmt.is_pair_codes(packed))
         decode.launch_grouped(plan, xk, packed, absmax, codebook, tensor_scale, groups, out)
     else:
-        plan = grouped.grouped_plan(x.shape[0], groups.shape[1], bits, x.dtype, packed.shape[2], x.get_device())
+        plan = grouped.grouped_plan(x.shape[0], groups.shape[1], bits, x.dtype, packed.shape[2], x.get_device(),
+                                    pairs=fmt.is_pair_codes(packed))
         grouped.launch(plan, xk, packed, absmax, codebook, tensor_scale, groups, out, swiglu=swiglu)
     return out
 

@@ -1,4 +1,5 @@
-"""What the kernels ask of their tensor arguments, made true with as few copies as possible.
+"""What the kernels ask of their tensor arguments, made true with as few copies as possible,
+and what a weight tensor tells them.
 
 Every kernel copies 16 bytes at a time, so each tensor it reads must be contiguous and start on
 a 16-byte boundary, and x's rows must hold a multiple of 8 fp16/bf16 elements (the zero columns
@@ -10,7 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["aligned16", "kernel_rows"]
+from ... import format as fmt
+
+__all__ = ["aligned16", "kernel_rows", "layout_arg", "weight_layouts"]
 
 
 def aligned16(t: torch.Tensor) -> torch.Tensor:
@@ -28,3 +31,16 @@ def kernel_rows(x2d: torch.Tensor) -> torch.Tensor:
     if k % 8:
         x2d = F.pad(x2d, (0, 8 - k % 8))
     return aligned16(x2d)
+
+
+def layout_arg(pairs: bool) -> str:
+    """The end of a weight kernel's name expression for its weight layout: ``""`` for bit-planes
+    (the ``PAIRS`` template parameter's default), ``", true"`` for 4-bit pair codes
+    (``kbit_linear.format.to_pair_codes``; a uint8 ``packed``)."""
+    return ", true" if pairs else ""
+
+
+def weight_layouts(bits: int) -> tuple[bool, ...]:
+    """The ``pairs`` values a weight kernel is instantiated with at ``bits``: planes always,
+    pair codes at 4 bits."""
+    return (False, True) if bits == fmt.PAIR_CODE_BITS else (False,)

@@ -1,0 +1,69 @@
+"""Which layout a module's packed weight takes on each device, and the conversions in place.
+
+Checkpoints, state dicts and CPU tensors hold bit-planes (``docs/format.md``, section 7). On a
+CUDA device a 4-bit weight is held as pair codes instead (section 7a): the same bytes with the
+bits permuted so that a GEMM lane loads its pairs as one word, without the gather that merges
+four planes. Every op accepts both layouts (the dtype says which), so this is an optimization
+that can never be wrong, only slower: a weight that arrives in planes by a path that does not
+pass here (for example accelerate's offload hooks setting tensors directly) still computes the
+same result.
+
+The module classes call :func:`adopt` where their tensors may have been moved or replaced
+(construction, device moves, loading) and :func:`storage_form` where they hand tensors out
+(state dicts, checksums), so a checkpoint never sees pair codes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import format as fmt
+
+__all__ = ["wants_pair_codes", "storage_form", "device_form", "adopt"]
+
+# Blocks converted per step: bounds the int64 temporaries of the conversion (~64 bytes per
+# block) to 64 MiB whatever the layer's size.
+_CHUNK_BLOCKS = 1 << 20
+
+
+def wants_pair_codes(bits: int, device: torch.device) -> bool:
+    """Whether a ``bits``-bit weight on ``device`` is held as pair codes: 4 bits on a CUDA device."""
+    return bits == fmt.PAIR_CODE_BITS and device.type == "cuda"
+
+
+def _convert(packed: torch.Tensor, fn, per_block_in: int, per_block_out: int, dtype: torch.dtype) -> torch.Tensor:
+    """``fn`` over the blocks of ``packed`` (last dim ``per_block_in``) in chunks, into a new
+    tensor with last dim ``per_block_out``."""
+    blocks = packed.reshape(-1, per_block_in)
+    out = torch.empty((blocks.shape[0], per_block_out), dtype=dtype, device=packed.device)
+    for i in range(0, blocks.shape[0], _CHUNK_BLOCKS):
+        out[i : i + _CHUNK_BLOCKS] = fn(blocks[i : i + _CHUNK_BLOCKS])
+    return out.reshape(*packed.shape[:-1], per_block_out)
+
+
+def storage_form(packed: torch.Tensor) -> torch.Tensor:
+    """``packed`` as bit-planes: itself if it holds planes, else a converted copy."""
+    if not fmt.is_pair_codes(packed):
+        return packed
+    return _convert(packed.detach(), fmt.to_planes, fmt.PAIR_CODE_BYTES, fmt.PAIR_CODE_BITS, torch.int32)
+
+
+def device_form(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``packed`` in the layout its device wants for ``bits`` (:func:`wants_pair_codes`):
+    itself if it is in that layout already, else a converted copy."""
+    if wants_pair_codes(bits, packed.device) == fmt.is_pair_codes(packed):
+        return packed
+    if fmt.is_pair_codes(packed):
+        return storage_form(packed)
+    return _convert(packed.detach(), fmt.to_pair_codes, fmt.PAIR_CODE_BITS, fmt.PAIR_CODE_BYTES, torch.uint8)
+
+
+def adopt(param: nn.Parameter | None, bits: int) -> None:
+    """Put a module's packed weight Parameter into its device's layout, in place (the same
+    Parameter object, so optimizers, hooks and tied references keep seeing it)."""
+    if param is None:
+        return
+    new = device_form(param.data, bits)
+    if new is not param.data:
+        param.data = new

@@ -1,0 +1,146 @@
+"""4-bit pair codes (``docs/format.md``, section 7a) on the CPU: the layout against its written
+definition, the ops and modules fed them, and the conversions of :mod:`kbit_linear.weight_layout`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import kbit_linear
+from kbit_linear import KbitExperts, KbitLinear, weight_layout
+from kbit_linear import format as fmt
+from kbit_linear import _grouped_ops
+
+
+def _random_planes(*lead: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2**31, 2**31 - 1, (*lead, 4), dtype=torch.int32, generator=g)
+
+
+def _pair_code(idx: torch.Tensor, e0: int, e1: int) -> torch.Tensor:
+    """The pair code of elements e0, e1 of each block, written out from section 7a."""
+    code = torch.zeros(idx.shape[:-1], dtype=torch.int64)
+    for b in range(4):
+        code |= ((idx[..., e0].long() >> b) & 1) << (2 * b)
+        code |= ((idx[..., e1].long() >> b) & 1) << (2 * b + 1)
+    return code
+
+
+def test_pair_codes_follow_their_definition():
+    planes = _random_planes(3, 7)
+    codes = fmt.to_pair_codes(planes)
+    assert codes.dtype == torch.uint8 and codes.shape == (3, 7, 16)
+    idx = fmt.unpack_bitplanes(planes, 4)
+    for w in range(4):
+        for j in range(4):
+            assert torch.equal(codes[..., 4 * w + j].long(), _pair_code(idx, 2 * w + 8 * j, 2 * w + 8 * j + 1)), (w, j)
+
+
+def test_pair_codes_round_trip():
+    planes = _random_planes(2, 3, 128, 2, seed=1)
+    assert torch.equal(fmt.to_planes(fmt.to_pair_codes(planes)), planes)
+    extremes = torch.tensor([[0, -1, -2**31, 2**31 - 1]], dtype=torch.int32)
+    assert torch.equal(fmt.to_planes(fmt.to_pair_codes(extremes)), extremes)
+
+
+@pytest.mark.parametrize("bad,err", [(torch.zeros(2, 4, dtype=torch.int64), TypeError), (torch.zeros(2, 5, dtype=torch.int32), ValueError)])
+def test_to_pair_codes_rejects_bad_input(bad, err):
+    with pytest.raises(err, match="packed"):
+        fmt.to_pair_codes(bad)
+
+
+@pytest.mark.parametrize("bad,err", [(torch.zeros(2, 16, dtype=torch.int8), TypeError), (torch.zeros(2, 8, dtype=torch.uint8), ValueError)])
+def test_to_planes_rejects_bad_input(bad, err):
+    with pytest.raises(err, match="codes"):
+        fmt.to_planes(bad)
+
+
+def test_check_tiled_takes_pair_codes_at_four_bits_only():
+    qw = fmt.quantize(torch.randn(200, 300), 4)
+    codes = fmt.to_pair_codes(qw.packed)
+    assert fmt.check_tiled(codes, qw.absmax, 4, 200, 300) == fmt.check_tiled(qw.packed, qw.absmax, 4, 200, 300)
+    with pytest.raises(ValueError, match="pair codes, which exist only at bits=4"):
+        fmt.check_tiled(codes, qw.absmax, 3)
+    with pytest.raises(ValueError, match="pair codes"):
+        fmt.check_tiled(codes[..., :8], qw.absmax, 4)
+    with pytest.raises(TypeError, match="int32"):
+        fmt.check_tiled(qw.packed.to(torch.int16), qw.absmax, 4)
+
+
+def test_a_weight_in_pair_codes_dequantizes_and_slices_like_its_planes():
+    qw = fmt.quantize(torch.randn(300, 200), 4)
+    pw = fmt.KbitWeight(fmt.to_pair_codes(qw.packed), qw.absmax, qw.codebook, qw.tensor_scale, 4, 300, 200)
+    assert torch.equal(fmt.dequantize(pw), fmt.dequantize(qw))
+    for rows, cols in (((128, 256), (64, 192)), ((5, 77), (32, 96))):  # whole tiles, then re-tiled blocks
+        sp, sq = fmt.slice_weight(pw, rows, cols), fmt.slice_weight(qw, rows, cols)
+        assert fmt.is_pair_codes(sp.packed) and torch.equal(fmt.to_planes(sp.packed), sq.packed)
+        assert torch.equal(fmt.dequantize(sp), fmt.dequantize(sq))
+
+
+def test_ops_take_pair_codes():
+    qw = fmt.quantize(torch.randn(130, 100), 4)
+    codes = fmt.to_pair_codes(qw.packed)
+    x = torch.randn(5, 100)
+    args = (qw.absmax, qw.codebook, qw.tensor_scale, 4, 130)
+    torch.testing.assert_close(torch.ops.kbit_linear.gemm(x, codes, *args, None), torch.ops.kbit_linear.gemm(x, qw.packed, *args, None))
+    want = fmt.dequantize(qw)
+    assert torch.equal(torch.ops.kbit_linear.dequantize(codes, *args, 100, torch.float32), want)
+    packed = torch.stack([codes, codes])
+    groups = torch.tensor([[1, 0], [0, 2], [2, 3]], dtype=torch.int32)
+    out = _grouped_ops.grouped_gemm_reference(x, packed, torch.stack([qw.absmax] * 2), qw.codebook, qw.tensor_scale.repeat(2),
+                                              groups, 4, 130, 3)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, want))
+    with pytest.raises(ValueError, match="pair codes"):
+        _grouped_ops.check_grouped_args(x, packed, torch.stack([qw.absmax] * 2), qw.codebook[:8], qw.tensor_scale.repeat(2),
+                                        groups, 3, 130, 3)
+
+
+def test_layout_choice_and_conversions(monkeypatch):
+    assert weight_layout.wants_pair_codes(4, torch.device("cuda", 0))
+    assert not weight_layout.wants_pair_codes(3, torch.device("cuda", 0))
+    assert not weight_layout.wants_pair_codes(4, torch.device("cpu"))
+    planes = _random_planes(4, 3, 128, 2, seed=2)
+    assert weight_layout.device_form(planes, 4) is planes  # planes stay planes on the CPU
+    codes = fmt.to_pair_codes(planes)
+    monkeypatch.setattr(weight_layout, "_CHUNK_BLOCKS", 100)  # many chunks, a ragged last one
+    assert torch.equal(weight_layout.device_form(codes, 4), planes)
+    assert torch.equal(weight_layout.storage_form(codes), planes)
+    meta = weight_layout.storage_form(codes.to("meta"))
+    assert meta.device.type == "meta" and meta.dtype == torch.int32 and meta.shape == planes.shape
+    param = nn.Parameter(codes.clone(), requires_grad=False)
+    weight_layout.adopt(param, 4)
+    assert torch.equal(param.data, planes)
+    weight_layout.adopt(None, 4)  # a missing weight is nothing to do
+
+
+def test_linear_with_pair_codes_saves_and_loads_planes(tmp_path):
+    dense = nn.Linear(150, 70)
+    layer = KbitLinear.from_linear(dense, bits=4)
+    planes = layer.weight.detach().clone()
+    x = torch.randn(3, 150)
+    want = layer(x)
+    layer.weight.data = fmt.to_pair_codes(layer.weight.data)  # as a CUDA device holds it
+    torch.testing.assert_close(layer(x), want)
+    state = layer.state_dict()
+    assert torch.equal(state["weight"], planes)
+    model = nn.Sequential(layer)
+    path = tmp_path / "m.safetensors"
+    kbit_linear.save_quantized(model, path)
+    fresh = nn.Sequential(nn.Linear(150, 70))
+    kbit_linear.load_into(fresh, path)
+    assert torch.equal(fresh[0].weight, planes)
+    layer.load_state_dict(state)  # a CPU layer adopts planes
+    assert torch.equal(layer.weight, planes)
+
+
+def test_experts_state_dict_gives_planes():
+    module = KbitExperts(2, 128, 64, bits=4)
+    for proj in ("gate_up_proj", "down_proj"):
+        p = getattr(module, proj)
+        p.data = fmt.to_pair_codes(_random_planes(*p.shape[:-1], seed=3))
+    state = module.state_dict()
+    assert state["gate_up_proj"].dtype == torch.int32 and state["down_proj"].dtype == torch.int32
+    other = KbitExperts(2, 128, 64, bits=4)
+    other.load_state_dict(state)
+    assert torch.equal(other.gate_up_proj, fmt.to_planes(module.gate_up_proj.data))
