@@ -591,8 +591,7 @@ class KbitHfQuantizer(HfQuantizer):
             if not isinstance(module, KbitLinear):
                 continue
             # checked as stored: planes (a layer quantized above holds its device's layout already)
-            tensors = {t: weight_layout.storage_form(getattr(module, t)) for t in (*stored_tensor_names(module), "bias")
-                       if getattr(module, t) is not None}
+            tensors = {t: _as_saved(module, t) for t in (*stored_tensor_names(module), "bias") if getattr(module, t) is not None}
             for t_name, t in tensors.items():
                 if t.device.type == "meta":
                     raise CheckpointError(f"layer {name!r}: tensor {t_name!r} was not loaded (still on the meta device)")
@@ -612,7 +611,7 @@ class KbitHfQuantizer(HfQuantizer):
     def _check_loaded_experts(self, name: str, module: KbitExperts) -> None:
         """:meth:`_process_model_after_weight_loading` for one KbitExperts: all loaded, valid,
         matching the header's checksums, frozen."""
-        tensors = {t: weight_layout.storage_form(getattr(module, t)) for t in _EXPERTS_TENSORS}
+        tensors = {t: _as_saved(module, t) for t in _EXPERTS_TENSORS}
         for t_name, t in tensors.items():
             if t.device.type == "meta":
                 raise CheckpointError(f"experts {name!r}: tensor {t_name!r} was not loaded (still on the meta device)")
@@ -652,11 +651,11 @@ class KbitHfQuantizer(HfQuantizer):
             if isinstance(module, KbitLinear):
                 layers[name] = layer_metadata(module)
                 for t_name in stored_tensor_names(module):
-                    sums[f"{name}.{t_name}"] = tensor_sha256(weight_layout.storage_form(getattr(module, t_name)))
+                    sums[f"{name}.{t_name}"] = tensor_sha256(_as_saved(module, t_name))
             elif isinstance(module, KbitExperts):
                 experts[name] = experts_metadata(module)
-                for t_name in _EXPERTS_TENSORS:  # of the tensors as saved: planes
-                    sums[f"{name}.{t_name}"] = tensor_sha256(weight_layout.storage_form(getattr(module, t_name)))
+                for t_name in _EXPERTS_TENSORS:
+                    sums[f"{name}.{t_name}"] = tensor_sha256(_as_saved(module, t_name))
         _keep_quantized_names(model, list(sums))
         return None, header_metadata(layers, sums, experts)
 
@@ -679,6 +678,13 @@ class KbitHfQuantizer(HfQuantizer):
     def is_compileable(self) -> bool:
         """The forward pass is one ``torch.library`` op with a fake implementation."""
         return True
+
+
+def _as_saved(module: nn.Module, name: str) -> torch.Tensor:
+    """A quantized module's tensor ``name`` as its state dict (and so the checkpoint) holds it:
+    the packed weights as planes (:mod:`kbit_linear.weight_layout`), the rest as they are."""
+    t = getattr(module, name)
+    return weight_layout.storage_form(t) if name in ("weight", *PROJECTIONS) else t
 
 
 def _some(names: Any, shown: int = 4) -> str:

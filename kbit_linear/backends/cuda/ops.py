@@ -247,7 +247,7 @@ def _within(m: int, rows: tuple[int, int]) -> bool:
 
 
 def _make_plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None,
-               pairs: bool) -> _GemmPlan:
+               pairs: bool = False) -> _GemmPlan:
     n_pad, k_pad = fmt.padded_shape(n, k)
     n_tiles, k_tiles = n_pad // _TILE_N, k_pad // _TILE_K
     gpu = loader.device_properties(device_index).name
