@@ -32,6 +32,7 @@ import _bench_common as bc  # noqa: E402  (needs the path above; puts the reposi
 
 import kbit_linear  # noqa: E402,F401
 from kbit_linear import format as fmt  # noqa: E402
+from kbit_linear import weight_layout  # noqa: E402
 from kbit_linear.backends import cuda as kcuda  # noqa: E402
 from kbit_linear.backends.cuda import decode, hopper, plans, tuning  # noqa: E402
 
@@ -55,6 +56,8 @@ def bench(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int], splits: 
     dev = torch.device("cuda")
     w = torch.randn(n, k, device=dev) * 0.02
     qw = fmt.quantize(w, bits)
+    # in the layout a KbitLinear holds on this GPU (4-bit pair codes)
+    qw = fmt.KbitWeight(weight_layout.device_form(qw.packed, bits), qw.absmax, qw.codebook, qw.tensor_scale, bits, n, k)
     qws = bc.weight_copies(qw, nbytes=bc.tensor_bytes(qw.packed, qw.absmax),
                            make=lambda: fmt.KbitWeight(qw.packed.clone(), qw.absmax.clone(), qw.codebook, qw.tensor_scale, bits, n, k))
     dense = bc.weight_copies(w.to(dtype))

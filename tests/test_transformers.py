@@ -629,8 +629,10 @@ def test_cuda_device_map_quantize_save_reload(dense_dir, tmp_path, device_map):
     ref = _load(dense_dir, dtype=torch.bfloat16)
     quantize_model(ref, bits=4, codebook=None, progress=False)
     for name, layer in layers.items():
+        assert layer.weight.dtype == torch.uint8  # 4-bit pair codes on the GPU (kbit_linear.weight_layout)
+        state = layer.state_dict()  # planes, as saved
         for t in QUANTIZED:
-            assert torch.equal(getattr(layer, t).cpu(), getattr(ref.get_submodule(name), t)), f"{name}.{t}"
+            assert torch.equal(state[t].cpu(), getattr(ref.get_submodule(name), t)), f"{name}.{t}"
     ids = _ids().cuda()
     before = _logits(q, ids)
     torch.testing.assert_close(before.cpu().float(), _logits(ref, ids.cpu()).float(), atol=3e-2, rtol=3e-2)

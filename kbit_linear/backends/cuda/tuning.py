@@ -106,7 +106,7 @@ FUSED_MIN_SPLIT_ITERS = 4
 # ---------------------------------------------------------------------------------------
 
 # Rows a GPU of compute capability 9.0 hands the wgmma kernel, per GPU, as (first, last): below,
-# the decode or mma.sync kernel; above, dequantize + cuBLAS. Measured on an H100 80GB HBM3
+# the decode or mma.sync kernel; above, dequantize + cuBLAS. First measured (with planes) on an H100 80GB HBM3
 # (2026-11-22, `python3 scripts/bench_wgmma.py --m 33 64 ... 4096 --bits 4`,
 # bench/results/gemm-sm90-h100.md), bits 4 fp16, us, best wgmma tile vs the mma.sync kernel vs
 # dequantize + cuBLAS:
@@ -114,7 +114,15 @@ FUSED_MIN_SPLIT_ITERS = 4
 #   M = 1024: 735.1 vs 873.3 (d+cuBLAS), 206.8 vs 220.5, 14336->4096 214.1 vs 217.1, but
 #   4096->4096 74.6 vs 64.0; M = 1536: 1115.9 vs 1197.3, 318.9 vs 311.3, 335.1 vs 300.6;
 #   M = 2048: d+cuBLAS ahead or equal on every shape (1603.2 vs 1574.8 on 8192->28672).
-WGMMA_ROWS: dict[str, tuple[int, int]] = {"default": (33, 1024)}
+# With 4-bit pair codes (what a 4-bit layer holds on the GPU) the kernel keeps up to M = 2048:
+# H100 (2026-11-24, the same script, `--m 1024 1536 2048 4096 --bits 2 3 4`, fp16, us, wgmma tile
+# 256 vs dequantize + cuBLAS), K = 4, M = 2048: 4096->4096 99.1 vs 110.6, 4096->14336 348.4 vs
+# 382.4, 14336->4096 335.0 vs 371.1, 8192->28672 1522.2 vs 1549.8, 28672->8192 1436.4 vs 1511.8;
+# M = 1536: 93.7 vs 90.1, 294.6 vs 317.4, 305.2 vs 305.6, 1113.3 vs 1212.3, 995.7 vs 1180.3;
+# M = 4096: dequantize + cuBLAS ahead on 4 of 5 (8192->28672 3043.1 vs 2827.0). K = 2 and 3
+# (planes) stay at 1024 (WGMMA_LAST_ROW_BY_BITS): at M = 2048 they win on some shapes and lose
+# on others (K = 2 8192->28672 1542.3 vs 1446.0, 28672->8192 1253.3 vs 1413.9).
+WGMMA_ROWS: dict[str, tuple[int, int]] = {"default": (33, 2048)}
 
 # Lower last wgmma row for some index widths, per GPU: K = 5 decodes more per weight, and from
 # M = 1024 dequantize + cuBLAS is faster. H100 (2026-11-23, one run of the dispatcher's plan vs
@@ -122,7 +130,7 @@ WGMMA_ROWS: dict[str, tuple[int, int]] = {"default": (33, 1024)}
 # 227.3, 8192->28672 1041.1 vs 909.4, 28672->8192 973.7 vs 915.5; at M = 512 wgmma still wins
 # (137.4 vs 160.8, 142.7 vs 149.3, 545.4 vs 601.0, 525.5 vs 592.3). K = 4 keeps 1024 (M = 1024:
 # 870.6 vs 918.5, 228.9 vs 234.0, 205.4 vs 223.1, 839.0 vs 930.0).
-WGMMA_LAST_ROW_BY_BITS: dict[str, dict[int, int]] = {"default": {5: 512}}
+WGMMA_LAST_ROW_BY_BITS: dict[str, dict[int, int]] = {"default": {2: 1024, 3: 1024, 5: 512}}
 
 # First wgmma row for weights of at least DECODE_LARGE_WEIGHT elements (their decode range ends
 # earlier), per GPU. H100, same script (`--m 17 24 32 64 256`), 8192->28672 bits 4 fp16, wgmma
