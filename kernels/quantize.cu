@@ -173,11 +173,20 @@ __global__ void __launch_bounds__(256) kbit_dequantize(const u32* __restrict__ p
     u32 idx[8];
     if constexpr (PAIRS) {
         static_assert(BITS == 4, "pair codes are 4-bit");
+        // byte t of p: the pair code of elements 8q + 2t, 8q + 2t + 1 (byte q of word t); its even
+        // bits compacted are the first index, its odd bits the second (all four bytes at once)
+        const u32 sel = (u32)q | ((4u + q) << 4);
+        const u32 p = prmt(prmt(w[0], w[1], sel), prmt(w[2], w[3], sel), 0x5410u);
+        const auto compact = [](u32 x) {
+            x &= 0x55555555u;
+            x = (x | (x >> 1)) & 0x33333333u;
+            return (x | (x >> 2)) & 0x0F0F0F0Fu;
+        };
+        const u32 first = compact(p), second = compact(p >> 1);
 #pragma unroll
-        for (int t = 0; t < 8; ++t) {
-            // the pair code's even bits (odd element: its odd bits) compacted to a nibble
-            const u32 c = (w[t >> 1] >> (8 * q + (t & 1))) & 0x55u;
-            idx[t] = (c & 1u) | ((c >> 1) & 2u) | ((c >> 2) & 4u) | ((c >> 3) & 8u);
+        for (int t = 0; t < 4; ++t) {
+            idx[2 * t] = first >> (8 * t);
+            idx[2 * t + 1] = second >> (8 * t);
         }
     } else {
         // Byte t of lo (hi) = index of element 8q + t (8q + 4 + t): a nibble of plane b times
