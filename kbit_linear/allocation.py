@@ -62,12 +62,13 @@ def check_target_bpw(target_bpw: object, name: str = "target_bpw") -> float:
 
 def check_codebook_for_widths(codebook: object) -> None:
     """Refuse a codebook tensor (or list) where each layer's width is chosen: one set of levels
-    has one width. ``None`` (normal-float) and ``"fitted"`` serve every width.
+    has one width. ``None`` (normal-float) and the option strings (``"default"``, ``"fitted"``,
+    ...) serve every width.
 
     Raises:
         ValueError: naming the conflict.
     """
-    if codebook is not None and not codebooks.is_fitted(codebook):
+    if not codebooks.is_per_weight(codebook):
         raise ValueError("target_bpw chooses each layer's width, and a codebook fixes it: pass one or the other "
                          f"(or codebook={codebooks.FITTED!r})")
 

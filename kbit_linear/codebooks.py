@@ -22,10 +22,19 @@ import torch
 
 from . import format as fmt
 
-__all__ = ["FITTED", "DEFAULT", "is_fitted", "default_codebook", "resolve_default", "check_codebook_option", "resolve_codebook_option", "fit_codebook"]
+__all__ = ["FITTED", "FITTED_ZERO", "NF_ZERO", "DEFAULT", "OPTIONS", "DEFAULT_BY_WIDTH", "is_fitted", "is_per_weight",
+           "default_codebook", "resolve_default", "check_codebook_option", "resolve_codebook_option",
+           "normal_float_zero_codebook", "fit_codebook"]
 
 FITTED = "fitted"
 """The ``codebook`` value that asks for levels fitted to each weight."""
+
+FITTED_ZERO = "fitted-zero"
+"""Levels fitted to each weight that keep a level at exactly 0 (the fit starts from
+:func:`normal_float_zero_codebook` and holds -1, 0 and +1 in place)."""
+
+NF_ZERO = "nf-zero"
+"""The fixed levels of :func:`normal_float_zero_codebook` (normal-float levels with a zero level)."""
 
 LLOYD_ITERATIONS = 12
 """Lloyd-Max iterations per fit (the levels move by less than 1e-3 after about ten)."""
@@ -41,12 +50,30 @@ _MIN_GAP = 1e-3  # the smallest spacing of neighbouring levels: the codebook mus
 
 DEFAULT = "default"
 """The ``codebook`` value of :func:`kbit_linear.quantize_model` and ``KbitConfig`` when none is
-given: resolved by :func:`default_codebook`."""
+given: resolved by :func:`default_codebook`, then per layer width by :data:`DEFAULT_BY_WIDTH`."""
+
+OPTIONS = (FITTED, FITTED_ZERO, NF_ZERO, DEFAULT)
+"""The strings a ``codebook`` argument takes (besides ``None``, the normal-float levels, and a tensor)."""
+
+DEFAULT_BY_WIDTH = {2: FITTED, 3: NF_ZERO, 4: FITTED_ZERO, 5: FITTED_ZERO}
+"""What :data:`DEFAULT` quantizes a weight of each width with (without the Hadamard rotation).
+
+Measured data-free (round-up scales, KL of the next token to the unquantized model, 4 x 512
+tokens; ``bench/results/accuracy.md``, "Levels with a zero"): a level at exactly 0 serves the
+many weights near zero that the normal-float levels (none at 0) round to +-0.15 of the block
+scale. K = 3, fitted / nf-zero / fitted-zero: Gemma-3-270M 2.059 / 1.632 / 1.943, SmolLM2-135M
+1.879 / 1.038 / 0.935, all-MiniLM-L6-v2 cosine 0.853 / 0.875 / 0.875; K = 4: Gemma 0.461 /
+0.372 / 0.354, SmolLM2 0.210 / 0.246 / 0.214, MiniLM 0.9729 / 0.9697 / 0.9758. K = 2 keeps the
+fitted levels (data-free K = 2 is unusable with any of them; the calibrated K = 2 rows were
+measured with the fitted ones)."""
 
 
 def default_codebook(hadamard: bool) -> str | None:
-    """The codebook option behind :data:`DEFAULT`: fitted levels, or the normal-float levels
-    (``None``) for weights quantized with the Hadamard rotation.
+    """The codebook option behind :data:`DEFAULT`: the normal-float levels (``None``) for weights
+    quantized with the Hadamard rotation, else :data:`DEFAULT` itself, which each weight resolves
+    by its width (:data:`DEFAULT_BY_WIDTH`: levels with a zero from K = 3 on).
+
+    The first measurements, before the zero levels (fitted vs normal-float levels):
 
     Measured data-free (``bench/results/accuracy.md``, KL to the unquantized model): without the
     rotation the fitted levels beat the normal-float ones at K = 3 and 4 on SmolLM2-135M
@@ -59,7 +86,7 @@ def default_codebook(hadamard: bool) -> str | None:
     """
     if not isinstance(hadamard, bool):
         raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
-    return None if hadamard else FITTED
+    return None if hadamard else DEFAULT
 
 
 def resolve_default(codebook: object, hadamard: bool) -> object:
@@ -75,37 +102,72 @@ def is_fitted(codebook: object) -> bool:
     return isinstance(codebook, str) and codebook == FITTED
 
 
+def is_per_weight(codebook: object) -> bool:
+    """Whether ``codebook`` names levels chosen for each weight and width (``None`` or one of
+    :data:`OPTIONS`) rather than fixing them (a tensor or a list of levels)."""
+    return codebook is None or (isinstance(codebook, str) and codebook in OPTIONS)
+
+
 def check_codebook_option(codebook: object, bits: int, name: str = "codebook") -> torch.Tensor | str | None:
-    """``codebook`` as the quantizers take it: ``None`` (normal-float), ``"fitted"``, or a
-    validated tensor (:func:`kbit_linear.format.validate_codebook`).
+    """``codebook`` as the quantizers take it: ``None`` (normal-float), one of :data:`OPTIONS`, or
+    a validated tensor (:func:`kbit_linear.format.validate_codebook`).
 
     Raises:
         ValueError: another string, or an invalid codebook tensor.
     """
-    if codebook is None or is_fitted(codebook):
+    if is_per_weight(codebook):
         return codebook
     if isinstance(codebook, str):
-        raise ValueError(f"{name} must be a tensor of {1 << bits} levels, None or {FITTED!r}, got {codebook!r}")
+        raise ValueError(f"{name} must be a tensor of {1 << bits} levels, None or one of {list(OPTIONS)}, got {codebook!r}")
     return fmt.validate_codebook(codebook, bits, name)
 
 
 def resolve_codebook_option(codebook: torch.Tensor | str | None, weight: torch.Tensor, bits: int, *,
                             scale_search: bool = False, device: torch.device | None = None) -> torch.Tensor:
     """The levels to quantize ``weight`` (2-D) with, as a fresh float32 tensor on ``device``
-    (default: the weight's): fitted to it for ``"fitted"`` (the normal-float levels on the meta
-    device), else :func:`kbit_linear.format.resolve_codebook` (normal-float for ``None``, a
-    tensor validated once)."""
+    (default: the weight's): for :data:`DEFAULT` those of :data:`DEFAULT_BY_WIDTH`; fitted to it
+    for ``"fitted"`` / ``"fitted-zero"`` (on the meta device the levels the fit starts from);
+    :func:`normal_float_zero_codebook` for ``"nf-zero"``; else
+    :func:`kbit_linear.format.resolve_codebook` (normal-float for ``None``, a tensor validated once)."""
     device = weight.device if device is None else device
-    if is_fitted(codebook):
+    if isinstance(codebook, str) and codebook == DEFAULT:
+        codebook = DEFAULT_BY_WIDTH[fmt.check_bits(bits)]
+    if isinstance(codebook, str) and codebook == NF_ZERO:
+        return normal_float_zero_codebook(bits, device)
+    if isinstance(codebook, str) and codebook in (FITTED, FITTED_ZERO):
+        zero = codebook == FITTED_ZERO
         if weight.device.type == "meta" or device.type == "meta":
-            return fmt.resolve_codebook(None, bits, device)
-        return fit_codebook(weight, bits, scale_search=scale_search).to(device)
+            return normal_float_zero_codebook(bits, device) if zero else fmt.resolve_codebook(None, bits, device)
+        return fit_codebook(weight, bits, scale_search=scale_search, zero=zero).to(device)
     if isinstance(codebook, str):
         check_codebook_option(codebook, bits)  # raises, naming the strings it takes
     return fmt.resolve_codebook(codebook, bits, device)
 
 
-def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False, iterations: int = LLOYD_ITERATIONS) -> torch.Tensor:
+def normal_float_zero_codebook(bits: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Normal-float levels with a level at exactly 0 (the construction of QLoRA's NF4):
+    ``2**(bits-1) - 1`` negative levels, 0, and ``2**(bits-1)`` positive ones, each half the
+    standard normal quantiles of evenly spaced probabilities between the tail offset
+    ``1/2**(bits+2)`` (``1 - `` it) and 1/2, scaled so the ends are -1 and +1.
+
+    Args:
+        bits: index width, 2..5.
+        device: where to put the levels.
+
+    Returns:
+        float32 ``[2**bits]``, strictly increasing, ``[-1, ..., 0, ..., 1]``.
+    """
+    fmt.check_bits(bits)
+    half = 1 << (bits - 1)
+    tail = 1.0 / (1 << (bits + 2))
+    neg = torch.special.ndtri(torch.linspace(tail, 0.5, half, dtype=torch.float64))[:-1]
+    pos = torch.special.ndtri(torch.linspace(0.5, 1.0 - tail, half + 1, dtype=torch.float64))[1:]
+    levels = torch.cat([neg / -neg[0], torch.zeros(1, dtype=torch.float64), pos / pos[-1]])
+    return levels.to(dtype=torch.float32, device=device)
+
+
+def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False, iterations: int = LLOYD_ITERATIONS,
+                 zero: bool = False) -> torch.Tensor:
     """``2**bits`` increasing levels in [-1, 1], ends at -1 and +1, fitted to ``weight``.
 
     Args:
@@ -115,6 +177,8 @@ def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False,
         scale_search: fit for the scales the block scale search picks (alternating, see the
             module docstring) instead of the round-up ones.
         iterations: Lloyd-Max iterations per fit.
+        zero: start from :func:`normal_float_zero_codebook` and keep its level at 0 in place
+            (``"fitted-zero"``), instead of starting from the normal-float levels.
 
     Returns:
         float32 ``[2**bits]`` on ``weight``'s device, the same on every device and in every run.
@@ -127,7 +191,8 @@ def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False,
     if w.numel() > MAX_FIT_WEIGHTS:  # sample rows before any copy
         w = w[:: -(-w.numel() // MAX_FIT_WEIGHTS)]
     w = w.to(torch.float32)
-    cb = fmt.create_normal_float_codebook(bits, w.device)
+    cb = normal_float_zero_codebook(bits, w.device) if zero else fmt.create_normal_float_codebook(bits, w.device)
+    pinned = (1 << (bits - 1)) - 1 if zero else None  # the zero level's index
     if w.numel() == 0 or not bool(w.abs().amax() > 0):
         return cb
     ts = fmt.compute_tensor_scale(w)
@@ -148,7 +213,7 @@ def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False,
         # any order, which would make the levels differ in their last bits from run to run and
         # from the CPU's (the elementwise work above is exact on every device).
         centers, mass = _histogram(values.reshape(-1).cpu(), mass.reshape(-1).cpu())
-        cb = _lloyd(centers, mass, cb.cpu(), iterations)
+        cb = _lloyd(centers, mass, cb.cpu(), iterations, pinned)
     return cb.to(w.device)
 
 
@@ -164,9 +229,10 @@ def _histogram(values: torch.Tensor, mass: torch.Tensor) -> tuple[torch.Tensor, 
     return (moment[used] / total[used]).to(torch.float32), total[used].to(torch.float32)
 
 
-def _lloyd(values: torch.Tensor, mass: torch.Tensor, levels: torch.Tensor, iterations: int) -> torch.Tensor:
+def _lloyd(values: torch.Tensor, mass: torch.Tensor, levels: torch.Tensor, iterations: int, pinned: int | None = None) -> torch.Tensor:
     """Lloyd-Max on 1-D ``values`` with weights ``mass``, from ``levels``; the end levels stay
-    at -1 and +1, a level with no values keeps its place, neighbours stay ``_MIN_GAP`` apart."""
+    at -1 and +1 (and level ``pinned``, if given, at 0), a level with no values keeps its place,
+    neighbours stay ``_MIN_GAP`` apart."""
     c = levels.clone()
     n = c.numel()
     for _ in range(iterations):
@@ -175,6 +241,8 @@ def _lloyd(values: torch.Tensor, mass: torch.Tensor, levels: torch.Tensor, itera
         moment = torch.zeros_like(c).scatter_add_(0, idx, mass * values)
         c = torch.where(total > 0, moment / total.clamp_min(torch.finfo(torch.float32).tiny), c)
         c[0], c[-1] = -1.0, 1.0
+        if pinned is not None:
+            c[pinned] = 0.0
         c = torch.sort(c).values
         # strictly increasing, ends fixed: push up from the left, then down from the right (the
         # usual case, levels already that far apart, skips the element-by-element passes)

@@ -73,6 +73,11 @@ from kbit_linear.tools.models import DEFAULT_MODEL, resolve_model
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+# Row labels of the --codebook options ("nf", the normal-float levels, adds none).
+CODEBOOK_LABELS = {"fitted": "fitted codebook", "nf-zero": "nf-zero levels", "fitted-zero": "fitted-zero levels",
+                   "default": "default levels"}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default",
@@ -104,8 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-nf4", action="store_true", help="skip the bitsandbytes NF4 row")
     p.add_argument("--scale-search", choices=["off", "on", "both"], default="off",
                    help="kbit rows with round-up absmax scales (off), with the block scale search (on), or both")
-    p.add_argument("--codebook", choices=["nf", "fitted", "both"], default="nf",
-                   help="kbit rows with the normal-float codebook (nf), levels fitted per layer (fitted), or both")
+    p.add_argument("--codebook", nargs="+", choices=["nf", "fitted", "both", "nf-zero", "fitted-zero", "default"], default=["nf"],
+                   help="kbit rows with the normal-float codebook (nf), levels fitted per layer (fitted), both of those, "
+                        "normal-float levels with a zero (nf-zero), fitted levels that keep a zero (fitted-zero), or the "
+                        "default per width (default); several may be given")
     p.add_argument("--hadamard-search", type=int, default=1,
                    help="with --hadamard, sign vectors tried per layer (the least quantization error is kept)")
     p.add_argument("--hadamard", choices=["off", "on", "both"], default="off",
@@ -221,11 +228,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def kbit_rows(label: str, width: dict) -> None:
         """The kbit rows of one width setting (``{"bits": K}`` or ``{"target_bpw": t}``)."""
-        for fitted, search, rotate in [] if args.no_kbit else [(f, s, r) for f in fits for s in searches for r in rotations]:
-            name = label + (", fitted codebook" if fitted else "") + (", scale search" if search else "") + (", Hadamard" if rotate else "")
+        for option, search, rotate in [] if args.no_kbit else [(f, s, r) for f in fits for s in searches for r in rotations]:
+            name = label + (f", {CODEBOOK_LABELS[option]}" if option != "nf" else "") + (", scale search" if search else "") + (", Hadamard" if rotate else "")
             if rotate and args.hadamard_search > 1:
                 name += f" (best of {args.hadamard_search} signs)"
-            cb = {"codebook": "fitted" if fitted else None}  # None: the normal-float levels (not the default)
+            cb = {"codebook": None if option == "nf" else option}  # None: the normal-float levels (not the default)
             if False in calibrations:
                 config = KbitConfig(**width, **cb, scale_search=search, hadamard=rotate, hadamard_search=args.hadamard_search)
                 model, load_s = _load(path, DTYPES[args.quantize_dtype], device, config, causal=causal)
@@ -249,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     searches = {"off": [False], "on": [True], "both": [False, True]}[args.scale_search]
     calibrations = {"off": [False], "on": [True], "both": [False, True]}[args.calibration]
     rotations = {"off": [False], "on": [True], "both": [False, True]}[args.hadamard]
-    fits = {"nf": [False], "fitted": [True], "both": [False, True]}[args.codebook]
+    fits = list(dict.fromkeys(o for c in args.codebook for o in (("nf", "fitted") if c == "both" else (c,))))
     for bits in args.bits:
         kbit_rows(f"kbit K={bits}", {"bits": bits})
         for group in args.gptq_groups:

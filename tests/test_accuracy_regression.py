@@ -6,7 +6,8 @@ the Hadamard rotation: KL of the next-token distribution against the unquantized
 (torch 2.13.0 CPU): 2.17 and 1.60 nats/token; the limits leave ~10 % for numerical drift between
 torch versions, so a change that makes 3 bits worse by more than that fails here. The same
 holds for the fitted codebook at K = 3 (round-up scales: 2.17, against 2.65 with the
-normal-float levels) and for ``target_bpw=3.5`` (0.53). About two minutes.
+normal-float levels), for ``target_bpw=3.5`` (0.53) and for the default levels at K = 3 (a zero
+level, ``codebooks.DEFAULT_BY_WIDTH``: 1.13). About two minutes.
 """
 
 from __future__ import annotations
@@ -68,3 +69,14 @@ def test_fitted_levels_and_per_layer_widths_do_not_regress(smollm2):
         del quantized
     assert kl["fitted"] < FITTED_LIMIT, kl
     assert kl["target_bpw"] < TARGET_LIMIT, kl
+
+
+DEFAULT_LIMIT = 1.25  # KL at K = 3 with the default levels (codebooks.DEFAULT_BY_WIDTH: nf-zero), measured 1.13
+
+
+def test_the_default_levels_at_three_bits_do_not_regress(smollm2):
+    model, windows, reference = smollm2
+    quantized = copy.deepcopy(model)
+    kbit_linear.quantize_model(quantized, 3, progress=False)
+    kl = evaluate(quantized, windows, reference).kl
+    assert kl < DEFAULT_LIMIT, kl

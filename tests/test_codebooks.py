@@ -106,25 +106,62 @@ def test_quantize_model_fits_each_layer_and_works_with_target_bpw():
         assert layer.bits == bits and layer.codebook.shape == (1 << bits,) and layer.codebook[0] == -1.0
 
 
-def test_the_default_codebook_is_fitted_without_the_rotation_and_normal_float_with_it():
-    assert codebooks.default_codebook(False) == "fitted" and codebooks.default_codebook(True) is None
+def test_the_default_codebook_has_a_zero_level_by_width_without_the_rotation_and_normal_float_with_it():
+    assert codebooks.default_codebook(False) == "default" and codebooks.default_codebook(True) is None
+    assert codebooks.DEFAULT_BY_WIDTH == {2: "fitted", 3: "nf-zero", 4: "fitted-zero", 5: "fitted-zero"}
     with pytest.raises(TypeError, match="hadamard"):
         codebooks.default_codebook(1)
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(128, 96))
-    dense = net[0].weight.detach().clone()
-    quantize_model(net, 3, skip=None, progress=False)
-    assert torch.equal(net[0].codebook, codebooks.fit_codebook(dense, 3))
+    expected = {2: lambda w: codebooks.fit_codebook(w, 2), 3: lambda w: codebooks.normal_float_zero_codebook(3),
+                4: lambda w: codebooks.fit_codebook(w, 4, zero=True), 5: lambda w: codebooks.fit_codebook(w, 5, zero=True)}
+    for bits, want in expected.items():
+        net = nn.Sequential(nn.Linear(128, 96))
+        dense = net[0].weight.detach().clone()
+        quantize_model(net, bits, skip=None, progress=False)
+        assert torch.equal(net[0].codebook, want(dense)), bits
     net = nn.Sequential(nn.Linear(128, 96))
     quantize_model(net, 3, skip=None, hadamard=True, progress=False)
     assert torch.equal(net[0].codebook, fmt.create_normal_float_codebook(3))
     net = nn.Sequential(nn.Linear(128, 96))
     quantize_model(net, 3, codebook=None, skip=None, progress=False)  # None still asks for normal-float
     assert torch.equal(net[0].codebook, fmt.create_normal_float_codebook(3))
-    assert KbitConfig(bits=3).codebook == "fitted" and KbitConfig(bits=3, hadamard=True).codebook is None
+    assert KbitConfig(bits=3).codebook == "default" and KbitConfig(bits=3, hadamard=True).codebook is None
     assert KbitConfig(bits=3, codebook=None).codebook is None
     # a config stored before the default changed (codebook null) still means normal-float
     assert KbitConfig.from_dict({"quant_method": "kbit", "bits": 3, "codebook": None}).codebook is None
+    assert KbitConfig.from_dict({"quant_method": "kbit", "bits": 3, "codebook": "fitted"}).codebook == "fitted"
+
+
+@pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
+def test_normal_float_zero_levels(bits):
+    cb = codebooks.normal_float_zero_codebook(bits)
+    half = 1 << (bits - 1)
+    assert cb.dtype == torch.float32 and cb.shape == (1 << bits,)
+    assert cb[0] == -1.0 and cb[-1] == 1.0 and cb[half - 1] == 0.0  # half - 1 negative levels, then zero
+    assert bool((cb[1:] > cb[:-1]).all())
+    fmt.validate_codebook(cb, bits)
+    # the positive half: standard normal quantiles of evenly spaced probabilities, scaled to end at 1
+    tail = 1.0 / (1 << (bits + 2))
+    q = torch.special.ndtri(torch.linspace(0.5, 1 - tail, half + 1, dtype=torch.float64))[1:]
+    torch.testing.assert_close(cb[half:].double(), q / q[-1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", (3, 4))
+def test_fitted_zero_keeps_its_zero_and_ends(bits):
+    torch.manual_seed(1)
+    w = torch.randn(64, 256) * torch.rand(64, 1)
+    cb = codebooks.fit_codebook(w, bits, zero=True)
+    half = 1 << (bits - 1)
+    assert cb[0] == -1.0 and cb[-1] == 1.0 and cb[half - 1] == 0.0 and bool((cb[1:] > cb[:-1]).all())
+    assert not torch.equal(cb, codebooks.normal_float_zero_codebook(bits))  # the fit moved the others
+    for option, want in (("fitted-zero", cb), ("nf-zero", codebooks.normal_float_zero_codebook(bits)),
+                         ("default", codebooks.fit_codebook(w, bits, zero=True) if bits == 4 else codebooks.normal_float_zero_codebook(bits))):
+        assert torch.equal(codebooks.resolve_codebook_option(option, w, bits), want), option
+    # on the meta device the levels the fit starts from
+    meta = codebooks.resolve_codebook_option("fitted-zero", w.to("meta"), bits, device=torch.device("cpu"))
+    assert torch.equal(meta, codebooks.normal_float_zero_codebook(bits))
+    with pytest.raises(ValueError, match="nf-zero"):
+        codebooks.check_codebook_option("zero", bits)
 
 
 def test_experts_share_one_fitted_codebook():

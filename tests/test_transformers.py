@@ -119,7 +119,8 @@ def test_config_round_trips_through_json():
     back = KbitConfig.from_dict(d)
     assert back.to_dict() == cfg.to_dict()
     assert torch.equal(back.codebook_tensor(), cb)
-    assert KbitConfig().to_dict()["codebook"] == "fitted"  # the default, stored resolved
+    # the default, stored as the per-width rule it stands for (codebooks.DEFAULT_BY_WIDTH)
+    assert KbitConfig().to_dict()["codebook"] == "default"
     assert KbitConfig(codebook=None).to_dict()["codebook"] is None
 
 
@@ -467,7 +468,7 @@ def test_save_then_reload_in_a_fresh_process_is_bit_identical(dense_dir, tmp_pat
     q.save_pretrained(out)
 
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["quantization_config"] == {"quant_method": "kbit", "bits": 4, "skip_modules": None, "codebook": "fitted", "scale_search": False,
+    assert cfg["quantization_config"] == {"quant_method": "kbit", "bits": 4, "skip_modules": None, "codebook": "default", "scale_search": False,
                                          "hadamard": False, "format_version": "1"}
     from safetensors import safe_open
 

@@ -59,7 +59,7 @@ from torch import nn
 from .. import format as fmt
 from ..allocation import check_codebook_for_widths, check_target_bpw, plan_layer_bits
 from ..codebooks import DEFAULT as DEFAULT_CODEBOOK
-from ..codebooks import check_codebook_option, is_fitted, resolve_default
+from ..codebooks import check_codebook_option, is_per_weight, resolve_default
 from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem, quantize_experts_weight
 from ..gguf_linear import GGUFEmbedding, GGUFLinear
 from ..hadamard import layer_seed
@@ -210,7 +210,7 @@ class KbitConfig(QuantizationConfigMixin):
         if self.target_bpw is not None:
             check_codebook_for_widths(self.codebook)
         self.layer_bits = _check_layer_bits(layer_bits)
-        fixed = self.codebook is not None and not is_fitted(self.codebook)
+        fixed = not is_per_weight(self.codebook)
         if self.layer_bits and fixed and any(b != self.bits for b in self.layer_bits.values()):
             raise ValueError(f"layer_bits has widths other than bits={self.bits}, which a {self.bits}-bit codebook cannot serve")
 
@@ -232,8 +232,8 @@ class KbitConfig(QuantizationConfigMixin):
 
     def codebook_tensor(self) -> torch.Tensor | str | None:
         """The codebook as the quantizers take it: float32 ``[2**bits]`` (CPU), ``None`` for the
-        normal-float levels, or ``"fitted"``."""
-        if self.codebook is None or is_fitted(self.codebook):
+        normal-float levels, or one of the option strings (``"default"``, ``"fitted"``, ...)."""
+        if is_per_weight(self.codebook):
             return self.codebook
         return torch.tensor(self.codebook, dtype=torch.float32)
 
@@ -265,7 +265,7 @@ def _check_layer_bits(layer_bits: Any) -> dict[str, int] | None:
 
 def _check_codebook(codebook: Any, bits: int) -> list[float] | str | None:
     if codebook is None or isinstance(codebook, str):
-        return check_codebook_option(codebook, bits)  # None, "fitted", or a ValueError naming what it takes
+        return check_codebook_option(codebook, bits)  # None, an option string, or a ValueError naming what it takes
     if isinstance(codebook, (list, tuple)):
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in codebook):
             raise TypeError("codebook must be a list of floats")
