@@ -55,7 +55,7 @@ given: resolved by :func:`default_codebook`, then per layer width by :data:`DEFA
 OPTIONS = (FITTED, FITTED_ZERO, NF_ZERO, DEFAULT)
 """The strings a ``codebook`` argument takes (besides ``None``, the normal-float levels, and a tensor)."""
 
-DEFAULT_BY_WIDTH = {2: FITTED, 3: NF_ZERO, 4: FITTED_ZERO, 5: FITTED_ZERO}
+DEFAULT_BY_WIDTH = {2: FITTED, 3: NF_ZERO, 4: FITTED_ZERO, 5: FITTED}
 """What :data:`DEFAULT` quantizes a weight of each width with (without the Hadamard rotation).
 
 Measured data-free (round-up scales, KL of the next token to the unquantized model, 4 x 512
@@ -63,15 +63,16 @@ tokens; ``bench/results/accuracy.md``, "Levels with a zero"): a level at exactly
 many weights near zero that the normal-float levels (none at 0) round to +-0.15 of the block
 scale. K = 3, fitted / nf-zero / fitted-zero: Gemma-3-270M 2.059 / 1.632 / 1.943, SmolLM2-135M
 1.879 / 1.038 / 0.935, all-MiniLM-L6-v2 cosine 0.853 / 0.875 / 0.875; K = 4: Gemma 0.461 /
-0.372 / 0.354, SmolLM2 0.210 / 0.246 / 0.214, MiniLM 0.9729 / 0.9697 / 0.9758. K = 2 keeps the
-fitted levels (data-free K = 2 is unusable with any of them; the calibrated K = 2 rows were
-measured with the fitted ones)."""
+0.372 / 0.354, SmolLM2 0.210 / 0.246 / 0.214, MiniLM 0.9729 / 0.9697 / 0.9758. K = 5 keeps the
+fitted levels (fitted / fitted-zero: Gemma 0.086 / 0.126, SmolLM2 0.057 / 0.069), and so does
+K = 2 (data-free K = 2 is unusable with any of them; the calibrated K = 2 rows were measured
+with the fitted ones)."""
 
 
 def default_codebook(hadamard: bool) -> str | None:
     """The codebook option behind :data:`DEFAULT`: the normal-float levels (``None``) for weights
     quantized with the Hadamard rotation, else :data:`DEFAULT` itself, which each weight resolves
-    by its width (:data:`DEFAULT_BY_WIDTH`: levels with a zero from K = 3 on).
+    by its width (:data:`DEFAULT_BY_WIDTH`: levels with a zero at K = 3 and 4).
 
     The first measurements, before the zero levels (fitted vs normal-float levels):
 
@@ -89,11 +90,15 @@ def default_codebook(hadamard: bool) -> str | None:
     return None if hadamard else DEFAULT
 
 
-def resolve_default(codebook: object, hadamard: bool) -> object:
+def resolve_default(codebook: object, hadamard: bool, calibrated: bool = False) -> object:
     """``codebook`` itself, or for :data:`DEFAULT` what :func:`default_codebook` gives with
-    ``hadamard`` (the one place the user-level entry points resolve it)."""
+    ``hadamard`` (the one place the user-level entry points resolve it). With calibrated
+    (GPTQ-style) rounding :data:`DEFAULT` is the fitted levels: Gemma-3-270M, K = 3 calibrated,
+    KL 0.518 with them against 0.605 with nf-zero (``bench/results/accuracy.md``), the reverse of
+    the data-free order."""
     if isinstance(codebook, str) and codebook == DEFAULT:
-        return default_codebook(hadamard)
+        resolved = default_codebook(hadamard)
+        return FITTED if calibrated and resolved == DEFAULT else resolved
     return codebook
 
 

@@ -429,8 +429,11 @@ def quantize_model(
         codebook: float ``[2**bits]`` shared by every layer (each layer stores its own
             copy); ``None``: the normal-float codebook; ``"fitted"``: levels fitted to each
             weight (:mod:`kbit_linear.codebooks`; an experts projection: one set for all its
-            experts). Default ``"default"``: fitted levels, or normal-float ones with
-            ``hadamard`` (:func:`kbit_linear.codebooks.default_codebook` has the measurements).
+            experts); ``"nf-zero"`` / ``"fitted-zero"``: levels with a zero
+            (:mod:`kbit_linear.codebooks`). Default ``"default"``: by each layer's width
+            (:data:`kbit_linear.codebooks.DEFAULT_BY_WIDTH`: a zero level at K = 3 and 4), the
+            fitted levels with ``calibration``, normal-float ones with ``hadamard``
+            (:func:`kbit_linear.codebooks.default_codebook` has the measurements).
         progress: show a tqdm progress bar.
         scale_search: choose each block's scale for the least error instead of rounding its
             absmax up (:func:`kbit_linear.quantizer.quantize_weight`): better at 2 and 3 bits,
@@ -480,7 +483,7 @@ def quantize_model(
     fmt.check_bits(bits)
     if not isinstance(hadamard, bool):
         raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
-    codebook = codebooks.resolve_default(codebook, hadamard)
+    codebook = codebooks.resolve_default(codebook, hadamard, calibrated=calibration is not None)
     hadamard_search = check_hadamard_search(hadamard_search)
     rules = check_skip_rules(skip)
     if target_bpw is not None:

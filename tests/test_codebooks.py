@@ -108,12 +108,12 @@ def test_quantize_model_fits_each_layer_and_works_with_target_bpw():
 
 def test_the_default_codebook_has_a_zero_level_by_width_without_the_rotation_and_normal_float_with_it():
     assert codebooks.default_codebook(False) == "default" and codebooks.default_codebook(True) is None
-    assert codebooks.DEFAULT_BY_WIDTH == {2: "fitted", 3: "nf-zero", 4: "fitted-zero", 5: "fitted-zero"}
+    assert codebooks.DEFAULT_BY_WIDTH == {2: "fitted", 3: "nf-zero", 4: "fitted-zero", 5: "fitted"}
     with pytest.raises(TypeError, match="hadamard"):
         codebooks.default_codebook(1)
     torch.manual_seed(0)
     expected = {2: lambda w: codebooks.fit_codebook(w, 2), 3: lambda w: codebooks.normal_float_zero_codebook(3),
-                4: lambda w: codebooks.fit_codebook(w, 4, zero=True), 5: lambda w: codebooks.fit_codebook(w, 5, zero=True)}
+                4: lambda w: codebooks.fit_codebook(w, 4, zero=True), 5: lambda w: codebooks.fit_codebook(w, 5)}
     for bits, want in expected.items():
         net = nn.Sequential(nn.Linear(128, 96))
         dense = net[0].weight.detach().clone()
@@ -125,6 +125,9 @@ def test_the_default_codebook_has_a_zero_level_by_width_without_the_rotation_and
     net = nn.Sequential(nn.Linear(128, 96))
     quantize_model(net, 3, codebook=None, skip=None, progress=False)  # None still asks for normal-float
     assert torch.equal(net[0].codebook, fmt.create_normal_float_codebook(3))
+    assert codebooks.resolve_default("default", False, calibrated=True) == "fitted"  # measured better with calibration
+    assert codebooks.resolve_default("default", True, calibrated=True) is None
+    assert codebooks.resolve_default("nf-zero", False, calibrated=True) == "nf-zero"
     assert KbitConfig(bits=3).codebook == "default" and KbitConfig(bits=3, hadamard=True).codebook is None
     assert KbitConfig(bits=3, codebook=None).codebook is None
     # a config stored before the default changed (codebook null) still means normal-float
