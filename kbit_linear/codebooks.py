@@ -1,4 +1,4 @@
-"""Fitted codebooks: ``codebook="fitted"``, the ``2**bits`` levels fitted to one weight, data-free.
+"""Codebook options: fitted levels (``codebook="fitted"``, the ``2**bits`` levels fitted to one weight, data-free), levels with a zero, and the default per width.
 
 The stored format keeps a codebook per layer, so each layer may have its own levels. Here they
 are fitted to the weight's values in block-normalized space (``w / block scale``, in [-1, 1] with
@@ -14,6 +14,12 @@ better one (``bench/results/accuracy.md``).
 
 With the block scale search the fit alternates: levels for the round-up scales, scales searched
 for those levels, levels refitted for the searched scales.
+
+Levels with a zero: the normal-float levels have none, so every near-zero weight (most weights
+of a block whose scale its largest weight sets) moves by the smallest level, ~0.15 of the scale
+at K = 3. ``"nf-zero"`` takes QLoRA's NF4 construction at every width
+(:func:`normal_float_zero_codebook`), ``"fitted-zero"`` fits from it holding -1, 0 and +1. The
+default (:data:`DEFAULT`) chooses per width among these by measurement (:data:`DEFAULT_BY_WIDTH`).
 """
 
 from __future__ import annotations
