@@ -1,4 +1,6 @@
-"""Codebook options: fitted levels (``codebook="fitted"``, the ``2**bits`` levels fitted to one weight, data-free), levels with a zero, and the default per width.
+"""Codebook options beyond the normal-float levels: fitted, with a zero, and the default per width.
+
+Fitted codebooks: ``codebook="fitted"``, the ``2**bits`` levels fitted to one weight, data-free.
 
 The stored format keeps a codebook per layer, so each layer may have its own levels. Here they
 are fitted to the weight's values in block-normalized space (``w / block scale``, in [-1, 1] with
