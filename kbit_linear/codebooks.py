@@ -205,7 +205,7 @@ def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False,
         w = w[:: -(-w.numel() // MAX_FIT_WEIGHTS)]
     w = w.to(torch.float32)
     cb = normal_float_zero_codebook(bits, w.device) if zero else fmt.create_normal_float_codebook(bits, w.device)
-    pinned = (1 << (bits - 1)) - 1 if zero else None  # the zero level's index
+    pinned = int(cb.abs().argmin()) if zero else None  # the index of the level at exactly 0
     if w.numel() == 0 or not bool(w.abs().amax() > 0):
         return cb
     ts = fmt.compute_tensor_scale(w)

@@ -15,6 +15,8 @@ The module classes call :func:`adopt` where their tensors may have been moved or
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -32,7 +34,7 @@ def wants_pair_codes(bits: int, device: torch.device) -> bool:
     return bits == fmt.PAIR_CODE_BITS and device.type == "cuda"
 
 
-def _convert(packed: torch.Tensor, fn, per_block_in: int, per_block_out: int, dtype: torch.dtype) -> torch.Tensor:
+def _convert(packed: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], per_block_in: int, per_block_out: int, dtype: torch.dtype) -> torch.Tensor:
     """``fn`` over the blocks of ``packed`` (last dim ``per_block_in``) in chunks, into a new
     tensor with last dim ``per_block_out``."""
     blocks = packed.reshape(-1, per_block_in)

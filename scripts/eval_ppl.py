@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def kbit_rows(label: str, width: dict) -> None:
         """The kbit rows of one width setting (``{"bits": K}`` or ``{"target_bpw": t}``)."""
-        for option, search, rotate in [] if args.no_kbit else [(f, s, r) for f in fits for s in searches for r in rotations]:
+        for option, search, rotate in [] if args.no_kbit else [(o, s, r) for o in options for s in searches for r in rotations]:
             name = label + (f", {CODEBOOK_LABELS[option]}" if option != "nf" else "") + (", scale search" if search else "") + (", Hadamard" if rotate else "")
             if rotate and args.hadamard_search > 1:
                 name += f" (best of {args.hadamard_search} signs)"
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     searches = {"off": [False], "on": [True], "both": [False, True]}[args.scale_search]
     calibrations = {"off": [False], "on": [True], "both": [False, True]}[args.calibration]
     rotations = {"off": [False], "on": [True], "both": [False, True]}[args.hadamard]
-    fits = list(dict.fromkeys(o for c in args.codebook for o in (("nf", "fitted") if c == "both" else (c,))))
+    options = list(dict.fromkeys(o for c in args.codebook for o in (("nf", "fitted") if c == "both" else (c,))))
     for bits in args.bits:
         kbit_rows(f"kbit K={bits}", {"bits": bits})
         for group in args.gptq_groups:

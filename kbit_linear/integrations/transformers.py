@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from .. import format as fmt
+from .. import weight_layout
 from ..allocation import check_codebook_for_widths, check_target_bpw, plan_layer_bits
 from ..codebooks import DEFAULT as DEFAULT_CODEBOOK
 from ..codebooks import check_codebook_option, is_per_weight, resolve_default
@@ -74,7 +75,6 @@ from ..patch import (
     replace_module,
 )
 from ..quantizer import check_hadamard_search, hadamard_signs_for, quantize_weight
-from .. import weight_layout
 from ..serialization import (
     FORMAT_VERSION,
     HADAMARD_FORMAT_VERSION,
