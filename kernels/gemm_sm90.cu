@@ -50,9 +50,13 @@
 // the decode of the next block overlaps the MMAs of this one.
 //
 // Epilogue: acc * tensor_scale (+ bias) stored straight from the accumulators (each store is 8
-// consecutive features of one token per 8 lanes), or, for a tile split over several blocks, the
-// fp32 partials summed in the workspace exactly as in gemm.cu (the consumers synchronize among
-// themselves with a named barrier).
+// consecutive features of one token per 8 lanes). A tile split over several blocks is summed in
+// one of two ways:
+//   - launched as clusters (an aligned split, P = 2, 4 or 8 equal k-ranges per tile, one cluster
+//     per tile): the partials meet in the blocks' shared memory (reduce_in_cluster), each block
+//     summing and storing 1/P of the tile; no global memory, no counters;
+//   - otherwise (stream-K ranges): the fp32 partials summed in the workspace exactly as in
+//     gemm.cu (the consumers synchronize among themselves with a named barrier).
 //
 // Grouped form (kbit_gemm_sm90_grouped, mixture-of-experts layers): several experts' weights,
 // each times its own rows of x, in one persistent launch. The work list is every (group, n-tile,
@@ -74,6 +78,7 @@
 #include "dequant.cuh"  // load_block, dequant_block, build_dequant_tables
 #include "wgmma.cuh"    // wgmma_rs, fences, sw128_kmajor_desc
 #include "async_copy.cuh"  // mbarriers, TMA, bulk copies, named barriers
+#include "cluster.cuh"     // cluster_sync, stores into another block's shared memory
 
 namespace kbit {
 namespace sm90 {
@@ -175,10 +180,12 @@ __device__ __forceinline__ void compute_stage(const u8* stage, const u8* lut, co
 }
 
 // acc * ts (+ bias) -> out for tokens m0.. and features n, n + 8 (n: this lane's first feature in
-// the output); tokens >= M and features >= N are skipped.
+// the output); tokens >= M and features >= N are skipped, and so are the token groups of 8
+// outside [j0, j1) (a block of a cluster stores only its share of the tile).
 template <int BITS, int BT, int DT>
 __device__ __forceinline__ void store_tile(const float (&acc)[Shape<BITS, BT>::NACC], u16* __restrict__ out,
-                                           const u16* __restrict__ bias, float ts, int M, int N, int m0, int n) {
+                                           const u16* __restrict__ bias, float ts, int M, int N, int m0, int n, int j0 = 0,
+                                           int j1 = BT / 8) {
     const int t = threadIdx.x & 3;
     float b[2] = {0.f, 0.f};
 #pragma unroll
@@ -188,6 +195,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[Shape<BITS, BT>::N
     for (int j = 0; j < BT / 8; ++j)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
+            if (j < j0 || j >= j1) continue;
             const int m = m0 + 8 * j + 2 * t + h;
             if (m >= M) continue;
 #pragma unroll
@@ -268,6 +276,48 @@ struct RangeWalk {
         return true;
     }
 };
+
+// A tile split over the blocks of one cluster (the host launches an aligned split that way:
+// rank r of P blocks holds k-tiles [r, r + 1) * k_tiles / P of the tile): block r owns token
+// groups [r, r + 1) * V / P of the tile (V = BT / 8, a thread's float4 columns of accumulators).
+// Each block pushes the float4s of the others' shares into their owners' shared memory (the
+// stage ring, idle once every block of the cluster is past its k-loop), then each owner adds
+// what arrived to its own partial in rank order (the same order at every launch) and stores its
+// share. Inbox of a block: [P][V / P][256 consumer threads] float4, from each rank.
+template <int BITS, int BT, int DT>
+__device__ __forceinline__ void reduce_in_cluster(float (&acc)[Shape<BITS, BT>::NACC], u8* smem, u16* __restrict__ out,
+                                                  const u16* __restrict__ bias, float ts, int M, int N, int m0, int n) {
+    using S = Shape<BITS, BT>;
+    constexpr int V = S::NACC / 4;
+    static_assert(V * 16 * kConsumers <= S::LUT_OFFSET, "the inbox fits in the stage ring");
+    const int rank = (int)cluster_rank(), parts = (int)cluster_blocks();
+    const int per = V / parts, shift = 31 - __clz(per);  // P is 2, 4 or 8 and divides V
+    const int tid = threadIdx.x;
+    const u32 inbox = smem_addr(smem);
+    const float4* mine = reinterpret_cast<const float4*>(smem);
+    cluster_sync();  // every block of the cluster is done with its stage ring
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        const int owner = v >> shift;
+        if (owner == rank) continue;
+        const u32 at = inbox + (u32)(((rank * per + (v & (per - 1))) * kConsumers + tid) * 16);
+        st_cluster(cluster_address(at, (u32)owner), make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]));
+    }
+    cluster_sync();  // every push has landed
+    for (int r = 0; r < parts; ++r) {
+        if (r == rank) continue;
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            if ((v >> shift) != rank) continue;
+            const float4 p = mine[(r * per + (v & (per - 1))) * kConsumers + tid];
+            acc[4 * v] += p.x;
+            acc[4 * v + 1] += p.y;
+            acc[4 * v + 2] += p.z;
+            acc[4 * v + 3] += p.w;
+        }
+    }
+    store_tile<BITS, BT, DT>(acc, out, bias, ts, M, N, m0, n, rank * per, (rank + 1) * per);
+}
 
 // The grouped kernel's items: (group, n-tile, m-tile), whole K each, item i of the list going to
 // block i % gridDim.x. The list is walked group by group with a cursor that only moves forward,
@@ -449,7 +499,7 @@ __device__ __forceinline__ void run_block(u8* smem, Walk& walk, const TensorMap*
     if (warp >= kConsumers / 32) {
         set_max_registers_dec<S::PRODUCER_REGS>();
         if (warp == kConsumers / 32 && lane == 0) produce<BITS, BT>(walk, x_map, smem, full, empty, n_tiles);
-        return;
+        return;  // exited threads count as arrived at the cluster barriers of reduce_in_cluster
     }
     set_max_registers_inc<S::CONSUMER_REGS>();
     const ConsumerLane cl = consumer_lane(warp, lane);
@@ -497,6 +547,10 @@ __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, 
         const float ts = *tensor_scale;  // read here, after run_block's dependency wait
         const int tile = walk.tile, m0 = walk.x_row;
         const int n = walk.nt * kTileN + col0;
+        if (cluster_blocks() > 1) {  // an aligned split, one cluster per tile (ops._wgmma_cluster)
+            reduce_in_cluster<BITS, BT, DT>(acc, smem, out, bias, ts, M, N, m0, n);
+            return;
+        }
         if (walk.kb0 == 0 && walk.kb1 == k_tiles) {
             store_tile<BITS, BT, DT>(acc, out, bias, ts, M, N, m0, n);
             return;

@@ -15,8 +15,9 @@ import torch
 
 import kbit_linear  # noqa: F401  (op schemas)
 from kbit_linear import format as fmt
+from kbit_linear import weight_layout
 from kbit_linear.backends import cuda as kcuda
-from kbit_linear.backends.cuda import hopper, loader, ops
+from kbit_linear.backends.cuda import hopper, loader, ops, plans
 
 from test_kernels_cuda import DEV, DTYPES, REL_TOL, _check_gemm, _gemm, _reference, _rel_err, _weight
 
@@ -129,6 +130,51 @@ def test_a_few_tiles_split_k_into_equal_pieces(bits):
         pytest.skip(f"this GPU's plan does not split K ({plan.grid} blocks)")
     assert 64 % plan.iters == 0 and plan.grid == plan.tiles * (64 // plan.iters)
     _check_gemm(200, 4096, 1024, bits, torch.float16, path="wgmma")
+
+
+# (M, K, N): K of 64, 16, 8 and 16 k-tiles, the last ragged (every split into 2, 4 and 8
+# aligned), and of 5 k-tiles (none aligned: the workspace path); ragged M and N.
+CLUSTER_SHAPES = [(64, 4096, 1000), (200, 1024, 300), (17, 512, 130), (256, 300, 256), (129, 1000, 384)]
+
+
+@pytest.mark.parametrize("split", [2, 4, 8])
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("m,k,n", CLUSTER_SHAPES, ids=lambda v: str(v))
+def test_an_aligned_split_sums_in_a_cluster(m, k, n, bits, split):
+    dev = torch.cuda.current_device()
+    plan = ops._plan(m, n, k, bits, torch.float16, dev, "wgmma", split)
+    k_tiles = -(-k // fmt.TILE_K)
+    aligned = k_tiles % split == 0 and (plan.token_tile // 8) % split == 0
+    assert plan.cluster == (split if aligned else 1), (plan.cluster, plan.iters, k_tiles)
+    _check_gemm(m, k, n, bits, torch.float16, path="wgmma", split_k=split)
+    _check_gemm(m, k, n, bits, torch.bfloat16, path="wgmma", split_k=split)
+
+
+@pytest.mark.parametrize("split", [2, 8])
+def test_a_cluster_split_of_pair_codes_with_bias_is_deterministic(split):
+    # The 4-bit layout a GPU layer holds, a bias added by the owner of each share, the same
+    # output bit for bit at every launch (the shares are summed in rank order).
+    qw = _weight(384, 2048, 4)
+    qw = fmt.KbitWeight(weight_layout.device_form(qw.packed, 4), qw.absmax, qw.codebook, qw.tensor_scale, 4, 384, 2048)
+    x = torch.randn(100, 2048, device=DEV, dtype=torch.bfloat16)
+    bias = torch.randn(384, device=DEV, dtype=torch.bfloat16)
+    assert ops._plan(100, 384, 2048, 4, torch.bfloat16, torch.cuda.current_device(), "wgmma", split, True).cluster == split
+    out = _gemm(x, qw, bias, path="wgmma", split_k=split)
+    err = _rel_err(out, _reference(x, qw, bias))
+    assert err < REL_TOL[torch.bfloat16], err
+    for _ in range(3):
+        torch.testing.assert_close(_gemm(x, qw, bias, path="wgmma", split_k=split), out, rtol=0, atol=0)
+
+
+def test_without_clusters_an_aligned_split_uses_the_workspace(monkeypatch):
+    monkeypatch.setattr(kcuda.tuning, "WGMMA_CLUSTER_SPLITS", ())
+    plans.clear()
+    try:
+        plan = ops._plan(200, 300, 1024, 3, torch.float16, torch.cuda.current_device(), "wgmma", 4)
+        assert plan.split and plan.cluster == 1
+        _check_gemm(200, 1024, 300, 3, torch.float16, path="wgmma", split_k=4)
+    finally:
+        plans.clear()  # the plans made without clusters
 
 
 def test_wgmma_path_refused_without_sm90(monkeypatch):

@@ -38,3 +38,20 @@ def test_a_split_is_whole_pieces_in_one_wave(tiles, k_tiles, token_tile):
 def test_stream_k_where_the_model_does_not_apply():
     assert ops._wgmma_single_wave_split(133, 64, H100_SMS, 256) is None  # more tiles than SMs
     assert ops._wgmma_single_wave_split(32, 64, H100_SMS, 64) is None  # two blocks per SM: the stream-K rule
+
+
+@pytest.mark.parametrize(
+    "k_tiles,iters,token_tile,expected",
+    [
+        (64, 16, 256, 4),  # four equal pieces: one cluster of 4 per tile
+        (64, 32, 128, 2),
+        (64, 8, 64, 8),  # 8 pieces of a 64-token tile: one token group of 8 per block
+        (64, 64, 256, 1),  # unsplit
+        (63, 21, 256, 1),  # 3 pieces: not a cluster size
+        (64, 9, 256, 1),  # stream-K ranges that do not align with the tiles
+        (64, 4, 256, 1),  # 16 pieces: more than a portable cluster
+    ],
+)
+def test_aligned_splits_of_two_four_or_eight_pieces_run_as_clusters(k_tiles, iters, token_tile, expected):
+    plan = ops._GemmPlan("wgmma-splitk", iters=iters, split=iters % k_tiles != 0)
+    assert ops._wgmma_cluster(plan, k_tiles, token_tile) == expected

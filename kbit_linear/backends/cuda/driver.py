@@ -9,7 +9,8 @@
   grid may start while the previous kernel on the stream is still finishing, and waits for it
   in the kernel (``griddepcontrol.wait``) before it reads anything that kernel may have
   written. Hopper (sm_90) and newer; CUDA graphs captured from such launches keep the overlap
-  as a programmatic edge.
+  as a programmatic edge. The same call launches thread block clusters (blocks that run at once
+  and share their shared memory, sm_90+).
 
 ``libcuda.so.1`` is opened on first use: importing this module needs no GPU.
 """
@@ -19,11 +20,12 @@ from __future__ import annotations
 import ctypes
 import threading
 
-__all__ = ["DriverError", "lib", "check", "launch_programmatic", "set_max_dynamic_shared_memory", "TENSOR_MAP_BYTES",
+__all__ = ["DriverError", "lib", "check", "launch_ex", "set_max_dynamic_shared_memory", "TENSOR_MAP_BYTES",
            "encode_tensor_map_2d"]
 
 CUDA_ERROR_NOT_SUPPORTED = 801
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -35,8 +37,12 @@ class DriverError(RuntimeError):
         self.code = code
 
 
+class _Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+
+
 class _LaunchAttributeValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("i32", ctypes.c_int)]
+    _fields_ = [("pad", ctypes.c_char * 64), ("i32", ctypes.c_int), ("dim", _Dim3)]
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -104,41 +110,56 @@ def set_max_dynamic_shared_memory(func: int, nbytes: int) -> None:
           f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes})")
 
 
-def _config() -> tuple[_LaunchConfig, int]:
-    # One launch configuration per thread, its attribute filled once: a launch only sets the
-    # grid, block, shared memory and stream fields.
-    cfg = getattr(_tls, "cfg", None)
-    if cfg is None:
-        attr = _LaunchAttribute()
-        attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.i32 = 1
+def _config(programmatic: bool, cluster: int) -> tuple[_LaunchConfig, int]:
+    # One launch configuration per thread and attribute set, its attributes filled once: a
+    # launch only sets the grid, block, shared memory and stream fields.
+    configs = getattr(_tls, "configs", None)
+    if configs is None:
+        configs = _tls.configs = {}
+    key = (programmatic, cluster)
+    entry = configs.get(key)
+    if entry is None:
+        attrs = (_LaunchAttribute * 2)()
+        n = 0
+        if programmatic:
+            attrs[n].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attrs[n].value.i32 = 1
+            n += 1
+        if cluster > 1:
+            attrs[n].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attrs[n].value.dim.x, attrs[n].value.dim.y, attrs[n].value.dim.z = cluster, 1, 1
+            n += 1
         cfg = _LaunchConfig()
         cfg.gridDimY = cfg.gridDimZ = cfg.blockDimY = cfg.blockDimZ = 1
-        cfg.attrs = ctypes.pointer(attr)
-        cfg.numAttrs = 1
-        _tls.cfg = (cfg, ctypes.addressof(cfg), attr)
-    return _tls.cfg[0], _tls.cfg[1]
+        cfg.attrs = ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute))
+        cfg.numAttrs = n
+        entry = configs[key] = (cfg, ctypes.addressof(cfg), attrs)
+    return entry[0], entry[1]
 
 
-def launch_programmatic(func: int, grid: int, threads: int, shared_mem: int, stream: int, params: int) -> None:
-    """Launch a one-dimensional grid that may overlap the end of the previous kernel on ``stream``.
-
-    The kernel must execute ``griddepcontrol.wait`` before it reads or writes memory that the
-    previous kernel may touch. The caller makes the function's context current.
+def launch_ex(func: int, grid: int, threads: int, shared_mem: int, stream: int, params: int, programmatic: bool = True,
+              cluster: int = 1) -> None:
+    """Launch a one-dimensional grid with ``cuLaunchKernelEx``'s attributes.
 
     Args:
         func: the ``CUfunction`` handle.
-        grid: blocks.
+        grid: blocks (a multiple of ``cluster``).
         threads: threads per block.
         shared_mem: dynamic shared memory per block (bytes).
         stream: the raw ``CUstream``.
         params: address of the kernel's parameter-pointer array.
+        programmatic: the grid may start while the previous kernel on ``stream`` finishes; the
+            kernel must execute ``griddepcontrol.wait`` before it reads or writes memory that
+            kernel may touch.
+        cluster: blocks per thread block cluster (consecutive block indices; 1: no clusters).
+
+    The caller makes the function's context current.
 
     Raises:
         DriverError: the launch failed (``code`` ``CUDA_ERROR_NOT_SUPPORTED`` where the GPU or
-            driver lacks the feature).
+            driver lacks a feature asked for).
     """
-    cfg, addr = _config()
+    cfg, addr = _config(programmatic, cluster)
     cfg.gridDimX = grid
     cfg.blockDimX = threads
     cfg.sharedMemBytes = shared_mem

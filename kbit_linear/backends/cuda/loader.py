@@ -358,7 +358,7 @@ class ArgPack:
         return loc
 
     def launch(self, kernel: "CudaKernel", grid: int, shared_mem: int, stream: int, values: Sequence[int], threads: int = 256,
-               programmatic: bool = False) -> None:
+               programmatic: bool = False, cluster: int = 1) -> None:
         """Fast launch for hot paths: ``values`` are already plain non-negative ints (pointers as
         ``data_ptr()``), ``grid``/``threads`` one-dimensional, ``stream`` the raw ``cudaStream_t``
         of the kernel's device. The caller guarantees the kinds and the device; this skips the
@@ -366,7 +366,8 @@ class ArgPack:
 
         ``programmatic=True`` (for kernels that call ``griddepcontrol.wait`` before touching
         memory) lets the grid start while the previous kernel on the stream finishes, where the
-        GPU supports it and :func:`set_programmatic_launch` has not turned it off."""
+        GPU supports it and :func:`set_programmatic_launch` has not turned it off. ``cluster``:
+        blocks per thread block cluster (sm_90+; ``grid`` a multiple of it)."""
         loc = self._storage()
         loc.slots[:] = values
         for i in self._by_address:  # passed by value from the host memory the value points at
@@ -377,12 +378,12 @@ class ArgPack:
         overlap = programmatic and _programmatic_on and kernel.pdl_capable
         bound = getattr(_tls, "bound", None)
         if bound is not None and index in bound and torch._C._cuda_getDevice() == index:
-            if overlap:
-                _launch_programmatic(kernel, grid, threads, shared_mem, stream, loc.ptrs_addr)
+            if overlap or cluster > 1:
+                _launch_ex(kernel, grid, threads, shared_mem, stream, loc.ptrs_addr, overlap, cluster)
             else:
                 _cupy_launch(kernel.func_ptr, grid, 1, 1, threads, 1, 1, shared_mem, stream, loc.ptrs_addr, 0)
         else:
-            _launch_binding(kernel, (grid, 1, 1), (threads, 1, 1), shared_mem, stream, loc.ptrs_addr, overlap)
+            _launch_binding(kernel, (grid, 1, 1), (threads, 1, 1), shared_mem, stream, loc.ptrs_addr, overlap, cluster)
 
     def pointers(self, values: Sequence[Any]) -> int:
         """Store ``values`` in this thread's slots and return the address of the pointer array."""
@@ -463,14 +464,14 @@ def _context_of(index: int) -> Iterator[None]:
 
 
 def _launch_binding(kernel: CudaKernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, stream: int, params: int,
-                    programmatic: bool = False) -> None:
+                    programmatic: bool = False, cluster: int = 1) -> None:
     """Launch with ``kernel``'s device made current (slow path: first launch on a thread, or
     another device current): the driver-level launch needs the device's context current."""
     index = kernel.device_index
     fn = _get_driver_launch()
     with _context_of(index):
-        if programmatic and grid[1] == grid[2] == block[1] == block[2] == 1:
-            _launch_programmatic(kernel, grid[0], block[0], shared_mem, stream, params)
+        if (programmatic or cluster > 1) and grid[1] == grid[2] == block[1] == block[2] == 1:
+            _launch_ex(kernel, grid[0], block[0], shared_mem, stream, params, programmatic, cluster)
         else:
             fn(kernel.func_ptr, *grid, *block, shared_mem, stream, params, 0)
     if torch._C._cuda_getDevice() == index:
@@ -519,17 +520,21 @@ def grid_may_overlap(grid: int, blocks_per_sm: int, sm_count: int) -> bool:
     return blocks_per_sm <= 1 or grid >= blocks_per_sm * sm_count
 
 
-def _launch_programmatic(kernel: CudaKernel, grid: int, threads: int, shared_mem: int, stream: int, params: int) -> None:
+def _launch_ex(kernel: CudaKernel, grid: int, threads: int, shared_mem: int, stream: int, params: int, programmatic: bool,
+               cluster: int) -> None:
     global _programmatic_on
     try:
-        driver.launch_programmatic(kernel.func_ptr, grid, threads, shared_mem, stream, params)
+        driver.launch_ex(kernel.func_ptr, grid, threads, shared_mem, stream, params, programmatic, cluster)
     except driver.DriverError as e:
-        if e.code != driver.CUDA_ERROR_NOT_SUPPORTED:
+        if e.code != driver.CUDA_ERROR_NOT_SUPPORTED or not programmatic:
             raise
-        # A driver or setup without the feature: say so once and launch plainly from now on.
+        # A driver or setup without the feature: say so once and launch without it from now on.
         _programmatic_on = False
         warnings.warn(f"programmatic dependent launch is unavailable ({e}); kernels launch without it", RuntimeWarning, stacklevel=3)
-        _get_driver_launch()(kernel.func_ptr, grid, 1, 1, threads, 1, 1, shared_mem, stream, params, 0)
+        if cluster > 1:
+            driver.launch_ex(kernel.func_ptr, grid, threads, shared_mem, stream, params, False, cluster)
+        else:
+            _get_driver_launch()(kernel.func_ptr, grid, 1, 1, threads, 1, 1, shared_mem, stream, params, 0)
 
 
 def _kind_of(a: Any) -> str:

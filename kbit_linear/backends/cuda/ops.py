@@ -137,6 +137,7 @@ class _GemmPlan:
     decode: Any = None  # decode.DecodePlan for the decode path
     threads: int = _THREADS
     token_tile: int = 0  # wgmma: rows of x per tile (its tensor map's box)
+    cluster: int = 1  # wgmma: blocks per thread block cluster (an aligned split summed in shared memory)
 
 
 def _occupancy(kernel: loader.CudaKernel, smem: int, props: loader.DeviceProperties, threads: int = _THREADS) -> int:
@@ -224,7 +225,18 @@ def _plan_wgmma(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
     plan = _plan_stream_k("wgmma", kernel, _SM90_ARGS, hopper.smem_bytes(bits, bt), hopper.accumulators(bt), tiles, k_tiles,
                           device_index, split_k, force_split, hopper.THREADS, tuning.WGMMA_UNSPLIT_MIN_WAVE_FILL)
     plan.token_tile = bt
+    plan.cluster = _wgmma_cluster(plan, k_tiles, bt)
     return plan
+
+
+def _wgmma_cluster(plan: _GemmPlan, k_tiles: int, token_tile: int) -> int:
+    """Blocks per cluster for a wgmma plan: P where the plan cuts every tile's K into P equal
+    pieces with P in :data:`.tuning.WGMMA_CLUSTER_SPLITS` (the kernel then sums each tile in the
+    shared memory of its P blocks), else 1 (no clusters; split tiles meet in the workspace)."""
+    if not plan.split or k_tiles % plan.iters:
+        return 1
+    parts = k_tiles // plan.iters
+    return parts if parts in tuning.WGMMA_CLUSTER_SPLITS and (token_tile // 8) % parts == 0 else 1
 
 
 def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None,
@@ -417,7 +429,7 @@ def gemm_cuda(
     if plan.kernel is not None:  # fused or wgmma (both leave the counters zero, so they share the scratch)
         stream = loader._current_raw_stream(dev_index)
         ws_ptr = cnt_ptr = 0
-        if plan.split:
+        if plan.split and plan.cluster == 1:
             ws_ptr, cnt_ptr = workspace.zeroed_scratch("fused", dev_index, stream, plan.ws_numel, plan.tiles)
         # x: a pointer (mma.sync kernel) or the address of its tensor map (wgmma kernel; x_map keeps
         # the map's buffer alive until the launch has copied it)
@@ -429,6 +441,7 @@ def gemm_cuda(
              0 if bias is None else bias.data_ptr(), out.data_ptr(), ws_ptr, cnt_ptr, m, out_features, k, ps[1], ps[0], plan.iters),
             threads=plan.threads,
             programmatic=plan.programmatic,  # the kernel waits for the previous one before it touches memory
+            cluster=plan.cluster,
         )
     elif plan.path == "dequant+cublas":
         # The dense weight holds in_features padded to 8 (zero columns beyond the true K).

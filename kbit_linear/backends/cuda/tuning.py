@@ -22,6 +22,7 @@ __all__ = [
     "WGMMA_LAST_ROW_BY_BITS",
     "WGMMA_UNSPLIT_MIN_WAVE_FILL",
     "WGMMA_SPLIT_FIXUP_KTILES",
+    "WGMMA_CLUSTER_SPLITS",
     "WGMMA_STREAM_K_PENALTY",
     "WGMMA_LARGE_WEIGHT_FIRST_ROW",
     "WGMMA_TOKEN_TILES",
@@ -161,6 +162,11 @@ WGMMA_UNSPLIT_MIN_WAVE_FILL = 0.9
 # Token tile 64 (two blocks per SM, where sharing an SM changes a block's speed by shape) keeps
 # the stream-K rule above.
 WGMMA_SPLIT_FIXUP_KTILES: dict[int, tuple[float, float]] = {128: (5.0, 1.4), 256: (7.7, 2.15)}
+
+# Splits of a tile's K into P equal pieces that the wgmma kernel sums in the shared memory of a
+# thread block cluster of the P blocks (kernels/gemm_sm90.cu, reduce_in_cluster) instead of in
+# the global workspace. P must divide the token tile / 8; empty: every split uses the workspace.
+WGMMA_CLUSTER_SPLITS: tuple[int, ...] = (2, 4, 8)
 WGMMA_STREAM_K_PENALTY = 1.1
 
 # Token tiles (the kernel's BT) by rows, per GPU: (tile, largest M that takes it), in order; an M
