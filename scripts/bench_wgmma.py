@@ -2,10 +2,14 @@
 
 For every (shape, bits, M) the wgmma kernel is timed with each token tile of
 ``hopper.TOKEN_TILES`` forced (automatic split; with ``--splits`` also the automatic tile unsplit,
-split in two and four and stream-K, behind ``tuning.WGMMA_UNSPLIT_MIN_WAVE_FILL`` and
-``tuning.WGMMA_SPLIT_FIXUP_KTILES``), beside cuBLAS fp16 on the dense weight, the
+split in two and four and stream-K), beside cuBLAS fp16 on the dense weight, the
 decode kernel (where it supports the problem), the mma.sync kernel and dequantize + cuBLAS. This
 is the measurement behind ``tuning.WGMMA_TOKEN_TILES`` and ``tuning.WGMMA_ROWS``.
+
+``--plans`` times instead every plan the planner's time model weighs (``tuning.WGMMA_KTILE_US``):
+each token tile with K split into 1, 2, 4 and 8 equal pieces, summed in thread block clusters and
+in the workspace, and the tile's automatic plan, beside cuBLAS and the dispatcher's own plan, in
+the layout a layer holds on the GPU; the JSON keeps every cell (``t{tile}_s{pieces}_{c|w}``).
 
 Method (``scripts/_bench_common.py``): weight copies rotated past twice the L2, calls replayed
 from one CUDA graph, median of 7 replays, microseconds per call.
@@ -94,6 +98,51 @@ def bench(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int], splits: 
     return rows
 
 
+def bench_plans(k: int, n: int, bits: int, ms: list[int]) -> list[dict[str, Any]]:
+    """Every (token tile, pieces, cluster or workspace) plan and each tile's automatic plan, fp16."""
+    dev = torch.device("cuda")
+    w = torch.randn(n, k, device=dev) * 0.02
+    qw = fmt.quantize(w, bits)
+    qw = fmt.KbitWeight(weight_layout.device_form(qw.packed, bits), qw.absmax, qw.codebook, qw.tensor_scale, bits, n, k)
+    qws = bc.weight_copies(qw, nbytes=bc.tensor_bytes(qw.packed, qw.absmax),
+                           make=lambda: fmt.KbitWeight(qw.packed.clone(), qw.absmax.clone(), qw.codebook, qw.tensor_scale, bits, n, k))
+    dense = bc.weight_copies(w.half())
+    saved_tiles, saved_clusters = dict(tuning.WGMMA_TOKEN_TILES), tuning.WGMMA_CLUSTER_SPLITS
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device=dev, dtype=torch.float16)
+
+        def call(**kw):
+            return lambda i: kcuda.gemm_cuda(x, qws[i % len(qws)].packed, qws[i % len(qws)].absmax, qw.codebook, qw.tensor_scale,
+                                             bits, n, **kw)
+
+        row: dict[str, Any] = {"k": k, "n": n, "bits": bits, "m": m, "cublas": _time(lambda i: F.linear(x, dense[i % len(dense)]), len(dense)),
+                               "auto": _time(call(), len(qws)), "auto_path": kcuda.gemm_path(m, n, k, bits, torch.float16)}
+        try:
+            for tile in hopper.TOKEN_TILES:
+                for clusters in (True, False):
+                    _force_tile(tile, saved_tiles)
+                    tuning.WGMMA_CLUSTER_SPLITS = (2, 4, 8) if clusters else ()
+                    for pieces in (1, 2, 4, 8):
+                        if pieces > 1 or clusters:
+                            row[f"t{tile}_s{pieces}_{'c' if clusters else 'w'}"] = _time(call(path="wgmma", split_k=pieces), len(qws))
+                tuning.WGMMA_CLUSTER_SPLITS = saved_clusters
+                plans.clear()
+                row[f"t{tile}_auto"] = _time(call(path="wgmma"), len(qws))
+        finally:
+            tuning.WGMMA_CLUSTER_SPLITS = saved_clusters
+            _force_tile(None, saved_tiles)
+        best = min((v, c) for c, v in row.items() if c.startswith("t") and isinstance(v, float))
+        row["best"], row["best_plan"] = best
+        rows.append(row)
+        print(f"| {k}x{n} | {bits} | {m} | {row['cublas']:.1f} | {row['auto']:.1f} ({row['auto_path']}) | {best[0]:.1f} ({best[1]}) |",
+              flush=True)
+    return rows
+
+
+PLANS_HEADER = "| in x out | bits | M | cuBLAS us | auto us (path) | best forced plan us (tile, pieces, cluster/workspace) |\n|---|---|---|---|---|---|"
+
+
 COLUMNS = ["cublas"] + [f"wgmma{t}" for t in hopper.TOKEN_TILES] + ["unsplit", "split2", "split4", "stream-K", "fused", "dequant+cublas", "decode", "auto"]
 HEADER = ("| in x out | bits | dtype | M | " + " | ".join(f"{c} us" for c in COLUMNS) + " | auto path | best wgmma / cuBLAS |\n|"
           + "---|" * (len(COLUMNS) + 6))
@@ -112,6 +161,7 @@ def main() -> None:
     ap.add_argument("--bits", nargs="+", type=int, default=[4])
     ap.add_argument("--dtypes", nargs="+", default=["fp16"], choices=["fp16", "bf16"])
     ap.add_argument("--splits", action="store_true", help="also time the automatic tile unsplit, split in two and four, and stream-K")
+    ap.add_argument("--plans", action="store_true", help="time every plan of the planner's time model instead (fp16)")
     ap.add_argument("--json", help="write the rows as JSON")
     ap.add_argument("--md", help="write the markdown table")
     args = ap.parse_args()
@@ -120,8 +170,16 @@ def main() -> None:
         sys.exit("the wgmma kernel needs a GPU of compute capability 9.0")
     env = bc.environment(dev)
     head = f"{env.get('gpu', torch.cuda.get_device_name())}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}"
-    print(head + "\n\n" + HEADER, flush=True)
     rows = []
+    if args.plans:
+        print(head + "\n\n" + PLANS_HEADER, flush=True)
+        for k, n in args.shape or SHAPES:
+            for bits in args.bits:
+                rows += bench_plans(k, n, bits, args.m)
+        if args.json:
+            bc.write_json(args.json, {"environment": env, "rows": rows})
+        return
+    print(head + "\n\n" + HEADER, flush=True)
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
     for k, n in args.shape or SHAPES:
         for bits in args.bits:

@@ -1,8 +1,8 @@
 """A sweep of kbit GEMM and format-kernel launches for compute-sanitizer (memcheck, racecheck).
 
 Every GEMM path (decode with each schedule, the grouped decode kernel of mixture-of-experts
-layers, fused, fused-splitk, wgmma, wgmma-splitk and the grouped wgmma kernel (each token tile)
-on GPUs of compute capability 9.0,
+layers, fused, fused-splitk, wgmma, wgmma-splitk, wgmma with K split over clusters of 2, 4 and 8
+blocks, and the grouped wgmma kernel (each token tile) on GPUs of compute capability 9.0,
 dequantize + cuBLAS), bits 2..5 (``--pairs``: the 4-bit weights as pair codes),
 fp16 and bf16, M from 1 to 300, small odd shapes and Llama-sized ones, a bias, and the quantize /
 repack / dequantize kernels that build each weight; with ``--bits`` including 4 (they have no
@@ -37,7 +37,7 @@ from kbit_linear import gguf_format as gf  # noqa: E402
 from kbit_linear.backends import cuda as kcuda  # noqa: E402
 from kbit_linear.backends.cuda import decode as kdecode  # noqa: E402
 from kbit_linear.backends.cuda import grouped as kgrouped  # noqa: E402
-from kbit_linear.backends.cuda import hopper  # noqa: E402
+from kbit_linear.backends.cuda import hopper, plans, tuning  # noqa: E402
 from kbit_linear.backends.cuda.tensors import kernel_rows  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -82,6 +82,8 @@ def _calls(m: int, n: int, k: int, bits: int, dtype: torch.dtype, dev: torch.dev
         if every_path:
             calls.append(("wgmma", {"path": "wgmma", "split_k": 1}))
         calls.append(("wgmma-splitk", {"path": "wgmma-splitk"}))
+        # K split into P pieces summed in thread block clusters (the planner runs P = 2 only)
+        calls += [(f"wgmma-cluster/{p}", {"path": "wgmma", "split_k": p, "clusters": True}) for p in (2, 4, 8)]
         calls += [(f"grouped-wgmma/{bt}", {"grouped": True, "token_tile": bt}) for bt in hopper.TOKEN_TILES]
     if every_path and m >= 17:
         calls.append(("dequantize", {"dequantize": True}))  # the dequant+cublas path's own kernel
@@ -119,6 +121,15 @@ def _run(x: torch.Tensor, bias: torch.Tensor, qw: tuple[torch.Tensor, ...], bits
         except ValueError:  # this schedule kind does not apply to the shape
             return None
         return out + bias
+    if kw.get("clusters"):
+        kw = {key: v for key, v in kw.items() if key != "clusters"}
+        saved, tuning.WGMMA_CLUSTER_SPLITS = tuning.WGMMA_CLUSTER_SPLITS, (2, 4, 8)
+        plans.clear()
+        try:
+            return kcuda.gemm_cuda(x, packed, absmax, cb, ts, bits, n, bias, out=out, **kw)
+        finally:
+            tuning.WGMMA_CLUSTER_SPLITS = saved
+            plans.clear()
     return kcuda.gemm_cuda(x, packed, absmax, cb, ts, bits, n, bias, out=out, **kw)
 
 

@@ -122,8 +122,8 @@ def test_a_nearly_full_wave_of_tiles_runs_unsplit():
 
 @pytest.mark.parametrize("bits", [2, 5])
 def test_a_few_tiles_split_k_into_equal_pieces(bits):
-    # 4096->1024 at M = 200: 8 tiles of 256 tokens, 64 k-tiles; the planner cuts each tile's K into
-    # equal pieces, one per block (tuning.WGMMA_SPLIT_FIXUP_KTILES), summed in the workspace.
+    # 4096->1024 at M = 200: 8 n-tiles, 64 k-tiles; the planner cuts each tile's K into equal
+    # pieces, one per block (the time model of tuning.WGMMA_KTILE_US).
     dev = torch.cuda.current_device()
     plan = ops._make_plan(200, 1024, 4096, bits, torch.float16, dev, "wgmma", None)
     if not plan.split:
@@ -137,10 +137,20 @@ def test_a_few_tiles_split_k_into_equal_pieces(bits):
 CLUSTER_SHAPES = [(64, 4096, 1000), (200, 1024, 300), (17, 512, 130), (256, 300, 256), (129, 1000, 384)]
 
 
+@pytest.fixture
+def clusters_of_two_four_and_eight(monkeypatch):
+    # The planner runs only splits of two as clusters (tuning.WGMMA_CLUSTER_SPLITS); the kernel
+    # takes any of 2, 4 and 8.
+    monkeypatch.setattr(kcuda.tuning, "WGMMA_CLUSTER_SPLITS", (2, 4, 8))
+    plans.clear()
+    yield
+    plans.clear()
+
+
 @pytest.mark.parametrize("split", [2, 4, 8])
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("m,k,n", CLUSTER_SHAPES, ids=lambda v: str(v))
-def test_an_aligned_split_sums_in_a_cluster(m, k, n, bits, split):
+def test_an_aligned_split_sums_in_a_cluster(m, k, n, bits, split, clusters_of_two_four_and_eight):
     dev = torch.cuda.current_device()
     plan = ops._plan(m, n, k, bits, torch.float16, dev, "wgmma", split)
     k_tiles = -(-k // fmt.TILE_K)
@@ -151,7 +161,7 @@ def test_an_aligned_split_sums_in_a_cluster(m, k, n, bits, split):
 
 
 @pytest.mark.parametrize("split", [2, 8])
-def test_a_cluster_split_of_pair_codes_with_bias_is_deterministic(split):
+def test_a_cluster_split_of_pair_codes_with_bias_is_deterministic(split, clusters_of_two_four_and_eight):
     # The 4-bit layout a GPU layer holds, a bias added by the owner of each share, the same
     # output bit for bit at every launch (the shares are summed in rank order).
     qw = _weight(384, 2048, 4)

@@ -1,43 +1,59 @@
-"""How the wgmma kernel's grid splits K when there is at most one tile per SM (no GPU needed)."""
+"""How the wgmma planner picks the token tile, splits K and uses clusters (no GPU needed)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kbit_linear.backends.cuda import ops, tuning
+from kbit_linear.backends.cuda import hopper, ops, tuning
 
 H100_SMS = 132
 
 
+H100 = "NVIDIA H100 80GB HBM3"
+
+
 @pytest.mark.parametrize(
-    "tiles,k_tiles,token_tile,expected",
+    "m,k,n,bits,expected",
     [
-        (112, 64, 256, 1),  # 4096->14336 at M = 256: 85 % of the SMs busy beats stream-K's fix-ups
-        (112, 64, 128, 1),  # the same at M = 128
-        (32, 224, 256, 4),  # 14336->4096 at M = 256: four pieces of 56 k-tiles
-        (64, 448, 256, 2),  # 28672->8192 at M = 256
-        (8, 64, 256, 4),  # 4096->1024 at M = 256: more pieces would cost more fix-up than they save
-        (32, 64, 128, 4),  # 4096->4096 at M = 128
-        (128, 64, 256, 1),  # a full wave
+        # (token tile, split_k, stream-K): the fastest plan of the sweep behind tuning.WGMMA_KTILE_US
+        (64, 4096, 4096, 4, (64, 4, False)),  # 32 tiles x 4 pieces: one block per SM
+        (128, 4096, 4096, 4, (64, 2, False)),  # two 64-token tiles beat one of 128
+        (256, 4096, 4096, 4, (128, 2, False)),  # a cluster of two per tile
+        (64, 4096, 14336, 4, (64, 2, False)),  # 224 blocks, two per SM
+        (128, 14336, 4096, 4, (128, 4, False)),
+        (256, 14336, 4096, 5, (256, 4, False)),  # K = 5 decodes more per weight: the larger tile
+        (64, 8192, 28672, 4, (64, None, True)),  # 224 tiles: stream-K over every block slot
+        (64, 28672, 8192, 4, (64, 4, False)),
+        (256, 28672, 8192, 4, (256, 2, False)),
+        (1024, 4096, 4096, 4, (256, 1, False)),  # a full wave of whole tiles
     ],
 )
-def test_h100_llama_shapes_take_the_measured_best_split(tiles, k_tiles, token_tile, expected):
-    assert ops._wgmma_single_wave_split(tiles, k_tiles, H100_SMS, token_tile) == expected
+def test_h100_llama_shapes_take_the_measured_best_plan(m, k, n, bits, expected):
+    assert ops._wgmma_choice(m, n // 128, k // 64, bits, H100_SMS, H100) == expected
 
 
-@pytest.mark.parametrize("token_tile", sorted(tuning.WGMMA_SPLIT_FIXUP_KTILES))
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("k_tiles", [1, 2, 3, 7, 64, 100, 224, 448])
-@pytest.mark.parametrize("tiles", [1, 5, 8, 33, 66, 67, 100, 132])
-def test_a_split_is_whole_pieces_in_one_wave(tiles, k_tiles, token_tile):
-    split = ops._wgmma_single_wave_split(tiles, k_tiles, H100_SMS, token_tile)
-    if split is None:  # stream-K
-        return
-    assert split >= 1 and k_tiles % split == 0 and tiles * split <= H100_SMS
+@pytest.mark.parametrize("n_tiles", [1, 5, 8, 33, 66, 67, 100, 132])
+@pytest.mark.parametrize("m", [17, 64, 100, 256, 700])
+def test_an_equal_split_is_whole_pieces_resident_at_once(m, n_tiles, k_tiles, bits):
+    tile, split, stream_k = ops._wgmma_choice(m, n_tiles, k_tiles, bits, H100_SMS, H100)
+    assert tile in hopper.TOKEN_TILES and not (stream_k and split is not None)
+    if split is not None:
+        tiles = -(-m // tile) * n_tiles
+        assert split >= 1 and k_tiles % split == 0 and tiles * split <= hopper.min_blocks_per_sm(tile) * H100_SMS
 
 
-def test_stream_k_where_the_model_does_not_apply():
-    assert ops._wgmma_single_wave_split(133, 64, H100_SMS, 256) is None  # more tiles than SMs
-    assert ops._wgmma_single_wave_split(32, 64, H100_SMS, 64) is None  # two blocks per SM: the stream-K rule
+def test_grids_larger_than_the_resident_blocks_keep_the_table_tile_and_the_stream_k_rules():
+    # 8192->28672 at M = 4096: thousands of tiles at every token tile
+    assert ops._wgmma_choice(4096, 224, 128, 4, H100_SMS, H100) == (256, None, False)
+
+
+def test_a_forced_token_tile_is_the_only_one_weighed(monkeypatch):
+    monkeypatch.setitem(tuning.WGMMA_TOKEN_TILES, "default", ((128, 1 << 30),))
+    for m in (17, 64, 256, 1000):
+        assert ops._wgmma_token_tiles(m, H100) == [128]
+        assert ops._wgmma_choice(m, 32, 64, 4, H100_SMS, H100)[0] == 128
 
 
 @pytest.mark.parametrize(
@@ -52,6 +68,16 @@ def test_stream_k_where_the_model_does_not_apply():
         (64, 4, 256, 1),  # 16 pieces: more than a portable cluster
     ],
 )
-def test_aligned_splits_of_two_four_or_eight_pieces_run_as_clusters(k_tiles, iters, token_tile, expected):
-    plan = ops._GemmPlan("wgmma-splitk", iters=iters, split=iters % k_tiles != 0)
-    assert ops._wgmma_cluster(plan, k_tiles, token_tile) == expected
+def test_aligned_splits_of_two_four_or_eight_pieces_can_run_as_clusters(k_tiles, iters, token_tile, expected, monkeypatch):
+    monkeypatch.setattr(tuning, "WGMMA_CLUSTER_SPLITS", (2, 4, 8))
+    plan = ops._GemmPlan("wgmma-splitk", grid=100, iters=iters, split=iters % k_tiles != 0)
+    assert ops._wgmma_cluster(plan, k_tiles, token_tile, H100_SMS) == expected
+
+
+def test_clusters_of_two_only_and_only_for_a_grid_resident_at_once():
+    plan = ops._GemmPlan("wgmma-splitk", grid=128, iters=32, split=True)
+    assert ops._wgmma_cluster(plan, 64, 128, H100_SMS) == 2
+    plan = ops._GemmPlan("wgmma-splitk", grid=448, iters=64, split=True)  # several waves
+    assert ops._wgmma_cluster(plan, 128, 256, H100_SMS) == 1
+    plan = ops._GemmPlan("wgmma-splitk", grid=128, iters=16, split=True)  # four pieces
+    assert ops._wgmma_cluster(plan, 64, 256, H100_SMS) == 1

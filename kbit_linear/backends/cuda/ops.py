@@ -150,11 +150,12 @@ def _occupancy(kernel: loader.CudaKernel, smem: int, props: loader.DevicePropert
 
 def _plan_stream_k(path: str, kernel: loader.CudaKernel, args: loader.ArgPack, smem: int, nacc: int, tiles: int, k_tiles: int,
                    device_index: int, split_k: int | None, force_split: bool, threads: int = _THREADS,
-                   unsplit_min_wave_fill: float | None = None) -> _GemmPlan:
+                   unsplit_min_wave_fill: float | None = None, stream_k: bool = False) -> _GemmPlan:
     """Launch plan of a stream-K tensor-core kernel (gemm.cu, gemm_sm90.cu): the k-iterations
     per block, the grid, and the split-K workspace (``nacc`` fp32 accumulators per thread).
     Whole tiles (no split) from four waves of them, or, given ``unsplit_min_wave_fill``, from one
-    wave where the last wave is at least that full."""
+    wave where the last wave is at least that full; ``stream_k``: equal ranges over every block
+    slot whatever the tiles."""
     props = loader.device_properties(device_index)
     total = tiles * k_tiles
     per_sm = _occupancy(kernel, smem, props, threads)
@@ -164,9 +165,9 @@ def _plan_stream_k(path: str, kernel: loader.CudaKernel, args: loader.ArgPack, s
         split_k = max(2, min(k_tiles, -(-slots // tiles)))
     if split_k is not None:
         iters = k_tiles if split_k <= 1 else max(1, -(-k_tiles // split_k))
-    elif tiles >= 4 * slots or k_tiles == 1 or (
+    elif not stream_k and (tiles >= 4 * slots or k_tiles == 1 or (
         unsplit_min_wave_fill is not None and tiles >= unsplit_min_wave_fill * waves * slots
-    ):
+    )):
         iters = k_tiles
     else:
         iters = max(-(-total // slots), min(k_tiles, tuning.FUSED_MIN_SPLIT_ITERS))
@@ -186,28 +187,56 @@ def _plan_fused(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
                           force_split)
 
 
-def _wgmma_single_wave_split(tiles: int, k_tiles: int, sm_count: int, token_tile: int) -> int | None:
-    """``split_k`` for a wgmma grid of at most one whole tile per SM: 1 (unsplit) or s equal
-    pieces of K per tile, by the cost model of :data:`.tuning.WGMMA_SPLIT_FIXUP_KTILES`; None
-    where stream-K costs less or the model does not cover the token tile or the grid."""
-    fixup = tuning.WGMMA_SPLIT_FIXUP_KTILES.get(token_tile)
-    if fixup is None or tiles > sm_count or k_tiles <= 1:
-        return None
-    base, per_split = fixup
-    best_split, best_cost = 1, float(k_tiles)
-    for s in range(2, min(k_tiles, sm_count // tiles) + 1):
-        cost = k_tiles / s + base + per_split * s
-        if k_tiles % s == 0 and cost < best_cost:
-            best_split, best_cost = s, cost
-    # stream-K: pieces of `iters` k-tiles; a block whose range is not aligned to its tiles works
-    # on two of them, each with one more piece
-    iters = -(-tiles * k_tiles // sm_count)
-    pieces, aligned = -(-k_tiles // iters), k_tiles % iters == 0
-    stream_k_cost = iters * tuning.WGMMA_STREAM_K_PENALTY + (
-        base + per_split * pieces if aligned else 2 * (base + per_split * (pieces + 1)))
-    if stream_k_cost < best_cost:
-        return None
-    return best_split
+def _wgmma_options(m: int, n_tiles: int, k_tiles: int, bits: int, token_tile: int, sm_count: int) -> list[tuple[float, int | None]]:
+    """The plans of the time model of :data:`.tuning.WGMMA_KTILE_US` for one token tile, as
+    ``(microseconds, split_k)``: ``split_k`` s for K cut into s equal pieces (1: unsplit), None
+    for stream-K. Empty where the tile's grid has more tiles than resident blocks (the rules of
+    :func:`_plan_stream_k` apply there)."""
+    tiles = -(-m // token_tile) * n_tiles
+    slots = hopper.min_blocks_per_sm(token_tile) * sm_count
+    if tiles > slots:
+        return []
+    ktile = tuning.WGMMA_KTILE_US[bits][token_tile]
+    base, per_split, cluster_of_two = tuning.WGMMA_FIXUP_US[token_tile]
+    options: list[tuple[float, int | None]] = []
+    for s in range(1, min(k_tiles, slots // tiles) + 1):
+        if k_tiles % s:
+            continue
+        time = ktile * k_tiles / s * (1.0 if tiles * s <= sm_count else tuning.WGMMA_TWO_PER_SM)
+        if s > 1:
+            time += cluster_of_two if s == 2 and 2 in tuning.WGMMA_CLUSTER_SPLITS else base + per_split * s
+        options.append((time, s))
+    iters = -(-tiles * k_tiles // slots)
+    pieces = -(-k_tiles // iters)
+    fixup = base + per_split * pieces if k_tiles % iters == 0 else 2 * (base + per_split * (pieces + 1))
+    options.append((ktile * tuning.WGMMA_STREAM_K[token_tile] * iters + fixup, None))
+    return options
+
+
+def _wgmma_token_tiles(m: int, device_name: str) -> list[int]:
+    """The token tiles the planner weighs for ``m`` rows: the table's tile for ``m``
+    (:func:`.hopper.token_tile`) and its neighbours among the tiles the table lists (with the
+    largest tile where some M runs past every limit)."""
+    table = tuning.wgmma_token_tiles(device_name)
+    listed = {tile for tile, _ in table}
+    if table[-1][1] < 1 << 30:
+        listed.add(hopper.TOKEN_TILES[-1])
+    own = hopper.token_tile(m, device_name)
+    return [t for t in (own // 2, own, own * 2) if t in listed]
+
+
+def _wgmma_choice(m: int, n_tiles: int, k_tiles: int, bits: int, sm_count: int, device_name: str) -> tuple[int, int | None, bool]:
+    """``(token tile, split_k, stream-K)`` for an automatic wgmma plan: the cheapest of
+    :func:`_wgmma_options` over :func:`_wgmma_token_tiles`, or the table's tile with the rules of
+    :func:`_plan_stream_k` where the model covers no tile."""
+    best: tuple[float, int, int | None] | None = None
+    for tile in _wgmma_token_tiles(m, device_name):
+        for time, split in _wgmma_options(m, n_tiles, k_tiles, bits, tile, sm_count):
+            if best is None or time < best[0]:
+                best = (time, tile, split)
+    if best is None:
+        return hopper.token_tile(m, device_name), None, False
+    return best[1], best[2], best[2] is None
 
 
 def _plan_wgmma(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtype, device_index: int, split_k: int | None,
@@ -215,25 +244,28 @@ def _plan_wgmma(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
     props = loader.device_properties(device_index)
     if not hopper.supported(device_index):
         raise ValueError(f"the wgmma path needs a GPU of compute capability 9.0, cuda:{device_index} is {props.arch}")
-    bt = hopper.token_tile(m, props.name)
+    stream_k = False
+    if split_k is None and not force_split:
+        bt, split_k, stream_k = _wgmma_choice(m, n_tiles, k_tiles, bits, props.sm_count, props.name)
+    else:
+        bt = hopper.token_tile(m, props.name)
     kernel = loader.get_kernel("gemm_sm90.cu", hopper.instance_name(bits, bt, dtype, pairs=pairs), torch.device("cuda", device_index),
                                hopper.ARCH_OPTIONS)
     hopper.check_registers(kernel, bt)
     tiles = -(-m // bt) * n_tiles
-    if split_k is None and not force_split:
-        split_k = _wgmma_single_wave_split(tiles, k_tiles, props.sm_count, bt)
     plan = _plan_stream_k("wgmma", kernel, _SM90_ARGS, hopper.smem_bytes(bits, bt), hopper.accumulators(bt), tiles, k_tiles,
-                          device_index, split_k, force_split, hopper.THREADS, tuning.WGMMA_UNSPLIT_MIN_WAVE_FILL)
+                          device_index, split_k, force_split, hopper.THREADS, tuning.WGMMA_UNSPLIT_MIN_WAVE_FILL, stream_k)
     plan.token_tile = bt
-    plan.cluster = _wgmma_cluster(plan, k_tiles, bt)
+    plan.cluster = _wgmma_cluster(plan, k_tiles, bt, hopper.min_blocks_per_sm(bt) * props.sm_count)
     return plan
 
 
-def _wgmma_cluster(plan: _GemmPlan, k_tiles: int, token_tile: int) -> int:
+def _wgmma_cluster(plan: _GemmPlan, k_tiles: int, token_tile: int, slots: int) -> int:
     """Blocks per cluster for a wgmma plan: P where the plan cuts every tile's K into P equal
-    pieces with P in :data:`.tuning.WGMMA_CLUSTER_SPLITS` (the kernel then sums each tile in the
-    shared memory of its P blocks), else 1 (no clusters; split tiles meet in the workspace)."""
-    if not plan.split or k_tiles % plan.iters:
+    pieces with P in :data:`.tuning.WGMMA_CLUSTER_SPLITS` and its grid is resident at once
+    (at most ``slots`` blocks); the kernel then sums each tile in the shared memory of its P
+    blocks. Else 1 (no clusters; split tiles meet in the workspace)."""
+    if not plan.split or k_tiles % plan.iters or plan.grid > slots:
         return 1
     parts = k_tiles // plan.iters
     return parts if parts in tuning.WGMMA_CLUSTER_SPLITS and (token_tile // 8) % parts == 0 else 1

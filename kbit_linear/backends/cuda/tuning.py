@@ -21,9 +21,11 @@ __all__ = [
     "WGMMA_ROWS",
     "WGMMA_LAST_ROW_BY_BITS",
     "WGMMA_UNSPLIT_MIN_WAVE_FILL",
-    "WGMMA_SPLIT_FIXUP_KTILES",
+    "WGMMA_KTILE_US",
+    "WGMMA_TWO_PER_SM",
+    "WGMMA_STREAM_K",
+    "WGMMA_FIXUP_US",
     "WGMMA_CLUSTER_SPLITS",
-    "WGMMA_STREAM_K_PENALTY",
     "WGMMA_LARGE_WEIGHT_FIRST_ROW",
     "WGMMA_TOKEN_TILES",
     "FUSED_MIN_SPLIT_ITERS",
@@ -142,38 +144,58 @@ WGMMA_LARGE_WEIGHT_FIRST_ROW: dict[str, int] = {"default": 17}
 
 # Smallest share of the last wave that a grid of whole tiles (no split of K) must fill for the
 # wgmma kernel to run unsplit: tiles / (slots * waves) with waves = ceil(tiles / slots). Below it,
-# stream-K evens the tail. Applies to grids of more tiles than SMs and to token tile 64; the
-# others follow WGMMA_SPLIT_FIXUP_KTILES below. H100 (2026-11-23, fp16, K = 4, us, unsplit vs stream-K as planned before
+# stream-K evens the tail. Applies to grids of more tiles than resident blocks; smaller ones
+# follow the time model below (WGMMA_KTILE_US). H100 (2026-11-23, fp16, K = 4, us, unsplit vs stream-K as planned before
 # this rule): M = 1024 4096->4096 (128 tiles on 132 slots, 0.97) 53.7 vs 73.9, 14336->4096 (0.97)
 # 200.0 vs 205.4, 28672->8192 (256 tiles, 0.97) 819.3 vs 839.0; 4096->14336 (448 tiles, 0.85)
 # 251.7 vs 228.9, which stays stream-K.
 WGMMA_UNSPLIT_MIN_WAVE_FILL = 0.9
 
-# Grids of at most one whole tile per SM (token tiles 128 and 256: one block per SM) split K into
-# s equal pieces, one per block (s * tiles <= SMs, s divides the k-tiles), or run stream-K, by
-# whichever costs least in k-tile times: k_tiles / s + fixup(s), fixup(s) = base + per_split * s
-# for s > 1 (the last block of a tile reads s partial tiles of the workspace), and stream-K
-# iters * WGMMA_STREAM_K_PENALTY + fixup(pieces per tile), twice (with one more piece) where the
-# blocks' ranges do not align with the tiles (two segments per block).
-# (base, per_split) by token tile, fitted to one H100 run (2026-11-23, fp16, K = 4, us, this plan
-# vs the stream-K plan before it): 4096->14336 M = 256 unsplit 54.9 vs 67.5, M = 128 37.1 vs 42.1;
-# 14336->4096 M = 256 s = 4 59.5 vs 69.4, M = 512 s = 2 99.7 vs 119.5; 28672->8192 M = 256 s = 2
-# 188.9 vs 223.3; 4096->1024 M = 256 s = 4 24.8 vs 34.1; 4096->6144 M = 384 unsplit 51.1 vs 74.8.
-# Token tile 64 (two blocks per SM, where sharing an SM changes a block's speed by shape) keeps
-# the stream-K rule above.
-WGMMA_SPLIT_FIXUP_KTILES: dict[int, tuple[float, float]] = {128: (5.0, 1.4), 256: (7.7, 2.15)}
+# The wgmma planner's time model (ops._wgmma_options): for each token tile it weighs splitting
+# every tile's K into s equal pieces (one block each, s dividing the k-tiles, the grid resident at
+# once) against stream-K, in microseconds:
+#   split s:   k-tile time * k_tiles / s + fix-up(s)
+#   stream-K:  k-tile time * STREAM_K[tile] * iters + fix-up(pieces), twice (with one more
+#              piece) where the blocks' ranges do not align with the tiles (two segments each)
+# and takes the cheapest (tile, plan); grids of more tiles than resident blocks keep the rules of
+# _plan_stream_k. The k-tile time is one block's per 64 in-features with the SM to itself; a split
+# whose grid puts two blocks of token tile 64 on an SM runs WGMMA_TWO_PER_SM times slower. The
+# fix-up: base + per_split * s where the partial tiles meet in the workspace, or the cluster
+# cost where a split of two runs as a cluster (WGMMA_CLUSTER_SPLITS).
+# Fitted to one H100 run (2026-11-24, `.../cl` sweep of every tile x split 1/2/4/8 with and
+# without clusters x stream-K on the five Llama shapes at M = 33..512, K = 4 pair codes, and
+# K = 2 / 5 at M = 64 / 256; bench/results/gemm-sm90-h100.md): the model's pick is within 1 % of
+# the fastest measured plan (geometric mean over 45 cases), e.g. K = 4, us, pick vs best vs the
+# previous plan: 4096->4096 M = 64 tile 64 s = 4 13.5 (13.5; stream-K 16.3); M = 256 tile 128
+# s = 2 in a cluster 20.2 (19.5; tile 256 s = 4 27.9); 14336->4096 M = 128 tile 128 s = 4 34.8
+# (34.8; 59.9); 4096->14336 M = 64 tile 64 s = 2, 224 blocks, 23.6 (23.6; 28.7).
+WGMMA_KTILE_US: dict[int, dict[int, float]] = {
+    2: {64: 0.337, 128: 0.445, 256: 0.59},
+    3: {64: 0.34, 128: 0.45, 256: 0.60},  # not measured: between K = 2 and 4
+    4: {64: 0.335, 128: 0.43, 256: 0.60},
+    5: {64: 0.53, 128: 0.64, 256: 0.774},
+}
+WGMMA_TWO_PER_SM = 1.75
+WGMMA_STREAM_K: dict[int, float] = {64: 1.6, 128: 1.1, 256: 1.1}  # 64: two blocks per SM
+# token tile -> (base, per_split, cluster of two), us
+WGMMA_FIXUP_US: dict[int, tuple[float, float, float]] = {64: (0.87, 1.07, 1.93), 128: (1.2, 1.64, 3.2), 256: (0.0, 4.05, 6.0)}
 
 # Splits of a tile's K into P equal pieces that the wgmma kernel sums in the shared memory of a
 # thread block cluster of the P blocks (kernels/gemm_sm90.cu, reduce_in_cluster) instead of in
-# the global workspace. P must divide the token tile / 8; empty: every split uses the workspace.
-WGMMA_CLUSTER_SPLITS: tuple[int, ...] = (2, 4, 8)
-WGMMA_STREAM_K_PENALTY = 1.1
+# the global workspace, where the grid is resident at once. Empty: every split uses the
+# workspace. Same run, us, cluster vs workspace: P = 2 is faster on every single-wave grid
+# (4096->4096 M = 256 tile 128 20.2 vs 22.9, tile 256 28.0 vs 30.9; 28672->8192 M = 256 tile 256
+# 163.8 vs 168.3) but slower over several waves (8192->28672 M = 256, 448 blocks: 223.8 vs
+# 207.8); P = 4 and 8 are slower everywhere (4096->4096 M = 256 tile 256 P = 4: 41.5 vs 27.9):
+# clusters of four blocks of one SM each do not all fit on the GPCs at once.
+WGMMA_CLUSTER_SPLITS: tuple[int, ...] = (2,)
 
 # Token tiles (the kernel's BT) by rows, per GPU: (tile, largest M that takes it), in order; an M
 # above every limit takes the largest tile, 256. Same run: 64 is fastest up to M = 64 (8192->28672
 # M = 64: 96.8 vs 129.1 with 128), 128 at M = 96..128 (127.3 vs 180.1 with 64), 256 from M = 192
 # on the large shapes (M = 256: 206.6 vs 278.6 with 128; 4096->4096 and at M = 384 4096->14336
-# prefer 128, by 3-20 us).
+# prefer 128, by 3-20 us). The dense planner weighs this tile and its neighbours (half and
+# double) with the time model above; the grouped kernel takes it as it is.
 WGMMA_TOKEN_TILES: dict[str, tuple[tuple[int, int], ...]] = {"default": ((64, 64), (128, 128))}
 
 
