@@ -81,3 +81,9 @@ def test_clusters_of_two_only_and_only_for_a_grid_resident_at_once():
     assert ops._wgmma_cluster(plan, 128, 256, H100_SMS) == 1
     plan = ops._GemmPlan("wgmma-splitk", grid=128, iters=16, split=True)  # four pieces
     assert ops._wgmma_cluster(plan, 64, 256, H100_SMS) == 1
+
+
+def test_weights_from_4096_x_4096_take_the_wgmma_kernel_from_row_17():
+    assert tuning.wgmma_rows(H100, 4096 * 4096, 4)[0] == 17
+    assert tuning.wgmma_rows(H100, 8192 * 28672, 4)[0] == 17
+    assert tuning.wgmma_rows(H100, 4096 * 1024, 4)[0] == 33  # the mma.sync kernel is as fast there

@@ -26,7 +26,7 @@ __all__ = [
     "WGMMA_STREAM_K",
     "WGMMA_FIXUP_US",
     "WGMMA_CLUSTER_SPLITS",
-    "WGMMA_LARGE_WEIGHT_FIRST_ROW",
+    "WGMMA_EARLY_FIRST_ROW",
     "WGMMA_TOKEN_TILES",
     "FUSED_MIN_SPLIT_ITERS",
     "GGUF_GEMV_MAX_M",
@@ -135,12 +135,15 @@ WGMMA_ROWS: dict[str, tuple[int, int]] = {"default": (33, 2048)}
 # 870.6 vs 918.5, 228.9 vs 234.0, 205.4 vs 223.1, 839.0 vs 930.0).
 WGMMA_LAST_ROW_BY_BITS: dict[str, dict[int, int]] = {"default": {2: 1024, 3: 1024, 5: 512}}
 
-# First wgmma row for weights of at least DECODE_LARGE_WEIGHT elements (their decode range ends
-# earlier), per GPU. H100, same script (`--m 17 24 32 64 256`), 8192->28672 bits 4 fp16, wgmma
-# (tile 64) vs the mma.sync kernel: M = 17 92.0 vs 100.2, 24 90.4 vs 99.3, 32 92.2 vs 99.2 us;
-# on 4096-wide layers the two tie at M = 17..32 (4096->14336 M = 24: 33.4 vs 32.2), and
-# 4096->4096 prefers mma.sync (M = 17: 16.9 vs 15.2).
-WGMMA_LARGE_WEIGHT_FIRST_ROW: dict[str, int] = {"default": 17}
+# (first row, smallest weight in elements N * K): weights at least that large take the wgmma
+# kernel from that row instead of WGMMA_ROWS' first, per GPU. H100, fp16, us, wgmma (tile 64,
+# the planner's split) vs the mma.sync kernel (2026-11-24, `python3 scripts/bench_wgmma.py
+# --shape 4096 4096 --shape 4096 1024 --shape 4096 14336 --shape 14336 4096 --m 17 24 32 --bits
+# 2 4 5`): K = 4 at M = 17 / 32: 4096->4096 13.8 / 13.6 vs 15.1 / 14.8, 4096->14336 30.2 / 26.2
+# vs 31.5 / 32.4, 14336->4096 26.9 / 26.9 vs 30.9 / 31.4; K = 5 4096->4096 16.5 vs 18.2; but
+# 4096->1024 (4 M elements) 12.6-12.9 vs 11.9-12.6, K = 5 15.9 vs 13.2. (8192->28672 took the
+# wgmma kernel from M = 17 before: 92.0 vs 100.2 us at M = 17 with the first plans.)
+WGMMA_EARLY_FIRST_ROW: dict[str, tuple[int, int]] = {"default": (17, 16 * 2**20)}
 
 # Smallest share of the last wave that a grid of whole tiles (no split of K) must fill for the
 # wgmma kernel to run unsplit: tiles / (slots * waves) with waves = ceil(tiles / slots). Below it,
@@ -203,8 +206,9 @@ def wgmma_rows(device_name: str, weight_elements: int = 0, bits: int = 4) -> tup
     """``(first, last)`` rows an sm_90 GPU named ``device_name`` hands the wgmma kernel for a
     weight of ``weight_elements`` (``N * K``) at ``bits`` per index."""
     first, last = _row(WGMMA_ROWS, device_name)
-    if weight_elements >= DECODE_LARGE_WEIGHT:
-        first = min(first, _row(WGMMA_LARGE_WEIGHT_FIRST_ROW, device_name))
+    early_row, min_weight = _row(WGMMA_EARLY_FIRST_ROW, device_name)
+    if weight_elements >= min_weight:
+        first = min(first, early_row)
     return first, min(last, _row(WGMMA_LAST_ROW_BY_BITS, device_name).get(bits, last))
 
 
