@@ -528,7 +528,9 @@ __device__ __forceinline__ void run_block(u8* smem, Walk& walk, const TensorMap*
 //   row length (unused here: x_map holds it; kept so both tensor-core kernels take one list);
 //   n_tiles, k_tiles of the padded weight; iters: k-iterations per block; m_tiles = ceil(M / BT).
 // Launch: 384 threads, Shape::SMEM_BYTES of dynamic shared memory, ceil(total / iters) blocks
-// where total = m_tiles * n_tiles * k_tiles.
+// where total = m_tiles * n_tiles * k_tiles; either without clusters, or, only where iters * P
+// = k_tiles with P = 2, 4 or 8 dividing BT / 8, as clusters of P blocks (reduce_in_cluster:
+// workspace and counters are then not touched).
 template <int BITS, int BT, int DT, bool PAIRS = false>
 __global__ void __launch_bounds__(kbit::sm90::kThreads, kbit::sm90::Shape<BITS, BT>::MIN_BLOCKS)
     kbit_gemm_sm90(const __grid_constant__ kbit::TensorMap x_map, const u32* __restrict__ packed, const u8* __restrict__ absmax,

@@ -165,13 +165,16 @@ WGMMA_UNSPLIT_MIN_WAVE_FILL = 0.9
 # whose grid puts two blocks of token tile 64 on an SM runs WGMMA_TWO_PER_SM times slower. The
 # fix-up: base + per_split * s where the partial tiles meet in the workspace, or the cluster
 # cost where a split of two runs as a cluster (WGMMA_CLUSTER_SPLITS).
-# Fitted to one H100 run (2026-11-24, `.../cl` sweep of every tile x split 1/2/4/8 with and
-# without clusters x stream-K on the five Llama shapes at M = 33..512, K = 4 pair codes, and
-# K = 2 / 5 at M = 64 / 256; bench/results/gemm-sm90-h100.md): the model's pick is within 1 % of
-# the fastest measured plan (geometric mean over 45 cases), e.g. K = 4, us, pick vs best vs the
-# previous plan: 4096->4096 M = 64 tile 64 s = 4 13.5 (13.5; stream-K 16.3); M = 256 tile 128
-# s = 2 in a cluster 20.2 (19.5; tile 256 s = 4 27.9); 14336->4096 M = 128 tile 128 s = 4 34.8
-# (34.8; 59.9); 4096->14336 M = 64 tile 64 s = 2, 224 blocks, 23.6 (23.6; 28.7).
+# Fitted to one H100 sweep (2026-11-24) of every tile x split 1/2/4/8 with and without clusters x
+# stream-K on the five Llama shapes at M = 33..512, K = 4 pair codes, and K = 2 / 5 at M = 64 / 256:
+# the cells of `python3 scripts/bench_wgmma.py --plans --shape 4096 4096 --shape 4096 14336 --shape
+# 14336 4096 --shape 8192 28672 --shape 28672 8192 --m 33 64 128 256 512` (its run on the committed
+# code: bench/results/gemm-sm90-plans-h100.json; bench/results/gemm-sm90-h100.md, "Split K in
+# thread block clusters"). The model's pick is within 1 % of the fastest measured plan (geometric
+# mean over the 45 cases), e.g. K = 4, us, pick vs best vs the previous plan: 4096->4096 M = 64
+# tile 64 s = 4 13.5 (13.5; stream-K 16.3); M = 256 tile 128 s = 2 in a cluster 20.2 (19.5; tile
+# 256 s = 4 27.9); 14336->4096 M = 128 tile 128 s = 4 34.8 (34.8; 59.9); 4096->14336 M = 64
+# tile 64 s = 2, 224 blocks, 23.6 (23.6; 28.7).
 WGMMA_KTILE_US: dict[int, dict[int, float]] = {
     2: {64: 0.337, 128: 0.445, 256: 0.59},
     3: {64: 0.34, 128: 0.45, 256: 0.60},  # not measured: between K = 2 and 4
@@ -190,7 +193,7 @@ WGMMA_FIXUP_US: dict[int, tuple[float, float, float]] = {64: (0.87, 1.07, 1.93),
 # (4096->4096 M = 256 tile 128 20.2 vs 22.9, tile 256 28.0 vs 30.9; 28672->8192 M = 256 tile 256
 # 163.8 vs 168.3) but slower over several waves (8192->28672 M = 256, 448 blocks: 223.8 vs
 # 207.8); P = 4 and 8 are slower everywhere (4096->4096 M = 256 tile 256 P = 4: 41.5 vs 27.9):
-# clusters of four blocks of one SM each do not all fit on the GPCs at once.
+# most likely, clusters of four one-block-per-SM blocks do not all fit on the GPCs at once.
 WGMMA_CLUSTER_SPLITS: tuple[int, ...] = (2,)
 
 # Token tiles (the kernel's BT) by rows, per GPU: (tile, largest M that takes it), in order; an M
