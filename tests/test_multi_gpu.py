@@ -30,7 +30,7 @@ from torch import nn
 import kbit_linear
 from kbit_linear import format as fmt
 from kbit_linear.backends import cuda as kcuda
-from kbit_linear.backends.cuda import loader
+from kbit_linear.backends.cuda import loader, ops
 
 pytestmark = [
     pytest.mark.cuda,
@@ -74,11 +74,35 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def _gemm(layer: kbit_linear.KbitLinear, x: torch.Tensor, path: str) -> torch.Tensor:
+def _gemm(layer: kbit_linear.KbitLinear, x: torch.Tensor, path: str, **kw) -> torch.Tensor:
     out = torch.full((x.shape[0], layer.out_features), float("nan"), dtype=x.dtype, device=x.device)
     kcuda.gemm_cuda(x, layer.weight, layer.absmax, layer.codebook, layer.tensor_scale, layer.bits, layer.out_features,
-                    layer.bias, path=path, out=out)
+                    layer.bias, path=path, out=out, **kw)
     return out
+
+
+@pytest.mark.skipif(not all(torch.cuda.get_device_capability(i) == (9, 0) for i in range(min(2, torch.cuda.device_count()))),
+                    reason="the wgmma kernel needs compute capability 9.0 on both GPUs")
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
+@pytest.mark.parametrize("current", [0, 1], ids=["current0", "current1"])
+@pytest.mark.parametrize("bits", [2, 4, 5])
+def test_wgmma_plans_and_cluster_launches_on_the_second_gpu(bits, current, pdl):
+    # The wgmma kernel's automatic plan, a forced stream-K, and K split in two as a cluster launch
+    # (cuLaunchKernelEx with the cluster attribute) on cuda:1 whichever device is current.
+    dense = _dense(bits, torch.bfloat16)
+    with _current(current), _programmatic(pdl):
+        layer = kbit_linear.KbitLinear.from_linear(dense.to(SECOND), bits=bits)
+        w = layer.dequantize()
+        for m, kw in ((200, {"path": "wgmma"}), (64, {"path": "wgmma-splitk"}), (100, {"path": "wgmma", "split_k": 2})):
+            if kw.get("split_k") == 2:
+                plan = ops._plan(m, N, 1000, bits, torch.bfloat16, 1, "wgmma", 2, bits == fmt.PAIR_CODE_BITS)
+                assert plan.cluster == 2, plan
+            x = torch.randn(m, K, dtype=torch.bfloat16, device=SECOND)
+            out = _gemm(layer, x, **kw)
+            assert not torch.isnan(out).any(), f"{kw}: unwritten output elements"
+            err = _rel_err(out, F.linear(x.float(), w, layer.bias.float()))
+            assert err < REL_TOL[torch.bfloat16], f"{kw} M={m}: relative error {err:.2e}"
+        assert torch.cuda.current_device() == current
 
 
 @pytest.mark.parametrize("current", [0, 1], ids=["current0", "current1"])
