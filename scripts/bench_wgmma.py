@@ -38,7 +38,7 @@ import kbit_linear  # noqa: E402,F401
 from kbit_linear import format as fmt  # noqa: E402
 from kbit_linear import weight_layout  # noqa: E402
 from kbit_linear.backends import cuda as kcuda  # noqa: E402
-from kbit_linear.backends.cuda import decode, hopper, plans, tuning  # noqa: E402
+from kbit_linear.backends.cuda import decode, hopper, ops, plans, tuning  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]
 MS = [17, 32, 64, 128, 256, 512, 1024, 4096]
@@ -124,6 +124,9 @@ def bench_plans(k: int, n: int, bits: int, ms: list[int]) -> list[dict[str, Any]
                     _force_tile(tile, saved_tiles)
                     tuning.WGMMA_CLUSTER_SPLITS = (2, 4, 8) if clusters else ()
                     for pieces in (1, 2, 4, 8):
+                        plan = ops._plan(m, n, k, bits, torch.float16, torch.cuda.current_device(), "wgmma", pieces, bits == 4)
+                        if clusters and pieces > 1 and plan.cluster == 1:
+                            continue  # not a cluster launch (pieces not aligned, or more clusters than the GPU holds)
                         if pieces > 1 or clusters:
                             row[f"t{tile}_s{pieces}_{'c' if clusters else 'w'}"] = _time(call(path="wgmma", split_k=pieces), len(qws))
                 tuning.WGMMA_CLUSTER_SPLITS = saved_clusters

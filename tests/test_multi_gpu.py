@@ -95,7 +95,7 @@ def test_wgmma_plans_and_cluster_launches_on_the_second_gpu(bits, current, pdl):
         w = layer.dequantize()
         for m, kw in ((200, {"path": "wgmma"}), (64, {"path": "wgmma-splitk"}), (100, {"path": "wgmma", "split_k": 2})):
             if kw.get("split_k") == 2:
-                plan = ops._plan(m, N, 1000, bits, torch.bfloat16, 1, "wgmma", 2, bits == fmt.PAIR_CODE_BITS)
+                plan = ops._plan(m, N, K, bits, torch.bfloat16, 1, "wgmma", 2, layer.weight.dtype is torch.uint8)
                 assert plan.cluster == 2, plan
             x = torch.randn(m, K, dtype=torch.bfloat16, device=SECOND)
             out = _gemm(layer, x, **kw)

@@ -38,10 +38,13 @@ def test_h100_llama_shapes_take_the_measured_best_plan(m, k, n, bits, expected):
 @pytest.mark.parametrize("m", [17, 64, 100, 256, 700])
 def test_an_equal_split_is_whole_pieces_resident_at_once(m, n_tiles, k_tiles, bits):
     tile, split, stream_k = ops._wgmma_choice(m, n_tiles, k_tiles, bits, H100_SMS, H100)
-    assert tile in hopper.TOKEN_TILES and not (stream_k and split is not None)
+    assert tile in hopper.TOKEN_TILES
+    tiles = -(-m // tile) * n_tiles
     if split is not None:
-        tiles = -(-m // tile) * n_tiles
-        assert split >= 1 and k_tiles % split == 0 and tiles * split <= hopper.min_blocks_per_sm(tile) * H100_SMS
+        assert not stream_k and split >= 1 and k_tiles % split == 0 and tiles * split <= hopper.min_blocks_per_sm(tile) * H100_SMS
+    elif not stream_k:  # the model covers no tile: every candidate's grid exceeds the resident blocks
+        assert tile == hopper.token_tile(m, H100)
+        assert all(-(-m // t) * n_tiles > hopper.min_blocks_per_sm(t) * H100_SMS for t in ops._wgmma_token_tiles(m, H100))
 
 
 def test_grids_larger_than_the_resident_blocks_keep_the_table_tile_and_the_stream_k_rules():
@@ -71,16 +74,21 @@ def test_a_forced_token_tile_is_the_only_one_weighed(monkeypatch):
 def test_aligned_splits_of_two_four_or_eight_pieces_can_run_as_clusters(k_tiles, iters, token_tile, expected, monkeypatch):
     monkeypatch.setattr(tuning, "WGMMA_CLUSTER_SPLITS", (2, 4, 8))
     plan = ops._GemmPlan("wgmma-splitk", grid=100, iters=iters, split=iters % k_tiles != 0)
-    assert ops._wgmma_cluster(plan, k_tiles, token_tile, H100_SMS) == expected
+    assert ops._wgmma_cluster(plan, k_tiles, token_tile, lambda parts: H100_SMS // parts) == expected
 
 
-def test_clusters_of_two_only_and_only_for_a_grid_resident_at_once():
+def _h100_clusters(parts: int) -> int:
+    return H100_SMS // parts
+
+
+def test_clusters_of_two_only_and_only_where_the_gpu_runs_them_all_at_once():
     plan = ops._GemmPlan("wgmma-splitk", grid=128, iters=32, split=True)
-    assert ops._wgmma_cluster(plan, 64, 128, H100_SMS) == 2
+    assert ops._wgmma_cluster(plan, 64, 128, _h100_clusters) == 2
+    assert ops._wgmma_cluster(plan, 64, 128, lambda parts: 60) == 1  # 64 clusters: more than the GPU holds
     plan = ops._GemmPlan("wgmma-splitk", grid=448, iters=64, split=True)  # several waves
-    assert ops._wgmma_cluster(plan, 128, 256, H100_SMS) == 1
+    assert ops._wgmma_cluster(plan, 128, 256, _h100_clusters) == 1
     plan = ops._GemmPlan("wgmma-splitk", grid=128, iters=16, split=True)  # four pieces
-    assert ops._wgmma_cluster(plan, 64, 256, H100_SMS) == 1
+    assert ops._wgmma_cluster(plan, 64, 256, _h100_clusters) == 1
 
 
 def test_weights_from_4096_x_4096_take_the_wgmma_kernel_from_row_17():

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-__all__ = ["DriverError", "lib", "check", "launch_ex", "set_max_dynamic_shared_memory", "TENSOR_MAP_BYTES",
+__all__ = ["DriverError", "lib", "check", "launch_ex", "max_active_clusters", "set_max_dynamic_shared_memory", "TENSOR_MAP_BYTES",
            "encode_tensor_map_2d"]
 
 CUDA_ERROR_NOT_SUPPORTED = 801
@@ -82,6 +82,7 @@ def lib() -> ctypes.CDLL:
                 cu.cuThreadExchangeStreamCaptureMode.argtypes = [ctypes.POINTER(ctypes.c_int)]
                 cu.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]  # tests read buffers back
                 cu.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                cu.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_void_p]
                 cu.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
                 cu.cuTensorMapEncodeTiled.argtypes = [
                     ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
@@ -165,6 +166,27 @@ def launch_ex(func: int, grid: int, threads: int, shared_mem: int, stream: int, 
     cfg.sharedMemBytes = shared_mem
     cfg.hStream = stream
     check(lib().cuLaunchKernelEx(addr, func, params, None), "cuLaunchKernelEx")
+
+
+def max_active_clusters(func: int, cluster: int, threads: int, shared_mem: int) -> int:
+    """How many clusters of ``cluster`` blocks of ``func`` (``threads`` threads and ``shared_mem``
+    bytes of dynamic shared memory each) the GPU runs at once (``cuOccupancyMaxActiveClusters``:
+    a cluster's blocks share one GPC, so this can be less than the resident blocks / ``cluster``).
+    The function's dynamic shared-memory limit must already allow ``shared_mem``; the caller makes
+    its context current."""
+    cfg = _LaunchConfig()
+    attrs = (_LaunchAttribute * 1)()
+    attrs[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attrs[0].value.dim.x, attrs[0].value.dim.y, attrs[0].value.dim.z = cluster, 1, 1
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = cluster, 1, 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
+    cfg.sharedMemBytes = shared_mem
+    cfg.attrs = ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute))
+    cfg.numAttrs = 1
+    n = ctypes.c_int(0)
+    check(lib().cuOccupancyMaxActiveClusters(ctypes.byref(n), func, ctypes.addressof(cfg)),
+          f"cuOccupancyMaxActiveClusters(cluster {cluster}, {threads} threads, {shared_mem} bytes)")
+    return n.value
 
 
 TENSOR_MAP_BYTES = 128

@@ -226,6 +226,7 @@ class CudaKernel:
         self.pdl_capable: bool = device_properties(device_index).programmatic_launch
         self._max_dynamic_smem = 48 * 1024
         self._lock = threading.Lock()
+        self._clusters: dict[tuple[int, int, int], int] = {}
 
     def ensure_shared_memory(self, nbytes: int) -> None:
         """Raise the kernel's dynamic shared memory limit once when a launch needs more than 48 KB.
@@ -242,6 +243,19 @@ class CudaKernel:
                     with _context_of(self.device_index):
                         driver.set_max_dynamic_shared_memory(self.func_ptr, nbytes)
                     self._max_dynamic_smem = nbytes
+
+    def max_active_clusters(self, cluster: int, threads: int, shared_mem: int) -> int:
+        """How many thread block clusters of ``cluster`` blocks (``threads`` threads and
+        ``shared_mem`` bytes of dynamic shared memory each) this device runs at once, from the
+        driver: a cluster's blocks share one GPC, so this can be less than the resident blocks
+        divided by ``cluster``. Kept per arguments."""
+        key = (cluster, threads, shared_mem)
+        n = self._clusters.get(key)
+        if n is None:
+            self.ensure_shared_memory(shared_mem)
+            with _context_of(self.device_index):
+                n = self._clusters[key] = driver.max_active_clusters(self.func_ptr, cluster, threads, shared_mem)
+        return n
 
     def __repr__(self) -> str:
         return f"CudaKernel({self.name!r}, cuda:{self.device_index}, regs={self.num_regs})"
@@ -470,6 +484,8 @@ def _launch_binding(kernel: CudaKernel, grid: tuple[int, int, int], block: tuple
     index = kernel.device_index
     fn = _get_driver_launch()
     with _context_of(index):
+        if cluster > 1 and not grid[1] == grid[2] == block[1] == block[2] == 1:
+            raise ValueError(f"cluster launches take a one-dimensional grid and block, got {grid} and {block}")
         if (programmatic or cluster > 1) and grid[1] == grid[2] == block[1] == block[2] == 1:
             _launch_ex(kernel, grid[0], block[0], shared_mem, stream, params, programmatic, cluster)
         else:
@@ -528,13 +544,14 @@ def _launch_ex(kernel: CudaKernel, grid: int, threads: int, shared_mem: int, str
     except driver.DriverError as e:
         if e.code != driver.CUDA_ERROR_NOT_SUPPORTED or not programmatic:
             raise
-        # A driver or setup without the feature: say so once and launch without it from now on.
-        _programmatic_on = False
-        warnings.warn(f"programmatic dependent launch is unavailable ({e}); kernels launch without it", RuntimeWarning, stacklevel=3)
+        # A driver or setup without programmatic launch (the retry without it raises where
+        # clusters were the missing feature): say so once and launch without it from now on.
         if cluster > 1:
             driver.launch_ex(kernel.func_ptr, grid, threads, shared_mem, stream, params, False, cluster)
         else:
             _get_driver_launch()(kernel.func_ptr, grid, 1, 1, threads, 1, 1, shared_mem, stream, params, 0)
+        _programmatic_on = False
+        warnings.warn(f"programmatic dependent launch is unavailable ({e}); kernels launch without it", RuntimeWarning, stacklevel=3)
 
 
 def _kind_of(a: Any) -> str:

@@ -28,7 +28,7 @@ zero-padded to one on the host (a copy of x per call: a slow path for rare shape
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -148,6 +148,12 @@ def _occupancy(kernel: loader.CudaKernel, smem: int, props: loader.DevicePropert
     return max(1, min(by_smem, by_regs, 2048 // threads))
 
 
+def _stream_k_iters(total: int, slots: int, k_tiles: int) -> int:
+    """k-iterations per block of a stream-K grid over ``slots`` blocks: equal ranges, none shorter
+    than the pipeline fill is worth (:data:`.tuning.FUSED_MIN_SPLIT_ITERS`)."""
+    return max(-(-total // slots), min(k_tiles, tuning.FUSED_MIN_SPLIT_ITERS))
+
+
 def _plan_stream_k(path: str, kernel: loader.CudaKernel, args: loader.ArgPack, smem: int, nacc: int, tiles: int, k_tiles: int,
                    device_index: int, split_k: int | None, force_split: bool, threads: int = _THREADS,
                    unsplit_min_wave_fill: float | None = None, stream_k: bool = False) -> _GemmPlan:
@@ -170,7 +176,7 @@ def _plan_stream_k(path: str, kernel: loader.CudaKernel, args: loader.ArgPack, s
     )):
         iters = k_tiles
     else:
-        iters = max(-(-total // slots), min(k_tiles, tuning.FUSED_MIN_SPLIT_ITERS))
+        iters = _stream_k_iters(total, slots, k_tiles)
     grid = -(-total // iters)
     split = iters % k_tiles != 0
     ws = grid * 2 * 256 * nacc if split else 0  # 256 accumulating threads in both kernels
@@ -206,7 +212,7 @@ def _wgmma_options(m: int, n_tiles: int, k_tiles: int, bits: int, token_tile: in
         if s > 1:
             time += cluster_of_two if s == 2 and 2 in tuning.WGMMA_CLUSTER_SPLITS else base + per_split * s
         options.append((time, s))
-    iters = -(-tiles * k_tiles // slots)
+    iters = _stream_k_iters(tiles * k_tiles, slots, k_tiles)
     pieces = -(-k_tiles // iters)
     fixup = base + per_split * pieces if k_tiles % iters == 0 else 2 * (base + per_split * (pieces + 1))
     options.append((ktile * tuning.WGMMA_STREAM_K[token_tile] * iters + fixup, None))
@@ -256,19 +262,21 @@ def _plan_wgmma(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
     plan = _plan_stream_k("wgmma", kernel, _SM90_ARGS, hopper.smem_bytes(bits, bt), hopper.accumulators(bt), tiles, k_tiles,
                           device_index, split_k, force_split, hopper.THREADS, tuning.WGMMA_UNSPLIT_MIN_WAVE_FILL, stream_k)
     plan.token_tile = bt
-    plan.cluster = _wgmma_cluster(plan, k_tiles, bt, hopper.min_blocks_per_sm(bt) * props.sm_count)
+    plan.cluster = _wgmma_cluster(plan, k_tiles, bt, lambda parts: kernel.max_active_clusters(parts, hopper.THREADS, plan.smem))
     return plan
 
 
-def _wgmma_cluster(plan: _GemmPlan, k_tiles: int, token_tile: int, slots: int) -> int:
+def _wgmma_cluster(plan: _GemmPlan, k_tiles: int, token_tile: int, resident_clusters: Callable[[int], int]) -> int:
     """Blocks per cluster for a wgmma plan: P where the plan cuts every tile's K into P equal
-    pieces with P in :data:`.tuning.WGMMA_CLUSTER_SPLITS` and its grid is resident at once
-    (at most ``slots`` blocks); the kernel then sums each tile in the shared memory of its P
-    blocks. Else 1 (no clusters; split tiles meet in the workspace)."""
-    if not plan.split or k_tiles % plan.iters or plan.grid > slots:
+    pieces with P in :data:`.tuning.WGMMA_CLUSTER_SPLITS` and the GPU runs all its clusters at
+    once (``resident_clusters(P)``); the kernel then sums each tile in the shared memory of its
+    P blocks. Else 1 (no clusters; split tiles meet in the workspace)."""
+    if not plan.split or k_tiles % plan.iters:
         return 1
     parts = k_tiles // plan.iters
-    return parts if parts in tuning.WGMMA_CLUSTER_SPLITS and (token_tile // 8) % parts == 0 else 1
+    if parts not in tuning.WGMMA_CLUSTER_SPLITS or (token_tile // 8) % parts:
+        return 1
+    return parts if plan.grid <= parts * resident_clusters(parts) else 1
 
 
 def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None,
