@@ -215,7 +215,7 @@ class CudaKernel:
             launch uses it is the caller's choice: only kernels that wait may).
     """
 
-    __slots__ = ("name", "device_index", "raw", "func_ptr", "num_regs", "pdl_capable", "_max_dynamic_smem", "_lock")
+    __slots__ = ("name", "device_index", "raw", "func_ptr", "num_regs", "pdl_capable", "_max_dynamic_smem", "_lock", "_clusters")
 
     def __init__(self, name: str, device_index: int, raw: Any) -> None:
         self.name = name
