@@ -193,7 +193,9 @@ WGMMA_FIXUP_US: dict[int, tuple[float, float, float]] = {64: (0.87, 1.07, 1.93),
 # (4096->4096 M = 256 tile 128 20.2 vs 22.9, tile 256 28.0 vs 30.9; 28672->8192 M = 256 tile 256
 # 163.8 vs 168.3) but slower over several waves (8192->28672 M = 256, 448 blocks: 223.8 vs
 # 207.8); P = 4 and 8 are slower everywhere (4096->4096 M = 256 tile 256 P = 4: 41.5 vs 27.9):
-# most likely, clusters of four one-block-per-SM blocks do not all fit on the GPCs at once.
+# the H100 holds 66 clusters of two of the one-block-per-SM instances at once but only 30 of four
+# and 15 of eight (cuOccupancyMaxActiveClusters), so 128 blocks in fours take two waves. The
+# planner also checks that count (ops._wgmma_cluster).
 WGMMA_CLUSTER_SPLITS: tuple[int, ...] = (2,)
 
 # Token tiles (the kernel's BT) by rows, per GPU: (tile, largest M that takes it), in order; an M
