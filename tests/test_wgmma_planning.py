@@ -26,6 +26,9 @@ H100 = "NVIDIA H100 80GB HBM3"
         (64, 28672, 8192, 4, (64, 4, False)),
         (256, 28672, 8192, 4, (256, 2, False)),
         (1024, 4096, 4096, 4, (256, 1, False)),  # a full wave of whole tiles
+        (64, 4096, 1024, 4, (64, 8, False)),  # 64 blocks in clusters of eight
+        (64, 2048, 2048, 4, (64, 4, False)),  # 64 blocks in clusters of four
+        (128, 4096, 1024, 4, (64, 4, False)),
     ],
 )
 def test_h100_llama_shapes_take_the_measured_best_plan(m, k, n, bits, expected):
@@ -73,22 +76,24 @@ def test_a_forced_token_tile_is_the_only_one_weighed(monkeypatch):
 )
 def test_aligned_splits_of_two_four_or_eight_pieces_can_run_as_clusters(k_tiles, iters, token_tile, expected, monkeypatch):
     monkeypatch.setattr(tuning, "WGMMA_CLUSTER_SPLITS", (2, 4, 8))
-    plan = ops._GemmPlan("wgmma-splitk", grid=100, iters=iters, split=iters % k_tiles != 0)
-    assert ops._wgmma_cluster(plan, k_tiles, token_tile, lambda parts: H100_SMS // parts) == expected
+    plan = ops._GemmPlan("wgmma-splitk", grid=64, iters=iters, split=iters % k_tiles != 0)
+    assert ops._wgmma_cluster(plan, k_tiles, token_tile, H100_SMS, lambda parts: H100_SMS // parts) == expected
 
 
 def _h100_clusters(parts: int) -> int:
     return H100_SMS // parts
 
 
-def test_clusters_of_two_only_and_only_where_the_gpu_runs_them_all_at_once():
+def test_clusters_where_the_gpu_runs_them_all_at_once_and_fours_and_eights_on_small_grids_only():
     plan = ops._GemmPlan("wgmma-splitk", grid=128, iters=32, split=True)
-    assert ops._wgmma_cluster(plan, 64, 128, _h100_clusters) == 2
-    assert ops._wgmma_cluster(plan, 64, 128, lambda parts: 60) == 1  # 64 clusters: more than the GPU holds
+    assert ops._wgmma_cluster(plan, 64, 128, H100_SMS, _h100_clusters) == 2
+    assert ops._wgmma_cluster(plan, 64, 128, H100_SMS, lambda parts: 60) == 1  # 64 clusters: more than the GPU holds
     plan = ops._GemmPlan("wgmma-splitk", grid=448, iters=64, split=True)  # several waves
-    assert ops._wgmma_cluster(plan, 128, 256, _h100_clusters) == 1
-    plan = ops._GemmPlan("wgmma-splitk", grid=128, iters=16, split=True)  # four pieces
-    assert ops._wgmma_cluster(plan, 64, 256, _h100_clusters) == 1
+    assert ops._wgmma_cluster(plan, 128, 256, H100_SMS, _h100_clusters) == 1
+    plan = ops._GemmPlan("wgmma-splitk", grid=128, iters=16, split=True)  # four pieces on 128 blocks
+    assert ops._wgmma_cluster(plan, 64, 256, H100_SMS, _h100_clusters) == 1
+    plan = ops._GemmPlan("wgmma-splitk", grid=64, iters=8, split=True)  # eight pieces on 64 blocks
+    assert ops._wgmma_cluster(plan, 64, 64, H100_SMS, _h100_clusters) == 8
 
 
 def test_weights_from_4096_x_4096_take_the_wgmma_kernel_from_row_17():

@@ -203,14 +203,16 @@ def _wgmma_options(m: int, n_tiles: int, k_tiles: int, bits: int, token_tile: in
     if tiles > slots:
         return []
     ktile = tuning.WGMMA_KTILE_US[bits][token_tile]
-    base, per_split, cluster_of_two = tuning.WGMMA_FIXUP_US[token_tile]
+    base, per_split = tuning.WGMMA_FIXUP_US[token_tile]
+    in_cluster = tuning.WGMMA_CLUSTER_FIXUP_US[token_tile]
     options: list[tuple[float, int | None]] = []
     for s in range(1, min(k_tiles, slots // tiles) + 1):
         if k_tiles % s:
             continue
         time = ktile * k_tiles / s * (1.0 if tiles * s <= sm_count else tuning.WGMMA_TWO_PER_SM)
         if s > 1:
-            time += cluster_of_two if s == 2 and 2 in tuning.WGMMA_CLUSTER_SPLITS else base + per_split * s
+            clustered = _clusters_allowed(s, token_tile, tiles * s, sm_count) and s in in_cluster
+            time += in_cluster[s] if clustered else base + per_split * s
         options.append((time, s))
     iters = _stream_k_iters(tiles * k_tiles, slots, k_tiles)
     pieces = -(-k_tiles // iters)
@@ -262,19 +264,29 @@ def _plan_wgmma(m: int, n_tiles: int, k_tiles: int, bits: int, dtype: torch.dtyp
     plan = _plan_stream_k("wgmma", kernel, _SM90_ARGS, hopper.smem_bytes(bits, bt), hopper.accumulators(bt), tiles, k_tiles,
                           device_index, split_k, force_split, hopper.THREADS, tuning.WGMMA_UNSPLIT_MIN_WAVE_FILL, stream_k)
     plan.token_tile = bt
-    plan.cluster = _wgmma_cluster(plan, k_tiles, bt, lambda parts: kernel.max_active_clusters(parts, hopper.THREADS, plan.smem))
+    plan.cluster = _wgmma_cluster(plan, k_tiles, bt, props.sm_count,
+                                  lambda parts: kernel.max_active_clusters(parts, hopper.THREADS, plan.smem))
     return plan
 
 
-def _wgmma_cluster(plan: _GemmPlan, k_tiles: int, token_tile: int, resident_clusters: Callable[[int], int]) -> int:
+def _clusters_allowed(parts: int, token_tile: int, grid: int, sm_count: int) -> bool:
+    """Whether a split into ``parts`` pieces may run as clusters, before the driver's count: P in
+    :data:`.tuning.WGMMA_CLUSTER_SPLITS` dividing the token groups, and for P > 2 a grid of at
+    most :data:`.tuning.WGMMA_LARGE_CLUSTER_GRID_SHARE` of the SM count in blocks."""
+    if parts not in tuning.WGMMA_CLUSTER_SPLITS or (token_tile // 8) % parts:
+        return False
+    return parts == 2 or grid <= tuning.WGMMA_LARGE_CLUSTER_GRID_SHARE * sm_count
+
+
+def _wgmma_cluster(plan: _GemmPlan, k_tiles: int, token_tile: int, sm_count: int, resident_clusters: Callable[[int], int]) -> int:
     """Blocks per cluster for a wgmma plan: P where the plan cuts every tile's K into P equal
-    pieces with P in :data:`.tuning.WGMMA_CLUSTER_SPLITS` and the GPU runs all its clusters at
-    once (``resident_clusters(P)``); the kernel then sums each tile in the shared memory of its
-    P blocks. Else 1 (no clusters; split tiles meet in the workspace)."""
+    pieces, :func:`_clusters_allowed` says yes and the GPU runs all the grid's clusters at once
+    (``resident_clusters(P)``); the kernel then sums each tile in the shared memory of its P
+    blocks. Else 1 (no clusters; split tiles meet in the workspace)."""
     if not plan.split or k_tiles % plan.iters:
         return 1
     parts = k_tiles // plan.iters
-    if parts not in tuning.WGMMA_CLUSTER_SPLITS or (token_tile // 8) % parts:
+    if not _clusters_allowed(parts, token_tile, plan.grid, sm_count):
         return 1
     return parts if plan.grid <= parts * resident_clusters(parts) else 1
 

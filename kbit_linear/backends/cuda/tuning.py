@@ -25,7 +25,9 @@ __all__ = [
     "WGMMA_TWO_PER_SM",
     "WGMMA_STREAM_K",
     "WGMMA_FIXUP_US",
+    "WGMMA_CLUSTER_FIXUP_US",
     "WGMMA_CLUSTER_SPLITS",
+    "WGMMA_LARGE_CLUSTER_GRID_SHARE",
     "WGMMA_EARLY_FIRST_ROW",
     "WGMMA_TOKEN_TILES",
     "FUSED_MIN_SPLIT_ITERS",
@@ -164,7 +166,7 @@ WGMMA_UNSPLIT_MIN_WAVE_FILL = 0.9
 # _plan_stream_k. The k-tile time is one block's per 64 in-features with the SM to itself; a split
 # whose grid puts two blocks of token tile 64 on an SM runs WGMMA_TWO_PER_SM times slower. The
 # fix-up: base + per_split * s where the partial tiles meet in the workspace, or the cluster
-# cost where a split of two runs as a cluster (WGMMA_CLUSTER_SPLITS).
+# cost where the split runs as clusters (WGMMA_CLUSTER_SPLITS, WGMMA_CLUSTER_FIXUP_US).
 # Fitted to one H100 sweep (2026-11-24) of every tile x split 1/2/4/8 with and without clusters x
 # stream-K on the five Llama shapes at M = 33..512, K = 4 pair codes, and K = 2 / 5 at M = 64 / 256:
 # the cells of `python3 scripts/bench_wgmma.py --plans --shape 4096 4096 --shape 4096 14336 --shape
@@ -183,20 +185,35 @@ WGMMA_KTILE_US: dict[int, dict[int, float]] = {
 }
 WGMMA_TWO_PER_SM = 1.75
 WGMMA_STREAM_K: dict[int, float] = {64: 1.6, 128: 1.1, 256: 1.1}  # 64: two blocks per SM
-# token tile -> (base, per_split, cluster of two), us
-WGMMA_FIXUP_US: dict[int, tuple[float, float, float]] = {64: (0.87, 1.07, 1.93), 128: (1.2, 1.64, 3.2), 256: (0.0, 4.05, 6.0)}
+# token tile -> (base, per_split) of the workspace fix-up, us
+WGMMA_FIXUP_US: dict[int, tuple[float, float]] = {64: (0.87, 1.07), 128: (1.2, 1.64), 256: (0.0, 4.05)}
+# token tile -> {P: fix-up of a tile summed in a cluster of P blocks}, us. P = 2 from the sweep
+# above; P = 4 and 8 from small layers (`bench_wgmma.py --plans --shape 4096 1024 --shape 2048
+# 2048 --shape 4096 4096 --shape 1024 4096 --m 64 128 256 512`, 2026-11-24, H100,
+# bench/results/gemm-sm90-plans-small-h100.json): e.g. 4096->1024 M = 64 tile 64, clusters of
+# eight 9.6 us against four pieces through the workspace 13.1.
+WGMMA_CLUSTER_FIXUP_US: dict[int, dict[int, float]] = {
+    64: {2: 1.93, 4: 3.0, 8: 3.9},
+    128: {2: 3.2, 4: 4.7, 8: 7.5},
+    256: {2: 6.0, 4: 9.2, 8: 15.8},
+}
 
 # Splits of a tile's K into P equal pieces that the wgmma kernel sums in the shared memory of a
 # thread block cluster of the P blocks (kernels/gemm_sm90.cu, reduce_in_cluster) instead of in
-# the global workspace, where the grid is resident at once. Empty: every split uses the
-# workspace. Same run, us, cluster vs workspace: P = 2 is faster on every single-wave grid
-# (4096->4096 M = 256 tile 128 20.2 vs 22.9, tile 256 28.0 vs 30.9; 28672->8192 M = 256 tile 256
-# 163.8 vs 168.3) but slower over several waves (8192->28672 M = 256, 448 blocks: 223.8 vs
-# 207.8); P = 4 and 8 are slower everywhere (4096->4096 M = 256 tile 256 P = 4: 41.5 vs 27.9):
-# the H100 holds 66 clusters of two of the one-block-per-SM instances at once but only 30 of four
-# and 15 of eight (cuOccupancyMaxActiveClusters), so 128 blocks in fours take two waves. The
-# planner also checks that count (ops._wgmma_cluster).
-WGMMA_CLUSTER_SPLITS: tuple[int, ...] = (2,)
+# the global workspace, where the GPU runs all of the grid's clusters at once (the driver's count,
+# ops._wgmma_cluster) and, for P > 2, the grid has at most WGMMA_LARGE_CLUSTER_GRID_SHARE of the
+# SM count in blocks. Empty: every split uses the workspace. Sweep above, us, cluster vs
+# workspace: P = 2 is faster on every grid the GPU holds at once (4096->4096 M = 256 tile 128
+# 20.2 vs 22.9, tile 256 28.0 vs 30.9; 28672->8192 M = 256 tile 256 163.8 vs 168.3) but slower
+# over several waves (8192->28672 M = 256, 448 blocks: 223.8 vs 207.8). P = 4 and 8 win on small
+# grids (small-layer run above: 4096->1024 M = 64, 64 blocks in clusters of eight, 9.6 vs 13.1;
+# 2048->2048 M = 64, 64 blocks in fours, 8.8 vs 10.6) and lose on grids of 128 blocks: at one
+# block per SM the H100 holds 66 clusters of two, 30 of four and 15 of eight
+# (cuOccupancyMaxActiveClusters), so 128 blocks in fours take two waves (4096->4096 M = 256 tile
+# 256: 41.5 vs 27.9); at two blocks per SM (tile 64) they fit and still lose (4096->4096 M = 64,
+# 128 blocks in fours: 15.3 vs 13.7).
+WGMMA_CLUSTER_SPLITS: tuple[int, ...] = (2, 4, 8)
+WGMMA_LARGE_CLUSTER_GRID_SHARE = 0.5
 
 # Token tiles (the kernel's BT) by rows, per GPU: (tile, largest M that takes it), in order; an M
 # above every limit takes the largest tile, 256. Same run: 64 is fastest up to M = 64 (8192->28672
