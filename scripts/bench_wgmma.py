@@ -56,15 +56,20 @@ def _force_tile(tile: int | None, saved: dict) -> None:
     plans.clear()
 
 
-def bench(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int], splits: bool = False) -> list[dict[str, Any]]:
-    dev = torch.device("cuda")
-    w = torch.randn(n, k, device=dev) * 0.02
+def _weights(k: int, n: int, bits: int, dtype: torch.dtype) -> tuple[fmt.KbitWeight, list[fmt.KbitWeight], list[torch.Tensor]]:
+    """A random ``n x k`` weight quantized in the layout a KbitLinear holds on this GPU (4-bit
+    pair codes), its copies rotated past the L2, and copies of the dense weight in ``dtype``."""
+    w = torch.randn(n, k, device="cuda") * 0.02
     qw = fmt.quantize(w, bits)
-    # in the layout a KbitLinear holds on this GPU (4-bit pair codes)
     qw = fmt.KbitWeight(weight_layout.device_form(qw.packed, bits), qw.absmax, qw.codebook, qw.tensor_scale, bits, n, k)
     qws = bc.weight_copies(qw, nbytes=bc.tensor_bytes(qw.packed, qw.absmax),
                            make=lambda: fmt.KbitWeight(qw.packed.clone(), qw.absmax.clone(), qw.codebook, qw.tensor_scale, bits, n, k))
-    dense = bc.weight_copies(w.to(dtype))
+    return qw, qws, bc.weight_copies(w.to(dtype))
+
+
+def bench(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int], splits: bool = False) -> list[dict[str, Any]]:
+    dev = torch.device("cuda")
+    qw, qws, dense = _weights(k, n, bits, dtype)
     saved = dict(tuning.WGMMA_TOKEN_TILES)
     rows = []
     for m in ms:
@@ -101,12 +106,7 @@ def bench(k: int, n: int, bits: int, dtype: torch.dtype, ms: list[int], splits: 
 def bench_plans(k: int, n: int, bits: int, ms: list[int]) -> list[dict[str, Any]]:
     """Every (token tile, pieces, cluster or workspace) plan and each tile's automatic plan, fp16."""
     dev = torch.device("cuda")
-    w = torch.randn(n, k, device=dev) * 0.02
-    qw = fmt.quantize(w, bits)
-    qw = fmt.KbitWeight(weight_layout.device_form(qw.packed, bits), qw.absmax, qw.codebook, qw.tensor_scale, bits, n, k)
-    qws = bc.weight_copies(qw, nbytes=bc.tensor_bytes(qw.packed, qw.absmax),
-                           make=lambda: fmt.KbitWeight(qw.packed.clone(), qw.absmax.clone(), qw.codebook, qw.tensor_scale, bits, n, k))
-    dense = bc.weight_copies(w.half())
+    qw, qws, dense = _weights(k, n, bits, torch.float16)
     saved_tiles, saved_clusters = dict(tuning.WGMMA_TOKEN_TILES), tuning.WGMMA_CLUSTER_SPLITS
     rows = []
     for m in ms:

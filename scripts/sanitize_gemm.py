@@ -82,7 +82,7 @@ def _calls(m: int, n: int, k: int, bits: int, dtype: torch.dtype, dev: torch.dev
         if every_path:
             calls.append(("wgmma", {"path": "wgmma", "split_k": 1}))
         calls.append(("wgmma-splitk", {"path": "wgmma-splitk"}))
-        # K split into P pieces summed in thread block clusters (the planner runs P = 2 only)
+        # K split into P pieces summed in thread block clusters, whatever tuning.WGMMA_CLUSTER_SPLITS allows
         calls += [(f"wgmma-cluster/{p}", {"path": "wgmma", "split_k": p, "clusters": True}) for p in (2, 4, 8) if -(-k // fmt.TILE_K) % p == 0]
         calls += [(f"grouped-wgmma/{bt}", {"grouped": True, "token_tile": bt}) for bt in hopper.TOKEN_TILES]
     if every_path and m >= 17:

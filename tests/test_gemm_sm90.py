@@ -139,8 +139,8 @@ CLUSTER_SHAPES = [(64, 4096, 1000), (200, 1024, 300), (17, 512, 130), (256, 300,
 
 @pytest.fixture
 def clusters_of_two_four_and_eight(monkeypatch):
-    # The planner runs only splits of two as clusters (tuning.WGMMA_CLUSTER_SPLITS); the kernel
-    # takes any of 2, 4 and 8.
+    # The kernel takes clusters of 2, 4 and 8 whatever the planner's table
+    # (tuning.WGMMA_CLUSTER_SPLITS) allows.
     monkeypatch.setattr(kcuda.tuning, "WGMMA_CLUSTER_SPLITS", (2, 4, 8))
     plans.clear()
     yield

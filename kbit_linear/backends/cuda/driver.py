@@ -174,17 +174,12 @@ def max_active_clusters(func: int, cluster: int, threads: int, shared_mem: int) 
     a cluster's blocks share one GPC, so this can be less than the resident blocks / ``cluster``).
     The function's dynamic shared-memory limit must already allow ``shared_mem``; the caller makes
     its context current."""
-    cfg = _LaunchConfig()
-    attrs = (_LaunchAttribute * 1)()
-    attrs[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attrs[0].value.dim.x, attrs[0].value.dim.y, attrs[0].value.dim.z = cluster, 1, 1
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = cluster, 1, 1
-    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
+    cfg, addr = _config(False, cluster)  # the launch configuration with the cluster attribute
+    cfg.gridDimX = cluster
+    cfg.blockDimX = threads
     cfg.sharedMemBytes = shared_mem
-    cfg.attrs = ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute))
-    cfg.numAttrs = 1
     n = ctypes.c_int(0)
-    check(lib().cuOccupancyMaxActiveClusters(ctypes.byref(n), func, ctypes.addressof(cfg)),
+    check(lib().cuOccupancyMaxActiveClusters(ctypes.byref(n), func, addr),
           f"cuOccupancyMaxActiveClusters(cluster {cluster}, {threads} threads, {shared_mem} bytes)")
     return n.value
 

@@ -484,9 +484,10 @@ def _launch_binding(kernel: CudaKernel, grid: tuple[int, int, int], block: tuple
     index = kernel.device_index
     fn = _get_driver_launch()
     with _context_of(index):
-        if cluster > 1 and not grid[1] == grid[2] == block[1] == block[2] == 1:
+        one_dimensional = grid[1] == grid[2] == block[1] == block[2] == 1
+        if cluster > 1 and not one_dimensional:
             raise ValueError(f"cluster launches take a one-dimensional grid and block, got {grid} and {block}")
-        if (programmatic or cluster > 1) and grid[1] == grid[2] == block[1] == block[2] == 1:
+        if (programmatic or cluster > 1) and one_dimensional:
             _launch_ex(kernel, grid[0], block[0], shared_mem, stream, params, programmatic, cluster)
         else:
             fn(kernel.func_ptr, *grid, *block, shared_mem, stream, params, 0)
