@@ -98,7 +98,7 @@ def check_grouped_args(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tens
     if not x.is_floating_point() or x.dim() != 2:
         raise ValueError(f"x must be a floating-point [rows, in_features] tensor, got {x.dtype} {tuple(x.shape)}")
     if packed.dtype not in (torch.int32, torch.uint8):
-        raise TypeError(f"packed must be int32 (planes) or uint8 (4-bit pair codes), got {packed.dtype}")
+        raise TypeError(f"packed must be int32 (planes) or uint8 (4- or 5-bit pair codes), got {packed.dtype}")
     per_block = fmt.block_entries(packed, bits)
     if packed.dim() != 6 or packed.shape[-1] != per_block or packed.shape[3:5] != (fmt.TILE_N, 2):
         raise ValueError(f"packed must be {packed.dtype} [E, K_pad/64, N_pad/128, 128, 2, {per_block}] for bits={bits}, "

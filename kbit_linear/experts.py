@@ -16,7 +16,7 @@ up to 128 (:func:`kbit_linear.format.tiled_shapes`)::
     p_codebook        float32 [2**bits]                               shared by the E experts of p
     p_tensor_scale    float32 [E]                                     one power of two per expert
 
-On a CUDA device a 4-bit ``p`` is held as uint8 pair codes ``[..., 2, 16]`` (the same bytes,
+On a CUDA device a 4- or 5-bit ``p`` is held as uint8 pair codes ``[..., 2, 16 or 20]`` (the same bytes,
 :mod:`kbit_linear.weight_layout`); the state dict gives planes.
 
 One contiguous buffer per projection, experts back to back at a fixed stride::

@@ -49,7 +49,9 @@ __all__ = [
     "padded_shape",
     "tiled_shapes",
     "check_tiled",
-    "PAIR_CODE_BITS",
+    "PAIR_CODE_BYTES",
+    "has_pair_codes",
+    "pair_code_bits",
     "is_pair_codes",
     "block_entries",
     "to_pair_codes",
@@ -607,18 +609,18 @@ def tile_blocks(packed_flat: torch.Tensor, absmax_flat: torch.Tensor, bits: int)
 
 
 # ---------------------------------------------------------------------------------------
-# 4-bit pair codes: the layout the CUDA kernels read fastest (docs/format.md, section 7a)
+# Pair codes (4 and 5 bits): the layout the CUDA kernels read fastest (docs/format.md, section 7a)
 # ---------------------------------------------------------------------------------------
 
-PAIR_CODE_BITS = 4
-"""The one index width with a pair-code layout."""
-PAIR_CODE_BYTES = 16
-"""Bytes (pair codes) per 32-weight block: the same 16 bytes as its four planes."""
+PAIR_CODE_BYTES = {4: 16, 5: 20}
+"""Bytes of pair codes per 32-weight block, by index width (the widths that have them): the
+same bytes as the block's planes, bits permuted."""
 
-# Bits 2b and 2b+1 of a pair code: bit b of the pair's first and second index. Byte j of word w
-# is the pair (2w + 8j, 2w + 8j + 1); in plane b its two bits sit at 2w + 8j, so rotating plane b
-# right by 2w - 2b (mod 32) and keeping bits 8j + 2b, 8j + 2b + 1 of every byte gives word w.
-_PAIR_MASKS = tuple(0x03030303 << (2 * b) for b in range(PAIR_CODE_BITS))
+# 4 bits: bits 2b and 2b+1 of a pair code are bit b of the pair's first and second index. Byte j
+# of word w is the pair (2w + 8j, 2w + 8j + 1); in plane b its two bits sit at 2w + 8j, so
+# rotating plane b right by 2w - 2b (mod 32) and keeping bits 8j + 2b, 8j + 2b + 1 of every byte
+# gives word w.
+_PAIR_MASKS = tuple(0x03030303 << (2 * b) for b in range(4))
 _U32 = 0xFFFFFFFF
 
 
@@ -627,70 +629,133 @@ def _rotr32(v: torch.Tensor, s: int) -> torch.Tensor:
     return ((v >> s) | (v << (32 - s))) & _U32 if s else v
 
 
+def has_pair_codes(bits: int) -> bool:
+    """Whether ``bits``-bit weights have a pair-code layout (4 and 5 bits)."""
+    return bits in PAIR_CODE_BYTES
+
+
 def is_pair_codes(packed: torch.Tensor) -> bool:
     """Whether a tiled ``packed`` tensor holds pair codes (uint8) rather than bit-planes (int32)."""
     return isinstance(packed, torch.Tensor) and packed.dtype == torch.uint8
 
 
 def block_entries(packed: torch.Tensor, bits: int) -> int:
-    """Length of ``packed``'s last dimension for ``bits``: ``bits`` planes (int32) or 16 pair
-    codes (uint8, 4 bits only).
+    """Length of ``packed``'s last dimension for ``bits``: ``bits`` planes (int32) or
+    ``PAIR_CODE_BYTES[bits]`` pair-code bytes (uint8, 4 and 5 bits only).
 
     Raises:
-        ValueError: uint8 pair codes with ``bits`` other than 4.
+        ValueError: uint8 pair codes at a width that has none.
     """
     if not is_pair_codes(packed):
         return bits
-    if bits != PAIR_CODE_BITS:
-        raise ValueError(f"packed is uint8 pair codes, which exist only at bits={PAIR_CODE_BITS}, not bits={bits}")
-    return PAIR_CODE_BYTES
+    if not has_pair_codes(bits):
+        raise ValueError(f"packed is uint8 pair codes, which exist only at bits in {tuple(PAIR_CODE_BYTES)}, not bits={bits}")
+    return PAIR_CODE_BYTES[bits]
+
+
+def pair_code_bits(codes: torch.Tensor) -> int:
+    """The index width of uint8 pair codes, read from their bytes per block (last dimension).
+
+    Raises:
+        ValueError: a last dimension that is no width's pair-code size.
+    """
+    by_bytes = {v: b for b, v in PAIR_CODE_BYTES.items()}
+    if codes.dim() == 0 or codes.shape[-1] not in by_bytes:
+        raise ValueError(f"codes must have a last dimension of {' or '.join(map(str, by_bytes))}, got shape {tuple(codes.shape)}")
+    return by_bytes[codes.shape[-1]]
+
+
+def _words_to_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) -> the int32 tensor with the same low 32 bits."""
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _element_indices(planes: torch.Tensor) -> torch.Tensor:
+    """int32 planes ``[..., bits]`` -> int32 indices ``[..., 32]`` (element e of the block)."""
+    shifts = torch.arange(BLOCK_SIZE, device=planes.device, dtype=torch.int32)
+    idx = torch.zeros((*planes.shape[:-1], BLOCK_SIZE), dtype=torch.int32, device=planes.device)
+    for b in range(planes.shape[-1]):
+        # an arithmetic shift keeps bit e at bit 0 whatever the sign
+        idx |= ((planes[..., b : b + 1] >> shifts) & 1) << b
+    return idx
+
+
+def _pack_planes(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_element_indices`: indices ``[..., 32]`` -> int32 planes ``[..., bits]``."""
+    weights = torch.ones(BLOCK_SIZE, dtype=torch.int64, device=idx.device) << torch.arange(BLOCK_SIZE, device=idx.device)
+    planes = torch.stack([(((idx >> b) & 1).to(torch.int64) * weights).sum(-1) for b in range(bits)], dim=-1)
+    return _words_to_int32(planes)
 
 
 def to_pair_codes(packed: torch.Tensor) -> torch.Tensor:
-    """4-bit bit-planes -> pair codes, block by block (the block's bytes are permuted bits).
+    """4- or 5-bit bit-planes -> pair codes, block by block (the block's bytes are permuted bits).
 
-    A block's 16 pair-code bytes, read as four little-endian uint32 words: byte ``j`` of word
-    ``w`` is the *pair code* of elements ``2w + 8j`` and ``2w + 8j + 1``, whose bit ``2b`` is
-    bit ``b`` of the first index and bit ``2b + 1`` bit ``b`` of the second. A GEMM lane that
-    needs those four pairs loads one word instead of four planes and a gather.
+    4 bits, 16 bytes read as four little-endian uint32 words: byte ``j`` of word ``w`` is the
+    *pair code* of elements ``2w + 8j`` and ``2w + 8j + 1``, whose bit ``2b`` is bit ``b`` of the
+    first index and bit ``2b + 1`` bit ``b`` of the second.
+
+    5 bits, 20 bytes: the pair code of elements ``2w + 8j``, ``2w + 8j + 1`` is ``first | second
+    << 5`` (10 bits); lane group ``w`` is the 40-bit number ``sum_j code_j << 10j``, whose low 32
+    bits are word ``w`` (bytes ``4w .. 4w + 3``) and whose bits 32..39 are byte ``16 + w``.
+
+    A GEMM lane that needs a lane group's pairs loads one word (and one byte) instead of every
+    plane and a gather.
 
     Args:
-        packed: int32 ``[..., 4]``, the planes of one block per row (any leading shape, e.g. the
-            tiled ``[K_pad/64, N_pad/128, 128, 2, 4]``).
+        packed: int32 ``[..., 4]`` or ``[..., 5]``, the planes of one block per row (any leading
+            shape, e.g. the tiled ``[K_pad/64, N_pad/128, 128, 2, bits]``).
 
     Returns:
-        uint8 ``[..., 16]`` on the same device.
+        uint8 ``[..., PAIR_CODE_BYTES[bits]]`` on the same device.
     """
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
         raise TypeError(f"packed must be an int32 torch.Tensor, got {getattr(packed, 'dtype', type(packed).__name__)}")
-    if packed.dim() == 0 or packed.shape[-1] != PAIR_CODE_BITS:
-        raise ValueError(f"packed must have a last dimension of {PAIR_CODE_BITS} planes, got shape {tuple(packed.shape)}")
+    if packed.dim() == 0 or not has_pair_codes(packed.shape[-1]):
+        raise ValueError(f"packed must have a last dimension of {' or '.join(map(str, PAIR_CODE_BYTES))} planes, "
+                         f"got shape {tuple(packed.shape)}")
     _check_little_endian()
-    planes = packed.to(torch.int64) & _U32
-    words = torch.zeros_like(planes)
+    bits = packed.shape[-1]
+    if bits == 4:
+        planes = packed.to(torch.int64) & _U32
+        words = torch.zeros_like(planes)
+        for w in range(4):
+            for b in range(bits):
+                words[..., w] |= _rotr32(planes[..., b], (2 * w - 2 * b) % 32) & _PAIR_MASKS[b]
+        return _words_to_int32(words).contiguous().view(torch.uint8).reshape(*packed.shape[:-1], PAIR_CODE_BYTES[bits])
+    idx = _element_indices(packed)
+    groups = torch.zeros((*packed.shape[:-1], 4), dtype=torch.int64, device=packed.device)
     for w in range(4):
-        for b in range(PAIR_CODE_BITS):
-            words[..., w] |= _rotr32(planes[..., b], (2 * w - 2 * b) % 32) & _PAIR_MASKS[b]
-    # int64 in [0, 2**32) -> the int32 with the same low 32 bits -> its 4 little-endian bytes
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-    return words.contiguous().view(torch.uint8).reshape(*packed.shape[:-1], PAIR_CODE_BYTES)
+        for j in range(4):
+            code = idx[..., 2 * w + 8 * j].to(torch.int64) | (idx[..., 2 * w + 8 * j + 1].to(torch.int64) << bits)
+            groups[..., w] |= code << (10 * j)
+    low = _words_to_int32(groups & _U32).contiguous().view(torch.uint8).reshape(*packed.shape[:-1], 16)
+    high = (groups >> 32).to(torch.uint8)
+    return torch.cat([low, high], dim=-1)
 
 
 def to_planes(codes: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`to_pair_codes`: uint8 ``[..., 16]`` -> int32 planes ``[..., 4]``."""
+    """Inverse of :func:`to_pair_codes`: uint8 ``[..., 16]`` / ``[..., 20]`` -> int32 planes
+    ``[..., 4]`` / ``[..., 5]``."""
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         raise TypeError(f"codes must be a uint8 torch.Tensor, got {getattr(codes, 'dtype', type(codes).__name__)}")
-    if codes.dim() == 0 or codes.shape[-1] != PAIR_CODE_BYTES:
-        raise ValueError(f"codes must have a last dimension of {PAIR_CODE_BYTES}, got shape {tuple(codes.shape)}")
+    bits = pair_code_bits(codes)
     _check_little_endian()
-    words = codes.contiguous().view(torch.int32).to(torch.int64) & _U32
-    planes = torch.zeros_like(words)
-    for b in range(PAIR_CODE_BITS):
-        for w in range(4):
-            # rotate left by 2w - 2b = rotate right by the complement
-            planes[..., b] |= _rotr32(words[..., w] & _PAIR_MASKS[b], (2 * b - 2 * w) % 32)
-    planes = torch.where(planes >= 1 << 31, planes - (1 << 32), planes).to(torch.int32)
-    return planes
+    words = codes[..., :16].contiguous().view(torch.int32).to(torch.int64) & _U32
+    if bits == 4:
+        planes = torch.zeros_like(words)
+        for b in range(bits):
+            for w in range(4):
+                # rotate left by 2w - 2b = rotate right by the complement
+                planes[..., b] |= _rotr32(words[..., w] & _PAIR_MASKS[b], (2 * b - 2 * w) % 32)
+        return _words_to_int32(planes)
+    groups = words | (codes[..., 16:].to(torch.int64) << 32)
+    idx = torch.zeros((*codes.shape[:-1], BLOCK_SIZE), dtype=torch.int32, device=codes.device)
+    for w in range(4):
+        for j in range(4):
+            code = groups[..., w] >> (10 * j)
+            idx[..., 2 * w + 8 * j] = (code & 31).to(torch.int32)
+            idx[..., 2 * w + 8 * j + 1] = ((code >> bits) & 31).to(torch.int32)
+    return _pack_planes(idx, bits)
 
 
 def check_tiled(
@@ -702,7 +767,7 @@ def check_tiled(
 ) -> tuple[int, int]:
     """Validate a tiled pair and return ``(N_pad, K_pad)``.
 
-    Checks dtypes (int32 planes or 4-bit uint8 pair codes, uint8 scales), the tile shape of ``packed`` for ``bits``, that
+    Checks dtypes (int32 planes or 4-/5-bit uint8 pair codes, uint8 scales), the tile shape of ``packed`` for ``bits``, that
     ``absmax`` has the same tiles, and, where given, that ``out_features`` / ``in_features``
     pad to exactly these tiles (:func:`tiled_shapes`). Metadata only: no pass over the data.
 
@@ -711,7 +776,7 @@ def check_tiled(
         ValueError: any shape that does not match, named.
     """
     if not isinstance(packed, torch.Tensor) or packed.dtype not in (torch.int32, torch.uint8):
-        raise TypeError(f"packed must be an int32 torch.Tensor (bit-planes) or, at bits={PAIR_CODE_BITS}, a uint8 one "
+        raise TypeError(f"packed must be an int32 torch.Tensor (bit-planes) or, at bits in {tuple(PAIR_CODE_BYTES)}, a uint8 one "
                         f"(pair codes), got {getattr(packed, 'dtype', type(packed).__name__)}")
     if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.uint8:
         raise TypeError(f"absmax must be a uint8 torch.Tensor, got {getattr(absmax, 'dtype', type(absmax).__name__)}")
@@ -755,7 +820,7 @@ class KbitWeight:
 
     Attributes:
         packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` bit-planes, or at 4 bits
-            possibly uint8 ``[K_pad/64, N_pad/128, 128, 2, 16]`` pair codes (:func:`to_pair_codes`).
+            possibly uint8 ``[K_pad/64, N_pad/128, 128, 2, 16 or 20]`` pair codes (:func:`to_pair_codes`).
         absmax: uint8 ``[K_pad/64, N_pad/128, 128, 2]`` E4M4 block scales.
         codebook: float32 ``[2**bits]``.
         tensor_scale: float32 ``[1]`` power of two.

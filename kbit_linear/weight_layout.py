@@ -1,9 +1,9 @@
 """Which layout a module's packed weight takes on each device, and the conversions in place.
 
 Checkpoints, state dicts and CPU tensors hold bit-planes (``docs/format.md``, section 7). On a
-CUDA device a 4-bit weight is held as pair codes instead (section 7a): the same bytes with the
-bits permuted so that a GEMM lane loads its pairs as one word, without the gather that merges
-four planes. Every op accepts both layouts (the dtype says which), so this is an optimization
+CUDA device a 4- or 5-bit weight is held as pair codes instead (section 7a): the same bytes with
+the bits permuted so that a GEMM lane loads its pairs as one word (and a byte at 5 bits), without
+the gather that merges the planes. Every op accepts both layouts (the dtype says which), so this is an optimization
 that can never be wrong, only slower: a weight that arrives in planes by a path that does not
 pass here (for example accelerate's offload hooks setting tensors directly) still computes the
 same result.
@@ -24,14 +24,14 @@ from . import format as fmt
 
 __all__ = ["wants_pair_codes", "storage_form", "device_form", "adopt"]
 
-# Blocks converted per step: bounds the int64 temporaries of the conversion (~64 bytes per
-# block) to 64 MiB whatever the layer's size.
-_CHUNK_BLOCKS = 1 << 20
+# Blocks converted per step: bounds the temporaries of the conversion (up to ~200 bytes per
+# block at 5 bits: the block's 32 indices) to ~100 MiB whatever the layer's size.
+_CHUNK_BLOCKS = 1 << 19
 
 
 def wants_pair_codes(bits: int, device: torch.device) -> bool:
-    """Whether a ``bits``-bit weight on ``device`` is held as pair codes: 4 bits on a CUDA device."""
-    return bits == fmt.PAIR_CODE_BITS and device.type == "cuda"
+    """Whether a ``bits``-bit weight on ``device`` is held as pair codes: 4 and 5 bits on a CUDA device."""
+    return fmt.has_pair_codes(bits) and device.type == "cuda"
 
 
 def _convert(packed: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], per_block_in: int, per_block_out: int, dtype: torch.dtype) -> torch.Tensor:
@@ -48,7 +48,8 @@ def storage_form(packed: torch.Tensor) -> torch.Tensor:
     """``packed`` as bit-planes: itself if it holds planes, else a converted copy."""
     if not fmt.is_pair_codes(packed):
         return packed
-    return _convert(packed.detach(), fmt.to_planes, fmt.PAIR_CODE_BYTES, fmt.PAIR_CODE_BITS, torch.int32)
+    bits = fmt.pair_code_bits(packed)
+    return _convert(packed.detach(), fmt.to_planes, fmt.PAIR_CODE_BYTES[bits], bits, torch.int32)
 
 
 def device_form(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -58,7 +59,7 @@ def device_form(packed: torch.Tensor, bits: int) -> torch.Tensor:
         return packed
     if fmt.is_pair_codes(packed):
         return storage_form(packed)
-    return _convert(packed.detach(), fmt.to_pair_codes, fmt.PAIR_CODE_BITS, fmt.PAIR_CODE_BYTES, torch.uint8)
+    return _convert(packed.detach(), fmt.to_pair_codes, bits, fmt.PAIR_CODE_BYTES[bits], torch.uint8)
 
 
 def adopt(param: nn.Parameter | None, bits: int) -> None:

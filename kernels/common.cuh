@@ -106,6 +106,13 @@ KBIT_DEVICE u32 rotr(u32 x, u32 s) {
     return d;
 }
 
+// The low 32 bits of the 64-bit (hi:lo) shifted right by s (mod 32): one SHF instruction.
+KBIT_DEVICE u32 funnel_r(u32 lo, u32 hi, u32 s) {
+    u32 d;
+    asm("shf.r.wrap.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(s));
+    return d;
+}
+
 // (a & mask) | c in one LOP3 (the compiler otherwise splits it in two when it cannot prove the
 // operands' bits disjoint).
 KBIT_DEVICE u32 and_or(u32 a, u32 mask, u32 c) {

@@ -51,7 +51,8 @@
 //      adjacent weights (BITS = 3, 4, 5: bits 2b and 2b+1 = plane b of weights e and e+1;
 //      BITS = 5 keeps plane 4 in a second word) or per four weights (BITS = 2: bits j and 4+j
 //      = planes 0 and 1 of weight e+j). About 12 ALU ops per 32 weights at BITS = 4, none with
-//      4-bit pair codes (docs/format.md, section 7a), which are these index bytes as stored.
+//      4-bit pair codes (docs/format.md, section 7a), which are these index bytes as stored;
+//      5-bit pair codes hold each pair as a 10-bit field (first | second << 5), one shift away.
 //   2. Lookup: one prmt moves an index byte into the address of a shared-memory table entry
 //      that holds the decoded pair (half2) or quad (two half2). The table has one copy per lane
 //      (the lane picks the bank), so lookups never conflict. For BITS <= 4 the rows are 256 B
@@ -189,9 +190,14 @@ template <int BITS> struct Lut {
     static constexpr int kSmem = (kAlign > 128 ? kAlign : 0) + kBytes + 1024;
 };
 
-// Codebook indices encoded by a table index (see the gather functions for the bit layout).
-template <int BITS> KBIT_DEVICE void lut_indices(u32 idx, u32 (&e)[4]) {
-    if constexpr (BITS == 2) {
+// Codebook indices encoded by a table index (see the gather functions for the bit layout; with
+// 5-bit pair codes, PAIRS, the index is the pair code itself: first | second << 5).
+template <int BITS, bool PAIRS> KBIT_DEVICE void lut_indices(u32 idx, u32 (&e)[4]) {
+    if constexpr (BITS == 5 && PAIRS) {
+        e[0] = idx & 31u;
+        e[1] = idx >> 5;
+        e[2] = e[3] = 0;
+    } else if constexpr (BITS == 2) {
         // bit j = plane 0 of weight j, bit 4+j = plane 1 of weight j (j = 0..3)
 #pragma unroll
         for (int j = 0; j < 4; ++j) e[j] = ((idx >> j) & 1u) | (((idx >> (4 + j)) & 1u) << 1);
@@ -221,7 +227,7 @@ template <int BITS> KBIT_DEVICE void lut_indices(u32 idx, u32 (&e)[4]) {
 // 32 lane copies: kPer threads per entry (more entries than threads: one thread per entry and
 // several rounds). A thread's 16-byte stores are rotated by the entry index, so the lanes of a
 // warp spread over every bank.
-template <int BITS, int DT, int NTHREADS>
+template <int BITS, int DT, int NTHREADS, bool PAIRS>
 KBIT_DEVICE void build_tables(u32 lut, u32 stab, float cb, int tid) {
     using L = Lut<BITS>;
     const u32 cbh = pack2<DT>(cb, 0.0f);
@@ -237,7 +243,7 @@ KBIT_DEVICE void build_tables(u32 lut, u32 stab, float cb, int tid) {
         const u32 idx = (u32)min(s, kSlots - 1) / kPer;
         const u32 share = (u32)s % kPer;
         u32 e[4];
-        lut_indices<BITS>(idx, e);
+        lut_indices<BITS, PAIRS>(idx, e);
         const u32 w0 = __shfl_sync(0xffffffffu, cbh, (int)e[0]) | (__shfl_sync(0xffffffffu, cbh, (int)e[1]) << 16);
         u32 w1 = w0;
         if constexpr (BITS == 2) w1 = __shfl_sync(0xffffffffu, cbh, (int)e[2]) | (__shfl_sync(0xffffffffu, cbh, (int)e[3]) << 16);
@@ -293,9 +299,13 @@ template <int BITS> KBIT_DEVICE void gather(const u32 (&p)[BITS], u32 (&q)[4], u
 // Shared-memory address of the table entry for mma step s (0..7), half h (0: a0/a1, 1: a2/a3;
 // BITS = 2 returns both halves from one quad, h unused). `lanebase` = table base + lane * entry
 // bytes (table base 64 KiB aligned for BITS <= 4).
-template <int BITS> KBIT_DEVICE u32 lut_addr(const u32 (&q)[4], const u32 (&r)[4], int s, int h, u32 lanebase) {
+template <int BITS, bool PAIRS> KBIT_DEVICE u32 lut_addr(const u32 (&q)[4], const u32 (&r)[4], int s, int h, u32 lanebase) {
     const u32 m = (u32)(s >> 1);  // index byte within the word
-    if constexpr (BITS == 5) {
+    if constexpr (BITS == 5 && PAIRS) {
+        // the pair (8m + 2j, 8m + 2j + 1) is the 10-bit code at 10m of lane group j = (r[j] : q[j])
+        const int j = 2 * (s & 1) + h;
+        return (funnel_r(q[j], r[j], 10u * m) & 0x3ffu) * (u32)Lut<BITS>::kStride + lanebase;
+    } else if constexpr (BITS == 5) {
         const int j = 2 * (s & 1) + h;
         // [q byte m, r byte m, 0, 0] (sign-replicating r byte m < 0x80 gives zero bytes)
         const u32 idx = prmt(q[j], r[j], m | ((4u + m) << 4) | ((12u + m) << 8) | ((12u + m) << 12));
@@ -356,13 +366,20 @@ KBIT_DEVICE void load_x(u32 (&bx)[MT][16], const u16* __restrict__ x, int M, int
 template <int BITS> struct Prepped {
     u32 q[2][4], r[2][4], s2[2];
 };
-// PAIRS: the four words are pair codes (docs/format.md, section 7a), which are the index bytes
-// already: word j byte m = the pair (8m + 2j, 8m + 2j + 1).
+// PAIRS: the words are pair codes (docs/format.md, section 7a), which are the index bytes
+// already: word j byte m = the pair (8m + 2j, 8m + 2j + 1) at 4 bits; at 5 bits that pair is the
+// 10-bit code at 10m of lane group j, (byte 16 + j : word j), kept as q[j] and r[j].
 template <int BITS, bool PAIRS> KBIT_DEVICE void prep(const Sub<BITS>& d, Prepped<BITS>& o, u32 stab) {
-    static_assert(!PAIRS || BITS == 4, "pair codes are 4-bit");
+    static_assert(!PAIRS || BITS >= 4, "pair codes are 4- and 5-bit");
 #pragma unroll
     for (int rho = 0; rho < 2; ++rho) {
-        if constexpr (PAIRS) {
+        if constexpr (PAIRS && BITS == 5) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                o.q[rho][j] = d.p[rho][j];
+                o.r[rho][j] = d.p[rho][4] >> (8 * j);
+            }
+        } else if constexpr (PAIRS) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) o.q[rho][j] = d.p[rho][j];
         } else {
@@ -373,7 +390,7 @@ template <int BITS, bool PAIRS> KBIT_DEVICE void prep(const Sub<BITS>& d, Preppe
 }
 
 // Second half: table lookups, block scale, and the mma into acc.
-template <int BITS, int DT, int MT>
+template <int BITS, int DT, int MT, bool PAIRS>
 KBIT_DEVICE void lookup_mma(const Prepped<BITS>& o, const u32 (&bx)[MT][16], float (&acc)[MT][4], u32 lanebase) {
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
@@ -381,13 +398,13 @@ KBIT_DEVICE void lookup_mma(const Prepped<BITS>& o, const u32 (&bx)[MT][16], flo
 #pragma unroll
         for (int rho = 0; rho < 2; ++rho) {
             if constexpr (BITS == 2) {
-                const uint2 v = lds64(lut_addr<BITS>(o.q[rho], o.r[rho], s, 0, lanebase));
+                const uint2 v = lds64(lut_addr<BITS, PAIRS>(o.q[rho], o.r[rho], s, 0, lanebase));
                 w[rho][0] = mul2<DT>(v.x, o.s2[rho]);
                 w[rho][1] = mul2<DT>(v.y, o.s2[rho]);
             } else {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const u32 v = lds32(lut_addr<BITS>(o.q[rho], o.r[rho], s, h, lanebase));
+                    const u32 v = lds32(lut_addr<BITS, PAIRS>(o.q[rho], o.r[rho], s, h, lanebase));
                     w[rho][h] = mul2<DT>(v, o.s2[rho]);
                 }
             }
@@ -702,7 +719,7 @@ KBIT_DEVICE bool block_range(int units, int align, int& i0, int& i1) {
 // Template: BITS 2..5, DT (KBIT_F16 / KBIT_BF16), MT = ceil(M / 8) n8 fragments, NW warps per
 // block, of them KS side by side along K (so NW/KS row slots of R row groups: a row tile is
 // NW/KS*R*16 rows), D items of loads in flight per warp, MINB blocks per SM (register budget:
-// 65536 / (MINB * NW * 32) per thread), PAIRS: packed holds 4-bit pair codes (no gather).
+// 65536 / (MINB * NW * 32) per thread), PAIRS: packed holds pair codes (4 or 5 bits; no gather).
 // The body of both kernels below; GROUPED: grp describes the groups (else M rows of one weight).
 template <int BITS, int DT, int MT, int NW, int KS, int R, int D, bool GROUPED, bool PAIRS>
 KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restrict__ packed, const u8* __restrict__ absmax,
@@ -751,7 +768,7 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
     // 0.6-1.4 us lost at K = 3.)
     const float* cb_entry = codebook + (threadIdx.x & ((1 << BITS) - 1));
     const u32 cb_early = ldg_cg_word(cb_entry);
-    build_tables<BITS, DT, NW * 32>(lut_win, stab_win, __uint_as_float(cb_early), threadIdx.x);
+    build_tables<BITS, DT, NW * 32, PAIRS>(lut_win, stab_win, __uint_as_float(cb_early), threadIdx.x);
     if (KS > 1 && threadIdx.x < 2 * NWR) {
         const u32 ctl_s = ctls_win + threadIdx.x * kCtlBytes;
         sts32(ctl_s + kGenOffset, threadIdx.x / NWR);  // slot 0 starts with segment 0, slot 1 with 1
@@ -807,7 +824,7 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
     u32 bx[MT][16];
     load_x<MT>(bx, GROUPED ? x + (size_t)cur.xrow0 * K : x, GROUPED ? cur.xrows : M, K, cur.ch * 128 + 32 * t, g);
     if (__syncthreads_or(cb_changed)) {
-        build_tables<BITS, DT, NW * 32>(lut_win, stab_win, __ldcg(cb_entry), threadIdx.x);
+        build_tables<BITS, DT, NW * 32, PAIRS>(lut_win, stab_win, __ldcg(cb_entry), threadIdx.x);
         __syncthreads();
     }
     if (n_mine == 0) return;
@@ -831,7 +848,7 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
                 load_sub<BITS>(ring[d][r], pre.pw + r * 32 * BITS, pre.pa + r * 32,
                                refill && pre.khi && r < pre.vrg);
                 // (row groups past N decode zero planes with zero scales: no branch here)
-                lookup_mma<BITS, DT, MT>(o, bx, acc[r], lanebase);
+                lookup_mma<BITS, DT, MT, PAIRS>(o, bx, acc[r], lanebase);
             }
             if (j + D + 1 < n_mine)
                 pre.step(item_at(wk + (j + D + 1) * KS), kc, wr, t, g, k_tiles, n_tiles, packed, absmax, rg_valid, M, grp);

@@ -12,9 +12,12 @@
 // BITS = 5 uses no pair table: each lane keeps codebook[lane] in a register (cb_reg) and lanes
 // fetch entries with shfl.
 //
-// Weight words of a block: BITS bit-planes, or at BITS = 4 with PAIRS the four pair-code words
-// (docs/format.md, section 7a): word i is exactly the `pairs` word that lane i would gather
-// from the planes, so it loads one word and skips the gather.
+// Weight words of a block: BITS bit-planes, or with PAIRS its pair codes (docs/format.md, section
+// 7a), which need no gather:
+//   BITS = 4: word i is exactly the `pairs` word that lane i would gather from the planes;
+//   BITS = 5: lane quad i's eight indices are the 40-bit group (byte 16 + i : word i), index k
+//             at bits 5k (k = 2j: row 2i + 8j, k = 2j + 1: row 2i + 8j + 1), so each is one
+//             shift away from the shuffle's source-lane operand (which reads the low 5 bits).
 #pragma once
 #include "common.cuh"
 
@@ -80,12 +83,14 @@ __device__ __forceinline__ u32 build_dequant_tables(u8* lut_bytes, u32* scale_ta
 }
 
 // The words of one (column, 32-block) from shared memory that lane quad i decodes: the BITS
-// planes, as wide as alignment allows, or (PAIRS) its pair-code word i in w[0].
+// planes, as wide as alignment allows, or (PAIRS) its pair-code word i in w[0] (and at BITS = 5
+// its byte 16 + i in w[1]).
 template <int BITS, bool PAIRS>
 __device__ __forceinline__ void load_block(u32 (&w)[BITS], const u32* p, u32 i) {
-    static_assert(!PAIRS || BITS == 4, "pair codes are 4-bit");
+    static_assert(!PAIRS || BITS >= 4, "pair codes are 4- and 5-bit");
     if constexpr (PAIRS) {
         w[0] = p[i];
+        if constexpr (BITS == 5) w[1] = reinterpret_cast<const u8*>(p)[16 + i];
     } else if constexpr (BITS == 4) {
         const uint4 v = *reinterpret_cast<const uint4*>(p);
         w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
@@ -119,6 +124,19 @@ __device__ __forceinline__ void dequant_block(const u32 (&w)[BITS], u32 i, u32 s
             // byte j of `pairs` times 128 (32 copies x 4 bytes), plus this lane's copy
             const u32 off = and_or(j == 0 ? pairs << 7 : pairs >> (8 * j - 7), 0x7f80u, lane4);
             out[j] = mul2<DT>(*reinterpret_cast<const u32*>(lut + off), s2);
+        }
+    } else if constexpr (PAIRS) {
+        // index k of the lane's group at bits 5k of (w[1]:w[0]); the shuffle ignores the bits above
+        u32 idx[8];
+#pragma unroll
+        for (int k = 0; k < 6; ++k) idx[k] = w[0] >> (5 * k);
+        idx[6] = funnel_r(w[0], w[1], 30);
+        idx[7] = w[1] >> 3;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 lo = shfl_idx(cb_reg, idx[2 * j]);
+            const u32 hi = shfl_idx(cb_reg, idx[2 * j + 1]);
+            out[j] = mul2<DT>(prmt(lo, hi, 0x5410u), s2);
         }
     } else {
         u32 even = 0, odd = 0;

@@ -50,7 +50,8 @@
 // plane word. Rotating plane b right by 2i - 2b and masking with 0x03030303 << 2b drops both
 // bits of each pair into byte j at bits 2b, 2b+1; OR-ing the BITS planes leaves one "pair index"
 // (lo/hi bits interleaved) per byte. With 4-bit pair codes (PAIRS, docs/format.md, section 7a)
-// that word is stored as such: the lane loads word i of the block and skips the gather.
+// that word is stored as such: the lane loads word i of the block and skips the gather; 5-bit
+// pair codes store the lane's eight indices as 5-bit fields of (byte 16 + i : word i).
 // BITS <= 4: a shared-memory table maps a pair index straight
 // to the two codebook values (one 32-bit load per two weights; 32 copies of the table, one per
 // bank, so lanes never conflict). BITS = 5: each lane keeps one codebook entry in a register and
@@ -233,7 +234,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[GemmShape<BITS, MB
 //   BITS  index width, 2..5
 //   MB    m16 row blocks per block tile (1, 2, 4, 8): BM = 16 * MB rows
 //   DT    activation/output type: KBIT_F16 or KBIT_BF16
-//   PAIRS packed holds 4-bit pair codes instead of planes (docs/format.md, section 7a)
+//   PAIRS packed holds pair codes (4 or 5 bits) instead of planes (docs/format.md, section 7a)
 // Arguments:
 //   x [M, K] (row-major, K % 8 == 0, 16-byte aligned), packed/absmax: the tiled weight,
 //   codebook float32 [2^BITS], tensor_scale float32 [1], bias [N] in DT or null, out [M, N],

@@ -520,7 +520,7 @@ __device__ __forceinline__ void run_block(u8* smem, Walk& walk, const TensorMap*
 //   BITS  index width, 2..5
 //   BT    tokens per block tile (wgmma's N): 64, 128 or 256
 //   DT    activation/output type: KBIT_F16 or KBIT_BF16
-//   PAIRS packed holds 4-bit pair codes instead of planes (docs/format.md, section 7a)
+//   PAIRS packed holds pair codes (4 or 5 bits) instead of planes (docs/format.md, section 7a)
 // Arguments: x_map: tensor map of x [M, K] (16-bit elements, row stride K * 2 bytes, box 64 x BT,
 //   128-byte swizzle, zero fill; hopper.py builds it); the tiled weight; codebook, tensor_scale,
 //   bias or null, out [M, N]; workspace of gridDim.x * 2 * 256 * BT / 2 floats, touched only for

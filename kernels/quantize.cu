@@ -9,7 +9,7 @@
 // Layouts (docs/format.md):
 //   packed_flat int32 [N, nblk, BITS]    absmax_flat uint8 [N, nblk]        nblk = ceil(K / 32)
 //   packed      int32 [KT, NT, 128, 2, BITS]   absmax uint8 [KT, NT, 128, 2]   KT = K_pad/64, NT = N_pad/128
-//               (dequantize also reads 4-bit pair codes, uint8 [KT, NT, 128, 2, 16]: section 7a)
+//               (dequantize also reads pair codes, uint8 [KT, NT, 128, 2, 16 or 20]: section 7a)
 #include "common.cuh"
 
 namespace kbit {
@@ -134,8 +134,9 @@ __global__ void __launch_bounds__(256) kbit_repack(const u32* __restrict__ packe
 // own byte of the block and fetches codebook entries with shfl (lane l holds codebook[l]).
 //   out [N, K] in DT (fp16, bf16 or fp32), row-major; values are codebook[idx] * (e4m4 * ts)
 //   in fp32 (as the reference), rounded once to DT.
-// PAIRS: packed holds 4-bit pair codes: the lane's pairs (8q + 2w, 8q + 2w + 1) are byte q of
-// word w.
+// PAIRS: packed holds pair codes (docs/format.md, section 7a): the lane's pairs (8q + 2w,
+// 8q + 2w + 1) are byte q of word w (4 bits), or the 10 bits at 10q of lane group w, i.e. of
+// (byte 16 + w : word w) (5 bits: first index in the low 5 bits, second in the next 5).
 // Launch: 256 threads per block, ceil(N * ceil(KT / 4) / 8) blocks.
 template <int BITS, int DT, bool PAIRS = false>
 __global__ void __launch_bounds__(256) kbit_dequantize(const u32* __restrict__ packed, const u8* __restrict__ absmax,
@@ -171,8 +172,15 @@ __global__ void __launch_bounds__(256) kbit_dequantize(const u32* __restrict__ p
 
     // idx[t]: the index of element 8q + t (bits past the low 5 are ignored by the shuffle).
     u32 idx[8];
-    if constexpr (PAIRS) {
-        static_assert(BITS == 4, "pair codes are 4-bit");
+    if constexpr (PAIRS && BITS == 5) {
+        // pair t = 10 bits at 10q of (byte 16 + t : word t); the shuffle reads the low 5 bits
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            idx[2 * t] = funnel_r(w[t], w[4] >> (8 * t), 10 * q);
+            idx[2 * t + 1] = idx[2 * t] >> 5;
+        }
+    } else if constexpr (PAIRS) {
+        static_assert(BITS == 4, "pair codes are 4- and 5-bit");
         // byte t of p: the pair code of elements 8q + 2t, 8q + 2t + 1 (byte q of word t); its even
         // bits compacted are the first index, its odd bits the second (all four bytes at once)
         const u32 sel = (u32)q | ((4u + q) << 4);

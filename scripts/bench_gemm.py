@@ -163,15 +163,15 @@ def make_gemlite(gemlite: Any, w: torch.Tensor, dtype: torch.dtype, bits: int, l
     return Impl(f"gemlite int{bits} g64", "peer", lambda x, i: layers[i](x), len(layers), nbytes)
 
 
-def _pair_code_bits() -> int:
+def _has_pair_codes(bits: int) -> bool:
     from kbit_linear import format as kfmt
 
-    return kfmt.PAIR_CODE_BITS
+    return kfmt.has_pair_codes(bits)
 
 
 def make_kbit(w: torch.Tensor, bits: int, l2: int, cuda_backend: Any, planes: bool = False) -> Impl:
     """kbit weights through ``torch.ops.kbit_linear.gemm`` (the CUDA backend's kernels), in the
-    layout a ``KbitLinear`` holds on the GPU (pair codes at 4 bits), or with ``planes`` as bit-planes."""
+    layout a ``KbitLinear`` holds on the GPU (pair codes at 4 and 5 bits), or with ``planes`` as bit-planes."""
     from kbit_linear import format as kfmt
     from kbit_linear import weight_layout
 
@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kbit_impls: list[Impl] = []
         if cuda_backend is not None:
             for bits in args.bits:
-                for planes in (False, True) if args.planes and bits == _pair_code_bits() else (False,):
+                for planes in (False, True) if args.planes and _has_pair_codes(bits) else (False,):
                     try:
                         t = time.perf_counter()
                         kbit_impls.append(make_kbit(w, bits, l2, cuda_backend, planes))
@@ -549,7 +549,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--peers", nargs="+", default=PEERS, choices=PEERS, help="which rows to time")
     p.add_argument("--planes", action="store_true",
-                   help="also time the 4-bit weights as bit-planes (the modules hold pair codes on a GPU): a layout A/B")
+                   help="also time the 4- and 5-bit weights as bit-planes (the modules hold pair codes on a GPU): a layout A/B")
     p.add_argument("--gemlite-bits", nargs="+", type=int, default=[4], choices=[2, 4],
                    help="gemlite weight widths (default 4; each width costs Triton compiles per shape and M)")
     p.add_argument("--repeats", type=int, default=5, help="timed graph replays per row (median reported)")

@@ -3,7 +3,7 @@
 Every GEMM path (decode with each schedule, the grouped decode kernel of mixture-of-experts
 layers, fused, fused-splitk, wgmma, wgmma-splitk, wgmma with K split over clusters of 2, 4 and 8
 blocks, and the grouped wgmma kernel (each token tile) on GPUs of compute capability 9.0,
-dequantize + cuBLAS), bits 2..5 (``--pairs``: the 4-bit weights as pair codes),
+dequantize + cuBLAS), bits 2..5 (``--pairs``: the 4- and 5-bit weights as pair codes),
 fp16 and bf16, M from 1 to 300, small odd shapes and Llama-sized ones, a bias, and the quantize /
 repack / dequantize kernels that build each weight; with ``--bits`` including 4 (they have no
 kbit width, so one process runs them) also the GGUF block-format kernels (dequantize, the
@@ -173,7 +173,7 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", help="out x in shapes to run instead of the built-in lists, e.g. 1000x1000")
     parser.add_argument("--only", nargs="+", help="run only the launches whose label starts with one of these (e.g. wgmma decode)")
     parser.add_argument("--pairs", action="store_true",
-                        help="hold the 4-bit weights as pair codes (docs/format.md, section 7a), as modules do on a GPU")
+                        help="hold the 4- and 5-bit weights as pair codes (docs/format.md, section 7a), as modules do on a GPU")
     parser.add_argument("--verbose", action="store_true", help="name each launch before it runs (with CUDA_LAUNCH_BLOCKING=1 the last name is the culprit)")
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -186,7 +186,7 @@ def main() -> int:
     for (n, k), ms, every_path in cases:
         for bits in args.bits:
             qw = _weight(n, k, bits, dev)
-            if args.pairs and bits == fmt.PAIR_CODE_BITS:
+            if args.pairs and fmt.has_pair_codes(bits):
                 qw = (fmt.to_pair_codes(qw[0]), *qw[1:])
             wd = qw[-1]
             for dtype in DTYPES:

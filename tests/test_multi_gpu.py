@@ -113,7 +113,7 @@ def test_every_path_on_the_second_gpu(bits, dtype, current):
     ref_layer = kbit_linear.KbitLinear.from_linear(dense, bits=bits)  # CPU reference
     with _current(current):
         layer = kbit_linear.KbitLinear.from_linear(dense.to(SECOND), bits=bits)  # quantize + repack on cuda:1
-        assert layer.weight.dtype == (torch.uint8 if bits == fmt.PAIR_CODE_BITS else torch.int32)  # pair codes on a GPU
+        assert layer.weight.dtype == (torch.uint8 if fmt.has_pair_codes(bits) else torch.int32)  # pair codes on a GPU
         state = layer.state_dict()  # planes, as the CPU layer holds them
         for name in ("weight", "absmax", "codebook", "tensor_scale"):
             t = state[name]

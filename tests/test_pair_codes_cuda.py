@@ -1,4 +1,4 @@
-"""Every CUDA kernel that reads a weight, fed 4-bit pair codes (``docs/format.md``, section 7a),
+"""Every CUDA kernel that reads a weight, fed 4- and 5-bit pair codes (``docs/format.md``, section 7a),
 against the reference and against the same kernel fed planes (marker ``cuda``).
 
 Same tolerances as ``test_kernels_cuda.py``; outputs NaN-poisoned first. A pair-code launch and a
@@ -28,7 +28,7 @@ pytestmark = [
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_sm90 = pytest.mark.skipif(not SM90, reason="the wgmma kernels need compute capability 9.0")
-BITS = fmt.PAIR_CODE_BITS
+BITS = tuple(fmt.PAIR_CODE_BYTES)  # the widths with pair codes
 SHAPES = [(576, 192), (100, 33), (200, 300), (1536, 576), (8, 130), (4096, 1000)]  # (in, out): odd K and N
 PATH_ROWS = {"decode": (1, 5, 9, 16), "fused": (1, 17, 64, 100), "fused-splitk": (3, 40),
              "dequant+cublas": (2, 300), "wgmma": (17, 64, 65, 129, 300, 777), "wgmma-splitk": (64, 200)}
@@ -48,18 +48,19 @@ def _run(x: torch.Tensor, qw: fmt.KbitWeight, **kw) -> torch.Tensor:
 
 def _cases():
     i = 0
-    for path, rows in PATH_ROWS.items():
-        for m in rows:
-            for dtype in DTYPES:
-                k, n = SHAPES[i % len(SHAPES)]
-                i += 1
-                marks = [needs_sm90] if path.startswith("wgmma") else []
-                yield pytest.param(path, m, k, n, dtype, marks=marks, id=f"{path}-M{m}-{k}x{n}-{str(dtype)[6:]}")
+    for bits in BITS:
+        for path, rows in PATH_ROWS.items():
+            for m in rows:
+                for dtype in DTYPES:
+                    k, n = SHAPES[i % len(SHAPES)]
+                    i += 1
+                    marks = [needs_sm90] if path.startswith("wgmma") else []
+                    yield pytest.param(bits, path, m, k, n, dtype, marks=marks, id=f"K{bits}-{path}-M{m}-{k}x{n}-{str(dtype)[6:]}")
 
 
-@pytest.mark.parametrize("path,m,k,n,dtype", list(_cases()))
-def test_every_gemm_path_reads_pair_codes(path, m, k, n, dtype):
-    qw = _weight(n, k, BITS)
+@pytest.mark.parametrize("bits,path,m,k,n,dtype", list(_cases()))
+def test_every_gemm_path_reads_pair_codes(bits, path, m, k, n, dtype):
+    qw = _weight(n, k, bits)
     pw = _pair_weight(qw)
     x = torch.randn(m, k, device=DEV, dtype=dtype)
     out = _run(x, pw, path=path)
@@ -68,10 +69,11 @@ def test_every_gemm_path_reads_pair_codes(path, m, k, n, dtype):
     assert _rel_err(out, _run(x, qw, path=path)) < 1e-3, "pair codes and planes disagree"
 
 
-def test_dispatch_keeps_one_plan_per_layout():
+@pytest.mark.parametrize("bits", BITS)
+def test_dispatch_keeps_one_plan_per_layout(bits):
     """The plan cache tells the layouts apart: a plane call after a pair-code call of the same
     problem still reads planes (and the other way round)."""
-    qw = _weight(192, 576, BITS)
+    qw = _weight(192, 576, bits)
     pw = _pair_weight(qw)
     for m in (1, 40, 300):
         x = torch.randn(m, 576, device=DEV, dtype=torch.float16)
@@ -80,40 +82,43 @@ def test_dispatch_keeps_one_plan_per_layout():
             assert _rel_err(_run(x, w), ref) < REL_TOL[torch.float16]
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("shape", [(192, 576), (33, 100), (300, 200)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_dequantize_kernel_reads_pair_codes_bit_identically(dtype, shape):
+def test_dequantize_kernel_reads_pair_codes_bit_identically(dtype, shape, bits):
     n, k = shape
-    qw = _weight(n, k, BITS)
+    qw = _weight(n, k, bits)
     pw = _pair_weight(qw)
-    got = ops.dequantize_cuda(pw.packed, pw.absmax, pw.codebook, pw.tensor_scale, BITS, n, k, dtype)
+    got = ops.dequantize_cuda(pw.packed, pw.absmax, pw.codebook, pw.tensor_scale, bits, n, k, dtype)
     assert torch.equal(got, fmt.dequantize(qw, torch.float32).to(dtype))
 
 
-def _pair_experts(e: int, k: int, n: int):
-    packed, absmax, codebook, ts, dense = _experts(e, k, n, BITS)
+def _pair_experts(e: int, k: int, n: int, bits: int):
+    packed, absmax, codebook, ts, dense = _experts(e, k, n, bits)
     return fmt.to_pair_codes(packed), absmax, codebook, ts, dense
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("shape", ((576, 192), (2048, 1536), (100, 33)), ids=lambda s: f"{s[0]}to{s[1]}")
-def test_grouped_decode_reads_pair_codes(shape):
+def test_grouped_decode_reads_pair_codes(shape, bits):
     k, n = shape
-    packed, absmax, codebook, ts, dense = _pair_experts(6, k, n)
+    packed, absmax, codebook, ts, dense = _pair_experts(6, k, n, bits)
     for dtype in DTYPES:
         for max_rows in (1, 8, 16):
             counts = [max_rows, 0, 1, max_rows // 2, 3 % (max_rows + 1)]
             experts = [5, 1, 2, 2, 0]
             x = torch.randn(sum(counts) + 2, k, device=DEV, dtype=dtype)
             out = torch.full((x.shape[0], n), float("nan"), dtype=dtype, device=DEV)
-            decode.grouped_decode_gemm(x, packed, absmax, codebook, ts, _groups(counts, experts), BITS, n, out, max_rows)
+            decode.grouped_decode_gemm(x, packed, absmax, codebook, ts, _groups(counts, experts), bits, n, out, max_rows)
             _check_grouped(out, x, dense, counts, experts, dtype)
 
 
 @needs_sm90
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("shape", ((576, 192), (1000, 1000), (104, 33)), ids=lambda s: f"{s[0]}to{s[1]}")
-def test_grouped_wgmma_reads_pair_codes(shape):
+def test_grouped_wgmma_reads_pair_codes(shape, bits):
     k, n = shape
-    packed, absmax, codebook, ts, dense = _pair_experts(6, k, n)
+    packed, absmax, codebook, ts, dense = _pair_experts(6, k, n, bits)
     for dtype in DTYPES:
         for tile in hopper.TOKEN_TILES:
             counts = [tile + 5, 0, tile, 17, 40]
@@ -121,7 +126,7 @@ def test_grouped_wgmma_reads_pair_codes(shape):
             x = torch.randn(sum(counts) + 3, k, device=DEV, dtype=dtype)
             groups = _groups(counts, experts)
             out = torch.full((x.shape[0], n), float("nan"), dtype=dtype, device=DEV)
-            plan = grouped.grouped_plan(x.shape[0], groups.shape[1], BITS, dtype, packed.shape[2], torch.cuda.current_device(),
+            plan = grouped.grouped_plan(x.shape[0], groups.shape[1], bits, dtype, packed.shape[2], torch.cuda.current_device(),
                                         token_tile=tile, pairs=True)
             grouped.launch(plan, x, packed, absmax, codebook, ts, groups, out)
             torch.cuda.synchronize()
@@ -133,11 +138,12 @@ def test_grouped_wgmma_reads_pair_codes(shape):
 # ---------------------------------------------------------------------------------------
 
 
-def test_linear_holds_pair_codes_on_the_gpu_and_gives_planes_in_its_state_dict():
+@pytest.mark.parametrize("bits", BITS)
+def test_linear_holds_pair_codes_on_the_gpu_and_gives_planes_in_its_state_dict(bits):
     dense = torch.nn.Linear(300, 200, device=DEV)
-    layer = KbitLinear.from_linear(dense, bits=4)
+    layer = KbitLinear.from_linear(dense, bits=bits)
     assert layer.weight.dtype == torch.uint8  # pair codes
-    cpu = KbitLinear(300, 200, bits=4)
+    cpu = KbitLinear(300, 200, bits=bits)
     cpu.load_state_dict(layer.state_dict())
     assert cpu.weight.dtype == torch.int32
     x = torch.randn(7, 300, device=DEV)  # float32: runs in bf16 on the GPU
@@ -152,8 +158,9 @@ def test_linear_holds_pair_codes_on_the_gpu_and_gives_planes_in_its_state_dict()
     assert _rel_err(layer(x).cpu(), cpu(x.cpu())) < REL_TOL[torch.bfloat16]
 
 
-def test_experts_hold_pair_codes_on_the_gpu():
-    module = KbitExperts(4, 256, 128, bits=4, device="cpu")
+@pytest.mark.parametrize("bits", BITS)
+def test_experts_hold_pair_codes_on_the_gpu(bits):
+    module = KbitExperts(4, 256, 128, bits=bits, device="cpu")
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for proj in ("gate_up_proj", "down_proj"):

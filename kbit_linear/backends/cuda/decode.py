@@ -294,7 +294,7 @@ def decode_plan(
         schedule_kind: one of :data:`SCHEDULES` (benchmarks and tests; default ``"auto"``).
         groups: for the grouped kernel, the number of groups (``m`` is then the most rows one
             group may have); ``None`` for the single-weight kernel.
-        pairs: the weight holds 4-bit pair codes (uint8 ``packed``) instead of planes.
+        pairs: the weight holds pair codes (uint8 ``packed``, 4 or 5 bits) instead of planes.
 
     Returns:
         The :class:`DecodePlan` (cached per device, fragment count, bits, dtype, shape, config, groups).
@@ -446,7 +446,7 @@ def grouped_decode_gemm(
     Args:
         x: ``[R, K]`` float16 or bfloat16 on a CUDA device, contiguous.
         packed: int32 ``[E, K_pad/64, N_pad/128, 128, 2, bits]``: every expert's tiled planes (or
-            uint8 4-bit pair codes ``[..., 16]``).
+            uint8 pair codes ``[..., 16]`` / ``[..., 20]`` at 4 / 5 bits).
         absmax: uint8 ``[E, K_pad/64, N_pad/128, 128, 2]``.
         codebook: float32 ``[2**bits]``, shared by the experts.
         tensor_scale: float32 ``[E]``.

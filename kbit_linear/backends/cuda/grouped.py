@@ -52,7 +52,7 @@ class GroupedPlan:
 def grouped_plan(rows: int, groups: int, bits: int, dtype: torch.dtype, n_tiles: int, device_index: int,
                  token_tile: int | None = None, grid: int | None = None, pairs: bool = False) -> GroupedPlan:
     """The cached plan of ``rows`` rows of x in at most ``groups`` groups of a weight with
-    ``n_tiles`` n-tiles (``pairs``: stored as 4-bit pair codes). ``token_tile`` / ``grid`` force
+    ``n_tiles`` n-tiles (``pairs``: stored as pair codes). ``token_tile`` / ``grid`` force
     those (tests: a grid of one block walks every item).
 
     Raises:

@@ -55,7 +55,7 @@ def supported(device_index: int) -> bool:
 def instance_name(bits: int, token_tile: int, dtype: torch.dtype, kernel: str = "kbit_gemm_sm90", pairs: bool = False) -> str:
     """The name expression of one instance, e.g. ``"kbit_gemm_sm90<4, 128, 0>"``; ``kernel``:
     ``"kbit_gemm_sm90_grouped"`` for the grouped form (same template parameters); ``pairs``: the
-    weight holds 4-bit pair codes."""
+    weight holds pair codes (4 or 5 bits)."""
     return f"{kernel}<{bits}, {token_tile}, {_DT[dtype]}{layout_arg(pairs)}>"
 
 

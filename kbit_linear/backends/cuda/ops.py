@@ -56,9 +56,9 @@ _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _ACT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _BITS = frozenset(fmt.SUPPORTED_BITS)
 _CB_SHAPES = {b: torch.Size([1 << b]) for b in fmt.SUPPORTED_BITS}
-# packed's last dimension by (pair codes?, bits); pair codes exist at 4 bits only (-1: never matches)
+# packed's last dimension by (pair codes?, bits); pair codes exist at 4 and 5 bits (-1: never matches)
 _BLOCK_ENTRIES = {False: {b: b for b in fmt.SUPPORTED_BITS},
-                  True: {b: fmt.PAIR_CODE_BYTES if b == fmt.PAIR_CODE_BITS else -1 for b in fmt.SUPPORTED_BITS}}
+                  True: {b: fmt.PAIR_CODE_BYTES.get(b, -1) for b in fmt.SUPPORTED_BITS}}
 _GEMM_ARGS_SPEC = "x:p packed:p absmax:p codebook:p tensor_scale:p bias:p out:p workspace:p counters:p M:i N:i K:i n_tiles:i k_tiles:i iters:i"
 _GEMM_ARGS = loader.ArgPack("kbit_gemm", _GEMM_ARGS_SPEC)
 # The wgmma kernel reads x through a tensor map (passed by value) instead of a pointer.
@@ -294,7 +294,7 @@ def _wgmma_cluster(plan: _GemmPlan, k_tiles: int, token_tile: int, sm_count: int
 def _plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_index: int, path: str | None, split_k: int | None,
           pairs: bool = False) -> _GemmPlan:
     """The cached plan of a problem (``k`` a multiple of 8: x's row length as the kernels see it;
-    ``pairs``: the weight holds 4-bit pair codes)."""
+    ``pairs``: the weight holds pair codes)."""
     key = ("gemm", device_index, m, n, k, bits, dtype, path, split_k, pairs)
     plan = plans.lookup(key)
     if plan is not None:
@@ -401,8 +401,8 @@ def gemm_cuda(
     Args:
         x: ``[..., in_features]`` floating point, on a CUDA device (fp16/bf16 natively; others
             run in bf16).
-        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` bit-planes, or at 4 bits uint8
-            ``[..., 16]`` pair codes (``kbit_linear.format.to_pair_codes``).
+        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` bit-planes, or at 4 / 5 bits uint8
+            ``[..., 16]`` / ``[..., 20]`` pair codes (``kbit_linear.format.to_pair_codes``).
         absmax: uint8 ``[K_pad/64, N_pad/128, 128, 2]`` E4M4 codes.
         codebook: float32 ``[2**bits]``.
         tensor_scale: float32 ``[1]``.

@@ -35,12 +35,12 @@ def kernel_rows(x2d: torch.Tensor) -> torch.Tensor:
 
 def layout_arg(pairs: bool) -> str:
     """The end of a weight kernel's name expression for its weight layout: ``""`` for bit-planes
-    (the ``PAIRS`` template parameter's default), ``", true"`` for 4-bit pair codes
+    (the ``PAIRS`` template parameter's default), ``", true"`` for 4- or 5-bit pair codes
     (``kbit_linear.format.to_pair_codes``; a uint8 ``packed``)."""
     return ", true" if pairs else ""
 
 
 def weight_layouts(bits: int) -> tuple[bool, ...]:
     """The ``pairs`` values a weight kernel is instantiated with at ``bits``: planes always,
-    pair codes at 4 bits."""
-    return (False, True) if bits == fmt.PAIR_CODE_BITS else (False,)
+    pair codes where the width has them (4 and 5 bits)."""
+    return (False, True) if fmt.has_pair_codes(bits) else (False,)
