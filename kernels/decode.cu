@@ -298,13 +298,19 @@ template <int BITS> KBIT_DEVICE void gather(const u32 (&p)[BITS], u32 (&q)[4], u
 
 // Shared-memory address of the table entry for mma step s (0..7), half h (0: a0/a1, 1: a2/a3;
 // BITS = 2 returns both halves from one quad, h unused). `lanebase` = table base + lane * entry
-// bytes (table base 64 KiB aligned for BITS <= 4).
-template <int BITS, bool PAIRS> KBIT_DEVICE u32 lut_addr(const u32 (&q)[4], const u32 (&r)[4], int s, int h, u32 lanebase) {
+// bytes (table base 64 KiB aligned for BITS <= 4), `tbase` = the table base (the same in every
+// thread).
+template <int BITS, bool PAIRS>
+KBIT_DEVICE u32 lut_addr(const u32 (&q)[4], const u32 (&r)[4], int s, int h, u32 lanebase, u32 tbase) {
     const u32 m = (u32)(s >> 1);  // index byte within the word
     if constexpr (BITS == 5 && PAIRS) {
-        // the pair (8m + 2j, 8m + 2j + 1) is the 10-bit code at 10m of lane group j = (r[j] : q[j])
+        // the pair (8m + 2j, 8m + 2j + 1) is the 10-bit code at 10m of lane group j = (r[j] : q[j]);
+        // shifted to bit 7 (the row stride), masked and merged with the lane's copy in one lop3,
+        // plus the table base (a uniform register, which the shared load can add itself)
+        static_assert(Lut<BITS>::kStride == 128, "row stride 2^7");
         const int j = 2 * (s & 1) + h;
-        return (funnel_r(q[j], r[j], 10u * m) & 0x3ffu) * (u32)Lut<BITS>::kStride + lanebase;
+        const u32 x = m == 0 ? q[j] << 7 : funnel_r(q[j], r[j], 10u * m - 7u);
+        return and_or(x, 0x3ffu << 7, lanebase - tbase) + tbase;
     } else if constexpr (BITS == 5) {
         const int j = 2 * (s & 1) + h;
         // [q byte m, r byte m, 0, 0] (sign-replicating r byte m < 0x80 gives zero bytes)
@@ -391,20 +397,20 @@ template <int BITS, bool PAIRS> KBIT_DEVICE void prep(const Sub<BITS>& d, Preppe
 
 // Second half: table lookups, block scale, and the mma into acc.
 template <int BITS, int DT, int MT, bool PAIRS>
-KBIT_DEVICE void lookup_mma(const Prepped<BITS>& o, const u32 (&bx)[MT][16], float (&acc)[MT][4], u32 lanebase) {
+KBIT_DEVICE void lookup_mma(const Prepped<BITS>& o, const u32 (&bx)[MT][16], float (&acc)[MT][4], u32 lanebase, u32 tbase) {
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
         u32 w[2][2];  // [row][h]
 #pragma unroll
         for (int rho = 0; rho < 2; ++rho) {
             if constexpr (BITS == 2) {
-                const uint2 v = lds64(lut_addr<BITS, PAIRS>(o.q[rho], o.r[rho], s, 0, lanebase));
+                const uint2 v = lds64(lut_addr<BITS, PAIRS>(o.q[rho], o.r[rho], s, 0, lanebase, tbase));
                 w[rho][0] = mul2<DT>(v.x, o.s2[rho]);
                 w[rho][1] = mul2<DT>(v.y, o.s2[rho]);
             } else {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const u32 v = lds32(lut_addr<BITS, PAIRS>(o.q[rho], o.r[rho], s, h, lanebase));
+                    const u32 v = lds32(lut_addr<BITS, PAIRS>(o.q[rho], o.r[rho], s, h, lanebase, tbase));
                     w[rho][h] = mul2<DT>(v, o.s2[rho]);
                 }
             }
@@ -848,7 +854,7 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
                 load_sub<BITS>(ring[d][r], pre.pw + r * 32 * BITS, pre.pa + r * 32,
                                refill && pre.khi && r < pre.vrg);
                 // (row groups past N decode zero planes with zero scales: no branch here)
-                lookup_mma<BITS, DT, MT, PAIRS>(o, bx, acc[r], lanebase);
+                lookup_mma<BITS, DT, MT, PAIRS>(o, bx, acc[r], lanebase, lut_win);
             }
             if (j + D + 1 < n_mine)
                 pre.step(item_at(wk + (j + D + 1) * KS), kc, wr, t, g, k_tiles, n_tiles, packed, absmax, rg_valid, M, grp);

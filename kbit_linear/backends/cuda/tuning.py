@@ -129,13 +129,15 @@ FUSED_MIN_SPLIT_ITERS = 4
 # on others (K = 2 8192->28672 1542.3 vs 1446.0, 28672->8192 1253.3 vs 1413.9).
 WGMMA_ROWS: dict[str, tuple[int, int]] = {"default": (33, 2048)}
 
-# Lower last wgmma row for some index widths, per GPU: K = 5 decodes more per weight, and from
-# M = 1024 dequantize + cuBLAS is faster. H100 (2026-11-23, one run of the dispatcher's plan vs
-# dequantize + cuBLAS, fp16, us): K = 5 M = 1024 4096->14336 290.5 vs 233.7, 14336->4096 260.5 vs
-# 227.3, 8192->28672 1041.1 vs 909.4, 28672->8192 973.7 vs 915.5; at M = 512 wgmma still wins
-# (137.4 vs 160.8, 142.7 vs 149.3, 545.4 vs 601.0, 525.5 vs 592.3). K = 4 keeps 1024 (M = 1024:
-# 870.6 vs 918.5, 228.9 vs 234.0, 205.4 vs 223.1, 839.0 vs 930.0).
-WGMMA_LAST_ROW_BY_BITS: dict[str, dict[int, int]] = {"default": {2: 1024, 3: 1024, 5: 512}}
+# Lower last wgmma row for some index widths, per GPU (K = 2 and 3 above; K = 4 takes WGMMA_ROWS).
+# K = 5 was held to M = 512 while it decoded from planes (H100, 2026-11-23, M = 1024 8192->28672
+# 1041.1 us against 909.4 for dequantize + cuBLAS). With 5-bit pair codes (what a 5-bit layer
+# holds on the GPU) the kernel wins at M = 1024 on every Llama shape: H100 (2026-11-24,
+# `bench_wgmma.py --bits 5 --m 1024 2048 --splits`, fp16, us, tile 256 with its automatic split
+# vs dequantize + cuBLAS) 4096->4096 53.3 vs 64.4, 4096->14336 206.4 vs 220.8, 14336->4096 174.9
+# vs 214.5, 8192->28672 765.0 vs 865.1; at M = 2048 it ties or loses on three of four (109.0 vs
+# 107.7, 387.2 vs 374.3, 368.6 vs 363.2; 1459.6 vs 1597.6).
+WGMMA_LAST_ROW_BY_BITS: dict[str, dict[int, int]] = {"default": {2: 1024, 3: 1024, 5: 1024}}
 
 # (first row, smallest weight in elements N * K): weights at least that large take the wgmma
 # kernel from that row instead of WGMMA_ROWS' first, per GPU. H100, fp16, us, wgmma (tile 64,
