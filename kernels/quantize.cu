@@ -128,47 +128,63 @@ __global__ void __launch_bounds__(256) kbit_repack(const u32* __restrict__ packe
     absmax[g] = ok ? absmax_flat[src] : (u8)0;
 }
 
-// One warp per (row n, span of 4 k-tiles): lane l writes the 8 weights k = 64 * (4 * span) + 8 * l
-// .. + 7 of row n, so a warp stores 256 consecutive weights (512 bytes in fp16) at once. The
-// four lanes of one 32-block read the same BITS plane words; each extracts the indices of its
+// One warp per (row n, span of 4 k-tiles) item: lane l writes the 8 weights k = 64 * (4 * span)
+// + 8 * l .. + 7 of row n, so a warp stores 256 consecutive weights (512 bytes in fp16) at once.
+// The four lanes of one 32-block read the same BITS plane words; each extracts the indices of its
 // own byte of the block and fetches codebook entries with shfl (lane l holds codebook[l]).
 //   out [N, K] in DT (fp16, bf16 or fp32), row-major; values are codebook[idx] * (e4m4 * ts)
 //   in fp32 (as the reference), rounded once to DT.
 // PAIRS: packed holds pair codes (docs/format.md, section 7a): the lane's pairs (8q + 2w,
 // 8q + 2w + 1) are byte q of word w (4 bits), or the 10 bits at 10q of lane group w, i.e. of
 // (byte 16 + w : word w) (5 bits: first index in the low 5 bits, second in the next 5).
-// Launch: 256 threads per block, ceil(N * ceil(KT / 4) / 8) blocks.
-template <int BITS, int DT, bool PAIRS = false>
-__global__ void __launch_bounds__(256) kbit_dequantize(const u32* __restrict__ packed, const u8* __restrict__ absmax,
-                                                       const float* __restrict__ codebook,
-                                                       const float* __restrict__ tensor_scale, void* __restrict__ out, int N,
-                                                       int K, int n_tiles, int k_tiles) {
+// A warp takes kDequantItems consecutive items (the next spans of a row) and issues the loads of
+// all of them before it decodes the first: one load round trip per warp would leave the copy
+// engine short of reads in flight (the kernel is a stream: ~4 bytes written per byte read).
+// Launch: 256 threads per block, ceil(N * ceil(KT / 4) / (8 * kDequantItems)) blocks.
+constexpr int kDequantItems = 4;
+
+// The words and scale of one lane's block of an item (what dequantize_store decodes).
+template <int BITS>
+struct DequantLoad {
+    u32 w[BITS];
+    u32 code;  // E4M4 scale code
+    int n, k;  // the lane's row and first in-feature; k < 0: nothing to store
+};
+
+template <int BITS>
+__device__ __forceinline__ void dequantize_load(DequantLoad<BITS>& d, const u32* __restrict__ packed, const u8* __restrict__ absmax,
+                                                i64 item, i64 items, int spans, int n_tiles, int k_tiles, int K, int lane) {
     using namespace kbit;
-    const int lane = threadIdx.x & 31;
-    const u32 cb = lane < (1 << BITS) ? __float_as_uint(codebook[lane]) : 0u;
-    const int spans = (k_tiles + 3) >> 2;
-    const i64 gw = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (gw >= (i64)N * spans) return;  // whole warps leave together
-    const int n = (int)(gw / spans), span = (int)(gw - (i64)n * spans);
+    const bool ok = item < items;
+    const i64 it = ok ? item : items - 1;  // lanes of items past the end shadow the last (no stores)
+    const int n = (int)(it / spans), span = (int)(it - (i64)n * spans);
     const int kt_raw = span * 4 + (lane >> 3);
     const bool kt_ok = kt_raw < k_tiles;
     const int kt = kt_ok ? kt_raw : k_tiles - 1;  // lanes past the last k-tile shadow it (no stores)
-    const int kb = (lane >> 2) & 1, q = lane & 3;
+    const int kb = (lane >> 2) & 1;
     const i64 blk = (((i64)kt * n_tiles + (n >> 7)) * 128 + (n & 127)) * 2 + kb;
-
-    u32 w[BITS];
     const u32* src = packed + blk * BITS;
     if constexpr (BITS == 4) {
         const uint4 v = *reinterpret_cast<const uint4*>(src);
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+        d.w[0] = v.x; d.w[1] = v.y; d.w[2] = v.z; d.w[3] = v.w;
     } else if constexpr (BITS == 2) {
         const uint2 v = *reinterpret_cast<const uint2*>(src);
-        w[0] = v.x; w[1] = v.y;
+        d.w[0] = v.x; d.w[1] = v.y;
     } else {
 #pragma unroll
-        for (int b = 0; b < BITS; ++b) w[b] = src[b];
+        for (int b = 0; b < BITS; ++b) d.w[b] = src[b];
     }
-    const float scale = mul_rn(e4m4_decode(absmax[blk]), *tensor_scale);
+    d.code = absmax[blk];
+    d.n = n;
+    const int k = kt * 64 + kb * 32 + (lane & 3) * 8;
+    d.k = ok && kt_ok && k < K ? k : -1;
+}
+
+template <int BITS, int DT, bool PAIRS>
+__device__ __forceinline__ void dequantize_store(const DequantLoad<BITS>& d, u32 cb, float ts, void* __restrict__ out, int K, int q) {
+    using namespace kbit;
+    const u32 (&w)[BITS] = d.w;
+    const float scale = mul_rn(e4m4_decode(d.code), ts);
 
     // idx[t]: the index of element 8q + t (bits past the low 5 are ignored by the shuffle).
     u32 idx[8];
@@ -216,9 +232,9 @@ __global__ void __launch_bounds__(256) kbit_dequantize(const u32* __restrict__ p
 #pragma unroll
     for (int t = 0; t < 8; ++t) vals[t] = mul_rn(__uint_as_float(shfl_idx(cb, idx[t])), scale);
 
-    const int k = kt * 64 + kb * 32 + q * 8;
-    if (!kt_ok || k >= K) return;
-    const i64 o = (i64)n * K + k;
+    const int k = d.k;
+    if (k < 0) return;
+    const i64 o = (i64)d.n * K + k;
     const bool vec = (K & 7) == 0;
     if constexpr (DT == KBIT_F32) {
         float* dst = static_cast<float*>(out) + o;
@@ -240,4 +256,24 @@ __global__ void __launch_bounds__(256) kbit_dequantize(const u32* __restrict__ p
                 if (k + t < K) dst[t] = f32_to_bits<DT>(vals[t]);
         }
     }
+}
+
+template <int BITS, int DT, bool PAIRS = false>
+__global__ void __launch_bounds__(256) kbit_dequantize(const u32* __restrict__ packed, const u8* __restrict__ absmax,
+                                                       const float* __restrict__ codebook,
+                                                       const float* __restrict__ tensor_scale, void* __restrict__ out, int N,
+                                                       int K, int n_tiles, int k_tiles) {
+    using namespace kbit;
+    const int lane = threadIdx.x & 31;
+    const int spans = (k_tiles + 3) >> 2;
+    const i64 items = (i64)N * spans;
+    const i64 first = ((i64)blockIdx.x * 8 + (threadIdx.x >> 5)) * kDequantItems;
+    if (first >= items) return;  // whole warps leave together
+    DequantLoad<BITS> d[kDequantItems];
+#pragma unroll
+    for (int i = 0; i < kDequantItems; ++i) dequantize_load<BITS>(d[i], packed, absmax, first + i, items, spans, n_tiles, k_tiles, K, lane);
+    const u32 cb = lane < (1 << BITS) ? __float_as_uint(codebook[lane]) : 0u;
+    const float ts = *tensor_scale;
+#pragma unroll
+    for (int i = 0; i < kDequantItems; ++i) dequantize_store<BITS, DT, PAIRS>(d[i], cb, ts, out, K, lane & 3);
 }

@@ -169,7 +169,8 @@ def test_kernel_argument_packs_match_the_kernel_signatures():
 def test_host_shared_memory_sizes_match_the_kernels(tmp_path):
     """The host's shared-memory sizes (what a launch asks for) equal the kernels' own, for every
     instance the dispatcher can launch and the other decode launch shapes the tests use: an
-    underestimate would let a kernel write past its shared memory."""
+    underestimate would let a kernel write past its shared memory; and the dequantize kernel's
+    items per warp, which its grid is sized by."""
     gemm = [(b, mb) for b in fmt.SUPPORTED_BITS for mb in kcuda.tuning.FUSED_ROW_BLOCKS]
     configs = {(b, mt, c) for (b, mt), cs in kcuda.tuning.DECODE_CONFIGS.items() for c in cs}
     configs |= {(b, mt, kcuda.tuning.DecodeConfig(*v)) for (b, mt), vs in kcuda.tuning.DECODE_VARIANTS.items() for v in vs}
@@ -181,6 +182,7 @@ def test_host_shared_memory_sizes_match_the_kernels(tmp_path):
         "decode.cu": [f'printf("decode {b} {mt} {c.warps} {c.k_warps} {c.row_groups} %d\\n", '
                       f'kbit_decode::DecodeSmem<{b}, {mt}, {c.warps}, {c.k_warps}, {c.row_groups}>::kBytes);' for b, mt, c in configs],
         "kv_attention.cu": [f'printf("kv {d} %d\\n", kbit::kv::Smem<{d}>::BYTES);' for d in kkv.HEAD_DIMS],
+        "quantize.cu": ['printf("dequantize items %d\\n", kDequantItems);'],
     }
     kernel = {}
     for source, lines in programs.items():  # one program per source: each inlines common.cuh
@@ -207,6 +209,8 @@ def test_host_shared_memory_sizes_match_the_kernels(tmp_path):
         assert kkv.decode_smem_bytes(d) == kernel[("kv", str(d))], f"kv_attention head_dim={d}"
     for b, mt, c in configs:
         assert kdecode._smem(b, mt, c) == kernel[("decode", str(b), str(mt), str(c.warps), str(c.k_warps), str(c.row_groups))], (b, mt, c)
+    # not a shared-memory size, but a launch fact the host copies too: the dequantize kernel's grid
+    assert kcuda.ops.DEQUANT_WARP_ITEMS == kernel[("dequantize", "items")]
 
 
 def test_kv_decode_split_plan_covers_every_key_block_once():

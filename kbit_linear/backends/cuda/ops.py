@@ -66,6 +66,8 @@ _SM90_ARGS = loader.ArgPack("kbit_gemm_sm90", _GEMM_ARGS_SPEC.replace("x:p", "x_
 _QUANT_ARGS = loader.ArgPack("kbit_quantize", "w:p codebook:p tensor_scale:p packed_flat:p absmax_flat:p N:i K:i nblk:i")
 _REPACK_ARGS = loader.ArgPack("kbit_repack", "packed_flat:p absmax_flat:p packed:p absmax:p N:i nblk:i n_tiles:i k_tiles:i")
 _DEQUANT_ARGS = loader.ArgPack("kbit_dequantize", "packed:p absmax:p codebook:p tensor_scale:p out:p N:i K:i n_tiles:i k_tiles:i")
+# (row, span of 4 k-tiles) items per warp of the dequantize kernel: kDequantItems in kernels/quantize.cu
+DEQUANT_WARP_ITEMS = 4
 
 
 # ---------------------------------------------------------------------------------------
@@ -543,7 +545,7 @@ def _dequantize_into(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch
     index = packed.get_device()
     out = torch.empty((out_features, in_features), dtype=dtype, device=packed.device)
     kt, nt = packed.shape[0], packed.shape[1]
-    warps = out_features * (-(-kt // 4))  # one warp per (row, 4 k-tiles)
+    warps = -(-out_features * (-(-kt // 4)) // DEQUANT_WARP_ITEMS)  # DEQUANT_WARP_ITEMS (row, 4 k-tiles) items each
     _DEQUANT_ARGS.launch(
         _dequantize_kernel(index, bits, dtype, packed.dtype is torch.uint8), max(1, -(-warps // 8)), 0, loader._current_raw_stream(index),
         _DEQUANT_ARGS.Values(packed=packed.data_ptr(), absmax=absmax.data_ptr(), codebook=codebook.data_ptr(),
