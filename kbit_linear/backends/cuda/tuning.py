@@ -294,10 +294,14 @@ class DecodeConfig:
 # decode.schedule()): narrow row tiles (32 rows, all 16 warps along K) for shapes with few
 # output rows, wide ones (128 rows, 4 x 4 warps) for wide shapes. All fit 128 registers per
 # thread (16 warps per SM; `nvcc -Xptxas -v`, sm_90), timed with
-# `scripts/bench_decode.py --variants` on an H100 (bench/results/decode.md).
+# `scripts/bench_decode.py --variants` on an H100 (bench/results/decode.md). K = 3's narrow shape
+# was (8, 8, 2, 2, 2) (two blocks of 8 warps per SM) until a sweep of every variant (2026-11-24,
+# `--bits 3 --m 1 4 --variants` on the five Llama layers, fp16) had (16, 16, 2, 2, 1) faster on
+# the narrow layers: 14336->4096 15.7 vs 19.3 us at M = 1 (16.6 vs 19.9 at M = 4), 4096->4096
+# 8.5 vs 9.1, 28672->8192 46.6 vs 46.1.
 DECODE_CONFIGS: dict[tuple[int, int], tuple[DecodeConfig, ...]] = {
     (2, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
-    (3, 1): (DecodeConfig(8, 8, 2, 2, 2), DecodeConfig(16, 4, 2, 2, 1)),
+    (3, 1): (DecodeConfig(16, 16, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1)),
     (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
     (5, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
     (2, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
@@ -322,7 +326,7 @@ DECODE_SEGMENT_COST_BYTES = 20 * 1024
 # neighbours.
 DECODE_VARIANTS: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {
     (2, 1): [(16, 16, 2, 1, 1), (16, 16, 2, 2, 1), (16, 4, 2, 2, 1), (16, 4, 2, 3, 1), (16, 1, 2, 1, 1), (16, 1, 2, 2, 1)],
-    (3, 1): [(8, 8, 2, 2, 2), (16, 4, 2, 2, 1), (16, 1, 2, 1, 1), (16, 1, 2, 2, 1)],
+    (3, 1): [(8, 8, 2, 2, 2), (16, 16, 2, 1, 1), (16, 16, 2, 2, 1), (16, 8, 2, 2, 1), (16, 4, 2, 2, 1), (16, 1, 2, 1, 1), (16, 1, 2, 2, 1)],
     (4, 1): [(16, 16, 2, 1, 1), (16, 16, 2, 2, 1), (16, 4, 2, 2, 1), (16, 4, 4, 1, 1), (16, 8, 2, 2, 1), (16, 1, 2, 1, 1),
              (16, 1, 2, 2, 1)],
     (5, 1): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
