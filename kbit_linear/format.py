@@ -653,15 +653,16 @@ def block_entries(packed: torch.Tensor, bits: int) -> int:
     return PAIR_CODE_BYTES[bits]
 
 
-def pair_code_bits(codes: torch.Tensor) -> int:
-    """The index width of uint8 pair codes, read from their bytes per block (last dimension).
+def pair_code_bits(codes: torch.Tensor, name: str = "codes") -> int:
+    """The index width of uint8 pair codes, read from their bytes per block (last dimension);
+    ``name`` is the argument an error names.
 
     Raises:
         ValueError: a last dimension that is no width's pair-code size.
     """
     by_bytes = {v: b for b, v in PAIR_CODE_BYTES.items()}
     if codes.dim() == 0 or codes.shape[-1] not in by_bytes:
-        raise ValueError(f"codes must have a last dimension of {' or '.join(map(str, by_bytes))}, got shape {tuple(codes.shape)}")
+        raise ValueError(f"{name} must have a last dimension of {' or '.join(map(str, by_bytes))}, got shape {tuple(codes.shape)}")
     return by_bytes[codes.shape[-1]]
 
 
@@ -670,21 +671,12 @@ def _words_to_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
-def _element_indices(planes: torch.Tensor) -> torch.Tensor:
-    """int32 planes ``[..., bits]`` -> int32 indices ``[..., 32]`` (element e of the block)."""
-    shifts = torch.arange(BLOCK_SIZE, device=planes.device, dtype=torch.int32)
-    idx = torch.zeros((*planes.shape[:-1], BLOCK_SIZE), dtype=torch.int32, device=planes.device)
-    for b in range(planes.shape[-1]):
-        # an arithmetic shift keeps bit e at bit 0 whatever the sign
-        idx |= ((planes[..., b : b + 1] >> shifts) & 1) << b
+def _element_index(planes: torch.Tensor, e: int) -> torch.Tensor:
+    """int64 index of element ``e`` of each block of int64 planes ``[..., bits]`` (low 32 bits)."""
+    idx = (planes[..., 0] >> e) & 1
+    for b in range(1, planes.shape[-1]):
+        idx |= ((planes[..., b] >> e) & 1) << b
     return idx
-
-
-def _pack_planes(idx: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`_element_indices`: indices ``[..., 32]`` -> int32 planes ``[..., bits]``."""
-    weights = torch.ones(BLOCK_SIZE, dtype=torch.int64, device=idx.device) << torch.arange(BLOCK_SIZE, device=idx.device)
-    planes = torch.stack([(((idx >> b) & 1).to(torch.int64) * weights).sum(-1) for b in range(bits)], dim=-1)
-    return _words_to_int32(planes)
 
 
 def to_pair_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -722,11 +714,12 @@ def to_pair_codes(packed: torch.Tensor) -> torch.Tensor:
             for b in range(bits):
                 words[..., w] |= _rotr32(planes[..., b], (2 * w - 2 * b) % 32) & _PAIR_MASKS[b]
         return _words_to_int32(words).contiguous().view(torch.uint8).reshape(*packed.shape[:-1], PAIR_CODE_BYTES[bits])
-    idx = _element_indices(packed)
+    # element by element: temporaries of a few int64 per block, whatever the chunk
+    planes = packed.to(torch.int64) & _U32
     groups = torch.zeros((*packed.shape[:-1], 4), dtype=torch.int64, device=packed.device)
     for w in range(4):
         for j in range(4):
-            code = idx[..., 2 * w + 8 * j].to(torch.int64) | (idx[..., 2 * w + 8 * j + 1].to(torch.int64) << bits)
+            code = _element_index(planes, 2 * w + 8 * j) | (_element_index(planes, 2 * w + 8 * j + 1) << bits)
             groups[..., w] |= code << (10 * j)
     low = _words_to_int32(groups & _U32).contiguous().view(torch.uint8).reshape(*packed.shape[:-1], 16)
     high = (groups >> 32).to(torch.uint8)
@@ -749,13 +742,14 @@ def to_planes(codes: torch.Tensor) -> torch.Tensor:
                 planes[..., b] |= _rotr32(words[..., w] & _PAIR_MASKS[b], (2 * b - 2 * w) % 32)
         return _words_to_int32(planes)
     groups = words | (codes[..., 16:].to(torch.int64) << 32)
-    idx = torch.zeros((*codes.shape[:-1], BLOCK_SIZE), dtype=torch.int32, device=codes.device)
+    planes = torch.zeros((*codes.shape[:-1], bits), dtype=torch.int64, device=codes.device)
     for w in range(4):
         for j in range(4):
             code = groups[..., w] >> (10 * j)
-            idx[..., 2 * w + 8 * j] = (code & 31).to(torch.int32)
-            idx[..., 2 * w + 8 * j + 1] = ((code >> bits) & 31).to(torch.int32)
-    return _pack_planes(idx, bits)
+            for e, index in ((2 * w + 8 * j, code), (2 * w + 8 * j + 1, code >> bits)):
+                for b in range(bits):
+                    planes[..., b] |= ((index >> b) & 1) << e
+    return _words_to_int32(planes)
 
 
 def check_tiled(
@@ -819,8 +813,8 @@ class KbitWeight:
     """A quantized ``[out_features, in_features]`` weight in the tiled layout.
 
     Attributes:
-        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` bit-planes, or at 4 bits
-            possibly uint8 ``[K_pad/64, N_pad/128, 128, 2, 16 or 20]`` pair codes (:func:`to_pair_codes`).
+        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` bit-planes, or at 4 / 5 bits
+            possibly uint8 ``[K_pad/64, N_pad/128, 128, 2, 16 / 20]`` pair codes (:func:`to_pair_codes`).
         absmax: uint8 ``[K_pad/64, N_pad/128, 128, 2]`` E4M4 block scales.
         codebook: float32 ``[2**bits]``.
         tensor_scale: float32 ``[1]`` power of two.

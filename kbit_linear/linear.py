@@ -3,8 +3,8 @@
 The module holds the tensors of ``docs/format.md`` and nothing else:
 
 * ``weight``: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]``, the tiled bit-planes, an
-  ``nn.Parameter`` with ``requires_grad=False``; on a CUDA device a 4-bit layer holds it as
-  uint8 pair codes ``[..., 2, 16]`` instead (:mod:`kbit_linear.weight_layout`), and its state
+  ``nn.Parameter`` with ``requires_grad=False``; on a CUDA device a 4- or 5-bit layer holds it
+  as uint8 pair codes ``[..., 2, 16]`` / ``[..., 2, 20]`` instead (:mod:`kbit_linear.weight_layout`), and its state
   dict gives planes;
 * ``absmax``: uint8 ``[K_pad/64, N_pad/128, 128, 2]``, E4M4 block scales, a buffer;
 * ``codebook``: float32 ``[2**bits]``, levels in [-1, 1], a buffer;

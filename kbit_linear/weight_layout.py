@@ -24,8 +24,9 @@ from . import format as fmt
 
 __all__ = ["wants_pair_codes", "storage_form", "device_form", "adopt"]
 
-# Blocks converted per step: bounds the temporaries of the conversion (up to ~200 bytes per
-# block at 5 bits: the block's 32 indices) to ~100 MiB whatever the layer's size.
+# Blocks converted per step: bounds the temporaries of the conversion (int64 copies of the
+# block's words, planes and lane groups plus a few one-word temporaries: up to ~150 bytes per
+# block at 5 bits, ~60 at 4) to ~75 MiB whatever the layer's size.
 _CHUNK_BLOCKS = 1 << 19
 
 
@@ -48,13 +49,15 @@ def storage_form(packed: torch.Tensor) -> torch.Tensor:
     """``packed`` as bit-planes: itself if it holds planes, else a converted copy."""
     if not fmt.is_pair_codes(packed):
         return packed
-    bits = fmt.pair_code_bits(packed)
+    bits = fmt.pair_code_bits(packed, "packed")
     return _convert(packed.detach(), fmt.to_planes, fmt.PAIR_CODE_BYTES[bits], bits, torch.int32)
 
 
 def device_form(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """``packed`` in the layout its device wants for ``bits`` (:func:`wants_pair_codes`):
     itself if it is in that layout already, else a converted copy."""
+    if fmt.is_pair_codes(packed) and fmt.pair_code_bits(packed, "packed") != bits:
+        raise ValueError(f"packed holds {fmt.pair_code_bits(packed, 'packed')}-bit pair codes, not bits={bits}")
     if wants_pair_codes(bits, packed.device) == fmt.is_pair_codes(packed):
         return packed
     if fmt.is_pair_codes(packed):

@@ -179,7 +179,8 @@ KBIT_DEVICE void atoms_exch(u32 addr, int v) {
 // Lookup table geometry: entry `idx`, copy of lane l at byte idx * kStride + l * kEntryBytes.
 // BITS 2..4: the row stride is 256 and the table starts on a 64 KiB boundary of the shared
 // window, so the address is the lane base with its byte 1 replaced by the index: one prmt.
-// BITS 5 (a 10-bit index): stride 128 and one integer multiply-add.
+// BITS 5 (a 10-bit index): stride 128 and one integer multiply-add (from planes), or one lop3
+// and an add (from pair codes, whose 10-bit pair is the index itself).
 template <int BITS> struct Lut {
     static constexpr int kIdxBits = BITS == 2 ? 8 : (BITS == 3 ? 6 : (BITS == 4 ? 8 : 10));
     static constexpr int kEntryBytes = BITS == 2 ? 8 : 4;  // a quad (two half2) or a pair (half2)

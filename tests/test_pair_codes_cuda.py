@@ -84,7 +84,7 @@ def test_dispatch_keeps_one_plan_per_layout(bits):
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16, torch.float32), ids=str)
-@pytest.mark.parametrize("shape", [(192, 576), (33, 100), (300, 200)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", [(192, 576), (33, 100), (300, 200), (31, 200), (5, 4100)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_dequantize_kernel_reads_pair_codes_bit_identically(dtype, shape, bits):
     n, k = shape
     qw = _weight(n, k, bits)

@@ -170,3 +170,11 @@ def test_experts_state_dict_gives_planes(bits):
     other = KbitExperts(2, 128, 64, bits=bits)
     other.load_state_dict(state)
     assert torch.equal(other.gate_up_proj, fmt.to_planes(module.gate_up_proj.data))
+
+
+def test_pair_codes_of_the_wrong_width_are_refused_by_name():
+    codes = fmt.to_pair_codes(_random_planes(2, 3, bits=5))
+    with pytest.raises(ValueError, match="packed holds 5-bit pair codes, not bits=4"):
+        weight_layout.device_form(codes, 4)
+    with pytest.raises(ValueError, match="packed must have a last dimension"):
+        weight_layout.storage_form(codes[..., :12])

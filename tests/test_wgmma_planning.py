@@ -96,6 +96,16 @@ def test_clusters_where_the_gpu_runs_them_all_at_once_and_fours_and_eights_on_sm
     assert ops._wgmma_cluster(plan, 64, 64, H100_SMS, _h100_clusters) == 8
 
 
+def test_the_last_wgmma_row_depends_on_the_weights_layout():
+    # pair codes (what a layer holds on the GPU) keep the kernel further than planes do
+    assert tuning.wgmma_rows(H100, 8192 * 28672, 4, pairs=True)[1] == 2048
+    assert tuning.wgmma_rows(H100, 8192 * 28672, 4, pairs=False)[1] == 1024
+    assert tuning.wgmma_rows(H100, 8192 * 28672, 5, pairs=True)[1] == 1024
+    assert tuning.wgmma_rows(H100, 8192 * 28672, 5, pairs=False)[1] == 512
+    for bits in (2, 3):  # planes are their only layout
+        assert tuning.wgmma_rows(H100, 8192 * 28672, bits, pairs=False) == tuning.wgmma_rows(H100, 8192 * 28672, bits, pairs=True)
+
+
 def test_weights_from_4096_x_4096_take_the_wgmma_kernel_from_row_17():
     assert tuning.wgmma_rows(H100, 4096 * 4096, 4)[0] == 17
     assert tuning.wgmma_rows(H100, 8192 * 28672, 4)[0] == 17

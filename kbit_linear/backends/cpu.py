@@ -499,8 +499,8 @@ def gemm_cpu(
     """``x @ W^T (+ bias)`` for CPU tensors, arguments as for ``kbit_linear::gemm``.
 
     Equal to :func:`kbit_linear.format.matmul` within float32 rounding; the result has ``x``'s
-    dtype and shape ``[*x.shape[:-1], out_features]``. ``packed`` may hold planes or 4-bit pair
-    codes (converted at every call: modules keep planes on the CPU).
+    dtype and shape ``[*x.shape[:-1], out_features]``. ``packed`` may hold planes or pair codes
+    (converted at every call: modules keep planes on the CPU).
     """
     if fmt.is_pair_codes(packed):  # pair codes on the CPU (modules keep planes here): per call
         packed = fmt.to_planes(packed)

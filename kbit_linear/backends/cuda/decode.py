@@ -365,8 +365,8 @@ def decode_gemm(
     Args:
         x2d: ``[M, K]`` float16 or bfloat16 on a CUDA device, ``1 <= M <= 16``; K is
             in_features (or in_features zero-padded up to at most ``K_pad``).
-        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` tiled bit-planes, or at 4 bits
-            uint8 ``[..., 16]`` pair codes.
+        packed: int32 ``[K_pad/64, N_pad/128, 128, 2, bits]`` tiled bit-planes, or at 4 / 5 bits
+            uint8 ``[..., 16]`` / ``[..., 20]`` pair codes.
         absmax: uint8 ``[K_pad/64, N_pad/128, 128, 2]`` E4M4 block scales.
         codebook: float32 ``[2**bits]``.
         tensor_scale: float32 ``[1]``.

@@ -320,7 +320,7 @@ def _make_plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_ind
     if path is None:
         if m <= tuning.decode_max_m(gpu, n * k) and decode.decode_supported(m, bits, dtype, device_index):
             path = "decode"
-        elif hopper.supported(device_index) and _within(m, tuning.wgmma_rows(gpu, n * k, bits)):
+        elif hopper.supported(device_index) and _within(m, tuning.wgmma_rows(gpu, n * k, bits, pairs)):
             path = "wgmma"
         elif m >= tuning.dequant_cublas_min_m(gpu, bits):
             path = "dequant+cublas"
@@ -347,8 +347,9 @@ def gemm_path(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device: tor
         device: the CUDA device (default: the current one).
 
     Returns:
-        One of :data:`GEMM_PATHS`. Compiles the tensor-core kernel instance if needed (to read
-        its register count for the occupancy estimate).
+        One of :data:`GEMM_PATHS`, for the weight in the layout a layer holds on the GPU (pair
+        codes at 4 and 5 bits). Compiles the tensor-core kernel instance if needed (to read its
+        register count for the occupancy estimate).
     """
     fmt.check_bits(bits)
     for name, v in (("m", m), ("n", n), ("k", k)):
@@ -356,7 +357,7 @@ def gemm_path(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device: tor
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     dev = _as_device(device)
     kdtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-    return _plan(m, n, -(-k // 8) * 8, bits, kdtype, dev.index, None, None).path
+    return _plan(m, n, -(-k // 8) * 8, bits, kdtype, dev.index, None, None, fmt.has_pair_codes(bits)).path
 
 
 def _as_device(device: torch.device | str | int | None) -> torch.device:

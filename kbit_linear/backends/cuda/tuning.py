@@ -20,6 +20,7 @@ __all__ = [
     "FUSED_ROW_BLOCKS",
     "WGMMA_ROWS",
     "WGMMA_LAST_ROW_BY_BITS",
+    "WGMMA_LAST_ROW_PLANES",
     "WGMMA_UNSPLIT_MIN_WAVE_FILL",
     "WGMMA_KTILE_US",
     "WGMMA_TWO_PER_SM",
@@ -139,6 +140,12 @@ WGMMA_ROWS: dict[str, tuple[int, int]] = {"default": (33, 2048)}
 # 107.7, 387.2 vs 374.3, 368.6 vs 363.2; 1459.6 vs 1597.6).
 WGMMA_LAST_ROW_BY_BITS: dict[str, dict[int, int]] = {"default": {2: 1024, 3: 1024, 5: 1024}}
 
+# Last wgmma row for a 4- or 5-bit weight that reaches the GPU as bit-planes instead of the pair
+# codes a layer holds there (the ops take both layouts): the limits measured from planes before
+# pair codes raised them (K = 4: 1024, WGMMA_ROWS' comment; K = 5: 512, the 2026-11-23 figures
+# above).
+WGMMA_LAST_ROW_PLANES: dict[str, dict[int, int]] = {"default": {4: 1024, 5: 512}}
+
 # (first row, smallest weight in elements N * K): weights at least that large take the wgmma
 # kernel from that row instead of WGMMA_ROWS' first, per GPU. H100, fp16, us, wgmma (tile 64,
 # the planner's split) vs the mma.sync kernel (2026-11-24, `python3 scripts/bench_wgmma.py
@@ -226,14 +233,18 @@ WGMMA_LARGE_CLUSTER_GRID_SHARE = 0.5
 WGMMA_TOKEN_TILES: dict[str, tuple[tuple[int, int], ...]] = {"default": ((64, 64), (128, 128))}
 
 
-def wgmma_rows(device_name: str, weight_elements: int = 0, bits: int = 4) -> tuple[int, int]:
+def wgmma_rows(device_name: str, weight_elements: int = 0, bits: int = 4, pairs: bool = True) -> tuple[int, int]:
     """``(first, last)`` rows an sm_90 GPU named ``device_name`` hands the wgmma kernel for a
-    weight of ``weight_elements`` (``N * K``) at ``bits`` per index."""
+    weight of ``weight_elements`` (``N * K``) at ``bits`` per index, held as pair codes
+    (``pairs``, where the width has them) or as bit-planes."""
     first, last = _row(WGMMA_ROWS, device_name)
     early_row, min_weight = _row(WGMMA_EARLY_FIRST_ROW, device_name)
     if weight_elements >= min_weight:
         first = min(first, early_row)
-    return first, min(last, _row(WGMMA_LAST_ROW_BY_BITS, device_name).get(bits, last))
+    last = min(last, _row(WGMMA_LAST_ROW_BY_BITS, device_name).get(bits, last))
+    if not pairs:
+        last = min(last, _row(WGMMA_LAST_ROW_PLANES, device_name).get(bits, last))
+    return first, last
 
 
 def wgmma_token_tiles(device_name: str) -> tuple[tuple[int, int], ...]:
