@@ -25,9 +25,10 @@ from . import format as fmt
 __all__ = ["wants_pair_codes", "storage_form", "device_form", "adopt"]
 
 # Blocks converted per step: bounds the temporaries of the conversion (int64 copies of the
-# block's words, planes and lane groups plus a few one-word temporaries: up to ~150 bytes per
-# block at 5 bits, ~60 at 4) to ~75 MiB whatever the layer's size.
-_CHUNK_BLOCKS = 1 << 19
+# block's words, planes and lane groups plus a few one-word temporaries: ~180 bytes per block at
+# 5 bits, measured on an H100 as the peak beyond the result, less at 4) to ~45 MiB whatever the
+# layer's size.
+_CHUNK_BLOCKS = 1 << 18
 
 
 def wants_pair_codes(bits: int, device: torch.device) -> bool:
