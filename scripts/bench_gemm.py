@@ -192,7 +192,7 @@ def make_kbit(w: torch.Tensor, bits: int, l2: int, cuda_backend: Any, planes: bo
         return torch.ops.kbit_linear.gemm(x, copies[i][0], copies[i][1], codebook, ts, bits, n_out, None)
 
     def path(m: int, dtype: torch.dtype) -> str:
-        return str(cuda_backend.gemm_path(m, n_out, k_in, bits, dtype, w.device))
+        return str(cuda_backend.gemm_path(m, n_out, k_in, bits, dtype, w.device, pairs=kfmt.is_pair_codes(packed)))
 
     return Impl(f"kbit K={bits}" + (" planes" if planes else ""), "kbit", call, len(copies), bc.tensor_bytes(packed, absmax), path)
 

@@ -179,3 +179,14 @@ def test_experts_hold_pair_codes_on_the_gpu(bits):
     saved = module.state_dict()
     for key, value in state.items():
         assert torch.equal(saved[key].cpu(), value), key
+
+
+@needs_sm90
+def test_gemm_path_reports_each_layout():
+    # M = 1500: pair codes keep the 4-bit weight on the wgmma kernel, planes hand it to dequantize + cuBLAS
+    assert kcuda.gemm_path(1500, 4096, 4096, 4, torch.float16).startswith("wgmma")
+    assert kcuda.gemm_path(1500, 4096, 4096, 4, torch.float16, pairs=False) == "dequant+cublas"
+    assert kcuda.gemm_path(800, 4096, 4096, 5, torch.float16).startswith("wgmma")
+    assert kcuda.gemm_path(800, 4096, 4096, 5, torch.float16, pairs=False) == "dequant+cublas"
+    with pytest.raises(ValueError, match="pairs=True"):
+        kcuda.gemm_path(64, 4096, 4096, 3, torch.float16, pairs=True)

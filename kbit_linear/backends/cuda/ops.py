@@ -335,7 +335,8 @@ def _make_plan(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device_ind
     return _plan_fused(m, n_tiles, k_tiles, bits, dtype, device_index, split_k, path == "fused-splitk", pairs)
 
 
-def gemm_path(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device: torch.device | str | int | None = None) -> str:
+def gemm_path(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device: torch.device | str | int | None = None,
+              pairs: bool | None = None) -> str:
     """Name of the kernel path ``torch.ops.kbit_linear.gemm`` takes for a problem.
 
     Args:
@@ -345,11 +346,12 @@ def gemm_path(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device: tor
         bits: index width, 2..5.
         dtype: x's dtype (fp32 runs as bf16).
         device: the CUDA device (default: the current one).
+        pairs: the weight held as pair codes (True) or bit-planes (False); default: the layout
+            a layer holds on the GPU (pair codes at 4 and 5 bits).
 
     Returns:
-        One of :data:`GEMM_PATHS`, for the weight in the layout a layer holds on the GPU (pair
-        codes at 4 and 5 bits). Compiles the tensor-core kernel instance if needed (to read its
-        register count for the occupancy estimate).
+        One of :data:`GEMM_PATHS`. Compiles the tensor-core kernel instance if needed (to read
+        its register count for the occupancy estimate).
     """
     fmt.check_bits(bits)
     for name, v in (("m", m), ("n", n), ("k", k)):
@@ -357,7 +359,11 @@ def gemm_path(m: int, n: int, k: int, bits: int, dtype: torch.dtype, device: tor
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     dev = _as_device(device)
     kdtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-    return _plan(m, n, -(-k // 8) * 8, bits, kdtype, dev.index, None, None, fmt.has_pair_codes(bits)).path
+    if pairs is None:
+        pairs = fmt.has_pair_codes(bits)
+    elif pairs and not fmt.has_pair_codes(bits):
+        raise ValueError(f"pairs=True: {bits}-bit weights have no pair codes")
+    return _plan(m, n, -(-k // 8) * 8, bits, kdtype, dev.index, None, None, bool(pairs)).path
 
 
 def _as_device(device: torch.device | str | int | None) -> torch.device:
