@@ -309,10 +309,13 @@ class DecodeConfig:
 # was (8, 8, 2, 2, 2) (two blocks of 8 warps per SM) until a sweep of every variant (2026-11-24,
 # `--bits 3 --m 1 4 --variants` on the five Llama layers, fp16) had (16, 16, 2, 2, 1) faster on
 # the narrow layers: 14336->4096 15.7 vs 19.3 us at M = 1 (16.6 vs 19.9 at M = 4), 4096->4096
-# 8.5 vs 9.1, 28672->8192 46.6 vs 46.1.
+# 8.5 vs 9.1, 28672->8192 46.6 vs 46.1. K = 2 and 3 also weigh a 512-row shape, one warp along K
+# (16, 1, 2, 2, 1), which the cost model picks for 8192->28672 alone (stream-K; the same sweeps at
+# M = 1 / 4: K = 2 36.5 / 41.8 vs 38.9 / 44.7 us with (16, 4, 2, 2, 1), K = 3 45.7 / 50.2 vs
+# 48.0 / 53.4) and not for 4096->14336, where it is 12 % slower.
 DECODE_CONFIGS: dict[tuple[int, int], tuple[DecodeConfig, ...]] = {
-    (2, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
-    (3, 1): (DecodeConfig(16, 16, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1)),
+    (2, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1)),
+    (3, 1): (DecodeConfig(16, 16, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1)),
     (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
     (5, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
     (2, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
