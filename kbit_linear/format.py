@@ -707,15 +707,14 @@ def to_pair_codes(packed: torch.Tensor) -> torch.Tensor:
                          f"got shape {tuple(packed.shape)}")
     _check_little_endian()
     bits = packed.shape[-1]
+    planes = packed.to(torch.int64) & _U32
     if bits == 4:
-        planes = packed.to(torch.int64) & _U32
         words = torch.zeros_like(planes)
         for w in range(4):
             for b in range(bits):
                 words[..., w] |= _rotr32(planes[..., b], (2 * w - 2 * b) % 32) & _PAIR_MASKS[b]
         return _words_to_int32(words).contiguous().view(torch.uint8).reshape(*packed.shape[:-1], PAIR_CODE_BYTES[bits])
     # element by element: temporaries of a few int64 per block, whatever the chunk
-    planes = packed.to(torch.int64) & _U32
     groups = torch.zeros((*packed.shape[:-1], 4), dtype=torch.int64, device=packed.device)
     for w in range(4):
         for j in range(4):

@@ -57,8 +57,9 @@ def storage_form(packed: torch.Tensor) -> torch.Tensor:
 def device_form(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """``packed`` in the layout its device wants for ``bits`` (:func:`wants_pair_codes`):
     itself if it is in that layout already, else a converted copy."""
-    if fmt.is_pair_codes(packed) and fmt.pair_code_bits(packed, "packed") != bits:
-        raise ValueError(f"packed holds {fmt.pair_code_bits(packed, 'packed')}-bit pair codes, not bits={bits}")
+    held = fmt.pair_code_bits(packed, "packed") if fmt.is_pair_codes(packed) else bits
+    if held != bits:
+        raise ValueError(f"packed holds {held}-bit pair codes, not bits={bits}")
     if wants_pair_codes(bits, packed.device) == fmt.is_pair_codes(packed):
         return packed
     if fmt.is_pair_codes(packed):

@@ -289,6 +289,19 @@ class Timing:
         return asdict(self)
 
 
+def quantize_rows(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` ``[N, K]`` (on a GPU) quantized with the normal-float codebook by the backend's
+    quantize op, 4096 rows at a time (the temporaries stay small at 28672 x 8192): ``(tiled
+    planes, scales, codebook, tensor scale)``."""
+    from kbit_linear import format as kfmt  # the package, on the path this module set up
+
+    codebook = kfmt.create_normal_float_codebook(bits, device=w.device)
+    ts = kfmt.compute_tensor_scale(w)
+    flats = [torch.ops.kbit_linear.quantize(w[r : r + 4096], codebook, ts, bits) for r in range(0, w.shape[0], 4096)]
+    packed, absmax = torch.ops.kbit_linear.repack(torch.cat([f[0] for f in flats]), torch.cat([f[1] for f in flats]), bits)
+    return packed, absmax, codebook, ts
+
+
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     """Total storage bytes of the given tensors (``None`` counts 0)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -36,12 +36,8 @@ DEFAULT_SHAPES = ["4096x4096", "4096x14336", "14336x4096", "8192x28672"]
 
 
 def _weight(n: int, k: int, bits: int, dev: torch.device) -> fmt.KbitWeight:
-    """A random ``[n, k]`` weight quantized on the GPU (row chunks keep the temporaries small)."""
-    w = torch.randn(n, k, device=dev) * 0.02
-    codebook = fmt.create_normal_float_codebook(bits, device=dev)
-    ts = fmt.compute_tensor_scale(w)
-    flats = [torch.ops.kbit_linear.quantize(w[r : r + 4096], codebook, ts, bits) for r in range(0, n, 4096)]
-    packed, absmax = torch.ops.kbit_linear.repack(torch.cat([f[0] for f in flats]), torch.cat([f[1] for f in flats]), bits)
+    """A random ``[n, k]`` weight quantized on the GPU, in the layout a layer holds there."""
+    packed, absmax, codebook, ts = bc.quantize_rows(torch.randn(n, k, device=dev) * 0.02, bits)
     return fmt.KbitWeight(weight_layout.device_form(packed, bits), absmax, codebook, ts, bits, n, k)
 
 

@@ -176,14 +176,7 @@ def make_kbit(w: torch.Tensor, bits: int, l2: int, cuda_backend: Any, planes: bo
     from kbit_linear import weight_layout
 
     n_out, k_in = w.shape
-    codebook = kfmt.create_normal_float_codebook(bits, device=w.device)
-    ts = kfmt.compute_tensor_scale(w)
-    # Row chunks keep the reference quantizer's temporaries small at 28672 x 8192.
-    flats = [torch.ops.kbit_linear.quantize(w[r : r + 4096], codebook, ts, bits) for r in range(0, n_out, 4096)]
-    packed, absmax = torch.ops.kbit_linear.repack(
-        torch.cat([f[0] for f in flats]), torch.cat([f[1] for f in flats]), bits
-    )
-    del flats
+    packed, absmax, codebook, ts = bc.quantize_rows(w, bits)
     if not planes:
         packed = weight_layout.device_form(packed, bits)
     copies = bc.weight_copies((packed, absmax), l2)
