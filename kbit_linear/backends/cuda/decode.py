@@ -33,7 +33,8 @@ import torch
 from ... import format as fmt
 from . import loader, plans, workspace
 from .tensors import aligned16, kernel_rows, layout_arg, weight_layouts
-from .tuning import DECODE_CONFIGS, DECODE_SEGMENT_COST_BYTES, DECODE_SPLIT_COST_BYTES, DecodeConfig
+from .tuning import (DECODE_CONFIGS, DECODE_SEGMENT_COST_BYTES, DECODE_SHARED_SEGMENT_COST_BYTES, DECODE_SPLIT_COST_BYTES,
+                     DECODE_SPLIT_PIECE_COST_BYTES, DecodeConfig)
 
 __all__ = [
     "MAX_M",
@@ -142,14 +143,18 @@ class Schedule:
     cost: float
 
 
-def schedule(row_tiles: int, kc: int, sm_count: int, per_sm: int, item_bytes: float, kind: str = "auto") -> Schedule:
+def schedule(row_tiles: int, kc: int, sm_count: int, per_sm: int, item_bytes: float, kind: str = "auto",
+             shared_rows: bool = True) -> Schedule:
     """Choose how to spread ``row_tiles * kc`` items over a persistent grid.
 
     Candidates: ``"stream-k"`` (one block per SM slot, equal ranges), ``"tiles"`` (whole row
     tiles per block, the fewest blocks with the same largest share, never split) and
     ``"tile-split"`` (every row tile cut into s equal parts, ``row_tiles * s`` blocks). The
-    cost of each is the items of its busiest SM in bytes, plus :data:`.tuning.DECODE_SEGMENT_COST_BYTES` per
-    row tile a block touches and :data:`.tuning.DECODE_SPLIT_COST_BYTES` when a row tile is split; ``"auto"``
+    cost of each is the items of its busiest SM in bytes, plus a cost per row tile a block
+    touches (:data:`.tuning.DECODE_SHARED_SEGMENT_COST_BYTES` where several warps share a row
+    tile's rows, :data:`.tuning.DECODE_SEGMENT_COST_BYTES` where each warp owns its rows) and,
+    when a row tile is split, :data:`.tuning.DECODE_SPLIT_COST_BYTES` plus
+    :data:`.tuning.DECODE_SPLIT_PIECE_COST_BYTES` per block its K is cut among; ``"auto"``
     takes the cheapest.
 
     Args:
@@ -159,6 +164,8 @@ def schedule(row_tiles: int, kc: int, sm_count: int, per_sm: int, item_bytes: fl
         per_sm: blocks that fit on one SM.
         item_bytes: weight bytes of one item (a row tile's 128 in-features).
         kind: one of :data:`SCHEDULES`.
+        shared_rows: the launch shape has several warps along K (``k_warps > 1``), which sum
+            their partials in shared memory at the end of every segment.
 
     Returns:
         The chosen :class:`Schedule`.
@@ -167,23 +174,28 @@ def schedule(row_tiles: int, kc: int, sm_count: int, per_sm: int, item_bytes: fl
         raise ValueError(f"kind must be one of {SCHEDULES}, got {kind!r}")
     total = row_tiles * kc
     slots = sm_count * per_sm
+    segment_cost = DECODE_SHARED_SEGMENT_COST_BYTES if shared_rows else DECODE_SEGMENT_COST_BYTES
 
-    def cost(grid: int, most: int, segments: int, split: bool) -> float:
-        # blocks of one SM share its bandwidth; segments and a split add their finalisation
+    def cost(grid: int, most: int, segments: int, pieces: int) -> float:
+        # blocks of one SM share its bandwidth; segments and a split (pieces > 1 blocks per
+        # row tile) add their finalisation
         share = -(-grid // sm_count)
-        return share * (most * item_bytes + segments * DECODE_SEGMENT_COST_BYTES) + (DECODE_SPLIT_COST_BYTES if split else 0)
+        split = DECODE_SPLIT_COST_BYTES + pieces * DECODE_SPLIT_PIECE_COST_BYTES if pieces > 1 else 0
+        return share * (most * item_bytes + segments * segment_cost) + split
 
     cands: list[Schedule] = []
     g = min(total, slots)
     split = any((b * total // g) % kc for b in range(g + 1))
     most = -(-total // g)
-    cands.append(Schedule("stream-k", g, 1, split, cost(g, most, -(-most // kc) + split, split)))
+    # a split row tile is cut among at most this many blocks of `most` items each
+    pieces = -(-kc // most) + 1 if split else 1
+    cands.append(Schedule("stream-k", g, 1, split, cost(g, most, -(-most // kc) + split, pieces)))
     per = -(-row_tiles // slots)
     g = -(-row_tiles // per)
-    cands.append(Schedule("tiles", g, kc, False, cost(g, per * kc, per, False)))
+    cands.append(Schedule("tiles", g, kc, False, cost(g, per * kc, per, 1)))
     for s in range(2, min(kc, slots // max(row_tiles, 1)) + 1):
         g = row_tiles * s
-        cands.append(Schedule("tile-split", g, 1, True, cost(g, -(-kc // s), 1, True)))
+        cands.append(Schedule("tile-split", g, 1, True, cost(g, -(-kc // s), 1, s)))
     if kind != "auto":
         picked = [c for c in cands if c.kind == kind]
         if not picked:
@@ -244,7 +256,7 @@ def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_til
         per_sm = max(1, min(cfg.min_blocks, props.shared_per_sm // (smem + _RESERVED_SMEM)))
         item_bytes = rows * 128 * (bits + 0.25) / 8
         try:
-            sch = schedule(row_tiles, kc, props.sm_count, per_sm, item_bytes, kind)
+            sch = schedule(row_tiles, kc, props.sm_count, per_sm, item_bytes, kind, shared_rows=cfg.k_warps > 1)
         except ValueError:
             if len(configs) == 1:
                 raise
@@ -261,7 +273,8 @@ def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_til
     # out unevenly, by more than what the split-K finalisation costs, so it keeps the scratch.
     slack = -1
     if groups is not None and kind == "auto" and sch.align == kc > 1:
-        slack = math.ceil((DECODE_SPLIT_COST_BYTES + DECODE_SEGMENT_COST_BYTES) / item_bytes)
+        segment_cost = DECODE_SHARED_SEGMENT_COST_BYTES if cfg.k_warps > 1 else DECODE_SEGMENT_COST_BYTES
+        slack = math.ceil((DECODE_SPLIT_COST_BYTES + 2 * DECODE_SPLIT_PIECE_COST_BYTES + segment_cost) / item_bytes)
     split = sch.split or slack >= 0
     ws = row_tiles * cfg.tile_rows * 8 * mt if split else 0
     cnt = row_tiles * cfg.row_slots if split else 0

@@ -39,7 +39,9 @@ __all__ = [
     "DecodeConfig",
     "DECODE_CONFIGS",
     "DECODE_SPLIT_COST_BYTES",
+    "DECODE_SPLIT_PIECE_COST_BYTES",
     "DECODE_SEGMENT_COST_BYTES",
+    "DECODE_SHARED_SEGMENT_COST_BYTES",
     "DECODE_VARIANTS",
     "dequant_cublas_min_m",
     "decode_max_m",
@@ -303,37 +305,51 @@ class DecodeConfig:
 
 # Per (bits, n8 fragments): the launch shapes a plan chooses from (by the cost in
 # decode.schedule()): narrow row tiles (32 rows, all 16 warps along K) for shapes with few
-# output rows, wide ones (128 rows, 4 x 4 warps) for wide shapes. All fit 128 registers per
-# thread (16 warps per SM; `nvcc -Xptxas -v`, sm_90), timed with
-# `scripts/bench_decode.py --variants` on an H100 (bench/results/decode.md). K = 3's narrow shape
-# was (8, 8, 2, 2, 2) (two blocks of 8 warps per SM) until a sweep of every variant (2026-11-24,
-# `--bits 3 --m 1 4 --variants` on the five Llama layers, fp16) had (16, 16, 2, 2, 1) faster on
-# the narrow layers: 14336->4096 15.7 vs 19.3 us at M = 1 (16.6 vs 19.9 at M = 4), 4096->4096
-# 8.5 vs 9.1, 28672->8192 46.6 vs 46.1. K = 2 and 3 also weigh a 512-row shape, one warp along K
-# (16, 1, 2, 2, 1), which the cost model picks for 8192->28672 alone (stream-K; the same sweeps at
-# M = 1 / 4: K = 2 36.5 / 41.8 vs 38.9 / 44.7 us with (16, 4, 2, 2, 1), K = 3 45.7 / 50.2 vs
-# 48.0 / 53.4) and not for 4096->14336, where it is 12 % slower.
+# output rows, wide ones (128 rows, 4 x 4 warps) for wide shapes, and with one fragment a
+# 512-row shape whose warps each own their rows (one warp along K: no in-block reduction), which
+# streams long ranges fastest. All fit 128 registers per thread (16 warps per SM; `nvcc -Xptxas
+# -v`, sm_90), timed with `scripts/bench_decode.py --variants` on an H100 (bench/results/decode.md).
+# K = 3's narrow shape was (8, 8, 2, 2, 2) (two blocks of 8 warps per SM) until a sweep of every
+# variant (2026-11-24, `--bits 3 --m 1 4 --variants` on the five Llama layers, fp16) had
+# (16, 16, 2, 2, 1) faster on the narrow layers: 14336->4096 15.7 vs 19.3 us at M = 1. The
+# 512-row shape: (16, 1, 2, 2, 1) at K = 2..4, (16, 1, 2, 1, 1) at K = 5 (two items in flight
+# spill there); e.g. 8192->28672 K = 4 at M = 1 47.2 against 54.3 us with (16, 4, 2, 2, 1), and
+# the grouped expert launches of Mixtral / Qwen3-MoE shapes 10-30 % faster (the fit below). With
+# two fragments it would need more shared memory than an A100 block has (the reduction slots
+# double), so those keep two shapes.
 DECODE_CONFIGS: dict[tuple[int, int], tuple[DecodeConfig, ...]] = {
     (2, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1)),
     (3, 1): (DecodeConfig(16, 16, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1)),
-    (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
-    (5, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
+    (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1)),
+    (5, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1), DecodeConfig(16, 1, 2, 1, 1)),
     (2, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
     (3, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
     (4, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
     (5, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
 }
 
-# Cost of splitting row tiles over blocks, in bytes of weight one SM streams in that time
-# (3 TB/s over 132 SMs: ~23 KB/us): the finalisation chain (workspace atomics, counter, last
-# contributor's reads and store). Fitted with `scripts/bench_decode.py --variants
-# --variant-schedules auto stream-k tiles` on an H100 in CUDA graphs (bench/results/decode.md):
-# it picks the fastest measured (launch shape, schedule) within 2 us in total over 24 cases.
-DECODE_SPLIT_COST_BYTES = 40 * 1024
+# The plan's cost model (decode.schedule()), in bytes of weight one SM streams in the same time
+# (3 TB/s over 132 SMs: ~23 KB/us). Fitted (2026-11-24) to every launch shape x schedule of
+# `tuning.DECODE_VARIANTS` timed in CUDA graphs on an H100 over 258 cases: K = 2..5, M = 1, 4, 16,
+# fourteen dense layers from 2048->512 to 28672->8192 and the grouped expert launches of Qwen3-MoE
+# and Mixtral shapes (bench/results/decode.md, "The plan's cost model, refitted"). The plans
+# it picks are 1.5 / 2.0 / 1.9 / 0.6 % slower than the fastest measured variant (geometric mean
+# over the cases, K = 2 / 3 / 4 / 5), against 1.5 / 2.1 / 5.6 / 4.0 % for the constants before.
 
-# Cost of each segment (the block's chunks of one row tile) on a block, in the same bytes: the
-# in-block reduction and a pipeline restart. Fitted to the same run.
-DECODE_SEGMENT_COST_BYTES = 20 * 1024
+# Each segment (the block's chunks of one row tile) whose rows one warp owns: its store and a
+# pipeline restart.
+DECODE_SEGMENT_COST_BYTES = 8 * 1024
+
+# Each segment whose rows several warps share (k_warps > 1): the in-block reduction on top.
+DECODE_SHARED_SEGMENT_COST_BYTES = 22 * 1024
+
+# A launch that splits row tiles over blocks: the finalisation chain (workspace atomics,
+# counter, the last contributor's reads and store) ...
+DECODE_SPLIT_COST_BYTES = 52 * 1024
+
+# ... plus this much per block a row tile's K is cut among (the last contributor reads every
+# partial).
+DECODE_SPLIT_PIECE_COST_BYTES = 2560
 
 # The launch shapes `scripts/bench_decode.py --variants` times, per (bits, n8 fragments), as
 # (warps, warps along K, row groups, depth, min blocks per SM): the tuned ones above and their
