@@ -330,10 +330,10 @@ DECODE_CONFIGS: dict[tuple[int, int], tuple[DecodeConfig, ...]] = {
 
 # The plan's cost model (decode.schedule()), in bytes of weight one SM streams in the same time
 # (3 TB/s over 132 SMs: ~23 KB/us). Fitted (2026-11-24) to every launch shape x schedule of
-# `tuning.DECODE_VARIANTS` timed in CUDA graphs on an H100 over 258 cases: K = 2..5, M = 1, 4, 16,
+# `tuning.DECODE_VARIANTS` timed in CUDA graphs on an H100 over 256 cases: K = 2..5, M = 1, 4, 16,
 # fourteen dense layers from 2048->512 to 28672->8192 and the grouped expert launches of Qwen3-MoE
-# and Mixtral shapes (bench/results/decode.md, "The plan's cost model, refitted"). The plans
-# it picks are 1.5 / 2.0 / 1.9 / 0.6 % slower than the fastest measured variant (geometric mean
+# and Mixtral shapes (`scripts/tune_decode_plan.py`, `bench/results/decode-plan-fit-h100.json`,
+# `bench/results/decode.md`). The plans it picks are 1.5 / 2.0 / 1.9 / 0.6 % slower than the fastest measured variant (geometric mean
 # over the cases, K = 2 / 3 / 4 / 5), against 1.5 / 2.1 / 5.6 / 4.0 % for the constants before.
 
 # Each segment (the block's chunks of one row tile) whose rows one warp owns: its store and a

@@ -1,0 +1,53 @@
+"""The decode plan's cost model against the committed timings of every launch shape x schedule
+(``bench/results/decode-plan-fit-h100.json``, ``scripts/tune_decode_plan.py``): no GPU needed.
+
+A change to the launch shapes or to the cost constants that makes the plans slower on the cases
+measured fails here, before any GPU run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIT = ROOT / "bench" / "results" / "decode-plan-fit-h100.json"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("tune_decode_plan", ROOT / "scripts" / "tune_decode_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def fit():
+    data = json.loads(FIT.read_text())
+    props = SimpleNamespace(sm_count=data["sm_count"], shared_per_sm=data["shared_per_sm"],
+                            max_shared_per_block=data["max_shared_per_block"])
+    return _script(), data["cases"], props
+
+
+def test_every_plan_is_a_measured_choice(fit):
+    """The planner only picks (launch shape, schedule) pairs the fit file timed: the file covers
+    the tuned shapes, so its figures describe the plans the code makes."""
+    script, cases, props = fit
+    missing = [script._label(c) for c, us in script._picks(cases, props) if us is None]
+    assert not missing, f"plans without a timing: {missing[:5]}"
+
+
+def test_plans_stay_close_to_the_fastest_choice(fit):
+    """Per bit width, the plans are within 2.5 % of the fastest measured choice on average
+    (geometric mean over the cases) and never 20 % off; and no worse than the plans of the
+    constants the timings were collected with."""
+    script, cases, props = fit
+    now = script._summary(script._picks(cases, props))
+    collected = script._summary([(c, c["auto"]["us"]) for c in cases])
+    for bits, (geo, worst, where) in now.items():
+        assert geo <= 1.025, f"K = {bits}: plans {geo:.3f}x the fastest on average"
+        assert worst <= 1.2, f"K = {bits}: {where} {worst:.3f}x the fastest"
+        assert geo <= collected[bits][0] + 1e-9, f"K = {bits}: {geo:.3f} against {collected[bits][0]:.3f} before"
