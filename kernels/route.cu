@@ -25,7 +25,8 @@
 //   pass 1   warp w counts its segment's slots per expert      -> seen[w][e]
 //   scan     per expert: seen[w][e] := slots of e in segments < w (exclusive over warps),
 //            counts[e] = the total; offsets[e] and the group number of each hit expert
-//            (exclusive scans over experts)
+//            (exclusive scans over experts: each thread sums its run of experts, then a
+//            shuffle scan over the threads)
 //   pass 2   warp w walks its segment again: position = offsets[e] + seen[w][e] + lanes before
 //            it with the same id; seen[w][e] advances by the step's slots of e
 //
@@ -42,11 +43,11 @@ __global__ void __launch_bounds__(THREADS)
 kbit_route_experts(const i64* __restrict__ index, i64* __restrict__ perm, i64* __restrict__ tokens, i64* __restrict__ position,
                    int* __restrict__ groups, int S, int top_k, int E, int G) {
     constexpr int W = THREADS / 32;
-    constexpr int PER_THREAD = (kMaxExperts + 1 + THREADS - 1) / THREADS;  // ids per thread in the scans
+    static_assert(THREADS % 32 == 0 && W <= 32, "one warp scans the warps' totals");
     __shared__ int seen[W][kMaxExperts + 1];
     __shared__ int offsets[kMaxExperts + 1];
     __shared__ int hit_before[kMaxExperts + 1];
-    __shared__ int part[2][THREADS];
+    __shared__ int part[2][W];  // per warp: totals, then the exclusive prefix over the warps
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int seg = (S + W - 1) / W, s0 = warp * seg, s1 = min(S, s0 + seg);
     for (int e = lane; e <= E; e += 32) seen[warp][e] = 0;
@@ -66,10 +67,11 @@ kbit_route_experts(const i64* __restrict__ index, i64* __restrict__ perm, i64* _
     }
     __syncthreads();
 
-    // per expert: exclusive sums over the warps; this thread's ids e0 .. e0 + PER_THREAD - 1
-    const int e0 = tid * PER_THREAD;
+    // per expert: exclusive sums over the warps; this thread's ids e0 .. e0 + per - 1 (as few
+    // per thread as E allows: the loop over the warps is serial)
+    const int per = (E + 1 + THREADS - 1) / THREADS, e0 = tid * per;
     int count_sum = 0, hit_sum = 0;
-    for (int e = e0; e < e0 + PER_THREAD && e <= E; ++e) {
+    for (int e = e0; e < e0 + per && e <= E; ++e) {
         int total = 0;
         for (int w = 0; w < W; ++w) {
             const int c = seen[w][e];
@@ -80,22 +82,42 @@ kbit_route_experts(const i64* __restrict__ index, i64* __restrict__ perm, i64* _
         count_sum += total;
         hit_sum += e < E && total > 0;
     }
-    part[0][tid] = count_sum;
-    part[1][tid] = hit_sum;
+    // exclusive scan of the threads' partial sums: within each warp by shuffles, then over the
+    // warps' totals by warp 0 (a serial loop over THREADS sums took microseconds)
+    int count_incl = count_sum, hit_incl = hit_sum;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int c = __shfl_up_sync(0xffffffffu, count_incl, d), h = __shfl_up_sync(0xffffffffu, hit_incl, d);
+        if (lane >= d) {
+            count_incl += c;
+            hit_incl += h;
+        }
+    }
+    if (lane == 31) {
+        part[0][warp] = count_incl;
+        part[1][warp] = hit_incl;
+    }
     __syncthreads();
-    if (tid == 0) {  // exclusive scan of the THREADS partial sums
-        int c = 0, h = 0;
-        for (int t = 0; t < THREADS; ++t) {
-            const int pc = part[0][t], ph = part[1][t];
-            part[0][t] = c;
-            part[1][t] = h;
-            c += pc;
-            h += ph;
+    if (warp == 0) {
+        const int c = lane < W ? part[0][lane] : 0, h = lane < W ? part[1][lane] : 0;
+        int c_incl = c, h_incl = h;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int cc = __shfl_up_sync(0xffffffffu, c_incl, d), hh = __shfl_up_sync(0xffffffffu, h_incl, d);
+            if (lane >= d) {
+                c_incl += cc;
+                h_incl += hh;
+            }
+        }
+        __syncwarp();
+        if (lane < W) {
+            part[0][lane] = c_incl - c;  // warps before this one
+            part[1][lane] = h_incl - h;
         }
     }
     __syncthreads();
-    int off = part[0][tid], hits = part[1][tid];
-    for (int e = e0; e < e0 + PER_THREAD && e <= E; ++e) {
+    int off = part[0][warp] + count_incl - count_sum, hits = part[1][warp] + hit_incl - hit_sum;
+    for (int e = e0; e < e0 + per && e <= E; ++e) {
         const int count = offsets[e];
         offsets[e] = off;
         hit_before[e] = hits;
