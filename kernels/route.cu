@@ -31,7 +31,12 @@
 //            it with the same id; seen[w][e] advances by the step's slots of e
 //
 // O(S / warps) steps per warp and O(E) per thread for the scans: a few microseconds at decode
-// sizes, tens at a prefill's tens of thousands of slots.
+// sizes, tens at a prefill's tens of thousands of slots. Two block sizes: 256 threads for few
+// slots, 1024 for many (the passes are latency-bound chains per warp, so more warps walk them
+// faster).
+//
+// Shared memory: dynamic, (W + 2) * (E + 1) ints: seen [W][E + 1] | offsets [E + 1] |
+// hit_before [E + 1] (route_smem_bytes on the host: routing.py).
 #include "common.cuh"
 
 namespace kbit_route {
@@ -44,13 +49,15 @@ kbit_route_experts(const i64* __restrict__ index, i64* __restrict__ perm, i64* _
                    int* __restrict__ groups, int S, int top_k, int E, int G) {
     constexpr int W = THREADS / 32;
     static_assert(THREADS % 32 == 0 && W <= 32, "one warp scans the warps' totals");
-    __shared__ int seen[W][kMaxExperts + 1];
-    __shared__ int offsets[kMaxExperts + 1];
-    __shared__ int hit_before[kMaxExperts + 1];
+    const int E1 = E + 1;  // the ids 0..E-1 and "no expert"
+    extern __shared__ int route_smem[];
+    int* seen = route_smem;              // [W][E1]: per warp and id, a count, then a running rank
+    int* offsets = seen + W * E1;        // [E1]
+    int* hit_before = offsets + E1;      // [E1]
     __shared__ int part[2][W];  // per warp: totals, then the exclusive prefix over the warps
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int seg = (S + W - 1) / W, s0 = warp * seg, s1 = min(S, s0 + seg);
-    for (int e = lane; e <= E; e += 32) seen[warp][e] = 0;
+    for (int e = lane; e <= E; e += 32) seen[warp * E1 + e] = 0;
     __syncwarp();
 
     // pass 1: per-warp counts
@@ -61,7 +68,7 @@ kbit_route_experts(const i64* __restrict__ index, i64* __restrict__ perm, i64* _
             const i64 v = index[s];
             const int id = (v >= 0 && v < E) ? (int)v : E;  // out of range: no expert
             const unsigned same = __match_any_sync(active, id);
-            if (lane == __ffs(same) - 1) seen[warp][id] += __popc(same);
+            if (lane == __ffs(same) - 1) seen[warp * E1 + id] += __popc(same);
         }
         __syncwarp();
     }
@@ -74,8 +81,8 @@ kbit_route_experts(const i64* __restrict__ index, i64* __restrict__ perm, i64* _
     for (int e = e0; e < e0 + per && e <= E; ++e) {
         int total = 0;
         for (int w = 0; w < W; ++w) {
-            const int c = seen[w][e];
-            seen[w][e] = total;
+            const int c = seen[w * E1 + e];
+            seen[w * E1 + e] = total;
             total += c;
         }
         offsets[e] = total;  // the count for now; the offset below
@@ -148,12 +155,12 @@ kbit_route_experts(const i64* __restrict__ index, i64* __restrict__ perm, i64* _
             const i64 v = index[s];
             const int id = (v >= 0 && v < E) ? (int)v : E;
             const unsigned same = __match_any_sync(active, id);
-            const int p = offsets[id] + seen[warp][id] + __popc(same & ((1u << lane) - 1u));
+            const int p = offsets[id] + seen[warp * E1 + id] + __popc(same & ((1u << lane) - 1u));
             perm[p] = s;
             tokens[p] = s / top_k;
             position[s] = p;
             __syncwarp(active);
-            if (lane == __ffs(same) - 1) seen[warp][id] += __popc(same);
+            if (lane == __ffs(same) - 1) seen[warp * E1 + id] += __popc(same);
         }
         __syncwarp();
     }

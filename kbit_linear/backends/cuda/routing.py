@@ -14,10 +14,15 @@ import torch
 from ... import _grouped_ops
 from . import loader
 
-__all__ = ["MAX_EXPERTS", "THREADS", "route_instances", "route_experts_cuda"]
+__all__ = ["MAX_EXPERTS", "BLOCK_SIZES", "MANY_SLOTS", "route_instances", "route_experts_cuda", "route_smem_bytes"]
 MAX_EXPERTS = 1024
 """Most experts it takes (``kMaxExperts`` in ``route.cu``)."""
-THREADS = 256
+BLOCK_SIZES = (256, 1024)
+"""Threads of the one block: the smaller for decode sizes, the larger from :data:`MANY_SLOTS` slots."""
+MANY_SLOTS = 2048
+"""Slots from which the routing runs 1024 threads: at 32768 slots (4096 tokens, top-8) 148 us
+with 256 threads against ~40 with 1024 on an H100 (``bench/results/moe-h100.md``); at decode sizes
+the smaller block is as fast."""
 
 _SOURCE = "route.cu"
 _ARGS = loader.ArgPack("kbit_route_experts", "index:p perm:p tokens:p position:p groups:p S:i top_k:i E:i G:i")
@@ -25,7 +30,13 @@ _ARGS = loader.ArgPack("kbit_route_experts", "index:p perm:p tokens:p position:p
 
 def route_instances() -> list[str]:
     """Every instance of the routing kernel (name expressions in ``route.cu``)."""
-    return [f"kbit_route_experts<{THREADS}>"]
+    return [f"kbit_route_experts<{threads}>" for threads in BLOCK_SIZES]
+
+
+def route_smem_bytes(threads: int, num_experts: int) -> int:
+    """Dynamic shared memory of one routing block: per warp and expert id (``num_experts`` + 1
+    with "no expert") a count, plus two arrays over the ids (``route.cu``'s layout)."""
+    return (threads // 32 + 2) * (num_experts + 1) * 4
 
 
 def route_experts_cuda(top_k_index: torch.Tensor, num_experts: int,
@@ -46,7 +57,9 @@ def route_experts_cuda(top_k_index: torch.Tensor, num_experts: int,
     perm = torch.empty(slots, dtype=torch.int64, device=index.device)
     tokens = torch.empty(slots, dtype=torch.int64, device=index.device)
     position = torch.empty(slots, dtype=torch.int64, device=index.device)
-    kern = loader.get_kernel(_SOURCE, route_instances()[0], index.device)
-    loader.launch(kern, 1, THREADS, _ARGS.Values(index=index, perm=perm, tokens=tokens, position=position, groups=table, S=slots,
-                                                 top_k=top_k_index.shape[1], E=num_experts, G=groups), 0, index.device, pack=_ARGS)
+    threads = BLOCK_SIZES[1] if slots >= MANY_SLOTS else BLOCK_SIZES[0]
+    kern = loader.get_kernel(_SOURCE, f"kbit_route_experts<{threads}>", index.device)
+    loader.launch(kern, 1, threads, _ARGS.Values(index=index, perm=perm, tokens=tokens, position=position, groups=table, S=slots,
+                                                 top_k=top_k_index.shape[1], E=num_experts, G=groups),
+                  route_smem_bytes(threads, num_experts), index.device, pack=_ARGS)
     return table, perm, tokens, position
