@@ -13,7 +13,10 @@ the GPU has one, :func:`large_groups_supported`).
 
 ``kbit_linear::grouped_swiglu`` is the same through a gate_up weight (``2 * intermediate`` rows,
 the gate rows then the up rows) followed by ``silu(gate) * up``: ``[rows, intermediate]``; the
-CUDA backend fuses the activation into the grouped kernel's stores where it can.
+CUDA backend fuses the activation into the grouped kernel's stores where it can. Its rows that
+no group names are unspecified (the reference gives zeros; the CUDA kernels leave them as the
+new tensor's memory held them, saving a fill of the whole output): it feeds the down
+projection's ``grouped_gemm``, which reads the same groups' rows only.
 
 ``kbit_linear::combine_experts`` brings the down projection's rows (sorted-slot order) back to
 the tokens: ``out[t] = sum_k top_k_weights[t, k] * y[position[t * top_k + k]]`` with
@@ -164,7 +167,7 @@ def _(x, packed, absmax, codebook, tensor_scale, groups, bits, intermediate, max
 def grouped_swiglu_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, intermediate, max_rows):
     """The spec of ``grouped_swiglu``: ``silu(gate) * up`` of ``grouped_gemm`` through a gate_up
     weight (``2 * intermediate`` rows: the gate rows, then the up rows), ``[rows, intermediate]``;
-    rows no group names are zero."""
+    rows no group names are unspecified (zero here)."""
     check_intermediate(intermediate)
     gate, up = grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, 2 * intermediate,
                                       max_rows).chunk(2, dim=-1)

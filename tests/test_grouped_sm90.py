@@ -127,7 +127,7 @@ def _gate_up(counts, experts_used, intermediate, k, bits, dtype):
 def test_grouped_swiglu_matches_the_reference(bits, dtype, intermediate):
     """``kbit_linear::grouped_swiglu``: silu(gate) * up of each group's rows (fused into the
     kernel's stores when the gate half ends on an n-tile, the unfused ops otherwise); rows no
-    group names are zero."""
+    group names are unspecified (the op does not fill them)."""
     counts, used = [70, 0, 300, 17], [1, 2, 3, 1]
     args, dense = _gate_up(counts, used, intermediate, 520, bits, dtype)
     x = args[0]
@@ -141,7 +141,6 @@ def test_grouped_swiglu_matches_the_reference(bits, dtype, intermediate):
             err = float((out[row:row + c].float() - ref).norm() / ref.norm())
             assert err < {torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype], (e, err)
         row += c
-    assert (out[row:] == 0).all()
 
 
 def test_experts_forward_fuses_swiglu_on_the_gpu():

@@ -673,11 +673,16 @@ def _grouped_swiglu_op(x, packed, absmax, codebook, tensor_scale, groups, bits, 
     _grouped_ops.check_intermediate(intermediate)
     n = 2 * intermediate
     _grouped_ops.check_grouped_args(x, packed, absmax, codebook, tensor_scale, groups, bits, n, max_rows)
+    # rows no group names may hold anything (the op's contract): no zero fill
     if max_rows > _grouped_ops.DECODE_GROUP_ROWS and grouped.swiglu_fusable(packed.shape[2], intermediate):
-        out = _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, intermediate, max_rows, swiglu=True)
+        out = _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, intermediate, max_rows, swiglu=True,
+                                 zero_unnamed=False)
         if out is not None:
             return out
-    gate_up = _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, n, max_rows)
+    gate_up = _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, n, max_rows, swiglu=False,
+                                 zero_unnamed=False)
+    if gate_up is None:  # float32 activations, or large groups without the grouped tensor-core kernel
+        gate_up = _grouped_ops.grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, n, max_rows)
     if gate_up.dtype in (torch.float16, torch.bfloat16) and experts.kernels_supported(gate_up.device):
         return experts.swiglu_cuda(gate_up)  # one launch (silu in float32, rounded once)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -690,15 +695,18 @@ torch.library.impl("kbit_linear::grouped_gemm", "CUDA")(_grouped_gemm_op)
 torch.library.impl("kbit_linear::grouped_swiglu", "CUDA")(_grouped_swiglu_op)
 
 
-def _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows, swiglu):
+def _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows, swiglu,
+                       zero_unnamed=True):
     """The grouped product (``swiglu``: its fused SwiGLU, ``out_features`` = the intermediate
-    size) by a kernel that reads the groups on the device, or None where no kernel takes it."""
+    size) by a kernel that reads the groups on the device, or None where no kernel takes it.
+    ``zero_unnamed``: rows no group names are zero (else they hold whatever the new tensor's
+    memory held)."""
     if x.dtype not in (torch.float16, torch.bfloat16):
         return None
     small = not swiglu and max_rows <= _grouped_ops.DECODE_GROUP_ROWS and decode.decode_supported(max_rows, bits, x.dtype, x.device)
     if not (small or _large_groups_supported(x.device)):
         return None
-    out = torch.zeros((x.shape[0], out_features), dtype=x.dtype, device=x.device)  # rows no group names stay zero
+    out = (torch.zeros if zero_unnamed else torch.empty)((x.shape[0], out_features), dtype=x.dtype, device=x.device)
     if x.shape[0] == 0 or groups.shape[1] == 0:
         return out
     # checked by the op (its checks cover the launch's): plan and launch directly
