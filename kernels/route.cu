@@ -16,7 +16,7 @@
 //   counts[e] = #slots of e; offset[e] = sum of counts below e; a slot's position is
 //   offset[its id] + #earlier slots with the same id.
 //
-// One block of THREADS threads, any S, E <= kMaxExperts (the host checks). The slots are cut
+// One block of THREADS threads, any S, E <= 1024 (routing.MAX_EXPERTS: the host checks). The slots are cut
 // into one contiguous segment per warp; the rank of a slot among earlier slots of its expert is
 // then (slots of that expert in earlier warps' segments) + (in earlier 32-slot steps of its own
 // segment) + (in earlier lanes of its step: __match_any_sync). So the kernel walks the segments
@@ -40,8 +40,6 @@
 #include "common.cuh"
 
 namespace kbit_route {
-
-constexpr int kMaxExperts = 1024;
 
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS)

@@ -13,7 +13,10 @@ Mixtral expert shapes. 4- and 5-bit weights are pair codes, as layers hold them 
 
 ``evaluate`` (no GPU needed): for each collected case, the plan the code makes now (its own
 planner, with the collected GPU's SM count and shared memory) and its measured time against the
-fastest measured choice; the geometric mean and the worst case per bit width. ``--fit`` also
+fastest measured choice; the geometric mean and the worst case per bit width. Every group of a
+collected grouped case has rows, so a grouped whole-tile plan's switch to stream-K (which
+depends on how many experts a call hits) never fires there: the cases measure the plan's choice,
+not that switch. ``--fit`` also
 searches the four cost constants (random search from the current values) and prints the best
 set with its figures: the constants are then rounded and written into ``tuning.py`` by hand.
 
@@ -120,7 +123,8 @@ def _collect_case(bits: int, m: int, k: int, n: int, experts: int | None, used: 
     mt = 1 if m <= 8 else 2
     auto = decode.decode_plan(m, bits, dtype, n, k_tiles, torch.device("cuda"), groups=groups, pairs=pairs)
     case = {"bits": bits, "m": m, "mt": mt, "k": k, "n": n, "experts": experts, "groups": groups,
-            "auto": {"config": list(vars(auto.config).values()), "schedule": auto.schedule, "us": _time_rotation(calls(auto))},
+            "auto": {"config": list(vars(auto.config).values()), "schedule": auto.schedule, "grid": auto.grid,
+                     "us": _time_rotation(calls(auto))},
             "variants": []}
     for cfg in _launch_shapes(bits, mt):
         for kind in ("stream-k", "tiles", "tile-split"):
@@ -129,7 +133,8 @@ def _collect_case(bits: int, m: int, k: int, n: int, experts: int | None, used: 
                                           groups=groups, pairs=pairs)
             except ValueError:  # this schedule does not apply to the shape
                 continue
-            case["variants"].append({"config": list(vars(cfg).values()), "schedule": kind, "us": _time_rotation(calls(plan))})
+            case["variants"].append({"config": list(vars(cfg).values()), "schedule": kind, "grid": plan.grid,
+                                     "us": _time_rotation(calls(plan))})
     return case
 
 
@@ -162,9 +167,11 @@ def _label(case: dict[str, Any]) -> str:
     return shape if case["experts"] is None else f"{shape} grouped E{case['experts']} G{case['groups']}"
 
 
-def _measured(case: dict[str, Any], config: tuning.DecodeConfig, kind: str) -> float | None:
-    key = list(vars(config).values())
-    return next((v["us"] for v in case["variants"] if v["config"] == key and v["schedule"] == kind), None)
+def _measured(case: dict[str, Any], config: list[int], kind: str, grid: int) -> float | None:
+    """The timing of (launch shape, schedule, grid) in ``case``; None where that exact choice was
+    not timed (a split of another piece count, say)."""
+    return next((v["us"] for v in case["variants"]
+                 if v["config"] == config and v["schedule"] == kind and v["grid"] == grid), None)
 
 
 def _picks(cases: list[dict[str, Any]], props: SimpleNamespace) -> list[tuple[dict[str, Any], float | None]]:
@@ -180,7 +187,7 @@ def _picks(cases: list[dict[str, Any]], props: SimpleNamespace) -> list[tuple[di
             k_tiles = fmt.padded_shape(c["n"], c["k"])[1] // fmt.TILE_K
             plan = decode.decode_plan(c["m"], c["bits"], torch.float16, c["n"], k_tiles, 0, groups=c["groups"],
                                       pairs=fmt.has_pair_codes(c["bits"]))
-            out.append((c, _measured(c, plan.config, plan.schedule)))
+            out.append((c, _measured(c, list(vars(plan.config).values()), plan.schedule, plan.grid)))
         return out
     finally:
         loader.device_properties, loader.get_kernel = saved
@@ -188,13 +195,20 @@ def _picks(cases: list[dict[str, Any]], props: SimpleNamespace) -> list[tuple[di
 
 
 def _summary(picks: list[tuple[dict[str, Any], float | None]]) -> dict[int, tuple[float, float, str]]:
-    """Per bit width: geometric mean and worst of (plan time / fastest time), and the worst case."""
+    """Per bit width: geometric mean and worst of (plan time / fastest time), and the worst
+    case. A plan whose exact choice was not timed counts as the slowest variant of the case."""
     logs: dict[int, list[tuple[float, str]]] = {}
     for case, us in picks:
-        fastest = min(v["us"] for v in case["variants"])
-        ratio = (us if us is not None else case["auto"]["us"]) / fastest
+        times = [v["us"] for v in case["variants"]]
+        ratio = (us if us is not None else max(times)) / min(times)
         logs.setdefault(case["bits"], []).append((math.log(ratio), f"M={case['m']} {_label(case)}"))
     return {b: (math.exp(sum(x for x, _ in v) / len(v)), math.exp(max(v)[0]), max(v)[1]) for b, v in sorted(logs.items())}
+
+
+def collected_picks(cases: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float | None]]:
+    """The plans the collecting code made (``auto``), timed as variants: the same timing runs
+    as the current plans' (a plan timed twice varies by up to ~10 % on the largest launches)."""
+    return [(c, _measured(c, c["auto"]["config"], c["auto"]["schedule"], c["auto"]["grid"])) for c in cases]
 
 
 def _print(summary: dict[int, tuple[float, float, str]], title: str) -> None:
@@ -208,12 +222,15 @@ def evaluate(args: argparse.Namespace) -> None:
     props = None
     for path in args.json:
         data = json.loads(Path(path).read_text())
+        p = SimpleNamespace(sm_count=data["sm_count"], shared_per_sm=data["shared_per_sm"],
+                            max_shared_per_block=data["max_shared_per_block"])
+        if props is not None and p != props:
+            raise SystemExit(f"{path} comes from another GPU ({p}) than the files before it ({props})")
+        props = p
         cases += data["cases"]
-        props = SimpleNamespace(sm_count=data["sm_count"], shared_per_sm=data["shared_per_sm"],
-                                max_shared_per_block=data["max_shared_per_block"])
     if not cases:
         raise SystemExit("no cases in the given files")
-    _print(_summary([(c, c["auto"]["us"]) for c in cases]), "plans as collected:")
+    _print(_summary(collected_picks(cases)), "plans as collected:")
     _print(_summary(_picks(cases, props)), "plans the code makes now: " + ", ".join(f"{n} {getattr(tuning, n)}" for n in COSTS))
     if not args.fit:
         return

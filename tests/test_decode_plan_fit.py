@@ -42,12 +42,12 @@ def test_every_plan_is_a_measured_choice(fit):
 
 def test_plans_stay_close_to_the_fastest_choice(fit):
     """Per bit width, the plans are within 2.5 % of the fastest measured choice on average
-    (geometric mean over the cases) and never 20 % off; and no worse than the plans of the
-    constants the timings were collected with."""
+    (geometric mean over the cases) and never 20 % off; and no worse (within 0.5 %) than the
+    plans of the constants the timings were collected with, timed in the same runs."""
     script, cases, props = fit
     now = script._summary(script._picks(cases, props))
-    collected = script._summary([(c, c["auto"]["us"]) for c in cases])
+    collected = script._summary(script.collected_picks(cases))
     for bits, (geo, worst, where) in now.items():
         assert geo <= 1.025, f"K = {bits}: plans {geo:.3f}x the fastest on average"
         assert worst <= 1.2, f"K = {bits}: {where} {worst:.3f}x the fastest"
-        assert geo <= collected[bits][0] + 1e-9, f"K = {bits}: {geo:.3f} against {collected[bits][0]:.3f} before"
+        assert geo <= collected[bits][0] * 1.005, f"K = {bits}: {geo:.3f} against {collected[bits][0]:.3f} before"

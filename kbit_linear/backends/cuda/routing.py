@@ -16,7 +16,7 @@ from . import loader
 
 __all__ = ["MAX_EXPERTS", "BLOCK_SIZES", "MANY_SLOTS", "route_instances", "route_experts_cuda", "route_smem_bytes"]
 MAX_EXPERTS = 1024
-"""Most experts it takes (``kMaxExperts`` in ``route.cu``)."""
+"""Most experts it takes: with 256 threads, (8 + 2) x 1025 ints of shared memory fit every GPU the kernels run on."""
 BLOCK_SIZES = (256, 1024)
 """Threads of the one block: the smaller for decode sizes, the larger from :data:`MANY_SLOTS` slots."""
 MANY_SLOTS = 2048
@@ -58,6 +58,8 @@ def route_experts_cuda(top_k_index: torch.Tensor, num_experts: int,
     tokens = torch.empty(slots, dtype=torch.int64, device=index.device)
     position = torch.empty(slots, dtype=torch.int64, device=index.device)
     threads = BLOCK_SIZES[1] if slots >= MANY_SLOTS else BLOCK_SIZES[0]
+    if route_smem_bytes(threads, num_experts) > loader.device_properties(loader._device_index(index.device)).max_shared_per_block:
+        threads = BLOCK_SIZES[0]  # GPUs with less shared memory per block (~99 KiB) and many experts
     kern = loader.get_kernel(_SOURCE, f"kbit_route_experts<{threads}>", index.device)
     loader.launch(kern, 1, threads, _ARGS.Values(index=index, perm=perm, tokens=tokens, position=position, groups=table, S=slots,
                                                  top_k=top_k_index.shape[1], E=num_experts, G=groups),
