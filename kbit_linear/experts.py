@@ -535,7 +535,9 @@ class KbitExperts(nn.Module):
         # groups as there can be hit experts); slots with no expert sort last, in no group.
         groups, _, token_of_slot, position = torch.ops.kbit_linear.route_experts(top_k_index, self.num_experts,
                                                                                  min(self.num_experts, tokens * top_k))
-        x = hidden_states[token_of_slot]
+        # One token: every slot reads its row, so a broadcast view replaces the gather (the
+        # decode kernel reads it with stride 0 between rows).
+        x = hidden_states.expand(tokens * top_k, -1) if tokens == 1 else hidden_states[token_of_slot]
         if _is_silu(self.act_fn):  # one op; the backend fuses silu(gate) * up into the GEMM's stores where it can
             h = torch.ops.kbit_linear.grouped_swiglu(x, *self.projection_tensors("gate_up_proj"), groups, self.bits,
                                                      self.intermediate_dim, max_rows)

@@ -348,16 +348,17 @@ template <int BITS> KBIT_DEVICE void load_sub(Sub<BITS>& d, const u32* __restric
     }
 }
 
-// B fragments of one chunk for this lane: x row (8j + g), in-features k0 .. k0+31. K is a
-// multiple of 8 and x 16-byte aligned (the host pads), so each 16-byte piece is all in or all
-// out; pieces past K are zero. Rows past M are zero too (only their own output columns would
-// see them, and those are not stored).
+// B fragments of one chunk for this lane: x row (8j + g), in-features k0 .. k0+31; rows ld
+// elements apart (K, or 0 where every row is one token's x). K is a multiple of 8 and x 16-byte
+// aligned (the host pads), so each 16-byte piece is all in or all out; pieces past K are zero.
+// Rows past M are zero too (only their own output columns would see them, and those are not
+// stored).
 template <int MT>
-KBIT_DEVICE void load_x(u32 (&bx)[MT][16], const u16* __restrict__ x, int M, int K, int k0, int g) {
+KBIT_DEVICE void load_x(u32 (&bx)[MT][16], const u16* __restrict__ x, int M, int K, int ld, int k0, int g) {
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
         const int m = 8 * j + g;
-        const u16* src = x + (size_t)max(min(m, M - 1), 0) * K + k0;
+        const u16* src = x + (size_t)max(min(m, M - 1), 0) * ld + k0;
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
             u32 t4[4];
@@ -436,6 +437,7 @@ struct Groups {
     int count, rt_per_group;
     int expert_words, expert_scales;
     int stream_k_slack;  // see grouped_align (-1: keep the plan's align)
+    int x_ld;            // elements between two rows of x: K, or 0 (grouped: every row is row 0)
 };
 
 // Where one work item's loads come from, advanced without divisions inside a row tile.
@@ -829,7 +831,7 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
     }
     // x of the first item while the first loads are on their way.
     u32 bx[MT][16];
-    load_x<MT>(bx, GROUPED ? x + (size_t)cur.xrow0 * K : x, GROUPED ? cur.xrows : M, K, cur.ch * 128 + 32 * t, g);
+    load_x<MT>(bx, GROUPED ? x + (size_t)cur.xrow0 * grp.x_ld : x, GROUPED ? cur.xrows : M, K, grp.x_ld, cur.ch * 128 + 32 * t, g);
     if (__syncthreads_or(cb_changed)) {
         build_tables<BITS, DT, NW * 32, PAIRS>(lut_win, stab_win, __ldcg(cb_entry), threadIdx.x);
         __syncthreads();
@@ -845,7 +847,8 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
         for (int d = 0; d < D; ++d) {
             const int j = jb + d;
             if (j >= n_mine) break;
-            if (j > 0) load_x<MT>(bx, GROUPED ? x + (size_t)cur.xrow0 * K : x, GROUPED ? cur.xrows : M, K, cur.ch * 128 + 32 * t, g);
+            if (j > 0)
+                load_x<MT>(bx, GROUPED ? x + (size_t)cur.xrow0 * grp.x_ld : x, GROUPED ? cur.xrows : M, K, grp.x_ld, cur.ch * 128 + 32 * t, g);
             const bool refill = j + D < n_mine;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -898,11 +901,12 @@ kbit_decode_gemm(const u16* __restrict__ x, const u32* __restrict__ packed, cons
                  const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
                  float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K, int k_tiles, int n_tiles, int align) {
     decode_gemm_body<BITS, DT, MT, NW, KS, R, D, false, PAIRS>(x, packed, absmax, codebook, tensor_scale, out, ws, counters, M, N, K,
-                                                        k_tiles, n_tiles, align, Groups{nullptr, 1, 0, 0, 0, -1});
+                                                        k_tiles, n_tiles, align, Groups{nullptr, 1, 0, 0, 0, -1, K});
 }
 
 // Grouped: `groups` int32 [3][count] (expert, row0, rows per group, on the device), x and out
-// [total rows, K] / [total rows, N] with each group's rows contiguous; packed/absmax/tensor_scale
+// [total rows, K] / [total rows, N] with each group's rows contiguous (x's rows x_ld elements
+// apart: K, or 0 when every row is the same token's, a decode step of one token); packed/absmax/tensor_scale
 // hold every expert, expert_words / expert_scales apart (the other parameters as above, for one
 // expert's weight). Workspace and counters: count times the single weight's (also for a
 // whole-tile plan when stream_k_slack >= 0: it may run split, grouped_align).
@@ -912,10 +916,10 @@ kbit_decode_gemm_grouped(const u16* __restrict__ x, const u32* __restrict__ pack
                          const float* __restrict__ codebook, const float* __restrict__ tensor_scale, u16* __restrict__ out,
                          float* __restrict__ ws, int* __restrict__ counters, const int* __restrict__ groups, int count,
                          int expert_words, int expert_scales, int N, int K, int k_tiles, int n_tiles, int align,
-                         int stream_k_slack) {
+                         int stream_k_slack, int x_ld) {
     decode_gemm_body<BITS, DT, MT, NW, KS, R, D, true, PAIRS>(x, packed, absmax, codebook, tensor_scale, out, ws, counters, 0, N, K,
                                                        k_tiles, n_tiles, align,
-                                                       Groups{groups, count, 0, expert_words, expert_scales, stream_k_slack});
+                                                       Groups{groups, count, 0, expert_words, expert_scales, stream_k_slack, x_ld});
 }
 
 }  // namespace kbit_decode

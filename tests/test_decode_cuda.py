@@ -327,6 +327,29 @@ def _check_grouped(out, x, dense, counts, experts, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
+def test_grouped_reads_one_row_broadcast_to_every_row(bits):
+    """x as one row expanded to every row (stride 0: a decode step of one token, which the
+    experts module passes without gathering it): the same products as the rows materialized,
+    through the launch and through the op, groups of one and several rows, one and two n8
+    fragments."""
+    k, n = 1000, 700
+    packed, absmax, codebook, ts, dense = _experts(6, k, n, bits)
+    for max_rows, dtype in ((1, torch.float16), (3, torch.bfloat16), (12, torch.float16)):
+        counts, experts = [max_rows, 0, 1, max_rows], [0, 1, 4, 5]
+        xb = torch.randn(1, k, device=DEV, dtype=dtype).expand(sum(counts), k)
+        assert decode.broadcast_rows(xb) and not decode.broadcast_rows(xb.contiguous())
+        groups = _groups(counts, experts)
+        plan = decode.decode_plan(max_rows, bits, dtype, n, packed.shape[1], DEV, groups=len(counts))
+        out = torch.full((sum(counts), n), float("nan"), dtype=dtype, device=DEV)
+        decode.launch_grouped(plan, xb, packed, absmax, codebook, ts, groups, out)
+        _check_grouped(out, xb.contiguous(), dense, counts, experts, dtype)
+        via_op = torch.ops.kbit_linear.grouped_gemm(xb, packed, absmax, codebook, ts, groups, bits, n, max_rows)
+        want = torch.ops.kbit_linear.grouped_gemm(xb.contiguous(), packed, absmax, codebook, ts, groups, bits, n, max_rows)
+        torch.testing.assert_close(via_op, want, rtol=1e-3, atol=1e-3)
+
+
+@gpu
 @pytest.mark.parametrize("shape", ((576, 192), (1000, 1000), (2048, 1536), (100, 33)), ids=lambda s: f"{s[0]}to{s[1]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")

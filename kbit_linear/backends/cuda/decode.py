@@ -44,6 +44,7 @@ __all__ = [
     "decode_gemm",
     "grouped_decode_gemm",
     "launch_grouped",
+    "broadcast_rows",
     "decode_plan",
     "launch",
     "decode_instances",
@@ -61,7 +62,7 @@ _ARGS = loader.ArgPack("kbit_decode_gemm", "x:p packed:p absmax:p codebook:p ten
                                           "M:i N:i K:i k_tiles:i n_tiles:i align:i")
 _GROUPED_ARGS = loader.ArgPack("kbit_decode_gemm_grouped", "x:p packed:p absmax:p codebook:p tensor_scale:p out:p ws:p counters:p "
                                                           "groups:p count:i expert_words:i expert_scales:i N:i K:i k_tiles:i "
-                                                          "n_tiles:i align:i stream_k_slack:i")
+                                                          "n_tiles:i align:i stream_k_slack:i x_ld:i")
 
 
 # Dynamic shared memory per block (kernels/decode.cu): the pair/quad table (Lut<BITS>::kSmem:
@@ -502,11 +503,20 @@ def grouped_decode_gemm(
                    aligned16(packed), aligned16(absmax), codebook.contiguous(), tensor_scale.contiguous(), groups, out)
 
 
+def broadcast_rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` ``[R, K]`` is one 16-byte aligned row repeated (``expand``: stride 0 between
+    rows, unit stride along K, K a multiple of 8), which :func:`launch_grouped` reads as is."""
+    return (x.dim() == 2 and x.stride(0) == 0 and x.stride(1) == 1 and x.shape[1] % 8 == 0
+            and x.data_ptr() % 16 == 0)
+
+
 def launch_grouped(plan: DecodePlan, x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
                    tensor_scale: torch.Tensor, groups: torch.Tensor, out: torch.Tensor) -> None:
     """Launch a grouped ``plan`` (from :func:`decode_plan` with ``groups``) on tensors that meet
     every requirement of :func:`grouped_decode_gemm` already (checked, contiguous, 16-byte
-    aligned, K of x a multiple of 8, on the plan's device): the op's fast path."""
+    aligned, K of x a multiple of 8, on the plan's device): the op's fast path. ``x`` may also
+    be one row broadcast to every row (stride 0 between rows, :func:`broadcast_rows`): a decode
+    step of one token reads it without a gather."""
     stream, ws_ptr, cnt_ptr = _stream_and_scratch(plan)
     _GROUPED_ARGS.launch(
         plan.kernel,
@@ -517,7 +527,7 @@ def launch_grouped(plan: DecodePlan, x: torch.Tensor, packed: torch.Tensor, absm
                              tensor_scale=tensor_scale.data_ptr(), out=out.data_ptr(), ws=ws_ptr, counters=cnt_ptr,
                              groups=groups.data_ptr(), count=groups.shape[1], expert_words=packed[0].nbytes // 4,
                              expert_scales=absmax[0].numel(), N=out.shape[1], K=x.shape[1], k_tiles=packed.shape[1],
-                             n_tiles=packed.shape[2], align=plan.align, stream_k_slack=plan.stream_k_slack),
+                             n_tiles=packed.shape[2], align=plan.align, stream_k_slack=plan.stream_k_slack, x_ld=x.stride(0)),
         threads=plan.config.warps * 32,
         programmatic=plan.programmatic,
     )

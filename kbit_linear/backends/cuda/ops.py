@@ -710,7 +710,9 @@ def _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, 
     if x.shape[0] == 0 or groups.shape[1] == 0:
         return out
     # checked by the op (its checks cover the launch's): plan and launch directly
-    xk, packed, absmax = kernel_rows(x), aligned16(packed), aligned16(absmax)
+    # one token's row broadcast to every slot (a decode step of one token) is read as is
+    xk = x if small and decode.broadcast_rows(x) else kernel_rows(x)
+    packed, absmax = aligned16(packed), aligned16(absmax)
     codebook, tensor_scale, groups = codebook.contiguous(), tensor_scale.contiguous(), groups.contiguous()
     if small:
         plan = decode.decode_plan(max_rows, bits, x.dtype, out_features, packed.shape[1], x.device, groups=groups.shape[1],
