@@ -137,6 +137,16 @@ KBIT_DEVICE u32 shfl_idx(u32 v, u32 src) {
     return d;
 }
 
+// Inclusive prefix sum of `v` over the lanes of a full warp (lane i gets v of lanes 0..i).
+KBIT_DEVICE int warp_inclusive_sum(int v, int lane) {
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, v, d);
+        if (lane >= d) v += u;
+    }
+    return v;
+}
+
 // ---------------------------------------------------------------------------------------
 // asynchronous copies (sm_80+)
 // ---------------------------------------------------------------------------------------

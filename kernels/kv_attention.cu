@@ -253,26 +253,14 @@ kbit_kv_offsets(const signed char* __restrict__ tier, int* __restrict__ rel, int
         int incl[kTiers];
 #pragma unroll
         for (int t = 0; t < kTiers; ++t) {
-            int v = kb <= C ? out[kb * kTiers + t] : 0;
-#pragma unroll
-            for (int d = 1; d < 32; d <<= 1) {
-                const int u = __shfl_up_sync(0xffffffffu, v, d);
-                if (lane >= d) v += u;
-            }
-            incl[t] = v;
-            if (lane == 31) warp_sums[warp][t] = v;
+            incl[t] = warp_inclusive_sum(kb <= C ? out[kb * kTiers + t] : 0, lane);
+            if (lane == 31) warp_sums[warp][t] = incl[t];
         }
         __syncthreads();
         if (warp == 0) {  // scan of the warp totals
 #pragma unroll
             for (int t = 0; t < kTiers; ++t) {
-                int v = warp_sums[lane][t];
-#pragma unroll
-                for (int d = 1; d < 32; d <<= 1) {
-                    const int u = __shfl_up_sync(0xffffffffu, v, d);
-                    if (lane >= d) v += u;
-                }
-                warp_sums[lane][t] = v;  // inclusive
+                warp_sums[lane][t] = warp_inclusive_sum(warp_sums[lane][t], lane);  // inclusive
             }
         }
         __syncthreads();

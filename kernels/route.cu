@@ -89,15 +89,7 @@ kbit_route_experts(const i64* __restrict__ index, i64* __restrict__ perm, i64* _
     }
     // exclusive scan of the threads' partial sums: within each warp by shuffles, then over the
     // warps' totals by warp 0 (a serial loop over THREADS sums took microseconds)
-    int count_incl = count_sum, hit_incl = hit_sum;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const int c = __shfl_up_sync(0xffffffffu, count_incl, d), h = __shfl_up_sync(0xffffffffu, hit_incl, d);
-        if (lane >= d) {
-            count_incl += c;
-            hit_incl += h;
-        }
-    }
+    const int count_incl = warp_inclusive_sum(count_sum, lane), hit_incl = warp_inclusive_sum(hit_sum, lane);
     if (lane == 31) {
         part[0][warp] = count_incl;
         part[1][warp] = hit_incl;
@@ -105,15 +97,7 @@ kbit_route_experts(const i64* __restrict__ index, i64* __restrict__ perm, i64* _
     __syncthreads();
     if (warp == 0) {
         const int c = lane < W ? part[0][lane] : 0, h = lane < W ? part[1][lane] : 0;
-        int c_incl = c, h_incl = h;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const int cc = __shfl_up_sync(0xffffffffu, c_incl, d), hh = __shfl_up_sync(0xffffffffu, h_incl, d);
-            if (lane >= d) {
-                c_incl += cc;
-                h_incl += hh;
-            }
-        }
+        const int c_incl = warp_inclusive_sum(c, lane), h_incl = warp_inclusive_sum(h, lane);
         __syncwarp();
         if (lane < W) {
             part[0][lane] = c_incl - c;  // warps before this one

@@ -81,6 +81,11 @@ def _time_rotation(calls: list[Callable[[], None]], min_calls: int = 120) -> flo
                          repeats=5, fallback=False).us
 
 
+def _shape_key(config: tuning.DecodeConfig) -> list[int]:
+    """A launch shape as the JSON stores it: its fields in order."""
+    return list(vars(config).values())
+
+
 def _launch_shapes(bits: int, mt: int) -> list[tuning.DecodeConfig]:
     shapes = [tuning.DecodeConfig(*v) for v in tuning.DECODE_VARIANTS[(bits, mt)]]
     return shapes + [c for c in tuning.DECODE_CONFIGS[(bits, mt)] if c not in shapes]
@@ -123,7 +128,7 @@ def _collect_case(bits: int, m: int, k: int, n: int, experts: int | None, used: 
     mt = 1 if m <= 8 else 2
     auto = decode.decode_plan(m, bits, dtype, n, k_tiles, torch.device("cuda"), groups=groups, pairs=pairs)
     case = {"bits": bits, "m": m, "mt": mt, "k": k, "n": n, "experts": experts, "groups": groups,
-            "auto": {"config": list(vars(auto.config).values()), "schedule": auto.schedule, "grid": auto.grid,
+            "auto": {"config": _shape_key(auto.config), "schedule": auto.schedule, "grid": auto.grid,
                      "us": _time_rotation(calls(auto))},
             "variants": []}
     for cfg in _launch_shapes(bits, mt):
@@ -133,7 +138,7 @@ def _collect_case(bits: int, m: int, k: int, n: int, experts: int | None, used: 
                                           groups=groups, pairs=pairs)
             except ValueError:  # this schedule does not apply to the shape
                 continue
-            case["variants"].append({"config": list(vars(cfg).values()), "schedule": kind, "grid": plan.grid,
+            case["variants"].append({"config": _shape_key(cfg), "schedule": kind, "grid": plan.grid,
                                      "us": _time_rotation(calls(plan))})
     return case
 
@@ -187,7 +192,7 @@ def _picks(cases: list[dict[str, Any]], props: SimpleNamespace) -> list[tuple[di
             k_tiles = fmt.padded_shape(c["n"], c["k"])[1] // fmt.TILE_K
             plan = decode.decode_plan(c["m"], c["bits"], torch.float16, c["n"], k_tiles, 0, groups=c["groups"],
                                       pairs=fmt.has_pair_codes(c["bits"]))
-            out.append((c, _measured(c, list(vars(plan.config).values()), plan.schedule, plan.grid)))
+            out.append((c, _measured(c, _shape_key(plan.config), plan.schedule, plan.grid)))
         return out
     finally:
         loader.device_properties, loader.get_kernel = saved

@@ -144,6 +144,12 @@ class Schedule:
     cost: float
 
 
+def _segment_cost(shared_rows: bool) -> int:
+    """The cost model's bytes per segment: with the in-block reduction where several warps
+    share a row tile's rows, without it where each warp owns its rows."""
+    return DECODE_SHARED_SEGMENT_COST_BYTES if shared_rows else DECODE_SEGMENT_COST_BYTES
+
+
 def schedule(row_tiles: int, kc: int, sm_count: int, per_sm: int, item_bytes: float, kind: str = "auto",
              shared_rows: bool = True) -> Schedule:
     """Choose how to spread ``row_tiles * kc`` items over a persistent grid.
@@ -175,7 +181,7 @@ def schedule(row_tiles: int, kc: int, sm_count: int, per_sm: int, item_bytes: fl
         raise ValueError(f"kind must be one of {SCHEDULES}, got {kind!r}")
     total = row_tiles * kc
     slots = sm_count * per_sm
-    segment_cost = DECODE_SHARED_SEGMENT_COST_BYTES if shared_rows else DECODE_SEGMENT_COST_BYTES
+    segment_cost = _segment_cost(shared_rows)
 
     def cost(grid: int, most: int, segments: int, pieces: int) -> float:
         # blocks of one SM share its bandwidth; segments and a split (pieces > 1 blocks per
@@ -274,8 +280,8 @@ def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_til
     # out unevenly, by more than what the split-K finalisation costs, so it keeps the scratch.
     slack = -1
     if groups is not None and kind == "auto" and sch.align == kc > 1:
-        segment_cost = DECODE_SHARED_SEGMENT_COST_BYTES if cfg.k_warps > 1 else DECODE_SEGMENT_COST_BYTES
-        slack = math.ceil((DECODE_SPLIT_COST_BYTES + 2 * DECODE_SPLIT_PIECE_COST_BYTES + segment_cost) / item_bytes)
+        slack = math.ceil((DECODE_SPLIT_COST_BYTES + 2 * DECODE_SPLIT_PIECE_COST_BYTES + _segment_cost(cfg.k_warps > 1))
+                          / item_bytes)
     split = sch.split or slack >= 0
     ws = row_tiles * cfg.tile_rows * 8 * mt if split else 0
     cnt = row_tiles * cfg.row_slots if split else 0

@@ -661,11 +661,17 @@ def _repack_op(packed_flat, absmax_flat, bits):
 
 def _grouped_gemm_op(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows):
     _grouped_ops.check_grouped_args(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
-    out = _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows, swiglu=False)
+    return _grouped_product(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows, zero_unnamed=True)
+
+
+def _grouped_product(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows, zero_unnamed):
+    """The grouped product of checked arguments by a kernel, or by the reference for float32
+    activations and large groups on a GPU without the grouped tensor-core kernel (it reads the
+    groups on the host; its unnamed rows are zero either way)."""
+    out = _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows, swiglu=False,
+                             zero_unnamed=zero_unnamed)
     if out is not None:
         return out
-    # float32 activations, or large groups on a GPU without the grouped tensor-core kernel: the
-    # reference (reads the groups on the host)
     return _grouped_ops.grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, out_features, max_rows)
 
 
@@ -679,10 +685,7 @@ def _grouped_swiglu_op(x, packed, absmax, codebook, tensor_scale, groups, bits, 
                                  zero_unnamed=False)
         if out is not None:
             return out
-    gate_up = _grouped_on_device(x, packed, absmax, codebook, tensor_scale, groups, bits, n, max_rows, swiglu=False,
-                                 zero_unnamed=False)
-    if gate_up is None:  # float32 activations, or large groups without the grouped tensor-core kernel
-        gate_up = _grouped_ops.grouped_gemm_reference(x, packed, absmax, codebook, tensor_scale, groups, bits, n, max_rows)
+    gate_up = _grouped_product(x, packed, absmax, codebook, tensor_scale, groups, bits, n, max_rows, zero_unnamed=False)
     if gate_up.dtype in (torch.float16, torch.bfloat16) and experts.kernels_supported(gate_up.device):
         return experts.swiglu_cuda(gate_up)  # one launch (silu in float32, rounded once)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -58,10 +58,11 @@ def route_experts_cuda(top_k_index: torch.Tensor, num_experts: int,
     tokens = torch.empty(slots, dtype=torch.int64, device=index.device)
     position = torch.empty(slots, dtype=torch.int64, device=index.device)
     threads = BLOCK_SIZES[1] if slots >= MANY_SLOTS else BLOCK_SIZES[0]
-    if route_smem_bytes(threads, num_experts) > loader.device_properties(loader._device_index(index.device)).max_shared_per_block:
+    smem = route_smem_bytes(threads, num_experts)
+    if smem > loader.device_properties(loader._device_index(index.device)).max_shared_per_block:
         threads = BLOCK_SIZES[0]  # GPUs with less shared memory per block (~99 KiB) and many experts
+        smem = route_smem_bytes(threads, num_experts)
     kern = loader.get_kernel(_SOURCE, f"kbit_route_experts<{threads}>", index.device)
     loader.launch(kern, 1, threads, _ARGS.Values(index=index, perm=perm, tokens=tokens, position=position, groups=table, S=slots,
-                                                 top_k=top_k_index.shape[1], E=num_experts, G=groups),
-                  route_smem_bytes(threads, num_experts), index.device, pack=_ARGS)
+                                                 top_k=top_k_index.shape[1], E=num_experts, G=groups), smem, index.device, pack=_ARGS)
     return table, perm, tokens, position
