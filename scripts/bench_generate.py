@@ -106,13 +106,18 @@ ARCH_TEXT = {
 # ---------------------------------------------------------------------------------------
 
 
-def build_bf16(config: Any, device: torch.device, seed: int = 0) -> nn.Module:
-    """The random bf16 model, allocated and initialised on ``device``."""
+def build_bf16(config: Any, device: torch.device, seed: int = 0, attn: str | None = None) -> nn.Module:
+    """The random bf16 model, allocated and initialised on ``device``.
+
+    ``attn``: transformers' attention implementation (``"sdpa"``, ``"flex_attention"``, ...;
+    None: transformers' default).
+    """
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    kwargs = {"attn_implementation": attn} if attn else {}
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, **kwargs)
     return model.eval().requires_grad_(False)
 
 
@@ -150,9 +155,9 @@ def quantize_kbit(model: nn.Module, bits: int, skip: list[str]) -> nn.Module:
     return out if isinstance(out, nn.Module) else model
 
 
-def build_variant(name: str, config: Any, device: torch.device, libs: dict[str, Any]) -> nn.Module:
-    """The model for variant ``name`` (one of ``MODELS``)."""
-    model = build_bf16(config, device)
+def build_variant(name: str, config: Any, device: torch.device, libs: dict[str, Any], attn: str | None = None) -> nn.Module:
+    """The model for variant ``name`` (one of ``MODELS``), with attention implementation ``attn``."""
+    model = build_bf16(config, device, attn=attn)
     if name.startswith("kbit"):
         quantize_kbit(model, int(name[4:]), SKIP)
     elif name == "bnb-nf4":
@@ -248,18 +253,61 @@ def profile_eager_step(model: nn.Module, prompt: torch.Tensor, rows: int = 8) ->
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
 
 
+# Families of the kernels a decode step runs, by a substring of the kernel's name (first match wins):
+# what the compiled-step profile sums its GPU time into.
+KERNEL_FAMILIES = (
+    ("kbit GEMM", ("kbit_decode", "kbit_gemm")),
+    ("kbit other", ("kbit_",)),
+    ("attention (SDPA)", ("sdpa", "fmha", "flash", "attention")),
+    ("cuBLAS GEMM", ("nvjet", "cublas", "cutlass", "gemm", "gemv")),
+)
+
+
+def kernel_family(name: str) -> str:
+    """The :data:`KERNEL_FAMILIES` entry a kernel name belongs to (``"other"`` if none)."""
+    low = name.lower()
+    for family, keys in KERNEL_FAMILIES:
+        if any(k in low for k in keys):
+            return family
+    return "other"
+
+
+def summarize_kernels(events: list[tuple[str, float, int]], steps: int, rows: int = 10) -> str:
+    """A text table of GPU time per decode step: by family, then the top ``rows`` kernels.
+
+    Args:
+        events: (kernel name, total GPU microseconds, calls) over ``steps`` steps.
+        steps: decode steps the events cover.
+        rows: kernels listed one by one.
+    """
+    total = sum(us for _, us, _ in events) / steps
+    fam: dict[str, float] = {}
+    for name, us, _ in events:
+        fam[kernel_family(name)] = fam.get(kernel_family(name), 0.0) + us / steps
+    lines = [f"  GPU time per step {total / 1e3:.3f} ms (kernels in the graph, summed)"]
+    for family, us in sorted(fam.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {us / 1e3:8.3f} ms {100 * us / max(total, 1e-9):5.1f} %  {family}")
+    lines.append("  top kernels (ms per step, calls per step, name):")
+    for name, us, calls in sorted(events, key=lambda e: -e[1])[:rows]:
+        lines.append(f"  {us / steps / 1e3:8.3f} ms {calls // steps:5d}x  {name[:100]}")
+    return "\n".join(lines)
+
+
 def _forward_kwargs(model: nn.Module) -> bool:
     """Whether this transformers version's decoder still takes ``cache_position``."""
     return "cache_position" in inspect.signature(model.model.forward).parameters
 
 
 def run_compiled(
-    model: nn.Module, prompt: torch.Tensor, decode: int, config: Any, regions: bool = True, warm: int = 3
+    model: nn.Module, prompt: torch.Tensor, decode: int, config: Any, regions: bool = True, warm: int = 3,
+    profile_steps: int = 0,
 ) -> dict[str, Any]:
     """Prefill into a ``StaticCache``, then ``decode`` steps of a CUDA-graph-compiled decode step.
 
     With ``regions`` the decoder layers are compiled once as a nested region (falls back to
-    plain tracing, and says so, if that fails).
+    plain tracing, and says so, if that fails). With ``profile_steps`` > 0, that many more steps
+    run under ``torch.profiler`` after the timed ones, and the result's ``"profile"`` holds
+    :func:`summarize_kernels` of them (the cache is sized for them).
     """
     from transformers import StaticCache
 
@@ -277,14 +325,15 @@ def run_compiled(
         return forward(prompt, cpos.unsqueeze(0), cpos, cache)
 
     # Warm-up prefill on a throw-away cache so the timed one pays no first-call costs.
-    prefill(StaticCache(config=config, max_cache_len=plen + warm + decode))
+    cache_len = plen + warm + decode + profile_steps
+    prefill(StaticCache(config=config, max_cache_len=cache_len))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     # TTFT: the median of three timed prefills, each into a fresh cache (one alone varies by tens of percent)
     ttfts, cache = [], None
     for _ in range(3):
         cache = None
-        cache = StaticCache(config=config, max_cache_len=plen + warm + decode)
+        cache = StaticCache(config=config, max_cache_len=cache_len)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         ids = prefill(cache)
@@ -332,10 +381,20 @@ def run_compiled(
         ids = step(ids)
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t1) / decode
+    profile_text = None
+    if profile_steps > 0:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(profile_steps):
+                ids = step(ids)
+            torch.cuda.synchronize()
+        events = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+        profile_text = summarize_kernels(events, profile_steps)
     res = {"ttft_ms": 1e3 * ttft, "ms_per_step": 1e3 * step_s, "tok_s": batch / step_s,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "compile_s": compile_s, "fullgraph": fullgraph,
            "regions": regions,
-           "tokens": torch.cat(picked, dim=1)[:, :decode].cpu()}
+           "tokens": torch.cat(picked, dim=1)[:, :decode].cpu(), "profile": profile_text}
     step_fn = cache = None  # drop the graphs and the cache before emptying the allocator's cache
     mark_layer_regions(model, False)
     torch._dynamo.reset()
@@ -410,6 +469,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
     def payload(complete: bool) -> dict[str, Any]:
         return {"env": env, "copy_gbps": copy_gbps, "rows": list(rows), "notes": list(notes),
                 "config": {"models": args.models, "batches": args.batches, "modes": args.modes, "prompt": args.prompt,
+                           "attn": args.attn,
                            "decode": args.decode, "layers": args.layers, "regions": args.regions, "arch": args.arch},
                 "progress": {"done": done, "planned": planned, "measured": len(rows), "complete": complete},
                 "wall_s": time.perf_counter() - t_start}
@@ -421,7 +481,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
     for name in models:
         t_b = time.perf_counter()
         try:
-            model = build_variant(name, config, device, libs)
+            model = build_variant(name, config, device, libs, attn=args.attn)
         except Exception as exc:  # noqa: BLE001  (one broken variant must not hide the others)
             notes.append(f"{name}: build failed: {type(exc).__name__}: {exc}"[:300])
             done += len(args.batches) * len(args.modes)  # none of its rows can run
@@ -444,7 +504,8 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
                 try:
                     with torch.inference_mode() if mode == "eager" else torch.no_grad():
                         res = (run_eager(model, prompt, args.decode) if mode == "eager"
-                               else run_compiled(model, prompt, args.decode, config, args.regions))
+                               else run_compiled(model, prompt, args.decode, config, args.regions,
+                                                 profile_steps=4 if args.profile else 0))
                 except Exception as exc:  # noqa: BLE001
                     notes.append(f"{name} {mode} batch {batch}: failed: {type(exc).__name__}: {str(exc)[:200]}")
                     mark_layer_regions(model, False)
@@ -454,6 +515,11 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
                     save()
                     continue
                 tokens = res.pop("tokens")
+                profile_text = res.get("profile")
+                if profile_text:
+                    print(f"# {name}: compiled decode step, batch {batch}, GPU time by kernel\n{profile_text}", flush=True)
+                else:
+                    res.pop("profile", None)
                 if mode == "eager":
                     eager_tokens = tokens
                 elif eager_tokens is not None:
@@ -526,9 +592,18 @@ def report(payload: dict[str, Any]) -> str:
         + (" (decoder layer compiled once as a `torch.compiler.nested_compile_region`)" if cfg.get("regions") else "")
         + ". '= eager tokens': "
         "leading greedy tokens of the compiled loop identical to HF generate's for every sequence (rounding "
-        "differs between the modes, so random-weight models may part after a while).", "",
+        "differs between the modes, so random-weight models may part after a while)."
+        + (f" Attention: transformers' `{cfg['attn']}` implementation in every variant." if cfg.get("attn") else ""), "",
         table(payload), "",
     ]
+    profiled = [r for r in payload["rows"] if r.get("profile")]
+    if profiled:
+        out += ["## GPU time of one compiled decode step, by kernel", "",
+                "`--profile`: four more compiled steps under `torch.profiler`, each kernel's GPU time per step "
+                "(kernels of the CUDA graph, summed; with programmatic launch a kernel's time may include its wait "
+                "for the previous one). Families by kernel name (`bench_generate.KERNEL_FAMILIES`).", ""]
+        for r in profiled:
+            out += [f"{r['model']}, batch {r['batch']}:", "", "```", r["profile"], "```", ""]
     if payload["notes"]:
         out += ["## Notes", ""] + [f"- {n}" for n in payload["notes"]] + [""]
     return "\n".join(out)
@@ -589,7 +664,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=32, help="decoder layers (default 32, as Llama-3-8B)")
     p.add_argument("--no-regions", dest="regions", action="store_false",
                    help="compile all layers separately instead of one nested region per layer (slow to compile)")
-    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one eager decode step per variant")
+    p.add_argument("--attn", default=None,
+                   help="transformers attention implementation for every variant (default: transformers' own, sdpa); "
+                        "e.g. flex_attention, whose GQA reads each key/value head once instead of expanding it per query head")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one eager decode step per variant and "
+                   "(compiled mode) the GPU time of a compiled step by kernel family")
     p.add_argument("--json", help="write all rows and the environment as JSON")
     p.add_argument("--plot", help="write the PNG plot")
     p.add_argument("--md", help="write the markdown report")
