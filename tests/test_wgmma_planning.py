@@ -10,6 +10,7 @@ H100_SMS = 132
 
 
 H100 = "NVIDIA H100 80GB HBM3"
+H200 = "NVIDIA H200"
 
 
 @pytest.mark.parametrize(
@@ -110,3 +111,10 @@ def test_weights_from_4096_x_4096_take_the_wgmma_kernel_from_row_17():
     assert tuning.wgmma_rows(H100, 4096 * 4096, 4)[0] == 17
     assert tuning.wgmma_rows(H100, 8192 * 28672, 4)[0] == 17
     assert tuning.wgmma_rows(H100, 4096 * 1024, 4)[0] == 33  # the mma.sync kernel is as fast there
+
+
+def test_an_h200_gives_every_weight_the_wgmma_kernel_from_row_17():
+    # measured there with the cluster splits (tuning.WGMMA_EARLY_FIRST_ROW's comment)
+    for n, k in [(1024, 4096), (512, 2048), (4096, 1024), (28672, 8192)]:
+        for bits in (2, 3, 4, 5):
+            assert tuning.wgmma_rows(H200, n * k, bits)[0] == 17

@@ -156,7 +156,15 @@ WGMMA_LAST_ROW_PLANES: dict[str, dict[int, int]] = {"default": {4: 1024, 5: 512}
 # vs 31.5 / 32.4, 14336->4096 26.9 / 26.9 vs 30.9 / 31.4; K = 5 4096->4096 16.5 vs 18.2; but
 # 4096->1024 (4 M elements) 12.6-12.9 vs 11.9-12.6, K = 5 15.9 vs 13.2. (8192->28672 took the
 # wgmma kernel from M = 17 before: 92.0 vs 100.2 us at M = 17 with the first plans.)
-WGMMA_EARLY_FIRST_ROW: dict[str, tuple[int, int]] = {"default": (17, 16 * 2**20)}
+# H200: every weight, since the planner's splits in clusters of up to eight blocks serve small
+# weights (2026-11-29, `bench_wgmma.py --shape 4096 1024 --shape 2048 4096 --shape 4096 2048
+# --shape 2048 512 --shape 1024 4096 --shape 2048 2048 --m 17 24 32 --bits 2 3 4 5 --dtypes
+# fp16`, bench/results/gemm-sm90-small-m17-h200.json): wgmma (tile 64) vs mma.sync at M = 17..32,
+# K = 2..5: 4096->1024 8.6-9.8 vs 11.4-12.5 us, 4096->2048 11.0-12.6 vs 13.7-15.3, 2048->512
+# 7.1-7.9 vs 8.7-9.6, 2048->2048 8.4-9.3 vs 9.0-9.6, 2048->4096 10.5-11.5 vs 10.9-12.3; only
+# 1024->4096 ties (7.9-8.8 vs 7.9-8.5, K = 3 and 5 0.3-0.4 us slower). The H100 row above was
+# measured before those cluster plans reached small weights; it awaits the same sweep there.
+WGMMA_EARLY_FIRST_ROW: dict[str, tuple[int, int]] = {"H200": (17, 0), "default": (17, 16 * 2**20)}
 
 # Smallest share of the last wave that a grid of whole tiles (no split of K) must fill for the
 # wgmma kernel to run unsplit: tiles / (slots * waves) with waves = ceil(tiles / slots). Below it,
