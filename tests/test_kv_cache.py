@@ -257,6 +257,40 @@ def test_cache_runs_deterministically_and_changes_tiers_mid_run() -> None:
     assert avg <= 3 + 8 * (8 + 2 + 16) / layer.seq_len  # over target only by the window, sinks and open block
 
 
+def test_a_chunked_prompt_allocates_every_prefill_interval_tokens() -> None:
+    # chunks longer than block_size (a prompt) wait for prefill_interval tokens; decode steps
+    # (one token) go back to block_size, starting with the first one after the prompt
+    layer = KbitKVLayer(4, window=8, sink_tokens=2, block_size=16, hysteresis=0.1, prefill_interval=96)
+    calls = []
+    run = layer.reallocate
+    layer.reallocate = lambda: (calls.append(layer.seq_len), run())[1]
+    g = torch.Generator().manual_seed(0)
+    most_8bit = 0
+    for _ in range(10):
+        layer.update(torch.randn(1, 2, 32, 32, generator=g), torch.randn(1, 2, 32, 32, generator=g))
+        layer.attend(torch.randn(1, 4, 32, 32, generator=g), None, 32**-0.5)
+        most_8bit = max(most_8bit, layer.buckets[8].num_tokens)
+    assert calls == [96, 192, 288]  # every 96 tokens, not before each of the 9 later chunks
+    assert most_8bit <= 96 + 32 + 8 + 2 + 16  # the interval, a chunk, the window, the sinks, an open key block
+    for _ in range(40):
+        layer.update(torch.randn(1, 2, 1, 32, generator=g), torch.randn(1, 2, 1, 32, generator=g))
+        layer.attend(torch.randn(1, 4, 1, 32, generator=g), None, 32**-0.5)
+    assert calls == [96, 192, 288, 320, 336, 352]  # at the first decode step, then every 16 tokens
+    movable = layer.tier[0, 2:352 - 8].to(torch.float64)  # allocated at 352: sinks and window excluded
+    assert movable.mean() <= 4 + 1e-9
+
+
+def test_prefill_interval_of_one_block_allocates_before_every_chunk() -> None:
+    layer = KbitKVLayer(4, window=8, sink_tokens=2, block_size=16, hysteresis=0.1, prefill_interval=16)
+    calls = []
+    run = layer.reallocate
+    layer.reallocate = lambda: (calls.append(layer.seq_len), run())[1]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        layer.update(torch.randn(1, 2, 32, 32, generator=g), torch.randn(1, 2, 32, 32, generator=g))
+    assert calls == [32, 64, 96]
+
+
 # ---- memory --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_bits,limit", [(4, 0.30), (2.5, 0.20)])
@@ -372,7 +406,8 @@ def test_bad_kv_bits(bad) -> None:
         KbitKVCache(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1), kv_bits=bad)
 
 
-@pytest.mark.parametrize("name,value", [("window", -1), ("sink_tokens", 1.5), ("block_size", 0), ("hysteresis", 1.0)])
+@pytest.mark.parametrize("name,value", [("window", -1), ("sink_tokens", 1.5), ("block_size", 0), ("hysteresis", 1.0),
+                                        ("prefill_interval", 0)])
 def test_bad_keywords(name: str, value) -> None:
     with pytest.raises(ValueError, match=name):
         KbitKVCache(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1), **{name: value})
