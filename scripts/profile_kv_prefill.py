@@ -1,0 +1,71 @@
+"""Where a chunked prefill into ``KbitKVCache`` spends its time: wall seconds and a ``cProfile`` table.
+
+A Llama-3-8B-shaped model with random weights (``bench_generate.py``'s builder), its linear layers
+at kbit K = 4, is fed ``--context`` random tokens in forward calls of ``--chunk`` tokens into a
+``KbitKVCache(kv_bits=--kv-bits)``, once to warm up (kernels compiled) and once timed under
+``cProfile``; the table lists the functions by their own time (``--sort tottime``) or their
+cumulative time. The cache's allocator (``KbitKVLayer.reallocate``) and attention
+(``KbitKVLayer.attend``) show up by name.
+
+Usage::
+
+    python3 scripts/profile_kv_prefill.py --context 32768 --chunk 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench_common as bc  # noqa: E402
+import bench_generate as bg  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the arguments, prefill twice, print the timed run's seconds and profile."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=32768, help="prompt tokens")
+    ap.add_argument("--chunk", type=int, default=2048, help="tokens per forward call")
+    ap.add_argument("--kv-bits", type=float, default=4.0)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=25, help="profile rows printed")
+    ap.add_argument("--sort", choices=["tottime", "cumulative"], default="tottime")
+    args = ap.parse_args(argv)
+    if args.context < 1 or args.chunk < 1:
+        ap.error("--context and --chunk must be >= 1")
+    dev = bc.require_cuda()
+    bc.kbit_cuda_status()
+    import kbit_linear
+
+    config = bg.llama3_8b_config(args.layers)
+    config.max_position_embeddings = max(config.max_position_embeddings, args.context + 64)
+    model = bg.build_variant("kbit4", config, dev, {})
+    ids = torch.randint(0, config.vocab_size, (1, args.context), device=dev, generator=torch.Generator(device=dev).manual_seed(0))
+
+    def prefill() -> None:
+        cache = kbit_linear.KbitKVCache(model.config, kv_bits=args.kv_bits)
+        with torch.no_grad():
+            for i in range(0, args.context, args.chunk):
+                model(input_ids=ids[:, i:i + args.chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        torch.cuda.synchronize()
+
+    prefill()  # warm-up: kernels compiled, allocator caches filled
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    prefill()
+    prof.disable()
+    print(f"# {bc.environment(dev)['gpu']}: prefill of {args.context} tokens in chunks of {args.chunk}: "
+          f"{time.perf_counter() - t0:.2f} s (under cProfile)", flush=True)
+    pstats.Stats(prof).sort_stats(args.sort).print_stats(args.rows)
+
+
+if __name__ == "__main__":
+    main()
