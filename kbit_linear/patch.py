@@ -554,7 +554,8 @@ def quantize_model(
                 new = KbitLinear.from_linear(src, bits=width, codebook=codebook, scale_search=scale_search, **rotation)
             else:
                 new = KbitLinear.from_linear(src, bits=width, codebook=codebook, scale_search=scale_search,
-                                             hessian=hessian, damp=calibration.damp, **rotation)
+                                             hessian=hessian, damp=calibration.damp, act_order=calibration.act_order,
+                                             **rotation)
         except (TypeError, ValueError) as e:
             raise ValueError(f"cannot quantize layer {name!r} ({linear.out_features}x{linear.in_features}): {e}") from e
         new.train(linear.training)

@@ -55,6 +55,7 @@ def quantize_weight(
     scale_search: bool = False,
     hessian: torch.Tensor | None = None,
     damp: float = calibration.DEFAULT_DAMP,
+    act_order: bool = calibration.DEFAULT_ACT_ORDER,
     hadamard_signs: torch.Tensor | None = None,
     name: str = "weight",
 ) -> KbitTensors:
@@ -80,6 +81,8 @@ def quantize_weight(
             GPTQ-style error feedback (:func:`kbit_linear.calibration.gptq_quantize_blocks`, in
             PyTorch on the weight's device) instead of to nearest; same stored format.
         damp: the Hessian's damping (fraction of its mean diagonal), with ``hessian`` only.
+        act_order: with ``hessian``: sweep the columns by descending Hessian diagonal, block
+            scales chosen up front (:func:`kbit_linear.calibration.gptq_quantize_blocks`).
         hadamard_signs: int8 ``[in_features]`` of +-1: quantize ``W R`` instead of ``W``, the
             randomized Hadamard rotation of :mod:`kbit_linear.hadamard` (the layer then rotates
             its inputs by the same signs); ``hessian`` is rotated with it.
@@ -113,7 +116,7 @@ def quantize_weight(
         ts = fmt.compute_tensor_scale(w)
         if hessian is not None and w.device.type != "meta":
             packed_flat, absmax_flat, _ = calibration.gptq_quantize_blocks(
-                w, hessian, bits, cb, ts, scale_search=scale_search, damp=damp)
+                w, hessian, bits, cb, ts, scale_search=scale_search, damp=damp, act_order=act_order)
         elif scale_search and w.device.type != "meta":
             absmax_flat = fmt.search_block_codes(w, cb, ts)
             packed_flat = fmt.quantize_with_codes(w, bits, cb, ts, absmax_flat)

@@ -20,7 +20,9 @@ dtype=torch.bfloat16)`` does.
 (``quantize_model(model, bits, calibration=Calibration(tokenizer=...))`` on the float32 load,
 :mod:`kbit_linear.calibration`): ``--calib-sequences`` windows of ``--calib-len`` tokens of the
 default calibration text (docstrings of the standard library, disjoint from the evaluation
-text); ``both`` gives the data-free and the calibrated rows. ``--scale-search`` applies to both,
+text); ``both`` gives the data-free and the calibrated rows. Calibrated rows sweep the columns in
+activation order (the library's default); ``--act-order off`` (or ``both``) adds rows in the
+in-features' own order. ``--scale-search`` applies to both,
 and so does ``--hadamard`` (the randomized Hadamard rotation, :mod:`kbit_linear.hadamard`).
 
 Baselines: ``--rtn-groups 32 64`` adds uniform asymmetric round-to-nearest at the same bits with
@@ -101,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="add uniform asymmetric RTN rows at each of --bits with these group sizes (e.g. 32 64)")
     p.add_argument("--calibration", choices=["off", "on", "both"], default="off",
                    help="kbit rows data-free (off), with calibrated GPTQ-style rounding (on), or both")
+    p.add_argument("--act-order", choices=["off", "on", "both"], default="on",
+                   help="calibrated kbit rows sweeping the columns by descending Hessian diagonal (on, the library's "
+                        "default), in in-feature order (off, labelled so), or both")
     p.add_argument("--calib-sequences", type=int, default=32, help="calibration windows (default text)")
     p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--target-bpw", type=float, nargs="*", default=[],
@@ -240,21 +245,23 @@ def main(argv: list[str] | None = None) -> int:
                 report(name, f"{stored_bits_per_weight(model):.2f}", model, load_s, "quantized at load")
                 del model
                 gc.collect()
-            if True in calibrations:
+            for act_order in act_orders if True in calibrations else []:
                 model, load_s = _load(path, DTYPES[args.quantize_dtype], device, causal=causal)
                 start = time.perf_counter()
-                calib = Calibration(tokenizer=tokenizer, num_sequences=args.calib_sequences, seq_len=args.calib_len)
+                calib = Calibration(tokenizer=tokenizer, num_sequences=args.calib_sequences, seq_len=args.calib_len,
+                                    act_order=act_order)
                 quantize_model(model, **width, **cb, scale_search=search, calibration=calib, hadamard=rotate,
                                hadamard_search=args.hadamard_search)
                 quantize_s = time.perf_counter() - start
                 model.to(dtype)
-                report(f"{name}, calibrated", f"{stored_bits_per_weight(model):.2f}", model, quantize_s,
-                       f"GPTQ-style, {args.calib_sequences} x {args.calib_len} tokens of stdlib docstrings")
+                report(f"{name}, calibrated" + ("" if act_order else ", in-feature order"), f"{stored_bits_per_weight(model):.2f}",
+                       model, quantize_s, f"GPTQ-style, {args.calib_sequences} x {args.calib_len} tokens of stdlib docstrings")
                 del model
                 gc.collect()
 
     searches = {"off": [False], "on": [True], "both": [False, True]}[args.scale_search]
     calibrations = {"off": [False], "on": [True], "both": [False, True]}[args.calibration]
+    act_orders = {"off": [False], "on": [True], "both": [True, False]}[args.act_order]
     rotations = {"off": [False], "on": [True], "both": [False, True]}[args.hadamard]
     options = list(dict.fromkeys(o for c in args.codebook for o in (("nf", "fitted") if c == "both" else (c,))))
     for bits in args.bits:
