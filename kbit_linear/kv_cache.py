@@ -43,7 +43,8 @@ from .kv_format import (
     visible_queries,
 )
 
-__all__ = ["ATTENTION_NAME", "KbitKVCache", "KbitKVLayer", "KbitKVView", "allocate_tiers", "kbit_kv_attention"]
+__all__ = ["ATTENTION_NAME", "PREFILL_INTERVAL", "KbitKVCache", "KbitKVLayer", "KbitKVView", "allocate_tiers",
+           "kbit_kv_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,9 @@ PREFILL_INTERVAL = 8192
 
 Every allocation walks all cached tokens (a few host round trips per layer), so allocating after
 every chunk made a 32k-token prompt in 2048-token chunks spend 8.7 of its 12.0 s prefill in the
-allocator (H200, Llama-3-8B shape, 512 allocations). Waiting for 8192 tokens costs at most that
-many tokens at 8 instead of ~4 bits in the meantime (~0.25 GB on that shape)."""
+allocator (H200, Llama-3-8B shape, 512 allocations). Waiting for 8192 tokens keeps up to that
+many tokens, plus one chunk, at 8 instead of ~4 bits in the meantime (~0.25 GB on that shape
+for the interval's share)."""
 
 _PREFILL_OBSERVED = 32  # prefill scores importance from its last 32 queries (SnapKV-style), not all of them
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
@@ -329,7 +331,7 @@ class KbitKVLayer(CacheLayerMixin):
         tokens arrived since it last ran, or ``prefill_interval`` while the new tokens come in
         chunks longer than ``block_size`` (a prompt)."""
         interval = self.block_size if incoming <= self.block_size else max(self.block_size, self.prefill_interval)
-        return self.seq_len > 0 and self.seq_len - self._alloc_len >= interval
+        return self.seq_len - self._alloc_len >= interval  # (at seq_len 0 the allocator has nothing to do)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv_length, kv_offset) of the mask for the next step: every position is kept."""

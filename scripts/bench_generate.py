@@ -253,12 +253,16 @@ def profile_eager_step(model: nn.Module, prompt: torch.Tensor, rows: int = 8) ->
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
 
 
-# Families of the kernels a decode step runs, by a substring of the kernel's name (first match wins):
-# what the compiled-step profile sums its GPU time into.
+# Families of the kernels a decode step runs, by substrings of the kernel's name, in order (first
+# match wins): what the compiled-step profile sums its GPU time into. Inductor's fused kernels
+# ("triton_...") carry the names of the ops they fused: those that fused attention (the K/V
+# expansion before SDPA, flex attention) count as attention, the rest as fused element-wise
+# work, never as a GEMM library.
 KERNEL_FAMILIES = (
     ("kbit GEMM", ("kbit_decode", "kbit_gemm")),
     ("kbit other", ("kbit_",)),
-    ("attention (SDPA)", ("sdpa", "fmha", "flash", "attention")),
+    ("attention", ("sdpa", "fmha", "flash", "attention", "scaled_dot_product")),
+    ("Triton fused (other)", ("triton_",)),
     ("cuBLAS GEMM", ("nvjet", "cublas", "cutlass", "gemm", "gemv")),
 )
 
@@ -307,7 +311,8 @@ def run_compiled(
     With ``regions`` the decoder layers are compiled once as a nested region (falls back to
     plain tracing, and says so, if that fails). With ``profile_steps`` > 0, that many more steps
     run under ``torch.profiler`` after the timed ones, and the result's ``"profile"`` holds
-    :func:`summarize_kernels` of them (the cache is sized for them).
+    :func:`summarize_kernels` of them (the static cache holds that many more positions, so the
+    timed steps attend over a slightly longer cache than without profiling).
     """
     from transformers import StaticCache
 

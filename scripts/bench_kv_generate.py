@@ -10,7 +10,8 @@ both caches), then ``--decode`` greedy tokens one forward call at a time (eager,
   allocator re-runs every 64 tokens inside the timed steps).
 
 Reported per cache: decode ms per step from the second step on (mean, reallocations included,
-and median), the first step apart (with the kbit cache it re-codes the prefill's last chunk),
+and median), the first step apart (with the kbit cache it re-codes the prompt tokens stored since
+the allocator last ran: up to ``prefill_interval`` plus a chunk),
 tokens/s, the cache's bytes, and peak GPU memory. The longest context that fits is
 estimated from the bytes per token of each cache and the memory left beside the model (not run).
 
@@ -96,7 +97,7 @@ def main() -> None:
         times = _decode(model, cache, first, args.decode)
         nbytes = cache.nbytes if hasattr(cache, "nbytes") else sum(
             layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size() for layer in cache.layers)
-        steady = times[1:] if len(times) > 1 else times  # the first step finishes the prefill's last re-coding
+        steady = times[1:] if len(times) > 1 else times  # the first step finishes the prompt's allocation
         row = {"cache": name, "prefill_s": prefill_s, "first_step_ms": 1e3 * times[0], "step_ms_mean": 1e3 * statistics.mean(steady),
                "step_ms_median": 1e3 * statistics.median(steady), "tok_s": args.batch / statistics.mean(steady),
                "cache_bytes": int(nbytes), "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30}
@@ -127,7 +128,8 @@ def _markdown(args: argparse.Namespace, env: dict[str, Any], rows: list[dict[str
     lines.append(bc.markdown_table(["cache", "ms/step (mean)", "ms/step (median)", "tok/s", "speed vs bf16 cache",
                                     "cache GiB", "KiB/token", "peak GiB", "prefill s", "first step ms"], table))
     lines += ["", "Steps 2 onwards (the allocator's reallocations every 64 tokens included); the first decode step is "
-              "listed apart: with the kbit cache it re-codes the prefill's last chunk (it belongs to the time to "
+              "listed apart: with the kbit cache it re-codes the prompt tokens stored since the allocator last ran "
+              "(up to `prefill_interval` plus a chunk; it belongs to the time to "
               "first token)."]
     return "\n".join(lines)
 

@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=32768, help="prompt tokens")
     ap.add_argument("--chunk", type=int, default=2048, help="tokens per forward call")
     ap.add_argument("--kv-bits", type=float, default=4.0)
+    ap.add_argument("--prefill-interval", type=int, default=None,
+                    help="KbitKVCache's prefill_interval (default: the library's; 1 allocates before every chunk)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rows", type=int, default=25, help="profile rows printed")
     ap.add_argument("--sort", choices=["tottime", "cumulative"], default="tottime")
@@ -50,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     ids = torch.randint(0, config.vocab_size, (1, args.context), device=dev, generator=torch.Generator(device=dev).manual_seed(0))
 
     def prefill() -> None:
-        cache = kbit_linear.KbitKVCache(model.config, kv_bits=args.kv_bits)
+        extra = {} if args.prefill_interval is None else {"prefill_interval": args.prefill_interval}
+        cache = kbit_linear.KbitKVCache(model.config, kv_bits=args.kv_bits, **extra)
         with torch.no_grad():
             for i in range(0, args.context, args.chunk):
                 model(input_ids=ids[:, i:i + args.chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -291,6 +291,30 @@ def test_prefill_interval_of_one_block_allocates_before_every_chunk() -> None:
     assert calls == [32, 64, 96]
 
 
+@pytest.mark.parametrize("keep", [0, 3, 20])
+def test_after_a_crop_decode_steps_allocate_at_once_then_every_block_size_tokens(keep: int) -> None:
+    # 30 decode steps allocate at 16 and would next at 32; a crop to fewer tokens moves that to
+    # the first step after it (at `keep`; at 0 the run has nothing to do), then every block_size
+    layer = KbitKVLayer(4, window=4, sink_tokens=1, block_size=16, hysteresis=0.1)
+    calls = []
+    run = layer.reallocate
+    layer.reallocate = lambda: (calls.append(layer.seq_len), run())[1]
+    g = torch.Generator().manual_seed(2)
+
+    def step() -> None:
+        layer.update(torch.randn(1, 2, 1, 32, generator=g), torch.randn(1, 2, 1, 32, generator=g))
+        layer.attend(torch.randn(1, 4, 1, 32, generator=g), None, 32**-0.5)
+
+    for _ in range(30):
+        step()
+    assert calls == [16]
+    layer.crop(keep - 30)
+    calls.clear()
+    for _ in range(40):
+        step()
+    assert calls == [keep, keep + 16, keep + 32], calls
+
+
 # ---- memory --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_bits,limit", [(4, 0.30), (2.5, 0.20)])

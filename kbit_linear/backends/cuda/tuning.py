@@ -164,7 +164,7 @@ WGMMA_LAST_ROW_PLANES: dict[str, dict[int, int]] = {"default": {4: 1024, 5: 512}
 # 7.1-7.9 vs 8.7-9.6, 2048->2048 8.4-9.3 vs 9.0-9.6, 2048->4096 10.5-11.5 vs 10.9-12.3; only
 # 1024->4096 ties (7.9-8.8 vs 7.9-8.5, K = 3 and 5 0.3-0.4 us slower). The H100 row above was
 # measured before those cluster plans reached small weights; it awaits the same sweep there.
-WGMMA_EARLY_FIRST_ROW: dict[str, tuple[int, int]] = {"H200": (17, 0), "default": (17, 16 * 2**20)}
+WGMMA_EARLY_FIRST_ROW: dict[str, tuple[int, int]] = {"NVIDIA H200": (17, 0), "default": (17, 16 * 2**20)}
 
 # Smallest share of the last wave that a grid of whole tiles (no split of K) must fill for the
 # wgmma kernel to run unsplit: tiles / (slots * waves) with waves = ceil(tiles / slots). Below it,
