@@ -260,10 +260,10 @@ def gptq_quantize_blocks(
     column, from the block's current (error-updated) weights. With ``U`` the upper Cholesky
     factor of the damped ``H^-1``, for each column ``j`` in sweep order: column ``j`` is rounded
     to the nearest codebook entry of ``w / scale`` (ties to the lower index, as everywhere in
-    the format); its error divided by ``U[j, j]``
-    is subtracted from the later columns times ``U[j, j+1:]`` (within a lazy block of
-    ``lazy_block`` columns at once, for the columns after it in one matrix product). Input
-    features that were never active (``H[j, j] == 0``) are set to zero first.
+    the format); its error divided by ``U[j, j]`` is subtracted from the later columns times
+    ``U[j, j+1:]`` (within a lazy block of ``lazy_block`` columns at once, for the columns after
+    it in one matrix product). Input features that were never active (``H[j, j] == 0``) are set
+    to zero first.
 
     With ``H`` a multiple of the identity there is no feedback (``U`` is diagonal) and the result
     is round-to-nearest with the same scale rule.
