@@ -318,13 +318,16 @@ def gptq_quantize_blocks(
     else:
         h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    order = torch.argsort(h.diagonal(), descending=True, stable=True) if act_order else None
-    if order is not None:
+    order, codes = None, None
+    if act_order:
+        order = torch.argsort(h.diagonal(), descending=True, stable=True)
         h = h[order][:, order]
+        codes = fmt.search_block_codes(w, cb, ts, candidates)  # every block's scale, before the sweep
+        w = w[:, order]  # the sweep's order (the in-feature copy is freed)
     with _one_cpu_thread(device):
         u = damped_inverse_cholesky(h, damp)
         del h
-        packed, codes = _sweep(w, u, bits, cb, ts, candidates, lazy_block, order)
+        packed, codes = _sweep(w, u, bits, cb, ts, candidates, lazy_block, order, codes)
     return packed, codes, ts
 
 
@@ -347,22 +350,22 @@ class _one_cpu_thread:
 
 
 def _sweep(w: torch.Tensor, u: torch.Tensor, bits: int, cb: torch.Tensor, ts: torch.Tensor, candidates: int,
-           lazy_block: int, order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GPTQ sweep of :func:`gptq_quantize_blocks` on checked arguments.
+           lazy_block: int, order: torch.Tensor | None = None,
+           codes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GPTQ sweep of :func:`gptq_quantize_blocks` on checked arguments; ``w`` is updated in place.
 
-    ``order``: the sweep's column order (``u`` is then the factor of the permuted Hessian), the
-    block codes chosen from ``w`` first; None: in-feature order, ``w`` updated in place and each
-    block's code chosen when the sweep reaches it.
+    ``order``: None sweeps in in-feature order, choosing each block's code when the sweep reaches
+    it. Otherwise ``w``'s columns and ``u`` (the factor of the permuted Hessian) are in the sweep's
+    order, ``order[j]`` being the in-feature of swept column ``j``, and ``codes`` (uint8
+    ``[N, blocks]``, in-feature blocks) were chosen before the sweep.
     """
     n, k = w.shape
     device = w.device
-    col_scale = None  # with an order: each swept column's block scale, [N, K] in sweep order
+    block_scales = None  # with an order: float32 [N, blocks], the fixed scales
     if order is None:
         codes = torch.empty((n, -(-k // fmt.BLOCK_SIZE)), dtype=torch.uint8, device=device)
     else:
-        codes = fmt.search_block_codes(w, cb, ts, candidates)
-        col_scale = fmt._block_scales(codes, ts)[:, order // fmt.BLOCK_SIZE]
-        w = w[:, order]
+        block_scales = fmt._block_scales(codes, ts)
     q = torch.empty_like(w)  # the dequantized result, column by column (in sweep order)
     for i1 in range(0, k, lazy_block):
         i2 = min(i1 + lazy_block, k)
@@ -370,10 +373,11 @@ def _sweep(w: torch.Tensor, u: torch.Tensor, bits: int, cb: torch.Tensor, ts: to
         err1 = torch.empty_like(w1)
         u1 = u[i1:i2, i1:i2]
         scale = None
+        lazy_scales = None if order is None else block_scales[:, order[i1:i2] // fmt.BLOCK_SIZE]  # [N, i2 - i1]
         for i in range(i2 - i1):
             col = i1 + i
-            if col_scale is not None:
-                scale = col_scale[:, col : col + 1]
+            if lazy_scales is not None:
+                scale = lazy_scales[:, i : i + 1]
             elif col % fmt.BLOCK_SIZE == 0:  # a block starts: its scale from the updated weights
                 block_codes = fmt.search_block_codes(w1[:, i : i + fmt.BLOCK_SIZE], cb, ts, candidates)
                 codes[:, col // fmt.BLOCK_SIZE] = block_codes[:, 0]

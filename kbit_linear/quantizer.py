@@ -112,6 +112,8 @@ def quantize_weight(
                 hessian = hadamard.rotate_hessian(hessian.to(device=w.device, dtype=torch.float32), signs)
         if not isinstance(scale_search, bool):
             raise TypeError(f"scale_search must be a bool, got {type(scale_search).__name__}")
+        if not isinstance(act_order, bool):
+            raise TypeError(f"act_order must be a bool, got {type(act_order).__name__}")
         cb = codebooks.resolve_codebook_option(codebook, w, bits, scale_search=scale_search)
         ts = fmt.compute_tensor_scale(w)
         if hessian is not None and w.device.type != "meta":

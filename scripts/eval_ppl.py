@@ -28,7 +28,8 @@ and so does ``--hadamard`` (the randomized Hadamard rotation, :mod:`kbit_linear.
 Baselines: ``--rtn-groups 32 64`` adds uniform asymmetric round-to-nearest at the same bits with
 one fp16 scale and zero point per group (fake-quantized dense weights,
 :mod:`kbit_linear.tools.baselines`); ``--gptq-groups 64`` the same grid with GPTQ rounding on the
-calibration data of the calibrated kbit rows; bitsandbytes NF4 (blocksize 64) is added when bitsandbytes
+calibration data of the calibrated kbit rows (in in-feature order: compare it with the kbit rows
+of ``--act-order off``); bitsandbytes NF4 (blocksize 64) is added when bitsandbytes
 is importable and works on the device.
 
 The text and windows are those of :mod:`kbit_linear.tools.evaluation` (CPython's
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             model.to(dtype)
             report(f"GPTQ asym {bits}-bit g{group}", f"{rtn_bits_per_weight(bits, group):.2f}", model,
                    time.perf_counter() - start,
-                   f"fake-quantized, {args.calib_sequences} x {args.calib_len} tokens of stdlib docstrings")
+                   f"fake-quantized, {args.calib_sequences} x {args.calib_len} tokens of stdlib docstrings, in-feature order")
             del model
             gc.collect()
         for group in args.rtn_groups:

@@ -39,12 +39,13 @@ def _dequantized(packed: torch.Tensor, codes: torch.Tensor, ts: torch.Tensor, bi
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("shape", [(48, 96), (40, 200)], ids=["aligned", "ragged-k"])
-def test_output_is_a_valid_format_that_the_reference_dequantizes(bits, shape):
+@pytest.mark.parametrize("act_order", [False, True], ids=["in-order", "act-order"])
+def test_output_is_a_valid_format_that_the_reference_dequantizes(bits, shape, act_order):
     n, k = shape
     torch.manual_seed(bits)
     w = torch.randn(n, k) * 0.1
     x = _correlated_inputs(512, k)
-    packed, codes, ts = gptq_quantize_blocks(w, x.T @ x, bits, scale_search=True)
+    packed, codes, ts = gptq_quantize_blocks(w, x.T @ x, bits, scale_search=True, act_order=act_order)
     nblk = -(-k // 32)
     assert packed.shape == (n, nblk, bits) and packed.dtype == torch.int32
     assert codes.shape == (n, nblk) and codes.dtype == torch.uint8
@@ -142,13 +143,14 @@ def test_activation_order_matches_a_plain_column_by_column_sweep():
     assert err(got) < 1.02 * err(ref)
 
 
-def test_any_codebook_and_dead_inputs():
+@pytest.mark.parametrize("act_order", [False, True], ids=["in-order", "act-order"])
+def test_any_codebook_and_dead_inputs(act_order):
     torch.manual_seed(2)
     cb = torch.tensor([-1.0, -0.4, -0.1, 0.0, 0.1, 0.3, 0.6, 1.0])
     w = torch.randn(32, 64)
     x = _correlated_inputs(256, 64)
     x[:, 5] = 0.0  # an input that is never active
-    packed, codes, ts = gptq_quantize_blocks(w, x.T @ x, 3, cb)
+    packed, codes, ts = gptq_quantize_blocks(w, x.T @ x, 3, cb, act_order=act_order)
     w_hat = _dequantized(packed, codes, ts, 3, 64, cb)
     assert bool((w_hat[:, 5] == 0).all())  # the dead column went to zero, which this codebook has
     levels = (w_hat / fmt.decode_e4m4(codes).repeat_interleave(32, 1)[:, :64] / ts).unique()
@@ -273,6 +275,42 @@ def test_quantize_model_with_calibration_converts_every_layer_and_lowers_layer_e
     w = dense.model.layers[0].self_attn.q_proj.weight
     err = lambda m: float((x @ (w - m.model.layers[0].self_attn.q_proj.dequantize(torch.float32)).T).norm())  # noqa: E731
     assert err(model) < err(rtn)
+
+
+def test_the_sweep_order_reaches_the_quantizer_from_every_entry_point():
+    # quantize_weight, KbitLinear.from_linear and quantize_model(calibration=...) pass act_order
+    # through (activation order by default); the two orders give different codes here
+    from kbit_linear.calibration import DEFAULT_ACT_ORDER
+    from kbit_linear.quantizer import quantize_weight
+
+    assert DEFAULT_ACT_ORDER is True and Calibration(tokens=torch.zeros(1, 4, dtype=torch.int64)).act_order is True
+    torch.manual_seed(6)
+    w = torch.randn(64, 128) * 0.05
+    x = _correlated_inputs(512, 128, seed=6)
+    h = x.T @ x
+    direct = {o: gptq_quantize_blocks(w, h, 3, act_order=o) for o in (False, True)}
+    assert not torch.equal(direct[False][0], direct[True][0])
+    for o in (False, True):
+        tiled = fmt.tile_blocks(direct[o][0], direct[o][1], 3)
+        q = quantize_weight(w, 3, None, hessian=h, act_order=o)
+        assert torch.equal(q.packed, tiled[0]) and torch.equal(q.absmax, tiled[1])
+        linear = nn.Linear(128, 64, bias=False)
+        linear.weight.data.copy_(w)
+        layer = kbit_linear.KbitLinear.from_linear(linear, 3, hessian=h, act_order=o)
+        assert torch.equal(layer.weight, q.packed) and torch.equal(layer.absmax, q.absmax)
+    assert torch.equal(quantize_weight(w, 3, None, hessian=h).packed, fmt.tile_blocks(*direct[True][:2], 3)[0])
+    with pytest.raises(TypeError, match="act_order"):
+        quantize_weight(w, 3, None, act_order="yes")
+    # quantize_model: the Calibration's order decides
+    tokens = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+    models = {}
+    for o in (False, True):
+        models[o] = _llama()
+        kbit_linear.quantize_model(models[o], bits=3, calibration=Calibration(tokens=tokens, batch_size=4, act_order=o),
+                                   progress=False)
+    a = models[False].model.layers[0].mlp.down_proj.weight
+    b = models[True].model.layers[0].mlp.down_proj.weight
+    assert not torch.equal(a, b)
 
 
 def test_quantize_model_refuses_bad_calibration():
