@@ -298,8 +298,7 @@ def gptq_quantize_blocks(
         raise ValueError(f"hessian must have shape [in_features, in_features] = [{k}, {k}], got {tuple(hessian.shape)}")
     if not bool(torch.isfinite(hessian).all()):
         raise ValueError("hessian contains NaN or Inf values")
-    if not isinstance(scale_search, bool):
-        raise TypeError(f"scale_search must be a bool, got {type(scale_search).__name__}")
+    _check_bool("scale_search", scale_search)
     damp = _check_damp(damp)
     _check_bool("act_order", act_order)
     _check_int("lazy_block", lazy_block, fmt.BLOCK_SIZE)

@@ -287,7 +287,8 @@ def summarize_kernels(events: list[tuple[str, float, int]], steps: int, rows: in
     total = sum(us for _, us, _ in events) / steps
     fam: dict[str, float] = {}
     for name, us, _ in events:
-        fam[kernel_family(name)] = fam.get(kernel_family(name), 0.0) + us / steps
+        family = kernel_family(name)
+        fam[family] = fam.get(family, 0.0) + us / steps
     lines = [f"  GPU time per step {total / 1e3:.3f} ms (kernels in the graph, summed)"]
     for family, us in sorted(fam.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {us / 1e3:8.3f} ms {100 * us / max(total, 1e-9):5.1f} %  {family}")

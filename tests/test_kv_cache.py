@@ -257,24 +257,35 @@ def test_cache_runs_deterministically_and_changes_tiers_mid_run() -> None:
     assert avg <= 3 + 8 * (8 + 2 + 16) / layer.seq_len  # over target only by the window, sinks and open block
 
 
+def _record_allocations(layer: KbitKVLayer) -> list[int]:
+    """The list that will hold ``layer.seq_len`` at each of its allocator's runs from now on."""
+    calls: list[int] = []
+    run = layer.reallocate
+    layer.reallocate = lambda: (calls.append(layer.seq_len), run())[1]
+    return calls
+
+
+def _feed(layer: KbitKVLayer, q: int, g: torch.Generator, attend: bool = True) -> None:
+    """``q`` random tokens into a layer of 2 KV heads of 32 channels (4 query heads), then their attention."""
+    layer.update(torch.randn(1, 2, q, 32, generator=g), torch.randn(1, 2, q, 32, generator=g))
+    if attend:
+        layer.attend(torch.randn(1, 4, q, 32, generator=g), None, 32**-0.5)
+
+
 def test_a_chunked_prompt_allocates_every_prefill_interval_tokens() -> None:
     # chunks longer than block_size (a prompt) wait for prefill_interval tokens; decode steps
     # (one token) go back to block_size, starting with the first one after the prompt
     layer = KbitKVLayer(4, window=8, sink_tokens=2, block_size=16, hysteresis=0.1, prefill_interval=96)
-    calls = []
-    run = layer.reallocate
-    layer.reallocate = lambda: (calls.append(layer.seq_len), run())[1]
+    calls = _record_allocations(layer)
     g = torch.Generator().manual_seed(0)
     most_8bit = 0
     for _ in range(10):
-        layer.update(torch.randn(1, 2, 32, 32, generator=g), torch.randn(1, 2, 32, 32, generator=g))
-        layer.attend(torch.randn(1, 4, 32, 32, generator=g), None, 32**-0.5)
+        _feed(layer, 32, g)
         most_8bit = max(most_8bit, layer.buckets[8].num_tokens)
     assert calls == [96, 192, 288]  # every 96 tokens, not before each of the 9 later chunks
     assert most_8bit <= 96 + 32 + 8 + 2 + 16  # the interval, a chunk, the window, the sinks, an open key block
     for _ in range(40):
-        layer.update(torch.randn(1, 2, 1, 32, generator=g), torch.randn(1, 2, 1, 32, generator=g))
-        layer.attend(torch.randn(1, 4, 1, 32, generator=g), None, 32**-0.5)
+        _feed(layer, 1, g)
     assert calls == [96, 192, 288, 320, 336, 352]  # at the first decode step, then every 16 tokens
     movable = layer.tier[0, 2:352 - 8].to(torch.float64)  # allocated at 352: sinks and window excluded
     assert movable.mean() <= 4 + 1e-9
@@ -282,12 +293,10 @@ def test_a_chunked_prompt_allocates_every_prefill_interval_tokens() -> None:
 
 def test_prefill_interval_of_one_block_allocates_before_every_chunk() -> None:
     layer = KbitKVLayer(4, window=8, sink_tokens=2, block_size=16, hysteresis=0.1, prefill_interval=16)
-    calls = []
-    run = layer.reallocate
-    layer.reallocate = lambda: (calls.append(layer.seq_len), run())[1]
+    calls = _record_allocations(layer)
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
-        layer.update(torch.randn(1, 2, 32, 32, generator=g), torch.randn(1, 2, 32, 32, generator=g))
+        _feed(layer, 32, g, attend=False)
     assert calls == [32, 64, 96]
 
 
@@ -296,22 +305,15 @@ def test_after_a_crop_decode_steps_allocate_at_once_then_every_block_size_tokens
     # 30 decode steps allocate at 16 and would next at 32; a crop to fewer tokens moves that to
     # the first step after it (at `keep`; at 0 the run has nothing to do), then every block_size
     layer = KbitKVLayer(4, window=4, sink_tokens=1, block_size=16, hysteresis=0.1)
-    calls = []
-    run = layer.reallocate
-    layer.reallocate = lambda: (calls.append(layer.seq_len), run())[1]
+    calls = _record_allocations(layer)
     g = torch.Generator().manual_seed(2)
-
-    def step() -> None:
-        layer.update(torch.randn(1, 2, 1, 32, generator=g), torch.randn(1, 2, 1, 32, generator=g))
-        layer.attend(torch.randn(1, 4, 1, 32, generator=g), None, 32**-0.5)
-
     for _ in range(30):
-        step()
+        _feed(layer, 1, g)
     assert calls == [16]
     layer.crop(keep - 30)
     calls.clear()
     for _ in range(40):
-        step()
+        _feed(layer, 1, g)
     assert calls == [keep, keep + 16, keep + 32], calls
 
 
