@@ -5,9 +5,10 @@ adds the per-layer state (buckets, key block ranges, token importance), the allo
 moves tokens to lower widths to meet the target average, the transformers ``Cache`` and the
 attention function registered as ``"kbit_kv"``.
 
-How a step runs, per layer: ``update()`` first re-allocates when ``block_size`` tokens arrived
-since the last allocation, or ``prefill_interval`` tokens while a prompt arrives in chunks longer
-than ``block_size`` (each allocation is a pass over every cached token). Allocating, the tokens
+How a step runs, per layer: ``update()`` first re-allocates when ``block_size`` tokens (or
+``allocation_fraction`` of the cached tokens, if more) arrived since the last allocation, or
+``prefill_interval`` tokens while a prompt arrives in chunks longer than ``block_size`` (each
+allocation is a pass over every cached token). Allocating, the tokens
 outside the recent window and the sinks, in complete key blocks, get widths from their
 importance; a token only ever moves down, re-coded from its decoded values. Then ``update()``
 stores the new tokens at 8 bits and returns a :class:`KbitKVView` in place of the key and value
@@ -43,7 +44,7 @@ from .kv_format import (
     visible_queries,
 )
 
-__all__ = ["ATTENTION_NAME", "PREFILL_INTERVAL", "KbitKVCache", "KbitKVLayer", "KbitKVView", "allocate_tiers",
+__all__ = ["ALLOCATION_FRACTION", "ATTENTION_NAME", "PREFILL_INTERVAL", "KbitKVCache", "KbitKVLayer", "KbitKVView", "allocate_tiers",
            "kbit_kv_attention"]
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,16 @@ every chunk made a 32k-token prompt in 2048-token chunks spend 8.7 of its 12.0 s
 allocator (H200, Llama-3-8B shape, 512 allocations). Waiting for 8192 tokens keeps up to that
 many tokens, plus one chunk, at 8 instead of ~4 bits in the meantime (~0.25 GB on that shape
 for the interval's share)."""
+
+ALLOCATION_FRACTION = 1 / 64
+"""Default ``allocation_fraction``: between two allocations, decode steps add at most this
+fraction of the cached tokens (or ``block_size`` tokens, if more) at 8 bits.
+
+An allocation walks every cached token on the host (~17 ms per layer at 32k tokens on an H200,
+Llama-3-8B shape), so running it every ``block_size`` = 64 decode steps cost ~9 ms per step,
+amortized, at 32k. Tied to the cache's length, its cost per step stays flat as the context grows,
+and the new tokens waiting at 8 bits lift the average width by at most ``(8 - kv_bits) / 64``
+bits (0.06 at ``kv_bits=4``) before the next allocation brings it back."""
 
 _PREFILL_OBSERVED = 32  # prefill scores importance from its last 32 queries (SnapKV-style), not all of them
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
@@ -275,10 +286,11 @@ class KbitKVLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, kv_bits: float, window: int, sink_tokens: int, block_size: int, hysteresis: float,
-                 prefill_interval: int = PREFILL_INTERVAL) -> None:
+                 prefill_interval: int = PREFILL_INTERVAL, allocation_fraction: float = ALLOCATION_FRACTION) -> None:
         super().__init__()
         self.kv_bits, self.window, self.sink_tokens = float(kv_bits), window, sink_tokens
         self.block_size, self.hysteresis, self.prefill_interval = block_size, hysteresis, prefill_interval
+        self.allocation_fraction = allocation_fraction
         self.seq_len = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -328,9 +340,13 @@ class KbitKVLayer(CacheLayerMixin):
 
     def _allocation_due(self, incoming: int) -> bool:
         """Whether the allocator runs before ``incoming`` new tokens are stored: once ``block_size``
-        tokens arrived since it last ran, or ``prefill_interval`` while the new tokens come in
-        chunks longer than ``block_size`` (a prompt)."""
-        interval = self.block_size if incoming <= self.block_size else max(self.block_size, self.prefill_interval)
+        tokens, or ``allocation_fraction`` of the cached ones if more, arrived since it last ran,
+        or ``prefill_interval`` while the new tokens come in chunks longer than ``block_size`` (a
+        prompt)."""
+        if incoming <= self.block_size:
+            interval = max(self.block_size, int(self.seq_len * self.allocation_fraction))
+        else:
+            interval = max(self.block_size, self.prefill_interval)
         return self.seq_len - self._alloc_len >= interval  # (at seq_len 0 the allocator has nothing to do)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -589,11 +605,15 @@ class KbitKVCache(Cache):
         window: the most recent tokens kept at 8 bits.
         sink_tokens: the first tokens (after left padding) kept at 8 bits.
         block_size: positions per key block (one per-channel key range each); the allocator also
-            runs every ``block_size`` tokens.
+            runs every ``block_size`` tokens, or more rarely at long context (``allocation_fraction``).
         prefill_interval: while a prompt arrives in chunks of more than ``block_size`` tokens,
             the allocator runs every this many tokens instead (each run walks every cached token);
             at most about this many prompt tokens wait at 8 bits meanwhile. Default
             :data:`PREFILL_INTERVAL`.
+        allocation_fraction: decode steps run the allocator once ``block_size`` tokens, or this
+            fraction of the cached tokens if more, arrived since it last ran, in ``(0, 1]``: the
+            new tokens wait at 8 bits meanwhile, the price of fewer passes over the cache.
+            Default :data:`ALLOCATION_FRACTION` (1/64: every 512 tokens at 32k).
         hysteresis: a token keeps its width while its importance is within this fraction of the
             width's cutoff, in ``[0, 1)``.
 
@@ -602,7 +622,8 @@ class KbitKVCache(Cache):
     """
 
     def __init__(self, config, kv_bits: float = 4, *, window: int = 64, sink_tokens: int = 4, block_size: int = 64,
-                 hysteresis: float = 0.1, prefill_interval: int = PREFILL_INTERVAL) -> None:
+                 hysteresis: float = 0.1, prefill_interval: int = PREFILL_INTERVAL,
+                 allocation_fraction: float = ALLOCATION_FRACTION) -> None:
         if isinstance(kv_bits, bool) or not isinstance(kv_bits, numbers.Real) or not TIERS[0] <= float(kv_bits) <= TIERS[-1]:
             raise ValueError(f"kv_bits must be a number in [{TIERS[0]}, {TIERS[-1]}] (the target average width over the widths {TIERS}), got {kv_bits!r}")
         _check_positive_int("window", window, 0)
@@ -611,6 +632,9 @@ class KbitKVCache(Cache):
         _check_positive_int("prefill_interval", prefill_interval, 1)
         if isinstance(hysteresis, bool) or not isinstance(hysteresis, numbers.Real) or not 0 <= hysteresis < 1:
             raise ValueError(f"hysteresis must be a number in [0, 1), got {hysteresis!r}")
+        if (isinstance(allocation_fraction, bool) or not isinstance(allocation_fraction, numbers.Real)
+                or not 0 < allocation_fraction <= 1):
+            raise ValueError(f"allocation_fraction must be a number in (0, 1], got {allocation_fraction!r}")
         text = config.get_text_config(decoder=True)
         layer_types, _ = get_layer_types_and_kwargs(text)
         bad = sorted(set(layer_types) - set(_SUPPORTED_LAYERS))
@@ -629,7 +653,8 @@ class KbitKVCache(Cache):
             config._attn_implementation = ATTENTION_NAME
             logger.info("KbitKVCache: attention implementation %r -> %r", impl, ATTENTION_NAME)
         self.kv_bits = float(kv_bits)
-        layers = [KbitKVLayer(kv_bits, window, sink_tokens, block_size, float(hysteresis), prefill_interval) for _ in layer_types]
+        layers = [KbitKVLayer(kv_bits, window, sink_tokens, block_size, float(hysteresis), prefill_interval,
+                              float(allocation_fraction)) for _ in layer_types]
         super().__init__(layers=layers)
 
     @property

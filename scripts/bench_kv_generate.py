@@ -7,7 +7,8 @@ both caches), then ``--decode`` greedy tokens one forward call at a time (eager,
 
 * ``DynamicCache`` (bf16 keys and values, SDPA attention), and
 * ``KbitKVCache(kv_bits=...)`` (the ``"kbit_kv"`` attention: the fused decode kernel; the
-  allocator re-runs every 64 tokens inside the timed steps).
+  allocator re-runs inside the timed steps, every ``max(64, allocation_fraction * cached)``
+  tokens; ``--allocation-fraction`` adds one row per value, e.g. ``1e-9`` for every 64 tokens).
 
 Reported per cache: decode ms per step from the second step on (mean, reallocations included,
 and median), the first step apart (with the kbit cache it re-codes the prompt tokens stored since
@@ -68,6 +69,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048, help="prefill tokens per forward call")
     ap.add_argument("--kv-bits", type=float, default=4.0)
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--allocation-fraction", type=float, nargs="+", default=None,
+                    help="KbitKVCache's allocation_fraction, one kbit row per value (default: the library's)")
     ap.add_argument("--md")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -79,7 +82,11 @@ def main() -> None:
     model = bg.build_variant("kbit4", config, dev, {})
     ids = torch.randint(0, config.vocab_size, (args.batch, args.context), device=dev, generator=torch.Generator(device=dev).manual_seed(0))
     rows = []
-    for name in ("bf16 DynamicCache", f"KbitKVCache {args.kv_bits:g} bits"):
+    fractions = args.allocation_fraction or [kbit_linear.kv_cache.ALLOCATION_FRACTION]
+    variants = {"bf16 DynamicCache": None}
+    for f in fractions:
+        variants[f"KbitKVCache {args.kv_bits:g} bits, allocation_fraction {f:.3g}"] = f
+    for name, fraction in variants.items():
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
@@ -89,7 +96,7 @@ def main() -> None:
             model.config._attn_implementation = "sdpa"
             cache = DynamicCache(config=model.config)
         else:
-            cache = kbit_linear.KbitKVCache(model.config, kv_bits=args.kv_bits)
+            cache = kbit_linear.KbitKVCache(model.config, kv_bits=args.kv_bits, allocation_fraction=fraction)
         t0 = time.perf_counter()
         first = _prefill(model, ids, cache, args.chunk)
         torch.cuda.synchronize()
@@ -100,7 +107,8 @@ def main() -> None:
         steady = times[1:] if len(times) > 1 else times  # the first step finishes the prompt's allocation
         row = {"cache": name, "prefill_s": prefill_s, "first_step_ms": 1e3 * times[0], "step_ms_mean": 1e3 * statistics.mean(steady),
                "step_ms_median": 1e3 * statistics.median(steady), "tok_s": args.batch / statistics.mean(steady),
-               "cache_bytes": int(nbytes), "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30}
+               "cache_bytes": int(nbytes), "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30,
+               "average_bits": cache.average_bits() if hasattr(cache, "average_bits") else 16.0}
         rows.append(row)
         print(row, flush=True)
         del cache
@@ -124,10 +132,11 @@ def _markdown(args: argparse.Namespace, env: dict[str, Any], rows: list[dict[str
         per_tok = r["cache_bytes"] / (args.batch * (args.context + args.decode))
         table.append([r["cache"], bc.fmt(r["step_ms_mean"]), bc.fmt(r["step_ms_median"]), f"{r['tok_s']:.1f}",
                       f"{base['step_ms_mean'] / r['step_ms_mean']:.2f}x", f"{r['cache_bytes'] / 2**30:.2f}",
-                      f"{per_tok / 1024:.1f}", bc.fmt(r["peak_gib"], 1), bc.fmt(r["prefill_s"], 1), bc.fmt(r["first_step_ms"])])
+                      f"{per_tok / 1024:.1f}", f"{r.get('average_bits', float('nan')):.2f}", bc.fmt(r["peak_gib"], 1), bc.fmt(r["prefill_s"], 1), bc.fmt(r["first_step_ms"])])
     lines.append(bc.markdown_table(["cache", "ms/step (mean)", "ms/step (median)", "tok/s", "speed vs bf16 cache",
-                                    "cache GiB", "KiB/token", "peak GiB", "prefill s", "first step ms"], table))
-    lines += ["", "Steps 2 onwards (the allocator's reallocations every 64 tokens included); the first decode step is "
+                                    "cache GiB", "KiB/token", "payload bits", "peak GiB", "prefill s", "first step ms"], table))
+    lines += ["", "Steps 2 onwards (the allocator's runs included: every max(64, allocation_fraction x cached tokens) "
+              "tokens); the first decode step is "
               "listed apart: with the kbit cache it re-codes the prompt tokens stored since the allocator last ran "
               "(up to `prefill_interval` plus a chunk; it belongs to the time to "
               "first token)."]

@@ -300,6 +300,30 @@ def test_prefill_interval_of_one_block_allocates_before_every_chunk() -> None:
     assert calls == [32, 64, 96]
 
 
+def test_decode_steps_at_long_context_allocate_every_allocation_fraction_of_the_cache() -> None:
+    # with a quarter of the cache (more than block_size from 64 tokens on) between two runs,
+    # a 128-token prompt is followed by runs at 128, 170 (128 + 42 = 170 // 4), 226 (170 + 56)
+    layer = KbitKVLayer(4, window=8, sink_tokens=2, block_size=16, hysteresis=0.1, allocation_fraction=0.25)
+    calls = _record_allocations(layer)
+    g = torch.Generator().manual_seed(3)
+    _feed(layer, 128, g)
+    for _ in range(110):
+        _feed(layer, 1, g)
+    assert calls == [128, 170, 226], calls
+    waiting = layer.seq_len - calls[-1]  # stored at 8 bits since the last run
+    assert 0 < waiting <= max(16, layer.seq_len // 4)
+
+
+def test_the_default_allocation_fraction_keeps_short_contexts_at_block_size() -> None:
+    # 1/64 of 50 tokens is less than one: block_size decides
+    layer = KbitKVLayer(4, window=8, sink_tokens=2, block_size=16, hysteresis=0.1)
+    calls = _record_allocations(layer)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(50):
+        _feed(layer, 1, g, attend=False)
+    assert calls == [16, 32, 48]
+
+
 @pytest.mark.parametrize("keep", [0, 3, 20])
 def test_after_a_crop_decode_steps_allocate_at_once_then_every_block_size_tokens(keep: int) -> None:
     # 30 decode steps allocate at 16 and would next at 32; a crop to fewer tokens moves that to
@@ -433,7 +457,8 @@ def test_bad_kv_bits(bad) -> None:
 
 
 @pytest.mark.parametrize("name,value", [("window", -1), ("sink_tokens", 1.5), ("block_size", 0), ("hysteresis", 1.0),
-                                        ("prefill_interval", 0)])
+                                        ("prefill_interval", 0), ("allocation_fraction", 0),
+                                        ("allocation_fraction", 1.5), ("allocation_fraction", True)])
 def test_bad_keywords(name: str, value) -> None:
     with pytest.raises(ValueError, match=name):
         KbitKVCache(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1), **{name: value})
