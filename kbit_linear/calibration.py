@@ -73,6 +73,12 @@ bf16 0.796 -> 0.578 (bench/results/accuracy.md, "Activation order")."""
 LAZY_BLOCK = 128
 """Columns rounded between two updates of the remaining weights (GPTQ's lazy batch), a multiple of 32."""
 
+SWEEP_CUDA_GRAPHS = True
+"""On a GPU, replay each lazy block of an activation-order sweep as one CUDA graph. The sweep is
+a dozen tiny ops per column, so eagerly it is bound by the host issuing them (~215 us per column
+on an H200, whatever the row count); the graph issues them at the GPU's pace, same ops, same
+result. False: eager everywhere."""
+
 CALIBRATION_MODULES = (
     "argparse", "ast", "asyncio.events", "asyncio.tasks", "calendar", "collections", "configparser",
     "contextlib", "csv", "dataclasses", "datetime", "decimal", "difflib", "email.message",
@@ -356,43 +362,117 @@ def _sweep(w: torch.Tensor, u: torch.Tensor, bits: int, cb: torch.Tensor, ts: to
     ``order``: None sweeps in in-feature order, choosing each block's code when the sweep reaches
     it. Otherwise ``w``'s columns and ``u`` (the factor of the permuted Hessian) are in the sweep's
     order, ``order[j]`` being the in-feature of swept column ``j``, and ``codes`` (uint8
-    ``[N, blocks]``, in-feature blocks) were chosen before the sweep.
+    ``[N, blocks]``, in-feature blocks) were chosen before the sweep; on a GPU each lazy block's
+    column loop then replays one CUDA graph (:class:`_LazyBlockGraph`), with the same result.
     """
     n, k = w.shape
     device = w.device
-    block_scales = None  # with an order: float32 [N, blocks], the fixed scales
+    mids = (cb[:-1] + cb[1:]) * 0.5  # as fmt._nearest_indices computes them
+    q = torch.empty_like(w)  # the dequantized result, column by column (in sweep order)
     if order is None:
         codes = torch.empty((n, -(-k // fmt.BLOCK_SIZE)), dtype=torch.uint8, device=device)
+        block_scales = None
     else:
-        block_scales = fmt._block_scales(codes, ts)
-    q = torch.empty_like(w)  # the dequantized result, column by column (in sweep order)
+        block_scales = fmt._block_scales(codes, ts)  # float32 [N, blocks], the fixed scales
+    graph = None
+    if order is not None and SWEEP_CUDA_GRAPHS and device.type == "cuda" and k >= 2 * lazy_block \
+            and not torch.cuda.is_current_stream_capturing():
+        graph = _LazyBlockGraph(n, lazy_block, cb, mids, device)
     for i1 in range(0, k, lazy_block):
         i2 = min(i1 + lazy_block, k)
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.empty_like(w1)
-        u1 = u[i1:i2, i1:i2]
-        scale = None
-        lazy_scales = None if order is None else block_scales[:, order[i1:i2] // fmt.BLOCK_SIZE]  # [N, i2 - i1]
-        for i in range(i2 - i1):
-            col = i1 + i
-            if lazy_scales is not None:
-                scale = lazy_scales[:, i : i + 1]
-            elif col % fmt.BLOCK_SIZE == 0:  # a block starts: its scale from the updated weights
-                block_codes = fmt.search_block_codes(w1[:, i : i + fmt.BLOCK_SIZE], cb, ts, candidates)
-                codes[:, col // fmt.BLOCK_SIZE] = block_codes[:, 0]
-                scale = fmt._block_scales(block_codes, ts)  # [N, 1]
-            wc = w1[:, i : i + 1]
-            qc = cb[fmt._nearest_indices(wc, scale, cb)] * scale
-            q[:, col : col + 1] = qc
-            e = (wc - qc) / u1[i, i]
-            w1[:, i:] -= e * u1[i : i + 1, i:]
-            err1[:, i : i + 1] = e
+        if order is not None:
+            scales = block_scales[:, order[i1:i2] // fmt.BLOCK_SIZE]  # [N, i2 - i1]
+            if graph is not None and i2 - i1 == lazy_block:
+                err1 = graph.run(w[:, i1:i2], scales, u[i1:i2, i1:i2], q[:, i1:i2])
+            else:
+                err1 = _fixed_scale_block(w[:, i1:i2].clone(), scales, u[i1:i2, i1:i2], cb, mids, q[:, i1:i2])
+        else:
+            err1 = _open_scale_block(w[:, i1:i2].clone(), u[i1:i2, i1:i2], cb, ts, candidates, mids, q[:, i1:i2],
+                                     codes, i1)
         w[:, i2:] -= err1 @ u[i1:i2, i2:]
     if order is not None:
         q = torch.empty_like(q).index_copy_(1, order, q)  # back to in-feature order
     # The chosen values lie on the grid of their block's scale: packing them again with the
     # same codes gives back the chosen indices (and the format's padding of a partial block).
     return fmt.quantize_with_codes(q, bits, cb, ts, codes), codes
+
+
+def _round_column(wc: torch.Tensor, scale: torch.Tensor, positive: torch.Tensor, safe: torch.Tensor,
+                  cb: torch.Tensor, mids: torch.Tensor) -> torch.Tensor:
+    """``cb[nearest(wc / scale)] * scale`` for one column ``[N, 1]``: the value of
+    :func:`kbit_linear.format._nearest_indices`, with ``positive = scale > 0`` and ``safe`` (the
+    scale, 1 where it is 0) computed once per lazy block instead of per column."""
+    x = torch.where(positive, wc / safe, 0.0)
+    return cb[torch.searchsorted(mids, x.reshape(-1), right=False).reshape(x.shape)] * scale
+
+
+def _fixed_scale_block(w1: torch.Tensor, scales: torch.Tensor, u1: torch.Tensor, cb: torch.Tensor, mids: torch.Tensor,
+                       q1: torch.Tensor) -> torch.Tensor:
+    """One lazy block of the sweep with every column's scale known (``scales`` ``[N, L]``): rounds
+    the columns of ``w1`` (updated in place) into ``q1`` and returns the scaled errors ``[N, L]``."""
+    positive = scales > 0
+    safe = torch.where(positive, scales, 1.0)
+    err1 = torch.empty_like(w1)
+    for i in range(w1.shape[1]):
+        wc = w1[:, i : i + 1]
+        qc = _round_column(wc, scales[:, i : i + 1], positive[:, i : i + 1], safe[:, i : i + 1], cb, mids)
+        q1[:, i : i + 1] = qc
+        e = (wc - qc) / u1[i, i]
+        w1[:, i:] -= e * u1[i : i + 1, i:]
+        err1[:, i : i + 1] = e
+    return err1
+
+
+def _open_scale_block(w1: torch.Tensor, u1: torch.Tensor, cb: torch.Tensor, ts: torch.Tensor, candidates: int,
+                      mids: torch.Tensor, q1: torch.Tensor, codes: torch.Tensor, first: int) -> torch.Tensor:
+    """One lazy block of the in-feature-order sweep (columns ``first ..`` of the weight): each
+    32-column block's scale code is chosen, into ``codes``, when the sweep reaches the block,
+    from its columns as updated so far. Otherwise as :func:`_fixed_scale_block`."""
+    err1 = torch.empty_like(w1)
+    for i in range(w1.shape[1]):
+        col = first + i
+        if col % fmt.BLOCK_SIZE == 0:  # a block starts: its scale from the updated weights
+            block_codes = fmt.search_block_codes(w1[:, i : i + fmt.BLOCK_SIZE], cb, ts, candidates)
+            codes[:, col // fmt.BLOCK_SIZE] = block_codes[:, 0]
+            scale = fmt._block_scales(block_codes, ts)  # [N, 1]
+            positive = scale > 0
+            safe = torch.where(positive, scale, 1.0)
+        wc = w1[:, i : i + 1]
+        qc = _round_column(wc, scale, positive, safe, cb, mids)
+        q1[:, i : i + 1] = qc
+        e = (wc - qc) / u1[i, i]
+        w1[:, i:] -= e * u1[i : i + 1, i:]
+        err1[:, i : i + 1] = e
+    return err1
+
+
+class _LazyBlockGraph:
+    """:func:`_fixed_scale_block` on ``[N, L]`` captured once as a CUDA graph over static
+    buffers, replayed for every full lazy block of one sweep."""
+
+    def __init__(self, n: int, lazy: int, cb: torch.Tensor, mids: torch.Tensor, device: torch.device) -> None:
+        self.w1 = torch.zeros((n, lazy), dtype=torch.float32, device=device)
+        self.scales = torch.ones_like(self.w1)
+        self.u1 = torch.eye(lazy, dtype=torch.float32, device=device)
+        self.q1 = torch.empty_like(self.w1)
+        self.cb, self.mids = cb.clone(), mids.clone()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up off the capture (the caching allocator's first use)
+            _fixed_scale_block(self.w1.clone(), self.scales, self.u1, self.cb, self.mids, self.q1.clone())
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.err1 = _fixed_scale_block(self.w1, self.scales, self.u1, self.cb, self.mids, self.q1)
+
+    def run(self, w1: torch.Tensor, scales: torch.Tensor, u1: torch.Tensor, q1: torch.Tensor) -> torch.Tensor:
+        """The block's rounded values into ``q1``; returns its scaled errors (valid until the next run)."""
+        self.w1.copy_(w1)
+        self.scales.copy_(scales)
+        self.u1.copy_(u1)
+        self.graph.replay()
+        q1.copy_(self.q1)
+        return self.err1
 
 
 # ---------------------------------------------------------------------------------------
