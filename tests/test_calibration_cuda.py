@@ -22,23 +22,30 @@ def _problem(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return w, x.T @ x
 
 
-def _sweep(monkeypatch: pytest.MonkeyPatch, graphs: bool, replays: list[int], *args, **kwargs):
-    monkeypatch.setattr(calibration, "SWEEP_CUDA_GRAPHS", graphs)
+@pytest.fixture
+def replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The list that gets one entry per graph replay of the sweep from now on."""
+    calls: list[int] = []
     run = calibration._LazyBlockGraph.run
 
-    def counted(self, *a):
-        replays.append(1)
-        return run(self, *a)
+    def counted(self, *args):
+        calls.append(1)
+        return run(self, *args)
 
     monkeypatch.setattr(calibration._LazyBlockGraph, "run", counted)
+    return calls
+
+
+def _sweep(monkeypatch: pytest.MonkeyPatch, graphs: bool, *args, **kwargs):
+    monkeypatch.setattr(calibration, "SWEEP_CUDA_GRAPHS", graphs)
     return gptq_quantize_blocks(*args, **kwargs)
 
 
 @pytest.mark.parametrize("n,k", [(1000, 4 * LAZY_BLOCK), (333, 9 * LAZY_BLOCK + 70), (64, 2 * LAZY_BLOCK)])
 @pytest.mark.parametrize("bits,codebook,scale_search", [(2, None, True), (3, "nf-zero", False), (4, "fitted", True),
                                                          (5, None, False)])
-def test_graph_sweep_equals_the_eager_sweep(monkeypatch: pytest.MonkeyPatch, n: int, k: int, bits: int, codebook,
-                                            scale_search: bool) -> None:
+def test_graph_sweep_equals_the_eager_sweep(monkeypatch: pytest.MonkeyPatch, replays: list[int], n: int, k: int,
+                                            bits: int, codebook, scale_search: bool) -> None:
     w, h = _problem(n, k, seed=n + k + bits)
     if codebook == "fitted":
         from kbit_linear.codebooks import fit_codebook
@@ -48,11 +55,10 @@ def test_graph_sweep_equals_the_eager_sweep(monkeypatch: pytest.MonkeyPatch, n: 
         from kbit_linear.codebooks import normal_float_zero_codebook
 
         codebook = normal_float_zero_codebook(bits, device="cuda")
-    eager_replays: list[int] = []
-    graph_replays: list[int] = []
-    eager = _sweep(monkeypatch, False, eager_replays, w, h, bits, codebook, scale_search=scale_search, act_order=True)
-    graphed = _sweep(monkeypatch, True, graph_replays, w, h, bits, codebook, scale_search=scale_search, act_order=True)
-    assert eager_replays == [] and len(graph_replays) == k // LAZY_BLOCK  # every full lazy block replayed
+    eager = _sweep(monkeypatch, False, w, h, bits, codebook, scale_search=scale_search, act_order=True)
+    assert replays == []
+    graphed = _sweep(monkeypatch, True, w, h, bits, codebook, scale_search=scale_search, act_order=True)
+    assert len(replays) == k // LAZY_BLOCK  # every full lazy block replayed
     for a, b in zip(eager, graphed):
         assert a.device.type == "cuda" and torch.equal(a, b)
     # the sweep did round with feedback: not round-to-nearest of the same scales
@@ -60,10 +66,9 @@ def test_graph_sweep_equals_the_eager_sweep(monkeypatch: pytest.MonkeyPatch, n: 
     assert not torch.equal(rtn[0], graphed[0])
 
 
-def test_in_feature_order_and_narrow_weights_stay_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    replays: list[int] = []
+def test_in_feature_order_and_narrow_weights_stay_eager(monkeypatch: pytest.MonkeyPatch, replays: list[int]) -> None:
     w, h = _problem(48, LAZY_BLOCK + 32, seed=1)
-    _sweep(monkeypatch, True, replays, w, h, 4, act_order=True)  # fewer than two lazy blocks
+    _sweep(monkeypatch, True, w, h, 4, act_order=True)  # fewer than two lazy blocks
     w, h = _problem(48, 4 * LAZY_BLOCK, seed=2)
-    _sweep(monkeypatch, True, replays, w, h, 4, act_order=False)  # scales chosen during the sweep
+    _sweep(monkeypatch, True, w, h, 4, act_order=False)  # scales chosen during the sweep
     assert replays == []
