@@ -138,8 +138,25 @@ def environment(device: torch.device) -> dict[str, Any]:
         "transformers": _version("transformers"),
         "bitsandbytes": _version("bitsandbytes"),
         "gemlite": _version("gemlite"),
-        "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
+        "command": command_line(sys.argv),
     }
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """The command as run, for a results page: paths inside the repository relative to its root,
+    other absolute paths (a scratch or output folder of the machine) cut to their file names."""
+
+    def portable(arg: str) -> str:
+        prefix, sep, value = arg.partition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
+        if os.path.isabs(value):
+            path = Path(value)
+            try:
+                value = str(path.resolve().relative_to(REPO_ROOT))
+            except ValueError:
+                value = path.name
+        return prefix + sep + value
+
+    return "python3 " + " ".join(shlex.quote(portable(a)) for a in argv)
 
 
 def l2_bytes(device: torch.device | int | None = None) -> int:
