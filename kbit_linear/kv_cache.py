@@ -310,6 +310,7 @@ class KbitKVLayer(CacheLayerMixin):
         self.first_valid: torch.Tensor | None = None
         self.seq_len, self._alloc_len = 0, 0  # tokens cached at the last allocation
         self.workspace: dict = {}  # what the attention backend derives from the widths (emptied when they change)
+        self._fresh_by_shape: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.is_initialized = True
 
     # ---- transformers' layer API -------------------------------------------------------------
@@ -325,18 +326,34 @@ class KbitKVLayer(CacheLayerMixin):
             self.reallocate()
             self._alloc_len = self.seq_len
         # the new tokens at 8 bits, already in (row, position) order: row r's q tokens at rq..rq+q-1
-        pos = torch.arange(self.seq_len, self.seq_len + q, device=self.device, dtype=torch.int32).repeat(b)
+        pos = torch.arange(self.seq_len, self.seq_len + q, device=self.device, dtype=torch.int32)
         parts = _quantize_parts(key_states.permute(0, 2, 1, 3).reshape(b * q, h, d).float(),
                                 value_states.permute(0, 2, 1, 3).reshape(b * q, h, d).float(), 8, None, None)
-        row_start = torch.arange(0, (b + 1) * q, q, device=self.device, dtype=torch.int32)
-        new = KVBucket(8, row_start, pos, **parts)
+        fresh = self._fresh(b, q)
+        new = KVBucket(8, fresh["row_start"], pos.repeat(b) if b > 1 else pos, **parts)
         self.buckets[8] = _append(self.buckets[8], new)  # new positions follow every stored one
-        self.tier = torch.cat([self.tier, torch.full((b, q), 8, dtype=torch.int8, device=self.device)], 1)
-        self.mass = torch.cat([self.mass, torch.zeros(b, q, device=self.device)], 1)
-        self.seen = torch.cat([self.seen, torch.zeros(b, q, device=self.device)], 1)
+        self.tier = torch.cat([self.tier, fresh["tier"]], 1)
+        self.mass = torch.cat([self.mass, fresh["zeros"]], 1)
+        self.seen = torch.cat([self.seen, fresh["zeros"]], 1)
         self.seq_len += q
         view = KbitKVView(self)
         return view, view
+
+    def _fresh(self, b: int, q: int) -> dict[str, torch.Tensor]:
+        """What every update of ``q`` tokens in ``b`` rows appends, made once per shape (a decode
+        step then allocates none of it): the new tokens' row starts (int32 ``[b + 1]``), their
+        width (int8 ``[b, q]`` of 8) and their zero attention mass and count (float32 ``[b, q]``).
+        Only read: the cache concatenates them into new tensors."""
+        fresh = self._fresh_by_shape.get((b, q))
+        if fresh is None:
+            fresh = {
+                "row_start": torch.arange(0, (b + 1) * q, q, device=self.device, dtype=torch.int32),
+                "tier": torch.full((b, q), 8, dtype=torch.int8, device=self.device),
+                "zeros": torch.zeros(b, q, device=self.device),
+            }
+            if q <= self.block_size:  # decode-sized updates repeat; prompt chunks are kept for no one
+                self._fresh_by_shape[(b, q)] = fresh
+        return fresh
 
     def _allocation_due(self, incoming: int) -> bool:
         """Whether the allocator runs before ``incoming`` new tokens are stored: once ``block_size``

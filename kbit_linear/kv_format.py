@@ -169,7 +169,7 @@ def _sym8(x: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
     xg = x.reshape(n, h, d // g, g)
     scale = _fp16(xg.abs().amax(-1) / 127.0)
     s = scale.float().unsqueeze(-1)
-    codes = torch.where(s > 0, xg / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xg))
+    codes = torch.where(s > 0, xg / s, 0.0)  # a zero scale (an all-zero group): codes 0, whatever 0 / 0 gave
     return codes.round().clamp(-127, 127).to(torch.int8).reshape(n, h, d), scale
 
 

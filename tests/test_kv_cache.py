@@ -521,3 +521,18 @@ def test_append_equals_the_sorting_merge() -> None:
         a, b = _append(old, new), _merge(old, new, batch)
         for name, x in b.tensors().items():
             assert torch.equal(a.tensors()[name], x), (batch, name)
+
+
+def test_8bit_codes_of_zero_and_underflowing_groups_are_zero() -> None:
+    # one head of 64 channels = two groups of 32: all zero, and so small that amax / 127 is 0 in fp16
+    from kbit_linear.kv_format import _sym8
+
+    x = torch.zeros(3, 1, 64)
+    x[1, 0, 32:] = 1e-9 * torch.arange(1, 33)
+    x[2] = torch.linspace(-3, 5, 64)
+    codes, scale = _sym8(x, 32)
+    assert torch.equal(scale[:2], torch.zeros(2, 1, 2, dtype=torch.float16))
+    assert torch.equal(codes[:2], torch.zeros(2, 1, 64, dtype=torch.int8))
+    s = scale[2].float().repeat_interleave(32, -1)
+    assert torch.equal(codes[2], (x[2] / s).round().clamp(-127, 127).to(torch.int8))
+    assert int(codes[2].abs().max()) == 127
