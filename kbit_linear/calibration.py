@@ -56,6 +56,7 @@ __all__ = [
     "DEFAULT_ACT_ORDER",
     "DEFAULT_DAMP",
     "LAZY_BLOCK",
+    "SWEEP_CUDA_GRAPHS",
     "CALIBRATION_MODULES",
     "Calibration",
     "default_calibration_text",
@@ -362,8 +363,9 @@ def _sweep(w: torch.Tensor, u: torch.Tensor, bits: int, cb: torch.Tensor, ts: to
     ``order``: None sweeps in in-feature order, choosing each block's code when the sweep reaches
     it. Otherwise ``w``'s columns and ``u`` (the factor of the permuted Hessian) are in the sweep's
     order, ``order[j]`` being the in-feature of swept column ``j``, and ``codes`` (uint8
-    ``[N, blocks]``, in-feature blocks) were chosen before the sweep; on a GPU each lazy block's
-    column loop then replays one CUDA graph (:class:`_LazyBlockGraph`), with the same result.
+    ``[N, blocks]``, in-feature blocks) were chosen before the sweep; where :func:`_graphs_apply`
+    (on the current GPU, two lazy blocks or more) each full lazy block's column loop then replays
+    one CUDA graph (:class:`_LazyBlockGraph`), with the same result.
     """
     n, k = w.shape
     device = w.device
@@ -375,8 +377,7 @@ def _sweep(w: torch.Tensor, u: torch.Tensor, bits: int, cb: torch.Tensor, ts: to
     else:
         block_scales = fmt._block_scales(codes, ts)  # float32 [N, blocks], the fixed scales
     graph = None
-    if order is not None and SWEEP_CUDA_GRAPHS and device.type == "cuda" and k >= 2 * lazy_block \
-            and not torch.cuda.is_current_stream_capturing():
+    if order is not None and _graphs_apply(device, k, lazy_block):
         graph = _LazyBlockGraph(n, lazy_block, cb, mids, device)
     for i1 in range(0, k, lazy_block):
         i2 = min(i1 + lazy_block, k)
@@ -397,11 +398,22 @@ def _sweep(w: torch.Tensor, u: torch.Tensor, bits: int, cb: torch.Tensor, ts: to
     return fmt.quantize_with_codes(q, bits, cb, ts, codes), codes
 
 
+def _graphs_apply(device: torch.device, k: int, lazy_block: int) -> bool:
+    """Whether a sweep of ``k`` columns on ``device`` replays CUDA graphs: switched on, at least two
+    full lazy blocks to share the capture's cost, not inside another capture, and on the current
+    GPU (a graph captures and replays on the current device's streams; a weight on another GPU
+    sweeps eagerly)."""
+    return (SWEEP_CUDA_GRAPHS and device.type == "cuda" and k >= 2 * lazy_block
+            and device.index in (None, torch.cuda.current_device())
+            and not torch.cuda.is_current_stream_capturing())
+
+
 def _round_column(wc: torch.Tensor, scale: torch.Tensor, positive: torch.Tensor, safe: torch.Tensor,
                   cb: torch.Tensor, mids: torch.Tensor) -> torch.Tensor:
     """``cb[nearest(wc / scale)] * scale`` for one column ``[N, 1]``: the value of
     :func:`kbit_linear.format._nearest_indices`, with ``positive = scale > 0`` and ``safe`` (the
-    scale, 1 where it is 0) computed once per lazy block instead of per column."""
+    scale, 1 where it is 0) computed once per lazy block (fixed scales) or per 32-column block
+    (in-feature order) instead of per column."""
     x = torch.where(positive, wc / safe, 0.0)
     return cb[torch.searchsorted(mids, x.reshape(-1), right=False).reshape(x.shape)] * scale
 
@@ -428,6 +440,7 @@ def _open_scale_block(w1: torch.Tensor, u1: torch.Tensor, cb: torch.Tensor, ts: 
     """One lazy block of the in-feature-order sweep (columns ``first ..`` of the weight): each
     32-column block's scale code is chosen, into ``codes``, when the sweep reaches the block,
     from its columns as updated so far. Otherwise as :func:`_fixed_scale_block`."""
+    assert first % fmt.BLOCK_SIZE == 0, "a lazy block starts on a 32-column block"  # lazy_block is checked to be a multiple
     err1 = torch.empty_like(w1)
     for i in range(w1.shape[1]):
         col = first + i
@@ -462,7 +475,8 @@ class _LazyBlockGraph:
             _fixed_scale_block(self.w1.clone(), self.scales, self.u1, self.cb, self.mids, self.q1.clone())
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # captured on a stream of the weight's device, which _graphs_apply requires to be current
+        with torch.cuda.graph(self.graph, stream=side):
             self.err1 = _fixed_scale_block(self.w1, self.scales, self.u1, self.cb, self.mids, self.q1)
 
     def run(self, w1: torch.Tensor, scales: torch.Tensor, u1: torch.Tensor, q1: torch.Tensor) -> torch.Tensor:

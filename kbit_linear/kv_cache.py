@@ -6,7 +6,8 @@ moves tokens to lower widths to meet the target average, the transformers ``Cach
 attention function registered as ``"kbit_kv"``.
 
 How a step runs, per layer: ``update()`` first re-allocates when ``block_size`` tokens (or
-``allocation_fraction`` of the cached tokens, if more) arrived since the last allocation, or
+``allocation_fraction`` times the tokens cached at the last allocation, if more) arrived since
+that allocation, or
 ``prefill_interval`` tokens while a prompt arrives in chunks longer than ``block_size`` (each
 allocation is a pass over every cached token). Allocating, the tokens
 outside the recent window and the sinks, in complete key blocks, get widths from their
@@ -66,12 +67,12 @@ for the interval's share)."""
 
 ALLOCATION_FRACTION = 1 / 64
 """Default ``allocation_fraction``: between two allocations, decode steps add at most this
-fraction of the cached tokens (or ``block_size`` tokens, if more) at 8 bits.
+fraction of the tokens cached at the last one (or ``block_size`` tokens, if more) at 8 bits.
 
 An allocation walks every cached token on the host (~17 ms per layer at 32k tokens on an H200,
 Llama-3-8B shape), so running it every ``block_size`` = 64 decode steps cost ~9 ms per step,
 amortized, at 32k. Tied to the cache's length, its cost per step stays flat as the context grows,
-and the new tokens waiting at 8 bits lift the average width by at most ``(8 - kv_bits) / 64``
+and the new tokens waiting at 8 bits lift the average width by at most ``(8 - kv_bits) * f / (1 + f)``
 bits (0.06 at ``kv_bits=4``) before the next allocation brings it back."""
 
 _PREFILL_OBSERVED = 32  # prefill scores importance from its last 32 queries (SnapKV-style), not all of them
@@ -357,11 +358,11 @@ class KbitKVLayer(CacheLayerMixin):
 
     def _allocation_due(self, incoming: int) -> bool:
         """Whether the allocator runs before ``incoming`` new tokens are stored: once ``block_size``
-        tokens, or ``allocation_fraction`` of the cached ones if more, arrived since it last ran,
-        or ``prefill_interval`` while the new tokens come in chunks longer than ``block_size`` (a
-        prompt)."""
+        tokens, or ``allocation_fraction`` times the tokens cached when it last ran if more,
+        arrived since it last ran, or ``prefill_interval`` while the new tokens come in chunks
+        longer than ``block_size`` (a prompt)."""
         if incoming <= self.block_size:
-            interval = max(self.block_size, int(self.seq_len * self.allocation_fraction))
+            interval = max(self.block_size, int(self._alloc_len * self.allocation_fraction))
         else:
             interval = max(self.block_size, self.prefill_interval)
         return self.seq_len - self._alloc_len >= interval  # (at seq_len 0 the allocator has nothing to do)
@@ -628,9 +629,10 @@ class KbitKVCache(Cache):
             at most about this many prompt tokens wait at 8 bits meanwhile. Default
             :data:`PREFILL_INTERVAL`.
         allocation_fraction: decode steps run the allocator once ``block_size`` tokens, or this
-            fraction of the cached tokens if more, arrived since it last ran, in ``(0, 1]``: the
-            new tokens wait at 8 bits meanwhile, the price of fewer passes over the cache.
-            Default :data:`ALLOCATION_FRACTION` (1/64: every 512 tokens at 32k).
+            fraction of the tokens cached at its last run if more, arrived since that run, in
+            ``(0, 1]`` (1: whenever the cache doubles): the new tokens wait at 8 bits meanwhile,
+            the price of fewer passes over the cache. Default :data:`ALLOCATION_FRACTION` (1/64:
+            every 512 tokens at 32k).
         hysteresis: a token keeps its width while its importance is within this fraction of the
             width's cutoff, in ``[0, 1)``.
 

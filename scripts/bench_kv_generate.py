@@ -7,8 +7,8 @@ both caches), then ``--decode`` greedy tokens one forward call at a time (eager,
 
 * ``DynamicCache`` (bf16 keys and values, SDPA attention), and
 * ``KbitKVCache(kv_bits=...)`` (the ``"kbit_kv"`` attention: the fused decode kernel; the
-  allocator re-runs inside the timed steps, every ``max(64, allocation_fraction * cached)``
-  tokens; ``--allocation-fraction`` adds one row per value, e.g. ``1e-9`` for every 64 tokens).
+  allocator re-runs inside the timed steps, every ``max(64, allocation_fraction * cached at
+  its last run)`` tokens; ``--allocation-fraction`` adds one row per value, e.g. ``1e-9`` for every 64 tokens).
 
 Reported per cache: decode ms per step from the second step on (mean, reallocations included,
 and median), the first step apart (with the kbit cache it re-codes the prompt tokens stored since
@@ -135,7 +135,7 @@ def _markdown(args: argparse.Namespace, env: dict[str, Any], rows: list[dict[str
                       f"{per_tok / 1024:.1f}", f"{r.get('average_bits', float('nan')):.2f}", bc.fmt(r["peak_gib"], 1), bc.fmt(r["prefill_s"], 1), bc.fmt(r["first_step_ms"])])
     lines.append(bc.markdown_table(["cache", "ms/step (mean)", "ms/step (median)", "tok/s", "speed vs bf16 cache",
                                     "cache GiB", "KiB/token", "payload bits", "peak GiB", "prefill s", "first step ms"], table))
-    lines += ["", "Steps 2 onwards (the allocator's runs included: every max(64, allocation_fraction x cached tokens) "
+    lines += ["", "Steps 2 onwards (the allocator's runs included: every max(64, allocation_fraction x tokens cached at its last run) "
               "tokens); the first decode step is "
               "listed apart: with the kbit cache it re-codes the prompt tokens stored since the allocator last ran "
               "(up to `prefill_interval` plus a chunk; it belongs to the time to "

@@ -8,7 +8,8 @@ cumulative time. The cache's allocator (``KbitKVLayer.reallocate``) and attentio
 (``KbitKVLayer.attend``) show up by name.
 
 With ``--decode N`` the same cache then takes N single-token decode steps, profiled apart (the
-first, which re-codes the prompt's last chunk, timed but not profiled).
+first, which re-codes the prompt tokens stored since the allocator last ran, timed but not
+profiled).
 
 Usage::
 
@@ -46,8 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, default=25, help="profile rows printed")
     ap.add_argument("--sort", choices=["tottime", "cumulative"], default="tottime")
     args = ap.parse_args(argv)
-    if args.context < 1 or args.chunk < 1 or args.decode < 0:
-        ap.error("--context and --chunk must be >= 1, --decode >= 0")
+    if args.context < 1 or args.chunk < 1 or args.decode < 0 or args.decode == 1:
+        ap.error("--context and --chunk must be >= 1, --decode 0 or >= 2 (the first step is not profiled)")
     dev = bc.require_cuda()
     bc.kbit_cuda_status()
     import kbit_linear
@@ -86,7 +87,7 @@ def decode(model: Any, cache: Any, token: torch.Tensor, args: argparse.Namespace
     with torch.no_grad():
         for i in range(args.decode):
             t0 = time.perf_counter()
-            if i:  # the first step re-codes the prompt's last chunk: timed apart, not profiled
+            if i:  # the first step re-codes the prompt tokens stored since the last allocation: timed apart
                 prof.enable()
             logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
             token = logits[:, -1:].argmax(-1)

@@ -300,18 +300,21 @@ def test_prefill_interval_of_one_block_allocates_before_every_chunk() -> None:
     assert calls == [32, 64, 96]
 
 
-def test_decode_steps_at_long_context_allocate_every_allocation_fraction_of_the_cache() -> None:
-    # with a quarter of the cache (more than block_size from 64 tokens on) between two runs,
-    # a 128-token prompt is followed by runs at 128, 170 (128 + 42 = 170 // 4), 226 (170 + 56)
-    layer = KbitKVLayer(4, window=8, sink_tokens=2, block_size=16, hysteresis=0.1, allocation_fraction=0.25)
+@pytest.mark.parametrize("fraction,steps,expected", [(0.25, 110, [128, 160, 200]), (1.0, 300, [128, 256])])
+def test_decode_steps_at_long_context_allocate_every_allocation_fraction_of_the_cache(
+        fraction: float, steps: int, expected: list[int]) -> None:
+    # a quarter of the tokens cached at the last run (more than block_size from 64 tokens on):
+    # after a 128-token prompt, runs at 128, 160 (+ 128 / 4), 200 (+ 160 / 4); a fraction of 1:
+    # whenever the cache doubles
+    layer = KbitKVLayer(4, window=8, sink_tokens=2, block_size=16, hysteresis=0.1, allocation_fraction=fraction)
     calls = _record_allocations(layer)
     g = torch.Generator().manual_seed(3)
     _feed(layer, 128, g)
-    for _ in range(110):
+    for _ in range(steps):
         _feed(layer, 1, g)
-    assert calls == [128, 170, 226], calls
+    assert calls == expected, calls
     waiting = layer.seq_len - calls[-1]  # stored at 8 bits since the last run
-    assert 0 < waiting <= max(16, layer.seq_len // 4)
+    assert 0 < waiting <= max(16, int(calls[-1] * fraction))
 
 
 def test_the_default_allocation_fraction_keeps_short_contexts_at_block_size() -> None:
