@@ -28,8 +28,8 @@ and so does ``--hadamard`` (the randomized Hadamard rotation, :mod:`kbit_linear.
 Baselines: ``--rtn-groups 32 64`` adds uniform asymmetric round-to-nearest at the same bits with
 one fp16 scale and zero point per group (fake-quantized dense weights,
 :mod:`kbit_linear.tools.baselines`); ``--gptq-groups 64`` the same grid with GPTQ rounding on the
-calibration data of the calibrated kbit rows (in in-feature order: compare it with the kbit rows
-of ``--act-order off``); bitsandbytes NF4 (blocksize 64) is added when bitsandbytes
+calibration data of the calibrated kbit rows, in the same sweep orders (``--act-order``: static
+groups in activation order); bitsandbytes NF4 (blocksize 64) is added when bitsandbytes
 is importable and works on the device.
 
 The text and windows are those of :mod:`kbit_linear.tools.evaluation` (CPython's
@@ -105,8 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calibration", choices=["off", "on", "both"], default="off",
                    help="kbit rows data-free (off), with calibrated GPTQ-style rounding (on), or both")
     p.add_argument("--act-order", choices=["off", "on", "both"], default="on",
-                   help="calibrated kbit rows sweeping the columns by descending Hessian diagonal (on, the library's "
-                        "default), in in-feature order (off, labelled so), or both")
+                   help="calibrated kbit and GPTQ rows sweeping the columns by descending Hessian diagonal (on, the "
+                        "library's default), in in-feature order (off, labelled so), or both")
     p.add_argument("--calib-sequences", type=int, default=32, help="calibration windows (default text)")
     p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--target-bpw", type=float, nargs="*", default=[],
@@ -268,16 +268,18 @@ def main(argv: list[str] | None = None) -> int:
     for bits in args.bits:
         kbit_rows(f"kbit K={bits}", {"bits": bits})
         for group in args.gptq_groups:
-            model, load_s = _load(path, DTYPES[args.quantize_dtype], device, causal=causal)
-            start = time.perf_counter()
-            calib = Calibration(tokenizer=tokenizer, num_sequences=args.calib_sequences, seq_len=args.calib_len)
-            apply_gptq(model, bits, group, calib)
-            model.to(dtype)
-            report(f"GPTQ asym {bits}-bit g{group}", f"{rtn_bits_per_weight(bits, group):.2f}", model,
-                   time.perf_counter() - start,
-                   f"fake-quantized, {args.calib_sequences} x {args.calib_len} tokens of stdlib docstrings, in-feature order")
-            del model
-            gc.collect()
+            for act_order in act_orders:  # the same sweep orders as the calibrated kbit rows
+                model, load_s = _load(path, DTYPES[args.quantize_dtype], device, causal=causal)
+                start = time.perf_counter()
+                calib = Calibration(tokenizer=tokenizer, num_sequences=args.calib_sequences, seq_len=args.calib_len,
+                                    act_order=act_order)
+                apply_gptq(model, bits, group, calib)
+                model.to(dtype)
+                report(f"GPTQ asym {bits}-bit g{group}" + ("" if act_order else ", in-feature order"),
+                       f"{rtn_bits_per_weight(bits, group):.2f}", model, time.perf_counter() - start,
+                       f"fake-quantized, {args.calib_sequences} x {args.calib_len} tokens of stdlib docstrings")
+                del model
+                gc.collect()
         for group in args.rtn_groups:
             model, load_s = _load(path, DTYPES[args.quantize_dtype], device, causal=causal)
             start = time.perf_counter()

@@ -113,6 +113,33 @@ def test_gptq_is_rtn_without_feedback_and_beats_it_on_correlated_inputs():
         fake_quantize_gptq(w, torch.eye(k + 1), 3, 64)
 
 
+@pytest.mark.parametrize("k", [192, 200])  # 200: a short last group
+def test_gptq_in_activation_order_keeps_each_groups_grid_and_beats_rtn(k: int):
+    torch.manual_seed(1)
+    n = 40
+    w = torch.randn(n, k)
+    # no feedback (a diagonal Hessian): round-to-nearest on the grids of the weights as given,
+    # whatever the order the distinct diagonal puts the columns in
+    diag = torch.diag(torch.rand(k) + 0.5)
+    assert torch.equal(fake_quantize_gptq(w, diag, 3, 64, act_order=True), fake_quantize_rtn(w, 3, 64))
+    x = (torch.randn(1024, k) @ torch.randn(k, k) * 0.2 + torch.randn(1024, k)) * (0.2 + 3 * torch.rand(k))
+    h = x.T @ x
+    q = fake_quantize_gptq(w, h, 3, 64, act_order=True)
+    err = {name: ((x @ (w - v).T) ** 2).mean().item()
+           for name, v in (("rtn", fake_quantize_rtn(w, 3, 64)), ("act", q), ("in", fake_quantize_gptq(w, h, 3, 64)))}
+    assert err["act"] < 0.9 * err["rtn"] and not torch.equal(q, fake_quantize_gptq(w, h, 3, 64))
+    # each group's values stay on its fixed grid: the RTN grid's levels
+    groups = -(-k // 64)
+    for r in range(0, n, 5):
+        for g in range(groups):
+            lo, hi = w[r, g * 64:(g + 1) * 64].min(), w[r, g * 64:(g + 1) * 64].max()
+            scale = (hi - lo) / 7
+            levels = (torch.arange(8) - torch.round(-lo / scale)) * scale
+            assert torch.isclose(q[r, g * 64:(g + 1) * 64, None], levels[None], atol=1e-6).any(-1).all()
+    with pytest.raises(TypeError, match="act_order"):
+        fake_quantize_gptq(w, h, 3, 64, act_order=1)
+
+
 def test_apply_gptq_rounds_every_convertible_layer_of_a_small_model():
     from kbit_linear.calibration import Calibration
 

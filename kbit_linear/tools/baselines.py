@@ -11,10 +11,12 @@ Per group ``g`` of one output row: ``scale = (max(g) - min(g)) / (2**bits - 1)``
 ``bits + 32 / group_size`` bits per weight (:func:`rtn_bits_per_weight`).
 
 GPTQ (:func:`fake_quantize_gptq`, :func:`apply_gptq`): the same grid, rounded column by column
-with the layer inputs' Hessian (the error of each column spread over the later ones; each group's
-scale and zero taken from the error-updated weights when the sweep reaches the group, as
-AutoGPTQ does without ``static_groups``), on the same calibration data and block-by-block pass as
-this project's calibrated rounding (:mod:`kbit_linear.calibration`).
+with the layer inputs' Hessian (the error of each column spread over the later ones), on the same
+calibration data and block-by-block pass as this project's calibrated rounding
+(:mod:`kbit_linear.calibration`). Two orders, as there: in-feature order, each group's scale and
+zero taken from the error-updated weights when the sweep reaches the group (AutoGPTQ without
+``desc_act``); or activation order (``act_order=True``: descending ``H[j, j]``, every group's grid
+taken from the weights as given before the sweep, AutoGPTQ's ``desc_act`` with ``static_groups``).
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def apply_rtn(model: nn.Module, bits: int, group_size: int, skip: Iterable[SkipR
 
 
 def fake_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int,
-                       damp: float = DEFAULT_DAMP) -> torch.Tensor:
+                       damp: float = DEFAULT_DAMP, act_order: bool = False) -> torch.Tensor:
     """GPTQ rounding of ``weight`` ``[out, in]`` to the uniform asymmetric grid of
     :func:`fake_quantize_rtn` (groups along in_features).
 
@@ -120,6 +122,7 @@ def fake_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, g
         bits: integer width, 1..8.
         group_size: in-features per group.
         damp: added to the Hessian's diagonal, times its mean.
+        act_order: sweep by descending Hessian diagonal, every group's grid fixed up front.
 
     Returns:
         The rounded weight, same shape and dtype as ``weight``.
@@ -134,16 +137,30 @@ def fake_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, g
     dead = h.diagonal() <= 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    if not isinstance(act_order, bool):
+        raise TypeError(f"act_order must be a bool, got {type(act_order).__name__}")
+    order = None
+    if act_order:
+        groups = -(-k // group_size)
+        parts = F.pad(w, (0, groups * group_size - k), value=float("nan")).reshape(n, groups, group_size)
+        lo = torch.nan_to_num(parts, nan=float("inf")).amin(-1)  # the last group may be short: its padding ignored
+        hi = torch.nan_to_num(parts, nan=float("-inf")).amax(-1)
+        static_scale, static_zero = _uniform_grid(torch.stack((lo, hi), -1), bits)  # [n, groups, 1]
+        order = torch.argsort(h.diagonal(), descending=True, stable=True)
+        h, w = h[order][:, order], w[:, order]
     u = damped_inverse_cholesky(h, damp)
     qmax = (1 << bits) - 1
     out = torch.empty_like(w)
     scale = zero = None
     for i1 in range(0, k, _GPTQ_LAZY):
         i2 = min(k, i1 + _GPTQ_LAZY)
-        w1, err1, u1 = w[:, i1:i2].clone(), torch.zeros(n, i2 - i1), u[i1:i2, i1:i2]
+        w1, err1, u1 = w[:, i1:i2].clone(), torch.zeros(n, i2 - i1, device=w.device), u[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if col % group_size == 0:  # the group's grid from the weights as updated so far
+            if order is not None:  # the fixed grid of this column's group
+                group = int(order[col]) // group_size
+                scale, zero = static_scale[:, group, 0], static_zero[:, group, 0]
+            elif col % group_size == 0:  # the group's grid from the weights as updated so far
                 end = min(col + group_size, k)
                 group = torch.cat((w1[:, i:i + (end - col)], w[:, i2:end]), dim=1) if end > i2 else w1[:, i:i + (end - col)]
                 scale, zero = _uniform_grid(group, bits)
@@ -155,24 +172,30 @@ def fake_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, g
             w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
             err1[:, i] = e
         w[:, i2:] -= err1 @ u[i1:i2, i2:]
+    if order is not None:
+        out = torch.empty_like(out).index_copy_(1, order, out)  # back to in-feature order
     return out.to(weight.dtype)
 
 
 @torch.no_grad()
 def apply_gptq(model: nn.Module, bits: int, group_size: int, calibration: Calibration,
-               skip: Iterable[SkipRule] | str | None = ("lm_head",), progress: bool = True) -> list[str]:
+               skip: Iterable[SkipRule] | str | None = ("lm_head",), progress: bool = True,
+               act_order: bool | None = None) -> list[str]:
     """GPTQ-round, in place, the layers that :func:`kbit_linear.quantize_model` would convert,
-    block by block on ``calibration``'s data (:func:`kbit_linear.calibration.calibrate_model`).
+    block by block on ``calibration``'s data (:func:`kbit_linear.calibration.calibrate_model`),
+    in activation order if ``act_order`` (default: ``calibration.act_order``, as the calibrated
+    kbit rows use it).
 
     Returns:
         The names of the rounded layers.
     """
     _check(bits, group_size)
+    order = calibration.act_order if act_order is None else act_order
     names, _ = convertible_layers(model, skip)
 
     def quantize_layer(name: str, hessian: torch.Tensor) -> None:
         linear = model.get_submodule(name)
-        linear.weight.copy_(fake_quantize_gptq(linear.weight, hessian, bits, group_size))
+        linear.weight.copy_(fake_quantize_gptq(linear.weight, hessian, bits, group_size, act_order=order))
 
     calibrate_model(model, names, calibration.batches(), quantize_layer, progress=progress, desc="GPTQ baseline")
     return names
