@@ -134,12 +134,6 @@ def _check_int(name: str, value: Any, low: int) -> int:
     return value
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
-
-
 def _check_damp(damp: Any) -> float:
     if isinstance(damp, bool) or not isinstance(damp, (int, float)):
         raise TypeError(f"damp must be a float, got {type(damp).__name__}")
@@ -185,7 +179,7 @@ class Calibration:
         _check_int("seq_len", self.seq_len, 2)
         _check_int("batch_size", self.batch_size, 1)
         _check_damp(self.damp)
-        _check_bool("act_order", self.act_order)
+        fmt.check_bool("act_order", self.act_order)
         _check_int("lazy_block", self.lazy_block, fmt.BLOCK_SIZE)
         if self.lazy_block % fmt.BLOCK_SIZE:
             raise ValueError(f"lazy_block must be a multiple of {fmt.BLOCK_SIZE}, got {self.lazy_block}")
@@ -305,9 +299,9 @@ def gptq_quantize_blocks(
         raise ValueError(f"hessian must have shape [in_features, in_features] = [{k}, {k}], got {tuple(hessian.shape)}")
     if not bool(torch.isfinite(hessian).all()):
         raise ValueError("hessian contains NaN or Inf values")
-    _check_bool("scale_search", scale_search)
+    fmt.check_bool("scale_search", scale_search)
     damp = _check_damp(damp)
-    _check_bool("act_order", act_order)
+    fmt.check_bool("act_order", act_order)
     _check_int("lazy_block", lazy_block, fmt.BLOCK_SIZE)
     if lazy_block % fmt.BLOCK_SIZE:
         raise ValueError(f"lazy_block must be a multiple of {fmt.BLOCK_SIZE}, got {lazy_block}")
@@ -418,6 +412,17 @@ def _round_column(wc: torch.Tensor, scale: torch.Tensor, positive: torch.Tensor,
     return cb[torch.searchsorted(mids, x.reshape(-1), right=False).reshape(x.shape)] * scale
 
 
+def _feed_back(w1: torch.Tensor, u1: torch.Tensor, q1: torch.Tensor, err1: torch.Tensor, i: int,
+               qc: torch.Tensor) -> None:
+    """Column ``i`` of a lazy block rounded to ``qc``: store it in ``q1``, and spread its error,
+    scaled by ``U[i, i]``, over the block's later columns of ``w1`` (kept in ``err1`` for the
+    columns after the block)."""
+    e = (w1[:, i : i + 1] - qc) / u1[i, i]
+    q1[:, i : i + 1] = qc
+    w1[:, i:] -= e * u1[i : i + 1, i:]
+    err1[:, i : i + 1] = e
+
+
 def _fixed_scale_block(w1: torch.Tensor, scales: torch.Tensor, u1: torch.Tensor, cb: torch.Tensor, mids: torch.Tensor,
                        q1: torch.Tensor) -> torch.Tensor:
     """One lazy block of the sweep with every column's scale known (``scales`` ``[N, L]``): rounds
@@ -426,12 +431,8 @@ def _fixed_scale_block(w1: torch.Tensor, scales: torch.Tensor, u1: torch.Tensor,
     safe = torch.where(positive, scales, 1.0)
     err1 = torch.empty_like(w1)
     for i in range(w1.shape[1]):
-        wc = w1[:, i : i + 1]
-        qc = _round_column(wc, scales[:, i : i + 1], positive[:, i : i + 1], safe[:, i : i + 1], cb, mids)
-        q1[:, i : i + 1] = qc
-        e = (wc - qc) / u1[i, i]
-        w1[:, i:] -= e * u1[i : i + 1, i:]
-        err1[:, i : i + 1] = e
+        qc = _round_column(w1[:, i : i + 1], scales[:, i : i + 1], positive[:, i : i + 1], safe[:, i : i + 1], cb, mids)
+        _feed_back(w1, u1, q1, err1, i, qc)
     return err1
 
 
@@ -450,12 +451,7 @@ def _open_scale_block(w1: torch.Tensor, u1: torch.Tensor, cb: torch.Tensor, ts: 
             scale = fmt._block_scales(block_codes, ts)  # [N, 1]
             positive = scale > 0
             safe = torch.where(positive, scale, 1.0)
-        wc = w1[:, i : i + 1]
-        qc = _round_column(wc, scale, positive, safe, cb, mids)
-        q1[:, i : i + 1] = qc
-        e = (wc - qc) / u1[i, i]
-        w1[:, i:] -= e * u1[i : i + 1, i:]
-        err1[:, i : i + 1] = e
+        _feed_back(w1, u1, q1, err1, i, _round_column(w1[:, i : i + 1], scale, positive, safe, cb, mids))
     return err1
 
 

@@ -92,6 +92,13 @@ def check_bits(bits: int, name: str = "bits") -> int:
     return bits
 
 
+def check_bool(name: str, value: object) -> bool:
+    """Return ``value`` if it is a bool, else raise a ``TypeError`` naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_weight(weight: torch.Tensor, name: str = "weight", *, finite: bool = True) -> None:
     """Raise unless ``weight`` is a non-empty 2-D floating-point tensor (and, with ``finite``, has no NaN/Inf).
 

@@ -101,6 +101,8 @@ def quantize_weight(
     """
     fmt.check_bits(bits)
     fmt.check_weight(weight, name=name)
+    fmt.check_bool("scale_search", scale_search)
+    fmt.check_bool("act_order", act_order)
     if hadamard_signs is not None:
         hadamard.check_signs(hadamard_signs, weight.shape[1], "hadamard_signs")
     with torch.no_grad():
@@ -110,10 +112,6 @@ def quantize_weight(
             w = hadamard.rotate(w.to(torch.float32), signs)
             if hessian is not None:
                 hessian = hadamard.rotate_hessian(hessian.to(device=w.device, dtype=torch.float32), signs)
-        if not isinstance(scale_search, bool):
-            raise TypeError(f"scale_search must be a bool, got {type(scale_search).__name__}")
-        if not isinstance(act_order, bool):
-            raise TypeError(f"act_order must be a bool, got {type(act_order).__name__}")
         cb = codebooks.resolve_codebook_option(codebook, w, bits, scale_search=scale_search)
         ts = fmt.compute_tensor_scale(w)
         if hessian is not None and w.device.type != "meta":

@@ -22,20 +22,6 @@ def _problem(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return w, x.T @ x
 
 
-@pytest.fixture
-def replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The list that gets one entry per graph replay of the sweep from now on."""
-    calls: list[int] = []
-    run = calibration._LazyBlockGraph.run
-
-    def counted(self, *args):
-        calls.append(1)
-        return run(self, *args)
-
-    monkeypatch.setattr(calibration._LazyBlockGraph, "run", counted)
-    return calls
-
-
 def _sweep(monkeypatch: pytest.MonkeyPatch, graphs: bool, *args, **kwargs):
     monkeypatch.setattr(calibration, "SWEEP_CUDA_GRAPHS", graphs)
     return gptq_quantize_blocks(*args, **kwargs)
@@ -44,7 +30,7 @@ def _sweep(monkeypatch: pytest.MonkeyPatch, graphs: bool, *args, **kwargs):
 @pytest.mark.parametrize("n,k", [(1000, 4 * LAZY_BLOCK), (333, 9 * LAZY_BLOCK + 70), (64, 2 * LAZY_BLOCK)])
 @pytest.mark.parametrize("bits,codebook,scale_search", [(2, None, True), (3, "nf-zero", False), (4, "fitted", True),
                                                          (5, None, False)])
-def test_graph_sweep_equals_the_eager_sweep(monkeypatch: pytest.MonkeyPatch, replays: list[int], n: int, k: int,
+def test_graph_sweep_equals_the_eager_sweep(monkeypatch: pytest.MonkeyPatch, graph_replays: list[int], n: int, k: int,
                                             bits: int, codebook, scale_search: bool) -> None:
     w, h = _problem(n, k, seed=n + k + bits)
     if codebook == "fitted":
@@ -56,9 +42,9 @@ def test_graph_sweep_equals_the_eager_sweep(monkeypatch: pytest.MonkeyPatch, rep
 
         codebook = normal_float_zero_codebook(bits, device="cuda")
     eager = _sweep(monkeypatch, False, w, h, bits, codebook, scale_search=scale_search, act_order=True)
-    assert replays == []
+    assert graph_replays == []
     graphed = _sweep(monkeypatch, True, w, h, bits, codebook, scale_search=scale_search, act_order=True)
-    assert len(replays) == k // LAZY_BLOCK  # every full lazy block replayed
+    assert len(graph_replays) == k // LAZY_BLOCK  # every full lazy block replayed
     for a, b in zip(eager, graphed):
         assert a.device.type == "cuda" and torch.equal(a, b)
     # the sweep did round with feedback: not round-to-nearest of the same scales
@@ -66,9 +52,9 @@ def test_graph_sweep_equals_the_eager_sweep(monkeypatch: pytest.MonkeyPatch, rep
     assert not torch.equal(rtn[0], graphed[0])
 
 
-def test_in_feature_order_and_narrow_weights_stay_eager(monkeypatch: pytest.MonkeyPatch, replays: list[int]) -> None:
+def test_in_feature_order_and_narrow_weights_stay_eager(monkeypatch: pytest.MonkeyPatch, graph_replays: list[int]) -> None:
     w, h = _problem(48, LAZY_BLOCK + 32, seed=1)
     _sweep(monkeypatch, True, w, h, 4, act_order=True)  # fewer than two lazy blocks
     w, h = _problem(48, 4 * LAZY_BLOCK, seed=2)
     _sweep(monkeypatch, True, w, h, 4, act_order=False)  # scales chosen during the sweep
-    assert replays == []
+    assert graph_replays == []

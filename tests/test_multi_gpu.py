@@ -254,19 +254,12 @@ def test_hadamard_rotation_and_kv_attention_on_the_second_gpu(current):
 
 
 @pytest.mark.parametrize("current", [0, 1])
-def test_calibrated_rounding_on_the_second_gpu(monkeypatch: pytest.MonkeyPatch, current: int) -> None:
+def test_calibrated_rounding_on_the_second_gpu(monkeypatch: pytest.MonkeyPatch, graph_replays: list[int],
+                                              current: int) -> None:
     # The sweep replays CUDA graphs only on the current GPU (current 1 here); on another one it
     # runs eagerly. Either way the result equals the eager sweep on the same GPU.
     from kbit_linear import calibration
 
-    replays: list[int] = []
-    run = calibration._LazyBlockGraph.run
-
-    def counted(self, *args):
-        replays.append(1)
-        return run(self, *args)
-
-    monkeypatch.setattr(calibration._LazyBlockGraph, "run", counted)
     g = torch.Generator(device=SECOND).manual_seed(current)
     k = 3 * calibration.LAZY_BLOCK + 40
     w = torch.randn(300, k, device=SECOND, generator=g)
@@ -277,6 +270,6 @@ def test_calibrated_rounding_on_the_second_gpu(monkeypatch: pytest.MonkeyPatch, 
         eager = calibration.gptq_quantize_blocks(w, h, 4, scale_search=True)
         monkeypatch.setattr(calibration, "SWEEP_CUDA_GRAPHS", True)
         graphed = calibration.gptq_quantize_blocks(w, h, 4, scale_search=True)
-    assert len(replays) == (3 if current == 1 else 0)
+    assert len(graph_replays) == (3 if current == 1 else 0)
     for a, b in zip(eager, graphed):
         assert a.device == SECOND and torch.equal(a, b)

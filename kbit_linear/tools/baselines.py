@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import format as fmt
 from ..calibration import DEFAULT_DAMP, Calibration, calibrate_model, damped_inverse_cholesky
 from ..patch import SkipRule, convertible_layers
 
@@ -137,15 +138,12 @@ def fake_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, g
     dead = h.diagonal() <= 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    if not isinstance(act_order, bool):
-        raise TypeError(f"act_order must be a bool, got {type(act_order).__name__}")
+    fmt.check_bool("act_order", act_order)
     order = None
     if act_order:
-        groups = -(-k // group_size)
-        parts = F.pad(w, (0, groups * group_size - k), value=float("nan")).reshape(n, groups, group_size)
-        lo = torch.nan_to_num(parts, nan=float("inf")).amin(-1)  # the last group may be short: its padding ignored
-        hi = torch.nan_to_num(parts, nan=float("-inf")).amax(-1)
-        static_scale, static_zero = _uniform_grid(torch.stack((lo, hi), -1), bits)  # [n, groups, 1]
+        grids = [_uniform_grid(w[:, g0:g0 + group_size], bits) for g0 in range(0, k, group_size)]  # as RTN's
+        static_scale = torch.stack([scale for scale, _ in grids], 1)  # [n, groups, 1]
+        static_zero = torch.stack([zero for _, zero in grids], 1)
         order = torch.argsort(h.diagonal(), descending=True, stable=True)
         h, w = h[order][:, order], w[:, order]
     u = damped_inverse_cholesky(h, damp)
