@@ -8,7 +8,7 @@
 //      wgmma.m64n{BT}k16:   D[64 features x BT tokens] += A[64 features x 16 k] (registers)
 //                                                        * B[16 k x BT tokens] (shared memory)
 //
-// Block tile: 128 features (one storage n-tile) x BT tokens (BT = 64, 128 or 256), two warpgroups:
+// Block tile: 128 features (one storage n-tile) x BT tokens (BT = 16, 32, 64, 128 or 256), two warpgroups:
 //
 //                 BT tokens ->
 //           +------------------------------------+
@@ -38,7 +38,7 @@
 //                          first, release the previous stage (its wgmmas are retired by then):
 //                          every consumer thread arrives on empty[s'] after its own reads of it
 //
-// A stage holds KPS k-tiles (2 at BT = 64, else 1): at the small token tile a k-tile's MMAs are
+// A stage holds KPS k-tiles (2 at BT <= 64, else 1): at the small token tiles a k-tile's MMAs are
 // short, and the per-stage work (barrier wait and release, ring position, addresses) is paid once
 // per two k-tiles. A segment's last stage may hold fewer (both sides count the same).
 //
@@ -91,8 +91,8 @@ constexpr int kTileK = 64;     // in-features per k-tile = one storage k-tile (t
 
 template <int BITS, int BT>
 struct Shape {
-    static_assert(BT == 64 || BT == 128 || BT == 256, "token tile");
-    static constexpr int KPS = BT == 64 ? 2 : 1;                // k-tiles per stage
+    static_assert(BT == 16 || BT == 32 || BT == 64 || BT == 128 || BT == 256, "token tile");
+    static constexpr int KPS = BT <= 64 ? 2 : 1;                // k-tiles per stage
     static constexpr int STAGES = BT == 256 ? 5 : 6 / KPS;
     static constexpr int X_BYTES = BT * kTileK * 2;        // activation tile
     static constexpr int P_BYTES = kTileN * 2 * BITS * 4;  // one storage tile of plane words
@@ -106,7 +106,7 @@ struct Shape {
     static constexpr int SMEM_BYTES = FLAG_OFFSET + 16 + 1024;  // + the run-time alignment of the base
     static constexpr u32 SUB_TX = X_BYTES + P_BYTES + S_BYTES;  // bytes the copies of one k-tile bring
     static constexpr int NACC = BT / 2;                         // fp32 accumulators per thread
-    static constexpr int MIN_BLOCKS = BT == 64 ? 2 : 1;  // blocks per SM the registers are sized for
+    static constexpr int MIN_BLOCKS = BT <= 64 ? 2 : 1;  // blocks per SM the registers are sized for
     // Registers per thread at launch: the cap __launch_bounds__ sets (ptxas allocates exactly
     // it; the planner checks the driver's count, hopper.py).
     static constexpr int LAUNCH_REGS = 65536 / (MIN_BLOCKS * kThreads) / 8 * 8;
@@ -212,7 +212,7 @@ template <int BITS, int BT, int DT, int MODE>
 __device__ __forceinline__ void store_swiglu(float (&acc)[Shape<BITS, BT>::NACC], u16* __restrict__ out, float ts, int M, int N,
                                              int m0, int n) {
     static_assert(MODE == 1 || MODE == 2, "gate or up tile");
-    constexpr int CHUNK = 4;  // token groups of 8 per chunk: mode 2 loads a chunk's gate values, then stores it
+    constexpr int CHUNK = BT / 8 < 4 ? BT / 8 : 4;  // token groups of 8 per chunk: mode 2 loads a chunk's gate values, then stores it
     const int t = threadIdx.x & 3;
 #pragma unroll
     for (int j0 = 0; j0 < BT / 8; j0 += CHUNK) {
@@ -518,7 +518,7 @@ __device__ __forceinline__ void run_block(u8* smem, Walk& walk, const TensorMap*
 
 // Template parameters:
 //   BITS  index width, 2..5
-//   BT    tokens per block tile (wgmma's N): 64, 128 or 256
+//   BT    tokens per block tile (wgmma's N): 16, 32, 64, 128 or 256
 //   DT    activation/output type: KBIT_F16 or KBIT_BF16
 //   PAIRS packed holds pair codes (4 or 5 bits) instead of planes (docs/format.md, section 7a)
 // Arguments: x_map: tensor map of x [M, K] (16-bit elements, row stride K * 2 bytes, box 64 x BT,

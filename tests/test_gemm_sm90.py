@@ -3,7 +3,8 @@
 Runs on GPUs of compute capability 9.0 only (H100, H200); skipped elsewhere. (CUDA-graph capture
 of the wgmma paths is parametrized into ``test_kernels_cuda.py``'s graph test.) Same tolerances as
 ``test_kernels_cuda.py`` (fp32 reference of the dequantized weight; outputs NaN-poisoned first).
-M covers every token tile (64: M <= 64, 128: M <= 128, 256 above) with full and ragged last tiles.
+M covers every token tile the table picks (64: M <= 64, 128: M <= 128, 256 above) with full and ragged last
+tiles; ``test_every_token_tile_forced`` runs each of ``hopper.TOKEN_TILES``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import kbit_linear  # noqa: F401  (op schemas)
 from kbit_linear import format as fmt
 from kbit_linear import weight_layout
 from kbit_linear.backends import cuda as kcuda
-from kbit_linear.backends.cuda import hopper, loader, ops, plans
+from kbit_linear.backends.cuda import hopper, loader, ops, plans, tuning
 
 from test_kernels_cuda import DEV, DTYPES, REL_TOL, _check_gemm, _gemm, _reference, _rel_err, _weight
 
@@ -45,6 +46,22 @@ def _cases():
 @pytest.mark.parametrize("m,k,n,bits,dtype,kw", list(_cases()))
 def test_wgmma_gemm(m, k, n, bits, dtype, kw):
     _check_gemm(m, k, n, bits, dtype, **kw)
+
+
+@pytest.mark.parametrize("tile", hopper.TOKEN_TILES)
+@pytest.mark.parametrize("bits", BITS)
+def test_every_token_tile_forced(tile, bits, monkeypatch):
+    # Each tile over M below, at and past it (ragged last tiles), unsplit, split in the workspace
+    # and in clusters where the planner allows them; fp16 and bf16 alternate.
+    monkeypatch.setitem(tuning.WGMMA_TOKEN_TILES, "default", ((tile, 1 << 30),))
+    plans.clear()
+    try:
+        for i, m in enumerate(sorted({1, tile - 1, tile, tile + 1, 2 * tile + 3})):
+            k, n = ((1536, 576), (200, 300), (2048, 260))[i % 3]
+            kw = ({}, {"split_k": 1}, {"split_k": 2}, {"split_k": 4}, {"split_k": 3})[i % 5]
+            _check_gemm(m, k, n, bits, DTYPES[i % 2], path="wgmma", **kw)
+    finally:
+        plans.clear()
 
 
 def test_wgmma_stream_k_range_spans_partial_full_partial_tiles():
@@ -105,7 +122,7 @@ def test_dispatch_takes_wgmma_for_its_rows(m, k, n, bits):
     first, last = kcuda.tuning.wgmma_rows(loader.device_properties(torch.cuda.current_device()).name, n * k, bits)
     path = kcuda.gemm_path(m, n, k, bits, torch.float16)
     assert path.startswith("wgmma") == (first <= m <= last), path
-    if n * k < kcuda.tuning.DECODE_LARGE_WEIGHT:
+    if (k, n) != (8192, 16384):  # the large weight's product is checked in test_wgmma_llama_shape's sizes
         _check_gemm(m, k, n, bits, torch.float16)
 
 

@@ -113,8 +113,51 @@ def test_weights_from_4096_x_4096_take_the_wgmma_kernel_from_row_17():
     assert tuning.wgmma_rows(H100, 4096 * 1024, 4)[0] == 33  # the mma.sync kernel is as fast there
 
 
-def test_an_h200_gives_every_weight_the_wgmma_kernel_from_row_17():
-    # measured there with the cluster splits (tuning.WGMMA_EARLY_FIRST_ROW's comment)
+def test_an_h200_gives_every_weight_the_wgmma_kernel_after_the_decode_kernels_rows():
+    # measured there with the cluster splits and the small token tiles (tuning.WGMMA_EARLY_FIRST_ROW's
+    # and tuning.DECODE_MAX_M's comments): the wgmma kernel from M = 9, where the decode kernel stops
     for n, k in [(1024, 4096), (512, 2048), (4096, 1024), (28672, 8192)]:
         for bits in (2, 3, 4, 5):
-            assert tuning.wgmma_rows(H200, n * k, bits)[0] == 17
+            assert tuning.wgmma_rows(H200, n * k, bits)[0] == 9
+    # the decode kernel keeps M <= 16 of small weights and M <= 8 of large ones
+    assert tuning.decode_max_m(H200, 4096 * 4096) == 16
+    assert tuning.decode_max_m(H200, 4096 * 1024) == 16
+    assert tuning.decode_max_m(H200, 4096 * 14336) == 8
+    assert tuning.decode_max_m(H200, 8192 * 28672) == 8
+    assert tuning.decode_max_m(H100, 4096 * 14336) == 16  # the H100's large weights start at 128 Mi elements
+    assert tuning.decode_max_m(H100, 8192 * 28672) == 8
+
+
+@pytest.mark.parametrize(
+    "m,k,n,expected_tile",
+    [
+        # the fastest tile of the H200 sweep behind tuning.WGMMA_TOKEN_TILES (K = 4)
+        (16, 4096, 14336, 16),
+        (16, 8192, 28672, 16),
+        (12, 14336, 4096, 16),
+        (32, 4096, 4096, 32),
+        (32, 4096, 14336, 32),
+        (32, 14336, 4096, 32),
+        (32, 8192, 28672, 32),
+        (24, 8192, 28672, 32),
+        (32, 4096, 1024, 64),  # 8 n-tiles: tile 64 in clusters of eight is faster there
+        (64, 8192, 28672, 64),
+    ],
+)
+def test_h200_small_m_takes_the_small_token_tiles(m, k, n, expected_tile):
+    assert ops._wgmma_choice(m, n // 128, k // 64, 4, H100_SMS, H200)[0] == expected_tile
+
+
+def test_the_h100_keeps_its_measured_token_tiles():
+    # tiles 16 and 32 are listed for the H200 only (not measured on an H100)
+    for m in (17, 24, 32, 64):
+        assert ops._wgmma_choice(m, 224, 128, 4, H100_SMS, H100)[0] == 64
+
+
+def test_every_token_tile_has_its_time_model_rows():
+    for tile in hopper.TOKEN_TILES:
+        for bits in (2, 3, 4, 5):
+            assert tile in tuning.WGMMA_KTILE_US[bits]
+        assert tile in tuning.WGMMA_STREAM_K and tile in tuning.WGMMA_FIXUP_US and tile in tuning.WGMMA_CLUSTER_FIXUP_US
+        # a cluster of P blocks splits the tile's token groups of 8 (reduce_in_cluster)
+        assert all((tile // 8) % p == 0 for p in tuning.WGMMA_CLUSTER_FIXUP_US[tile])

@@ -40,7 +40,7 @@ THREADS = 384
 ARCH_OPTIONS = ("-arch=sm_90a",)
 """NVRTC options of every instance (CuPy's own ``-arch=sm_90`` comes after and does not override it)."""
 
-TOKEN_TILES = (64, 128, 256)
+TOKEN_TILES = (16, 32, 64, 128, 256)
 """The token tiles (wgmma's N, the BT template argument) the kernel is instantiated for."""
 
 _DT = {torch.float16: 0, torch.bfloat16: 1}
@@ -75,7 +75,7 @@ def token_tile(m: int, device_name: str) -> int:
 
 
 def _tiles_per_stage(token_tile: int) -> int:
-    return 2 if token_tile == 64 else 1
+    return 2 if token_tile <= 64 else 1
 
 
 def _stages(token_tile: int) -> int:
@@ -98,7 +98,7 @@ def accumulators(token_tile: int) -> int:
 
 def min_blocks_per_sm(token_tile: int) -> int:
     """Blocks per SM the kernel's register budget is sized for (``Shape::MIN_BLOCKS``)."""
-    return 2 if token_tile == 64 else 1
+    return 2 if token_tile <= 64 else 1
 
 
 def launch_registers(token_tile: int) -> int:

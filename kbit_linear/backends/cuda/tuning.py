@@ -16,7 +16,6 @@ from dataclasses import dataclass
 __all__ = [
     "DEQUANT_CUBLAS_MIN_M",
     "DECODE_MAX_M",
-    "DECODE_LARGE_WEIGHT",
     "FUSED_ROW_BLOCKS",
     "WGMMA_ROWS",
     "WGMMA_LAST_ROW_BY_BITS",
@@ -68,17 +67,22 @@ DEQUANT_CUBLAS_MIN_M: dict[str, dict[int, int]] = {
 }
 
 # Largest M handed to the decode kernel where it supports the problem, per GPU, and the smaller
-# limit for weights of at least DECODE_LARGE_WEIGHT elements; GPUs not listed take it wherever
+# limit for weights of at least the row's large-weight size in elements; GPUs not listed take it wherever
 # decode_supported says so. H100, fp16, decode vs fused(-splitk) us, one run
 # (`python3 scripts/kernel_bench.py --dispatch`, bench/results/decode.md): decode is faster or
 # equal at M = 4..16 on 4096->4096, 4096->14336 and 14336->4096 for bits 2..5 (e.g. bits 4
 # M = 16: 11.9 vs 18.4, 24.7 vs 28.1, 23.7 vs 29.7), while on 8192->28672 the fused kernel wins
-# from M = 12 (bits 4 M = 16: 87.4 vs 78.9). The H200 needs no row: there the decode kernel is
+# from M = 12 (bits 4 M = 16: 87.4 vs 78.9). The H200 needed no row at first: there the decode kernel was
 # the fastest or within 2 % of the fused and wgmma kernels at M = 8..16 on 8192->28672,
 # 28672->8192 and 4096->14336 for bits 2, 4, 5 (`scripts/bench_wgmma.py --m 8 12 16`,
 # 2026-11-24; bits 4 M = 16 on 8192->28672: 80.1 vs 80.7 fused, 81.9 wgmma; gemm-sm90-h100.md).
-DECODE_MAX_M: dict[str, tuple[int, int]] = {"H100": (16, 8)}
-DECODE_LARGE_WEIGHT = 128 * 2**20
+# That changed with the wgmma kernel's token tile of 16 (WGMMA_TOKEN_TILES): H200, K = 4 fp16,
+# us, decode vs the wgmma kernel's best plan at tile 16 (2026-11-29, `bench_wgmma.py --plans
+# --m 8 16 32 64`, bench/results/gemm-sm90-small-tiles-h200.json): M = 16 8192->28672 81.0 vs
+# 56.7, 4096->14336 24.5 vs 19.2, 14336->4096 22.3 vs 20.8, but 4096->4096 10.9 vs 11.2 and
+# 4096->1024 8.8 vs 9.7; M = 8 8192->28672 56.7 vs 56.5, 14336->4096 18.6 vs 20.8 (decode keeps
+# M <= 8). Per GPU: (limit, limit for large weights, smallest large weight in elements N * K).
+DECODE_MAX_M: dict[str, tuple[int, int, int]] = {"H100": (16, 8, 128 * 2**20), "H200": (16, 8, 32 * 2**20)}
 
 
 def dequant_cublas_min_m(device_name: str, bits: int) -> int:
@@ -91,9 +95,9 @@ def dequant_cublas_min_m(device_name: str, bits: int) -> int:
 
 def decode_max_m(device_name: str, weight_elements: int) -> int:
     """Largest M the dispatcher hands the decode kernel on a GPU named ``device_name``."""
-    for key, (limit, large_limit) in DECODE_MAX_M.items():
+    for key, (limit, large_limit, large_weight) in DECODE_MAX_M.items():
         if key in device_name:
-            return large_limit if weight_elements >= DECODE_LARGE_WEIGHT else limit
+            return large_limit if weight_elements >= large_weight else limit
     return 1 << 30
 
 
@@ -164,7 +168,9 @@ WGMMA_LAST_ROW_PLANES: dict[str, dict[int, int]] = {"default": {4: 1024, 5: 512}
 # 7.1-7.9 vs 8.7-9.6, 2048->2048 8.4-9.3 vs 9.0-9.6, 2048->4096 10.5-11.5 vs 10.9-12.3; only
 # 1024->4096 ties (7.9-8.8 vs 7.9-8.5, K = 3 and 5 0.3-0.4 us slower). The H100 row above was
 # measured before those cluster plans reached small weights; it awaits the same sweep there.
-WGMMA_EARLY_FIRST_ROW: dict[str, tuple[int, int]] = {"NVIDIA H200": (17, 0), "default": (17, 16 * 2**20)}
+# The H200 row starts at M = 9: with the token tile of 16 the wgmma kernel takes M = 9..16 of
+# the weights DECODE_MAX_M does not keep on the decode kernel (its comment has the figures).
+WGMMA_EARLY_FIRST_ROW: dict[str, tuple[int, int]] = {"NVIDIA H200": (9, 0), "default": (17, 16 * 2**20)}
 
 # Smallest share of the last wave that a grid of whole tiles (no split of K) must fill for the
 # wgmma kernel to run unsplit: tiles / (slots * waves) with waves = ceil(tiles / slots). Below it,
@@ -196,22 +202,30 @@ WGMMA_UNSPLIT_MIN_WAVE_FILL = 0.9
 # tile 64 s = 4 13.5 (13.5; stream-K 16.3); M = 256 tile 128 s = 2 in a cluster 20.2 (19.5; tile
 # 256 s = 4 27.9); 14336->4096 M = 128 tile 128 s = 4 34.8 (34.8; 59.9); 4096->14336 M = 64
 # tile 64 s = 2, 224 blocks, 23.6 (23.6; 28.7).
+# Tiles 16 and 32 (H200 only, WGMMA_TOKEN_TILES) take tile 64's time times 0.79 and 0.84, the
+# ratios of the k-tile times fitted to every forced plan of the H200 sweep of 2026-11-29 (K = 4,
+# M = 8..64, five Llama shapes; DECODE_MAX_M's comment): 0.315 / 0.335 / 0.40 us for 16 / 32 / 64
+# there. With them the model picks the measured fastest tile in 18 of the 20 cases of that sweep
+# (not 4096->1024 at M = 8 and 16, which the decode kernel takes).
 WGMMA_KTILE_US: dict[int, dict[int, float]] = {
-    2: {64: 0.337, 128: 0.445, 256: 0.59},
-    3: {64: 0.34, 128: 0.45, 256: 0.60},  # not measured: between K = 2 and 4
-    4: {64: 0.335, 128: 0.43, 256: 0.60},
-    5: {64: 0.53, 128: 0.64, 256: 0.774},
+    2: {16: 0.266, 32: 0.283, 64: 0.337, 128: 0.445, 256: 0.59},
+    3: {16: 0.269, 32: 0.286, 64: 0.34, 128: 0.45, 256: 0.60},  # not measured: between K = 2 and 4
+    4: {16: 0.265, 32: 0.281, 64: 0.335, 128: 0.43, 256: 0.60},
+    5: {16: 0.419, 32: 0.445, 64: 0.53, 128: 0.64, 256: 0.774},
 }
 WGMMA_TWO_PER_SM = 1.75
-WGMMA_STREAM_K: dict[int, float] = {64: 1.6, 128: 1.1, 256: 1.1}  # 64: two blocks per SM
-# token tile -> (base, per_split) of the workspace fix-up, us
-WGMMA_FIXUP_US: dict[int, tuple[float, float]] = {64: (0.87, 1.07), 128: (1.2, 1.64), 256: (0.0, 4.05)}
+WGMMA_STREAM_K: dict[int, float] = {16: 1.6, 32: 1.6, 64: 1.6, 128: 1.1, 256: 1.1}  # <= 64: two blocks per SM
+# token tile -> (base, per_split) of the workspace fix-up, us (16 and 32: tile 64's, not fitted apart)
+WGMMA_FIXUP_US: dict[int, tuple[float, float]] = {16: (0.87, 1.07), 32: (0.87, 1.07), 64: (0.87, 1.07), 128: (1.2, 1.64),
+                                                  256: (0.0, 4.05)}
 # token tile -> {P: fix-up of a tile summed in a cluster of P blocks}, us. P = 2 from the sweep
 # above; P = 4 and 8 from small layers (`bench_wgmma.py --plans --shape 4096 1024 --shape 2048
 # 2048 --shape 4096 4096 --shape 1024 4096 --m 64 128 256 512`, 2026-11-24, H100,
 # bench/results/gemm-sm90-plans-small-h100.json): e.g. 4096->1024 M = 64 tile 64, clusters of
 # eight 9.6 us against four pieces through the workspace 13.1.
 WGMMA_CLUSTER_FIXUP_US: dict[int, dict[int, float]] = {
+    16: {2: 1.93},  # 16 and 32: tile 64's; P must divide the tile's token groups of 8
+    32: {2: 1.93, 4: 3.0},
     64: {2: 1.93, 4: 3.0, 8: 3.9},
     128: {2: 3.2, 4: 4.7, 8: 7.5},
     256: {2: 6.0, 4: 9.2, 8: 15.8},
@@ -240,7 +254,17 @@ WGMMA_LARGE_CLUSTER_GRID_SHARE = 0.5
 # on the large shapes (M = 256: 206.6 vs 278.6 with 128; 4096->4096 and at M = 384 4096->14336
 # prefer 128, by 3-20 us). The dense planner weighs this tile and its neighbours (half and
 # double) with the time model above; the grouped kernel takes it as it is.
-WGMMA_TOKEN_TILES: dict[str, tuple[tuple[int, int], ...]] = {"default": ((64, 64), (128, 128))}
+# H200 (2026-11-29, `bench_wgmma.py --plans --shape 4096 4096 --shape 4096 1024 --shape 4096 14336
+# --shape 14336 4096 --shape 8192 28672 --m 8 16 32 64 --bits 4`, best plan of each tile, us):
+# tile 32 at M = 32 8192->28672 62.3 vs 70.3 with 64, 4096->14336 20.8 vs 25.0, 14336->4096 22.6
+# vs 25.9, 4096->4096 11.9 vs 13.5 (4096->1024 9.7 vs 9.2: the model keeps 64 there); tile 16 at
+# M = 16 56.7 vs 60.4 with 32 on 8192->28672, 19.2 vs 20.5 on 4096->14336. Half the MMA work and
+# half the accumulators of the next tile; the decode of the weights is the same. The H100 keeps
+# the default until the same sweep runs there.
+WGMMA_TOKEN_TILES: dict[str, tuple[tuple[int, int], ...]] = {
+    "NVIDIA H200": ((16, 16), (32, 32), (64, 64), (128, 128)),
+    "default": ((64, 64), (128, 128)),
+}
 
 
 def wgmma_rows(device_name: str, weight_elements: int = 0, bits: int = 4, pairs: bool = True) -> tuple[int, int]:
