@@ -53,12 +53,14 @@ def test_wgmma_gemm(m, k, n, bits, dtype, kw):
 def test_every_token_tile_forced(tile, bits, monkeypatch):
     # Each tile over M below, at and past it (ragged last tiles), unsplit, split in the workspace
     # and in clusters where the planner allows them; fp16 and bf16 alternate.
-    monkeypatch.setitem(tuning.WGMMA_TOKEN_TILES, "default", ((tile, 1 << 30),))
+    monkeypatch.setattr(tuning, "WGMMA_TOKEN_TILES", {"default": ((tile, 1 << 30),)})  # every GPU's row
     plans.clear()
     try:
         for i, m in enumerate(sorted({1, tile - 1, tile, tile + 1, 2 * tile + 3})):
             k, n = ((1536, 576), (200, 300), (2048, 260))[i % 3]
             kw = ({}, {"split_k": 1}, {"split_k": 2}, {"split_k": 4}, {"split_k": 3})[i % 5]
+            plan = ops._plan(m, n, k, bits, DTYPES[i % 2], torch.cuda.current_device(), "wgmma", kw.get("split_k"))
+            assert plan.token_tile == tile
             _check_gemm(m, k, n, bits, DTYPES[i % 2], path="wgmma", **kw)
     finally:
         plans.clear()
@@ -122,7 +124,7 @@ def test_dispatch_takes_wgmma_for_its_rows(m, k, n, bits):
     first, last = kcuda.tuning.wgmma_rows(loader.device_properties(torch.cuda.current_device()).name, n * k, bits)
     path = kcuda.gemm_path(m, n, k, bits, torch.float16)
     assert path.startswith("wgmma") == (first <= m <= last), path
-    if (k, n) != (8192, 16384):  # the large weight's product is checked in test_wgmma_llama_shape's sizes
+    if n * k < kcuda.tuning.DECODE_LARGE_WEIGHT:
         _check_gemm(m, k, n, bits, torch.float16)
 
 

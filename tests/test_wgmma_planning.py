@@ -119,13 +119,11 @@ def test_an_h200_gives_every_weight_the_wgmma_kernel_after_the_decode_kernels_ro
     for n, k in [(1024, 4096), (512, 2048), (4096, 1024), (28672, 8192)]:
         for bits in (2, 3, 4, 5):
             assert tuning.wgmma_rows(H200, n * k, bits)[0] == 9
-    # the decode kernel keeps M <= 16 of small weights and M <= 8 of large ones
-    assert tuning.decode_max_m(H200, 4096 * 4096) == 16
-    assert tuning.decode_max_m(H200, 4096 * 1024) == 16
-    assert tuning.decode_max_m(H200, 4096 * 14336) == 8
-    assert tuning.decode_max_m(H200, 8192 * 28672) == 8
-    assert tuning.decode_max_m(H100, 4096 * 14336) == 16  # the H100's large weights start at 128 Mi elements
-    assert tuning.decode_max_m(H100, 8192 * 28672) == 8
+    # the decode kernel keeps M <= 16, and M <= 8 of weights of 128 Mi elements or more
+    for gpu in (H100, H200):
+        assert tuning.decode_max_m(gpu, 4096 * 4096) == 16
+        assert tuning.decode_max_m(gpu, 4096 * 14336) == 16
+        assert tuning.decode_max_m(gpu, 8192 * 28672) == 8
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ is loaded, and each kernel instance compiled, on the first call that needs it
 GEMM paths (:func:`gemm_path` names the one a problem takes):
 
 * ``"decode"``: the small-M kernel of :mod:`.decode`, when it supports the problem and M is at most :data:`.tuning.DECODE_MAX_M` for the GPU (a smaller
-  limit for large weights, the size per GPU in the same table);
+  limit for weights of :data:`.tuning.DECODE_LARGE_WEIGHT` elements or more);
 * ``"wgmma"`` / ``"wgmma-splitk"``: ``kernels/gemm_sm90.cu`` (:mod:`.hopper`), GPUs of compute
   capability 9.0 only (H100, H200): the weights dequantized into registers as the A operand of
   Hopper's warpgroup MMA; for the rows :data:`.tuning.WGMMA_ROWS` names;

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 __all__ = [
     "DEQUANT_CUBLAS_MIN_M",
     "DECODE_MAX_M",
+    "DECODE_LARGE_WEIGHT",
     "FUSED_ROW_BLOCKS",
     "WGMMA_ROWS",
     "WGMMA_LAST_ROW_BY_BITS",
@@ -67,7 +68,7 @@ DEQUANT_CUBLAS_MIN_M: dict[str, dict[int, int]] = {
 }
 
 # Largest M handed to the decode kernel where it supports the problem, per GPU, and the smaller
-# limit for weights of at least the row's large-weight size in elements; GPUs not listed take it wherever
+# limit for weights of at least DECODE_LARGE_WEIGHT elements; GPUs not listed take it wherever
 # decode_supported says so. H100, fp16, decode vs fused(-splitk) us, one run
 # (`python3 scripts/kernel_bench.py --dispatch`, bench/results/decode.md): decode is faster or
 # equal at M = 4..16 on 4096->4096, 4096->14336 and 14336->4096 for bits 2..5 (e.g. bits 4
@@ -76,13 +77,17 @@ DEQUANT_CUBLAS_MIN_M: dict[str, dict[int, int]] = {
 # the fastest or within 2 % of the fused and wgmma kernels at M = 8..16 on 8192->28672,
 # 28672->8192 and 4096->14336 for bits 2, 4, 5 (`scripts/bench_wgmma.py --m 8 12 16`,
 # 2026-11-24; bits 4 M = 16 on 8192->28672: 80.1 vs 80.7 fused, 81.9 wgmma; gemm-sm90-h100.md).
-# That changed with the wgmma kernel's token tile of 16 (WGMMA_TOKEN_TILES): H200, K = 4 fp16,
-# us, decode vs the wgmma kernel's best plan at tile 16 (2026-11-29, `bench_wgmma.py --plans
-# --m 8 16 32 64`, bench/results/gemm-sm90-small-tiles-h200.json): M = 16 8192->28672 81.0 vs
-# 56.7, 4096->14336 24.5 vs 19.2, 14336->4096 22.3 vs 20.8, but 4096->4096 10.9 vs 11.2 and
-# 4096->1024 8.8 vs 9.7; M = 8 8192->28672 56.7 vs 56.5, 14336->4096 18.6 vs 20.8 (decode keeps
-# M <= 8). Per GPU: (limit, limit for large weights, smallest large weight in elements N * K).
-DECODE_MAX_M: dict[str, tuple[int, int, int]] = {"H100": (16, 8, 128 * 2**20), "H200": (16, 8, 32 * 2**20)}
+# That changed with the wgmma kernel's token tile of 16 (WGMMA_TOKEN_TILES): H200, us, decode vs
+# the wgmma kernel at tile 16 (2026-11-29, `bench_wgmma.py --plans --m 8 16 32 64 --bits 4` and
+# `bench_wgmma.py --shape 4096 14336 --shape 14336 4096 --shape 8192 28672 --m 12 16 24 32 --bits
+# 2 5`, bench/results/gemm-sm90-small-tiles-h200.md): 8192->28672 at M = 12 / 16: K = 2 65.4 /
+# 72.0 vs 60.0 / 59.9, K = 4 (M = 16) 81.0 vs 56.7, K = 5 98.4 / 104.0 vs 74.1 / 74.1; at M = 8
+# a tie (K = 4 56.7 vs 56.5). The 56 Mi-element shapes split by orientation and width:
+# 4096->14336 gains at K = 4 and 5 (M = 16: 24.5 vs 19.2, 32.3 vs 24.5) and ties at K = 2, but
+# 14336->4096 loses at K = 2 (M = 12: 18.4 vs 22.6) and ties at K = 4, so they stay on the decode
+# kernel; 4096->4096 and smaller lose (10.9 vs 11.2 at K = 4, M = 16).
+DECODE_MAX_M: dict[str, tuple[int, int]] = {"H100": (16, 8), "H200": (16, 8)}
+DECODE_LARGE_WEIGHT = 128 * 2**20
 
 
 def dequant_cublas_min_m(device_name: str, bits: int) -> int:
@@ -95,9 +100,9 @@ def dequant_cublas_min_m(device_name: str, bits: int) -> int:
 
 def decode_max_m(device_name: str, weight_elements: int) -> int:
     """Largest M the dispatcher hands the decode kernel on a GPU named ``device_name``."""
-    for key, (limit, large_limit, large_weight) in DECODE_MAX_M.items():
+    for key, (limit, large_limit) in DECODE_MAX_M.items():
         if key in device_name:
-            return large_limit if weight_elements >= large_weight else limit
+            return large_limit if weight_elements >= DECODE_LARGE_WEIGHT else limit
     return 1 << 30
 
 
