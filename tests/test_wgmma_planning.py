@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kbit_linear.backends.cuda import hopper, ops, tuning
+from kbit_linear.backends.cuda import grouped, hopper, ops, tuning
 
 H100_SMS = 132
 
@@ -159,3 +159,13 @@ def test_every_token_tile_has_its_time_model_rows():
         assert tile in tuning.WGMMA_STREAM_K and tile in tuning.WGMMA_FIXUP_US and tile in tuning.WGMMA_CLUSTER_FIXUP_US
         # a cluster of P blocks splits the tile's token groups of 8 (reduce_in_cluster)
         assert all((tile // 8) % p == 0 for p in tuning.WGMMA_CLUSTER_FIXUP_US[tile])
+
+
+def test_the_grouped_kernel_takes_small_tiles_only_for_few_rows_per_group():
+    # tuning.WGMMA_GROUPED_SMALL_TILE_MAX_MEAN's measurements: small tiles up to 8 rows per group
+    assert grouped.token_tile_for(32 * 8, 128, H200) == 16  # Qwen3 shape, 32 tokens: 2 rows per expert
+    assert grouped.token_tile_for(128 * 8, 128, H200) == 16  # 8 rows per expert
+    assert grouped.token_tile_for(256 * 8, 128, H200) == 64  # 16: the groups above 16 would take two tiles
+    assert grouped.token_tile_for(512 * 8, 128, H200) == 64
+    assert grouped.token_tile_for(2048 * 8, 128, H200) == 128
+    assert grouped.token_tile_for(128 * 8, 128, H100) == 64  # the H100's table has no small tiles

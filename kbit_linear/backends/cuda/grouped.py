@@ -4,7 +4,8 @@
 ``kbit_linear::grouped_gemm`` takes it on GPUs of compute capability 9.0 for groups of more than
 :data:`~kbit_linear._grouped_ops.DECODE_GROUP_ROWS` rows (prefill, large batches): one persistent
 launch over every (group, n-tile, m-tile) of the groups the device holds, so no host sync. The
-token tile follows the mean rows per group (the dense kernel's tile choice, :func:`.hopper.token_tile`);
+token tile follows the mean rows per group (the dense kernel's tile choice, :func:`.hopper.token_tile`;
+tiles below 64 only up to :data:`.tuning.WGMMA_GROUPED_SMALL_TILE_MAX_MEAN` rows);
 the grid is every block the GPU holds at once, or fewer when the items are fewer.
 """
 
@@ -16,9 +17,9 @@ from typing import Any
 import torch
 
 from ... import format as fmt
-from . import hopper, loader, plans
+from . import hopper, loader, plans, tuning
 
-__all__ = ["instance_name", "instances", "GroupedPlan", "grouped_plan", "swiglu_fusable", "launch"]
+__all__ = ["instance_name", "instances", "GroupedPlan", "token_tile_for", "grouped_plan", "swiglu_fusable", "launch"]
 
 _KERNEL = "kbit_gemm_sm90_grouped"
 _ARGS = loader.ArgPack(
@@ -49,6 +50,16 @@ class GroupedPlan:
     programmatic: bool
 
 
+def token_tile_for(rows: int, groups: int, device_name: str) -> int:
+    """The token tile of ``rows`` rows in ``groups`` groups on a GPU named ``device_name``: the
+    dense table's tile for the mean rows per group (:func:`.hopper.token_tile`), but at least 64
+    above :data:`.tuning.WGMMA_GROUPED_SMALL_TILE_MAX_MEAN` rows, where the groups larger than a
+    small tile would each take a second m-tile."""
+    mean = -(-rows // max(1, groups))
+    tile = hopper.token_tile(mean, device_name)
+    return 64 if tile < 64 and mean > tuning.WGMMA_GROUPED_SMALL_TILE_MAX_MEAN else tile
+
+
 def grouped_plan(rows: int, groups: int, bits: int, dtype: torch.dtype, n_tiles: int, device_index: int,
                  token_tile: int | None = None, grid: int | None = None, pairs: bool = False) -> GroupedPlan:
     """The cached plan of ``rows`` rows of x in at most ``groups`` groups of a weight with
@@ -71,7 +82,7 @@ def _make_plan(rows: int, groups: int, bits: int, dtype: torch.dtype, n_tiles: i
     if not hopper.supported(device_index):
         raise ValueError(f"the grouped wgmma kernel needs a GPU of compute capability 9.0, cuda:{device_index} is {props.arch}")
     if token_tile is None:
-        token_tile = hopper.token_tile(-(-rows // max(1, groups)), props.name)
+        token_tile = token_tile_for(rows, groups, props.name)
     elif token_tile not in hopper.TOKEN_TILES:
         raise ValueError(f"token_tile must be one of {hopper.TOKEN_TILES}, got {token_tile!r}")
     kernel = loader.get_kernel("gemm_sm90.cu", instance_name(bits, token_tile, dtype, pairs), torch.device("cuda", device_index),

@@ -31,6 +31,7 @@ __all__ = [
     "WGMMA_LARGE_CLUSTER_GRID_SHARE",
     "WGMMA_EARLY_FIRST_ROW",
     "WGMMA_TOKEN_TILES",
+    "WGMMA_GROUPED_SMALL_TILE_MAX_MEAN",
     "FUSED_MIN_SPLIT_ITERS",
     "GGUF_GEMV_MAX_M",
     "GGUF_GEMV_LAUNCH",
@@ -270,6 +271,15 @@ WGMMA_TOKEN_TILES: dict[str, tuple[tuple[int, int], ...]] = {
     "NVIDIA H200": ((16, 16), (32, 32), (64, 64), (128, 128)),
     "default": ((64, 64), (128, 128)),
 }
+
+# The grouped kernel (mixture-of-experts layers) picks its tile from the mean rows per group, and
+# groups scatter around the mean: a tile below 64 pays a second m-tile, i.e. a second decode of the
+# expert's weight tile, for every group above it. So it takes the small tiles only up to this mean.
+# H200, KbitExperts graph replay, K = 4, us, tiles by the mean vs tile 64 (2026-11-29, random
+# top-k routing, bench/results/gemm-sm90-small-tiles-h200.md): Qwen3-30B-A3B shape, mean 2 / 4 /
+# 8 rows (32 / 64 / 128 tokens): 207 / 215 / 222 vs 251 / 263 / 270; Mixtral-8x7B mean 8: 399 vs
+# 510; but mean 16: Qwen3 292 vs 281, Mixtral 588 vs 504; mean 32 (tile 32): 337 vs 301, 639 vs 513.
+WGMMA_GROUPED_SMALL_TILE_MAX_MEAN = 8
 
 
 def wgmma_rows(device_name: str, weight_elements: int = 0, bits: int = 4, pairs: bool = True) -> tuple[int, int]:
