@@ -93,9 +93,7 @@ def default_codebook(hadamard: bool) -> str | None:
     was worse than the fit alone, 2.06), though at K = 4 the fit still helped SmolLM2 (0.273
     against 0.318).
     """
-    if not isinstance(hadamard, bool):
-        raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
-    return None if hadamard else DEFAULT
+    return None if fmt.check_bool("hadamard", hadamard) else DEFAULT
 
 
 def resolve_default(codebook: object, hadamard: bool, calibrated: bool = False) -> object:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from . import _gguf_ops  # noqa: F401  (registers the gguf_gemm / gguf_dequantize ops)
+from . import format as fmt
 from . import gguf_format as gf
 
 __all__ = ["GGUFEmbedding", "GGUFLinear", "SCALED_EMBEDDINGS", "embedding_scale", "forget_tied_weights"]
@@ -221,8 +222,7 @@ class GGUFLinear(_GGUFArrays):
         self.out_features = _check_dim("out_features", out_features)
         self.qtype = gf.block_type(qtype).name
         self.activation_bits = activation_bits
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
+        fmt.check_bool("bias", bias)
         if dtype is not None:
             _check_float_dtype("dtype", dtype)
         _register_arrays(self, _zero_weight(self.qtype, out_features, in_features, device))

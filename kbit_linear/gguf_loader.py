@@ -184,9 +184,8 @@ def _check_args(path: Any, dtype: Any, device: Any, requantize_bits: Any, scale_
         device = torch.device(device)
     if requantize_bits is not None:
         fmt.check_bits(requantize_bits)
-    for name, value in (("scale_search", scale_search), ("progress", progress)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    fmt.check_bool("scale_search", scale_search)
+    fmt.check_bool("progress", progress)
     return path, dtype, device
 
 

@@ -140,8 +140,7 @@ class KbitLinear(nn.Module):
         # tiled_shapes checks bits
         packed_shape, absmax_shape = fmt.tiled_shapes(out_features, in_features, bits)
         self.bits = bits
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
+        fmt.check_bool("bias", bias)
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         self.weight = nn.Parameter(torch.zeros(packed_shape, dtype=torch.int32, device=device), requires_grad=False)
@@ -152,8 +151,7 @@ class KbitLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
-        if not isinstance(hadamard, bool):
-            raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
+        fmt.check_bool("hadamard", hadamard)
         self.register_buffer("hadamard_signs", torch.ones(in_features, dtype=torch.int8, device=device) if hadamard else None)
 
     # -----------------------------------------------------------------------------------
@@ -204,8 +202,7 @@ class KbitLinear(nn.Module):
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        if not isinstance(hadamard, bool):
-            raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
+        fmt.check_bool("hadamard", hadamard)
         hadamard_search = check_hadamard_search(hadamard_search)
         signs = None
         if hadamard:

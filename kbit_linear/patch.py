@@ -481,8 +481,7 @@ def quantize_model(
     if isinstance(model, nn.Linear):
         raise TypeError("model is a bare nn.Linear, which cannot be replaced in place; use KbitLinear.from_linear(model, bits)")
     fmt.check_bits(bits)
-    if not isinstance(hadamard, bool):
-        raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
+    fmt.check_bool("hadamard", hadamard)
     codebook = codebooks.resolve_default(codebook, hadamard, calibrated=calibration is not None)
     hadamard_search = check_hadamard_search(hadamard_search)
     rules = check_skip_rules(skip)

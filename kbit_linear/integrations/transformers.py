@@ -185,12 +185,8 @@ class KbitConfig(QuantizationConfigMixin):
         self.quant_method = QUANT_METHOD
         self.bits = fmt.check_bits(bits)
         self.skip_modules = _check_skip_modules(skip_modules)
-        if not isinstance(scale_search, bool):
-            raise TypeError(f"scale_search must be a bool, got {type(scale_search).__name__}")
-        self.scale_search = scale_search
-        if not isinstance(hadamard, bool):
-            raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
-        self.hadamard = hadamard
+        self.scale_search = fmt.check_bool("scale_search", scale_search)
+        self.hadamard = fmt.check_bool("hadamard", hadamard)
         # stored resolved: config.json names what was used
         self.codebook = _check_codebook(resolve_default(codebook, hadamard), bits)
         if format_version is None:
