@@ -62,7 +62,8 @@ def main() -> None:
                 row = {"shape": shape, "tokens": tokens, "mean_rows_per_expert": tokens * top_k / experts, "us": times}
                 rows.append(row)
                 print(f"{shape} T={tokens} (mean {row['mean_rows_per_expert']:.1f} rows per expert): "
-                      + ", ".join(f"{k} {' / '.join(f'{v:.1f}' for v in vs)} us" for k, vs in times.items()), flush=True)
+                      + ", ".join(f"{k} {' / '.join('n/a' if v is None else f'{v:.1f}' for v in vs)} us" for k, vs in times.items()),
+                      flush=True)
             del module
             torch.cuda.empty_cache()
     finally:

@@ -3,8 +3,9 @@
 Runs on GPUs of compute capability 9.0 only (H100, H200); skipped elsewhere. (CUDA-graph capture
 of the wgmma paths is parametrized into ``test_kernels_cuda.py``'s graph test.) Same tolerances as
 ``test_kernels_cuda.py`` (fp32 reference of the dequantized weight; outputs NaN-poisoned first).
-M covers every token tile the table picks (64: M <= 64, 128: M <= 128, 256 above) with full and ragged last
-tiles; ``test_every_token_tile_forced`` runs each of ``hopper.TOKEN_TILES``.
+M covers the token tiles the tables pick (64: M <= 64, 128: M <= 128, 256 above; on an H200 also 16 and
+32 up to M = 16 / 32) with full and ragged last tiles; ``test_every_token_tile_forced`` runs each of
+``hopper.TOKEN_TILES``.
 """
 
 from __future__ import annotations

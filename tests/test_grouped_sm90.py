@@ -143,6 +143,30 @@ def test_grouped_swiglu_matches_the_reference(bits, dtype, intermediate):
         row += c
 
 
+@pytest.mark.parametrize("tile", hopper.TOKEN_TILES)
+def test_fused_swiglu_at_every_token_tile(tile):
+    """The fused SwiGLU stores (gate tile, then up tile in place) with each token tile forced:
+    groups below, at and past the tile, an empty one and one expert twice."""
+    intermediate, k, bits = 256, 520, 4
+    counts, used = [tile - 3, 0, tile, 2 * tile + 5, 1], [1, 2, 3, 1, 0]
+    for dtype in DTYPES:
+        (x, packed, absmax, codebook, ts, groups), dense = _gate_up(counts, used, intermediate, k, bits, dtype)
+        out = torch.full((x.shape[0], intermediate), float("nan"), dtype=dtype, device=DEV)
+        plan = grouped.grouped_plan(x.shape[0], groups.shape[1], bits, dtype, packed.shape[2], torch.cuda.current_device(),
+                                    token_tile=tile)
+        assert grouped.swiglu_fusable(packed.shape[2], intermediate)
+        grouped.launch(plan, x, packed, absmax, codebook, ts, groups, out, swiglu=True)
+        torch.cuda.synchronize()
+        row = 0
+        for c, e in zip(counts, used):
+            if c:
+                gate, up = (x[row:row + c].float() @ dense[e].t()).chunk(2, dim=-1)
+                ref = torch.nn.functional.silu(gate) * up
+                err = float((out[row:row + c].float() - ref).norm() / ref.norm())
+                assert err < {torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype], (tile, e, err)
+            row += c
+
+
 def test_experts_forward_fuses_swiglu_on_the_gpu():
     """A Qwen3-MoE experts module with a fusable intermediate size (256) through the grouped
     path at prefill sizes against the CPU reference forward."""

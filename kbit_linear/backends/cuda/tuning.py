@@ -84,10 +84,11 @@ DEQUANT_CUBLAS_MIN_M: dict[str, dict[int, int]] = {
 # 2 5`, bench/results/gemm-sm90-small-tiles-h200.md): 8192->28672 at M = 12 / 16: K = 2 65.4 /
 # 72.0 vs 60.0 / 59.9, K = 4 (M = 16) 81.0 vs 56.7, K = 5 98.4 / 104.0 vs 74.1 / 74.1; at M = 8
 # a tie (K = 4 56.7 vs 56.5). The 56 Mi-element shapes split by orientation and width:
-# 4096->14336 gains at K = 4 and 5 (M = 16: 24.5 vs 19.2, 32.3 vs 24.5) and ties at K = 2, but
-# 14336->4096 loses at K = 2 (M = 12: 18.4 vs 22.6) and ties at K = 4, so they stay on the decode
-# kernel; 4096->4096 and smaller lose (10.9 vs 11.2 at K = 4, M = 16).
-DECODE_MAX_M: dict[str, tuple[int, int]] = {"H100": (16, 8), "H200": (16, 8)}
+# 4096->14336 gains at K = 4 and 5 (M = 16: 24.5 vs 19.2, 32.3 vs 24.5) and at K = 2 ties at
+# M = 12 (19.7 vs 19.8) and gains at M = 16 (21.7 vs 19.7), but 14336->4096 loses at K = 2 (M = 12:
+# 18.4 vs 22.6) and at K = 4 the planner's plan ties (M = 16: 22.3 vs 22.6), so they stay on the
+# decode kernel; 4096->4096 and smaller lose (10.9 vs 11.2 at K = 4, M = 16).
+DECODE_MAX_M: dict[str, tuple[int, int]] = {"H100": (16, 8), "NVIDIA H200": (16, 8)}
 DECODE_LARGE_WEIGHT = 128 * 2**20
 
 
@@ -277,8 +278,9 @@ WGMMA_TOKEN_TILES: dict[str, tuple[tuple[int, int], ...]] = {
 # expert's weight tile, for every group above it. So it takes the small tiles only up to this mean.
 # H200, KbitExperts graph replay, K = 4, us, tiles by the mean vs tile 64 (2026-11-29, random
 # top-k routing, bench/results/gemm-sm90-small-tiles-h200.md): Qwen3-30B-A3B shape, mean 2 / 4 /
-# 8 rows (32 / 64 / 128 tokens): 207 / 215 / 222 vs 251 / 263 / 270; Mixtral-8x7B mean 8: 399 vs
-# 510; but mean 16: Qwen3 292 vs 281, Mixtral 588 vs 504; mean 32 (tile 32): 337 vs 301, 639 vs 513.
+# 8 rows (32 / 64 / 128 tokens): 207 / 215 / 222 vs 251 / 262 / 270; Mixtral-8x7B mean 8: 399 vs
+# 510; but mean 16: Qwen3 292 vs 282, Mixtral 588 vs 504; mean 32 (tile 32): 337 vs 301, 639 vs 512
+# (first of two rounds each).
 WGMMA_GROUPED_SMALL_TILE_MAX_MEAN = 8
 
 
