@@ -121,6 +121,18 @@ def _gate_up(counts, experts_used, intermediate, k, bits, dtype):
     return (x, packed, absmax, codebook, ts, _groups(counts, experts_used)), dense
 
 
+def _check_swiglu(out, x, dense, counts, used):
+    """Each group's rows of ``out`` against silu(gate) * up of its expert's dense weight."""
+    row = 0
+    for c, e in zip(counts, used):
+        if c:
+            gate, up = (x[row:row + c].float() @ dense[e].t()).chunk(2, dim=-1)
+            ref = torch.nn.functional.silu(gate) * up
+            err = float((out[row:row + c].float() - ref).norm() / ref.norm())
+            assert err < {torch.float16: 5e-3, torch.bfloat16: 2e-2}[out.dtype], (e, err)
+        row += c
+
+
 @pytest.mark.parametrize("intermediate", [256, 200], ids=["fused", "unfused"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("bits", [2, 4, 5], ids=lambda b: f"k{b}")
@@ -133,14 +145,7 @@ def test_grouped_swiglu_matches_the_reference(bits, dtype, intermediate):
     x = args[0]
     out = torch.ops.kbit_linear.grouped_swiglu(*args, bits, intermediate, 300)
     assert out.shape == (x.shape[0], intermediate) and out.dtype == dtype
-    row = 0
-    for c, e in zip(counts, used):
-        if c:
-            gate, up = (x[row:row + c].float() @ dense[e].t()).chunk(2, dim=-1)
-            ref = torch.nn.functional.silu(gate) * up
-            err = float((out[row:row + c].float() - ref).norm() / ref.norm())
-            assert err < {torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype], (e, err)
-        row += c
+    _check_swiglu(out, x, dense, counts, used)
 
 
 @pytest.mark.parametrize("tile", hopper.TOKEN_TILES)
@@ -157,14 +162,7 @@ def test_fused_swiglu_at_every_token_tile(tile):
         assert grouped.swiglu_fusable(packed.shape[2], intermediate)
         grouped.launch(plan, x, packed, absmax, codebook, ts, groups, out, swiglu=True)
         torch.cuda.synchronize()
-        row = 0
-        for c, e in zip(counts, used):
-            if c:
-                gate, up = (x[row:row + c].float() @ dense[e].t()).chunk(2, dim=-1)
-                ref = torch.nn.functional.silu(gate) * up
-                err = float((out[row:row + c].float() - ref).norm() / ref.norm())
-                assert err < {torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype], (tile, e, err)
-            row += c
+        _check_swiglu(out, x, dense, counts, used)
 
 
 def test_experts_forward_fuses_swiglu_on_the_gpu():
