@@ -2,7 +2,8 @@
 
 Every GEMM path (decode with each schedule, the grouped decode kernel of mixture-of-experts
 layers, fused, fused-splitk, wgmma, wgmma-splitk, wgmma with K split over clusters of 2, 4 and 8
-blocks, and the grouped wgmma kernel (each token tile) on GPUs of compute capability 9.0,
+blocks, and the grouped wgmma kernel (each token tile, and its fused SwiGLU where a weight's
+halves end on an n-tile) on GPUs of compute capability 9.0,
 dequantize + cuBLAS), bits 2..5 (``--pairs``: the 4- and 5-bit weights as pair codes),
 fp16 and bf16, M from 1 to 300, small odd shapes and Llama-sized ones, a bias, and the quantize /
 repack / dequantize kernels that build each weight; with ``--bits`` including 4 (they have no
@@ -42,8 +43,9 @@ from kbit_linear.backends.cuda.tensors import kernel_rows  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
 # (n, k): out_features, in_features. Small ones are not tile multiples; the stream-K ranges of
-# 1000 x 1000 start and end inside row tiles, so short and shared segments both occur.
-SMALL_SHAPES = ((129, 100), (1000, 1000), (192, 576), (33, 264))
+# 1000 x 1000 start and end inside row tiles, so short and shared segments both occur; 512 x 200
+# is a gate_up weight whose halves end on an n-tile (the grouped kernel's fused SwiGLU).
+SMALL_SHAPES = ((129, 100), (1000, 1000), (192, 576), (33, 264), (512, 200))
 LLAMA_SHAPES = ((4097, 2048), (4096, 4096), (1024, 4096))
 M_ALL = (1, 3, 9, 16, 17, 64, 300)
 M_LLAMA = (1, 16, 64, 300)
@@ -85,14 +87,18 @@ def _calls(m: int, n: int, k: int, bits: int, dtype: torch.dtype, dev: torch.dev
         # K split into P pieces summed in thread block clusters, whatever tuning.WGMMA_CLUSTER_SPLITS allows
         calls += [(f"wgmma-cluster/{p}", {"path": "wgmma", "split_k": p, "clusters": True}) for p in (2, 4, 8) if -(-k // fmt.TILE_K) % p == 0]
         calls += [(f"grouped-wgmma/{bt}", {"grouped": True, "token_tile": bt}) for bt in hopper.TOKEN_TILES]
+        if kgrouped.swiglu_fusable(-(-n // fmt.TILE_N), n // 2):
+            calls += [(f"grouped-wgmma-swiglu/{bt}", {"grouped": True, "token_tile": bt, "swiglu": True}) for bt in hopper.TOKEN_TILES]
     if every_path and m >= 17:
         calls.append(("dequantize", {"dequantize": True}))  # the dequant+cublas path's own kernel
     return calls
 
 
-def _run(x: torch.Tensor, bias: torch.Tensor, qw: tuple[torch.Tensor, ...], bits: int, n: int, kw: dict) -> torch.Tensor | None:
+def _run(x: torch.Tensor, bias: torch.Tensor, qw: tuple[torch.Tensor, ...], bits: int, n: int,
+         kw: dict) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """One launch into a NaN-filled output (None: the decode schedule does not apply); for
-    ``dequantize``, the dense weight multiplied in fp32."""
+    ``dequantize``, the dense weight multiplied in fp32. A launch whose result is not the plain
+    product (the fused SwiGLU) returns ``(result, its float32 reference)``."""
     packed, absmax, cb, ts, _ = qw
     if kw.get("dequantize"):  # dense weight in x's dtype, multiplied here in fp32
         w = kcuda.dequantize_cuda(packed, absmax, cb, ts, bits, n, x.shape[1], x.dtype)
@@ -111,6 +117,11 @@ def _run(x: torch.Tensor, bias: torch.Tensor, qw: tuple[torch.Tensor, ...], bits
             plan = kgrouped.grouped_plan(m, 3, bits, x.dtype, packed.shape[1], x.get_device(), token_tile=kw["token_tile"],
                                          pairs=fmt.is_pair_codes(packed),
                                          grid=max(1, -(-n // 128)))
+            if kw.get("swiglu"):  # silu(gate) * up of the two halves' products, no bias
+                h = torch.full((m, n // 2), float("nan"), dtype=x.dtype, device=x.device)
+                kgrouped.launch(plan, kernel_rows(x), packed3, absmax3, cb, ts3, groups, h, swiglu=True)
+                gate, up = F.linear(x.float(), qw[-1]).chunk(2, dim=-1)
+                return h, F.silu(gate) * up
             kgrouped.launch(plan, kernel_rows(x), packed3, absmax3, cb, ts3, groups, out)
         else:
             kdecode.grouped_decode_gemm(x, packed3, absmax3, cb, ts3, groups, bits, n, out, max(a, m - a, 1))
@@ -202,8 +213,9 @@ def main() -> int:
                         y = _run(x, bias, qw, bits, n, kw)
                         if y is None:
                             continue
+                        y, expected = y if isinstance(y, tuple) else (y, ref)
                         launches += 1
-                        err = ((y.float() - ref).norm() / ref.norm()).item()
+                        err = ((y.float() - expected).norm() / expected.norm()).item()
                         ok = err < REL_TOL and not torch.isnan(y).any().item()
                         if not ok:
                             bad += 1
