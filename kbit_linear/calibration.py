@@ -363,7 +363,7 @@ def _sweep(w: torch.Tensor, u: torch.Tensor, bits: int, cb: torch.Tensor, ts: to
     """
     n, k = w.shape
     device = w.device
-    mids = (cb[:-1] + cb[1:]) * 0.5  # as fmt._nearest_indices computes them
+    mids = fmt._midpoints(cb)
     q = torch.empty_like(w)  # the dequantized result, column by column (in sweep order)
     if order is None:
         codes = torch.empty((n, -(-k // fmt.BLOCK_SIZE)), dtype=torch.uint8, device=device)
@@ -407,9 +407,8 @@ def _round_column(wc: torch.Tensor, scale: torch.Tensor, positive: torch.Tensor,
     """``cb[nearest(wc / scale)] * scale`` for one column ``[N, 1]``: the value of
     :func:`kbit_linear.format._nearest_indices`, with ``positive = scale > 0`` and ``safe`` (the
     scale, 1 where it is 0) computed once per lazy block (fixed scales) or per 32-column block
-    (in-feature order) instead of per column."""
-    x = torch.where(positive, wc / safe, 0.0)
-    return cb[torch.searchsorted(mids, x.reshape(-1), right=False).reshape(x.shape)] * scale
+    (in-feature order), and the codebook's midpoints once per sweep, instead of per column."""
+    return cb[fmt._nearest_of(torch.where(positive, wc / safe, 0.0), mids)] * scale
 
 
 def _feed_back(w1: torch.Tensor, u1: torch.Tensor, q1: torch.Tensor, err1: torch.Tensor, i: int,

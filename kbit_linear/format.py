@@ -428,7 +428,17 @@ def _nearest_indices(blocks: torch.Tensor, scale: torch.Tensor, codebook: torch.
     ``scale`` (``[..., 1]``): the nearest entry of ``w / scale``, ties to the lower index (a
     zero scale gives the entry nearest 0); beyond the scale, the end levels."""
     x = torch.where(scale > 0, blocks / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(blocks))
-    mids = (codebook[:-1] + codebook[1:]) * 0.5
+    return _nearest_of(x, _midpoints(codebook))
+
+
+def _midpoints(codebook: torch.Tensor) -> torch.Tensor:
+    """The ``2**bits - 1`` midpoints between neighbouring codebook entries (:func:`_nearest_of`'s table)."""
+    return (codebook[:-1] + codebook[1:]) * 0.5
+
+
+def _nearest_of(x: torch.Tensor, mids: torch.Tensor) -> torch.Tensor:
+    """int64 index of the codebook entry nearest each value of ``x`` (already divided by its
+    scale), ties to the lower index, given the codebook's :func:`_midpoints`."""
     # searchsorted(left) counts the midpoints strictly below x: nearest entry, ties to the lower index.
     return torch.searchsorted(mids, x.contiguous().reshape(-1), right=False).reshape(x.shape)
 

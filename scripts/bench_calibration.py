@@ -138,9 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     page = report(payload)
     print(page)
     if args.md:
-        Path(args.md).write_text(page)
+        bc.write_text(args.md, page)
     if args.json:
-        Path(args.json).write_text(json.dumps(payload, indent=1) + "\n")
+        bc.write_json(args.json, payload)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,7 @@ def fake_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, g
     """
     _check(bits, group_size)
     _check_weight(weight)
+    fmt.check_bool("act_order", act_order)
     n, k = weight.shape
     if not isinstance(hessian, torch.Tensor) or tuple(hessian.shape) != (k, k):
         raise ValueError(f"hessian must be a [{k}, {k}] tensor, got {tuple(getattr(hessian, 'shape', ()))}")
@@ -138,7 +139,6 @@ def fake_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, g
     dead = h.diagonal() <= 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    fmt.check_bool("act_order", act_order)
     order = None
     if act_order:
         grids = [_uniform_grid(w[:, g0:g0 + group_size], bits) for g0 in range(0, k, group_size)]  # as RTN's
@@ -188,7 +188,7 @@ def apply_gptq(model: nn.Module, bits: int, group_size: int, calibration: Calibr
         The names of the rounded layers.
     """
     _check(bits, group_size)
-    order = calibration.act_order if act_order is None else act_order
+    order = calibration.act_order if act_order is None else fmt.check_bool("act_order", act_order)
     names, _ = convertible_layers(model, skip)
 
     def quantize_layer(name: str, hessian: torch.Tensor) -> None:
