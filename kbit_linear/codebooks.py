@@ -32,7 +32,7 @@ from . import format as fmt
 
 __all__ = ["FITTED", "FITTED_ZERO", "NF_ZERO", "DEFAULT", "OPTIONS", "DEFAULT_BY_WIDTH", "is_fitted", "is_per_weight",
            "default_codebook", "resolve_default", "check_codebook_option", "resolve_codebook_option",
-           "normal_float_zero_codebook", "fit_codebook"]
+           "normal_float_zero_codebook", "fit_codebook", "fits_per_weight"]
 
 FITTED = "fitted"
 """The ``codebook`` value that asks for levels fitted to each weight."""
@@ -117,6 +117,14 @@ def is_per_weight(codebook: object) -> bool:
     """Whether ``codebook`` names levels chosen for each weight and width (``None`` or one of
     :data:`OPTIONS`) rather than fixing them (a tensor or a list of levels)."""
     return codebook is None or (isinstance(codebook, str) and codebook in OPTIONS)
+
+
+def fits_per_weight(codebook: object, bits: int) -> bool:
+    """Whether ``codebook`` at width ``bits`` means levels fitted to each weight (``"fitted"``,
+    ``"fitted-zero"``, or :data:`DEFAULT` where :data:`DEFAULT_BY_WIDTH` fits at that width)."""
+    if isinstance(codebook, str) and codebook == DEFAULT:
+        codebook = DEFAULT_BY_WIDTH[fmt.check_bits(bits)]
+    return isinstance(codebook, str) and codebook in (FITTED, FITTED_ZERO)
 
 
 def check_codebook_option(codebook: object, bits: int, name: str = "codebook") -> torch.Tensor | str | None:

@@ -44,11 +44,12 @@ from tqdm.auto import tqdm
 
 from . import allocation, codebooks
 from . import format as fmt
+from . import hadamard as hd
+from .fusion import DEFAULT_GROUPS, FusionSummary, fuse_projections
 from .calibration import Calibration, calibrate_model
 from .experts import PROJECTIONS, KbitExperts, experts_layout_problem, looks_like_experts
-from .hadamard import layer_seed
 from .linear import KbitLinear
-from .quantizer import check_hadamard_search
+from .quantizer import check_hadamard_search, group_levels
 
 __all__ = [
     "QuantizationSummary",
@@ -62,6 +63,7 @@ __all__ = [
     "replace_module",
     "kbit_placeholder",
     "experts_placeholder",
+    "sibling_groups",
 ]
 
 SkipRule = str | re.Pattern[str]
@@ -91,6 +93,8 @@ class QuantizationSummary:
             experts module (empty otherwise: every layer has ``bits``).
         mean_layer_bits: with ``target_bpw``: the mean width over the converted layers' and
             experts modules' weights (a module shared under several names counted once).
+        fusion: with ``fuse=True``: the groups of projections fused into one GEMM, and those
+            left apart with the reason (:class:`kbit_linear.fusion.FusionSummary`); else ``None``.
     """
 
     bits: int
@@ -105,6 +109,7 @@ class QuantizationSummary:
     experts_bytes_after: int = 0
     layer_bits: dict[str, int] = field(default_factory=dict)
     mean_layer_bits: float = 0.0
+    fusion: FusionSummary | None = None
 
     def __str__(self) -> str:
         width = f"{self.bits} bits"
@@ -123,6 +128,8 @@ class QuantizationSummary:
                 f"  experts ({len(self.experts)} modules): {self.experts_bytes_before:,} -> {self.experts_bytes_after:,} bytes"
             )
         lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped.items()]
+        if self.fusion is not None:
+            lines += ["  " + line for line in str(self.fusion).splitlines()]
         return "\n".join(lines)
 
 
@@ -406,6 +413,7 @@ def quantize_model(
     hadamard: bool = False,
     target_bpw: float | None = None,
     hadamard_search: int = 1,
+    fuse: bool = False,
 ) -> QuantizationSummary:
     """Replace the ``nn.Linear`` layers of ``model`` by :class:`KbitLinear`, in place, and
     the experts modules of mixture-of-experts blocks by :class:`KbitExperts`.
@@ -466,6 +474,13 @@ def quantize_model(
             layer's seeded vector. Costs that many quantizations per layer more. With
             ``target_bpw`` the widths are chosen with each layer's seeded vector (the search
             runs once, at the chosen width).
+        fuse: quantize each group of sibling projections that read one input
+            (:data:`kbit_linear.fusion.DEFAULT_GROUPS`: q/k/v, gate/up) with one set of levels
+            (fitted to the group's weights together where ``codebook`` fits levels per weight)
+            and one Hadamard rotation (the group's first layer's seed), then run each group as
+            one GEMM (:func:`kbit_linear.fusion.fuse_projections`): fewer, larger GEMM calls, the
+            same memory and state dict. Groups whose layers get different widths (``target_bpw``)
+            stay apart. Not with ``hadamard_search`` > 1.
 
     Returns:
         A :class:`QuantizationSummary`: converted names, skipped names with reasons, bytes
@@ -482,8 +497,11 @@ def quantize_model(
         raise TypeError("model is a bare nn.Linear, which cannot be replaced in place; use KbitLinear.from_linear(model, bits)")
     fmt.check_bits(bits)
     fmt.check_bool("hadamard", hadamard)
+    fmt.check_bool("fuse", fuse)
     codebook = codebooks.resolve_default(codebook, hadamard, calibrated=calibration is not None)
     hadamard_search = check_hadamard_search(hadamard_search)
+    if fuse and hadamard and hadamard_search > 1:
+        raise ValueError("fuse=True needs one rotation per group of projections: use hadamard_search=1 with it")
     rules = check_skip_rules(skip)
     if target_bpw is not None:
         target_bpw = allocation.check_target_bpw(target_bpw)
@@ -533,6 +551,9 @@ def quantize_model(
         summary.layer_bits = layer_bits
         summary.mean_layer_bits = sum(chosen[n] * k for n, k in weights.items()) / max(1, sum(weights.values()))
 
+    group_of = sibling_groups(to_convert, layer_bits, bits) if fuse else {}
+    group_levels: dict[tuple[str, ...], torch.Tensor] = {}  # the levels of each group, fitted at its first layer
+
     def convert(name: str, hessian: torch.Tensor | None = None) -> None:
         linear = model.get_submodule(name)
         if id(linear) in converted:
@@ -547,12 +568,20 @@ def quantize_model(
             if linear.bias is not None:
                 src.bias = nn.Parameter(linear.bias.detach().to(target), requires_grad=linear.bias.requires_grad)
         try:
-            rotation = {"hadamard": hadamard, "hadamard_seed": layer_seed(name), "hadamard_search": hadamard_search}
+            group = group_of.get(name)
+            rotation = {"hadamard": hadamard, "hadamard_seed": hd.layer_seed(group[0] if group else name),
+                        "hadamard_search": hadamard_search}
             width = layer_bits.get(name, bits)
+            levels = codebook
+            if group is not None:
+                if group not in group_levels:
+                    group_levels[group] = _group_levels(model, group, codebook, width, scale_search, hadamard,
+                                                        rotation["hadamard_seed"], src.weight.device)
+                levels = group_levels[group]
             if hessian is None:
-                new = KbitLinear.from_linear(src, bits=width, codebook=codebook, scale_search=scale_search, **rotation)
+                new = KbitLinear.from_linear(src, bits=width, codebook=levels, scale_search=scale_search, **rotation)
             else:
-                new = KbitLinear.from_linear(src, bits=width, codebook=codebook, scale_search=scale_search,
+                new = KbitLinear.from_linear(src, bits=width, codebook=levels, scale_search=scale_search,
                                              hessian=hessian, damp=calibration.damp, act_order=calibration.act_order,
                                              **rotation)
         except (TypeError, ValueError) as e:
@@ -589,5 +618,38 @@ def quantize_model(
         summary.experts.append(name)
         del module
 
+    if fuse:
+        summary.fusion = fuse_projections(model)
     summary.bytes_after = module_bytes(model)
     return summary
+
+
+def sibling_groups(names: Iterable[str], layer_bits: dict[str, int], bits: int) -> dict[str, tuple[str, ...]]:
+    """layer name -> its group of sibling projections (:data:`kbit_linear.fusion.DEFAULT_GROUPS`,
+    full names), for the groups whose layers are all in ``names`` and have one width
+    (``layer_bits``, else ``bits``)."""
+    todo = set(names)
+    out: dict[str, tuple[str, ...]] = {}
+    for name in todo:
+        parent, _, child = name.rpartition(".")
+        for group in DEFAULT_GROUPS:
+            if child != group[0]:
+                continue
+            full = tuple(f"{parent}.{n}" if parent else n for n in group)
+            if all(n in todo for n in full) and len({layer_bits.get(n, bits) for n in full}) == 1:
+                out.update({n: full for n in full})
+    return out
+
+
+def _group_levels(model: nn.Module, group: tuple[str, ...], codebook: torch.Tensor | str | None, bits: int,
+                  scale_search: bool, hadamard: bool, seed: int, device: torch.device) -> torch.Tensor | str | None:
+    """The levels a group of sibling projections shares (:func:`kbit_linear.quantizer.group_levels`
+    on their weights, rotated by the group's signs with ``hadamard``), on ``device``; the option
+    itself where a layer of the group was converted already (fuse_projections then leaves the
+    group apart if the levels differ)."""
+    layers = [model.get_submodule(n) for n in group]
+    if not all(isinstance(m, nn.Linear) for m in layers):  # one is converted already (shared elsewhere): levels per weight
+        return codebook
+    signs = hd.random_signs(layers[0].in_features, seed, device) if hadamard else None
+    return group_levels([m.weight for m in layers], bits, codebook, scale_search=scale_search, hadamard_signs=signs,
+                        device=device)

@@ -13,7 +13,7 @@ Layering: above the op schemas (``_ops``), below the module (``linear``); pure f
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -23,7 +23,7 @@ from . import codebooks
 from . import format as fmt
 from . import hadamard
 
-__all__ = ["KbitTensors", "quantize_weight", "squared_error", "check_hadamard_search", "hadamard_signs_for"]
+__all__ = ["KbitTensors", "quantize_weight", "squared_error", "check_hadamard_search", "hadamard_signs_for", "group_levels"]
 
 # Resolved once: an OpOverload call skips the overload lookup of the packet on every call.
 _QUANTIZE = torch.ops.kbit_linear.quantize.default
@@ -180,3 +180,32 @@ def hadamard_signs_for(weight: torch.Tensor, bits: int, codebook: torch.Tensor |
             if err < best_err:
                 best, best_err = signs, err
     return best
+
+
+def group_levels(weights: Sequence[torch.Tensor], bits: int, codebook: torch.Tensor | str | None = None, *,
+                 scale_search: bool = False, hadamard_signs: torch.Tensor | None = None,
+                 device: torch.device | str | None = None) -> torch.Tensor:
+    """One set of levels for several weights that will share it (the parts of a fused GEMM,
+    :mod:`kbit_linear.fusion`): ``codebook`` resolved as :func:`quantize_weight` resolves it for
+    one weight, on the weights stacked along out_features (each rotated by ``hadamard_signs``
+    first, as they will be quantized). float32 ``[2**bits]`` on ``device`` (default: the first
+    weight's); levels fitted per weight are fitted to all of them together.
+
+    Raises:
+        ValueError / TypeError: no weights, weights of different in_features, a bad ``codebook``.
+    """
+    if not weights:
+        raise ValueError("weights must hold at least one weight")
+    fmt.check_bits(bits)
+    for i, w in enumerate(weights):
+        fmt.check_weight(w, f"weights[{i}]", finite=False)
+        if w.shape[1] != weights[0].shape[1]:
+            raise ValueError(f"weights[{i}] has in_features={w.shape[1]}, weights[0] {weights[0].shape[1]}")
+    device = weights[0].device if device is None else torch.device(device)
+    if not codebooks.fits_per_weight(codebook, bits):  # fixed levels: nothing to stack
+        return codebooks.resolve_codebook_option(codebook, weights[0], bits, scale_search=scale_search, device=device)
+    with torch.no_grad():
+        w = torch.cat([t.detach().to(device) for t in weights])
+        if hadamard_signs is not None:
+            w = hadamard.rotate(w.to(torch.float32), hadamard_signs.to(device))
+        return codebooks.resolve_codebook_option(codebook, w, bits, scale_search=scale_search, device=device)

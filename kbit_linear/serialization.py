@@ -80,6 +80,7 @@ from torch import nn
 from . import format as fmt
 from . import hadamard
 from .experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem
+from .fusion import KbitLinearSlice, kbit_layers
 from .gguf_linear import GGUFEmbedding, GGUFLinear
 from .linear import KbitLinear
 from .patch import experts_placeholder, is_convertible, kbit_placeholder, replace_module
@@ -684,7 +685,7 @@ def save_quantized(
                             "and GGUF modules describe themselves")
         state = dict(model_or_state_dict.state_dict())
         modules = list(model_or_state_dict.named_modules(remove_duplicate=False))
-        layer_meta = {name: layer_metadata(m) for name, m in modules if isinstance(m, KbitLinear)}
+        layer_meta = {name: layer_metadata(m) for name, m in kbit_layers(model_or_state_dict)}
         experts_meta = {name: experts_metadata(m) for name, m in modules if isinstance(m, KbitExperts)}
         gguf_meta = {name: sg.gguf_metadata(m) for name, m in modules if isinstance(m, (GGUFLinear, GGUFEmbedding))}
     elif isinstance(model_or_state_dict, Mapping):
@@ -986,7 +987,7 @@ def load_into(
             raise CheckpointError(f"{where}: layer {prefix!r} has no module in the model") from None
         bits, k, n, has_bias = meta["bits"], meta["in_features"], meta["out_features"], f"{prefix}.bias" in ckpt.tensors
         rotated = meta.get("hadamard") is True
-        if isinstance(module, KbitLinear):
+        if isinstance(module, (KbitLinear, KbitLinearSlice)):
             got = (module.bits, module.in_features, module.out_features, module.bias is not None, module.hadamard_signs is not None)
             if got != (bits, k, n, has_bias, rotated):
                 raise CheckpointError(

@@ -60,8 +60,9 @@ from .. import format as fmt
 from .. import weight_layout
 from ..allocation import check_codebook_for_widths, check_target_bpw, plan_layer_bits
 from ..codebooks import DEFAULT as DEFAULT_CODEBOOK
-from ..codebooks import check_codebook_option, is_per_weight, resolve_default
+from ..codebooks import check_codebook_option, fits_per_weight, is_per_weight, resolve_default
 from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem, quantize_experts_weight
+from ..fusion import fuse_projections, kbit_layers
 from ..gguf_linear import GGUFEmbedding, GGUFLinear
 from ..hadamard import layer_seed
 from ..linear import KbitLinear
@@ -73,8 +74,9 @@ from ..patch import (
     is_convertible,
     kbit_placeholder,
     replace_module,
+    sibling_groups,
 )
-from ..quantizer import check_hadamard_search, hadamard_signs_for, quantize_weight
+from ..quantizer import check_hadamard_search, group_levels, hadamard_signs_for, quantize_weight
 from ..serialization import (
     FORMAT_VERSION,
     HADAMARD_FORMAT_VERSION,
@@ -159,6 +161,14 @@ class KbitConfig(QuantizationConfigMixin):
         hadamard_search: with ``hadamard``, sign vectors tried per layer when quantizing at
             load; the one whose rotated weight quantizes with the least error is kept (and
             stored: loading a saved checkpoint does not repeat the search). Default 1.
+        fuse: after loading, run each group of sibling projections that read one input (q/k/v,
+            gate/up) as one GEMM (:func:`kbit_linear.fusion.fuse_projections`; the model's
+            ``kbit_fusion`` attribute says what was fused and why a group was not). Only groups
+            whose layers share their levels and rotation fuse: quantizing at load, the layers of
+            a group are quantized together (one set of fitted levels for the group) for that.
+            Checkpoints keep one entry per layer; ``config.json`` keeps the choice, and a saved
+            model loads fused again (``kbit_linear.unfuse_projections(model)`` undoes it, and
+            ``kbit_linear.fuse_projections(model)`` fuses any loaded model). Default ``False``.
 
     Raises:
         TypeError / ValueError: a bad argument, named.
@@ -175,6 +185,7 @@ class KbitConfig(QuantizationConfigMixin):
         target_bpw: float | None = None,
         layer_bits: dict[str, int] | None = None,
         hadamard_search: int = 1,
+        fuse: bool = False,
         **kwargs: Any,
     ) -> None:
         method = kwargs.pop("quant_method", QUANT_METHOD)
@@ -187,6 +198,7 @@ class KbitConfig(QuantizationConfigMixin):
         self.skip_modules = _check_skip_modules(skip_modules)
         self.scale_search = fmt.check_bool("scale_search", scale_search)
         self.hadamard = fmt.check_bool("hadamard", hadamard)
+        self.fuse = fmt.check_bool("fuse", fuse)
         # stored resolved: config.json names what was used
         self.codebook = _check_codebook(resolve_default(codebook, hadamard), bits)
         if format_version is None:
@@ -202,6 +214,8 @@ class KbitConfig(QuantizationConfigMixin):
             raise ValueError(f"hadamard=True needs format_version {HADAMARD_FORMAT_VERSION!r}, got {format_version!r}")
         self.format_version = format_version
         self.hadamard_search = check_hadamard_search(hadamard_search)
+        if self.fuse and self.hadamard and self.hadamard_search > 1:
+            raise ValueError("fuse=True needs one rotation per group of projections: use hadamard_search=1 with it")
         self.target_bpw = None if target_bpw is None else check_target_bpw(target_bpw)
         if self.target_bpw is not None:
             check_codebook_for_widths(self.codebook)
@@ -220,6 +234,8 @@ class KbitConfig(QuantizationConfigMixin):
                 out.pop(key, None)
         if out.get("hadamard_search") == 1:
             out.pop("hadamard_search", None)
+        if not out.get("fuse"):
+            out.pop("fuse", None)
         return out
 
     def bits_of(self, name: str) -> int:
@@ -313,25 +329,61 @@ class KbitQuantize(ConversionOps):
                     f"{key}: the checkpoint weight has shape {tuple(tensor.shape)}, expected "
                     f"[{linear.out_features}, {linear.in_features}] (is this checkpoint already quantized?)"
                 )
-            bits = hfq.quantization_config.bits_of(prefix)
-            rotated = hfq.quantization_config.hadamard
-            try:
-                signs = hadamard_signs_for(tensor, bits, hfq.codebook, scale_search=hfq.quantization_config.scale_search,
-                                           seed=layer_seed(prefix), candidates=hfq.quantization_config.hadamard_search,
-                                           name=key) if rotated else None
-                q = quantize_weight(tensor, bits, hfq.codebook, scale_search=hfq.quantization_config.scale_search,
-                                    hadamard_signs=signs, name=key)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"cannot quantize {key} ({linear.out_features}x{linear.in_features}): {e}") from e
-            del tensor, value
-            layer = kbit_placeholder(linear, bits, bias=False, device="meta", hadamard=rotated)
-            layer.bias = linear.bias  # loaded already, or still meta and set on the new layer later
-            replace_module(model, prefix, layer)
-            hfq.pending.discard(prefix)
             del linear
-            out.update({f"{prefix}.{t}": v for t, v in zip(QUANTIZED_TENSORS, q)})
-            if signs is not None:
-                out[f"{prefix}.hadamard_signs"] = signs
+            group = hfq.group_of.get(prefix)
+            if group is None or not fits_per_weight(hfq.codebook, hfq.quantization_config.bits_of(prefix)):
+                seed = layer_seed(group[0] if group else prefix)
+                out.update(self._quantize_layer(model, prefix, tensor, hfq.codebook, seed))
+                del tensor, value
+                continue
+            # levels fitted to the whole group: wait for every sibling (the loader's order is its own)
+            hfq.stash[prefix] = tensor
+            del tensor, value
+            if any(n not in hfq.stash for n in group):
+                continue
+            weights = [hfq.stash.pop(n) for n in group]
+            out.update(self._quantize_group(model, group, weights))
+        return out
+
+    def _quantize_group(self, model: nn.Module, group: tuple[str, ...], weights: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The layers of ``group`` from their dense ``weights``, with one set of levels fitted to
+        all of them and the group's first layer's rotation seed."""
+        hfq = self.hf_quantizer
+        config = hfq.quantization_config
+        bits, seed = config.bits_of(group[0]), layer_seed(group[0])
+        signs = hadamard_signs_for(weights[0], bits, seed=seed) if config.hadamard else None
+        try:
+            levels = group_levels(weights, bits, hfq.codebook, scale_search=config.scale_search, hadamard_signs=signs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cannot fit the levels of {', '.join(group)}: {e}") from e
+        out: dict[str, torch.Tensor] = {}
+        for prefix, w in zip(group, weights):
+            out.update(self._quantize_layer(model, prefix, w, levels, seed))
+        return out
+
+    def _quantize_layer(self, model: nn.Module, prefix: str, tensor: torch.Tensor, codebook: torch.Tensor | str | None,
+                        seed: int) -> dict[str, torch.Tensor]:
+        """One dense layer's weight -> its kbit tensors, named for the loader; a meta
+        :class:`KbitLinear` takes the dense layer's place."""
+        hfq = self.hf_quantizer
+        config = hfq.quantization_config
+        key = f"{prefix}.weight"
+        linear = model.get_submodule(prefix)
+        bits = config.bits_of(prefix)
+        rotated = config.hadamard
+        try:
+            signs = hadamard_signs_for(tensor, bits, codebook, scale_search=config.scale_search, seed=seed,
+                                       candidates=config.hadamard_search, name=key) if rotated else None
+            q = quantize_weight(tensor, bits, codebook, scale_search=config.scale_search, hadamard_signs=signs, name=key)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cannot quantize {key} ({linear.out_features}x{linear.in_features}): {e}") from e
+        layer = kbit_placeholder(linear, bits, bias=False, device="meta", hadamard=rotated)
+        layer.bias = linear.bias  # loaded already, or still meta and set on the new layer later
+        replace_module(model, prefix, layer)
+        hfq.pending.discard(prefix)
+        out = {f"{prefix}.{t}": v for t, v in zip(QUANTIZED_TENSORS, q)}
+        if signs is not None:
+            out[f"{prefix}.hadamard_signs"] = signs
         return out
 
     def _convert_experts(self, model: nn.Module, prefix: str, proj: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -404,6 +456,10 @@ class KbitHfQuantizer(HfQuantizer):
         self.pending_experts: dict[str, set[str]] = {}
         # sha256 of every quantized tensor, from the headers of a pre-quantized checkpoint
         self._header_sha256: dict[str, str] = {}
+        # with fuse: layer -> its group of sibling projections (quantized with one set of levels
+        # and one rotation), and the dense weights of groups still waiting for a sibling
+        self.group_of: dict[str, tuple[str, ...]] = {}
+        self.stash: dict[str, torch.Tensor] = {}
 
     # --- environment and placement -----------------------------------------------------
 
@@ -457,8 +513,11 @@ class KbitHfQuantizer(HfQuantizer):
         if stray:
             raise ValueError(f"layer_bits names layers this model does not quantize: {stray[:5]}" + (" ..." if len(stray) > 5 else ""))
         if not self.pre_quantized:
+            if config.fuse:
+                self.group_of = sibling_groups(names, config.layer_bits or {}, config.bits)
             if config.target_bpw is not None and not config.layer_bits:
                 self.deferred = list(names)  # the widths depend on every weight: quantize after loading
+                self.group_of = {}  # grouped after the widths are chosen
             else:
                 self.pending = set(names)
             self.pending_experts = {name: set(PROJECTIONS) for name in experts}
@@ -563,12 +622,32 @@ class KbitHfQuantizer(HfQuantizer):
                                                 codebook=self.codebook, scale_search=config.scale_search, hadamard=config.hadamard)
             self.pending |= set(self.deferred)
             self.deferred = []
+        # A group whose sibling never arrived: its stashed weights are the real ones (transformers
+        # initialized the layers it reported missing); quantize them with the rest below.
+        for name, weight in self.stash.items():
+            model.get_submodule(name).weight = nn.Parameter(weight, requires_grad=False)
+        self.stash = {}
+        if config.fuse and not self.group_of:  # target_bpw: grouped once the widths are known
+            self.group_of = sibling_groups(self.pending, config.layer_bits or {}, config.bits)
+        levels_of: dict[tuple[str, ...], Any] = {}
         for name in sorted(self.pending):
             linear = model.get_submodule(name)
             if is_convertible(linear):
-                layer = KbitLinear.from_linear(linear, config.bits_of(name), self.codebook,
+                group = self.group_of.get(name)
+                levels = self.codebook
+                if group is not None:
+                    if group not in levels_of:
+                        members = [model.get_submodule(n) for n in group]
+                        signs = (hadamard_signs_for(linear.weight, config.bits_of(name), seed=layer_seed(group[0]))
+                                 if config.hadamard else None)
+                        levels_of[group] = (group_levels([m.weight for m in members], config.bits_of(name), self.codebook,
+                                                         scale_search=config.scale_search, hadamard_signs=signs)
+                                            if all(is_convertible(m) for m in members) else self.codebook)
+                    levels = levels_of[group]
+                layer = KbitLinear.from_linear(linear, config.bits_of(name), levels,
                                                scale_search=self.quantization_config.scale_search,
-                                               hadamard=self.quantization_config.hadamard, hadamard_seed=layer_seed(name),
+                                               hadamard=self.quantization_config.hadamard,
+                                               hadamard_seed=layer_seed(group[0] if group else name),
                                                hadamard_search=self.quantization_config.hadamard_search)
                 layer.train(linear.training)
                 replace_module(model, name, layer)
@@ -602,6 +681,8 @@ class KbitHfQuantizer(HfQuantizer):
                 p.requires_grad_(False)
             weight_layout.adopt(module.weight, module.bits)  # loaded as planes: the device's layout
         self._header_sha256 = {}
+        if config.fuse:
+            model.kbit_fusion = fuse_projections(model)
         return model
 
     def _check_loaded_experts(self, name: str, module: KbitExperts) -> None:
@@ -643,12 +724,12 @@ class KbitHfQuantizer(HfQuantizer):
                 "and load with kbit_linear.load_into(model, 'model.safetensors')"
             )
         layers, experts, sums = {}, {}, {}
+        for name, module in kbit_layers(model):  # fused parts as standalone copies, as their state dicts hold them
+            layers[name] = layer_metadata(module)
+            for t_name in stored_tensor_names(module):
+                sums[f"{name}.{t_name}"] = tensor_sha256(_as_saved(module, t_name))
         for name, module in model.named_modules():
-            if isinstance(module, KbitLinear):
-                layers[name] = layer_metadata(module)
-                for t_name in stored_tensor_names(module):
-                    sums[f"{name}.{t_name}"] = tensor_sha256(_as_saved(module, t_name))
-            elif isinstance(module, KbitExperts):
+            if isinstance(module, KbitExperts):
                 experts[name] = experts_metadata(module)
                 for t_name in _EXPERTS_TENSORS:
                     sums[f"{name}.{t_name}"] = tensor_sha256(_as_saved(module, t_name))

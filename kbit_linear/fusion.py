@@ -1,0 +1,392 @@
+"""Horizontal fusion: sibling ``KbitLinear`` layers that read the same input run as one GEMM.
+
+A decoder layer calls ``q_proj``, ``k_proj`` and ``v_proj`` one after another on the same hidden
+states, and ``gate_proj`` and ``up_proj`` on the same normalized states. At decode batch sizes
+every GEMM call pays a fixed cost (the launch, the pipeline's fill and drain, the tiles a narrow
+weight leaves idle) on top of streaming its weight; one call over the concatenated weight pays it
+once and streams the same bytes.
+
+:func:`fuse_projections` puts one :class:`FusedKbitLinear` (the concatenated tensors: the only
+copy in memory) beside each such group in the parent module and a :class:`KbitLinearSlice` in
+each part's place. The first slice called with an input computes the fused product; the others,
+called with the same tensor object, take their columns of it. A slice called with another input
+(or twice) computes the product again, so the result is right whatever the parent does; it is
+only fast when the parent calls every part on the same tensor, as decoder layers do.
+
+Layout: the tiled weight is ``[K_pad/64, N_pad/128, 128, 2, bits]`` (``docs/format.md``), so the
+parts concatenate along dimension 1, whole 128-feature tiles each; a part whose width is not a
+multiple of 128 keeps its zero padding inside the fused weight and its columns start on a tile.
+
+State dicts, checkpoints and ``load_state_dict`` see the parts as the ``KbitLinear`` layers they
+were (the same keys and tensors, bit for bit); the fused module adds no keys. :func:`unfuse_projections`
+gives the ``KbitLinear`` layers back (for PEFT, tensor-parallel sharding or anything else that
+works on single layers).
+
+The slices hand out column views of the fused output (not contiguous); ``view`` calls that
+split the last dimension, as attention layers do, work on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from . import _ops
+from . import format as fmt
+from . import weight_layout
+from .linear import _FLOAT32_BUFFERS, KbitLinear, _apply_keeping_float32, _check_state_dtypes
+
+__all__ = ["DEFAULT_GROUPS", "FusedKbitLinear", "FusionSummary", "KbitLinearSlice", "fuse_projections", "kbit_layers",
+           "unfuse_projections"]
+
+# Sibling names that decoder layers call on one input: attention's q/k/v, the gated MLP's gate/up.
+DEFAULT_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+# The state-dict tensors of one part, in KbitLinear's order (parameters, then buffers).
+_PART_TENSORS = ("weight", "bias", "absmax", "codebook", "tensor_scale", "hadamard_signs")
+
+
+def _fused_name(names: Sequence[str]) -> str:
+    """The attribute the fused module takes in the parent: ``("q_proj", "k_proj", "v_proj")`` -> ``fused_q_k_v``."""
+    return "fused_" + "_".join(n.removesuffix("_proj") for n in names)
+
+
+class FusedKbitLinear(nn.Module):
+    """The concatenated weight of sibling ``KbitLinear`` layers, computed as one GEMM.
+
+    Holds what a ``KbitLinear`` of ``out_features`` = the parts' tile-aligned total holds
+    (``weight``, ``absmax``, ``codebook``, ``tensor_scale``, ``bias``, ``hadamard_signs``), and
+    where each part's columns are. Its tensors are not in state dicts: the parts'
+    :class:`KbitLinearSlice` modules save and load their own pieces of them.
+
+    Build it with :func:`fuse_projections`; calling it returns the whole fused product.
+    """
+
+    def __init__(self, parts: Sequence[KbitLinear]) -> None:
+        super().__init__()
+        first = parts[0]
+        self.in_features = first.in_features
+        self.bits = first.bits
+        offsets, start = [], 0
+        for p in parts:
+            offsets.append(start)
+            start += fmt.padded_shape(p.out_features, p.in_features)[0]
+        self.offsets: tuple[int, ...] = tuple(offsets)
+        self.widths: tuple[int, ...] = tuple(p.out_features for p in parts)
+        self.out_features = offsets[-1] + parts[-1].out_features
+        self.part_biased: tuple[bool, ...] = tuple(p.bias is not None for p in parts)
+        with torch.no_grad():
+            self.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts], dim=1), requires_grad=False)
+            self.register_buffer("absmax", torch.cat([p.absmax for p in parts], dim=1))
+            self.register_buffer("codebook", first.codebook)
+            self.register_buffer("tensor_scale", first.tensor_scale)
+            self.register_buffer("hadamard_signs", first.hadamard_signs)
+            biased = [p for p in parts if p.bias is not None]
+            if biased:
+                bias = torch.zeros(self.out_features, dtype=biased[0].bias.dtype, device=biased[0].bias.device)
+                for off, p in zip(offsets, parts):
+                    if p.bias is not None:
+                        bias[off : off + p.out_features] = p.bias.detach()
+                self.bias = nn.Parameter(bias, requires_grad=False)
+            else:
+                self.register_parameter("bias", None)
+        # The product of the last input, until every part has taken its columns (plain Python
+        # state: torch.compile traces it away, eager calls keep it for one layer at most).
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._taken = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused product ``x @ [W_0; W_1; ...]^T + bias``: ``[..., out_features]``, each part's
+        columns at its offset (tile padding between parts holds zeros)."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x's last dimension must be in_features={self.in_features}, got shape {tuple(x.shape)}")
+        if self.hadamard_signs is not None:
+            x = _ops.hadamard_rotate(x, self.hadamard_signs)
+        return _ops.gemm(x, self.weight, self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features, self.bias)
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Part ``index``'s output for ``x``: its columns of the fused product, computed here unless
+        the product of this very tensor is pending and the part has not taken its columns yet."""
+        bit = 1 << index
+        if self._input is not x or self._taken & bit:
+            self._output = self(x)
+            self._input = x
+            self._taken = 0
+        out = self._output
+        self._taken |= bit
+        if self._taken == (1 << len(self.offsets)) - 1:  # every part served: hold nothing
+            self._input = self._output = None
+            self._taken = 0
+        off = self.offsets[index]
+        return out[..., off : off + self.widths[index]]
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FusedKbitLinear":
+        self._input = self._output = None  # a pending product on the old device is no use
+        self._taken = 0
+        _apply_keeping_float32(self, _FLOAT32_BUFFERS, fn, recurse)
+        weight_layout.adopt(self.weight, self.bits)
+        return self
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        pass  # the slices save the parts
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        pass  # the slices load the parts
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"parts={self.widths}, offsets={self.offsets}")
+
+
+class KbitLinearSlice(nn.Module):
+    """One part of a :class:`FusedKbitLinear`, in the place of the ``KbitLinear`` it was.
+
+    ``forward`` returns the part's columns of the fused product (see the module docstring);
+    state dicts hold the part's own tensors under ``KbitLinear``'s names, and loading one writes
+    them into the fused tensors. :meth:`as_kbit_linear` gives a standalone copy.
+    """
+
+    def __init__(self, fused: FusedKbitLinear, index: int) -> None:
+        super().__init__()
+        self.__dict__["_fused"] = fused  # a reference, not a child: the parent owns the fused module
+        self.index = index
+        self.in_features = fused.in_features
+        self.out_features = fused.widths[index]
+        self.bits = fused.bits
+
+    @property
+    def fused(self) -> FusedKbitLinear:
+        """The fused module this slice reads."""
+        return self.__dict__["_fused"]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """This part's bias (a view of the fused bias), or ``None`` if the part had none."""
+        f = self.fused
+        if f.bias is None or not f.part_biased[self.index]:
+            return None
+        off = f.offsets[self.index]
+        return f.bias[off : off + self.out_features]
+
+    @property
+    def hadamard_signs(self) -> torch.Tensor | None:
+        """The Hadamard rotation's signs the group shares, or ``None``."""
+        return self.fused.hadamard_signs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T + bias`` for this part, ``[..., out_features]`` in ``x``'s dtype (a column view)."""
+        return self.fused.part(x, self.index)
+
+    def _tiles(self) -> slice:
+        first = self.fused.offsets[self.index] // fmt.TILE_N
+        return slice(first, first + fmt.padded_shape(self.out_features, self.in_features)[0] // fmt.TILE_N)
+
+    def part_tensors(self) -> dict[str, torch.Tensor | None]:
+        """This part's tensors as a ``KbitLinear`` of its shape holds them (copies; ``weight`` as
+        bit-planes, the stored form)."""
+        f, tiles, off = self.fused, self._tiles(), self.fused.offsets[self.index]
+        return {
+            "weight": weight_layout.storage_form(f.weight.detach()[:, tiles].contiguous()),
+            "bias": None if self.bias is None else self.bias.detach().clone(),
+            "absmax": f.absmax[:, tiles].contiguous(),
+            "codebook": f.codebook.clone(),
+            "tensor_scale": f.tensor_scale.clone(),
+            "hadamard_signs": None if f.hadamard_signs is None else f.hadamard_signs.clone(),
+        }
+
+    def as_kbit_linear(self) -> KbitLinear:
+        """A standalone ``KbitLinear`` equal to this part (its own copies of the tensors)."""
+        t = self.part_tensors()
+        layer = KbitLinear(self.in_features, self.out_features, bias=t["bias"] is not None, bits=self.bits, device="meta",
+                           hadamard=t["hadamard_signs"] is not None)
+        layer.weight = nn.Parameter(weight_layout.device_form(t["weight"], self.bits), requires_grad=False)
+        for name in ("absmax", "codebook", "tensor_scale", "hadamard_signs"):
+            if t[name] is not None:
+                setattr(layer, name, t[name])
+        if t["bias"] is not None:
+            layer.bias = nn.Parameter(t["bias"], requires_grad=False)
+        return layer
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense ``[out_features, in_features]`` weight of this part (as :meth:`KbitLinear.dequantize`)."""
+        return self.as_kbit_linear().dequantize(dtype)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        for name, t in self.part_tensors().items():
+            if t is not None:
+                destination[prefix + name] = t
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        f = self.fused
+        expected = {"weight": torch.int32, "absmax": torch.uint8, "codebook": torch.float32, "tensor_scale": torch.float32,
+                    "hadamard_signs": torch.int8}
+        if not _check_state_dtypes(state_dict, prefix, expected, error_msgs, f"a {self.bits}-bit fused part"):
+            return
+        mine = self.part_tensors()
+        given = {name: state_dict.get(prefix + name) for name in _PART_TENSORS}
+        for name, have in mine.items():
+            if (have is None) != (given[name] is None):
+                (missing_keys if have is not None else unexpected_keys).append(prefix + name)
+            elif have is not None and tuple(given[name].shape) != tuple(have.shape):
+                error_msgs.append(f"size mismatch for {prefix}{name}: copying a param with shape {tuple(given[name].shape)}, "
+                                  f"the fused part {prefix[:-1]!r} has {tuple(have.shape)}")
+        if error_msgs:
+            return
+        # The parts of one fused module share these: a different one cannot be taken in place.
+        for name in ("codebook", "tensor_scale", "hadamard_signs"):
+            t = given[name]
+            if t is not None and not torch.equal(t.to(mine[name].device), mine[name]):
+                error_msgs.append(f"{prefix}{name} differs from the other parts of its fused module {f.widths}: "
+                                  "call kbit_linear.unfuse_projections(model) before loading it")
+                return
+        tiles, off = self._tiles(), f.offsets[self.index]
+        with torch.no_grad():
+            if given["weight"] is not None:
+                f.weight[:, tiles] = weight_layout.device_form(given["weight"].to(f.weight.device), self.bits)
+            if given["absmax"] is not None:
+                f.absmax[:, tiles] = given["absmax"].to(f.absmax.device)
+            if given["bias"] is not None:
+                f.bias[off : off + self.out_features] = given["bias"].to(f.bias.device, f.bias.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"columns {self.fused.offsets[self.index]}..{self.fused.offsets[self.index] + self.out_features - 1} of a fused GEMM")
+
+
+@dataclass
+class FusionSummary:
+    """What :func:`fuse_projections` did: the groups it fused and, for every group it found but
+    left alone, why (both keyed ``"<parent>.<name>/<name>..."``)."""
+
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"fused {len(self.fused)} groups of projections"]
+        lines += [f"  skipped {name}: {why}" for name, why in sorted(self.skipped.items())]
+        return "\n".join(lines)
+
+
+def _incompatibility(parent: nn.Module, names: Sequence[str], parts: Sequence[nn.Module]) -> str | None:
+    """Why ``parts`` cannot share one GEMM, or ``None``."""
+    for name, p in zip(names, parts):
+        if type(p) is not KbitLinear:
+            return f"{name} is a {type(p).__name__}, not a KbitLinear"
+    first = parts[0]
+    if hasattr(parent, _fused_name(names)):
+        return f"the parent already has an attribute {_fused_name(names)!r}"
+    for name, p in zip(names[1:], parts[1:]):
+        if p.in_features != first.in_features:
+            return f"{name} has in_features={p.in_features}, {names[0]} {first.in_features}"
+        if p.bits != first.bits:
+            return f"{name} has bits={p.bits}, {names[0]} {first.bits}"
+        if p.weight.device != first.weight.device or p.weight.dtype != first.weight.dtype:
+            return f"{name}'s weight is {p.weight.dtype} on {p.weight.device}, {names[0]}'s {first.weight.dtype} on {first.weight.device}"
+        if not torch.equal(p.codebook, first.codebook):
+            return f"{name} and {names[0]} have different codebooks"
+        if not torch.equal(p.tensor_scale, first.tensor_scale):
+            return f"{name} and {names[0]} have different tensor scales"
+        if (p.hadamard_signs is None) != (first.hadamard_signs is None) or (
+                p.hadamard_signs is not None and not torch.equal(p.hadamard_signs, first.hadamard_signs)):
+            return f"{name} and {names[0]} have different Hadamard rotations"
+        if p.bias is not None and first.bias is not None and p.bias.dtype != first.bias.dtype:
+            return f"{name}'s bias is {p.bias.dtype}, {names[0]}'s {first.bias.dtype}"
+    if any(p.weight.device.type == "meta" for p in parts):
+        return "its tensors are on the meta device"
+    return None
+
+
+def _check_groups(groups: Any) -> tuple[tuple[str, ...], ...]:
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, (list, tuple)):
+        raise TypeError(f"groups must be a sequence of name tuples, got {type(groups).__name__}")
+    out = []
+    for g in groups:
+        if isinstance(g, (str, bytes)) or not isinstance(g, (list, tuple)) or not all(isinstance(n, str) for n in g):
+            raise TypeError(f"each entry of groups must be a tuple of module names, got {g!r}")
+        if len(g) < 2 or len(set(g)) != len(g):
+            raise ValueError(f"each entry of groups must name at least two distinct modules, got {g!r}")
+        out.append(tuple(g))
+    return tuple(out)
+
+
+def fuse_projections(model: nn.Module, groups: Sequence[Sequence[str]] = DEFAULT_GROUPS) -> FusionSummary:
+    """Fuse sibling ``KbitLinear`` layers that read the same input into one GEMM each, in place.
+
+    For every module with children named as one entry of ``groups`` (all of them ``KbitLinear``
+    with the same in_features, bits, codebook, tensor scale and Hadamard rotation, on one
+    device), the parts' tensors are concatenated into a :class:`FusedKbitLinear` set on the
+    parent as ``fused_<names>`` (``fused_q_k_v``, ``fused_gate_up``), and each part is replaced
+    by a :class:`KbitLinearSlice`. Memory does not grow (the parts' tensors are freed; one group
+    at a time is held twice while it is built). Outputs equal the unfused model's up to the GEMM's
+    rounding (another plan may sum in another order); state dicts are unchanged.
+
+    For inference: the fused tensors, the bias included, are frozen, and adapters (PEFT) need
+    the unfused layers (:func:`unfuse_projections`).
+
+    Args:
+        model: any module (a transformers model after quantization or loading).
+        groups: the sibling names to fuse, each a tuple of two or more child names.
+
+    Returns:
+        A :class:`FusionSummary` (fused groups; groups found but left alone, with the reason).
+
+    Raises:
+        TypeError / ValueError: ``model`` is not a module, or ``groups`` is malformed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    groups = _check_groups(groups)
+    summary = FusionSummary()
+    for parent_name, parent in list(model.named_modules()):
+        for names in groups:
+            parts = [parent._modules.get(n) for n in names]
+            if any(p is None for p in parts):
+                continue
+            where = f"{parent_name}.{'/'.join(names)}" if parent_name else "/".join(names)
+            why = _incompatibility(parent, names, parts)
+            if why is not None:
+                summary.skipped[where] = why
+                continue
+            fused = FusedKbitLinear(parts)
+            parent.add_module(_fused_name(names), fused)
+            for i, n in enumerate(names):
+                setattr(parent, n, KbitLinearSlice(fused, i))
+            summary.fused[where] = names
+    return summary
+
+
+def unfuse_projections(model: nn.Module) -> int:
+    """Give every :class:`KbitLinearSlice` in ``model`` its own ``KbitLinear`` back and drop the
+    fused modules, in place (the inverse of :func:`fuse_projections`, bit for bit).
+
+    Returns:
+        The number of layers restored.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    restored = 0
+    for _, parent in list(model.named_modules()):
+        for name, child in list(parent._modules.items()):
+            if isinstance(child, KbitLinearSlice):
+                setattr(parent, name, child.as_kbit_linear())
+                restored += 1
+        for name, child in list(parent._modules.items()):
+            if isinstance(child, FusedKbitLinear):
+                delattr(parent, name)
+    return restored
+
+
+def kbit_layers(model: nn.Module) -> Iterator[tuple[str, KbitLinear]]:
+    """``(name, layer)`` for every quantized linear layer of ``model`` as a ``KbitLinear``: the
+    model's own, and a standalone copy of each fused part (for metadata and checksums)."""
+    for name, module in model.named_modules():
+        if isinstance(module, KbitLinear):
+            yield name, module
+        elif isinstance(module, KbitLinearSlice):
+            yield name, module.as_kbit_linear()

@@ -1,0 +1,383 @@
+"""Horizontal fusion of sibling projections (kbit_linear.fusion): one GEMM per group, the same
+results, state dicts and checkpoints as the unfused layers.
+
+The CPU tests run the reference GEMM; the ``cuda`` tests compare the fused kernels' output with
+the unfused layers' on the GPU (relative Frobenius error; another plan may sum in another order).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import kbit_linear
+from kbit_linear.fusion import FusedKbitLinear, KbitLinearSlice, fuse_projections, kbit_layers, unfuse_projections
+
+HAS_CUDA = torch.cuda.is_available()
+try:
+    import cupy  # noqa: F401
+except ImportError:
+    HAS_CUDA = False
+
+
+class _Attention(nn.Module):
+    """The call pattern of a decoder layer: q/k/v on one input (q viewed as heads), gate/up on
+    another, then the output projections."""
+
+    def __init__(self, hidden: int = 256, kv: int = 192, inter: int = 320, bias: bool = True) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x).view(*x.shape[:-1], 4, -1).transpose(-2, -3)
+        k, v = self.k_proj(x), self.v_proj(x)
+        h = x + self.o_proj(q.transpose(-2, -3).flatten(-2)) + (k * v).sum(-1, keepdim=True) / k.shape[-1]
+        return h + self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class _Model(nn.Module):
+    def __init__(self, layers: int = 2, **kw) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Attention(**kw) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _quantized(bits: int = 4, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, **kw) -> _Model:
+    torch.manual_seed(seed)
+    model = _Model(**kw).to(device=device, dtype=dtype)
+    kbit_linear.quantize_model(model, bits=bits, codebook=None, progress=False)
+    return model
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y, ref = y.detach().float(), ref.detach().float()
+    return float((y - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_fused_model_matches_the_unfused_one(bits: int) -> None:
+    model = _quantized(bits)
+    ref_model = copy.deepcopy(model)
+    summary = fuse_projections(model)
+    assert set(summary.fused) == {f"layers.{i}.{g}" for i in range(2) for g in ("q_proj/k_proj/v_proj", "gate_proj/up_proj")}
+    assert not summary.skipped
+    layer = model.layers[0]
+    assert isinstance(layer.q_proj, KbitLinearSlice) and isinstance(layer.fused_q_k_v, FusedKbitLinear)
+    # k_proj (192 wide) keeps its padding: v starts on the next 128-feature tile
+    assert layer.fused_q_k_v.offsets == (0, 256, 512) and layer.fused_q_k_v.out_features == 512 + 192
+    x = torch.randn(3, 5, 256)
+    torch.testing.assert_close(model(x), ref_model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_each_part_equals_its_own_layer_and_the_group_runs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _quantized()
+    ref = copy.deepcopy(model.layers[0])
+    fuse_projections(model)
+    layer = model.layers[0]
+    fused = layer.fused_q_k_v
+    calls = []
+    forward = FusedKbitLinear.forward
+    monkeypatch.setattr(FusedKbitLinear, "forward", lambda self, x: calls.append(1) or forward(self, x))
+    x, other = torch.randn(4, 256), torch.randn(4, 256)
+    # any order; each part once on the same tensor: one GEMM
+    for name in ("v_proj", "q_proj", "k_proj"):
+        torch.testing.assert_close(getattr(layer, name)(x), getattr(ref, name)(x), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1
+    assert fused._input is None and fused._output is None  # nothing held once every part is served
+    # a part called twice on one tensor, or on another tensor, computes again (and is still right)
+    torch.testing.assert_close(layer.q_proj(x), ref.q_proj(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.q_proj(x), ref.q_proj(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.k_proj(other), ref.k_proj(other), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.v_proj(x), ref.v_proj(x), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 5  # q, q again, k on another tensor, v (the pending product is k's input's)
+    with pytest.raises(ValueError, match="in_features=256"):
+        layer.q_proj(torch.randn(2, 255))
+
+
+def test_state_dict_load_and_unfuse_are_bit_identical() -> None:
+    model = _quantized(seed=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fuse_projections(model)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for k in before:
+        assert torch.equal(after[k], before[k]), k
+    # load another model's state dict into the fused model: it computes as that model
+    other = _quantized(seed=4)
+    model.load_state_dict(other.state_dict())
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(model(x), other(x), rtol=1e-5, atol=1e-5)
+    assert unfuse_projections(model) == 10
+    assert not any(isinstance(m, (KbitLinearSlice, FusedKbitLinear)) for m in model.modules())
+    for k, v in other.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_loading_a_mismatched_state_dict_fails_loudly() -> None:
+    model = _quantized()
+    fuse_projections(model)
+    sd = model.state_dict()
+    bad = dict(sd)
+    bad["layers.0.k_proj.codebook"] = bad["layers.0.k_proj.codebook"] * 0.5
+    with pytest.raises(RuntimeError, match="unfuse_projections"):
+        model.load_state_dict(bad)
+    bad = dict(sd)
+    bad["layers.0.v_proj.weight"] = bad["layers.0.v_proj.weight"][:, :1]
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        model.load_state_dict(bad)
+    bad = dict(sd)
+    del bad["layers.1.up_proj.absmax"]
+    with pytest.raises(RuntimeError, match="layers.1.up_proj.absmax"):
+        model.load_state_dict(bad)
+    bad = dict(sd)
+    bad["layers.0.q_proj.absmax"] = bad["layers.0.q_proj.absmax"].float()
+    with pytest.raises(RuntimeError, match="dtype"):
+        model.load_state_dict(bad)
+
+
+def test_groups_that_cannot_share_a_gemm_are_left_apart_with_the_reason() -> None:
+    torch.manual_seed(0)
+    model = _Model(layers=1)
+    kbit_linear.quantize_model(model, bits=4, codebook="fitted", progress=False)  # levels per weight
+    summary = fuse_projections(model)
+    assert not summary.fused
+    assert "different codebooks" in summary.skipped["layers.0.q_proj/k_proj/v_proj"]
+    model = _Model(layers=1)
+    kbit_linear.quantize_model(model, bits=4, codebook=None, progress=False, skip=["k_proj"])
+    model.layers[0].up_proj = kbit_linear.KbitLinear.from_linear(nn.Linear(256, 320), bits=3)
+    summary = fuse_projections(model)
+    assert "not a KbitLinear" in summary.skipped["layers.0.q_proj/k_proj/v_proj"]
+    assert "bits=3" in summary.skipped["layers.0.gate_proj/up_proj"]
+    with pytest.raises(TypeError, match="groups"):
+        fuse_projections(model, groups="q_proj")
+    with pytest.raises(ValueError, match="two distinct"):
+        fuse_projections(model, groups=[("q_proj", "q_proj")])
+    with pytest.raises(TypeError, match="model"):
+        fuse_projections("model")
+
+
+def test_dtype_casts_keep_the_format_and_the_group() -> None:
+    model = _quantized()
+    fuse_projections(model)
+    x = torch.randn(2, 256)
+    ref = model(x)
+    model.to(torch.bfloat16)
+    fused = model.layers[0].fused_q_k_v
+    assert fused.codebook.dtype == torch.float32 and fused.tensor_scale.dtype == torch.float32
+    assert fused.bias.dtype == torch.bfloat16 and model.layers[0].q_proj.bias.dtype == torch.bfloat16
+    assert _rel_err(model(x.bfloat16()), ref) < 3e-2
+
+
+def test_quantize_model_fuse_shares_fitted_levels_per_group() -> None:
+    torch.manual_seed(1)
+    model = _Model(layers=2)
+    ref = copy.deepcopy(model)
+    summary = kbit_linear.quantize_model(model, bits=4, fuse=True, progress=False)  # default: fitted levels
+    assert len(summary.fusion.fused) == 4 and not summary.fusion.skipped
+    assert "fused 4 groups" in str(summary)
+    layer = model.layers[0]
+    assert not torch.equal(layer.fused_q_k_v.codebook, layer.fused_gate_up.codebook)  # fitted per group
+    # one set of levels fitted to the group is about as good as one per layer
+    apart = copy.deepcopy(ref)
+    kbit_linear.quantize_model(apart, bits=4, progress=False)
+    x = torch.randn(8, 256)
+    err_fused, err_apart = _rel_err(model(x), ref(x)), _rel_err(apart(x), ref(x))
+    assert err_fused < 1.5 * err_apart
+    with pytest.raises(ValueError, match="hadamard_search"):
+        kbit_linear.quantize_model(copy.deepcopy(ref), bits=3, fuse=True, hadamard=True, hadamard_search=2, progress=False)
+    with pytest.raises(TypeError, match="fuse"):
+        kbit_linear.quantize_model(copy.deepcopy(ref), bits=3, fuse=1, progress=False)
+
+
+def test_quantize_model_fuse_with_hadamard_shares_the_rotation() -> None:
+    torch.manual_seed(2)
+    model = _Model(layers=1)
+    ref = copy.deepcopy(model)
+    summary = kbit_linear.quantize_model(model, bits=3, fuse=True, hadamard=True, progress=False)
+    assert len(summary.fusion.fused) == 2
+    assert model.layers[0].fused_q_k_v.hadamard_signs is not None
+    x = torch.randn(4, 256)
+    assert _rel_err(model(x), ref(x)) < 0.3
+
+
+def test_save_quantized_and_load_into_a_fused_model(tmp_path) -> None:
+    model = _quantized(seed=5)
+    unfused_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    fuse_projections(model)
+    path = kbit_linear.save_quantized(model, tmp_path / "m.safetensors")
+    # into a dense model: the layers come back as KbitLinear, equal to the unfused ones
+    torch.manual_seed(9)
+    dense = _Model()
+    kbit_linear.load_into(dense, path)
+    for k, v in unfused_sd.items():
+        assert torch.equal(dense.state_dict()[k], v), k
+    # into a fused model (another one): it computes as the saved one
+    target = _quantized(seed=6)
+    fuse_projections(target)
+    kbit_linear.load_into(target, path)
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(target(x), model(x), rtol=1e-5, atol=1e-5)
+    names = [n for n, _ in kbit_layers(model)]
+    assert "layers.0.q_proj" in names and "layers.1.down_proj" in names and len(names) == 14
+
+
+def test_compiled_model_calls_one_gemm_per_group() -> None:
+    model = _quantized(seed=7)
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        ref = model(x)
+    fuse_projections(model)
+    gemms: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        gemms.append(sum(1 for n in gm.graph.nodes if "kbit_linear.gemm" in str(n.target)))
+        return gm
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, fullgraph=True)(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert gemms == [2 * 4]  # per layer: q/k/v, o, gate/up, down
+    assert model.layers[0].fused_q_k_v._input is None
+
+
+# ---------------------------------------------------------------------------------------
+# transformers models
+# ---------------------------------------------------------------------------------------
+
+
+def _tiny_llama(seed: int = 0) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=96, intermediate_size=200, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_transformers_llama_fused_generates_as_unfused() -> None:
+    model = _tiny_llama()
+    summary = kbit_linear.quantize_model(model, bits=4, fuse=True, progress=False)
+    assert len(summary.fusion.fused) == 4  # two layers: q/k/v (k/v 48 wide, padded) and gate/up
+    apart = copy.deepcopy(model)
+    unfuse_projections(apart)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, apart(ids).logits, rtol=1e-4, atol=1e-4)
+        kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+        assert torch.equal(model.generate(ids, **kw), apart.generate(ids, **kw))
+
+
+def test_transformers_save_and_reload_with_fuse(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    _tiny_llama(seed=2).save_pretrained(tmp_path / "dense")
+    config = kbit_linear.KbitConfig(bits=4, codebook=None, fuse=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dense"), quantization_config=config)
+    assert len(model.kbit_fusion.fused) == 4 and isinstance(model.model.layers[0].self_attn.k_proj, KbitLinearSlice)
+    model.save_pretrained(tmp_path / "q")
+    stored = (tmp_path / "q" / "config.json").read_text()
+    assert '"fuse": true' in stored and "fused_q_k_v" not in stored
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "q"))
+    assert len(again.kbit_fusion.fused) == 4
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
+    # the stored config fuses again at load (transformers keeps a checkpoint's own quantization
+    # config); unfuse_projections gives the separate layers back
+    assert unfuse_projections(again) == 10
+    assert type(again.model.layers[0].self_attn.k_proj) is kbit_linear.KbitLinear
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: the fused kernels against the unfused layers
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and CuPy")
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_kernels_match_the_unfused_layers_on_the_gpu(bits: int, dtype: torch.dtype) -> None:
+    model = _quantized(bits, device="cuda", dtype=dtype, seed=bits, hidden=512, kv=192, inter=1408)
+    ref = copy.deepcopy(model)
+    assert len(fuse_projections(model).fused) == 4
+    for m in (1, 5, 16, 17, 40, 300):
+        x = torch.randn(m, 512, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            y, r = model(x), ref(x)
+        assert torch.isfinite(y).all()
+        assert _rel_err(y, r) < 2e-2, (m, _rel_err(y, r))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and CuPy")
+def test_fused_model_under_cuda_graphs_and_device_moves() -> None:
+    model = _quantized(4, device="cuda", dtype=torch.float16, seed=11, hidden=512, kv=128, inter=1024)
+    ref = copy.deepcopy(model)
+    fuse_projections(model)
+    x = torch.randn(4, 512, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        want = ref(x)
+        model(x)  # compile the kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(x)
+        out.fill_(float("nan"))
+        graph.replay()
+    assert _rel_err(out, want) < 2e-2
+    # to the CPU (planes) and back (pair codes at 4 bits): still one copy, still right
+    model.cpu()
+    assert model.layers[0].fused_q_k_v.weight.dtype == torch.int32
+    model.cuda()
+    with torch.no_grad():
+        assert _rel_err(model(x), want) < 2e-2
+
+
+def test_transformers_quantize_at_load_fits_each_group_together(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    dense = _tiny_llama(seed=4)
+    dense.save_pretrained(tmp_path / "dense")
+    ref = copy.deepcopy(dense)
+    summary = kbit_linear.quantize_model(ref, bits=4, fuse=True, progress=False)  # fitted levels, one set per group
+    assert len(summary.fusion.fused) == 4
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dense"),
+                                                              quantization_config=kbit_linear.KbitConfig(bits=4, fuse=True))
+    assert len(model.kbit_fusion.fused) == 4 and not model.kbit_fusion.skipped
+    # the same tensors as quantize_model's (the loader's order does not matter)
+    got, want = model.state_dict(), ref.state_dict()
+    for k, v in want.items():
+        if "layers" in k and "proj" in k:
+            assert torch.equal(got[k], v), k
+    with pytest.raises(ValueError, match="hadamard_search"):
+        kbit_linear.KbitConfig(bits=3, fuse=True, hadamard=True, hadamard_search=2)
+
+
+def test_transformers_quantize_at_load_with_a_sibling_missing_from_the_checkpoint(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    _tiny_llama(seed=5).save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    kept_q = tensors["model.layers.0.self_attn.q_proj.weight"].clone()
+    del tensors["model.layers.0.self_attn.v_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), quantization_config=kbit_linear.KbitConfig(bits=4, fuse=True))
+    # q_proj waited for v_proj, which never came: it is quantized from its real weight after loading
+    q = model.model.layers[0].self_attn.q_proj
+    assert _rel_err(q.dequantize(), kept_q) < 0.15
