@@ -13,6 +13,7 @@ from .backends import cuda as _cuda_backend  # noqa: F401  (CUDA implementations
 from .backends import cpu as _cpu_backend  # noqa: F401
 from .calibration import Calibration
 from .experts import KbitExperts
+from .fusion import fuse_projections, unfuse_projections
 from .format import KbitWeight, create_normal_float_codebook, dequantize, matmul, quantize
 from .gguf_linear import GGUFEmbedding, GGUFLinear
 from .gguf_loader import load_gguf  # imports gguf and the transformers GGUF reader only when called
@@ -37,6 +38,7 @@ __all__ = [
     "QuantizationSummary",
     "create_normal_float_codebook",
     "dequantize",
+    "fuse_projections",
     "load_gguf",
     "load_into",
     "load_quantized",
@@ -45,6 +47,7 @@ __all__ = [
     "quantize_model",
     "save_quantized",
     "shard_for_tensor_parallel",
+    "unfuse_projections",
 ]
 
 try:

@@ -57,7 +57,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402  (needs the path above)
 
-MODELS = ["bf16", "kbit2", "kbit3", "kbit4", "kbit5", "bnb-nf4"]
+MODELS = ["bf16", "kbit2", "kbit3", "kbit4", "kbit5", "kbit4-fused", "bnb-nf4"]
 QUICK_MODELS = ["bf16", "kbit4"]
 SKIP = ["lm_head"]
 
@@ -145,10 +145,12 @@ def quantize_bnb(model: nn.Module, bnb: Any, skip: list[str]) -> nn.Module:
     return model
 
 
-def quantize_kbit(model: nn.Module, bits: int, skip: list[str]) -> nn.Module:
-    """kbit_linear's own model patcher, in place."""
+def quantize_kbit(model: nn.Module, bits: int, skip: list[str], fuse: bool = False) -> nn.Module:
+    """kbit_linear's own model patcher, in place (``fuse``: q/k/v and gate/up as one GEMM each)."""
     quantize_model = bc.kbit_api("quantize_model")
     kwargs: dict[str, Any] = {"bits": bits, "skip": skip}
+    if fuse:
+        kwargs["fuse"] = True
     if "progress" in inspect.signature(quantize_model).parameters:
         kwargs["progress"] = False
     out = quantize_model(model, **kwargs)
@@ -159,7 +161,7 @@ def build_variant(name: str, config: Any, device: torch.device, libs: dict[str, 
     """The model for variant ``name`` (one of ``MODELS``), with attention implementation ``attn``."""
     model = build_bf16(config, device, attn=attn)
     if name.startswith("kbit"):
-        quantize_kbit(model, int(name[4:]), SKIP)
+        quantize_kbit(model, int(name[4]), SKIP, fuse=name.endswith("-fused"))
     elif name == "bnb-nf4":
         quantize_bnb(model, libs["bitsandbytes"], SKIP)
     elif name != "bf16":
