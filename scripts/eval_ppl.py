@@ -123,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --hadamard, sign vectors tried per layer (the least quantization error is kept)")
     p.add_argument("--hadamard", choices=["off", "on", "both"], default="off",
                    help="kbit rows without the randomized Hadamard rotation (off), with it (on), or both")
+    p.add_argument("--fuse", choices=["off", "on", "both"], default="off",
+                   help="kbit rows with each layer's own levels (off), with q/k/v and gate/up quantized with one set "
+                        "of levels per group and fused into one GEMM (on: KbitConfig / quantize_model fuse=True), or both")
     p.add_argument("--out", type=Path, help="also write the table (with date, command and machine) to this markdown file")
     return p.parse_args(argv)
 
@@ -234,13 +237,16 @@ def main(argv: list[str] | None = None) -> int:
 
     def kbit_rows(label: str, width: dict) -> None:
         """The kbit rows of one width setting (``{"bits": K}`` or ``{"target_bpw": t}``)."""
-        for option, search, rotate in [] if args.no_kbit else [(o, s, r) for o in options for s in searches for r in rotations]:
+        for option, search, rotate, fuse in [] if args.no_kbit else [
+                (o, s, r, f) for o in options for s in searches for r in rotations for f in fusions]:
             name = label + (f", {CODEBOOK_LABELS[option]}" if option != "nf" else "") + (", scale search" if search else "") + (", Hadamard" if rotate else "")
+            name += ", fused" if fuse else ""
             if rotate and args.hadamard_search > 1:
                 name += f" (best of {args.hadamard_search} signs)"
             cb = {"codebook": None if option == "nf" else option}  # None: the normal-float levels (not the default)
             if False in calibrations:
-                config = KbitConfig(**width, **cb, scale_search=search, hadamard=rotate, hadamard_search=args.hadamard_search)
+                config = KbitConfig(**width, **cb, scale_search=search, hadamard=rotate, hadamard_search=args.hadamard_search,
+                                    **({"fuse": True} if fuse else {}))
                 model, load_s = _load(path, DTYPES[args.quantize_dtype], device, config, causal=causal)
                 model.to(dtype)  # casts what stayed dense; the quantized tensors keep their dtypes
                 report(name, f"{stored_bits_per_weight(model):.2f}", model, load_s, "quantized at load")
@@ -252,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 calib = Calibration(tokenizer=tokenizer, num_sequences=args.calib_sequences, seq_len=args.calib_len,
                                     act_order=act_order)
                 quantize_model(model, **width, **cb, scale_search=search, calibration=calib, hadamard=rotate,
-                               hadamard_search=args.hadamard_search)
+                               hadamard_search=args.hadamard_search, **({"fuse": True} if fuse else {}))
                 quantize_s = time.perf_counter() - start
                 model.to(dtype)
                 report(f"{name}, calibrated" + ("" if act_order else ", in-feature order"), f"{stored_bits_per_weight(model):.2f}",
@@ -264,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     calibrations = {"off": [False], "on": [True], "both": [False, True]}[args.calibration]
     act_orders = {"off": [False], "on": [True], "both": [True, False]}[args.act_order]
     rotations = {"off": [False], "on": [True], "both": [False, True]}[args.hadamard]
+    fusions = {"off": [False], "on": [True], "both": [False, True]}[args.fuse]
     options = list(dict.fromkeys(o for c in args.codebook for o in (("nf", "fitted") if c == "both" else (c,))))
     for bits in args.bits:
         kbit_rows(f"kbit K={bits}", {"bits": bits})

@@ -381,3 +381,16 @@ def test_transformers_quantize_at_load_with_a_sibling_missing_from_the_checkpoin
     # q_proj waited for v_proj, which never came: it is quantized from its real weight after loading
     q = model.model.layers[0].self_attn.q_proj
     assert _rel_err(q.dequantize(), kept_q) < 0.15
+
+
+def test_adapters_need_the_unfused_layers() -> None:
+    peft = pytest.importorskip("peft")
+    from kbit_linear.integrations.peft import register_lora_layers
+
+    model = _quantized()
+    fuse_projections(model)
+    with pytest.raises(ValueError, match="unfuse_projections"):
+        register_lora_layers(peft.LoraConfig(r=4, target_modules="all-linear"), model)
+    unfuse_projections(model)
+    config = register_lora_layers(peft.LoraConfig(r=4, target_modules="all-linear"), model)
+    assert "layers.0.q_proj" in config.target_modules

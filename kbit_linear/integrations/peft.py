@@ -44,6 +44,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without peft
     raise ImportError("kbit_linear.integrations.peft needs PEFT: pip install peft") from exc
 
+from ..fusion import KbitLinearSlice
 from ..linear import KbitLinear
 
 __all__ = ["KbitLoraLinear", "register_lora_layers", "load_adapter"]
@@ -119,6 +120,8 @@ def register_lora_layers(config: "peft.LoraConfig", model: nn.Module | None = No
     """
     if not isinstance(config, peft.LoraConfig):
         raise TypeError(f"config must be a peft.LoraConfig, got {type(config).__name__}")
+    if model is not None:
+        _refuse_fused(model)
     targets = config.target_modules
     if isinstance(targets, str) and targets.lower() == "all-linear":
         if model is None:
@@ -127,6 +130,15 @@ def register_lora_layers(config: "peft.LoraConfig", model: nn.Module | None = No
         config.target_modules = _all_linear_names(model)
     config._register_custom_module({KbitLinear: KbitLoraLinear})
     return config
+
+
+def _refuse_fused(model: nn.Module) -> None:
+    """Refuse a model with fused projections (:mod:`kbit_linear.fusion`): PEFT wraps single
+    layers, and a fused part is a slice of a shared GEMM that no adapter could be added to."""
+    fused = [n for n, m in model.named_modules() if isinstance(m, KbitLinearSlice)]
+    if fused:
+        raise ValueError(f"the model runs fused projections ({', '.join(fused[:3])}{' ...' if len(fused) > 3 else ''}): "
+                         "call kbit_linear.unfuse_projections(model) before adding adapters")
 
 
 def _all_linear_names(model: nn.Module) -> set[str]:
@@ -154,4 +166,4 @@ def load_adapter(model: nn.Module, adapter: str | os.PathLike[str], adapter_name
     params = inspect.signature(peft.PeftModel.from_pretrained).parameters
     if "config" not in params:  # pragma: no cover - every PEFT this supports has it
         raise RuntimeError("this PEFT version's PeftModel.from_pretrained takes no config")
-    return peft.PeftModel.from_pretrained(model, adapter, adapter_name=adapter_name, config=register_lora_layers(config), **kwargs)
+    return peft.PeftModel.from_pretrained(model, adapter, adapter_name=adapter_name, config=register_lora_layers(config, model), **kwargs)

@@ -208,16 +208,15 @@ def stored_bits_per_weight(model: nn.Module) -> float | None:
     Returns:
         The ratio, or ``None`` when the model has no quantized layer.
     """
-    from ..linear import KbitLinear
+    from ..fusion import kbit_layers
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     stored, weights = 0, 0
-    for module in model.modules():
-        if isinstance(module, KbitLinear):
-            tensors = (module.weight, module.absmax, module.codebook, module.tensor_scale, module.hadamard_signs)
-            stored += sum(t.numel() * t.element_size() for t in tensors if t is not None)
-            weights += module.in_features * module.out_features
+    for _, module in kbit_layers(model):  # fused parts counted as the layers they are
+        tensors = (module.weight, module.absmax, module.codebook, module.tensor_scale, module.hadamard_signs)
+        stored += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        weights += module.in_features * module.out_features
     return 8 * stored / weights if weights else None
 
 
