@@ -394,3 +394,22 @@ def test_adapters_need_the_unfused_layers() -> None:
     unfuse_projections(model)
     config = register_lora_layers(peft.LoraConfig(r=4, target_modules="all-linear"), model)
     assert "layers.0.q_proj" in config.target_modules
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_models_fuse_their_attention_projections(family: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    config = (transformers.Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=40, head_dim=16, num_experts=6,
+                                          num_experts_per_tok=3) if family == "qwen3_moe"
+              else transformers.MixtralConfig(**common, intermediate_size=80, num_local_experts=4, num_experts_per_tok=2))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    summary = kbit_linear.quantize_model(model, bits=4, fuse=True, progress=False)
+    assert set(summary.fusion.fused) == {f"model.layers.{i}.self_attn.q_proj/k_proj/v_proj" for i in range(2)}
+    assert len(summary.experts) == 2  # the experts are quantized as before, not fused
+    apart = copy.deepcopy(model)
+    unfuse_projections(apart)
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, apart(ids).logits, rtol=1e-4, atol=1e-4)
