@@ -13,11 +13,15 @@ that the kernels are compiled and the plans cached before the profiled call.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
-import kbit_linear
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench_common  # noqa: E402,F401  (puts the repository on sys.path)
+import kbit_linear  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
