@@ -9,18 +9,26 @@ once and streams the same bytes.
 :func:`fuse_projections` puts one :class:`FusedKbitLinear` (the concatenated tensors: the only
 copy in memory) beside each such group in the parent module and a :class:`KbitLinearSlice` in
 each part's place. The first slice called with an input computes the fused product; the others,
-called with the same tensor object, take their columns of it. A slice called with another input
-(or twice) computes the product again, so the result is right whatever the parent does; it is
-only fast when the parent calls every part on the same tensor, as decoder layers do.
+called with the same tensor object during the same call of the parent module, take their
+columns of it. Hooks on the parent mark its calls and drop the pending product before and after
+each. A slice called with another input (or twice, or after the input was changed in place, or
+in another grad mode), or outside a call of its parent, computes the product again, so the result
+is right whatever the caller does; it is only fast when the parent calls every part on the same
+tensor, as decoder layers do. (Under ``torch.compile`` a part is so only ever served a product of
+the same call of the parent.) Cross-attention modules are not fused: their query and key/value
+projections read different inputs.
 
 Layout: the tiled weight is ``[K_pad/64, N_pad/128, 128, 2, bits]`` (``docs/format.md``), so the
 parts concatenate along dimension 1, whole 128-feature tiles each; a part whose width is not a
 multiple of 128 keeps its zero padding inside the fused weight and its columns start on a tile.
 
-State dicts, checkpoints and ``load_state_dict`` see the parts as the ``KbitLinear`` layers they
-were (the same keys and tensors, bit for bit); the fused module adds no keys. :func:`unfuse_projections`
-gives the ``KbitLinear`` layers back (for PEFT, tensor-parallel sharding or anything else that
-works on single layers).
+State dicts and checkpoints see the parts as the ``KbitLinear`` layers they were (the same keys
+and tensors, bit for bit, as copies); the fused module adds no keys. ``load_state_dict`` writes
+each part's tensors into the fused ones, where the state dict's shared tensors (levels, tensor
+scale, rotation) are the group's: a state dict of the same model, or of one quantized with
+``fuse=True`` from the same weights; other state dicts need the unfused layers.
+:func:`unfuse_projections` gives the ``KbitLinear`` layers back (for PEFT, tensor-parallel
+sharding or anything else that works on single layers).
 
 The slices hand out column views of the fused output (not contiguous); ``view`` calls that
 split the last dimension, as attention layers do, work on them.
@@ -45,6 +53,10 @@ __all__ = ["DEFAULT_GROUPS", "FusedKbitLinear", "FusionSummary", "KbitLinearSlic
 # Sibling names that decoder layers call on one input: attention's q/k/v, the gated MLP's gate/up.
 DEFAULT_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
+# Parent classes whose name ends so (lower case) are cross-attention (transformers' Bert/T5/Bart
+# families set ``is_cross_attention`` instead, or name the module ``encoder_attn``: both checked).
+_CROSS_ATTENTION_SUFFIXES = ("crossattention", "cross_attention")
+
 # The state-dict tensors of one part, in KbitLinear's order (parameters, then buffers).
 _PART_TENSORS = ("weight", "bias", "absmax", "codebook", "tensor_scale", "hadamard_signs")
 
@@ -57,9 +69,10 @@ def _fused_name(names: Sequence[str]) -> str:
 class FusedKbitLinear(nn.Module):
     """The concatenated weight of sibling ``KbitLinear`` layers, computed as one GEMM.
 
-    Holds what a ``KbitLinear`` of ``out_features`` = the parts' tile-aligned total holds
-    (``weight``, ``absmax``, ``codebook``, ``tensor_scale``, ``bias``, ``hadamard_signs``), and
-    where each part's columns are. Its tensors are not in state dicts: the parts'
+    Holds what a ``KbitLinear`` of ``out_features`` columns holds (``weight``, ``absmax``,
+    ``codebook``, ``tensor_scale``, ``bias``, ``hadamard_signs``; each part starts on a 128-column
+    tile, so ``out_features`` = the last part's offset + its width), and where each part's
+    columns are. Its tensors are not in state dicts: the parts'
     :class:`KbitLinearSlice` modules save and load their own pieces of them.
 
     Build it with :func:`fuse_projections`; calling it returns the whole fused product.
@@ -78,6 +91,9 @@ class FusedKbitLinear(nn.Module):
         self.widths: tuple[int, ...] = tuple(p.out_features for p in parts)
         self.out_features = offsets[-1] + parts[-1].out_features
         self.part_biased: tuple[bool, ...] = tuple(p.bias is not None for p in parts)
+        # what unfusing gives back: the fused bias is frozen (inference), the parts' were perhaps not
+        self.part_bias_grad: tuple[bool, ...] = tuple(p.bias is not None and p.bias.requires_grad for p in parts)
+        self.train(first.training)
         with torch.no_grad():
             self.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts], dim=1), requires_grad=False)
             self.register_buffer("absmax", torch.cat([p.absmax for p in parts], dim=1))
@@ -93,11 +109,14 @@ class FusedKbitLinear(nn.Module):
                 self.bias = nn.Parameter(bias, requires_grad=False)
             else:
                 self.register_parameter("bias", None)
-        # The product of the last input, until every part has taken its columns (plain Python
-        # state: torch.compile traces it away, eager calls keep it for one layer at most).
+        # The product of the last input, until every part has taken its columns or the parent's
+        # call ends (plain Python state: torch.compile traces it away).
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
+        self._key: object = None
         self._taken = 0
+        self._in_parent_call = False  # set by the parent's hooks (fuse_projections)
+        self._hooks: list[Any] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The fused product ``x @ [W_0; W_1; ...]^T + bias``: ``[..., out_features]``, each part's
@@ -108,25 +127,50 @@ class FusedKbitLinear(nn.Module):
             x = _ops.hadamard_rotate(x, self.hadamard_signs)
         return _ops.gemm(x, self.weight, self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features, self.bias)
 
+    @staticmethod
+    def _key_of(x: torch.Tensor) -> object:
+        """What besides its identity must match for ``x``'s pending product to be served: the
+        grad mode and, in eager mode, the tensor's version counter (an in-place change bumps it;
+        inference tensors have none and cannot be changed in place outside inference mode)."""
+        if torch.compiler.is_compiling():
+            return torch.is_grad_enabled()
+        return torch.is_grad_enabled(), -1 if x.is_inference() else x._version
+
     def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Part ``index``'s output for ``x``: its columns of the fused product, computed here unless
-        the product of this very tensor is pending and the part has not taken its columns yet."""
+        the product of this very tensor (unchanged, same grad mode) is pending and the part has
+        not taken its columns yet."""
+        off = self.offsets[index]
+        if not self._in_parent_call:  # called from elsewhere: nothing to share with
+            return self(x)[..., off : off + self.widths[index]]
         bit = 1 << index
-        if self._input is not x or self._taken & bit:
+        key = self._key_of(x)
+        if self._input is not x or self._key != key or self._taken & bit:
             self._output = self(x)
-            self._input = x
+            self._input, self._key = x, key
             self._taken = 0
         out = self._output
         self._taken |= bit
         if self._taken == (1 << len(self.offsets)) - 1:  # every part served: hold nothing
-            self._input = self._output = None
-            self._taken = 0
-        off = self.offsets[index]
+            self.drop_pending()
         return out[..., off : off + self.widths[index]]
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FusedKbitLinear":
-        self._input = self._output = None  # a pending product on the old device is no use
+    def drop_pending(self) -> None:
+        """Forget the pending product (before and after each call of the parent, after loading,
+        on device moves)."""
+        self._input = self._output = self._key = None
         self._taken = 0
+
+    def _parent_call_starts(self, module: nn.Module, args: Any) -> None:
+        self.drop_pending()
+        self._in_parent_call = True
+
+    def _parent_call_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.drop_pending()
+        self._in_parent_call = False
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FusedKbitLinear":
+        self.drop_pending()  # a pending product on the old device is no use
         _apply_keeping_float32(self, _FLOAT32_BUFFERS, fn, recurse)
         weight_layout.adopt(self.weight, self.bits)
         return self
@@ -155,6 +199,7 @@ class KbitLinearSlice(nn.Module):
         super().__init__()
         self.__dict__["_fused"] = fused  # a reference, not a child: the parent owns the fused module
         self.index = index
+        self.train(fused.training)
         self.in_features = fused.in_features
         self.out_features = fused.widths[index]
         self.bits = fused.bits
@@ -187,13 +232,14 @@ class KbitLinearSlice(nn.Module):
         return slice(first, first + fmt.padded_shape(self.out_features, self.in_features)[0] // fmt.TILE_N)
 
     def part_tensors(self) -> dict[str, torch.Tensor | None]:
-        """This part's tensors as a ``KbitLinear`` of its shape holds them (copies; ``weight`` as
-        bit-planes, the stored form)."""
-        f, tiles, off = self.fused, self._tiles(), self.fused.offsets[self.index]
+        """This part's tensors as a ``KbitLinear`` of its shape holds them: new copies at every
+        call (``weight`` as bit-planes, the stored form), so a state dict of a fused model holds
+        a copy of each grouped weight while it lives."""
+        f, tiles = self.fused, self._tiles()
         return {
-            "weight": weight_layout.storage_form(f.weight.detach()[:, tiles].contiguous()),
+            "weight": weight_layout.storage_form(f.weight.detach()[:, tiles].clone()),
             "bias": None if self.bias is None else self.bias.detach().clone(),
-            "absmax": f.absmax[:, tiles].contiguous(),
+            "absmax": f.absmax[:, tiles].clone(),
             "codebook": f.codebook.clone(),
             "tensor_scale": f.tensor_scale.clone(),
             "hadamard_signs": None if f.hadamard_signs is None else f.hadamard_signs.clone(),
@@ -209,7 +255,8 @@ class KbitLinearSlice(nn.Module):
             if t[name] is not None:
                 setattr(layer, name, t[name])
         if t["bias"] is not None:
-            layer.bias = nn.Parameter(t["bias"], requires_grad=False)
+            layer.bias = nn.Parameter(t["bias"], requires_grad=self.fused.part_bias_grad[self.index])
+        layer.train(self.training)
         return layer
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -230,6 +277,8 @@ class KbitLinearSlice(nn.Module):
             return
         mine = self.part_tensors()
         given = {name: state_dict.get(prefix + name) for name in _PART_TENSORS}
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in _PART_TENSORS)
         for name, have in mine.items():
             if (have is None) != (given[name] is None):
                 (missing_keys if have is not None else unexpected_keys).append(prefix + name)
@@ -246,6 +295,7 @@ class KbitLinearSlice(nn.Module):
                                   "call kbit_linear.unfuse_projections(model) before loading it")
                 return
         tiles, off = self._tiles(), f.offsets[self.index]
+        f.drop_pending()  # a product of the old weights
         with torch.no_grad():
             if given["weight"] is not None:
                 f.weight[:, tiles] = weight_layout.device_form(given["weight"].to(f.weight.device), self.bits)
@@ -275,9 +325,15 @@ class FusionSummary:
 
 def _incompatibility(parent: nn.Module, names: Sequence[str], parts: Sequence[nn.Module]) -> str | None:
     """Why ``parts`` cannot share one GEMM, or ``None``."""
+    if all(isinstance(p, KbitLinearSlice) for p in parts):
+        return "already fused"
+    if getattr(parent, "is_cross_attention", False) or type(parent).__name__.lower().endswith(_CROSS_ATTENTION_SUFFIXES):
+        return "cross-attention: its query and key/value projections read different inputs"
     for name, p in zip(names, parts):
         if type(p) is not KbitLinear:
             return f"{name} is a {type(p).__name__}, not a KbitLinear"
+        if p._forward_hooks or p._forward_pre_hooks or p._backward_hooks or p._backward_pre_hooks:
+            return f"{name} has hooks, which a fused part would no longer run"
     first = parts[0]
     if hasattr(parent, _fused_name(names)):
         return f"the parent already has an attribute {_fused_name(names)!r}"
@@ -295,8 +351,11 @@ def _incompatibility(parent: nn.Module, names: Sequence[str], parts: Sequence[nn
         if (p.hadamard_signs is None) != (first.hadamard_signs is None) or (
                 p.hadamard_signs is not None and not torch.equal(p.hadamard_signs, first.hadamard_signs)):
             return f"{name} and {names[0]} have different Hadamard rotations"
-        if p.bias is not None and first.bias is not None and p.bias.dtype != first.bias.dtype:
-            return f"{name}'s bias is {p.bias.dtype}, {names[0]}'s {first.bias.dtype}"
+
+    biases = [(n, p.bias) for n, p in zip(names, parts) if p.bias is not None]
+    for name, b in biases[1:]:
+        if b.dtype != biases[0][1].dtype or b.device != biases[0][1].device:
+            return f"{name}'s bias is {b.dtype} on {b.device}, {biases[0][0]}'s {biases[0][1].dtype} on {biases[0][1].device}"
     if any(p.weight.device.type == "meta" for p in parts):
         return "its tensors are on the meta device"
     return None
@@ -322,8 +381,9 @@ def fuse_projections(model: nn.Module, groups: Sequence[Sequence[str]] = DEFAULT
     with the same in_features, bits, codebook, tensor scale and Hadamard rotation, on one
     device), the parts' tensors are concatenated into a :class:`FusedKbitLinear` set on the
     parent as ``fused_<names>`` (``fused_q_k_v``, ``fused_gate_up``), and each part is replaced
-    by a :class:`KbitLinearSlice`. Memory does not grow (the parts' tensors are freed; one group
-    at a time is held twice while it is built). Outputs equal the unfused model's up to the GEMM's
+    by a :class:`KbitLinearSlice`. Memory does not grow (the parts' tensors are freed unless
+    something else holds them; one group at a time is held twice while it is built). The parent
+    gets two forward hooks that mark its calls (the parts share a product within one call). Outputs equal the unfused model's up to the GEMM's
     rounding (another plan may sum in another order); state dicts are unchanged.
 
     For inference: the fused tensors, the bias included, are frozen, and adapters (PEFT) need
@@ -350,11 +410,15 @@ def fuse_projections(model: nn.Module, groups: Sequence[Sequence[str]] = DEFAULT
                 continue
             where = f"{parent_name}.{'/'.join(names)}" if parent_name else "/".join(names)
             why = _incompatibility(parent, names, parts)
+            if why is None and parent_name.rpartition(".")[2] in ("encoder_attn", "crossattention", "cross_attn"):
+                why = "cross-attention: its query and key/value projections read different inputs"
             if why is not None:
                 summary.skipped[where] = why
                 continue
             fused = FusedKbitLinear(parts)
             parent.add_module(_fused_name(names), fused)
+            fused._hooks = [parent.register_forward_pre_hook(fused._parent_call_starts),
+                            parent.register_forward_hook(fused._parent_call_ends, always_call=True)]
             for i, n in enumerate(names):
                 setattr(parent, n, KbitLinearSlice(fused, i))
             summary.fused[where] = names
@@ -378,7 +442,11 @@ def unfuse_projections(model: nn.Module) -> int:
                 restored += 1
         for name, child in list(parent._modules.items()):
             if isinstance(child, FusedKbitLinear):
+                for handle in child._hooks:
+                    handle.remove()
                 delattr(parent, name)
+    if restored and hasattr(model, "kbit_fusion"):  # what a fused load reported no longer holds
+        del model.kbit_fusion
     return restored
 
 

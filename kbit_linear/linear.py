@@ -162,7 +162,8 @@ class KbitLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, bits: int = 4, codebook: torch.Tensor | str | None = None, *,
                     scale_search: bool = False, hessian: torch.Tensor | None = None,
                     damp: float = DEFAULT_DAMP, act_order: bool = DEFAULT_ACT_ORDER, hadamard: bool = False,
-                    hadamard_seed: int = 0, hadamard_search: int = 1) -> "KbitLinear":
+                    hadamard_seed: int = 0, hadamard_search: int = 1,
+                    tensor_scale: torch.Tensor | None = None) -> "KbitLinear":
         """Quantize an ``nn.Linear`` into a new ``KbitLinear`` on the same device.
 
         The weight goes through :func:`kbit_linear.quantizer.quantize_weight` (validated once,
@@ -192,6 +193,8 @@ class KbitLinear(nn.Module):
                 keep the one whose rotated weight quantizes with the least error
                 (:func:`kbit_linear.quantizer.hadamard_signs_for`; that many data-free
                 quantizations more).
+            tensor_scale: a power-of-two tensor scale to use instead of the weight's own (the
+                layers of a fused group share one: :func:`kbit_linear.quantizer.group_quantization`).
 
         Returns:
             The quantized layer.
@@ -211,7 +214,7 @@ class KbitLinear(nn.Module):
                                        name=f"linear.weight ({linear.out_features}x{linear.in_features})")
         q = quantize_weight(
             linear.weight, bits, codebook, scale_search=scale_search, hessian=hessian, damp=damp, act_order=act_order,
-            hadamard_signs=signs,
+            hadamard_signs=signs, tensor_scale=tensor_scale,
             name=f"linear.weight ({linear.out_features}x{linear.in_features})",
         )
         # Built on meta (allocates nothing), then given the real tensors.

@@ -49,7 +49,7 @@ from .fusion import DEFAULT_GROUPS, FusionSummary, fuse_projections
 from .calibration import Calibration, calibrate_model
 from .experts import PROJECTIONS, KbitExperts, experts_layout_problem, looks_like_experts
 from .linear import KbitLinear
-from .quantizer import check_hadamard_search, group_levels
+from .quantizer import GroupShared, check_hadamard_search, group_quantization
 
 __all__ = [
     "QuantizationSummary",
@@ -476,8 +476,9 @@ def quantize_model(
             runs once, at the chosen width).
         fuse: quantize each group of sibling projections that read one input
             (:data:`kbit_linear.fusion.DEFAULT_GROUPS`: q/k/v, gate/up) with one set of levels
-            (fitted to the group's weights together where ``codebook`` fits levels per weight)
-            and one Hadamard rotation (the group's first layer's seed), then run each group as
+            (fitted to the group's weights together where ``codebook`` fits levels per weight),
+            one tensor scale (the largest of theirs) and one Hadamard rotation (the group's first
+            layer's seed), then run each group as
             one GEMM (:func:`kbit_linear.fusion.fuse_projections`): fewer, larger GEMM calls, the
             same memory and state dict. Groups whose layers get different widths (``target_bpw``)
             stay apart. Not with ``hadamard_search`` > 1.
@@ -552,7 +553,7 @@ def quantize_model(
         summary.mean_layer_bits = sum(chosen[n] * k for n, k in weights.items()) / max(1, sum(weights.values()))
 
     group_of = sibling_groups(to_convert, layer_bits, bits) if fuse else {}
-    group_levels: dict[tuple[str, ...], torch.Tensor] = {}  # the levels of each group, fitted at its first layer
+    group_shared: dict[tuple[str, ...], GroupShared | None] = {}  # each group's levels and scale, found at its first layer
 
     def convert(name: str, hessian: torch.Tensor | None = None) -> None:
         linear = model.get_submodule(name)
@@ -572,12 +573,14 @@ def quantize_model(
             rotation = {"hadamard": hadamard, "hadamard_seed": hd.layer_seed(group[0] if group else name),
                         "hadamard_search": hadamard_search}
             width = layer_bits.get(name, bits)
-            levels = codebook
+            levels, shared_scale = codebook, None
             if group is not None:
-                if group not in group_levels:
-                    group_levels[group] = _group_levels(model, group, codebook, width, scale_search, hadamard,
+                if group not in group_shared:
+                    group_shared[group] = _group_shared(model, group, codebook, width, scale_search, hadamard,
                                                         rotation["hadamard_seed"], src.weight.device)
-                levels = group_levels[group]
+                if group_shared[group] is not None:
+                    levels, shared_scale = group_shared[group]
+            rotation["tensor_scale"] = shared_scale
             if hessian is None:
                 new = KbitLinear.from_linear(src, bits=width, codebook=levels, scale_search=scale_search, **rotation)
             else:
@@ -641,15 +644,16 @@ def sibling_groups(names: Iterable[str], layer_bits: dict[str, int], bits: int) 
     return out
 
 
-def _group_levels(model: nn.Module, group: tuple[str, ...], codebook: torch.Tensor | str | None, bits: int,
-                  scale_search: bool, hadamard: bool, seed: int, device: torch.device) -> torch.Tensor | str | None:
-    """The levels a group of sibling projections shares (:func:`kbit_linear.quantizer.group_levels`
-    on their weights, rotated by the group's signs with ``hadamard``), on ``device``; the option
-    itself where a layer of the group was converted already (fuse_projections then leaves the
-    group apart if the levels differ)."""
+def _group_shared(model: nn.Module, group: tuple[str, ...], codebook: torch.Tensor | str | None, bits: int,
+                  scale_search: bool, hadamard: bool, seed: int, device: torch.device) -> GroupShared | None:
+    """The levels and tensor scale a group of sibling projections shares
+    (:func:`kbit_linear.quantizer.group_quantization` on their weights, rotated by the group's
+    signs with ``hadamard``), on ``device``; ``None`` where a layer of the group was converted
+    already (shared with another group: each layer keeps its own, and fuse_projections leaves
+    the group apart if they differ)."""
     layers = [model.get_submodule(n) for n in group]
-    if not all(isinstance(m, nn.Linear) for m in layers):  # one is converted already (shared elsewhere): levels per weight
-        return codebook
+    if not all(isinstance(m, nn.Linear) for m in layers):
+        return None
     signs = hd.random_signs(layers[0].in_features, seed, device) if hadamard else None
-    return group_levels([m.weight for m in layers], bits, codebook, scale_search=scale_search, hadamard_signs=signs,
-                        device=device)
+    return group_quantization([m.weight for m in layers], bits, codebook, scale_search=scale_search, hadamard_signs=signs,
+                              device=device)

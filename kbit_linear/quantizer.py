@@ -23,7 +23,8 @@ from . import codebooks
 from . import format as fmt
 from . import hadamard
 
-__all__ = ["KbitTensors", "quantize_weight", "squared_error", "check_hadamard_search", "hadamard_signs_for", "group_levels"]
+__all__ = ["KbitTensors", "GroupShared", "quantize_weight", "squared_error", "check_hadamard_search", "hadamard_signs_for",
+           "group_quantization"]
 
 # Resolved once: an OpOverload call skips the overload lookup of the packet on every call.
 _QUANTIZE = torch.ops.kbit_linear.quantize.default
@@ -57,6 +58,7 @@ def quantize_weight(
     damp: float = calibration.DEFAULT_DAMP,
     act_order: bool = calibration.DEFAULT_ACT_ORDER,
     hadamard_signs: torch.Tensor | None = None,
+    tensor_scale: torch.Tensor | None = None,
     name: str = "weight",
 ) -> KbitTensors:
     """Quantize a dense weight to the tiled kbit format, on the weight's device.
@@ -86,6 +88,10 @@ def quantize_weight(
         hadamard_signs: int8 ``[in_features]`` of +-1: quantize ``W R`` instead of ``W``, the
             randomized Hadamard rotation of :mod:`kbit_linear.hadamard` (the layer then rotates
             its inputs by the same signs); ``hessian`` is rotated with it.
+        tensor_scale: the power-of-two tensor scale to use instead of the (rotated) weight's own
+            (:func:`kbit_linear.format.compute_tensor_scale`), e.g. the one a group of fused
+            layers shares (:func:`group_quantization`); it must hold the weight
+            (``max|W| / tensor_scale <= 31``).
         name: what to call ``weight`` in error messages (e.g. ``"model.layers.0.q_proj.weight"``).
 
     Returns:
@@ -113,7 +119,7 @@ def quantize_weight(
             if hessian is not None:
                 hessian = hadamard.rotate_hessian(hessian.to(device=w.device, dtype=torch.float32), signs)
         cb = codebooks.resolve_codebook_option(codebook, w, bits, scale_search=scale_search)
-        ts = fmt.compute_tensor_scale(w)
+        ts = fmt.compute_tensor_scale(w) if tensor_scale is None else _given_tensor_scale(tensor_scale, w, name)
         if hessian is not None and w.device.type != "meta":
             packed_flat, absmax_flat, _ = calibration.gptq_quantize_blocks(
                 w, hessian, bits, cb, ts, scale_search=scale_search, damp=damp, act_order=act_order)
@@ -124,6 +130,22 @@ def quantize_weight(
             packed_flat, absmax_flat = _QUANTIZE(w, cb, ts, bits)
         packed, absmax = _REPACK(packed_flat, absmax_flat, bits)
     return KbitTensors(packed, absmax, cb, ts)
+
+
+def _given_tensor_scale(tensor_scale: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+    """``tensor_scale`` as float32 ``[1]`` on ``w``'s device, checked: a positive finite power of
+    two that holds ``w`` (its largest block absmax fits the E4M4 range)."""
+    if not isinstance(tensor_scale, torch.Tensor) or not tensor_scale.is_floating_point() or tensor_scale.numel() != 1:
+        raise TypeError(f"tensor_scale must be a floating-point tensor of one element, got {tensor_scale!r}")
+    ts = tensor_scale.detach().to(device=w.device, dtype=torch.float32).reshape(1)
+    if w.device.type == "meta":
+        return ts
+    if not bool(torch.isfinite(ts).all()) or not bool((ts > 0).all()) or not bool((torch.frexp(ts).mantissa == 0.5).all()):
+        raise ValueError(f"tensor_scale must be a positive finite power of two, got {ts.item()!r}")
+    if bool((fmt.compute_tensor_scale(w) > ts).any()):
+        raise ValueError(f"tensor_scale={ts.item()!r} is too small for {name}: its largest value / tensor_scale exceeds "
+                         f"{fmt.E4M4_MAX}")
+    return ts
 
 
 def squared_error(weight: torch.Tensor, bits: int, codebook: torch.Tensor | str | None = None, *, scale_search: bool = False,
@@ -182,14 +204,26 @@ def hadamard_signs_for(weight: torch.Tensor, bits: int, codebook: torch.Tensor |
     return best
 
 
-def group_levels(weights: Sequence[torch.Tensor], bits: int, codebook: torch.Tensor | str | None = None, *,
-                 scale_search: bool = False, hadamard_signs: torch.Tensor | None = None,
-                 device: torch.device | str | None = None) -> torch.Tensor:
-    """One set of levels for several weights that will share it (the parts of a fused GEMM,
-    :mod:`kbit_linear.fusion`): ``codebook`` resolved as :func:`quantize_weight` resolves it for
-    one weight, on the weights stacked along out_features (each rotated by ``hadamard_signs``
-    first, as they will be quantized). float32 ``[2**bits]`` on ``device`` (default: the first
-    weight's); levels fitted per weight are fitted to all of them together.
+class GroupShared(NamedTuple):
+    """What the layers of a fused group share (:func:`group_quantization`)."""
+
+    codebook: torch.Tensor
+    tensor_scale: torch.Tensor
+
+
+def group_quantization(weights: Sequence[torch.Tensor], bits: int, codebook: torch.Tensor | str | None = None, *,
+                       scale_search: bool = False, hadamard_signs: torch.Tensor | None = None,
+                       device: torch.device | str | None = None) -> GroupShared:
+    """The levels and the tensor scale of several weights that will share them (the parts of a
+    fused GEMM, :mod:`kbit_linear.fusion`), to pass to :func:`quantize_weight` for each.
+
+    The levels: ``codebook`` resolved as :func:`quantize_weight` resolves it for one weight, on
+    the weights stacked along out_features (each rotated by ``hadamard_signs`` first, as it will
+    be quantized; levels fitted per weight are fitted to all of them together, on at most
+    :data:`kbit_linear.codebooks.MAX_FIT_WEIGHTS` weights, rows sampled evenly from each). The
+    tensor scale: the largest of the weights' own (:func:`kbit_linear.format.compute_tensor_scale`),
+    which holds every one of them. float32 ``[2**bits]`` and ``[1]`` on ``device`` (default: the
+    first weight's).
 
     Raises:
         ValueError / TypeError: no weights, weights of different in_features, a bad ``codebook``.
@@ -202,10 +236,19 @@ def group_levels(weights: Sequence[torch.Tensor], bits: int, codebook: torch.Ten
         if w.shape[1] != weights[0].shape[1]:
             raise ValueError(f"weights[{i}] has in_features={w.shape[1]}, weights[0] {weights[0].shape[1]}")
     device = weights[0].device if device is None else torch.device(device)
-    if not codebooks.fits_per_weight(codebook, bits):  # fixed levels: nothing to stack
-        return codebooks.resolve_codebook_option(codebook, weights[0], bits, scale_search=scale_search, device=device)
+    total = sum(w.numel() for w in weights)
+    step = max(1, -(-total // codebooks.MAX_FIT_WEIGHTS))  # the same row step in every weight
     with torch.no_grad():
-        w = torch.cat([t.detach().to(device) for t in weights])
-        if hadamard_signs is not None:
-            w = hadamard.rotate(w.to(torch.float32), hadamard_signs.to(device))
-        return codebooks.resolve_codebook_option(codebook, w, bits, scale_search=scale_search, device=device)
+        def prepared(w: torch.Tensor, rows: int = 1) -> torch.Tensor:
+            w = w.detach()[::rows].to(device)
+            if hadamard_signs is not None:
+                w = hadamard.rotate(w.to(torch.float32), hadamard_signs.to(device))
+            return w
+
+        ts = torch.stack([fmt.compute_tensor_scale(prepared(w)) for w in weights]).amax(0)
+        if not codebooks.fits_per_weight(codebook, bits):  # fixed levels: nothing to stack
+            levels = codebooks.resolve_codebook_option(codebook, weights[0], bits, scale_search=scale_search, device=device)
+        else:
+            stacked = torch.cat([prepared(w, step) for w in weights])
+            levels = codebooks.resolve_codebook_option(codebook, stacked, bits, scale_search=scale_search, device=device)
+    return GroupShared(levels, ts)

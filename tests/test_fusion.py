@@ -82,6 +82,16 @@ def test_fused_model_matches_the_unfused_one(bits: int) -> None:
     torch.testing.assert_close(model(x), ref_model(x), rtol=1e-5, atol=1e-5)
 
 
+def _in_one_parent_call(parent: nn.Module, calls) -> list:
+    """Run ``calls`` (callables) inside one call of ``parent`` (its hooks run around them), as
+    its own forward would."""
+    parent.forward = lambda: [c() for c in calls]
+    try:
+        return parent()
+    finally:
+        del parent.forward
+
+
 def test_each_part_equals_its_own_layer_and_the_group_runs_once(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _quantized()
     ref = copy.deepcopy(model.layers[0])
@@ -92,19 +102,57 @@ def test_each_part_equals_its_own_layer_and_the_group_runs_once(monkeypatch: pyt
     forward = FusedKbitLinear.forward
     monkeypatch.setattr(FusedKbitLinear, "forward", lambda self, x: calls.append(1) or forward(self, x))
     x, other = torch.randn(4, 256), torch.randn(4, 256)
-    # any order; each part once on the same tensor: one GEMM
-    for name in ("v_proj", "q_proj", "k_proj"):
-        torch.testing.assert_close(getattr(layer, name)(x), getattr(ref, name)(x), rtol=1e-5, atol=1e-5)
+    close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # noqa: E731
+    # any order; each part once on the same tensor within one call of the parent: one GEMM
+    out = _in_one_parent_call(layer, [lambda n=n: getattr(layer, n)(x) for n in ("v_proj", "q_proj", "k_proj")])
+    for got, n in zip(out, ("v_proj", "q_proj", "k_proj")):
+        close(got, getattr(ref, n)(x))
     assert len(calls) == 1
-    assert fused._input is None and fused._output is None  # nothing held once every part is served
+    assert fused._input is None and fused._output is None and not fused._in_parent_call
     # a part called twice on one tensor, or on another tensor, computes again (and is still right)
-    torch.testing.assert_close(layer.q_proj(x), ref.q_proj(x), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer.q_proj(x), ref.q_proj(x), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer.k_proj(other), ref.k_proj(other), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer.v_proj(x), ref.v_proj(x), rtol=1e-5, atol=1e-5)
-    assert len(calls) == 5  # q, q again, k on another tensor, v (the pending product is k's input's)
+    calls.clear()
+    out = _in_one_parent_call(layer, [lambda: layer.q_proj(x), lambda: layer.q_proj(x), lambda: layer.k_proj(other),
+                                      lambda: layer.v_proj(x)])
+    for got, want in zip(out, (ref.q_proj(x), ref.q_proj(x), ref.k_proj(other), ref.v_proj(x))):
+        close(got, want)
+    assert len(calls) == 4  # q, q again, k on another tensor, v (the pending product is k's input's)
+    # an input changed in place between the parts: computed again
+    calls.clear()
+    y = x.clone()
+    out = _in_one_parent_call(layer, [lambda: layer.q_proj(y), lambda: y.mul_(2), lambda: layer.k_proj(y)])
+    close(out[2], ref.k_proj(2 * x))
+    assert len(calls) == 2
+    # another grad mode: computed again, with the grad mode's result
+    calls.clear()
+    z = x.clone().requires_grad_()
+
+    def q_without_grad():
+        with torch.no_grad():
+            return layer.q_proj(z)
+
+    out = _in_one_parent_call(layer, [q_without_grad, lambda: layer.k_proj(z)])
+    assert not out[0].requires_grad and out[1].requires_grad and len(calls) == 2
+    # outside a call of the parent nothing is shared (and nothing is held)
+    calls.clear()
+    for n in ("q_proj", "k_proj", "v_proj"):
+        close(getattr(layer, n)(x), getattr(ref, n)(x))
+    assert len(calls) == 3 and fused._input is None
     with pytest.raises(ValueError, match="in_features=256"):
         layer.q_proj(torch.randn(2, 255))
+
+
+def test_pending_product_is_dropped_when_the_parent_call_ends_or_the_weights_change() -> None:
+    model = _quantized(seed=2)
+    other = _quantized(seed=8)
+    fuse_projections(model)
+    layer = model.layers[0]
+    x = torch.randn(3, 256)
+    _in_one_parent_call(layer, [lambda: layer.q_proj(x)])  # k and v never called
+    assert layer.fused_q_k_v._input is None
+    # weights loaded between two parts of one call: the second part sees the new weights
+    sd = other.state_dict()
+    out = _in_one_parent_call(layer, [lambda: layer.q_proj(x), lambda: model.load_state_dict(sd), lambda: layer.k_proj(x)])
+    torch.testing.assert_close(out[2], other.layers[0].k_proj(x), rtol=1e-5, atol=1e-5)
 
 
 def test_state_dict_load_and_unfuse_are_bit_identical() -> None:
@@ -413,3 +461,73 @@ def test_moe_models_fuse_their_attention_projections(family: str) -> None:
     ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, apart(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_parts_with_different_ranges_share_the_largest_tensor_scale() -> None:
+    torch.manual_seed(3)
+    model = _Model(layers=1)
+    with torch.no_grad():  # tensor scales 2**s with max|W| / 2**s <= 31: these differ per part
+        model.layers[0].k_proj.weight.mul_(300.0)
+        model.layers[0].up_proj.weight.mul_(0.01)
+    ref = copy.deepcopy(model)
+    apart = copy.deepcopy(model)
+    kbit_linear.quantize_model(apart, bits=4, progress=False)
+    assert not torch.equal(apart.layers[0].q_proj.tensor_scale, apart.layers[0].k_proj.tensor_scale)
+    summary = kbit_linear.quantize_model(model, bits=4, fuse=True, progress=False)
+    assert len(summary.fusion.fused) == 2, summary.fusion.skipped
+    fused = model.layers[0].fused_q_k_v
+    assert torch.equal(fused.tensor_scale, apart.layers[0].k_proj.tensor_scale)  # the largest
+    for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        w = getattr(ref.layers[0], name).weight
+        err_fused = _rel_err(getattr(model.layers[0], name).dequantize(), w)
+        err_apart = _rel_err(getattr(apart.layers[0], name).dequantize(), w)
+        assert err_fused < 1.1 * err_apart, (name, err_fused, err_apart)
+
+
+def test_what_fusion_leaves_alone() -> None:
+    class CrossAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder_attn = _Attention(hidden=64, kv=64, inter=64)
+            self.crossattention = CrossAttention()
+            self.self_attn = _Attention(hidden=64, kv=64, inter=64)
+
+    model = Decoder()
+    kbit_linear.quantize_model(model, bits=4, codebook=None, progress=False)
+    seen = []
+    model.self_attn.gate_proj.register_forward_hook(lambda *a: seen.append(1))
+    summary = fuse_projections(model)
+    assert "cross-attention" in summary.skipped["encoder_attn.q_proj/k_proj/v_proj"]
+    assert "cross-attention" in summary.skipped["crossattention.q_proj/k_proj/v_proj"]
+    assert "hooks" in summary.skipped["self_attn.gate_proj/up_proj"]
+    assert set(summary.fused) == {"self_attn.q_proj/k_proj/v_proj"}
+    assert fuse_projections(model).skipped["self_attn.q_proj/k_proj/v_proj"] == "already fused"
+
+
+def test_unfuse_gives_back_the_training_flags_and_trainable_biases() -> None:
+    model = _quantized()
+    model.layers[0].q_proj.bias.requires_grad_(True)
+    model.layers[0].k_proj.bias.requires_grad_(False)
+    model.eval()
+    fuse_projections(model)
+    assert not model.layers[0].fused_q_k_v.training and not model.layers[0].q_proj.training
+    assert not model.layers[0].fused_q_k_v.bias.requires_grad  # frozen while fused
+    unfuse_projections(model)
+    layer = model.layers[0]
+    assert not layer.q_proj.training and layer.q_proj.bias.requires_grad and not layer.k_proj.bias.requires_grad
+    assert not layer._forward_pre_hooks and not layer._forward_hooks  # the parent's hooks are gone too
+
+
+def test_strict_loading_reports_unexpected_keys_under_a_fused_part() -> None:
+    model = _quantized()
+    fuse_projections(model)
+    sd = dict(model.state_dict())
+    sd["layers.0.q_proj.lora_A"] = torch.zeros(2)
+    with pytest.raises(RuntimeError, match="lora_A"):
+        model.load_state_dict(sd)
+    model.load_state_dict(sd, strict=False)

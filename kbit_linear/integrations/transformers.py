@@ -60,7 +60,7 @@ from .. import format as fmt
 from .. import weight_layout
 from ..allocation import check_codebook_for_widths, check_target_bpw, plan_layer_bits
 from ..codebooks import DEFAULT as DEFAULT_CODEBOOK
-from ..codebooks import check_codebook_option, fits_per_weight, is_per_weight, resolve_default
+from ..codebooks import check_codebook_option, is_per_weight, resolve_default
 from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem, quantize_experts_weight
 from ..fusion import fuse_projections, kbit_layers
 from ..gguf_linear import GGUFEmbedding, GGUFLinear
@@ -76,7 +76,7 @@ from ..patch import (
     replace_module,
     sibling_groups,
 )
-from ..quantizer import check_hadamard_search, group_levels, hadamard_signs_for, quantize_weight
+from ..quantizer import check_hadamard_search, group_quantization, hadamard_signs_for, quantize_weight
 from ..serialization import (
     FORMAT_VERSION,
     HADAMARD_FORMAT_VERSION,
@@ -164,8 +164,9 @@ class KbitConfig(QuantizationConfigMixin):
         fuse: after loading, run each group of sibling projections that read one input (q/k/v,
             gate/up) as one GEMM (:func:`kbit_linear.fusion.fuse_projections`; the model's
             ``kbit_fusion`` attribute says what was fused and why a group was not). Only groups
-            whose layers share their levels and rotation fuse: quantizing at load, the layers of
-            a group are quantized together (one set of fitted levels for the group) for that.
+            whose layers share their levels, tensor scale and rotation fuse: quantizing at load,
+            the layers of a group are quantized together for that (one set of levels, fitted to
+            the group where levels are fitted, and the largest of their tensor scales).
             Checkpoints keep one entry per layer; ``config.json`` keeps the choice, and a saved
             model loads fused again (``kbit_linear.unfuse_projections(model)`` undoes it, and
             ``kbit_linear.fuse_projections(model)`` fuses any loaded model). Default ``False``.
@@ -331,12 +332,11 @@ class KbitQuantize(ConversionOps):
                 )
             del linear
             group = hfq.group_of.get(prefix)
-            if group is None or not fits_per_weight(hfq.codebook, hfq.quantization_config.bits_of(prefix)):
-                seed = layer_seed(group[0] if group else prefix)
-                out.update(self._quantize_layer(model, prefix, tensor, hfq.codebook, seed))
+            if group is None:
+                out.update(self._quantize_layer(model, prefix, tensor, hfq.codebook, layer_seed(prefix)))
                 del tensor, value
                 continue
-            # levels fitted to the whole group: wait for every sibling (the loader's order is its own)
+            # levels and tensor scale shared by the group: wait for every sibling (the loader's order is its own)
             hfq.stash[prefix] = tensor
             del tensor, value
             if any(n not in hfq.stash for n in group):
@@ -353,18 +353,18 @@ class KbitQuantize(ConversionOps):
         bits, seed = config.bits_of(group[0]), layer_seed(group[0])
         signs = hadamard_signs_for(weights[0], bits, seed=seed) if config.hadamard else None
         try:
-            levels = group_levels(weights, bits, hfq.codebook, scale_search=config.scale_search, hadamard_signs=signs)
+            shared = group_quantization(weights, bits, hfq.codebook, scale_search=config.scale_search, hadamard_signs=signs)
         except (TypeError, ValueError) as e:
             raise ValueError(f"cannot fit the levels of {', '.join(group)}: {e}") from e
         out: dict[str, torch.Tensor] = {}
         for prefix, w in zip(group, weights):
-            out.update(self._quantize_layer(model, prefix, w, levels, seed))
+            out.update(self._quantize_layer(model, prefix, w, shared.codebook, seed, shared.tensor_scale))
         return out
 
     def _quantize_layer(self, model: nn.Module, prefix: str, tensor: torch.Tensor, codebook: torch.Tensor | str | None,
-                        seed: int) -> dict[str, torch.Tensor]:
+                        seed: int, tensor_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """One dense layer's weight -> its kbit tensors, named for the loader; a meta
-        :class:`KbitLinear` takes the dense layer's place."""
+        :class:`KbitLinear` takes the dense layer's place. ``tensor_scale``: a group's shared one."""
         hfq = self.hf_quantizer
         config = hfq.quantization_config
         key = f"{prefix}.weight"
@@ -374,7 +374,8 @@ class KbitQuantize(ConversionOps):
         try:
             signs = hadamard_signs_for(tensor, bits, codebook, scale_search=config.scale_search, seed=seed,
                                        candidates=config.hadamard_search, name=key) if rotated else None
-            q = quantize_weight(tensor, bits, codebook, scale_search=config.scale_search, hadamard_signs=signs, name=key)
+            q = quantize_weight(tensor, bits, codebook, scale_search=config.scale_search, hadamard_signs=signs,
+                                tensor_scale=tensor_scale, name=key)
         except (TypeError, ValueError) as e:
             raise ValueError(f"cannot quantize {key} ({linear.out_features}x{linear.in_features}): {e}") from e
         layer = kbit_placeholder(linear, bits, bias=False, device="meta", hadamard=rotated)
@@ -629,22 +630,23 @@ class KbitHfQuantizer(HfQuantizer):
         self.stash = {}
         if config.fuse and not self.group_of:  # target_bpw: grouped once the widths are known
             self.group_of = sibling_groups(self.pending, config.layer_bits or {}, config.bits)
-        levels_of: dict[tuple[str, ...], Any] = {}
+        shared_of: dict[tuple[str, ...], Any] = {}
         for name in sorted(self.pending):
             linear = model.get_submodule(name)
             if is_convertible(linear):
                 group = self.group_of.get(name)
-                levels = self.codebook
+                levels, shared_scale = self.codebook, None
                 if group is not None:
-                    if group not in levels_of:
+                    if group not in shared_of:
                         members = [model.get_submodule(n) for n in group]
                         signs = (hadamard_signs_for(linear.weight, config.bits_of(name), seed=layer_seed(group[0]))
                                  if config.hadamard else None)
-                        levels_of[group] = (group_levels([m.weight for m in members], config.bits_of(name), self.codebook,
-                                                         scale_search=config.scale_search, hadamard_signs=signs)
-                                            if all(is_convertible(m) for m in members) else self.codebook)
-                    levels = levels_of[group]
-                layer = KbitLinear.from_linear(linear, config.bits_of(name), levels,
+                        shared_of[group] = (group_quantization([m.weight for m in members], config.bits_of(name), self.codebook,
+                                                               scale_search=config.scale_search, hadamard_signs=signs)
+                                            if all(is_convertible(m) for m in members) else None)
+                    if shared_of[group] is not None:
+                        levels, shared_scale = shared_of[group]
+                layer = KbitLinear.from_linear(linear, config.bits_of(name), levels, tensor_scale=shared_scale,
                                                scale_search=self.quantization_config.scale_search,
                                                hadamard=self.quantization_config.hadamard,
                                                hadamard_seed=layer_seed(group[0] if group else name),
