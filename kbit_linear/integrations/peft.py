@@ -128,8 +128,17 @@ def register_lora_layers(config: "peft.LoraConfig", model: nn.Module | None = No
             raise ValueError('target_modules="all-linear" matches nn.Linear only: call register_lora_layers(config, model) '
                              "so that the KbitLinear layers are spelled out too")
         config.target_modules = _all_linear_names(model)
-    config._register_custom_module({KbitLinear: KbitLoraLinear})
+    config._register_custom_module({KbitLinear: KbitLoraLinear, KbitLinearSlice: _FusedPartRefused})
     return config
+
+
+class _FusedPartRefused(nn.Module):
+    """What PEFT would build for a targeted fused part (:class:`~kbit_linear.fusion.KbitLinearSlice`,
+    when :func:`register_lora_layers` got no model to check): a clear error instead."""
+
+    def __init__(self, base_layer: nn.Module, *args: Any, **kwargs: Any) -> None:
+        raise ValueError(f"a fused projection ({base_layer!r}) cannot take an adapter: call "
+                         "kbit_linear.unfuse_projections(model) before adding adapters")
 
 
 def _refuse_fused(model: nn.Module) -> None:
