@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-ms", type=float, default=40.0, help="minimum length of one timed batch")
     p.add_argument("--no-reference", action="store_true", help="skip the (slow) format.matmul reference")
     p.add_argument("--generate", action="store_true", help="also time greedy generation with the default model")
+    p.add_argument("--fuse", action="store_true",
+                   help="with --generate: add the model quantized with KbitConfig(fuse=True) (q/k/v and gate/up as one GEMM each)")
     p.add_argument("--gen-bits", type=int, default=4, choices=fmt.SUPPORTED_BITS)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, help="interleaved generation rounds, median reported (default 5)")
@@ -194,6 +196,11 @@ def bench_generate(args: argparse.Namespace) -> str:
         path, dtype=torch.bfloat16, device_map="cpu", quantization_config=kbit_linear.KbitConfig(bits=args.gen_bits)
     ).eval()
     variants = [("bf16", dense, True), (f"kbit K={args.gen_bits}", quant, True), (f"kbit K={args.gen_bits}, no cache", quant, False)]
+    if args.fuse:
+        fused = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16, device_map="cpu", quantization_config=kbit_linear.KbitConfig(bits=args.gen_bits, fuse=True)
+        ).eval()
+        variants.append((f"kbit K={args.gen_bits}, fused", fused, True))
     n_new, prompt_len = args.new_tokens, inputs["input_ids"].shape[1]
 
     def generate(model: Any, new: int) -> float:
@@ -210,7 +217,7 @@ def bench_generate(args: argparse.Namespace) -> str:
             for name, model, cache in variants:
                 cpu.set_cache_enabled(cache)
                 generate(model, 2)  # warm-up (and, with the cache on, its first fill)
-                if cache and model is quant:
+                if cache and model is quant and r == 0:  # before any other kbit model filled the cache too
                     cache_mb = cpu.cache_nbytes() / 1e6
                 runs[name]["one"].append(generate(model, 1))
                 runs[name]["n"].append(generate(model, n_new))

@@ -188,3 +188,38 @@ def test_scale_search_on_cuda_agrees_with_cpu(bits):
     codes = fmt.untile_blocks(got.packed.cpu(), got.absmax.cpu(), bits, 300, 200)[1]
     planes = fmt.quantize_with_codes(w, bits, want.codebook, want.tensor_scale, codes)
     assert torch.equal(fmt.tile_blocks(planes, codes, bits)[0], got.packed.cpu())
+
+
+# ---------------------------------------------------------------------------------------
+# a given tensor scale, and what a fused group shares
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_given_tensor_scale_is_used_and_checked():
+    torch.manual_seed(0)
+    w = torch.randn(96, 128)
+    own = fmt.compute_tensor_scale(w)
+    q = quantize_weight(w, 4, tensor_scale=own * 4)
+    assert torch.equal(q.tensor_scale, own * 4)
+    err = lambda q: float((fmt.dequantize(fmt.KbitWeight(*q, 4, 96, 128)) - w).norm() / w.norm())  # noqa: E731
+    assert err(q) < 1.05 * err(quantize_weight(w, 4))  # a larger power of two costs (almost) nothing
+    with pytest.raises(ValueError, match="too small"):
+        quantize_weight(w * 1000, 4, tensor_scale=own)
+    with pytest.raises(ValueError, match="power of two"):
+        quantize_weight(w, 4, tensor_scale=own * 3)
+    with pytest.raises(TypeError, match="tensor_scale"):
+        quantize_weight(w, 4, tensor_scale=2.0)
+
+
+def test_group_quantization_shares_levels_and_the_largest_scale():
+    torch.manual_seed(1)
+    a, b = torch.randn(64, 96), torch.randn(32, 96) * 100
+    shared = quantizer.group_quantization([a, b], 4, "fitted")
+    assert torch.equal(shared.tensor_scale, torch.maximum(fmt.compute_tensor_scale(a), fmt.compute_tensor_scale(b)))
+    assert shared.codebook.shape == (16,) and torch.equal(shared.codebook, shared.codebook.sort().values)
+    fixed = quantizer.group_quantization([a, b], 3, None)
+    assert torch.equal(fixed.codebook, fmt.create_normal_float_codebook(3))
+    with pytest.raises(ValueError, match="at least one"):
+        quantizer.group_quantization([], 4)
+    with pytest.raises(ValueError, match="in_features"):
+        quantizer.group_quantization([a, torch.randn(4, 32)], 4)
