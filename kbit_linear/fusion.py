@@ -50,8 +50,10 @@ from .linear import _FLOAT32_BUFFERS, KbitLinear, _apply_keeping_float32, _check
 __all__ = ["DEFAULT_GROUPS", "FusedKbitLinear", "FusionSummary", "KbitLinearSlice", "fuse_projections", "kbit_layers",
            "unfuse_projections"]
 
-# Sibling names that decoder layers call on one input: attention's q/k/v, the gated MLP's gate/up.
-DEFAULT_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Sibling names that decoder layers call on one input: attention's q/k/v, the gated MLP's gate/up,
+# and multi-head latent attention's two down-projections (DeepSeek-V2/V3 with a query rank).
+DEFAULT_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+                                               ("q_a_proj", "kv_a_proj_with_mqa"))
 
 # Parent classes whose name ends so (lower case) are cross-attention (transformers' Bert/T5/Bart
 # families set ``is_cross_attention`` instead, or name the module ``encoder_attn``: both checked).
@@ -62,7 +64,8 @@ _PART_TENSORS = ("weight", "bias", "absmax", "codebook", "tensor_scale", "hadama
 
 
 def _fused_name(names: Sequence[str]) -> str:
-    """The attribute the fused module takes in the parent: ``("q_proj", "k_proj", "v_proj")`` -> ``fused_q_k_v``."""
+    """The attribute the fused module takes in the parent: ``("q_proj", "k_proj", "v_proj")`` -> ``fused_q_k_v``
+    (``("q_a_proj", "kv_a_proj_with_mqa")`` -> ``fused_q_a_kv_a_proj_with_mqa``)."""
     return "fused_" + "_".join(n.removesuffix("_proj") for n in names)
 
 

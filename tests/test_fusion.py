@@ -538,3 +538,21 @@ def test_strict_loading_reports_unexpected_keys_under_a_fused_part() -> None:
     with pytest.raises(RuntimeError, match="lora_A"):
         model.load_state_dict(sd)
     model.load_state_dict(sd, strict=False)
+
+
+def test_latent_attention_fuses_its_down_projections() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    summary = kbit_linear.quantize_model(model, bits=4, fuse=True, progress=False)
+    assert {f"model.layers.{i}.self_attn.q_a_proj/kv_a_proj_with_mqa" for i in range(2)} <= set(summary.fusion.fused)
+    assert isinstance(model.model.layers[1].self_attn.fused_q_a_kv_a_proj_with_mqa, FusedKbitLinear)
+    apart = copy.deepcopy(model)
+    unfuse_projections(apart)
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, apart(ids).logits, rtol=1e-4, atol=1e-4)
