@@ -335,8 +335,8 @@ def _incompatibility(parent: nn.Module, names: Sequence[str], parts: Sequence[nn
     for name, p in zip(names, parts):
         if type(p) is not KbitLinear:
             return f"{name} is a {type(p).__name__}, not a KbitLinear"
-        if p._forward_hooks or p._forward_pre_hooks or p._backward_hooks or p._backward_pre_hooks:
-            return f"{name} has hooks, which a fused part would no longer run"
+        if p._forward_hooks or p._forward_pre_hooks or p._backward_hooks or p._backward_pre_hooks or hasattr(p, "_hf_hook"):
+            return f"{name} has hooks (module or accelerate hooks), which a fused part would no longer run"
     first = parts[0]
     if hasattr(parent, _fused_name(names)):
         return f"the parent already has an attribute {_fused_name(names)!r}"

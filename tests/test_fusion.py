@@ -514,6 +514,10 @@ def test_what_fusion_leaves_alone() -> None:
     assert "hooks" in summary.skipped["self_attn.gate_proj/up_proj"]
     assert set(summary.fused) == {"self_attn.q_proj/k_proj/v_proj"}
     assert fuse_projections(model).skipped["self_attn.q_proj/k_proj/v_proj"] == "already fused"
+    accelerate = pytest.importorskip("accelerate")
+    other = _quantized()
+    accelerate.hooks.add_hook_to_module(other.layers[1].k_proj, accelerate.hooks.ModelHook())
+    assert "accelerate" in fuse_projections(other).skipped["layers.1.q_proj/k_proj/v_proj"]
 
 
 def test_unfuse_gives_back_the_training_flags_and_trainable_biases() -> None:
