@@ -16,7 +16,10 @@ in another grad mode), or outside a call of its parent, computes the product aga
 is right whatever the caller does; it is only fast when the parent calls every part on the same
 tensor, as decoder layers do. (Under ``torch.compile`` a part is so only ever served a product of
 the same call of the parent.) Cross-attention modules are not fused: their query and key/value
-projections read different inputs.
+projections read different inputs. Limits: an input changed in place between two parts is seen
+in eager autograd or ``no_grad`` code (its version counter), not under ``torch.inference_mode``
+or ``torch.compile`` (decoder layers never do it); eager calls keep the pending product per
+thread; ``nn.DataParallel`` replicas would share one fused module (unfuse first).
 
 Layout: the tiled weight is ``[K_pad/64, N_pad/128, 128, 2, bits]`` (``docs/format.md``), so the
 parts concatenate along dimension 1, whole 128-feature tiles each; a part whose width is not a
@@ -36,6 +39,7 @@ split the last dimension, as attention layers do, work on them.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -47,20 +51,49 @@ from . import format as fmt
 from . import weight_layout
 from .linear import _FLOAT32_BUFFERS, KbitLinear, _apply_keeping_float32, _check_state_dtypes
 
-__all__ = ["DEFAULT_GROUPS", "FusedKbitLinear", "FusionSummary", "KbitLinearSlice", "fuse_projections", "kbit_layers",
-           "unfuse_projections"]
+__all__ = ["DEFAULT_GROUPS", "FusedKbitLinear", "FusionSummary", "KbitLinearSlice", "fuse_projections", "is_cross_attention",
+           "kbit_layers", "unfuse_projections"]
 
 # Sibling names that decoder layers call on one input: attention's q/k/v, the gated MLP's gate/up,
 # and multi-head latent attention's two down-projections (DeepSeek-V2/V3 with a query rank).
 DEFAULT_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
                                                ("q_a_proj", "kv_a_proj_with_mqa"))
 
-# Parent classes whose name ends so (lower case) are cross-attention (transformers' Bert/T5/Bart
-# families set ``is_cross_attention`` instead, or name the module ``encoder_attn``: both checked).
-_CROSS_ATTENTION_SUFFIXES = ("crossattention", "cross_attention")
+# Module names (the last component) of cross-attention in transformers' encoder-decoder models,
+# besides any name or class name with "cross" in it and the ``is_cross_attention`` flag.
+_CROSS_ATTENTION_NAMES = ("encoder_attn", "encoder_decoder_attention")
+
+
+def is_cross_attention(name: str, module: nn.Module) -> bool:
+    """Whether the module called ``name`` is cross-attention, whose query and key/value
+    projections read different inputs (never fused): its ``is_cross_attention`` flag, or "cross"
+    in its name's last component or its class name, or a name of :data:`_CROSS_ATTENTION_NAMES`."""
+    last = name.rpartition(".")[2].lower()
+    return (bool(getattr(module, "is_cross_attention", False)) or "cross" in last or "cross" in type(module).__name__.lower()
+            or last in _CROSS_ATTENTION_NAMES)
 
 # The state-dict tensors of one part, in KbitLinear's order (parameters, then buffers).
 _PART_TENSORS = ("weight", "bias", "absmax", "codebook", "tensor_scale", "hadamard_signs")
+
+
+class _Pending:
+    """A group's pending product: the input it was computed for, the product, what else must
+    match (``key``), which parts took their columns, and whether a call of the parent is under way."""
+
+    def __init__(self) -> None:
+        self.input: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
+        self.key: object = None
+        self.taken = 0
+        self.in_parent_call = False
+
+    def drop(self) -> None:
+        self.input = self.output = self.key = None
+        self.taken = 0
+
+
+class _ThreadPending(_Pending, threading.local):
+    """:class:`_Pending` per thread (eager calls from several threads on one model)."""
 
 
 def _fused_name(names: Sequence[str]) -> str:
@@ -113,13 +146,11 @@ class FusedKbitLinear(nn.Module):
             else:
                 self.register_parameter("bias", None)
         # The product of the last input, until every part has taken its columns or the parent's
-        # call ends (plain Python state: torch.compile traces it away).
-        self._input: torch.Tensor | None = None
-        self._output: torch.Tensor | None = None
-        self._key: object = None
-        self._taken = 0
-        self._in_parent_call = False  # set by the parent's hooks (fuse_projections)
-        self._hooks: list[Any] = []
+        # call ends: per thread in eager calls; one plain object that torch.compile traces away
+        # in compiled code (where the parent's hooks are traced too).
+        self._eager: _Pending = _ThreadPending()
+        self._traced = _Pending()
+        self._hooks: list[Any] = []  # the parent's hooks (fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The fused product ``x @ [W_0; W_1; ...]^T + bias``: ``[..., out_features]``, each part's
@@ -139,38 +170,62 @@ class FusedKbitLinear(nn.Module):
             return torch.is_grad_enabled()
         return torch.is_grad_enabled(), -1 if x.is_inference() else x._version
 
+    def _state(self) -> _Pending:
+        return self._traced if torch.compiler.is_compiling() else self._eager
+
+    @property
+    def holds_product(self) -> bool:
+        """Whether a product is pending (in this thread, eager)."""
+        return self._eager.output is not None
+
+    @property
+    def in_parent_call(self) -> bool:
+        """Whether a call of the parent module is under way (in this thread, eager)."""
+        return self._eager.in_parent_call
+
     def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Part ``index``'s output for ``x``: its columns of the fused product, computed here unless
         the product of this very tensor (unchanged, same grad mode) is pending and the part has
         not taken its columns yet."""
         off = self.offsets[index]
-        if not self._in_parent_call:  # called from elsewhere: nothing to share with
+        st = self._state()
+        if not st.in_parent_call:  # called from elsewhere: nothing to share with
             return self(x)[..., off : off + self.widths[index]]
         bit = 1 << index
         key = self._key_of(x)
-        if self._input is not x or self._key != key or self._taken & bit:
-            self._output = self(x)
-            self._input, self._key = x, key
-            self._taken = 0
-        out = self._output
-        self._taken |= bit
-        if self._taken == (1 << len(self.offsets)) - 1:  # every part served: hold nothing
-            self.drop_pending()
+        if st.input is not x or st.key != key or st.taken & bit:
+            st.output = self(x)
+            st.input, st.key = x, key
+            st.taken = 0
+        out = st.output
+        st.taken |= bit
+        if st.taken == (1 << len(self.offsets)) - 1:  # every part served: hold nothing
+            st.drop()
         return out[..., off : off + self.widths[index]]
 
     def drop_pending(self) -> None:
         """Forget the pending product (before and after each call of the parent, after loading,
         on device moves)."""
-        self._input = self._output = self._key = None
-        self._taken = 0
+        self._state().drop()
 
     def _parent_call_starts(self, module: nn.Module, args: Any) -> None:
-        self.drop_pending()
-        self._in_parent_call = True
+        st = self._state()
+        st.drop()
+        st.in_parent_call = True
 
     def _parent_call_ends(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.drop_pending()
-        self._in_parent_call = False
+        st = self._state()
+        st.drop()
+        st.in_parent_call = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)  # the per-thread state is not picklable, and no copy should hold a product
+        state["_eager"], state["_traced"] = None, _Pending()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._eager = _ThreadPending()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FusedKbitLinear":
         self.drop_pending()  # a pending product on the old device is no use
@@ -326,25 +381,28 @@ class FusionSummary:
         return "\n".join(lines)
 
 
-def _incompatibility(parent: nn.Module, names: Sequence[str], parts: Sequence[nn.Module]) -> str | None:
-    """Why ``parts`` cannot share one GEMM, or ``None``."""
+def _incompatibility(parent_name: str, parent: nn.Module, names: Sequence[str], parts: Sequence[nn.Module]) -> str | None:
+    """Why ``parts`` cannot share one GEMM, or ``None`` (the reasons that say most come first)."""
     if all(isinstance(p, KbitLinearSlice) for p in parts):
         return "already fused"
-    if getattr(parent, "is_cross_attention", False) or type(parent).__name__.lower().endswith(_CROSS_ATTENTION_SUFFIXES):
+    if is_cross_attention(parent_name, parent):
         return "cross-attention: its query and key/value projections read different inputs"
     for name, p in zip(names, parts):
         if type(p) is not KbitLinear:
             return f"{name} is a {type(p).__name__}, not a KbitLinear"
         if p._forward_hooks or p._forward_pre_hooks or p._backward_hooks or p._backward_pre_hooks or hasattr(p, "_hf_hook"):
             return f"{name} has hooks (module or accelerate hooks), which a fused part would no longer run"
+    if any(p.weight.device.type == "meta" for p in parts):
+        return "its tensors are on the meta device"
     first = parts[0]
     if hasattr(parent, _fused_name(names)):
         return f"the parent already has an attribute {_fused_name(names)!r}"
-    for name, p in zip(names[1:], parts[1:]):
+    for name, p in zip(names[1:], parts[1:]):  # shapes and widths first: they explain the rest
         if p.in_features != first.in_features:
             return f"{name} has in_features={p.in_features}, {names[0]} {first.in_features}"
         if p.bits != first.bits:
             return f"{name} has bits={p.bits}, {names[0]} {first.bits}"
+    for name, p in zip(names[1:], parts[1:]):
         if p.weight.device != first.weight.device or p.weight.dtype != first.weight.dtype:
             return f"{name}'s weight is {p.weight.dtype} on {p.weight.device}, {names[0]}'s {first.weight.dtype} on {first.weight.device}"
         if not torch.equal(p.codebook, first.codebook):
@@ -359,8 +417,6 @@ def _incompatibility(parent: nn.Module, names: Sequence[str], parts: Sequence[nn
     for name, b in biases[1:]:
         if b.dtype != biases[0][1].dtype or b.device != biases[0][1].device:
             return f"{name}'s bias is {b.dtype} on {b.device}, {biases[0][0]}'s {biases[0][1].dtype} on {biases[0][1].device}"
-    if any(p.weight.device.type == "meta" for p in parts):
-        return "its tensors are on the meta device"
     return None
 
 
@@ -412,9 +468,7 @@ def fuse_projections(model: nn.Module, groups: Sequence[Sequence[str]] = DEFAULT
             if any(p is None for p in parts):
                 continue
             where = f"{parent_name}.{'/'.join(names)}" if parent_name else "/".join(names)
-            why = _incompatibility(parent, names, parts)
-            if why is None and parent_name.rpartition(".")[2] in ("encoder_attn", "crossattention", "cross_attn"):
-                why = "cross-attention: its query and key/value projections read different inputs"
+            why = _incompatibility(parent_name, parent, names, parts)
             if why is not None:
                 summary.skipped[where] = why
                 continue

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from . import allocation, codebooks
 from . import format as fmt
 from . import hadamard as hd
-from .fusion import DEFAULT_GROUPS, FusionSummary, fuse_projections
+from .fusion import DEFAULT_GROUPS, FusionSummary, fuse_projections, is_cross_attention
 from .calibration import Calibration, calibrate_model
 from .experts import PROJECTIONS, KbitExperts, experts_layout_problem, looks_like_experts
 from .linear import KbitLinear
@@ -475,7 +475,8 @@ def quantize_model(
             ``target_bpw`` the widths are chosen with each layer's seeded vector (the search
             runs once, at the chosen width).
         fuse: quantize each group of sibling projections that read one input
-            (:data:`kbit_linear.fusion.DEFAULT_GROUPS`: q/k/v, gate/up) with one set of levels
+            (:data:`kbit_linear.fusion.DEFAULT_GROUPS`: q/k/v, gate/up, DeepSeek's
+            q_a_proj/kv_a_proj_with_mqa; not in cross-attention) with one set of levels
             (fitted to the group's weights together where ``codebook`` fits levels per weight),
             one tensor scale (the largest of theirs) and one Hadamard rotation (the group's first
             layer's seed), then run each group as
@@ -552,7 +553,7 @@ def quantize_model(
         summary.layer_bits = layer_bits
         summary.mean_layer_bits = sum(chosen[n] * k for n, k in weights.items()) / max(1, sum(weights.values()))
 
-    group_of = sibling_groups(to_convert, layer_bits, bits) if fuse else {}
+    group_of = sibling_groups(to_convert, layer_bits, bits, model) if fuse else {}
     group_shared: dict[tuple[str, ...], GroupShared | None] = {}  # each group's levels and scale, found at its first layer
 
     def convert(name: str, hessian: torch.Tensor | None = None) -> None:
@@ -627,14 +628,18 @@ def quantize_model(
     return summary
 
 
-def sibling_groups(names: Iterable[str], layer_bits: dict[str, int], bits: int) -> dict[str, tuple[str, ...]]:
+def sibling_groups(names: Iterable[str], layer_bits: dict[str, int], bits: int,
+                   model: nn.Module | None = None) -> dict[str, tuple[str, ...]]:
     """layer name -> its group of sibling projections (:data:`kbit_linear.fusion.DEFAULT_GROUPS`,
     full names), for the groups whose layers are all in ``names`` and have one width
-    (``layer_bits``, else ``bits``)."""
+    (``layer_bits``, else ``bits``), and, given ``model``, whose parent is not cross-attention
+    (:func:`kbit_linear.fusion.is_cross_attention`: never fused, so never quantized together)."""
     todo = set(names)
     out: dict[str, tuple[str, ...]] = {}
     for name in todo:
         parent, _, child = name.rpartition(".")
+        if model is not None and is_cross_attention(parent, model.get_submodule(parent)):
+            continue
         for group in DEFAULT_GROUPS:
             if child != group[0]:
                 continue

@@ -23,7 +23,7 @@ from . import codebooks
 from . import format as fmt
 from . import hadamard
 
-__all__ = ["KbitTensors", "GroupShared", "quantize_weight", "squared_error", "check_hadamard_search", "hadamard_signs_for",
+__all__ = ["KbitTensors", "GroupShared", "GROUP_SCALE_SPREAD_MAX", "quantize_weight", "squared_error", "check_hadamard_search", "hadamard_signs_for",
            "group_quantization"]
 
 # Resolved once: an OpOverload call skips the overload lookup of the packet on every call.
@@ -91,7 +91,9 @@ def quantize_weight(
         tensor_scale: the power-of-two tensor scale to use instead of the (rotated) weight's own
             (:func:`kbit_linear.format.compute_tensor_scale`), e.g. the one a group of fused
             layers shares (:func:`group_quantization`); it must hold the weight
-            (``max|W| / tensor_scale <= 31``).
+            (``max|W| / tensor_scale <= 31``). A scale up to ``2**12`` times the weight's own
+            costs no measurable precision (randn weights, K = 4); far above, the block scales
+            reach E4M4's subnormal range.
         name: what to call ``weight`` in error messages (e.g. ``"model.layers.0.q_proj.weight"``).
 
     Returns:
@@ -103,7 +105,8 @@ def quantize_weight(
         ValueError: ``bits`` not in 2..5; ``weight`` not 2-D, empty or not finite; ``codebook``
             another string than ``"fitted"``, of the wrong size, not strictly increasing, or
             outside [-1, 1]; ``hadamard_signs`` not
-            int8 ``[in_features]`` of +-1. Every message names the argument.
+            int8 ``[in_features]`` of +-1; ``tensor_scale`` not one positive power of two that
+            holds the weight (TypeError: not a floating-point tensor). Every message names the argument.
     """
     fmt.check_bits(bits)
     fmt.check_weight(weight, name=name)
@@ -135,8 +138,12 @@ def quantize_weight(
 def _given_tensor_scale(tensor_scale: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
     """``tensor_scale`` as float32 ``[1]`` on ``w``'s device, checked: a positive finite power of
     two that holds ``w`` (its largest block absmax fits the E4M4 range)."""
-    if not isinstance(tensor_scale, torch.Tensor) or not tensor_scale.is_floating_point() or tensor_scale.numel() != 1:
-        raise TypeError(f"tensor_scale must be a floating-point tensor of one element, got {tensor_scale!r}")
+    if not isinstance(tensor_scale, torch.Tensor) or not tensor_scale.is_floating_point():
+        raise TypeError(f"tensor_scale must be a floating-point tensor, got {type(tensor_scale).__name__}")
+    if tensor_scale.numel() != 1:
+        raise ValueError(f"tensor_scale must hold one value, got shape {tuple(tensor_scale.shape)}")
+    if tensor_scale.device.type == "meta" and w.device.type != "meta":
+        raise ValueError("tensor_scale is on the meta device (it holds no value)")
     ts = tensor_scale.detach().to(device=w.device, dtype=torch.float32).reshape(1)
     if w.device.type == "meta":
         return ts
@@ -204,11 +211,18 @@ def hadamard_signs_for(weight: torch.Tensor, bits: int, codebook: torch.Tensor |
     return best
 
 
+# The most the tensor scales of a group's weights may differ by for the group to share the largest:
+# up to 2**12 times a weight's own scale cost no measurable precision (K = 4, randn weights), so
+# 2**10 leaves a margin.
+GROUP_SCALE_SPREAD_MAX = 2.0**10
+
+
 class GroupShared(NamedTuple):
-    """What the layers of a fused group share (:func:`group_quantization`)."""
+    """What the layers of a fused group share (:func:`group_quantization`): the levels, and the
+    tensor scale or ``None`` where the weights' own differ too much to share one."""
 
     codebook: torch.Tensor
-    tensor_scale: torch.Tensor
+    tensor_scale: torch.Tensor | None
 
 
 def group_quantization(weights: Sequence[torch.Tensor], bits: int, codebook: torch.Tensor | str | None = None, *,
@@ -222,8 +236,9 @@ def group_quantization(weights: Sequence[torch.Tensor], bits: int, codebook: tor
     be quantized; levels fitted per weight are fitted to all of them together, on at most
     :data:`kbit_linear.codebooks.MAX_FIT_WEIGHTS` weights, rows sampled evenly from each). The
     tensor scale: the largest of the weights' own (:func:`kbit_linear.format.compute_tensor_scale`),
-    which holds every one of them. float32 ``[2**bits]`` and ``[1]`` on ``device`` (default: the
-    first weight's).
+    which holds every one of them, or ``None`` where it is more than :data:`GROUP_SCALE_SPREAD_MAX`
+    times the smallest (each weight then keeps its own, and the group cannot fuse). float32
+    ``[2**bits]`` and ``[1]`` on ``device`` (default: the first weight's).
 
     Raises:
         ValueError / TypeError: no weights, weights of different in_features, a bad ``codebook``.
@@ -236,6 +251,8 @@ def group_quantization(weights: Sequence[torch.Tensor], bits: int, codebook: tor
         if w.shape[1] != weights[0].shape[1]:
             raise ValueError(f"weights[{i}] has in_features={w.shape[1]}, weights[0] {weights[0].shape[1]}")
     device = weights[0].device if device is None else torch.device(device)
+    if device.type == "meta" or any(w.device.type == "meta" for w in weights):  # shapes only: nothing to share
+        return GroupShared(codebooks.resolve_codebook_option(codebook, weights[0], bits, device=device), None)
     total = sum(w.numel() for w in weights)
     step = max(1, -(-total // codebooks.MAX_FIT_WEIGHTS))  # the same row step in every weight
     with torch.no_grad():
@@ -245,7 +262,8 @@ def group_quantization(weights: Sequence[torch.Tensor], bits: int, codebook: tor
                 w = hadamard.rotate(w.to(torch.float32), hadamard_signs.to(device))
             return w
 
-        ts = torch.stack([fmt.compute_tensor_scale(prepared(w)) for w in weights]).amax(0)
+        own = torch.stack([fmt.compute_tensor_scale(prepared(w)) for w in weights])
+        ts = own.amax(0) if bool(own.amax() <= own.amin() * GROUP_SCALE_SPREAD_MAX) else None
         if not codebooks.fits_per_weight(codebook, bits):  # fixed levels: nothing to stack
             levels = codebooks.resolve_codebook_option(codebook, weights[0], bits, scale_search=scale_search, device=device)
         else:

@@ -108,7 +108,7 @@ def test_each_part_equals_its_own_layer_and_the_group_runs_once(monkeypatch: pyt
     for got, n in zip(out, ("v_proj", "q_proj", "k_proj")):
         close(got, getattr(ref, n)(x))
     assert len(calls) == 1
-    assert fused._input is None and fused._output is None and not fused._in_parent_call
+    assert not fused.holds_product and not fused.in_parent_call
     # a part called twice on one tensor, or on another tensor, computes again (and is still right)
     calls.clear()
     out = _in_one_parent_call(layer, [lambda: layer.q_proj(x), lambda: layer.q_proj(x), lambda: layer.k_proj(other),
@@ -136,7 +136,7 @@ def test_each_part_equals_its_own_layer_and_the_group_runs_once(monkeypatch: pyt
     calls.clear()
     for n in ("q_proj", "k_proj", "v_proj"):
         close(getattr(layer, n)(x), getattr(ref, n)(x))
-    assert len(calls) == 3 and fused._input is None
+    assert len(calls) == 3 and not fused.holds_product
     with pytest.raises(ValueError, match="in_features=256"):
         layer.q_proj(torch.randn(2, 255))
 
@@ -148,7 +148,7 @@ def test_pending_product_is_dropped_when_the_parent_call_ends_or_the_weights_cha
     layer = model.layers[0]
     x = torch.randn(3, 256)
     _in_one_parent_call(layer, [lambda: layer.q_proj(x)])  # k and v never called
-    assert layer.fused_q_k_v._input is None
+    assert not layer.fused_q_k_v.holds_product
     # weights loaded between two parts of one call: the second part sees the new weights
     sd = other.state_dict()
     out = _in_one_parent_call(layer, [lambda: layer.q_proj(x), lambda: model.load_state_dict(sd), lambda: layer.k_proj(x)])
@@ -300,7 +300,7 @@ def test_compiled_model_calls_one_gemm_per_group() -> None:
     torch._dynamo.reset()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert gemms == [2 * 4]  # per layer: q/k/v, o, gate/up, down
-    assert model.layers[0].fused_q_k_v._input is None
+    assert not model.layers[0].fused_q_k_v.holds_product
 
 
 # ---------------------------------------------------------------------------------------
@@ -458,16 +458,23 @@ def test_moe_models_fuse_their_attention_projections(family: str) -> None:
     config = (transformers.Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=40, head_dim=16, num_experts=6,
                                           num_experts_per_tok=3) if family == "qwen3_moe"
               else transformers.MixtralConfig(**common, intermediate_size=80, num_local_experts=4, num_experts_per_tok=2))
+    model, summary = _fused_from_config(transformers, config)
+    assert set(summary.fusion.fused) == {f"model.layers.{i}.self_attn.q_proj/k_proj/v_proj" for i in range(2)}
+    assert len(summary.experts) == 2  # the experts are quantized as before, not fused
+
+
+def _fused_from_config(transformers, config) -> tuple[nn.Module, object]:
+    """A random model of ``config`` quantized with ``fuse=True``, its logits checked against the
+    same model unfused; the model and the quantization summary."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     summary = kbit_linear.quantize_model(model, bits=4, fuse=True, progress=False)
-    assert set(summary.fusion.fused) == {f"model.layers.{i}.self_attn.q_proj/k_proj/v_proj" for i in range(2)}
-    assert len(summary.experts) == 2  # the experts are quantized as before, not fused
     apart = copy.deepcopy(model)
     unfuse_projections(apart)
     ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, apart(ids).logits, rtol=1e-4, atol=1e-4)
+    return model, summary
 
 
 def test_parts_with_different_ranges_share_the_largest_tensor_scale() -> None:
@@ -550,13 +557,82 @@ def test_latent_attention_fuses_its_down_projections() -> None:
         vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
         q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    summary = kbit_linear.quantize_model(model, bits=4, fuse=True, progress=False)
+    model, summary = _fused_from_config(transformers, config)
     assert {f"model.layers.{i}.self_attn.q_a_proj/kv_a_proj_with_mqa" for i in range(2)} <= set(summary.fusion.fused)
     assert isinstance(model.model.layers[1].self_attn.fused_q_a_kv_a_proj_with_mqa, FusedKbitLinear)
-    apart = copy.deepcopy(model)
-    unfuse_projections(apart)
-    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+def test_threads_share_a_fused_model_and_copies_hold_no_product() -> None:
+    import io
+    import threading
+
+    model = _quantized(seed=12)
+    ref = copy.deepcopy(model)
+    fuse_projections(model)
+    inputs = [torch.randn(2, 256) for _ in range(4)]
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, apart(ids).logits, rtol=1e-4, atol=1e-4)
+        want = [ref(x) for x in inputs]
+    errors: list[str] = []
+
+    def work(i: int) -> None:
+        for _ in range(30):
+            with torch.no_grad():
+                if not torch.allclose(model(inputs[i]), want[i], rtol=1e-5, atol=1e-5):
+                    errors.append(f"thread {i}: another thread's product")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    # deepcopy and pickle: the copy's parts and hooks are its own
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        layer = other.layers[0]
+        assert layer.q_proj.fused is layer.fused_q_k_v and not layer.fused_q_k_v.holds_product
+        with torch.no_grad():
+            torch.testing.assert_close(other(inputs[0]), want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_meta_models_and_far_apart_scales_are_left_apart_with_the_reason() -> None:
+    with torch.device("meta"):
+        meta = _Model(layers=1)
+    summary = kbit_linear.quantize_model(meta, bits=4, fuse=True, progress=False)
+    assert summary.fusion.skipped["layers.0.q_proj/k_proj/v_proj"] == "its tensors are on the meta device"
+    torch.manual_seed(4)
+    model = _Model(layers=1)
+    with torch.no_grad():
+        model.layers[0].v_proj.weight.mul_(1e-5)  # a tensor scale 2**17 below the others'
+    summary = kbit_linear.quantize_model(model, bits=4, fuse=True, progress=False)
+    assert "tensor scales" in summary.fusion.skipped["layers.0.q_proj/k_proj/v_proj"]
+    assert "layers.0.gate_proj/up_proj" in summary.fusion.fused
+
+
+def test_cross_attention_by_name_is_neither_fused_nor_quantized_together() -> None:
+    from kbit_linear.fusion import is_cross_attention
+    from kbit_linear.patch import sibling_groups
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cross_attention = _Attention(hidden=64, kv=64, inter=64)
+            self.encoder_decoder_attention = _Attention(hidden=64, kv=64, inter=64)
+
+    model = Block()
+    assert is_cross_attention("cross_attention", model.cross_attention)
+    assert is_cross_attention("x.encoder_decoder_attention", model.encoder_decoder_attention)
+    assert not is_cross_attention("self_attn", model.cross_attention)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert sibling_groups(names, {}, 4, model) == {}
+    assert sibling_groups(names, {}, 4)  # without the model only the names count
+    kbit_linear.quantize_model(model, bits=4, codebook=None, progress=False)
+    assert not fuse_projections(model).fused
+
+
+def test_a_width_that_differs_is_the_reason_given() -> None:
+    model = _quantized()
+    model.layers[0].v_proj = kbit_linear.KbitLinear.from_linear(nn.Linear(256, 192, bias=False), bits=5)
+    assert fuse_projections(model).skipped["layers.0.q_proj/k_proj/v_proj"] == "v_proj has bits=5, q_proj 4"

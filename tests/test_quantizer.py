@@ -223,3 +223,13 @@ def test_group_quantization_shares_levels_and_the_largest_scale():
         quantizer.group_quantization([], 4)
     with pytest.raises(ValueError, match="in_features"):
         quantizer.group_quantization([a, torch.randn(4, 32)], 4)
+
+
+def test_tensor_scale_shape_and_meta_are_refused_and_far_apart_groups_keep_their_own():
+    w = torch.randn(32, 64)
+    with pytest.raises(ValueError, match="one value"):
+        quantize_weight(w, 4, tensor_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="meta"):
+        quantize_weight(w, 4, tensor_scale=torch.ones(1, device="meta"))
+    shared = quantizer.group_quantization([w, w * 1e-5], 4)
+    assert shared.tensor_scale is None  # 2**17 apart: more than GROUP_SCALE_SPREAD_MAX

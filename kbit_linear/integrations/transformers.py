@@ -18,7 +18,8 @@ How it plugs into the transformers 5.x loader:
   :func:`kbit_linear.quantizer.quantize_weight`, swaps a meta
   :class:`~kbit_linear.KbitLinear` in for the layer (the bias moves over) and hands the loader
   the packed ``weight``, ``absmax``, ``codebook`` and ``tensor_scale`` to set on it. No dense
-  tensor is ever set on a ``KbitLinear``. Only one dense weight exists at a time, so the live
+  tensor is ever set on a ``KbitLinear``. Only one dense weight exists at a time (with
+  ``fuse``: the weights of the groups waiting for a sibling, usually one group), so the live
   tensors stay near the quantized model plus one dense layer (on CPU the process may still
   hold freed temporaries in its allocator).
 * save: the quantized tensors are the layers' state dict (``weight`` is the tiled int32
@@ -162,7 +163,7 @@ class KbitConfig(QuantizationConfigMixin):
             load; the one whose rotated weight quantizes with the least error is kept (and
             stored: loading a saved checkpoint does not repeat the search). Default 1.
         fuse: after loading, run each group of sibling projections that read one input (q/k/v,
-            gate/up) as one GEMM (:func:`kbit_linear.fusion.fuse_projections`; the model's
+            gate/up, DeepSeek's q_a_proj/kv_a_proj_with_mqa; not in cross-attention) as one GEMM (:func:`kbit_linear.fusion.fuse_projections`; the model's
             ``kbit_fusion`` attribute says what was fused and why a group was not). Only groups
             whose layers share their levels, tensor scale and rotation fuse: quantizing at load,
             the layers of a group are quantized together for that (one set of levels, fitted to
@@ -515,7 +516,7 @@ class KbitHfQuantizer(HfQuantizer):
             raise ValueError(f"layer_bits names layers this model does not quantize: {stray[:5]}" + (" ..." if len(stray) > 5 else ""))
         if not self.pre_quantized:
             if config.fuse:
-                self.group_of = sibling_groups(names, config.layer_bits or {}, config.bits)
+                self.group_of = sibling_groups(names, config.layer_bits or {}, config.bits, model)
             if config.target_bpw is not None and not config.layer_bits:
                 self.deferred = list(names)  # the widths depend on every weight: quantize after loading
                 self.group_of = {}  # grouped after the widths are chosen
@@ -629,7 +630,7 @@ class KbitHfQuantizer(HfQuantizer):
             model.get_submodule(name).weight = nn.Parameter(weight, requires_grad=False)
         self.stash = {}
         if config.fuse and not self.group_of:  # target_bpw: grouped once the widths are known
-            self.group_of = sibling_groups(self.pending, config.layer_bits or {}, config.bits)
+            self.group_of = sibling_groups(self.pending, config.layer_bits or {}, config.bits, model)
         shared_of: dict[tuple[str, ...], Any] = {}
         for name in sorted(self.pending):
             linear = model.get_submodule(name)
