@@ -122,9 +122,15 @@ def is_per_weight(codebook: object) -> bool:
 def fits_per_weight(codebook: object, bits: int) -> bool:
     """Whether ``codebook`` at width ``bits`` means levels fitted to each weight (``"fitted"``,
     ``"fitted-zero"``, or :data:`DEFAULT` where :data:`DEFAULT_BY_WIDTH` fits at that width)."""
-    if isinstance(codebook, str) and codebook == DEFAULT:
-        codebook = DEFAULT_BY_WIDTH[fmt.check_bits(bits)]
+    codebook = _at_width(codebook, bits)
     return isinstance(codebook, str) and codebook in (FITTED, FITTED_ZERO)
+
+
+def _at_width(codebook: object, bits: int) -> object:
+    """``codebook`` itself, or for :data:`DEFAULT` the option :data:`DEFAULT_BY_WIDTH` gives ``bits``."""
+    if isinstance(codebook, str) and codebook == DEFAULT:
+        return DEFAULT_BY_WIDTH[fmt.check_bits(bits)]
+    return codebook
 
 
 def check_codebook_option(codebook: object, bits: int, name: str = "codebook") -> torch.Tensor | str | None:
@@ -149,8 +155,7 @@ def resolve_codebook_option(codebook: torch.Tensor | str | None, weight: torch.T
     :func:`normal_float_zero_codebook` for ``"nf-zero"``; else
     :func:`kbit_linear.format.resolve_codebook` (normal-float for ``None``, a tensor validated once)."""
     device = weight.device if device is None else device
-    if isinstance(codebook, str) and codebook == DEFAULT:
-        codebook = DEFAULT_BY_WIDTH[fmt.check_bits(bits)]
+    codebook = _at_width(codebook, bits)
     if isinstance(codebook, str) and codebook == NF_ZERO:
         return normal_float_zero_codebook(bits, device)
     if isinstance(codebook, str) and codebook in (FITTED, FITTED_ZERO):

@@ -40,6 +40,7 @@ __all__ = [
     "encode_e4m4",
     "decode_e4m4",
     "compute_tensor_scale",
+    "is_power_of_two",
     "quantize_blockwise",
     "dequantize_blockwise",
     "pack_bitplanes",
@@ -259,6 +260,12 @@ def _encode_e4m4_unchecked(v: torch.Tensor) -> torch.Tensor:
     # searchsorted(left) = index of the first table entry >= v: the round-up code.
     codes = torch.searchsorted(table, v.contiguous().reshape(-1), right=False)
     return codes.clamp_(max=255).to(torch.uint8).reshape(v.shape)
+
+
+def is_power_of_two(scale: torch.Tensor) -> bool:
+    """Whether every value of ``scale`` is a positive finite power of two (what a tensor scale
+    must be; one host sync)."""
+    return bool((torch.isfinite(scale) & (scale > 0) & (torch.frexp(scale).mantissa == 0.5)).all())
 
 
 def compute_tensor_scale(weight: torch.Tensor) -> torch.Tensor:

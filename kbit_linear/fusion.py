@@ -46,10 +46,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from . import _ops
 from . import format as fmt
 from . import weight_layout
-from .linear import _FLOAT32_BUFFERS, KbitLinear, _apply_keeping_float32, _check_state_dtypes
+from .linear import STATE_DTYPES, KbitLinear, _check_state_dtypes
 
 __all__ = ["DEFAULT_GROUPS", "FusedKbitLinear", "FusionSummary", "KbitLinearSlice", "fuse_projections", "is_cross_attention",
            "kbit_layers", "unfuse_projections"]
@@ -152,14 +151,10 @@ class FusedKbitLinear(nn.Module):
         self._traced = _Pending()
         self._hooks: list[Any] = []  # the parent's hooks (fuse_projections)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The fused product ``x @ [W_0; W_1; ...]^T + bias``: ``[..., out_features]``, each part's
-        columns at its offset (tile padding between parts holds zeros)."""
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"x's last dimension must be in_features={self.in_features}, got shape {tuple(x.shape)}")
-        if self.hadamard_signs is not None:
-            x = _ops.hadamard_rotate(x, self.hadamard_signs)
-        return _ops.gemm(x, self.weight, self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features, self.bias)
+    # The fused product ``x @ [W_0; W_1; ...]^T + bias``, ``[..., out_features]`` (each part's
+    # columns at its offset, zeros in the tile padding between parts): the module holds what a
+    # KbitLinear holds, under the same names, so KbitLinear's forward computes it.
+    forward = KbitLinear.forward
 
     @staticmethod
     def _key_of(x: torch.Tensor) -> object:
@@ -229,9 +224,7 @@ class FusedKbitLinear(nn.Module):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FusedKbitLinear":
         self.drop_pending()  # a pending product on the old device is no use
-        _apply_keeping_float32(self, _FLOAT32_BUFFERS, fn, recurse)
-        weight_layout.adopt(self.weight, self.bits)
-        return self
+        return KbitLinear._apply(self, fn, recurse)  # float32 buffers kept, the device's weight layout
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         pass  # the slices save the parts
@@ -329,9 +322,7 @@ class KbitLinearSlice(nn.Module):
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], strict: bool,
                               missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
         f = self.fused
-        expected = {"weight": torch.int32, "absmax": torch.uint8, "codebook": torch.float32, "tensor_scale": torch.float32,
-                    "hadamard_signs": torch.int8}
-        if not _check_state_dtypes(state_dict, prefix, expected, error_msgs, f"a {self.bits}-bit fused part"):
+        if not _check_state_dtypes(state_dict, prefix, STATE_DTYPES, error_msgs, f"a {self.bits}-bit fused part"):
             return
         mine = self.part_tensors()
         given = {name: state_dict.get(prefix + name) for name in _PART_TENSORS}

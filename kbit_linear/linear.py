@@ -54,6 +54,10 @@ _DEQUANTIZE = torch.ops.kbit_linear.dequantize.default
 # Buffers that are part of the format and must stay float32 whatever the model dtype.
 _FLOAT32_BUFFERS = ("codebook", "tensor_scale")
 
+# The dtypes of a KbitLinear's quantized tensors in a state dict (checked before loading one).
+STATE_DTYPES = {"weight": torch.int32, "absmax": torch.uint8, "codebook": torch.float32, "tensor_scale": torch.float32,
+                "hadamard_signs": torch.int8}
+
 
 def _check_features(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -304,9 +308,7 @@ class KbitLinear(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        expected = {"weight": torch.int32, "absmax": torch.uint8, "codebook": torch.float32, "tensor_scale": torch.float32,
-                    "hadamard_signs": torch.int8}
-        if not _check_state_dtypes(state_dict, prefix, expected, error_msgs, f"a {self.bits}-bit KbitLinear"):
+        if not _check_state_dtypes(state_dict, prefix, STATE_DTYPES, error_msgs, f"a {self.bits}-bit KbitLinear"):
             return
         # The state dict holds planes: take them in planes, then move to the device's layout.
         self.weight.data = weight_layout.storage_form(self.weight.data)

@@ -64,6 +64,7 @@ __all__ = [
     "kbit_placeholder",
     "experts_placeholder",
     "sibling_groups",
+    "shared_quantization",
 ]
 
 SkipRule = str | re.Pattern[str]
@@ -577,15 +578,15 @@ def quantize_model(
             levels, shared_scale = codebook, None
             if group is not None:
                 if group not in group_shared:
-                    group_shared[group] = _group_shared(model, group, codebook, width, scale_search, hadamard,
-                                                        rotation["hadamard_seed"], src.weight.device)
+                    group_shared[group] = shared_quantization(model, group, codebook, width, scale_search, hadamard,
+                                                              rotation["hadamard_seed"], src.weight.device)
                 if group_shared[group] is not None:
                     levels, shared_scale = group_shared[group]
-            rotation["tensor_scale"] = shared_scale
             if hessian is None:
-                new = KbitLinear.from_linear(src, bits=width, codebook=levels, scale_search=scale_search, **rotation)
-            else:
                 new = KbitLinear.from_linear(src, bits=width, codebook=levels, scale_search=scale_search,
+                                             tensor_scale=shared_scale, **rotation)
+            else:
+                new = KbitLinear.from_linear(src, bits=width, codebook=levels, scale_search=scale_search, tensor_scale=shared_scale,
                                              hessian=hessian, damp=calibration.damp, act_order=calibration.act_order,
                                              **rotation)
         except (TypeError, ValueError) as e:
@@ -649,8 +650,8 @@ def sibling_groups(names: Iterable[str], layer_bits: dict[str, int], bits: int,
     return out
 
 
-def _group_shared(model: nn.Module, group: tuple[str, ...], codebook: torch.Tensor | str | None, bits: int,
-                  scale_search: bool, hadamard: bool, seed: int, device: torch.device) -> GroupShared | None:
+def shared_quantization(model: nn.Module, group: tuple[str, ...], codebook: torch.Tensor | str | None, bits: int,
+                        scale_search: bool, hadamard: bool, seed: int, device: torch.device) -> GroupShared | None:
     """The levels and tensor scale a group of sibling projections shares
     (:func:`kbit_linear.quantizer.group_quantization` on their weights, rotated by the group's
     signs with ``hadamard``), on ``device``; ``None`` where a layer of the group was converted

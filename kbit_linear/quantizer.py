@@ -147,7 +147,7 @@ def _given_tensor_scale(tensor_scale: torch.Tensor, w: torch.Tensor, name: str) 
     ts = tensor_scale.detach().to(device=w.device, dtype=torch.float32).reshape(1)
     if w.device.type == "meta":
         return ts
-    if not bool(torch.isfinite(ts).all()) or not bool((ts > 0).all()) or not bool((torch.frexp(ts).mantissa == 0.5).all()):
+    if not fmt.is_power_of_two(ts):
         raise ValueError(f"tensor_scale must be a positive finite power of two, got {ts.item()!r}")
     if bool((fmt.compute_tensor_scale(w) > ts).any()):
         raise ValueError(f"tensor_scale={ts.item()!r} is too small for {name}: its largest value / tensor_scale exceeds "

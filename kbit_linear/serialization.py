@@ -343,7 +343,7 @@ def validate_layer_tensors(
     except (TypeError, ValueError) as e:
         raise _fail(ctx, f"invalid codebook: {e}") from None
     ts = tensors["tensor_scale"]
-    if not bool(torch.isfinite(ts).all()) or not bool((ts > 0).all()) or not bool((torch.frexp(ts).mantissa == 0.5).all()):
+    if not fmt.is_power_of_two(ts):
         raise _fail(ctx, f"tensor_scale must be a positive finite power of two, got {ts.item()!r}")
     _check_padding(ctx, tensors["weight"], tensors["absmax"], n, k)
 

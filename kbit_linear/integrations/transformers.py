@@ -75,6 +75,7 @@ from ..patch import (
     is_convertible,
     kbit_placeholder,
     replace_module,
+    shared_quantization,
     sibling_groups,
 )
 from ..quantizer import check_hadamard_search, group_quantization, hadamard_signs_for, quantize_weight
@@ -639,12 +640,9 @@ class KbitHfQuantizer(HfQuantizer):
                 levels, shared_scale = self.codebook, None
                 if group is not None:
                     if group not in shared_of:
-                        members = [model.get_submodule(n) for n in group]
-                        signs = (hadamard_signs_for(linear.weight, config.bits_of(name), seed=layer_seed(group[0]))
-                                 if config.hadamard else None)
-                        shared_of[group] = (group_quantization([m.weight for m in members], config.bits_of(name), self.codebook,
-                                                               scale_search=config.scale_search, hadamard_signs=signs)
-                                            if all(is_convertible(m) for m in members) else None)
+                        shared_of[group] = shared_quantization(model, group, self.codebook, config.bits_of(name),
+                                                               config.scale_search, config.hadamard, layer_seed(group[0]),
+                                                               linear.weight.device)
                     if shared_of[group] is not None:
                         levels, shared_scale = shared_of[group]
                 layer = KbitLinear.from_linear(linear, config.bits_of(name), levels, tensor_scale=shared_scale,
