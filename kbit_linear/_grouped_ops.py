@@ -33,6 +33,11 @@ slot's sorted position (``position``, perm's inverse).
 :func:`route_slots` is the sorting itself (counts, offsets, permutation), also used by the
 module's reference forward.
 
+``kbit_linear::experts_one_token`` is a whole experts call for one token (a decode step of batch
+1): ``x [1, hidden]`` through its ``top_k`` experts' gate_up, SwiGLU and down, weighted and
+summed. Its spec is the composition of the four ops above; the CUDA backend runs it as two
+kernels with no routing step.
+
 Same layer as :mod:`kbit_linear._ops` (op schemas, fake implementations with metadata checks,
 the reference as the default implementation); the CUDA backend registers its kernels.
 """
@@ -86,6 +91,36 @@ torch.library.define(
 )
 
 
+def check_expert_weights(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, tensor_scale: torch.Tensor,
+                         bits: int, out_features: int, in_features: int, prefix: str = "", in_name: str = "the input") -> None:
+    """Metadata checks of one projection's stacked expert weights (``prefix`` + ``packed``,
+    ``absmax``, ``codebook``, ``tensor_scale``, as :class:`~kbit_linear.KbitExperts` keeps them)
+    for ``out_features`` x ``in_features`` (``in_name``: what the in-features are of, for the
+    message). The tensors are known to be tensors.
+
+    Raises:
+        TypeError / ValueError: naming the argument.
+    """
+    if packed.dtype not in (torch.int32, torch.uint8):
+        raise TypeError(f"{prefix}packed must be int32 (planes) or uint8 (4- or 5-bit pair codes), got {packed.dtype}")
+    per_block = fmt.block_entries(packed, bits)
+    if packed.dim() != 6 or packed.shape[-1] != per_block or packed.shape[3:5] != (fmt.TILE_N, 2):
+        raise ValueError(f"{prefix}packed must be {packed.dtype} [E, K_pad/64, N_pad/128, 128, 2, {per_block}] for bits={bits}, "
+                         f"got {tuple(packed.shape)}")
+    if absmax.dtype != torch.uint8 or tuple(absmax.shape) != tuple(packed.shape[:-1]):
+        raise ValueError(f"{prefix}absmax must be uint8 {tuple(packed.shape[:-1])}, got {absmax.dtype} {tuple(absmax.shape)}")
+    experts = packed.shape[0]
+    if codebook.dtype != torch.float32 or tuple(codebook.shape) != (1 << bits,):
+        raise TypeError(f"{prefix}codebook must be float32 [{1 << bits}], got {codebook.dtype} {tuple(codebook.shape)}")
+    if tensor_scale.dtype != torch.float32 or tuple(tensor_scale.shape) != (experts,):
+        raise TypeError(f"{prefix}tensor_scale must be float32 [{experts}], got {tensor_scale.dtype} {tuple(tensor_scale.shape)}")
+    n_pad, k_pad = packed.shape[2] * fmt.TILE_N, packed.shape[1] * fmt.TILE_K
+    if isinstance(out_features, bool) or not isinstance(out_features, int) or not n_pad - fmt.TILE_N < out_features <= n_pad:
+        raise ValueError(f"out_features={out_features!r} does not match {prefix}packed padded to {n_pad} rows")
+    if not k_pad - fmt.TILE_K < in_features <= k_pad:
+        raise ValueError(f"{in_name} has {in_features} in-features; {prefix}packed is padded to {k_pad}")
+
+
 def check_grouped_args(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
                        tensor_scale: torch.Tensor, groups: torch.Tensor, bits: int, out_features: int, max_rows: int) -> None:
     """Metadata checks of ``grouped_gemm`` (no pass over values; the groups are not read).
@@ -100,26 +135,9 @@ def check_grouped_args(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tens
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not x.is_floating_point() or x.dim() != 2:
         raise ValueError(f"x must be a floating-point [rows, in_features] tensor, got {x.dtype} {tuple(x.shape)}")
-    if packed.dtype not in (torch.int32, torch.uint8):
-        raise TypeError(f"packed must be int32 (planes) or uint8 (4- or 5-bit pair codes), got {packed.dtype}")
-    per_block = fmt.block_entries(packed, bits)
-    if packed.dim() != 6 or packed.shape[-1] != per_block or packed.shape[3:5] != (fmt.TILE_N, 2):
-        raise ValueError(f"packed must be {packed.dtype} [E, K_pad/64, N_pad/128, 128, 2, {per_block}] for bits={bits}, "
-                         f"got {tuple(packed.shape)}")
-    if absmax.dtype != torch.uint8 or tuple(absmax.shape) != tuple(packed.shape[:-1]):
-        raise ValueError(f"absmax must be uint8 {tuple(packed.shape[:-1])}, got {absmax.dtype} {tuple(absmax.shape)}")
-    experts = packed.shape[0]
-    if codebook.dtype != torch.float32 or tuple(codebook.shape) != (1 << bits,):
-        raise TypeError(f"codebook must be float32 [{1 << bits}], got {codebook.dtype} {tuple(codebook.shape)}")
-    if tensor_scale.dtype != torch.float32 or tuple(tensor_scale.shape) != (experts,):
-        raise TypeError(f"tensor_scale must be float32 [{experts}], got {tensor_scale.dtype} {tuple(tensor_scale.shape)}")
+    check_expert_weights(packed, absmax, codebook, tensor_scale, bits, out_features, x.shape[1], in_name="x")
     if groups.dtype != torch.int32 or groups.dim() != 2 or groups.shape[0] != 3:
         raise ValueError(f"groups must be int32 [3, G] (expert, first row, rows), got {groups.dtype} {tuple(groups.shape)}")
-    n_pad, k_pad = packed.shape[2] * fmt.TILE_N, packed.shape[1] * fmt.TILE_K
-    if isinstance(out_features, bool) or not isinstance(out_features, int) or not n_pad - fmt.TILE_N < out_features <= n_pad:
-        raise ValueError(f"out_features={out_features!r} does not match packed padded to {n_pad} rows")
-    if not k_pad - fmt.TILE_K < x.shape[1] <= k_pad:
-        raise ValueError(f"x has {x.shape[1]} in-features; packed is padded to {k_pad}")
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
         raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
     for name, t in (("packed", packed), ("absmax", absmax), ("codebook", codebook), ("tensor_scale", tensor_scale), ("groups", groups)):
@@ -307,3 +325,81 @@ def route_experts_reference(top_k_index, num_experts, groups):
 
 
 torch.library.impl(f"{_NS}::route_experts", "default")(route_experts_reference)  # not as a decorator (as above)
+
+# ---------------------------------------------------------------------------------------
+# one token through the experts (a decode step of batch 1)
+# ---------------------------------------------------------------------------------------
+
+torch.library.define(
+    f"{_NS}::experts_one_token",
+    "(Tensor x, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up_packed, Tensor gate_up_absmax, "
+    "Tensor gate_up_codebook, Tensor gate_up_tensor_scale, Tensor down_packed, Tensor down_absmax, Tensor down_codebook, "
+    "Tensor down_tensor_scale, int bits, int intermediate) -> Tensor",
+)
+
+
+def check_one_token_args(x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_codebook, gate_up_tensor_scale,
+                         down_packed, down_absmax, down_codebook, down_tensor_scale, bits, intermediate) -> None:
+    """Metadata checks of ``experts_one_token`` (no pass over values: the ids are not read).
+
+    Raises:
+        TypeError / ValueError: naming the argument.
+    """
+    fmt.check_bits(bits)
+    named = (("x", x), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights), ("gate_up_packed", gate_up_packed),
+             ("gate_up_absmax", gate_up_absmax), ("gate_up_codebook", gate_up_codebook),
+             ("gate_up_tensor_scale", gate_up_tensor_scale), ("down_packed", down_packed), ("down_absmax", down_absmax),
+             ("down_codebook", down_codebook), ("down_tensor_scale", down_tensor_scale))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not x.is_floating_point() or x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"x must be a floating-point [1, hidden] tensor (one token), got {x.dtype} {tuple(x.shape)}")
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != 1 or top_k_index.shape[1] < 1 or top_k_index.is_floating_point() \
+            or top_k_index.is_complex() or top_k_index.dtype == torch.bool:
+        raise ValueError(f"top_k_index must be an integer [1, top_k] tensor, got {top_k_index.dtype} {tuple(top_k_index.shape)}")
+    if not top_k_weights.is_floating_point() or tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+        raise ValueError(f"top_k_weights must be a floating-point {tuple(top_k_index.shape)} tensor, got {top_k_weights.dtype} "
+                         f"{tuple(top_k_weights.shape)}")
+    check_intermediate(intermediate)
+    hidden = x.shape[1]
+    check_expert_weights(gate_up_packed, gate_up_absmax, gate_up_codebook, gate_up_tensor_scale, bits, 2 * intermediate, hidden,
+                         prefix="gate_up_", in_name="x")
+    check_expert_weights(down_packed, down_absmax, down_codebook, down_tensor_scale, bits, hidden, intermediate, prefix="down_",
+                         in_name=f"intermediate={intermediate}")
+    if down_packed.shape[0] != gate_up_packed.shape[0]:
+        raise ValueError(f"down_packed holds {down_packed.shape[0]} experts, gate_up_packed {gate_up_packed.shape[0]}")
+    for name, t in named[1:]:
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}: all tensors must be on one device")
+
+
+@torch.library.register_fake(f"{_NS}::experts_one_token")
+def _(x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_codebook, gate_up_tensor_scale, down_packed,
+      down_absmax, down_codebook, down_tensor_scale, bits, intermediate):
+    check_one_token_args(x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_codebook, gate_up_tensor_scale,
+                         down_packed, down_absmax, down_codebook, down_tensor_scale, bits, intermediate)
+    return x.new_empty(x.shape)
+
+
+def experts_one_token_composed(x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_codebook,
+                               gate_up_tensor_scale, down_packed, down_absmax, down_codebook, down_tensor_scale, bits, intermediate):
+    """The spec of ``experts_one_token``: one token (``x [1, hidden]``) through its ``top_k``
+    experts, ``sum_k top_k_weights[0, k] * down(silu(gate(x)) * up(x))`` of expert
+    ``top_k_index[0, k]`` (ids outside ``0..E-1`` add nothing), ``[1, hidden]`` in x's dtype, with
+    the roundings of the grouped ops it is made of here: ``route_experts``, ``grouped_swiglu``,
+    ``grouped_gemm`` and ``combine_experts``. A backend runs this composition where its one-token
+    kernels do not take the call (no host sync either way)."""
+    check_one_token_args(x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_codebook, gate_up_tensor_scale,
+                         down_packed, down_absmax, down_codebook, down_tensor_scale, bits, intermediate)
+    top_k, experts = top_k_index.shape[1], gate_up_packed.shape[0]
+    groups, _, _, position = torch.ops.kbit_linear.route_experts(top_k_index, experts, min(experts, top_k))
+    rows = x.expand(top_k, -1)  # every slot reads the token's row
+    h = torch.ops.kbit_linear.grouped_swiglu(rows, gate_up_packed, gate_up_absmax, gate_up_codebook, gate_up_tensor_scale, groups,
+                                             bits, intermediate, top_k)
+    y = torch.ops.kbit_linear.grouped_gemm(h, down_packed, down_absmax, down_codebook, down_tensor_scale, groups, bits,
+                                           x.shape[1], top_k)
+    return torch.ops.kbit_linear.combine_experts(y, position, top_k_weights)
+
+
+torch.library.impl(f"{_NS}::experts_one_token", "default")(experts_one_token_composed)

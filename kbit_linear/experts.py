@@ -531,6 +531,11 @@ class KbitExperts(nn.Module):
                          max_rows: int) -> torch.Tensor:
         """The forward with two grouped launches and the routing on the device (see :meth:`forward`)."""
         tokens, top_k = top_k_index.shape
+        if tokens == 1 and _is_silu(self.act_fn):  # a decode step of batch 1: one op, two kernels, no routing step
+            return torch.ops.kbit_linear.experts_one_token(hidden_states, top_k_index, top_k_weights,
+                                                           *self.projection_tensors("gate_up_proj"),
+                                                           *self.projection_tensors("down_proj"), self.bits,
+                                                           self.intermediate_dim).to(hidden_states.dtype)
         # The slots sorted by expert; the experts that received slots as the groups (as many
         # groups as there can be hit experts); slots with no expert sort last, in no group.
         groups, _, token_of_slot, position = torch.ops.kbit_linear.route_experts(top_k_index, self.num_experts,

@@ -196,6 +196,19 @@ template <> KBIT_DEVICE void mma_16816<KBIT_BF16>(float (&d)[4], const u32 (&a)[
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// A mixture-of-experts routing weight as a float: element i of `w` in its own dtype WT
+// (KBIT_F32 / KBIT_F16 / KBIT_BF16), rounded to the activations' DT (the weight a token's
+// expert output is scaled by).
+template <int DT, int WT> KBIT_DEVICE float load_routing_weight(const void* __restrict__ w, long long i) {
+    float f;
+    if constexpr (WT == KBIT_F32) {
+        f = static_cast<const float*>(w)[i];
+    } else {
+        f = bits_to_f32<WT>(static_cast<const u16*>(w)[i]);
+    }
+    return WT == DT ? f : bits_to_f32<DT>(f32_to_bits<DT>(f));
+}
+
 // L2-coherent load (skips L1): for data other blocks of the same launch wrote.
 KBIT_DEVICE float4 ld_cg(const float4* p) {
     float4 v;

@@ -47,17 +47,6 @@ template <int DT, int VEC> KBIT_DEVICE void store_vec(u16* __restrict__ p, const
     }
 }
 
-// A routing weight as a float, loaded from its own dtype (WT), rounded to the activations' DT.
-template <int DT, int WT> KBIT_DEVICE float load_weight(const void* __restrict__ w, long long i) {
-    float f;
-    if constexpr (WT == KBIT_F32) {
-        f = static_cast<const float*>(w)[i];
-    } else {
-        f = bits_to_f32<WT>(static_cast<const u16*>(w)[i]);
-    }
-    return WT == DT ? f : bits_to_f32<DT>(f32_to_bits<DT>(f));
-}
-
 template <int DT, int VEC>
 __global__ void __launch_bounds__(kThreads)
 kbit_swiglu(const u16* __restrict__ gate_up, u16* __restrict__ out, int rows, int inter) {
@@ -97,7 +86,7 @@ kbit_combine_experts(const u16* __restrict__ y, const i64* __restrict__ position
             const long long s = t * top_k + k;
             const i64 p = position[s];
             if ((unsigned long long)p >= (unsigned long long)slots) continue;
-            const float w = load_weight<DT, WT>(weights, s);
+            const float w = load_routing_weight<DT, WT>(weights, s);
             float yv[VEC];
             load_vec<DT, VEC>(yv, y + p * H + c);
 #pragma unroll

@@ -10,6 +10,7 @@ with one job:
   for mixture-of-experts layers);
 * :mod:`.routing`: the routing kernel of mixture-of-experts layers;
 * :mod:`.experts`: the element-wise kernels around their grouped GEMMs (SwiGLU, the weighted combine);
+* :mod:`.experts_token`: one token through the experts in two launches (a decode step of batch 1);
 * :mod:`.gguf`: the GGUF block-format kernels (dequantize, small-M GEMM) and their ops;
 * :mod:`.kv_attention`: the fused decode attention over the quantized KV cache;
 * :mod:`.hadamard`: the Hadamard rotation of a rotated layer's input;

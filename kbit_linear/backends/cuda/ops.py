@@ -2,7 +2,7 @@
 
 Importing this module registers ``torch.library`` CUDA kernels for ``kbit_linear::quantize``,
 ``::repack``, ``::dequantize``, ``::gemm``, ``::grouped_gemm``, ``::grouped_swiglu``,
-``::combine_experts`` and ``::route_experts``. It needs neither CuPy nor a GPU to import: CuPy
+``::combine_experts``, ``::route_experts`` and ``::experts_one_token``. It needs neither CuPy nor a GPU to import: CuPy
 is loaded, and each kernel instance compiled, on the first call that needs it
 (:mod:`.loader`).
 
@@ -35,7 +35,7 @@ import torch
 from ... import _grouped_ops  # the grouped GEMM's schema and reference
 from ... import _ops  # defines the op schemas before the registrations below
 from ... import format as fmt
-from . import decode, experts, grouped, hopper, loader, plans, routing, tuning, workspace
+from . import decode, experts, experts_token, grouped, hopper, loader, plans, routing, tuning, workspace
 from .tensors import aligned16, kernel_rows, layout_arg, weight_layouts
 
 __all__ = [
@@ -738,6 +738,7 @@ _grouped_ops.register_large_groups("cuda", _large_groups_supported)
 
 
 torch.library.impl("kbit_linear::combine_experts", "CUDA")(experts.combine_experts_cuda)
+torch.library.impl("kbit_linear::experts_one_token", "CUDA")(experts_token.experts_one_token_cuda)
 
 
 @torch.library.impl("kbit_linear::route_experts", "CUDA")

@@ -1,0 +1,337 @@
+// One token through a mixture-of-experts layer's kbit experts in two launches. A decode step of
+// batch 1 is bound by launches, not bytes: the grouped path takes six (routing, gate_up, SwiGLU,
+// the down projection's zero fill, down, combine); this takes two and needs no routing, since
+// one token's top_k slots name distinct experts.
+//
+//   kbit_token_gate_up   slot s (expert e = ids[s]), intermediate row i < I:
+//                          g = round(W_gu[e][i] . x * ts_gu[e]),  u = round(W_gu[e][I + i] . x * ts_gu[e])
+//                          h[s][i] = round(silu(g) * u)                      (fp32, rounded once)
+//   kbit_token_down      hidden row n < H:
+//                          out[n] = round(sum_s round(w[s]) * round(W_d[e][n] . h[s] * ts_d[e]))
+//                        (fp32, slots in order: the roundings of the grouped path's grouped_swiglu,
+//                         grouped_gemm and combine_experts)
+//   round() is to the activations' type DT. A slot whose id is outside 0..E-1 (transformers'
+//   "no expert" is E) adds nothing: its loads are off and the sum skips it.
+//
+// Work split. A unit is one row group (16 rows); a persistent grid of NW-warp blocks takes
+// units blockIdx.x, blockIdx.x + gridDim.x, ...; the warps of a block split a unit's items:
+//
+//   gate_up unit (s, j): gate rows 16j..16j+15 and up rows I+16j..I+16j+15 (I a multiple of 16)
+//        items: the kc chunks of k (128 in-features each); warp w takes chunks w, w + NW, ...
+//   down unit j: hidden rows 16j..16j+15
+//        items: (slot, chunk) pairs, slot-major; warp w takes items w, w + NW, ...; x = h[slot]
+//
+//        chunk 0    chunk 1    chunk 2    ...
+//       +----------+----------+----------+--
+//   w0  | items    |          |          |        a warp: one row group (two for gate_up) of
+//   w1  |          | items    |          |        the chunk, x's chunk as the mma's n8 side
+//   ..  +----------+----------+----------+--      (decode_core.cuh: lane layout, decode)
+//
+// Each warp writes its fp32 sums to its own slice of shared memory (for down: one slice per
+// slot, zero where it had no item); after one block barrier, thread r < 16 adds the slices of
+// row r in warp order (deterministic) and finishes the row. Two slice buffers alternate between
+// units, so the barrier of a unit also orders the previous unit's reads before the next writes.
+//
+// Loads: each warp keeps D items of plane words in flight (a ring of decode_core.cuh's Sub),
+// refilled as soon as an item's planes are turned into index bytes.
+//
+// Launched as programmatic dependents (sm_90+): the tables are built before
+// grid_dependency_wait(), every other memory access after it.
+
+#include "common.cuh"
+#include "decode_core.cuh"
+
+namespace kbit_token {
+
+using kbit_decode::build_tables;
+using kbit_decode::ldg_cg_word;
+using kbit_decode::lds32;
+using kbit_decode::Lut;
+using kbit_decode::Prepped;
+using kbit_decode::Sub;
+using kbit_decode::sts32;
+
+constexpr int kRowsPerUnit = 16;
+
+// This lane's plane words and scale byte of row group `rg` (rows 16 rg + g and + 8, block t) in
+// chunk c of one expert's weight, and whether that block exists (k-tile 2c + t/2 < k_tiles).
+template <int BITS> struct Spot {
+    const u32* pw;
+    const u8* pa;
+    bool on;
+    KBIT_DEVICE Spot(const u32* packed, const u8* absmax, int rg, int c, int t, int g, int k_tiles, int n_tiles) {
+        const int n0 = rg * kRowsPerUnit + g;
+        const int kt = 2 * c + (t >> 1);
+        const long long tile = (long long)min(kt, k_tiles - 1) * n_tiles + (n0 >> 7);
+        pw = packed + tile * (256 * BITS) + ((n0 & 127) * 2 + (t & 1)) * BITS;
+        pa = absmax + tile * 256 + (n0 & 127) * 2 + (t & 1);
+        on = kt < k_tiles;
+    }
+};
+
+template <int BITS> KBIT_DEVICE void zero_sub(Sub<BITS>& d) {
+#pragma unroll
+    for (int rho = 0; rho < 2; ++rho) {
+#pragma unroll
+        for (int b = 0; b < BITS; ++b) d.p[rho][b] = 0u;
+        d.a[rho] = 0u;
+    }
+}
+
+// The tables of this block (before the dependency wait) and the wait. Returns after a barrier:
+// the tables are complete, rebuilt if the codebook changed meanwhile.
+template <int BITS, int DT, int NW, bool PAIRS>
+KBIT_DEVICE void prologue(const float* __restrict__ codebook, u32 lut_win, u32 stab_win) {
+    const float* cb_entry = codebook + (threadIdx.x & ((1 << BITS) - 1));
+    const u32 cb_early = ldg_cg_word(cb_entry);
+    build_tables<BITS, DT, NW * 32, PAIRS>(lut_win, stab_win, __uint_as_float(cb_early), threadIdx.x);
+    grid_dependency_wait();
+    const bool cb_changed = ldg_cg_word(cb_entry) != cb_early;
+    if (__syncthreads_or(cb_changed)) {
+        build_tables<BITS, DT, NW * 32, PAIRS>(lut_win, stab_win, __ldcg(cb_entry), threadIdx.x);
+        __syncthreads();
+    }
+}
+
+// Shared memory: the pair/quad table on its alignment boundary, the scale table, then the
+// partial-sum slices (two buffers). The host sizes launches with the same sum (SLICE_FLOATS =
+// floats per buffer).
+template <int BITS> struct Windows {
+    u32 lut, stab, parts, lanebase;
+    KBIT_DEVICE explicit Windows(const void* smem) {
+        using L = Lut<BITS>;
+        const u32 win = (u32)__cvta_generic_to_shared(smem);
+        lut = (win + (u32)(L::kAlign - 1)) & ~(u32)(L::kAlign - 1);
+        stab = lut + (u32)L::kBytes;
+        parts = stab + 1024u;
+        lanebase = lut + (u32)(threadIdx.x & 31) * L::kEntryBytes;
+    }
+};
+
+// Kernel parameters (both): packed / absmax hold every expert, expert_words u32 words /
+// expert_scales bytes apart (tiled, k_tiles x n_tiles storage tiles each; planes, or pair codes
+// when PAIRS); codebook f32 [2^BITS] shared by the experts; tensor_scale f32 [E]; ids int64
+// [slots]; K: x's length (a multiple of 8, 16-byte aligned), at most 64 * k_tiles.
+//
+// A warp walks its items of all the block's units as one sequence (unit m of the block =
+// blockIdx.x + m * gridDim.x, `per` items in each), so the ring's loads run ahead into the next
+// unit while this one is reduced. A warp with no items still meets each unit's barrier.
+//
+// gate_up: x [K]; h [slots, inter] out (inter a multiple of 16; 2 * inter <= 128 * n_tiles).
+// Shared memory: Lut<BITS>::kSmem + 2 buffers x NW warps x 2 (gate, up) x 16 floats.
+template <int BITS, int DT, int NW, int D, bool PAIRS = false>
+__global__ void __launch_bounds__(NW * 32, 1)
+kbit_token_gate_up(const u16* __restrict__ x, const long long* __restrict__ ids, const u32* __restrict__ packed,
+                   const u8* __restrict__ absmax, const float* __restrict__ codebook, const float* __restrict__ tensor_scale,
+                   u16* __restrict__ h, int slots, int experts, int expert_words, int expert_scales, int inter, int K,
+                   int k_tiles, int n_tiles) {
+    extern __shared__ __align__(16) u8 smem[];
+    allow_dependent_launch();
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const Windows<BITS> win(smem);
+    prologue<BITS, DT, NW, PAIRS>(codebook, win.lut, win.stab);
+
+    const int kc = (k_tiles + 1) >> 1;
+    const int groups = inter / kRowsPerUnit;
+    const int units = slots * groups;
+    const int mine = units > (int)blockIdx.x ? (units - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
+    const int per = w < kc ? (kc - w + NW - 1) / NW : 0;  // this warp's chunks of a unit
+    constexpr u32 kBuffer = NW * 2 * kRowsPerUnit * 4;  // bytes of one buffer
+
+    // Unit m of this block: its slot, row group and expert (-1: none).
+    struct Unit {
+        int s, j;
+        long long e;
+    };
+    auto unit_at = [&](int m) {
+        const int u = (int)blockIdx.x + m * (int)gridDim.x;
+        Unit r;
+        r.s = u / groups;
+        r.j = u - r.s * groups;
+        r.e = __ldg(ids + r.s);
+        if (r.e < 0 || r.e >= experts) r.e = -1;
+        return r;
+    };
+    // Loads of item i of this warp's sequence: gate and up row groups of its chunk.
+    auto load_item = [&](Sub<BITS> (&d)[2], int i) {
+        const int m = i / per, c = w + (i - m * per) * NW;
+        const Unit un = unit_at(m);
+        const long long eo = un.e < 0 ? 0 : un.e;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const Spot<BITS> sp(packed + eo * expert_words, absmax + eo * expert_scales, q * groups + un.j, c, t, g, k_tiles,
+                                n_tiles);
+            kbit_decode::load_sub<BITS>(d[q], sp.pw, sp.pa, un.e >= 0 && sp.on);
+        }
+    };
+    // End of unit m: this warp's sums are in its slice; one barrier; thread r finishes row r.
+    auto finish = [&](int m, const float (&acc)[2][1][4]) {
+        const u32 buf = win.parts + (u32)(m & 1) * kBuffer;
+        if (t == 0 && per > 0) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const u32 slice = buf + (u32)((w * 2 + q) * kRowsPerUnit) * 4u;
+                sts32(slice + 4u * g, __float_as_uint(acc[q][0][0]));  // column 0 (x's row): rows g, g + 8
+                sts32(slice + 4u * (g + 8), __float_as_uint(acc[q][0][2]));
+            }
+        }
+        __syncthreads();
+        const Unit un = unit_at(m);
+        if (threadIdx.x < kRowsPerUnit && un.e >= 0) {
+            const int r = threadIdx.x;
+            float gs = 0.0f, us = 0.0f;
+            for (int v = 0; v < min(NW, kc); ++v) {  // warps past kc had no chunk
+                gs += __uint_as_float(lds32(buf + (u32)((v * 2 + 0) * kRowsPerUnit + r) * 4u));
+                us += __uint_as_float(lds32(buf + (u32)((v * 2 + 1) * kRowsPerUnit + r) * 4u));
+            }
+            const float ts = __ldg(tensor_scale + un.e);
+            const float gv = bits_to_f32<DT>(f32_to_bits<DT>(gs * ts));
+            const float uv = bits_to_f32<DT>(f32_to_bits<DT>(us * ts));
+            h[(long long)un.s * inter + un.j * kRowsPerUnit + r] = f32_to_bits<DT>(gv / (1.0f + expf(-gv)) * uv);
+        }
+    };
+
+    float acc[2][1][4] = {};
+    if (per == 0) {  // no chunks: meet every unit's barrier
+        for (int m = 0; m < mine; ++m) finish(m, acc);
+        return;
+    }
+    const int n_items = mine * per;
+    Sub<BITS> ring[D][2];
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+        zero_sub<BITS>(ring[d][0]);
+        zero_sub<BITS>(ring[d][1]);
+        if (d < n_items) load_item(ring[d], d);
+    }
+    for (int ib = 0; ib < n_items; ib += D) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+            const int i = ib + d;
+            if (i >= n_items) break;
+            const int m = i / per, c = w + (i - m * per) * NW;
+            u32 bx[1][16];
+            kbit_decode::load_x<1>(bx, x, 1, K, 0, c * 128 + 32 * t, g);
+            Prepped<BITS> o[2];
+            kbit_decode::prep<BITS, PAIRS>(ring[d][0], o[0], win.stab);
+            kbit_decode::prep<BITS, PAIRS>(ring[d][1], o[1], win.stab);
+            if (i + D < n_items) load_item(ring[d], i + D);  // the planes are consumed: refill
+            kbit_decode::lookup_mma<BITS, DT, 1, PAIRS>(o[0], bx, acc[0], win.lanebase, win.lut);
+            kbit_decode::lookup_mma<BITS, DT, 1, PAIRS>(o[1], bx, acc[1], win.lanebase, win.lut);
+            if (i - m * per == per - 1) {
+                finish(m, acc);
+#pragma unroll
+                for (int q = 0; q < 2; ++q)
+#pragma unroll
+                    for (int v = 0; v < 4; ++v) acc[q][0][v] = 0.0f;
+            }
+        }
+    }
+}
+
+// down: h [slots, K] (gate_up's output), weights [slots] (WT: KBIT_F32, or DT), out [N].
+// Shared memory: Lut<BITS>::kSmem + 2 buffers x slots x NW warps x 16 floats.
+template <int BITS, int DT, int WT, int NW, int D, bool PAIRS = false>
+__global__ void __launch_bounds__(NW * 32, 1)
+kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, const void* __restrict__ weights,
+                const u32* __restrict__ packed, const u8* __restrict__ absmax, const float* __restrict__ codebook,
+                const float* __restrict__ tensor_scale, u16* __restrict__ out, int slots, int experts, int expert_words,
+                int expert_scales, int N, int K, int k_tiles, int n_tiles) {
+    extern __shared__ __align__(16) u8 smem[];
+    allow_dependent_launch();
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const Windows<BITS> win(smem);
+    prologue<BITS, DT, NW, PAIRS>(codebook, win.lut, win.stab);
+
+    const int kc = (k_tiles + 1) >> 1;
+    const int units = (N + kRowsPerUnit - 1) / kRowsPerUnit;
+    const int mine = units > (int)blockIdx.x ? (units - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
+    const int items = slots * kc;  // of one unit: (slot, chunk), slot-major
+    const int per = w < items ? (items - w + NW - 1) / NW : 0;
+    const u32 buffer = (u32)(slots * NW * kRowsPerUnit) * 4u;  // bytes of one buffer
+    auto expert_of = [&](int s) {
+        const long long e = __ldg(ids + s);
+        return e < 0 || e >= experts ? -1ll : e;
+    };
+    auto slice_of = [&](u32 buf, int s, int v) { return buf + (u32)((s * NW + v) * kRowsPerUnit) * 4u; };
+    // Item i of this warp's sequence: unit m, and item it (slot s, chunk c) of that unit.
+    auto load_item = [&](Sub<BITS>& d, int i) {
+        const int m = i / per, it = w + (i - m * per) * NW, s = it / kc, c = it - s * kc;
+        const int j = (int)blockIdx.x + m * (int)gridDim.x;
+        const long long e = expert_of(s), eo = e < 0 ? 0 : e;
+        const Spot<BITS> sp(packed + eo * expert_words, absmax + eo * expert_scales, j, c, t, g, k_tiles, n_tiles);
+        kbit_decode::load_sub<BITS>(d, sp.pw, sp.pa, e >= 0 && sp.on);
+    };
+    // This warp's slices of unit m's buffer start at zero: a slot with no item of the warp adds nothing.
+    auto zero_slices = [&](int m) {
+        const u32 buf = win.parts + (u32)(m & 1) * buffer;
+        for (int q = lane; q < slots * kRowsPerUnit; q += 32) sts32(slice_of(buf, q / kRowsPerUnit, w) + 4u * (q % kRowsPerUnit), 0u);
+        __syncwarp();
+    };
+    // One barrier, then thread r finishes row r of unit m.
+    auto finish = [&](int m) {
+        const u32 buf = win.parts + (u32)(m & 1) * buffer;
+        __syncthreads();
+        const int n = ((int)blockIdx.x + m * (int)gridDim.x) * kRowsPerUnit + (int)threadIdx.x;
+        if (threadIdx.x < kRowsPerUnit) {
+            float total = 0.0f;
+            for (int s = 0; s < slots; ++s) {
+                const long long e = expert_of(s);
+                if (e < 0) continue;
+                float ys = 0.0f;
+                for (int v = 0; v < min(NW, items); ++v) ys += __uint_as_float(lds32(slice_of(buf, s, v) + 4u * threadIdx.x));
+                const float y = bits_to_f32<DT>(f32_to_bits<DT>(ys * __ldg(tensor_scale + e)));
+                total = fmaf(load_routing_weight<DT, WT>(weights, s), y, total);
+            }
+            if (n < N) out[n] = f32_to_bits<DT>(total);
+        }
+    };
+
+    if (per == 0) {  // no items: meet every unit's barrier
+        for (int m = 0; m < mine; ++m) finish(m);
+        return;
+    }
+    const int n_items = mine * per;
+    Sub<BITS> ring[D];
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+        zero_sub<BITS>(ring[d]);
+        if (d < n_items) load_item(ring[d], d);
+    }
+    float acc[1][4] = {};
+    for (int ib = 0; ib < n_items; ib += D) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+            const int i = ib + d;
+            if (i >= n_items) break;
+            const int m = i / per, k = i - m * per, it = w + k * NW, s = it / kc, c = it - s * kc;
+            if (k == 0) zero_slices(m);
+            const bool ok = expert_of(s) >= 0;
+            u32 bx[1][16];
+            // a slot without an expert has no h row: x stays zero (M = 0 loads nothing)
+            kbit_decode::load_x<1>(bx, h + (long long)s * K, ok ? 1 : 0, K, 0, c * 128 + 32 * t, g);
+            Prepped<BITS> o;
+            kbit_decode::prep<BITS, PAIRS>(ring[d], o, win.stab);
+            if (i + D < n_items) load_item(ring[d], i + D);  // the planes are consumed: refill
+            kbit_decode::lookup_mma<BITS, DT, 1, PAIRS>(o, bx, acc, win.lanebase, win.lut);
+            const bool unit_ends = k == per - 1;
+            if (unit_ends || (it + NW) / kc != s) {  // the warp's last item of slot s in this unit
+                if (t == 0) {
+                    const u32 slice = slice_of(win.parts + (u32)(m & 1) * buffer, s, w);
+                    sts32(slice + 4u * g, __float_as_uint(acc[0][0]));  // column 0 (x's row): rows g, g + 8
+                    sts32(slice + 4u * (g + 8), __float_as_uint(acc[0][2]));
+                }
+#pragma unroll
+                for (int v = 0; v < 4; ++v) acc[0][v] = 0.0f;
+            }
+            if (unit_ends) finish(m);
+        }
+    }
+}
+
+}  // namespace kbit_token
+
+using kbit_token::kbit_token_down;
+using kbit_token::kbit_token_gate_up;
