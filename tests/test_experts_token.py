@@ -25,12 +25,14 @@ from kbit_linear.quantizer import KbitTensors
 OP = torch.ops.kbit_linear.experts_one_token
 
 
-def _projections(experts: int, hidden: int, inter: int, bits: int, seed: int = 0):
-    """Stacked gate_up ``[E, 2I, H]`` and down ``[E, H, I]`` kbit tensors of random weights."""
+def _projections(experts: int, hidden: int, inter: int, bits: int, seed: int = 0, device: str = "cpu"):
+    """Stacked gate_up ``[E, 2I, H]`` and down ``[E, H, I]`` kbit tensors of random weights
+    (quantized on ``device``)."""
     g = torch.Generator().manual_seed(seed)
-    gate_up = quantize_experts_weight(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.05, bits)
-    down = quantize_experts_weight(torch.randn(experts, hidden, inter, generator=g) * 0.05, bits)
-    return tuple(gate_up), tuple(down)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.05
+    down = torch.randn(experts, hidden, inter, generator=g) * 0.05
+    return (tuple(quantize_experts_weight(gate_up.to(device), bits)),
+            tuple(quantize_experts_weight(down.to(device), bits)))
 
 
 def _routing(experts: int, top_k: int, case: str, seed: int = 0):
@@ -126,9 +128,9 @@ def _poison_cache(numel: int, dtype: torch.dtype) -> None:
 
 
 def _to_cuda(tensors, bits, pairs):
+    """The tensors on the GPU, ``packed`` as pair codes (``pairs``) or bit-planes."""
     packed, absmax, codebook, tensor_scale = (t.cuda() for t in tensors)
-    if pairs:
-        packed = weight_layout.device_form(packed, bits)
+    packed = weight_layout.device_form(packed, bits) if pairs else weight_layout.storage_form(packed)
     return packed, absmax, codebook, tensor_scale
 
 
@@ -149,26 +151,29 @@ SHAPES = [(16, 2048, 768, 8), (4, 4096, 1408, 2), (5, 100, 48, 3), (3, 72, 80, 1
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bits, pairs", [(2, False), (3, False), (4, False), (4, True), (5, False), (5, True)])
-def test_cuda_kernels_match_the_cpu_composition(bits, pairs, dtype, shape):
+def test_cuda_kernels_match_the_float32_composition(bits, pairs, dtype, shape):
+    """The two kernels (at any expert size) against the op's composition in float32 (the grouped
+    ops' references, on the GPU) and against the grouped kernels in the same dtype."""
     _needs_cuda_kernels()
+    from kbit_linear.backends.cuda import experts_token
+
     experts, hidden, inter, top_k = shape
-    gate_up, down = _projections(experts, hidden, inter, bits, seed=hidden + bits)
-    gpu_gate_up, gpu_down = _to_cuda(gate_up, bits, pairs), _to_cuda(down, bits, pairs)
+    gate_up, down = _projections(experts, hidden, inter, bits, seed=hidden + bits, device="cuda")
+    gate_up, down = _to_cuda(gate_up, bits, pairs), _to_cuda(down, bits, pairs)
     for case, wdtype, idtype in (("random", dtype, torch.int64), ("sentinel", torch.float32, torch.int32),
                                  ("twice", dtype, torch.int64)):
         index, weights = _routing(experts, top_k, case, seed=top_k)
-        weights = weights.to(wdtype)
-        x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(3)).to(dtype)
+        index, weights = index.to("cuda", idtype), weights.to("cuda", wdtype)
+        x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(3)).to("cuda", dtype)
         ref = _call(x.float(), index, weights.float(), gate_up, down, bits, inter)
         _poison_cache(top_k * inter + hidden, dtype)
-        got = _call(x.cuda(), index.to(idtype).cuda(), weights.cuda(), gpu_gate_up, gpu_down, bits, inter)
+        assert experts_token.token_kernels_take(x, top_k, inter, weights.dtype, bits, any_size=True)
+        got = experts_token.run_token_kernels(x, index, weights, *gate_up, *down, bits, inter)
         assert got.shape == (1, hidden) and got.dtype == dtype and got.is_cuda
         assert not got.isnan().any(), case
-        err = float((got.float().cpu() - ref).norm() / ref.norm().clamp_min(1e-12))
+        err = float((got.float() - ref).norm() / ref.norm().clamp_min(1e-12))
         assert err < 2e-2, (case, err)
-        # the grouped path's kernels give the same result to their own rounding
-        grouped = _grouped_ops.experts_one_token_composed(x.cuda(), index.to(idtype).cuda(), weights.cuda(), *gpu_gate_up,
-                                                          *gpu_down, bits, inter)
+        grouped = _grouped_ops.experts_one_token_composed(x, index, weights, *gate_up, *down, bits, inter)
         assert float((got.float() - grouped.float()).norm() / grouped.float().norm().clamp_min(1e-12)) < 1e-2, case
 
 
@@ -176,11 +181,15 @@ def test_cuda_kernels_match_the_cpu_composition(bits, pairs, dtype, shape):
 def test_cuda_kernels_run_where_they_take_the_call_and_the_composition_elsewhere():
     _needs_cuda_kernels()
     experts, hidden, bits = 20, 64, 4
+    from kbit_linear.backends.cuda import tuning
+
+    big = tuning.TOKEN_EXPERTS_MAX_GATE_UP_WEIGHTS // (2 * hidden) + 16  # one expert's gate_up over the bound
     for inter, top_k, wdtype, taken in ((32, 4, torch.bfloat16, True), (40, 4, torch.bfloat16, False),
-                                        (32, 17, torch.bfloat16, False), (32, 4, torch.float16, False)):
-        gate_up, down = _projections(experts, hidden, inter, bits)
+                                        (32, 17, torch.bfloat16, False), (32, 4, torch.float16, False),
+                                        (big, 2, torch.bfloat16, False)):
+        gate_up, down = _projections(4 if inter == big else experts, hidden, inter, bits, device="cuda")
         gate_up, down = _to_cuda(gate_up, bits, True), _to_cuda(down, bits, True)
-        index, weights = _routing(experts, top_k, "random")
+        index, weights = _routing(gate_up[0].shape[0], top_k, "random")
         x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
         args = (x, index.cuda(), weights.to(wdtype).cuda(), *gate_up, *down, bits, inter)
         assert _kernel_ran(lambda: OP(*args)) == taken, (inter, top_k, wdtype)
@@ -195,7 +204,7 @@ def test_cuda_module_at_one_token_runs_the_kernels_also_in_a_graph(dtype):
     _needs_cuda_kernels()
     experts, hidden, inter, top_k, bits = 8, 256, 96, 2, 4
     gate_up, down = _projections(experts, hidden, inter, bits)
-    module = KbitExperts(experts, hidden, inter, bits)
+    module = KbitExperts(experts, hidden, inter, bits)  # on the CPU: the reference
     module.set_projection("gate_up_proj", KbitTensors(*gate_up))
     module.set_projection("down_proj", KbitTensors(*down))
     gpu = copy.deepcopy(module).cuda()

@@ -20,11 +20,11 @@ import torch
 
 from ... import _grouped_ops
 from ... import format as fmt
-from . import loader
+from . import loader, tuning
 from .decode import _TABLE_SMEM
 from .tensors import aligned16, layout_arg, weight_layouts
 
-__all__ = ["MAX_TOP_K", "token_instances", "token_kernels_take", "experts_one_token_cuda"]
+__all__ = ["MAX_TOP_K", "token_instances", "token_kernels_take", "experts_one_token_cuda", "run_token_kernels"]
 
 MAX_TOP_K = 16
 """Most slots (experts per token) the kernels take: the down kernel keeps one partial-sum slice
@@ -79,10 +79,15 @@ def _smem(bits: int, slots: int) -> tuple[int, int]:
     return gate_up, down
 
 
-def token_kernels_take(x: torch.Tensor, top_k: int, intermediate: int, weights_dtype: torch.dtype, bits: int) -> bool:
+def token_kernels_take(x: torch.Tensor, top_k: int, intermediate: int, weights_dtype: torch.dtype, bits: int,
+                       any_size: bool = False) -> bool:
     """Whether the one-token kernels run a call with activations ``x`` (on their device),
     ``top_k`` slots, an ``intermediate`` size, routing weights of ``weights_dtype`` and
-    ``bits``-bit weights (the blocks' shared memory must fit the GPU)."""
+    ``bits``-bit weights (the blocks' shared memory must fit the GPU), and, unless ``any_size``,
+    experts small enough that they beat the grouped path
+    (:data:`.tuning.TOKEN_EXPERTS_MAX_GATE_UP_WEIGHTS`)."""
+    if not any_size and 2 * intermediate * x.shape[-1] > tuning.TOKEN_EXPERTS_MAX_GATE_UP_WEIGHTS:
+        return False
     if not (x.dtype in _DT and x.is_cuda and 1 <= top_k <= MAX_TOP_K and intermediate % _ROWS_PER_UNIT == 0
             and weights_dtype in (torch.float32, x.dtype) and loader.cupy_available()):
         return False
@@ -110,11 +115,18 @@ def experts_one_token_cuda(x, top_k_index, top_k_weights, gate_up_packed, gate_u
     _grouped_ops.check_one_token_args(x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_codebook,
                                       gate_up_tensor_scale, down_packed, down_absmax, down_codebook, down_tensor_scale, bits,
                                       intermediate)
+    args = (x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_codebook, gate_up_tensor_scale, down_packed,
+            down_absmax, down_codebook, down_tensor_scale, bits, intermediate)
+    if not token_kernels_take(x, top_k_index.shape[1], intermediate, top_k_weights.dtype, bits):
+        return _grouped_ops.experts_one_token_composed(*args)
+    return run_token_kernels(*args)
+
+
+def run_token_kernels(x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_codebook, gate_up_tensor_scale,
+                      down_packed, down_absmax, down_codebook, down_tensor_scale, bits, intermediate):
+    """The two launches of ``experts_one_token`` on arguments that passed its checks and that
+    :func:`token_kernels_take` with ``any_size`` (tests run experts of any size this way)."""
     top_k, hidden = top_k_index.shape[1], x.shape[1]
-    if not token_kernels_take(x, top_k, intermediate, top_k_weights.dtype, bits):
-        return _grouped_ops.experts_one_token_composed(x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax,
-                                                       gate_up_codebook, gate_up_tensor_scale, down_packed, down_absmax,
-                                                       down_codebook, down_tensor_scale, bits, intermediate)
     index = loader._device_index(x.device)
     props = loader.device_properties(index)
     stream = loader._current_raw_stream(index)

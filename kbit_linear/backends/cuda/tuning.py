@@ -32,6 +32,7 @@ __all__ = [
     "WGMMA_EARLY_FIRST_ROW",
     "WGMMA_TOKEN_TILES",
     "WGMMA_GROUPED_SMALL_TILE_MAX_MEAN",
+    "TOKEN_EXPERTS_MAX_GATE_UP_WEIGHTS",
     "FUSED_MIN_SPLIT_ITERS",
     "GGUF_GEMV_MAX_M",
     "GGUF_GEMV_LAUNCH",
@@ -282,6 +283,18 @@ WGMMA_TOKEN_TILES: dict[str, tuple[tuple[int, int], ...]] = {
 # 510; but mean 16: Qwen3 292 vs 282, Mixtral 588 vs 504; mean 32 (tile 32): 337 vs 301, 639 vs 512
 # (first of two rounds each).
 WGMMA_GROUPED_SMALL_TILE_MAX_MEAN = 8
+
+# One token through the experts (kbit_linear::experts_one_token): the two one-token kernels
+# (experts_token.cu) take the call up to this many weights in one expert's gate_up matrix
+# (2 * intermediate * hidden); larger experts run the grouped path. The two kernels save four
+# launches but stream less evenly (a block barrier every unit of 16 rows). H200, CUDA-graph
+# replay, one token, us, two kernels vs grouped path, 16 calls with 16 routings per replay
+# (2026-11-29, scratch A/B in bench/results/moe-h100.md, "One token in two kernels"):
+# Qwen3-30B-A3B shape (3.1 M weights), K = 2..5: 17.8 / 21.9 / 19.6 / 23.9 vs 25.2 / 28.6 / 29.0 /
+# 31.2 (1.30-1.48x); Mixtral-8x7B shape (117 M): 95.3 / 114.1 / 106.4 / 133.8 vs 75.2 / 86.5 /
+# 86.1 / 100.8 (0.75-0.81x). Nothing measured in between: the bound keeps the small-expert
+# families (OLMoE 4.2 M, Qwen2-MoE and DeepSeek-V2-Lite 5.8 M) and leaves the rest as they were.
+TOKEN_EXPERTS_MAX_GATE_UP_WEIGHTS = 8 * 1024 * 1024
 
 
 def wgmma_rows(device_name: str, weight_elements: int = 0, bits: int = 4, pairs: bool = True) -> tuple[int, int]:
