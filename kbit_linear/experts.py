@@ -458,7 +458,9 @@ class KbitExperts(nn.Module):
 
         On a GPU with float16/bfloat16 activations and few enough routed rows per expert
         (:meth:`_grouped_max_rows`), both projections run as one grouped launch each
-        (``kbit_linear::grouped_gemm``) with the routing on the device: no host sync, so a
+        (``kbit_linear::grouped_gemm``) with the routing on the device, or, for one token and
+        SiLU experts, the whole call as one op (``kbit_linear::experts_one_token``: two kernels
+        where the experts are small, the grouped launches otherwise): no host sync, so a
         decode step can be captured in a CUDA graph or compiled with
         ``torch.compile(fullgraph=True)`` (then the expert ids are not range-checked, and each
         token's experts must be distinct as ``torch.topk`` makes them).

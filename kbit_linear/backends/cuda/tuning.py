@@ -289,7 +289,7 @@ WGMMA_GROUPED_SMALL_TILE_MAX_MEAN = 8
 # (2 * intermediate * hidden); larger experts run the grouped path. The two kernels save four
 # launches but stream less evenly (a block barrier every unit of 16 rows). H200, CUDA-graph
 # replay, one token, us, two kernels vs grouped path, 16 calls with 16 routings per replay
-# (2026-11-29, scratch A/B in bench/results/moe-h100.md, "One token in two kernels"):
+# (2026-11-29, scripts/ab_experts_token.py; bench/results/moe-h100.md, "One token in two kernels"):
 # Qwen3-30B-A3B shape (3.1 M weights), K = 2..5: 17.8 / 21.9 / 19.6 / 23.9 vs 25.2 / 28.6 / 29.0 /
 # 31.2 (1.30-1.48x); Mixtral-8x7B shape (117 M): 95.3 / 114.1 / 106.4 / 133.8 vs 75.2 / 86.5 /
 # 86.1 / 100.8 (0.75-0.81x). Nothing measured in between: the bound keeps the small-expert
