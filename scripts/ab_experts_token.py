@@ -5,6 +5,7 @@ replay, Qwen3-30B-A3B and Mixtral-8x7B shapes, K = 2..5. "hot": the same routing
 hit experts stay in L2, as ``bench_moe.py`` times); "cold": a graph of 16 calls with 16 different
 routings (other experts each call, as the next layer's would be). Prints JSON rows and a
 markdown table. Run from the repository root: ``python3 scripts/ab_experts_token.py``."""
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -19,11 +20,14 @@ from kbit_linear import _grouped_ops  # noqa: E402
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["qwen3", "mixtral"], choices=sorted(bench_moe.SHAPES))
+    args = parser.parse_args()
     dev = bc.require_cuda()
     bw = bc.measure_copy_bandwidth(dev) * 1e9  # bytes/s, read + write counted (the rate the other pages use)
     rows = []
     OP = torch.ops.kbit_linear.experts_one_token
-    for shape in ("qwen3", "mixtral"):
+    for shape in args.shapes:
         _, experts, top_k, hidden, inter = bench_moe.SHAPES[shape]
         dense = bench_moe.build_experts(shape, dev)
         for bits in (2, 3, 4, 5):

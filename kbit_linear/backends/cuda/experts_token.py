@@ -48,7 +48,7 @@ def _gate_up_depth(bits: int, pairs: bool) -> int:
 
 
 _DOWN_DEPTH = 4
-_MAX_BLOCKS_PER_SM = 4  # 2048 threads per SM on sm_80..sm_90 over 512-thread blocks
+_MAX_BLOCKS_PER_SM = 1  # __launch_bounds__(512, 1): up to 128 registers x 512 threads fill an SM's 64 K registers
 
 
 def _gate_up_name(bits: int, dtype: torch.dtype, pairs: bool) -> str:
