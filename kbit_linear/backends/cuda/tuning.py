@@ -290,8 +290,8 @@ WGMMA_GROUPED_SMALL_TILE_MAX_MEAN = 8
 # launches but stream less evenly (a block barrier every unit of 16 rows). H200, CUDA-graph
 # replay, one token, us, two kernels vs grouped path, 16 calls with 16 routings per replay
 # (2026-11-29, scripts/ab_experts_token.py; bench/results/moe-h100.md, "One token in two kernels"):
-# Qwen3-30B-A3B shape (3.1 M weights), K = 2..5: 17.8 / 21.9 / 19.6 / 23.9 vs 25.2 / 28.6 / 29.0 /
-# 31.2 (1.30-1.48x); Mixtral-8x7B shape (117 M): 95.3 / 114.1 / 106.4 / 133.8 vs 75.2 / 86.5 /
+# Qwen3-30B-A3B shape (3.1 M weights), K = 2..5: 17.8 / 19.2 / 19.5 / 23.9 vs 24.9 / 28.3 / 28.8 /
+# 31.0 (1.30-1.48x; the final grid, second run); Mixtral-8x7B shape (117 M): 95.3 / 114.1 / 106.4 / 133.8 vs 75.2 / 86.5 /
 # 86.1 / 100.8 (0.75-0.81x). Nothing measured in between: the bound keeps the small-expert
 # families (OLMoE 4.2 M, Qwen2-MoE and DeepSeek-V2-Lite 5.8 M) and leaves the rest as they were.
 TOKEN_EXPERTS_MAX_GATE_UP_WEIGHTS = 8 * 1024 * 1024
