@@ -392,6 +392,14 @@ def experts_one_token_composed(x, top_k_index, top_k_weights, gate_up_packed, ga
     kernels do not take the call (no host sync either way)."""
     check_one_token_args(x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_codebook, gate_up_tensor_scale,
                          down_packed, down_absmax, down_codebook, down_tensor_scale, bits, intermediate)
+    return compose_one_token(x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_codebook,
+                             gate_up_tensor_scale, down_packed, down_absmax, down_codebook, down_tensor_scale, bits, intermediate)
+
+
+def compose_one_token(x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_codebook, gate_up_tensor_scale,
+                      down_packed, down_absmax, down_codebook, down_tensor_scale, bits, intermediate):
+    """:func:`experts_one_token_composed` on arguments that passed :func:`check_one_token_args`
+    (a backend's fallback, which checked them already)."""
     top_k, experts = top_k_index.shape[1], gate_up_packed.shape[0]
     groups, _, _, position = torch.ops.kbit_linear.route_experts(top_k_index, experts, min(experts, top_k))
     rows = x.expand(top_k, -1)  # every slot reads the token's row

@@ -136,12 +136,10 @@ template <int BITS, int NWR, int R, bool GROUPED> struct Cursor {
         }
         lrg0 = (lrt * NWR + wr) * R;
         vrg = (!GROUPED || xrows > 0) ? rg_valid - lrg0 : 0;
-        const int n0 = lrg0 * 16 + g;
-        const int kt = 2 * ch + (t >> 1);
-        khi = kt < k_tiles;
-        const long long tile = (long long)min(kt, k_tiles - 1) * n_tiles + (n0 >> 7);
-        pw = packed + tile * (256 * BITS) + ((n0 & 127) * 2 + (t & 1)) * BITS;
-        pa = absmax + tile * 256 + (n0 & 127) * 2 + (t & 1);
+        const BlockAt<BITS> at(packed, absmax, lrg0, ch, t, g, k_tiles, n_tiles);
+        pw = at.pw;
+        pa = at.pa;
+        khi = at.on;
     }
     // Move to item `it` (> item): a pointer bump when it is in the same row tile, else seek().
     KBIT_DEVICE void step(int it, int kc, int wr, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax,
@@ -398,7 +396,6 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
     static_assert(R == 1 || R == 2 || R == 4 || R == 8, "a warp's rows must stay inside one 128-row storage tile");
     static_assert(NW % KS == 0, "KS must divide NW");
     constexpr int NWR = NW / KS;
-    using L = Lut<BITS>;
     extern __shared__ __align__(16) u8 smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -421,12 +418,10 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
 
     // Tables: the pair/quad table on a kAlign boundary of the shared window, then the scales,
     // then the reduction slots.
-    const u32 win = (u32)__cvta_generic_to_shared(smem);
-    const u32 lut_win = (win + (u32)(L::kAlign - 1)) & ~(u32)(L::kAlign - 1);
-    const u32 stab_win = lut_win + (u32)L::kBytes;
-    const u32 lanebase = lut_win + (u32)lane * L::kEntryBytes;
+    const TableWindows<BITS> tw(smem);
+    const u32 lut_win = tw.lut, stab_win = tw.stab, lanebase = tw.lanebase;
     using Slot = RedSlot<KS, R, MT>;
-    const u32 slots_win = stab_win + 1024u;                              // Slot [2][NWR]
+    const u32 slots_win = tw.rest;                                       // Slot [2][NWR]
     const u32 ctls_win = slots_win + 2u * NWR * (u32)sizeof(Slot);       // RedCtl [2][NWR]
 
     // Under a programmatic launch the previous kernel may still be running until

@@ -265,6 +265,39 @@ KBIT_DEVICE u32 lut_addr(const u32 (&q)[4], const u32 (&r)[4], int s, int h, u32
 // one row group: loads, decode, mma
 // ---------------------------------------------------------------------------------------
 
+// Shared-memory windows of a block's tables: the pair/quad table on its alignment boundary, the
+// 256-entry scale table after it, then what the kernel keeps beside them (`rest`, 4-byte
+// aligned); `lanebase` is this lane's copy in the pair/quad table. Kernels size their dynamic
+// shared memory as Lut<BITS>::kSmem plus their own part.
+template <int BITS> struct TableWindows {
+    u32 lut, stab, rest, lanebase;
+    KBIT_DEVICE explicit TableWindows(const void* smem) {
+        using L = Lut<BITS>;
+        const u32 win = (u32)__cvta_generic_to_shared(smem);
+        lut = (win + (u32)(L::kAlign - 1)) & ~(u32)(L::kAlign - 1);
+        stab = lut + (u32)L::kBytes;
+        rest = stab + 1024u;
+        lanebase = lut + (u32)(threadIdx.x & 31) * L::kEntryBytes;
+    }
+};
+
+// Where this lane's block of row group `rg` (rows 16 rg + g and + 8, block t) in chunk c of a
+// weight sits: its plane words and scale byte, and whether it exists (k-tile 2c + t/2 <
+// k_tiles; a missing one points into the last k-tile, so the address stays inside the weight).
+template <int BITS> struct BlockAt {
+    const u32* pw;
+    const u8* pa;
+    bool on;
+    KBIT_DEVICE BlockAt(const u32* packed, const u8* absmax, int rg, int c, int t, int g, int k_tiles, int n_tiles) {
+        const int n0 = rg * 16 + g;
+        const int kt = 2 * c + (t >> 1);
+        on = kt < k_tiles;
+        const long long tile = (long long)min(kt, k_tiles - 1) * n_tiles + (n0 >> 7);
+        pw = packed + tile * (256 * BITS) + ((n0 & 127) * 2 + (t & 1)) * BITS;
+        pa = absmax + tile * 256 + (n0 & 127) * 2 + (t & 1);
+    }
+};
+
 // Plane words and scale codes of one row group (this lane's two rows, one block) in flight.
 template <int BITS> struct Sub {
     u32 p[2][BITS];

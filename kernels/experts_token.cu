@@ -43,31 +43,27 @@
 
 namespace kbit_token {
 
+using kbit_decode::BlockAt;
 using kbit_decode::build_tables;
 using kbit_decode::ldg_cg_word;
 using kbit_decode::lds32;
-using kbit_decode::Lut;
 using kbit_decode::Prepped;
 using kbit_decode::Sub;
 using kbit_decode::sts32;
+using kbit_decode::TableWindows;
 
 constexpr int kRowsPerUnit = 16;
 
-// This lane's plane words and scale byte of row group `rg` (rows 16 rg + g and + 8, block t) in
-// chunk c of one expert's weight, and whether that block exists (k-tile 2c + t/2 < k_tiles).
-template <int BITS> struct Spot {
-    const u32* pw;
-    const u8* pa;
-    bool on;
-    KBIT_DEVICE Spot(const u32* packed, const u8* absmax, int rg, int c, int t, int g, int k_tiles, int n_tiles) {
-        const int n0 = rg * kRowsPerUnit + g;
-        const int kt = 2 * c + (t >> 1);
-        const long long tile = (long long)min(kt, k_tiles - 1) * n_tiles + (n0 >> 7);
-        pw = packed + tile * (256 * BITS) + ((n0 & 127) * 2 + (t & 1)) * BITS;
-        pa = absmax + tile * 256 + (n0 & 127) * 2 + (t & 1);
-        on = kt < k_tiles;
-    }
-};
+// The expert slot s names, or -1 for an id outside 0..experts-1 (no expert).
+KBIT_DEVICE long long expert_or_none(const long long* __restrict__ ids, int s, int experts) {
+    const long long e = __ldg(ids + s);
+    return e < 0 || e >= experts ? -1ll : e;
+}
+
+// How many of `units` this block takes (units blockIdx.x, blockIdx.x + gridDim.x, ...).
+KBIT_DEVICE int block_units(int units) {
+    return units > (int)blockIdx.x ? (units - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
+}
 
 template <int BITS> KBIT_DEVICE void zero_sub(Sub<BITS>& d) {
 #pragma unroll
@@ -78,35 +74,23 @@ template <int BITS> KBIT_DEVICE void zero_sub(Sub<BITS>& d) {
     }
 }
 
-// The tables of this block (before the dependency wait) and the wait. Returns after a barrier:
-// the tables are complete, rebuilt if the codebook changed meanwhile.
+// The block's tables, built before the dependency wait (rebuilt if the codebook changed by the
+// wait), and their shared-memory windows; the partial-sum slices start at `rest`. Returns after
+// a block barrier, past the wait.
 template <int BITS, int DT, int NW, bool PAIRS>
-KBIT_DEVICE void prologue(const float* __restrict__ codebook, u32 lut_win, u32 stab_win) {
+KBIT_DEVICE TableWindows<BITS> tables_after_wait(const void* smem, const float* __restrict__ codebook) {
+    const TableWindows<BITS> win(smem);
     const float* cb_entry = codebook + (threadIdx.x & ((1 << BITS) - 1));
     const u32 cb_early = ldg_cg_word(cb_entry);
-    build_tables<BITS, DT, NW * 32, PAIRS>(lut_win, stab_win, __uint_as_float(cb_early), threadIdx.x);
+    build_tables<BITS, DT, NW * 32, PAIRS>(win.lut, win.stab, __uint_as_float(cb_early), threadIdx.x);
     grid_dependency_wait();
     const bool cb_changed = ldg_cg_word(cb_entry) != cb_early;
     if (__syncthreads_or(cb_changed)) {
-        build_tables<BITS, DT, NW * 32, PAIRS>(lut_win, stab_win, __ldcg(cb_entry), threadIdx.x);
+        build_tables<BITS, DT, NW * 32, PAIRS>(win.lut, win.stab, __ldcg(cb_entry), threadIdx.x);
         __syncthreads();
     }
+    return win;
 }
-
-// Shared memory: the pair/quad table on its alignment boundary, the scale table, then the
-// partial-sum slices (two buffers). The host sizes launches with the same sum (SLICE_FLOATS =
-// floats per buffer).
-template <int BITS> struct Windows {
-    u32 lut, stab, parts, lanebase;
-    KBIT_DEVICE explicit Windows(const void* smem) {
-        using L = Lut<BITS>;
-        const u32 win = (u32)__cvta_generic_to_shared(smem);
-        lut = (win + (u32)(L::kAlign - 1)) & ~(u32)(L::kAlign - 1);
-        stab = lut + (u32)L::kBytes;
-        parts = stab + 1024u;
-        lanebase = lut + (u32)(threadIdx.x & 31) * L::kEntryBytes;
-    }
-};
 
 // Kernel parameters (both): packed / absmax hold every expert, expert_words u32 words /
 // expert_scales bytes apart (tiled, k_tiles x n_tiles storage tiles each; planes, or pair codes
@@ -129,13 +113,12 @@ kbit_token_gate_up(const u16* __restrict__ x, const long long* __restrict__ ids,
     allow_dependent_launch();
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const Windows<BITS> win(smem);
-    prologue<BITS, DT, NW, PAIRS>(codebook, win.lut, win.stab);
+    const TableWindows<BITS> win = tables_after_wait<BITS, DT, NW, PAIRS>(smem, codebook);
 
     const int kc = (k_tiles + 1) >> 1;
     const int groups = inter / kRowsPerUnit;
     const int units = slots * groups;
-    const int mine = units > (int)blockIdx.x ? (units - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
+    const int mine = block_units(units);
     const int per = w < kc ? (kc - w + NW - 1) / NW : 0;  // this warp's chunks of a unit
     constexpr u32 kBuffer = NW * 2 * kRowsPerUnit * 4;  // bytes of one buffer
 
@@ -149,8 +132,7 @@ kbit_token_gate_up(const u16* __restrict__ x, const long long* __restrict__ ids,
         Unit r;
         r.s = u / groups;
         r.j = u - r.s * groups;
-        r.e = __ldg(ids + r.s);
-        if (r.e < 0 || r.e >= experts) r.e = -1;
+        r.e = expert_or_none(ids, r.s, experts);
         return r;
     };
     // Loads of item i of this warp's sequence: gate and up row groups of its chunk.
@@ -160,14 +142,14 @@ kbit_token_gate_up(const u16* __restrict__ x, const long long* __restrict__ ids,
         const long long eo = un.e < 0 ? 0 : un.e;
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
-            const Spot<BITS> sp(packed + eo * expert_words, absmax + eo * expert_scales, q * groups + un.j, c, t, g, k_tiles,
+            const BlockAt<BITS> sp(packed + eo * expert_words, absmax + eo * expert_scales, q * groups + un.j, c, t, g, k_tiles,
                                 n_tiles);
             kbit_decode::load_sub<BITS>(d[q], sp.pw, sp.pa, un.e >= 0 && sp.on);
         }
     };
     // End of unit m: this warp's sums are in its slice; one barrier; thread r finishes row r.
     auto finish = [&](int m, const float (&acc)[2][1][4]) {
-        const u32 buf = win.parts + (u32)(m & 1) * kBuffer;
+        const u32 buf = win.rest + (u32)(m & 1) * kBuffer;
         if (t == 0 && per > 0) {
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
@@ -242,37 +224,33 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
     allow_dependent_launch();
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const Windows<BITS> win(smem);
-    prologue<BITS, DT, NW, PAIRS>(codebook, win.lut, win.stab);
+    const TableWindows<BITS> win = tables_after_wait<BITS, DT, NW, PAIRS>(smem, codebook);
 
     const int kc = (k_tiles + 1) >> 1;
     const int units = (N + kRowsPerUnit - 1) / kRowsPerUnit;
-    const int mine = units > (int)blockIdx.x ? (units - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
+    const int mine = block_units(units);
     const int items = slots * kc;  // of one unit: (slot, chunk), slot-major
     const int per = w < items ? (items - w + NW - 1) / NW : 0;
     const u32 buffer = (u32)(slots * NW * kRowsPerUnit) * 4u;  // bytes of one buffer
-    auto expert_of = [&](int s) {
-        const long long e = __ldg(ids + s);
-        return e < 0 || e >= experts ? -1ll : e;
-    };
+    auto expert_of = [&](int s) { return expert_or_none(ids, s, experts); };
     auto slice_of = [&](u32 buf, int s, int v) { return buf + (u32)((s * NW + v) * kRowsPerUnit) * 4u; };
     // Item i of this warp's sequence: unit m, and item it (slot s, chunk c) of that unit.
     auto load_item = [&](Sub<BITS>& d, int i) {
         const int m = i / per, it = w + (i - m * per) * NW, s = it / kc, c = it - s * kc;
         const int j = (int)blockIdx.x + m * (int)gridDim.x;
         const long long e = expert_of(s), eo = e < 0 ? 0 : e;
-        const Spot<BITS> sp(packed + eo * expert_words, absmax + eo * expert_scales, j, c, t, g, k_tiles, n_tiles);
+        const BlockAt<BITS> sp(packed + eo * expert_words, absmax + eo * expert_scales, j, c, t, g, k_tiles, n_tiles);
         kbit_decode::load_sub<BITS>(d, sp.pw, sp.pa, e >= 0 && sp.on);
     };
     // This warp's slices of unit m's buffer start at zero: a slot with no item of the warp adds nothing.
     auto zero_slices = [&](int m) {
-        const u32 buf = win.parts + (u32)(m & 1) * buffer;
+        const u32 buf = win.rest + (u32)(m & 1) * buffer;
         for (int q = lane; q < slots * kRowsPerUnit; q += 32) sts32(slice_of(buf, q / kRowsPerUnit, w) + 4u * (q % kRowsPerUnit), 0u);
         __syncwarp();
     };
     // One barrier, then thread r finishes row r of unit m.
     auto finish = [&](int m) {
-        const u32 buf = win.parts + (u32)(m & 1) * buffer;
+        const u32 buf = win.rest + (u32)(m & 1) * buffer;
         __syncthreads();
         const int n = ((int)blockIdx.x + m * (int)gridDim.x) * kRowsPerUnit + (int)threadIdx.x;
         if (threadIdx.x < kRowsPerUnit) {
@@ -319,7 +297,7 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
             const bool unit_ends = k == per - 1;
             if (unit_ends || (it + NW) / kc != s) {  // the warp's last item of slot s in this unit
                 if (t == 0) {
-                    const u32 slice = slice_of(win.parts + (u32)(m & 1) * buffer, s, w);
+                    const u32 slice = slice_of(win.rest + (u32)(m & 1) * buffer, s, w);
                     sts32(slice + 4u * g, __float_as_uint(acc[0][0]));  // column 0 (x's row): rows g, g + 8
                     sts32(slice + 4u * (g + 8), __float_as_uint(acc[0][2]));
                 }

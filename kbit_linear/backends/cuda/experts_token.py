@@ -22,7 +22,7 @@ from ... import _grouped_ops
 from ... import format as fmt
 from . import loader, tuning
 from .decode import _TABLE_SMEM
-from .tensors import aligned16, layout_arg, weight_layouts
+from .tensors import aligned16, kernel_rows, layout_arg, weight_layouts
 
 __all__ = ["MAX_TOP_K", "token_instances", "token_kernels_take", "experts_one_token_cuda", "run_token_kernels"]
 
@@ -48,7 +48,7 @@ def _gate_up_depth(bits: int, pairs: bool) -> int:
 
 
 _DOWN_DEPTH = 4
-_MAX_BLOCKS_PER_SM = 1  # __launch_bounds__(512, 1): up to 128 registers x 512 threads fill an SM's 64 K registers
+_BLOCKS_PER_SM = 1  # __launch_bounds__(512, 1): up to 128 registers x 512 threads fill an SM's 64 K registers
 
 
 def _gate_up_name(bits: int, dtype: torch.dtype, pairs: bool) -> str:
@@ -72,8 +72,8 @@ def token_instances() -> list[str]:
 
 
 def _smem(bits: int, slots: int) -> tuple[int, int]:
-    """Dynamic shared memory of (gate_up, down) blocks: the tables with their alignment padding,
-    then two buffers of partial-sum slices (``Windows`` in the kernel)."""
+    """Dynamic shared memory of (gate_up, down) blocks: the tables with their alignment padding
+    (``TableWindows`` in the kernel), then two buffers of partial-sum slices."""
     gate_up = _TABLE_SMEM[bits] + 2 * _WARPS * 2 * _ROWS_PER_UNIT * 4
     down = _TABLE_SMEM[bits] + 2 * slots * _WARPS * _ROWS_PER_UNIT * 4
     return gate_up, down
@@ -95,12 +95,11 @@ def token_kernels_take(x: torch.Tensor, top_k: int, intermediate: int, weights_d
     return props is not None and max(_smem(bits, top_k)) <= props.max_shared_per_block
 
 
-def _grid(units: int, smem: int, props: loader.DeviceProperties) -> tuple[int, bool]:
-    """A persistent grid for ``units`` (at most every block the GPU holds at once), and whether
-    it may start while the previous kernel finishes (:func:`loader.grid_may_overlap`)."""
-    per_sm = max(1, min(_MAX_BLOCKS_PER_SM, props.shared_per_sm // (smem + 1024)))  # 1 KiB per block taken by the runtime
-    grid = max(1, min(units, props.sm_count * per_sm))
-    return grid, loader.grid_may_overlap(grid, per_sm, props.sm_count)
+def _grid(units: int, props: loader.DeviceProperties) -> tuple[int, bool]:
+    """A persistent grid for ``units`` (at most one block per SM, all the GPU holds at once), and
+    whether it may start while the previous kernel finishes (:func:`loader.grid_may_overlap`)."""
+    grid = max(1, min(units, props.sm_count * _BLOCKS_PER_SM))
+    return grid, loader.grid_may_overlap(grid, _BLOCKS_PER_SM, props.sm_count)
 
 
 def experts_one_token_cuda(x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_codebook, gate_up_tensor_scale,
@@ -118,7 +117,7 @@ def experts_one_token_cuda(x, top_k_index, top_k_weights, gate_up_packed, gate_u
     args = (x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_codebook, gate_up_tensor_scale, down_packed,
             down_absmax, down_codebook, down_tensor_scale, bits, intermediate)
     if not token_kernels_take(x, top_k_index.shape[1], intermediate, top_k_weights.dtype, bits):
-        return _grouped_ops.experts_one_token_composed(*args)
+        return _grouped_ops.compose_one_token(*args)
     return run_token_kernels(*args)
 
 
@@ -130,21 +129,18 @@ def run_token_kernels(x, top_k_index, top_k_weights, gate_up_packed, gate_up_abs
     index = loader._device_index(x.device)
     props = loader.device_properties(index)
     stream = loader._current_raw_stream(index)
-    xk = aligned16(x)
-    if hidden % 8:  # the kernels read x in 16-byte pieces: pad the row (the weights' padding is zero)
-        xk = aligned16(torch.nn.functional.pad(x, (0, 8 - hidden % 8)))
+    xk = kernel_rows(x)  # read in 16-byte pieces: the row padded to a multiple of 8 (the weights' padding is zero)
     ids = top_k_index.reshape(-1).to(torch.int64).contiguous()
     weights = top_k_weights.reshape(-1).contiguous()
     gu_packed, gu_absmax = aligned16(gate_up_packed), aligned16(gate_up_absmax)
     d_packed, d_absmax = aligned16(down_packed), aligned16(down_absmax)
     experts = gu_packed.shape[0]
-    k_pad = -(-intermediate // 8) * 8  # h's row length: a multiple of 8 (intermediate is one of 16 here)
-    h = torch.empty((top_k, k_pad), dtype=x.dtype, device=x.device)  # every row of a slot with an expert is written
+    h = torch.empty((top_k, intermediate), dtype=x.dtype, device=x.device)  # every row of a slot with an expert is written
     out = torch.empty((1, hidden), dtype=x.dtype, device=x.device)
     smem_gate_up, smem_down = _smem(bits, top_k)
 
     kernel = loader.get_kernel(_SOURCE, _gate_up_name(bits, x.dtype, fmt.is_pair_codes(gu_packed)), x.device)
-    grid, programmatic = _grid(top_k * (intermediate // _ROWS_PER_UNIT), smem_gate_up, props)
+    grid, programmatic = _grid(top_k * (intermediate // _ROWS_PER_UNIT), props)
     _GATE_UP_ARGS.launch(
         kernel, grid, smem_gate_up, stream,
         _GATE_UP_ARGS.Values(x=xk.data_ptr(), ids=ids.data_ptr(), packed=gu_packed.data_ptr(), absmax=gu_absmax.data_ptr(),
@@ -156,13 +152,13 @@ def run_token_kernels(x, top_k_index, top_k_weights, gate_up_packed, gate_up_abs
 
     kernel = loader.get_kernel(_SOURCE, _down_name(bits, x.dtype, weights.dtype == torch.float32, fmt.is_pair_codes(d_packed)),
                                x.device)
-    grid, programmatic = _grid(-(-hidden // _ROWS_PER_UNIT), smem_down, props)
+    grid, programmatic = _grid(-(-hidden // _ROWS_PER_UNIT), props)
     _DOWN_ARGS.launch(
         kernel, grid, smem_down, stream,
         _DOWN_ARGS.Values(h=h.data_ptr(), ids=ids.data_ptr(), weights=weights.data_ptr(), packed=d_packed.data_ptr(),
                           absmax=d_absmax.data_ptr(), codebook=down_codebook.contiguous().data_ptr(),
                           tensor_scale=down_tensor_scale.contiguous().data_ptr(), out=out.data_ptr(), slots=top_k,
                           experts=experts, expert_words=d_packed[0].nbytes // 4, expert_scales=d_absmax[0].numel(), N=hidden,
-                          K=k_pad, k_tiles=d_packed.shape[1], n_tiles=d_packed.shape[2]),
+                          K=intermediate, k_tiles=d_packed.shape[1], n_tiles=d_packed.shape[2]),
         threads=32 * _WARPS, programmatic=programmatic)
     return out
