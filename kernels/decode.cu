@@ -136,12 +136,10 @@ template <int BITS, int NWR, int R, bool GROUPED> struct Cursor {
         }
         lrg0 = (lrt * NWR + wr) * R;
         vrg = (!GROUPED || xrows > 0) ? rg_valid - lrg0 : 0;
-        const int n0 = lrg0 * 16 + g;
-        const int kt = 2 * ch + (t >> 1);
-        khi = kt < k_tiles;
-        const long long tile = (long long)min(kt, k_tiles - 1) * n_tiles + (n0 >> 7);
-        pw = packed + tile * (256 * BITS) + ((n0 & 127) * 2 + (t & 1)) * BITS;
-        pa = absmax + tile * 256 + (n0 & 127) * 2 + (t & 1);
+        const BlockAt<BITS> at(packed, absmax, lrg0, ch, t, g, k_tiles, n_tiles);
+        pw = at.pw;
+        pa = at.pa;
+        khi = at.on;
     }
     // Move to item `it` (> item): a pointer bump when it is in the same row tile, else seek().
     KBIT_DEVICE void step(int it, int kc, int wr, int t, int g, int k_tiles, int n_tiles, const u32* packed, const u8* absmax,

@@ -284,7 +284,6 @@ template <int BITS> struct TableWindows {
 // Where this lane's block of row group `rg` (rows 16 rg + g and + 8, block t) in chunk c of a
 // weight sits: its plane words and scale byte, and whether it exists (k-tile 2c + t/2 <
 // k_tiles; a missing one points into the last k-tile, so the address stays inside the weight).
-// decode.cu's Cursor::seek computes the same inline (its compiled form is kept as measured).
 template <int BITS> struct BlockAt {
     const u32* pw;
     const u8* pa;
