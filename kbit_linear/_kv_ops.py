@@ -1,10 +1,11 @@
-"""The entry point of decode attention over a :class:`~kbit_linear.kv_format.KVBucket` cache.
+"""The entry points of the :class:`~kbit_linear.kv_format.KVBucket` cache's per-step work.
 
-:func:`decode_attention` runs the reference (:func:`kbit_linear.kv_format.bucket_attention`, the
-spec) unless a backend registered a faster implementation for the query's device type; the
-CUDA backend registers its fused kernel on import (:mod:`kbit_linear.backends.cuda.kv_attention`).
-A backend returns ``None`` for a problem it does not take (a head size it has no instance for),
-which falls back to the reference.
+:func:`decode_attention` (attention over the buckets) and :func:`append_tokens8` (a step's new
+tokens into the 8-bit bucket) run the reference of :mod:`kbit_linear.kv_format` (the spec)
+unless a backend registered a faster implementation for the inputs' device type; the CUDA
+backend registers its kernels on import (:mod:`kbit_linear.backends.cuda.kv_attention`,
+:mod:`kbit_linear.backends.cuda.kv_append`). A backend returns ``None`` for a problem it does not
+take (a head size it has no instance for), which falls back to the reference.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from typing import Callable, Optional
 
 import torch
 
-from .kv_format import KVBucket, bucket_attention
+from .kv_format import KVBucket, append_tokens8 as _append_tokens8_reference, bucket_attention
 
-__all__ = ["decode_attention", "register_decode_attention"]
+__all__ = ["append_tokens8", "decode_attention", "register_append_tokens8", "register_decode_attention"]
 
 Implementation = Callable[..., Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]]
 _backends: dict[str, Implementation] = {}
+_append_backends: dict[str, Callable[..., Optional[KVBucket]]] = {}
 
 
 def register_decode_attention(device_type: str, fn: Implementation) -> None:
@@ -30,6 +32,49 @@ def register_decode_attention(device_type: str, fn: Implementation) -> None:
     if not isinstance(device_type, str) or not callable(fn):
         raise TypeError("register_decode_attention takes a device type string and a callable")
     _backends[device_type] = fn
+
+
+def register_append_tokens8(device_type: str, fn: Callable[..., Optional[KVBucket]]) -> None:
+    """Let a backend take :func:`append_tokens8` calls whose keys are on ``device_type``.
+
+    ``fn`` takes :func:`append_tokens8`'s arguments (checked) and returns the new bucket, or
+    ``None`` to leave the problem to the reference.
+    """
+    if not isinstance(device_type, str) or not callable(fn):
+        raise TypeError("register_append_tokens8 takes a device type string and a callable")
+    _append_backends[device_type] = fn
+
+
+def append_tokens8(bucket: KVBucket, k: torch.Tensor, v: torch.Tensor, pos0: int) -> KVBucket:
+    """The 8-bit ``bucket`` with a step's new tokens after each batch row's own entries.
+
+    Args:
+        bucket: an 8-bit bucket of ``B`` rows, positions all below ``pos0``.
+        k, v: float ``[B, H, q, D]`` (any strides), positions ``pos0 .. pos0 + q - 1`` of every row.
+        pos0: the first new position.
+
+    Returns:
+        A new bucket, as :func:`kbit_linear.kv_format.append_tokens8` computes it.
+
+    Raises:
+        ValueError: a bucket that is not 8-bit, or keys and values that do not fit it, naming which.
+    """
+    if bucket.bits != 8:
+        raise ValueError(f"bucket must be the 8-bit bucket, got a {bucket.bits}-bit one")
+    if k.dim() != 4 or v.shape != k.shape or not k.is_floating_point() or not v.is_floating_point():
+        raise ValueError(f"k and v must be float [B, H, q, D] of one shape, got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
+    b, h, _, d = k.shape
+    if bucket.row_start.numel() != b + 1 or bucket.k.shape[1:] != (h, d):
+        raise ValueError(f"k of shape {tuple(k.shape)} does not fit the bucket ({bucket.row_start.numel() - 1} rows, "
+                         f"entries of shape {tuple(bucket.k.shape[1:])})")
+    if isinstance(pos0, bool) or not isinstance(pos0, int) or pos0 < 0:
+        raise ValueError(f"pos0 must be an int >= 0, got {pos0!r}")
+    fn = _append_backends.get(k.device.type)
+    if fn is not None:
+        out = fn(bucket, k, v, pos0)
+        if out is not None:
+            return out
+    return _append_tokens8_reference(bucket, k, v, pos0)
 
 
 def decode_attention(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Tensor | None,

@@ -32,8 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ._kv_ops import decode_attention
-from .kv_format import _quantize_parts  # the new tokens' 8-bit codes, without re-sorting them
+from ._kv_ops import append_tokens8, decode_attention
 from .kv_format import (
     TIERS,
     KVBucket,
@@ -207,31 +206,6 @@ def _select(bucket: KVBucket, index: torch.Tensor, rows: torch.Tensor, batch: in
     return KVBucket(bucket.bits, row_start, **t)
 
 
-def _append(a: KVBucket, b: KVBucket) -> KVBucket:
-    """``a`` with ``b``'s entries after each row's own: ``b`` holds positions later than any of
-    ``a``'s in the same row (new tokens). The same bucket as :func:`_merge`, without sorting: one
-    concatenation per field for a single row, else each entry's place from the row starts."""
-    fa, fb = a.tensors(), b.tensors()
-    row_start = a.row_start + b.row_start  # row r of the union starts after both parts' earlier rows
-    if a.row_start.numel() == 2:
-        fields = {name: torch.cat([val, fb[name]]) for name, val in fa.items() if name != "row_start"}
-        return KVBucket(a.bits, row_start, **fields)
-    na, nb = a.num_tokens, b.num_tokens
-    counts_a = (a.row_start[1:] - a.row_start[:-1]).to(torch.int64)
-    counts_b = (b.row_start[1:] - b.row_start[:-1]).to(torch.int64)
-    dest_a = torch.arange(na, device=a.pos.device) + torch.repeat_interleave(b.row_start[:-1].to(torch.int64), counts_a, output_size=na)
-    dest_b = torch.arange(nb, device=a.pos.device) + torch.repeat_interleave(a.row_start[1:].to(torch.int64), counts_b, output_size=nb)
-    fields = {}
-    for name, val in fa.items():
-        if name == "row_start":
-            continue
-        out = val.new_empty((na + nb, *val.shape[1:]))
-        out[dest_a] = val
-        out[dest_b] = fb[name]
-        fields[name] = out
-    return KVBucket(a.bits, row_start, **fields)
-
-
 def _merge(a: KVBucket, b: KVBucket, batch: int) -> KVBucket:
     """Union of two buckets of the same width."""
     cat = {name: torch.cat([val, b.tensors()[name]]) for name, val in a.tensors().items() if name != "row_start"}
@@ -311,7 +285,7 @@ class KbitKVLayer(CacheLayerMixin):
         self.first_valid: torch.Tensor | None = None
         self.seq_len, self._alloc_len = 0, 0  # tokens cached at the last allocation
         self.workspace: dict = {}  # what the attention backend derives from the widths (emptied when they change)
-        self._fresh_by_shape: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._spare: dict[str, tuple[torch.Tensor, int]] = {}  # tier / mass / seen: (buffer, columns in use)
         self.is_initialized = True
 
     # ---- transformers' layer API -------------------------------------------------------------
@@ -326,35 +300,27 @@ class KbitKVLayer(CacheLayerMixin):
         if self._allocation_due(q):
             self.reallocate()
             self._alloc_len = self.seq_len
-        # the new tokens at 8 bits, already in (row, position) order: row r's q tokens at rq..rq+q-1
-        pos = torch.arange(self.seq_len, self.seq_len + q, device=self.device, dtype=torch.int32)
-        parts = _quantize_parts(key_states.permute(0, 2, 1, 3).reshape(b * q, h, d).float(),
-                                value_states.permute(0, 2, 1, 3).reshape(b * q, h, d).float(), 8, None, None)
-        fresh = self._fresh(b, q)
-        new = KVBucket(8, fresh["row_start"], pos.repeat(b) if b > 1 else pos, **parts)
-        self.buckets[8] = _append(self.buckets[8], new)  # new positions follow every stored one
-        self.tier = torch.cat([self.tier, fresh["tier"]], 1)
-        self.mass = torch.cat([self.mass, fresh["zeros"]], 1)
-        self.seen = torch.cat([self.seen, fresh["zeros"]], 1)
+        # the new tokens at 8 bits after each row's entries (one kernel on a GPU)
+        self.buckets[8] = append_tokens8(self.buckets[8], key_states, value_states, self.seq_len)
+        self._add_columns(q)
         self.seq_len += q
         view = KbitKVView(self)
         return view, view
 
-    def _fresh(self, b: int, q: int) -> dict[str, torch.Tensor]:
-        """What every update of ``q`` tokens in ``b`` rows appends, made once per shape (a decode
-        step then allocates none of it): the new tokens' row starts (int32 ``[b + 1]``), their
-        width (int8 ``[b, q]`` of 8) and their zero attention mass and count (float32 ``[b, q]``).
-        Only read: the cache concatenates them into new tensors."""
-        fresh = self._fresh_by_shape.get((b, q))
-        if fresh is None:
-            fresh = {
-                "row_start": torch.arange(0, (b + 1) * q, q, device=self.device, dtype=torch.int32),
-                "tier": torch.full((b, q), 8, dtype=torch.int8, device=self.device),
-                "zeros": torch.zeros(b, q, device=self.device),
-            }
-            if q <= self.block_size:  # decode-sized updates repeat; prompt chunks are kept for no one
-                self._fresh_by_shape[(b, q)] = fresh
-        return fresh
+    def _add_columns(self, q: int) -> None:
+        """``tier``, ``mass`` and ``seen`` grow by ``q`` columns for new tokens (width 8, no mass
+        yet). Each lives in a buffer with spare columns, made holding those values, so that a
+        decode step only widens the views; a buffer is made anew, twice the size needed, when it
+        is full or the tensor was replaced (an allocation, a crop, a batch edit)."""
+        for name, fill in (("tier", 8), ("mass", 0.0), ("seen", 0.0)):
+            cur = getattr(self, name)
+            b, s = cur.shape
+            buf, used = self._spare.get(name, (None, -1))
+            if buf is None or used != s or cur.data_ptr() != buf.data_ptr() or buf.shape[0] != b or buf.shape[1] < s + q:
+                buf = torch.full((b, 2 * (s + q)), fill, dtype=cur.dtype, device=cur.device)
+                buf[:, :s] = cur
+            self._spare[name] = (buf, s + q)
+            setattr(self, name, buf[:, :s + q])
 
     def _allocation_due(self, incoming: int) -> bool:
         """Whether the allocator runs before ``incoming`` new tokens are stored: once ``block_size``
@@ -466,8 +432,10 @@ class KbitKVLayer(CacheLayerMixin):
                 out[kind] += n
         for t in (self.k_block_min, self.k_block_range):
             out["scales"] += t.numel() * t.element_size()
-        for t in (self.tier, self.mass, self.seen) + ((self.first_valid,) if self.first_valid is not None else ()):
-            out["metadata"] += t.numel() * t.element_size()
+        for t in (self.tier, self.mass, self.seen):  # their buffers' spare columns included
+            out["metadata"] += t.untyped_storage().nbytes()
+        if self.first_valid is not None:
+            out["metadata"] += self.first_valid.numel() * self.first_valid.element_size()
         return out
 
     def importance(self) -> torch.Tensor:

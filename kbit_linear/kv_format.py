@@ -46,6 +46,7 @@ __all__ = [
     "pack_codes",
     "unpack_codes",
     "quantize_tokens",
+    "append_tokens8",
     "dequantize_bucket",
     "key_block_ranges",
     "bytes_per_token",
@@ -58,6 +59,7 @@ TIERS: tuple[int, ...] = (2, 3, 4, 8)
 """The widths a token can be stored at, lowest first."""
 
 _FP16_MAX = 65504.0
+_INV_127 = 1 / 127  # 8-bit scales multiply by fp32(1/127): torch's CUDA division by a Python scalar does, its CPU one does not
 
 
 def channel_group(head_dim: int) -> int:
@@ -167,7 +169,7 @@ def _sym8(x: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group symmetric int8: x ``[n, H, D]`` fp32 -> (codes int8, scale fp16 ``[n, H, D/g]``)."""
     n, h, d = x.shape
     xg = x.reshape(n, h, d // g, g)
-    scale = _fp16(xg.abs().amax(-1) / 127.0)
+    scale = _fp16(xg.abs().amax(-1) * _INV_127)
     s = scale.float().unsqueeze(-1)
     codes = torch.where(s > 0, xg / s, 0.0)  # a zero scale (an all-zero group): codes 0, whatever 0 / 0 gave
     return codes.round().clamp(-127, 127).to(torch.int8).reshape(n, h, d), scale
@@ -200,6 +202,51 @@ def _quantize_parts(k: torch.Tensor, v: torch.Tensor, bits: int, k_min: torch.Te
         kq = torch.where(step > 0, (k - k_min.float()) / torch.where(step > 0, step, torch.ones_like(step)), torch.zeros_like(k))
         kq = kq.round().clamp(0, 2**bits - 1).to(torch.int64)
     return {"k": pack_codes(kq, bits), "v": pack_codes(vq, bits), "k_scale": None, "v_scale": vs, "v_zero": vz}
+
+
+def _append(a: KVBucket, b: KVBucket) -> KVBucket:
+    """``a`` with ``b``'s entries after each row's own: ``b`` holds positions later than any of
+    ``a``'s in the same row (new tokens). The same bucket as :func:`_merge`, without sorting: one
+    concatenation per field for a single row, else each entry's place from the row starts."""
+    fa, fb = a.tensors(), b.tensors()
+    row_start = a.row_start + b.row_start  # row r of the union starts after both parts' earlier rows
+    if a.row_start.numel() == 2:
+        fields = {name: torch.cat([val, fb[name]]) for name, val in fa.items() if name != "row_start"}
+        return KVBucket(a.bits, row_start, **fields)
+    na, nb = a.num_tokens, b.num_tokens
+    counts_a = (a.row_start[1:] - a.row_start[:-1]).to(torch.int64)
+    counts_b = (b.row_start[1:] - b.row_start[:-1]).to(torch.int64)
+    dest_a = torch.arange(na, device=a.pos.device) + torch.repeat_interleave(b.row_start[:-1].to(torch.int64), counts_a, output_size=na)
+    dest_b = torch.arange(nb, device=a.pos.device) + torch.repeat_interleave(a.row_start[1:].to(torch.int64), counts_b, output_size=nb)
+    fields = {}
+    for name, val in fa.items():
+        if name == "row_start":
+            continue
+        out = val.new_empty((na + nb, *val.shape[1:]))
+        out[dest_a] = val
+        out[dest_b] = fb[name]
+        fields[name] = out
+    return KVBucket(a.bits, row_start, **fields)
+
+
+def append_tokens8(bucket: KVBucket, k: torch.Tensor, v: torch.Tensor, pos0: int) -> KVBucket:
+    """The 8-bit ``bucket`` with new tokens after each batch row's own entries (the reference).
+
+    Args:
+        bucket: an 8-bit :class:`KVBucket` of ``B`` rows whose positions are all ``< pos0``.
+        k, v: float ``[B, H, q, D]`` (any strides), the keys and values of positions
+            ``pos0 .. pos0 + q - 1`` of every row.
+        pos0: the first new position.
+
+    Returns:
+        A new bucket: row ``r``'s old entries, then its ``q`` new ones quantized at 8 bits.
+    """
+    b, h, q, d = k.shape
+    pos = torch.arange(pos0, pos0 + q, device=k.device, dtype=torch.int32).repeat(b)
+    parts = _quantize_parts(k.permute(0, 2, 1, 3).reshape(b * q, h, d).float(), v.permute(0, 2, 1, 3).reshape(b * q, h, d).float(),
+                            8, None, None)
+    row_start = torch.arange(0, (b + 1) * q, q, device=k.device, dtype=torch.int32)
+    return _append(bucket, KVBucket(8, row_start, pos, **parts))
 
 
 def key_block_ranges(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,6 +61,16 @@ template <> KBIT_DEVICE float bits_to_f32<KBIT_BF16>(u16 h) {
     return __uint_as_float(((u32)h) << 16);  // bf16 is the top half of an fp32
 }
 
+// Element i of an fp16, bf16 or fp32 array (DT), as a float; and the store back.
+template <int DT> KBIT_DEVICE float load_elem(const void* p, size_t i) {
+    if constexpr (DT == KBIT_F32) return reinterpret_cast<const float*>(p)[i];
+    else return bits_to_f32<DT>(reinterpret_cast<const u16*>(p)[i]);
+}
+template <int DT> KBIT_DEVICE void store_elem(void* p, size_t i, float v) {
+    if constexpr (DT == KBIT_F32) reinterpret_cast<float*>(p)[i] = v;
+    else reinterpret_cast<u16*>(p)[i] = f32_to_bits<DT>(v);
+}
+
 // Two floats -> one register of two half-precision values (lo in bits 0..15).
 template <int DT> KBIT_DEVICE u32 pack2(float lo, float hi) {
     return (u32)f32_to_bits<DT>(lo) | ((u32)f32_to_bits<DT>(hi) << 16);

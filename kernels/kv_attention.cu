@@ -731,15 +731,6 @@ KBIT_DEVICE void q_dot_min(const float* qrows, int lane, const u16* kmin, float&
     m1 = b;
 }
 
-template <int DT> KBIT_DEVICE float load_elem(const void* p, size_t i) {
-    if constexpr (DT == KBIT_F32) return reinterpret_cast<const float*>(p)[i];
-    else return bits_to_f32<DT>(reinterpret_cast<const u16*>(p)[i]);
-}
-template <int DT> KBIT_DEVICE void store_elem(void* p, size_t i, float v) {
-    if constexpr (DT == KBIT_F32) reinterpret_cast<float*>(p)[i] = v;
-    else reinterpret_cast<u16*>(p)[i] = f32_to_bits<DT>(v);
-}
-
 }  // namespace kv
 }  // namespace kbit
 

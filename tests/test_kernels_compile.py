@@ -26,6 +26,7 @@ from kbit_linear.backends.cuda import hopper as khopper
 from kbit_linear.backends.cuda import gguf as kgguf
 from kbit_linear.backends.cuda import grouped as kgrouped
 from kbit_linear.backends.cuda import hadamard as khadamard
+from kbit_linear.backends.cuda import kv_append as kappend
 from kbit_linear.backends.cuda import kv_attention as kkv
 from kbit_linear.backends.cuda import routing as krouting
 from kbit_linear.backends.cuda import tuning
@@ -93,7 +94,7 @@ def _resource_table(log: str) -> list[tuple[str, str, int, int, int]]:
 def test_every_kernel_instance_builds_for_sm80_and_sm90():
     jobs = {"gemm.cu": kcuda.gemm_instances(), "quantize.cu": kcuda.format_instances(), "decode.cu": kdecode.decode_instances(),
             "gemm_sm90.cu": khopper.instances() + kgrouped.instances(), "route.cu": krouting.route_instances(),
-            "gguf.cu": kgguf.gguf_instances(), "kv_attention.cu": kkv.kv_attention_instances(),
+            "gguf.cu": kgguf.gguf_instances(), "kv_attention.cu": kkv.kv_attention_instances(), "kv_append.cu": kappend.kv_append_instances(),
             "hadamard.cu": khadamard.hadamard_instances(), "experts.cu": kexperts.experts_instances(),
             "experts_token.cu": kexperts_token.token_instances()}
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
@@ -158,11 +159,11 @@ def test_kernel_argument_packs_match_the_kernel_signatures():
              kdecode._ARGS, kdecode._GROUPED_ARGS, krouting._ARGS, kgguf._DEQUANT_ARGS, kgguf._GEMV_ARGS,
              kgguf._Q8_ARGS, kgguf._GEMV_A8_ARGS, kkv._OFFSETS_ARGS, kkv._DECODE_ARGS, kkv._COMBINE_ARGS, kkv._MASS_ARGS,
              khadamard._ARGS, kgrouped._ARGS, kexperts._SWIGLU_ARGS, kexperts._COMBINE_ARGS,
-             kexperts_token._GATE_UP_ARGS, kexperts_token._DOWN_ARGS]
+             kexperts_token._GATE_UP_ARGS, kexperts_token._DOWN_ARGS, kappend._ARGS]
     sources = {**_kernel_params("gemm.cu"), **_kernel_params("quantize.cu"), **_kernel_params("decode.cu"),
                **_kernel_params("gemm_sm90.cu"), **_kernel_params("route.cu"), **_kernel_params("gguf.cu"),
                **_kernel_params("kv_attention.cu"), **_kernel_params("hadamard.cu"), **_kernel_params("experts.cu"),
-               **_kernel_params("experts_token.cu")}
+               **_kernel_params("experts_token.cu"), **_kernel_params("kv_append.cu")}
     assert {p.kernel for p in packs} <= set(sources), f"kernels found: {sorted(sources)}"
     for pack in packs:
         expected = sources[pack.kernel]

@@ -344,6 +344,42 @@ def test_after_a_crop_decode_steps_allocate_at_once_then_every_block_size_tokens
     assert calls == [keep, keep + 16, keep + 32], calls
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_tier_mass_and_seen_grow_in_place_and_new_columns_start_clean(batch: int) -> None:
+    # decode steps widen views of spare-column buffers (no copy); after a crop, a batch edit or an
+    # allocation replaced a tensor, the next step copies it into a new buffer; new columns always
+    # hold width 8 and no mass, whatever the buffer held there before
+    layer = KbitKVLayer(4, window=4, sink_tokens=1, block_size=16, hysteresis=0.1)
+    g = torch.Generator().manual_seed(4)
+
+    def step(q: int = 1) -> None:
+        b = layer.batch if layer.is_initialized else batch
+        layer.update(torch.randn(b, 2, q, 32, generator=g), torch.randn(b, 2, q, 32, generator=g))
+        layer.attend(torch.randn(b, 4, q, 32, generator=g), None, 32**-0.5)
+
+    step(5)
+    for _ in range(5):  # room for 10 columns after the first 5 (and no allocation before 16): the buffers stay
+        before = [x.data_ptr() for x in (layer.tier, layer.mass, layer.seen)]
+        old = [x.clone() for x in (layer.tier, layer.mass, layer.seen)]
+        layer.update(torch.randn(batch, 2, 1, 32, generator=g), torch.randn(batch, 2, 1, 32, generator=g))
+        assert [x.data_ptr() for x in (layer.tier, layer.mass, layer.seen)] == before
+        assert all(torch.equal(x[:, :-1], o) for x, o in zip((layer.tier, layer.mass, layer.seen), old))
+        assert (layer.tier[:, -1] == 8).all() and (layer.mass[:, -1] == 0).all() and (layer.seen[:, -1] == 0).all()
+        layer.attend(torch.randn(batch, 4, 1, 32, generator=g), None, 32**-0.5)
+    assert (layer.mass[:, :-1] > 0).all() and (layer.seen > 0).all()
+    layer.crop(-4)  # the kept view's buffer has written columns past it
+    layer.update(torch.randn(batch, 2, 3, 32, generator=g), torch.randn(batch, 2, 3, 32, generator=g))
+    assert layer.tier.shape == (batch, layer.seq_len)
+    assert (layer.tier[:, -3:] == 8).all() and (layer.mass[:, -3:] == 0).all() and (layer.seen[:, -3:] == 0).all()
+    if batch > 1:
+        layer.batch_select_indices(torch.tensor([1]))
+        step()
+        assert layer.tier.shape == (1, layer.seq_len) and (layer.seen[:, -1] > 0).all()
+    for _ in range(30):  # allocations replace tier; widths below 8 appear and stay
+        step()
+    assert (layer.tier < 8).any() and layer.tier.shape[1] == layer.seq_len
+
+
 # ---- memory --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_bits,limit", [(4, 0.30), (2.5, 0.20)])
@@ -508,7 +544,8 @@ def test_visible_queries_counts_what_the_bias_allows() -> None:
 
 
 def test_append_equals_the_sorting_merge() -> None:
-    from kbit_linear.kv_cache import _append, _merge
+    from kbit_linear.kv_cache import _merge
+    from kbit_linear.kv_format import _append
 
     g = torch.Generator().manual_seed(3)
     for batch in (1, 3):

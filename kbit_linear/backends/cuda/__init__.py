@@ -13,6 +13,7 @@ with one job:
 * :mod:`.experts_token`: one token through the experts in two launches (a decode step of batch 1);
 * :mod:`.gguf`: the GGUF block-format kernels (dequantize, small-M GEMM) and their ops;
 * :mod:`.kv_attention`: the fused decode attention over the quantized KV cache;
+* :mod:`.kv_append`: a decode step's new tokens into the KV cache's 8-bit bucket;
 * :mod:`.hadamard`: the Hadamard rotation of a rotated layer's input;
 * :mod:`.hopper`: the Hopper wgmma kernel's instances, shared-memory size and which GPUs run it;
 * :mod:`.grouped`: the Hopper wgmma kernel's grouped form (mixture-of-experts layers): plans, launch;
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from . import gguf as _gguf  # noqa: F401  (registers the GGUF ops' CUDA implementations)
 from . import kv_attention as _kv_attention  # noqa: F401  (registers the KV-cache decode attention)
+from . import kv_append as _kv_append  # noqa: F401  (registers the KV cache's 8-bit append)
 from . import hadamard as _hadamard  # noqa: F401  (registers the Hadamard rotation's CUDA implementation)
 from .ops import (
     GEMM_PATHS,
