@@ -358,7 +358,7 @@ def test_tier_mass_and_seen_grow_in_place_and_new_columns_start_clean(batch: int
         layer.attend(torch.randn(b, 4, q, 32, generator=g), None, 32**-0.5)
 
     step(5)
-    for _ in range(5):  # room for 10 columns after the first 5 (and no allocation before 16): the buffers stay
+    for _ in range(6):  # room for 5 + 16 columns after the first 5, no allocation before 16: the buffers stay
         before = [x.data_ptr() for x in (layer.tier, layer.mass, layer.seen)]
         old = [x.clone() for x in (layer.tier, layer.mass, layer.seen)]
         layer.update(torch.randn(batch, 2, 1, 32, generator=g), torch.randn(batch, 2, 1, 32, generator=g))
@@ -378,6 +378,31 @@ def test_tier_mass_and_seen_grow_in_place_and_new_columns_start_clean(batch: int
     for _ in range(30):  # allocations replace tier; widths below 8 appear and stay
         step()
     assert (layer.tier < 8).any() and layer.tier.shape[1] == layer.seq_len
+
+
+def test_mass_interval_records_every_nth_decode_step_and_leaves_outputs_alone() -> None:
+    # interval 3: steps 0, 3, 6, ... add mass and count; the others change neither; attention
+    # outputs equal those of a layer recording every step (until an allocation could differ)
+    layers = [KbitKVLayer(4, window=4, sink_tokens=1, block_size=64, hysteresis=0.1, mass_interval=m) for m in (1, 3)]
+    g = torch.Generator().manual_seed(7)
+    prompt = (torch.randn(1, 2, 20, 32, generator=g), torch.randn(1, 2, 20, 32, generator=g))
+    for layer in layers:
+        layer.update(*prompt)
+        layer.attend(torch.randn(1, 4, 20, 32, generator=torch.Generator().manual_seed(1)), None, 32**-0.5)  # prefill: recorded
+    for step in range(7):
+        k, v, qry = torch.randn(1, 2, 1, 32, generator=g), torch.randn(1, 2, 1, 32, generator=g), torch.randn(1, 4, 1, 32, generator=g)
+        before = layers[1].mass.clone(), layers[1].seen.clone()
+        outs = []
+        for layer in layers:
+            layer.update(k, v)
+            outs.append(layer.attend(qry, None, 32**-0.5))
+        assert torch.equal(outs[0], outs[1])
+        grew = not torch.equal(layers[1].seen[:, :-1], before[1])
+        assert grew == (step % 3 == 0), step
+        if not grew:
+            assert torch.equal(layers[1].mass[:, :-1], before[0]) and not layers[1].mass[:, -1].any()
+    assert float(layers[1].seen[0, 0]) == 4 * (20 + 3)  # the prompt's 20 queries and decode steps 0, 3, 6
+    assert float(layers[0].seen[0, 0]) == 4 * (20 + 7)
 
 
 # ---- memory --------------------------------------------------------------------------------------
@@ -497,7 +522,8 @@ def test_bad_kv_bits(bad) -> None:
 
 @pytest.mark.parametrize("name,value", [("window", -1), ("sink_tokens", 1.5), ("block_size", 0), ("hysteresis", 1.0),
                                         ("prefill_interval", 0), ("allocation_fraction", 0),
-                                        ("allocation_fraction", 1.5), ("allocation_fraction", True)])
+                                        ("allocation_fraction", 1.5), ("allocation_fraction", True), ("mass_interval", 0),
+                                        ("mass_interval", 2.0)])
 def test_bad_keywords(name: str, value) -> None:
     with pytest.raises(ValueError, match=name):
         KbitKVCache(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1), **{name: value})
