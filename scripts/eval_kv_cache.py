@@ -27,10 +27,14 @@ from kbit_linear.tools.evaluation import token_windows
 from kbit_linear.tools.models import resolve_model
 
 
-def settings(config) -> list[tuple[str, callable]]:
-    """(label, cache factory) pairs to compare against the dense cache."""
-    out = [(f"kbit avg {b} bits", lambda b=b: KbitKVCache(config, kv_bits=b)) for b in (8, 4, 3, 2.5)]
-    out.append(("kbit uniform 2 bits", lambda: KbitKVCache(config, kv_bits=2, window=0, sink_tokens=0)))
+def settings(config, mass_intervals: tuple[int, ...] = (1,)) -> list[tuple[str, callable]]:
+    """(label, cache factory) pairs to compare against the dense cache; the kbit settings once per
+    ``mass_interval`` (labelled with it when it is not 1)."""
+    out = []
+    for m in mass_intervals:
+        tag = "" if m == 1 else f", mass_interval {m}"
+        out += [(f"kbit avg {b} bits{tag}", lambda b=b, m=m: KbitKVCache(config, kv_bits=b, mass_interval=m)) for b in (8, 4, 3, 2.5)]
+        out.append((f"kbit uniform 2 bits{tag}", lambda m=m: KbitKVCache(config, kv_bits=2, window=0, sink_tokens=0, mass_interval=m)))
     for backend, package in (("quanto", "optimum.quanto"), ("hqq", "hqq")):
         try:
             found = importlib.util.find_spec(package) is not None
@@ -74,6 +78,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--only", default=None, help="run only the settings whose label contains this text")
+    ap.add_argument("--mass-interval", type=int, nargs="+", default=[1],
+                    help="KbitKVCache's mass_interval, each kbit setting once per value")
     args = ap.parse_args()
     path = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
@@ -84,7 +90,7 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print("| cache | KL vs dense cache (nats/token) | mean stored bits | bytes vs bf16 | s |")
     print("|---|---|---|---|---|")
-    for label, make in settings(model.config):
+    for label, make in settings(model.config, tuple(args.mass_interval)):
         if args.only is not None and args.only not in label:
             continue
         start = time.perf_counter()
