@@ -349,7 +349,7 @@ def test_tier_mass_and_seen_grow_in_place_and_new_columns_start_clean(batch: int
     # decode steps widen views of spare-column buffers (no copy); after a crop, a batch edit or an
     # allocation replaced a tensor, the next step copies it into a new buffer; new columns always
     # hold width 8 and no mass, whatever the buffer held there before
-    layer = KbitKVLayer(4, window=4, sink_tokens=1, block_size=16, hysteresis=0.1)
+    layer = KbitKVLayer(4, window=4, sink_tokens=1, block_size=16, hysteresis=0.1, mass_interval=1)
     g = torch.Generator().manual_seed(4)
 
     def step(q: int = 1) -> None:
