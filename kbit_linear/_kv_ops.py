@@ -61,12 +61,23 @@ def append_tokens8(bucket: KVBucket, k: torch.Tensor, v: torch.Tensor, pos0: int
     """
     if bucket.bits != 8:
         raise ValueError(f"bucket must be the 8-bit bucket, got a {bucket.bits}-bit one")
-    if k.dim() != 4 or v.shape != k.shape or not k.is_floating_point() or not v.is_floating_point():
-        raise ValueError(f"k and v must be float [B, H, q, D] of one shape, got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
+    if k.dim() != 4 or v.shape != k.shape or not k.is_floating_point() or not v.is_floating_point() or k.shape[2] == 0:
+        raise ValueError(f"k and v must be float [B, H, q, D] of one shape with q >= 1, got {tuple(k.shape)} {k.dtype} and "
+                         f"{tuple(v.shape)} {v.dtype}")
     b, h, _, d = k.shape
     if bucket.row_start.numel() != b + 1 or bucket.k.shape[1:] != (h, d):
         raise ValueError(f"k of shape {tuple(k.shape)} does not fit the bucket ({bucket.row_start.numel() - 1} rows, "
                          f"entries of shape {tuple(bucket.k.shape[1:])})")
+    fields = bucket.tensors()
+    if v.device != k.device or any(t.device != k.device for t in fields.values()):
+        raise ValueError(f"k, v and the bucket must be on one device, got k on {k.device}, v on {v.device}, the bucket on "
+                         f"{sorted({str(t.device) for t in fields.values()})}")
+    want = {"k": torch.int8, "v": torch.int8, "k_scale": torch.float16, "v_scale": torch.float16, "pos": torch.int32,
+            "row_start": torch.int32}
+    bad = {name: str(fields[name].dtype) if name in fields else None for name, dt in want.items()
+           if name not in fields or fields[name].dtype != dt}
+    if bad:
+        raise ValueError(f"bucket fields of the wrong dtype or missing (want int8 k/v, fp16 k_scale/v_scale, int32 pos/row_start): {bad}")
     if isinstance(pos0, bool) or not isinstance(pos0, int) or pos0 < 0:
         raise ValueError(f"pos0 must be an int >= 0, got {pos0!r}")
     fn = _append_backends.get(k.device.type)

@@ -262,7 +262,9 @@ class KbitKVLayer(CacheLayerMixin):
     ``k_block_min``/``k_block_range`` (fp16 ``[B, n_blocks, H, D]``), ``tier`` (int8 ``[B, S]``,
     each token's width), ``mass``/``seen`` (float32 ``[B, S]``: attention mass received and
     query-heads that could see the token; importance is their ratio), ``first_valid`` (int64
-    ``[B]``: the first position not masked as padding, where the sinks start).
+    ``[B]``: the first position not masked as padding, where the sinks start). ``tier``, ``mass``
+    and ``seen`` are views into buffers with spare columns (not contiguous when ``B > 1``).
+    Arguments as :class:`KbitKVCache`'s, which checks them.
     """
 
     is_sliding = False
@@ -371,6 +373,7 @@ class KbitKVLayer(CacheLayerMixin):
         self._decode_calls = 0
         self.buckets = {}
         self.workspace = {}
+        self._spare = {}
 
     def _remap_rows(self, src: torch.Tensor) -> None:
         """New batch row ``r`` becomes a copy of old row ``src[r]`` (beam search and batch edits)."""
@@ -626,7 +629,10 @@ class KbitKVCache(Cache):
         mass_interval: decode steps record the attention mass (the importance signal) on every
             this many steps, an int >= 1 (1: every step). A step that skips it runs one kernel
             fewer and writes no logits, and importance stays the mean over the steps that
-            recorded it. Default :data:`MASS_INTERVAL`.
+            recorded it. Every attention call of up to 16 queries counts as a step (short prompt
+            chunks too). A token is first seen at most ``mass_interval - 1`` steps after it
+            arrives, so keep ``window`` at least that long: a token that leaves the window unseen
+            has importance 0. Default :data:`MASS_INTERVAL`.
 
     Raises:
         ValueError: a bad argument or a model the cache cannot serve, naming which.

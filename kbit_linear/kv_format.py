@@ -206,7 +206,7 @@ def _quantize_parts(k: torch.Tensor, v: torch.Tensor, bits: int, k_min: torch.Te
 
 def _append(a: KVBucket, b: KVBucket) -> KVBucket:
     """``a`` with ``b``'s entries after each row's own: ``b`` holds positions later than any of
-    ``a``'s in the same row (new tokens). The same bucket as :func:`_merge`, without sorting: one
+    ``a``'s in the same row (new tokens). The same bucket as ``kv_cache._merge``'s sort, without it: one
     concatenation per field for a single row, else each entry's place from the row starts."""
     fa, fb = a.tensors(), b.tensors()
     row_start = a.row_start + b.row_start  # row r of the union starts after both parts' earlier rows

@@ -39,7 +39,7 @@ def append_tokens8_cuda(bucket: KVBucket, k: torch.Tensor, v: torch.Tensor, pos0
     b, h, q, d = k.shape
     n = bucket.num_tokens
     total = n + b * q
-    if (k.dtype not in _DT or v.dtype != k.dtype or k.stride(-1) != 1 or v.stride(-1) != 1 or q == 0
+    if (k.dtype not in _DT or v.dtype != k.dtype or k.stride(-1) != 1 or v.stride(-1) != 1 or total == 0
             or max(k.stride() + v.stride()) > _INT32_MAX or total * h * d > _INT32_MAX or pos0 + q > _INT32_MAX):
         return None
     dev = k.device
