@@ -21,6 +21,8 @@ __all__ = ["append_tokens8", "decode_attention", "register_append_tokens8", "reg
 Implementation = Callable[..., Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]]
 _backends: dict[str, Implementation] = {}
 _append_backends: dict[str, Callable[..., Optional[KVBucket]]] = {}
+_BUCKET8_DTYPES = {"k": torch.int8, "v": torch.int8, "k_scale": torch.float16, "v_scale": torch.float16, "pos": torch.int32,
+                   "row_start": torch.int32}  # the 8-bit bucket's fields (kv_format's table)
 
 
 def register_decode_attention(device_type: str, fn: Implementation) -> None:
@@ -72,9 +74,7 @@ def append_tokens8(bucket: KVBucket, k: torch.Tensor, v: torch.Tensor, pos0: int
     if v.device != k.device or any(t.device != k.device for t in fields.values()):
         raise ValueError(f"k, v and the bucket must be on one device, got k on {k.device}, v on {v.device}, the bucket on "
                          f"{sorted({str(t.device) for t in fields.values()})}")
-    want = {"k": torch.int8, "v": torch.int8, "k_scale": torch.float16, "v_scale": torch.float16, "pos": torch.int32,
-            "row_start": torch.int32}
-    bad = {name: str(fields[name].dtype) if name in fields else None for name, dt in want.items()
+    bad = {name: str(fields[name].dtype) if name in fields else None for name, dt in _BUCKET8_DTYPES.items()
            if name not in fields or fields[name].dtype != dt}
     if bad:
         raise ValueError(f"bucket fields of the wrong dtype or missing (want int8 k/v, fp16 k_scale/v_scale, int32 pos/row_start): {bad}")

@@ -210,12 +210,7 @@ template <> KBIT_DEVICE void mma_16816<KBIT_BF16>(float (&d)[4], const u32 (&a)[
 // (KBIT_F32 / KBIT_F16 / KBIT_BF16), rounded to the activations' DT (the weight a token's
 // expert output is scaled by).
 template <int DT, int WT> KBIT_DEVICE float load_routing_weight(const void* __restrict__ w, long long i) {
-    float f;
-    if constexpr (WT == KBIT_F32) {
-        f = static_cast<const float*>(w)[i];
-    } else {
-        f = bits_to_f32<WT>(static_cast<const u16*>(w)[i]);
-    }
+    const float f = load_elem<WT>(w, (size_t)i);
     return WT == DT ? f : bits_to_f32<DT>(f32_to_bits<DT>(f));
 }
 

@@ -32,7 +32,7 @@ import torch
 
 from ... import format as fmt
 from . import loader, plans, workspace
-from .tensors import aligned16, kernel_rows, layout_arg, weight_layouts
+from .tensors import HALF_DTYPE_CODES, aligned16, kernel_rows, layout_arg, weight_layouts
 from .tuning import (DECODE_CONFIGS, DECODE_SEGMENT_COST_BYTES, DECODE_SHARED_SEGMENT_COST_BYTES, DECODE_SPLIT_COST_BYTES,
                      DECODE_SPLIT_PIECE_COST_BYTES, DecodeConfig)
 
@@ -57,7 +57,7 @@ MAX_M = 16
 """Most rows of x the decode kernel takes (two n8 fragments)."""
 
 _SOURCE = "decode.cu"
-_DT = {torch.float16: 0, torch.bfloat16: 1}
+_DT = HALF_DTYPE_CODES
 _ARGS = loader.ArgPack("kbit_decode_gemm", "x:p packed:p absmax:p codebook:p tensor_scale:p out:p ws:p counters:p "
                                           "M:i N:i K:i k_tiles:i n_tiles:i align:i")
 _GROUPED_ARGS = loader.ArgPack("kbit_decode_gemm_grouped", "x:p packed:p absmax:p codebook:p tensor_scale:p out:p ws:p counters:p "

@@ -14,13 +14,14 @@ import torch
 
 from ... import _grouped_ops
 from . import loader
+from .tensors import DTYPE_CODES, HALF_DTYPE_CODES
 
 __all__ = ["experts_instances", "kernels_supported", "swiglu_cuda", "combine_experts_cuda"]
 
 _SOURCE = "experts.cu"
 _THREADS = 256  # kThreads in experts.cu
-_DT = {torch.float16: 0, torch.bfloat16: 1}
-_WT = {torch.float32: 2, torch.float16: 0, torch.bfloat16: 1}
+_DT = HALF_DTYPE_CODES
+_WT = DTYPE_CODES
 _SWIGLU_ARGS = loader.ArgPack("kbit_swiglu", "gate_up:p out:p rows:i inter:i")
 _COMBINE_ARGS = loader.ArgPack("kbit_combine_experts", "y:p position:p weights:p out:p tokens:i top_k:i H:i")
 

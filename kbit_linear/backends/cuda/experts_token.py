@@ -22,7 +22,7 @@ from ... import _grouped_ops
 from ... import format as fmt
 from . import loader, tuning
 from .decode import _TABLE_SMEM
-from .tensors import aligned16, kernel_rows, layout_arg, weight_layouts
+from .tensors import DTYPE_CODES, HALF_DTYPE_CODES, aligned16, kernel_rows, layout_arg, weight_layouts
 
 __all__ = ["MAX_TOP_K", "token_instances", "token_kernels_take", "experts_one_token_cuda", "run_token_kernels"]
 
@@ -33,8 +33,7 @@ per slot and warp in shared memory."""
 _SOURCE = "experts_token.cu"
 _WARPS = 16  # NW: one block per SM beside the lookup tables, 16 warps to keep loads in flight
 _ROWS_PER_UNIT = 16  # kRowsPerUnit
-_DT = {torch.float16: 0, torch.bfloat16: 1}
-_F32 = 2  # KBIT_F32
+_DT = HALF_DTYPE_CODES
 _GATE_UP_ARGS = loader.ArgPack("kbit_token_gate_up", "x:p ids:p packed:p absmax:p codebook:p tensor_scale:p h:p slots:i "
                                                      "experts:i expert_words:i expert_scales:i inter:i K:i k_tiles:i n_tiles:i")
 _DOWN_ARGS = loader.ArgPack("kbit_token_down", "h:p ids:p weights:p packed:p absmax:p codebook:p tensor_scale:p out:p slots:i "
@@ -56,7 +55,7 @@ def _gate_up_name(bits: int, dtype: torch.dtype, pairs: bool) -> str:
 
 
 def _down_name(bits: int, dtype: torch.dtype, weights_f32: bool, pairs: bool) -> str:
-    wt = _F32 if weights_f32 else _DT[dtype]
+    wt = DTYPE_CODES[torch.float32 if weights_f32 else dtype]
     return f"kbit_token_down<{bits}, {_DT[dtype]}, {wt}, {_WARPS}, {_DOWN_DEPTH}{layout_arg(pairs)}>"
 
 

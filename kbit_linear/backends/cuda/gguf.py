@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from ... import _gguf_ops
 from ... import gguf_format as gf
 from . import loader, tuning
-from .tensors import aligned16
+from .tensors import DTYPE_CODES, aligned16
 
 __all__ = ["gguf_instances", "gguf_dequantize_cuda", "gguf_gemm_cuda", "gguf_gemm_a8_cuda"]
 
 _SOURCE = "gguf.cu"
-_DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_DT = DTYPE_CODES
 _DEQUANT_THREADS = 256
 _DEQUANT_ARGS = loader.ArgPack("kbit_gguf_dequantize", "qs:p qh:p scale:p mins:p out:p N:i nb:i")
 _GEMV_ARGS = loader.ArgPack("kbit_gguf_gemv", "x:p qs:p qh:p scale:p mins:p bias:p out:p M:i N:i K:i")

@@ -16,14 +16,14 @@ import torch
 from ... import _ops
 from ... import hadamard as hd
 from . import loader
-from .tensors import aligned16
+from .tensors import HALF_DTYPE_CODES, aligned16
 
 __all__ = ["hadamard_instances", "hadamard_rotate_cuda"]
 
 _SOURCE = "hadamard.cu"
 _WARPS = 4  # kHadamardWarps
 _CHUNK = 256  # elements per warp
-_DT = {torch.float16: 0, torch.bfloat16: 1}
+_DT = HALF_DTYPE_CODES
 _LOG_BLOCKS = range(3, int(math.log2(hd.MAX_BLOCK)) + 1)  # blocks of 8 .. MAX_BLOCK
 _ARGS = loader.ArgPack("kbit_hadamard_rotate", "x:p signs:p y:p total:i K:i")
 _kernels: dict[tuple[int, torch.dtype, int], loader.CudaKernel] = {}  # (device index, dtype, log2 block) -> instance

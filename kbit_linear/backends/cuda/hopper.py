@@ -16,7 +16,7 @@ import torch
 
 from ... import format as fmt
 from . import driver, loader, tuning
-from .tensors import layout_arg, weight_layouts
+from .tensors import HALF_DTYPE_CODES, layout_arg, weight_layouts
 
 __all__ = [
     "ARCH_OPTIONS",
@@ -43,7 +43,7 @@ ARCH_OPTIONS = ("-arch=sm_90a",)
 TOKEN_TILES = (16, 32, 64, 128, 256)
 """The token tiles (wgmma's N, the BT template argument) the kernel is instantiated for."""
 
-_DT = {torch.float16: 0, torch.bfloat16: 1}
+_DT = HALF_DTYPE_CODES
 _TILE_N, _TILE_K = fmt.TILE_N, fmt.TILE_K
 
 

@@ -14,12 +14,12 @@ import torch
 from ... import _kv_ops
 from ...kv_format import KVBucket, channel_group
 from . import loader
-from .tensors import aligned16
+from .tensors import DTYPE_CODES, aligned16
 
 __all__ = ["kv_append_instances", "append_tokens8_cuda"]
 
 _SOURCE = "kv_append.cu"
-_DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_DT = DTYPE_CODES
 _THREADS = 128  # kThreads in the kernel
 _INT32_MAX = 2**31 - 1
 _ARGS = loader.ArgPack(

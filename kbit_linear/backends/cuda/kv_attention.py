@@ -17,14 +17,14 @@ import torch
 from ... import _kv_ops
 from ...kv_format import TIERS, KVBucket, mask_bias
 from . import loader, tuning
-from .tensors import aligned16
+from .tensors import DTYPE_CODES, aligned16
 
 __all__ = ["HEAD_DIMS", "MAX_SPLIT_KEY_BLOCKS", "stage_bytes", "resident_blocks_per_sm", "kv_attention_instances", "decode_smem_bytes", "combine_smem_bytes", "kv_decode_attention_cuda"]
 
 _SOURCE = "kv_attention.cu"
 HEAD_DIMS = (64, 128, 256)
 """Head sizes the kernel has instances for."""
-_DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_DT = DTYPE_CODES
 _ROWS = 8  # query rows per decode block (one n8 fragment)
 _WARPS = 4  # warps per decode block
 _STAGES = 2  # tiles in flight per warp (stages_for in the kernel)

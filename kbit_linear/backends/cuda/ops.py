@@ -36,7 +36,7 @@ from ... import _grouped_ops  # the grouped GEMM's schema and reference
 from ... import _ops  # defines the op schemas before the registrations below
 from ... import format as fmt
 from . import decode, experts, experts_token, grouped, hopper, loader, plans, routing, tuning, workspace
-from .tensors import aligned16, kernel_rows, layout_arg, weight_layouts
+from .tensors import DTYPE_CODES, aligned16, kernel_rows, layout_arg, weight_layouts
 
 __all__ = [
     "GEMM_PATHS",
@@ -52,7 +52,7 @@ _THREADS = 256
 _TILE_N = fmt.TILE_N
 _TILE_K = fmt.TILE_K
 _STAGES = 4
-_DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_DT = DTYPE_CODES
 _ACT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _BITS = frozenset(fmt.SUPPORTED_BITS)
 _CB_SHAPES = {b: torch.Size([1 << b]) for b in fmt.SUPPORTED_BITS}

@@ -13,7 +13,13 @@ import torch.nn.functional as F
 
 from ... import format as fmt
 
-__all__ = ["aligned16", "kernel_rows", "layout_arg", "weight_layouts"]
+__all__ = ["DTYPE_CODES", "HALF_DTYPE_CODES", "aligned16", "kernel_rows", "layout_arg", "weight_layouts"]
+
+DTYPE_CODES: dict[torch.dtype, int] = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+"""Each activation / weight dtype's code as a kernel's DT or WT template argument (``common.cuh``:
+KBIT_F16, KBIT_BF16, KBIT_F32)."""
+HALF_DTYPE_CODES: dict[torch.dtype, int] = {t: c for t, c in DTYPE_CODES.items() if t.itemsize == 2}
+"""The codes of the half-precision dtypes, for kernels that take only those."""
 
 
 def aligned16(t: torch.Tensor) -> torch.Tensor:
