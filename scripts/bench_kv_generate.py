@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402
@@ -88,10 +89,8 @@ def main() -> None:
     model = bg.build_variant("kbit4", config, dev, {})
     ids = torch.randint(0, config.vocab_size, (args.batch, args.context), device=dev, generator=torch.Generator(device=dev).manual_seed(0))
     rows = []
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     fractions = args.allocation_fraction or [kbit_linear.kv_cache.ALLOCATION_FRACTION]
-    intervals = args.mass_interval or [1]
+    intervals = args.mass_interval or [kbit_linear.kv_cache.MASS_INTERVAL]
     variants = {"bf16 DynamicCache": None, "bf16 DynamicCache, SDPA flash / efficient": None}
     for f in fractions:
         for m in intervals:

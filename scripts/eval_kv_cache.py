@@ -23,16 +23,17 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache
 
 from kbit_linear import KbitKVCache
+from kbit_linear.kv_cache import MASS_INTERVAL
 from kbit_linear.tools.evaluation import token_windows
 from kbit_linear.tools.models import resolve_model
 
 
-def settings(config, mass_intervals: tuple[int, ...] = (1,)) -> list[tuple[str, callable]]:
+def settings(config, mass_intervals: tuple[int, ...] = (MASS_INTERVAL,)) -> list[tuple[str, callable]]:
     """(label, cache factory) pairs to compare against the dense cache; the kbit settings once per
-    ``mass_interval`` (labelled with it when it is not 1)."""
+    ``mass_interval`` (labelled with it when it is not the library's default)."""
     out = []
     for m in mass_intervals:
-        tag = "" if m == 1 else f", mass_interval {m}"
+        tag = "" if m == MASS_INTERVAL else f", mass_interval {m}"
         out += [(f"kbit avg {b} bits{tag}", lambda b=b, m=m: KbitKVCache(config, kv_bits=b, mass_interval=m)) for b in (8, 4, 3, 2.5)]
         out.append((f"kbit uniform 2 bits{tag}", lambda m=m: KbitKVCache(config, kv_bits=2, window=0, sink_tokens=0, mass_interval=m)))
     for backend, package in (("quanto", "optimum.quanto"), ("hqq", "hqq")):
@@ -78,8 +79,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--only", default=None, help="run only the settings whose label contains this text")
-    ap.add_argument("--mass-interval", type=int, nargs="+", default=[1],
-                    help="KbitKVCache's mass_interval, each kbit setting once per value")
+    ap.add_argument("--mass-interval", type=int, nargs="+", default=[MASS_INTERVAL],
+                    help="KbitKVCache's mass_interval, each kbit setting once per value (default: the library's)")
     args = ap.parse_args()
     path = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
