@@ -149,7 +149,9 @@ def test_cuda_graph_on_the_second_gpu(pdl, current):
                     kcuda.gemm_cuda(x, *args, path=path, out=out)  # compile and plan outside the capture
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                # our own capture stream: torch.cuda.graph's default one is made once per process, on
+                # whichever device was current then (cuda:0 if an earlier test captured there)
+                with torch.cuda.graph(graph, stream=stream):
                     kcuda.gemm_cuda(x, *args, path=path, out=out)
                 for _ in range(2):
                     x.copy_(torch.randn_like(x))
