@@ -20,6 +20,7 @@ from .gguf_loader import load_gguf  # imports gguf and the transformers GGUF rea
 from .kv_cache import KbitKVCache  # also registers the "kbit_kv" attention with transformers
 from .linear import KbitLinear
 from .parallel import shard_for_tensor_parallel
+from .router import fuse_routers, unfuse_routers
 from .patch import QuantizationSummary, quantize_model
 from .serialization import CheckpointError, load_into, load_quantized, save_quantized
 
@@ -39,6 +40,7 @@ __all__ = [
     "create_normal_float_codebook",
     "dequantize",
     "fuse_projections",
+    "fuse_routers",
     "load_gguf",
     "load_into",
     "load_quantized",
@@ -48,6 +50,7 @@ __all__ = [
     "save_quantized",
     "shard_for_tensor_parallel",
     "unfuse_projections",
+    "unfuse_routers",
 ]
 
 try:

@@ -46,6 +46,7 @@ from . import allocation, codebooks
 from . import format as fmt
 from . import hadamard as hd
 from .fusion import DEFAULT_GROUPS, FusionSummary, fuse_projections, is_cross_attention
+from .router import RouterFusionSummary, fuse_routers
 from .calibration import Calibration, calibrate_model
 from .experts import PROJECTIONS, KbitExperts, experts_layout_problem, looks_like_experts
 from .linear import KbitLinear
@@ -96,6 +97,9 @@ class QuantizationSummary:
             experts modules' weights (a module shared under several names counted once).
         fusion: with ``fuse=True``: the groups of projections fused into one GEMM, and those
             left apart with the reason (:class:`kbit_linear.fusion.FusionSummary`); else ``None``.
+        routers: with ``fuse=True``: the MoE routers switched to one kernel, and the router-like
+            modules left alone with the reason (:class:`kbit_linear.router.RouterFusionSummary`);
+            else ``None``.
     """
 
     bits: int
@@ -111,6 +115,7 @@ class QuantizationSummary:
     layer_bits: dict[str, int] = field(default_factory=dict)
     mean_layer_bits: float = 0.0
     fusion: FusionSummary | None = None
+    routers: RouterFusionSummary | None = None
 
     def __str__(self) -> str:
         width = f"{self.bits} bits"
@@ -131,6 +136,8 @@ class QuantizationSummary:
         lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped.items()]
         if self.fusion is not None:
             lines += ["  " + line for line in str(self.fusion).splitlines()]
+        if self.routers is not None and (self.routers.fused or self.routers.skipped):
+            lines += ["  " + line for line in str(self.routers).splitlines()]
         return "\n".join(lines)
 
 
@@ -483,7 +490,9 @@ def quantize_model(
             layer's seed), then run each group as
             one GEMM (:func:`kbit_linear.fusion.fuse_projections`): fewer, larger GEMM calls, the
             same memory and state dict. Groups whose layers get different widths (``target_bpw``)
-            stay apart. Not with ``hadamard_search`` > 1.
+            stay apart. Not with ``hadamard_search`` > 1. The top-k routers of MoE blocks then
+            run as one kernel each (:func:`kbit_linear.router.fuse_routers`; their weights stay
+            as they are).
 
     Returns:
         A :class:`QuantizationSummary`: converted names, skipped names with reasons, bytes
@@ -625,6 +634,7 @@ def quantize_model(
 
     if fuse:
         summary.fusion = fuse_projections(model)
+        summary.routers = fuse_routers(model)
     summary.bytes_after = module_bytes(model)
     return summary
 

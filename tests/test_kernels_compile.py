@@ -28,6 +28,7 @@ from kbit_linear.backends.cuda import grouped as kgrouped
 from kbit_linear.backends.cuda import hadamard as khadamard
 from kbit_linear.backends.cuda import kv_append as kappend
 from kbit_linear.backends.cuda import kv_attention as kkv
+from kbit_linear.backends.cuda import router as krouter
 from kbit_linear.backends.cuda import routing as krouting
 from kbit_linear.backends.cuda import tuning
 from kbit_linear import format as fmt
@@ -96,7 +97,7 @@ def test_every_kernel_instance_builds_for_sm80_and_sm90():
             "gemm_sm90.cu": khopper.instances() + kgrouped.instances(), "route.cu": krouting.route_instances(),
             "gguf.cu": kgguf.gguf_instances(), "kv_attention.cu": kkv.kv_attention_instances(), "kv_append.cu": kappend.kv_append_instances(),
             "hadamard.cu": khadamard.hadamard_instances(), "experts.cu": kexperts.experts_instances(),
-            "experts_token.cu": kexperts_token.token_instances()}
+            "experts_token.cu": kexperts_token.token_instances(), "router.cu": krouter.router_instances()}
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
         results = dict(zip(jobs, pool.map(lambda kv: _build(kv[0], kv[1], Path(tmp)), jobs.items())))
     failures = [f"{src}:\n{r.stderr[-6000:]}" for src, r in results.items() if r.returncode != 0]

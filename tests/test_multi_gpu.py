@@ -163,6 +163,24 @@ def test_cuda_graph_on_the_second_gpu(pdl, current):
                     assert err < REL_TOL[dtype], f"{path} M={m} in a graph: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("current", [0, 1], ids=["current0", "current1"])
+def test_router_on_the_second_gpu(current):
+    # The router kernel's counter is per device and stream: one on cuda:1 must not be cuda:0's.
+    from kbit_linear import _router_ops
+    g = torch.Generator().manual_seed(current)
+    with _current(current):
+        for e in (128, 8):
+            x = torch.randn(3, 2048, generator=g).to(SECOND, torch.bfloat16)
+            w = (torch.randn(e, 2048, generator=g) * 0.02).to(SECOND, torch.bfloat16)
+            logits, scores, index = torch.ops.kbit_linear.router_top_k(x, w, 2, True, True)
+            assert logits.device == SECOND and index.device == SECOND
+            ref_l = F.linear(x.float(), w.float())
+            assert float((logits.float() - ref_l).abs().max()) < 2e-2 * float(ref_l.abs().max())
+            want = _router_ops.router_top_k_reference(logits.float(), torch.eye(e, device=SECOND), 2, True, True)
+            assert torch.equal(index, want[2]) and torch.allclose(scores, want[1], rtol=1e-5, atol=1e-6)
+        assert torch.cuda.current_device() == current
+
+
 _FIRST_USE_SCRIPT = textwrap.dedent(
     """
     import torch, torch.nn.functional as F

@@ -64,6 +64,7 @@ from ..codebooks import DEFAULT as DEFAULT_CODEBOOK
 from ..codebooks import check_codebook_option, is_per_weight, resolve_default
 from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts, experts_layout_problem, quantize_experts_weight
 from ..fusion import fuse_projections, kbit_layers
+from ..router import fuse_routers
 from ..gguf_linear import GGUFEmbedding, GGUFLinear
 from ..hadamard import layer_seed
 from ..linear import KbitLinear
@@ -171,7 +172,9 @@ class KbitConfig(QuantizationConfigMixin):
             the group where levels are fitted, and the largest of their tensor scales).
             Checkpoints keep one entry per layer; ``config.json`` keeps the choice, and a saved
             model loads fused again (``kbit_linear.unfuse_projections(model)`` undoes it, and
-            ``kbit_linear.fuse_projections(model)`` fuses any loaded model). Default ``False``.
+            ``kbit_linear.fuse_projections(model)`` fuses any loaded model). The top-k routers
+            of MoE blocks then run as one kernel each (:func:`kbit_linear.fuse_routers`; the
+            ``kbit_router_fusion`` attribute lists them). Default ``False``.
 
     Raises:
         TypeError / ValueError: a bad argument, named.
@@ -684,6 +687,7 @@ class KbitHfQuantizer(HfQuantizer):
         self._header_sha256 = {}
         if config.fuse:
             model.kbit_fusion = fuse_projections(model)
+            model.kbit_router_fusion = fuse_routers(model)
         return model
 
     def _check_loaded_experts(self, name: str, module: KbitExperts) -> None:

@@ -9,6 +9,7 @@ with one job:
 * :mod:`.decode`: the small-M decode kernel's launch plans and schedules (also its grouped form
   for mixture-of-experts layers);
 * :mod:`.routing`: the routing kernel of mixture-of-experts layers;
+* :mod:`.router`: their router (logits, softmax, top-k) in one launch;
 * :mod:`.experts`: the element-wise kernels around their grouped GEMMs (SwiGLU, the weighted combine);
 * :mod:`.experts_token`: one token through the experts in two launches (a decode step of batch 1);
 * :mod:`.gguf`: the GGUF block-format kernels (dequantize, small-M GEMM) and their ops;
@@ -29,6 +30,7 @@ from . import gguf as _gguf  # noqa: F401  (registers the GGUF ops' CUDA impleme
 from . import kv_attention as _kv_attention  # noqa: F401  (registers the KV-cache decode attention)
 from . import kv_append as _kv_append  # noqa: F401  (registers the KV cache's 8-bit append)
 from . import hadamard as _hadamard  # noqa: F401  (registers the Hadamard rotation's CUDA implementation)
+from . import router as _router  # noqa: F401  (registers the one-launch MoE router)
 from .ops import (
     GEMM_PATHS,
     dequantize_cuda,

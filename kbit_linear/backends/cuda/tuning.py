@@ -38,6 +38,7 @@ __all__ = [
     "GGUF_GEMV_LAUNCH",
     "KV_DECODE_MIN_KEY_BLOCKS",
     "KV_DECODE_SPLIT_TILES_IDLE_SHARE",
+    "ROUTER_MAX_TOKENS",
     "DecodeConfig",
     "DECODE_CONFIGS",
     "DECODE_SPLIT_COST_BYTES",
@@ -468,3 +469,13 @@ KV_DECODE_MIN_KEY_BLOCKS = 4
 # 1k tokens whole 18.4 / shared 15.6 (32 vs 128 blocks); 4k whole 20.5 / shared 23.1 (128 vs
 # 512 blocks: each warp then forms Q' for every key block and each block pays the prologue).
 KV_DECODE_SPLIT_TILES_IDLE_SHARE = 0.5
+
+
+# ---------------------------------------------------------------------------------------
+# the one-launch router of mixture-of-experts layers (kbit_linear.backends.cuda.router)
+# ---------------------------------------------------------------------------------------
+
+# Most tokens the router kernel takes; more go to the reference (cuBLAS GEMM, softmax, top-k),
+# whose launches matter less as the token count grows while the kernel's last block walks every
+# token's top-k alone. Set from scripts/bench_router.py (bench/results/router-h200.md).
+ROUTER_MAX_TOKENS = 16

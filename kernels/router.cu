@@ -1,0 +1,174 @@
+// The router of a mixture-of-experts layer in one launch: its logits, softmax, top-k and the
+// renormalisation of the chosen probabilities (kbit_linear/_router_ops.py,
+// router_top_k_reference, is the spec).
+//
+//   x       [T][H]   fp16 / bf16 / fp32 (DT), rows contiguous
+//   w       [E][H]   the router's weight, same dtype
+//   logits  [T][E]   DT: round_DT(sum_h x[t][h] * w[e][h]), summed in fp32
+//   scores  [T][k]   fp32 (SCORES_F32) or DT: the k largest of softmax(logits[t]) (fp32, from the
+//                    rounded logits), descending, ties to the lower expert; divided by their
+//                    sum when `normalize`
+//   index   [T][k]   int64: their experts
+//   counter [1]      int32, zero before and after the launch (blocks done)
+//
+// Grid: ceil(E / 4) blocks of 4 warps. Warp w of block b takes expert e = 4 b + w for every
+// token, kTokens tokens per pass over its weight row; lane l reads 8 consecutive elements at
+// h = 8 l + 256 j (16-byte loads; the host checks H % 8 == 0 and 16-byte aligned rows):
+//
+//   w row e   | lane 0: h 0..7 | lane 1: h 8..15 | ... | lane 31: h 248..255 | lane 0: 256..263 | ...
+//   x row t   | the same elements, read for each of the pass's tokens
+//
+// The block that finishes last (each block adds one to `counter` after its logits are visible)
+// reads every logit back from L2 and picks the top k, one warp per token: lane l holds experts
+// l, l + 32, ... (E <= 32 * kMaxPerLane); k rounds of a warp arg-max (larger probability, then
+// lower expert) take the winners out, lane i keeping the i-th. It leaves `counter` at zero, so
+// the same counter serves every launch on a stream (and a CUDA graph's replays).
+#include "common.cuh"
+
+namespace kbit {
+namespace router {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTokens = 8;       // tokens per pass over a weight row (accumulators per lane)
+constexpr int kMaxPerLane = 16;  // experts per lane in the top-k phase: E <= 512
+constexpr int kMaxTopK = 32;     // one chosen expert per lane
+
+// 8 consecutive elements from element i of p (16-byte aligned) as floats.
+template <int DT>
+KBIT_DEVICE void load8(const void* p, size_t i, float (&v)[8]) {
+    if constexpr (DT == KBIT_F32) {
+        const float4 a = *reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
+        const float4 b = *reinterpret_cast<const float4*>(static_cast<const float*>(p) + i + 4);
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+        const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const u16*>(p) + i);
+        const u32 words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            v[2 * k] = bits_to_f32<DT>((u16)(words[k] & 0xffffu));
+            v[2 * k + 1] = bits_to_f32<DT>((u16)(words[k] >> 16));
+        }
+    }
+}
+
+// One logit written by another block of this launch: read from L2 (this SM's L1 may not see it).
+template <int DT>
+KBIT_DEVICE float load_from_l2(const void* p, size_t i) {
+    if constexpr (DT == KBIT_F32) return __ldcg(static_cast<const float*>(p) + i);
+    else return bits_to_f32<DT>(__ldcg(static_cast<const unsigned short*>(p) + i));
+}
+
+KBIT_DEVICE float warp_sum(float v) {
+#pragma unroll
+    for (int d = 16; d; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+    return v;
+}
+
+// Logits of expert e for tokens [t0, t0 + kTokens) of T: one pass over w's row e.
+template <int DT>
+KBIT_DEVICE void logits_of_expert(const void* x, const void* w, void* logits, int t0, int T, int H, int E, int e, int lane) {
+    float acc[kTokens];
+#pragma unroll
+    for (int i = 0; i < kTokens; ++i) acc[i] = 0.f;
+    for (int h = 8 * lane; h < H; h += 256) {
+        float wv[8];
+        load8<DT>(w, (size_t)e * H + h, wv);
+#pragma unroll
+        for (int i = 0; i < kTokens; ++i) {
+            if (t0 + i < T) {
+                float xv[8];
+                load8<DT>(x, (size_t)(t0 + i) * H + h, xv);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) acc[i] = fmaf(xv[k], wv[k], acc[i]);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < kTokens; ++i) {
+        const float sum = warp_sum(acc[i]);
+        if (lane == i && t0 + i < T) store_elem<DT>(logits, (size_t)(t0 + i) * E + e, sum);
+    }
+}
+
+// Softmax and top-k of token t's logits, by one warp.
+template <int DT, bool SCORES_F32>
+KBIT_DEVICE void top_k_of_token(const void* logits, void* scores, long long* index, int t, int E, int top_k, bool normalize,
+                                int lane) {
+    float p[kMaxPerLane];
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+        const int e = lane + 32 * i;
+        p[i] = e < E ? load_from_l2<DT>(logits, (size_t)t * E + e) : -INFINITY;
+        m = fmaxf(m, p[i]);
+    }
+#pragma unroll
+    for (int d = 16; d; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+        p[i] = lane + 32 * i < E ? expf(p[i] - m) : 0.f;
+        s += p[i];
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) p[i] = lane + 32 * i < E ? __fdiv_rn(p[i], s) : -1.f;  // -1: never chosen
+
+    float mine = 0.f;
+    int mine_e = E;
+    for (int r = 0; r < top_k; ++r) {
+        float best = -1.f;
+        int best_e = E;  // no expert: only if every probability is NaN
+#pragma unroll
+        for (int i = 0; i < kMaxPerLane; ++i) {
+            if (p[i] > best) best = p[i], best_e = lane + 32 * i;  // strict: the lower expert of a tie
+        }
+#pragma unroll
+        for (int d = 16; d; d >>= 1) {
+            const float other = __shfl_xor_sync(0xffffffffu, best, d);
+            const int other_e = __shfl_xor_sync(0xffffffffu, best_e, d);
+            if (other > best || (other == best && other_e < best_e)) best = other, best_e = other_e;
+        }
+        if (lane == r) mine = best, mine_e = best_e;
+#pragma unroll
+        for (int i = 0; i < kMaxPerLane; ++i) {
+            if (lane + 32 * i == best_e) p[i] = -1.f;
+        }
+    }
+    const float chosen = warp_sum(lane < top_k ? mine : 0.f);
+    if (lane < top_k) {
+        const float v = normalize ? __fdiv_rn(mine, chosen) : mine;
+        const size_t at = (size_t)t * top_k + lane;
+        if constexpr (SCORES_F32) static_cast<float*>(scores)[at] = v;
+        else store_elem<DT>(scores, at, v);
+        index[at] = mine_e;
+    }
+}
+
+}  // namespace router
+}  // namespace kbit
+
+// ---------------------------------------------------------------------------------------
+// kbit_router_top_k<DT, SCORES_F32>: grid ceil(E / 4), 128 threads.
+// ---------------------------------------------------------------------------------------
+template <int DT, bool SCORES_F32>
+__global__ void __launch_bounds__(kbit::router::kThreads)
+kbit_router_top_k(const void* __restrict__ x, const void* __restrict__ w, void* __restrict__ logits, void* __restrict__ scores,
+                  long long* __restrict__ index, int* __restrict__ counter, int T, int H, int E, int top_k, int normalize) {
+    using namespace kbit::router;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int e = blockIdx.x * kWarps + warp;
+    if (e < E) {
+        for (int t0 = 0; t0 < T; t0 += kTokens) logits_of_expert<DT>(x, w, logits, t0, T, H, E, e, lane);
+    }
+    __threadfence();  // this thread's logits are visible device-wide before the block counts itself done
+    __syncthreads();
+    __shared__ int is_last;
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int t = warp; t < T; t += kWarps) top_k_of_token<DT, SCORES_F32>(logits, scores, index, t, E, top_k, normalize != 0, lane);
+    if (threadIdx.x == 0) *counter = 0;
+}

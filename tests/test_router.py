@@ -1,0 +1,240 @@
+"""The one-kernel MoE router: ``kbit_linear::router_top_k`` (reference, checks) and :func:`kbit_linear.fuse_routers`.
+
+The reference is checked against transformers' own routers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+whose outputs differ in renormalisation and the scores' dtype), ties against a brute-force pick,
+and the fused models against the unfused ones: same router outputs, same logits, state dicts,
+``isinstance`` (transformers records router logits by class), pickling and unfusing.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+import kbit_linear  # noqa: E402
+from kbit_linear import _router_ops  # noqa: E402
+from kbit_linear.router import FusedTopKRouter, router_options  # noqa: E402
+
+VOCAB = 96
+
+
+def _config(family: str, norm: bool = True):
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, initializer_range=0.05)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**common, intermediate_size=80, num_key_value_heads=2, num_local_experts=4,
+                                          num_experts_per_tok=2)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=40, head_dim=16,
+                                           num_key_value_heads=2, num_experts=6, num_experts_per_tok=3, norm_topk_prob=norm)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                           num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=norm)
+    if family == "olmoe":
+        return transformers.OlmoeConfig(**common, intermediate_size=48, num_key_value_heads=4, num_experts=5,
+                                        num_experts_per_tok=2, norm_topk_prob=norm)
+    raise ValueError(family)
+
+
+# (family, norm_topk_prob, expected (normalize, scores_float) in the model's fp32 / bf16)
+CASES = [("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False), ("qwen2_moe", False), ("olmoe", False), ("olmoe", True)]
+
+
+def _model(family: str, norm: bool, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(_config(family, norm)).to(dtype).eval()
+
+
+def _routers(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if "router" in type(m).__name__.lower()}
+
+
+@pytest.mark.parametrize("family,norm", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_routers_match_transformers_routers(family, norm, dtype):
+    model = _model(family, norm, dtype)
+    originals = {n: copy.deepcopy(m) for n, m in _routers(model).items()}
+    assert originals
+    summary = kbit_linear.fuse_routers(model)
+    assert sorted(summary.fused) == sorted(originals) and not summary.skipped, str(summary)
+    for name, fused in _routers(model).items():
+        orig = originals[name]
+        assert isinstance(fused, FusedTopKRouter) and isinstance(fused, type(orig))
+        want_norm = True if family == "mixtral" else norm
+        assert fused.router_normalize == want_norm
+        # Mixtral keeps its scores in float32; the others cast them to the logits' dtype
+        assert fused.router_scores_float == (family == "mixtral" or dtype == torch.float32)
+        for tokens in (1, 3, 17):
+            x = torch.randn(tokens, 64, dtype=dtype) * 3
+            got, want = fused(x), orig(x)
+            assert [t.dtype for t in got] == [t.dtype for t in want]
+            assert torch.equal(got[0], want[0])  # the same F.linear on CPU
+            torch.testing.assert_close(got[1], want[1], rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+            assert torch.equal(got[2].sort(-1).values, want[2].sort(-1).values)
+
+
+@pytest.mark.parametrize("family,norm", CASES[:3])
+def test_a_fused_model_generates_as_before_and_keeps_its_state_dict(family, norm):
+    model = _model(family, norm)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    with torch.no_grad():
+        want = model(ids).logits
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    kbit_linear.fuse_routers(model)
+    with torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    after = model.state_dict()
+    assert list(after) == list(state) and all(torch.equal(after[k], state[k]) for k in state)
+
+
+def test_router_logits_are_still_recorded():
+    model = _model("qwen3_moe", True)
+    ids = torch.randint(0, VOCAB, (1, 5))
+    with torch.no_grad():
+        want = model(ids, output_router_logits=True)
+        kbit_linear.fuse_routers(model)
+        got = model(ids, output_router_logits=True)
+    assert got.router_logits is not None and len(got.router_logits) == len(want.router_logits) == 2
+    for g, w in zip(got.router_logits, want.router_logits):
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(got.aux_loss, want.aux_loss)
+
+
+def test_unfuse_pickle_and_deepcopy():
+    model = _model("mixtral", True)
+    kbit_linear.fuse_routers(model)
+    again = kbit_linear.fuse_routers(model)
+    assert not again.fused and set(again.skipped.values()) == {"already fused"}
+    for clone in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        routers = _routers(clone)
+        assert routers and all(isinstance(m, FusedTopKRouter) and m.router_normalize for m in routers.values())
+        ids = torch.randint(0, VOCAB, (1, 4))
+        with torch.no_grad():
+            torch.testing.assert_close(clone(ids).logits, model(ids).logits)
+    assert kbit_linear.unfuse_routers(model) == 2
+    for m in _routers(model).values():
+        assert type(m) is transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter
+        assert not hasattr(m, "router_normalize")
+    assert kbit_linear.unfuse_routers(model) == 0
+
+
+class SigmoidRouter(nn.Module):
+    """A router whose scores are not softmax top-k (DeepSeek-V3 style): must be left alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k = 2
+        self.weight = nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        scores, index = torch.topk(logits.sigmoid(), self.top_k, dim=-1)
+        return logits, scores, index
+
+
+class OddRouter(nn.Module):
+    def __init__(self, top_k=2, returns=3) -> None:
+        super().__init__()
+        self.top_k, self.returns = top_k, returns
+        self.weight = nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        return (logits,) * self.returns
+
+
+def test_other_routers_are_left_alone_with_a_reason():
+    holder = nn.ModuleDict({"sig": SigmoidRouter(), "one": OddRouter(returns=1), "k": OddRouter(top_k=9),
+                            "hooked": copy.deepcopy(_routers(_model("mixtral", True))["model.layers.0.mlp.gate"])})
+    holder["hooked"].register_forward_hook(lambda *a: None)
+    summary = kbit_linear.fuse_routers(holder)
+    assert not summary.fused
+    assert "not the top-k softmax" in summary.skipped["sig"]
+    assert "does not return" in summary.skipped["one"]
+    assert "top_k=9" in summary.skipped["k"]
+    assert "hooks" in summary.skipped["hooked"]
+    meta = copy.deepcopy(holder["sig"]).to("meta")
+    assert "meta" in router_options(meta)
+    with pytest.raises(TypeError, match="model"):
+        kbit_linear.fuse_routers("model")
+    with pytest.raises(TypeError, match="model"):
+        kbit_linear.unfuse_routers(None)
+
+
+def _brute_force(x, w, top_k, normalize):
+    logits = F.linear(x, w)
+    probs = torch.softmax(logits.float(), -1)
+    rows_s, rows_i = [], []
+    for p in probs.tolist():
+        order = sorted(range(len(p)), key=lambda e: (-p[e], e))[:top_k]  # larger first, then the lower expert
+        s = torch.tensor([p[e] for e in order])
+        rows_s.append(s / s.sum() if normalize else s)
+        rows_i.append(order)
+    return logits, torch.stack(rows_s), torch.tensor(rows_i)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_reference_ties_go_to_the_lower_expert(normalize):
+    w = torch.zeros(12, 8)
+    w[[2, 5, 7, 9]] = 1.0  # four equal best experts, the rest tied below them
+    w[[0, 11]] = 0.5
+    x = torch.ones(3, 8)
+    logits, scores, index = _router_ops.router_top_k_reference(x, w, 5, normalize, True)
+    _, want_s, want_i = _brute_force(x, w, 5, normalize)
+    assert index.tolist() == want_i.tolist() == [[2, 5, 7, 9, 0]] * 3
+    torch.testing.assert_close(scores, want_s)
+
+
+def test_reference_matches_brute_force_on_random_inputs():
+    g = torch.Generator().manual_seed(3)
+    for t, e, h, k in ((1, 8, 16, 2), (5, 60, 24, 4), (9, 128, 32, 8), (2, 3, 8, 3)):
+        x, w = torch.randn(t, h, generator=g), torch.randn(e, h, generator=g)
+        logits, scores, index = _router_ops.router_top_k_reference(x, w, k, True, True)
+        want_l, want_s, want_i = _brute_force(x, w, k, True)
+        assert torch.equal(logits, want_l) and index.tolist() == want_i.tolist()
+        torch.testing.assert_close(scores, want_s)
+        fake = torch.ops.kbit_linear.router_top_k(x.to("meta"), w.to("meta"), k, True, False)
+        assert [tuple(f.shape) for f in fake] == [(t, e), (t, k), (t, k)] and fake[1].dtype == x.dtype
+
+
+def test_bad_arguments_name_themselves():
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    op = torch.ops.kbit_linear.router_top_k
+    with pytest.raises(ValueError, match="top_k"):
+        op(x, w, 0, True, True)
+    with pytest.raises(ValueError, match="top_k"):
+        op(x, w, 9, True, True)
+    with pytest.raises(TypeError, match="weight"):
+        op(x, w.half(), 2, True, True)
+    with pytest.raises(TypeError, match="x must be"):
+        op(x.int(), w.int(), 2, True, True)
+    with pytest.raises(ValueError, match="weight"):
+        op(x, torch.randn(8, 15), 2, True, True)
+    with pytest.raises(ValueError, match="weight"):
+        op(x[0], w, 2, True, True)
+    with pytest.raises((TypeError, RuntimeError), match="normalize|bool"):
+        _router_ops.router_top_k_reference(x, w, 2, 1, True)
+
+
+def test_quantize_model_and_from_pretrained_with_fuse_fuse_the_routers(tmp_path):
+    model = _model("qwen3_moe", True)
+    ids = torch.randint(0, VOCAB, (1, 6))
+    summary = kbit_linear.quantize_model(model, bits=4, fuse=True, progress=False)
+    assert sorted(summary.routers.fused) == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    assert "fused 2 routers" in str(summary)
+    assert kbit_linear.quantize_model(_model("qwen3_moe", True), bits=4, progress=False).routers is None
+    dense = _model("qwen3_moe", True)
+    dense.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=kbit_linear.KbitConfig(bits=4, fuse=True), dtype=torch.float32)
+    assert len(loaded.kbit_router_fusion.fused) == 2
+    assert all(isinstance(m, FusedTopKRouter) for m in _routers(loaded).values())
+    with torch.no_grad():
+        assert torch.isfinite(loaded(ids).logits).all()

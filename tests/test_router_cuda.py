@@ -1,0 +1,166 @@
+"""The router kernel (``kernels/router.cu``) against the reference of ``kbit_linear::router_top_k``.
+
+The kernel's logits are sums in another order than cuBLAS's, so they are compared within a
+rounding of ``F.linear``'s; its choice of experts and their scores are then checked exactly
+against the reference's selection applied to the kernel's own logits (softmax, stable top-k,
+renormalisation), so a swapped pair, a missed tie rule or an unwritten element fails. Outputs
+land in memory just filled with NaN (the caching allocator hands it back). Also: ties, every
+dtype and option, odd expert counts and hidden sizes, sizes that take the reference, many launches
+in a row (the counter each launch must leave at zero), CUDA-graph replay, ``torch.compile`` and a
+fused tiny Qwen3-MoE model on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kbit_linear
+from kbit_linear.backends.cuda import loader, router, tuning
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not loader.cupy_available(), reason="needs CuPy (pip install 'kbit-linear[cuda]')"),
+]
+
+DEV = torch.device("cuda")
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# (tokens, experts, hidden, top_k): real shapes (Qwen3-30B-A3B, Mixtral, OLMoE, Qwen2-MoE's 60)
+# and odd ones (experts not a multiple of the block's 4, one expert, the most experts and top_k)
+SHAPES = [(1, 128, 2048, 8), (4, 8, 4096, 2), (16, 64, 2048, 8), (3, 60, 2048, 4), (9, 5, 520, 2), (2, 1, 8, 1),
+          (7, 257, 136, 32), (1, 512, 64, 8), (11, 33, 1032, 3), (8, 128, 2048, 8)]
+LOGIT_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}
+
+
+def _op(x, w, k, normalize, scores_float):
+    # Memory the allocator will hand out next, filled with NaN: unwritten outputs show.
+    junk = torch.full((1 << 20,), float("nan"), device=x.device)
+    del junk
+    return torch.ops.kbit_linear.router_top_k(x, w, k, normalize, scores_float)
+
+
+def _selection(logits, k, normalize, scores_float):
+    """The reference's softmax / stable top-k / renormalisation on the given logits."""
+    probs = torch.softmax(logits.float(), -1)
+    s, i = torch.sort(probs, -1, descending=True, stable=True)
+    s, i = s[:, :k], i[:, :k]
+    if normalize:
+        s = s / s.sum(-1, keepdim=True)
+    return (s if scores_float else s.to(logits.dtype)), i
+
+
+def _check(x, w, k, normalize, scores_float, got):
+    logits, scores, index = got
+    assert logits.dtype == x.dtype and index.dtype == torch.int64
+    assert scores.dtype == (torch.float32 if scores_float else x.dtype)
+    assert not torch.isnan(logits).any() and not torch.isnan(scores.float()).any()
+    ref = F.linear(x.float(), w.float())
+    err = (logits.float() - ref).abs() / ref.abs().clamp_min(ref.abs().max() * 1e-3)
+    assert float(err.max()) <= LOGIT_TOL[x.dtype], f"logits off by {float(err.max()):.2e}"
+    want_s, want_i = _selection(logits, k, normalize, scores_float)
+    assert torch.equal(index, want_i), (index, want_i)
+    tol = 1e-5 if scores_float else {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}[x.dtype]
+    torch.testing.assert_close(scores.float(), want_s.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"T{t}E{e}H{h}k{k}" for t, e, h, k in SHAPES])
+def test_kernel_matches_the_reference_selection(shape, dtype):
+    t, e, h, k = shape
+    g = torch.Generator(device="cpu").manual_seed(t * 1000003 + e * 1009 + h)
+    x = torch.randn(t, h, generator=g).to(DEV, dtype)
+    w = (torch.randn(e, h, generator=g) * h**-0.5).to(DEV, dtype)
+    for normalize, scores_float in ((True, True), (True, False), (False, True), (False, False)):
+        _check(x, w, k, normalize, scores_float, _op(x, w, k, normalize, scores_float))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp32"])
+def test_ties_go_to_the_lower_expert(dtype):
+    e, h = 70, 64
+    w = torch.zeros(e, h)
+    w[[3, 40, 41, 69]] = 0.25  # four equal best experts
+    w[[0, 7, 65]] = 0.125      # three equal next ones
+    x = torch.ones(5, h)
+    logits, scores, index = _op(x.to(DEV, dtype), w.to(DEV, dtype), 6, True, True)
+    assert index.tolist() == [[3, 40, 41, 69, 0, 7]] * 5
+    _check(x.to(DEV, dtype), w.to(DEV, dtype), 6, True, True, (logits, scores, index))
+    # every logit equal: the first k experts
+    _, _, index = _op(torch.zeros(2, h, device=DEV, dtype=dtype), w.to(DEV, dtype), 8, False, True)
+    assert index.tolist() == [list(range(8))] * 2
+
+
+def test_sizes_the_kernel_does_not_take_run_the_reference():
+    g = torch.Generator(device="cpu").manual_seed(5)
+    cases = [(tuning.ROUTER_MAX_TOKENS + 1, 64, 256, 4), (2, router.MAX_EXPERTS + 1, 64, 4), (2, 64, 260, 4), (2, 64, 256, 33)]
+    for t, e, h, k in cases:
+        x = torch.randn(t, h, generator=g).to(DEV, torch.bfloat16)
+        w = torch.randn(e, h, generator=g).to(DEV, torch.bfloat16)
+        got = _op(x, w, k, True, False)
+        want = kbit_linear._router_ops.router_top_k_reference(x, w, k, True, False)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (t, e, h, k)
+
+
+def test_many_launches_in_a_row_leave_the_counter_at_zero():
+    # Each launch's last block resets the shared counter; if one did not, the next launch's
+    # blocks would never see themselves as last and its outputs would stay NaN.
+    g = torch.Generator(device="cpu").manual_seed(9)
+    for i in range(40):
+        t, e = 1 + i % 7, (5, 128, 33, 8)[i % 4]
+        x = torch.randn(t, 1024, generator=g).to(DEV, torch.bfloat16)
+        w = torch.randn(e, 1024, generator=g).to(DEV, torch.bfloat16)
+        _check(x, w, min(e, 4), True, False, _op(x, w, min(e, 4), True, False))
+
+
+def test_replays_in_a_cuda_graph():
+    g = torch.Generator(device="cpu").manual_seed(11)
+    x = torch.randn(2, 2048, generator=g).to(DEV, torch.bfloat16)
+    w = (torch.randn(128, 2048, generator=g) * 0.02).to(DEV, torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.ops.kbit_linear.router_top_k(x, w, 8, True, False)  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = torch.ops.kbit_linear.router_top_k(x, w, 8, True, False)
+    for _ in range(3):
+        x.copy_(torch.randn(2, 2048, generator=g).to(DEV, torch.bfloat16))
+        for t in out:
+            t.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(x, w, 8, True, False, out)
+
+
+def _qwen3_moe(dtype=torch.bfloat16):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=256, intermediate_size=128, moe_intermediate_size=64,
+                                      head_dim=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      num_experts=64, num_experts_per_tok=8, norm_topk_prob=True)
+    return transformers.AutoModelForCausalLM.from_config(cfg).to(DEV, dtype).eval()
+
+
+def test_a_fused_moe_model_runs_the_kernel_and_compiles():
+    model = _qwen3_moe()
+    gate = model.model.layers[0].mlp.gate
+    x = torch.randn(3, 256, device=DEV, dtype=torch.bfloat16)
+    want = gate(x)
+    summary = kbit_linear.fuse_routers(model)
+    assert len(summary.fused) == 2, str(summary)
+    got = gate(x)
+    assert gate.router_normalize and not gate.router_scores_float
+    _check(x, gate.weight, 8, True, False, got)
+    # the same experts as transformers' router wherever its probabilities are not within a rounding
+    probs = torch.softmax(want[0].float(), -1).sort(-1, descending=True).values
+    clear = (probs[:, 7] - probs[:, 8]) > 1e-2
+    assert torch.equal(got[2][clear].sort(-1).values, want[2][clear].sort(-1).values)
+    compiled = torch.compile(gate, fullgraph=True)
+    for t in (1, 4):
+        x = torch.randn(t, 256, device=DEV, dtype=torch.bfloat16)
+        _check(x, gate.weight, 8, True, False, compiled(x))
+    ids = torch.randint(0, 96, (1, 6), device=DEV)
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
