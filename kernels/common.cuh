@@ -20,6 +20,7 @@ typedef unsigned long long u64;
 #define KBIT_F32 2
 
 #define KBIT_DEVICE __device__ __forceinline__
+#define KBIT_NEG_INF __int_as_float(0xff800000u)  // -inf without math headers (NVRTC has none)
 
 // ---------------------------------------------------------------------------------------
 // E4M4 block scales (bias 11): e = code >> 4, m = code & 15.

@@ -55,8 +55,7 @@ constexpr int kGroup = 64;   // channels per value scale group (and 8-bit key sc
 // fits an sm_80 block's shared memory
 __host__ __device__ constexpr int stages_for(int) { return 2; }
 constexpr int kMaxSplitBlocks = 256;  // key blocks per split at most (the host splits finer)
-constexpr u32 kMagic = 0x64006400u;
-#define KV_NEG_INF __int_as_float(0xff800000u)  // -inf without math headers (NVRTC has none)  // fp16 1024 in both halves: 0x6400 | c == 1024 + c
+constexpr u32 kMagic = 0x64006400u;  // fp16 1024 in both halves: 0x6400 | c == 1024 + c
 
 __host__ __device__ constexpr int tier_bits(int tier) { return tier == 3 ? 8 : tier + 2; }
 
@@ -391,7 +390,7 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
         for (int rr = 0; rr < 2; ++rr) {
             const float v = BITS == 8 ? c[2 * hf + rr] : c[2 * hf + rr] * kInvLevels + (rr ? qmin1 : qmin0);
             // past the bucket, or (no mask given) after the query's position: excluded
-            x[hf][rr] = valid[hf] && (has_bias || pos[hf] <= ri.limit[rr]) ? v : KV_NEG_INF;
+            x[hf][rr] = valid[hf] && (has_bias || pos[hf] <= ri.limit[rr]) ? v : KBIT_NEG_INF;
         }
     if (has_bias) {
 #pragma unroll
@@ -419,7 +418,7 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
         const float m_new = fmaxf(st.m[rr], mx);
-        const float safe = m_new == KV_NEG_INF ? 0.f : m_new;
+        const float safe = m_new == KBIT_NEG_INF ? 0.f : m_new;
         alpha[rr] = fast_exp2(st.m[rr] - safe);
         x[0][rr] = fast_exp2(x[0][rr] - safe);
         x[1][rr] = fast_exp2(x[1][rr] - safe);
@@ -804,7 +803,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     __syncthreads();
 
     WarpState<D> st;
-    st.m[0] = st.m[1] = KV_NEG_INF;
+    st.m[0] = st.m[1] = KBIT_NEG_INF;
     st.l[0] = st.l[1] = 0.f;
 #pragma unroll
     for (int grp = 0; grp < GROUPS; ++grp) {
@@ -894,10 +893,10 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
         const int row = 2 * t + rr;
-        float mx = KV_NEG_INF;
+        float mx = KBIT_NEG_INF;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml[(w * kRows + row) * 2]);
-        const float f = exp2f(st.m[rr] - (mx == KV_NEG_INF ? 0.f : mx));  // 0 for a warp without tokens
+        const float f = exp2f(st.m[rr] - (mx == KBIT_NEG_INF ? 0.f : mx));  // 0 for a warp without tokens
         float* mine = outs + (warp * kRows + row) * D;
 #pragma unroll
         for (int grp = 0; grp < GROUPS; ++grp)
@@ -919,9 +918,9 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         part_acc[((R0 + i / D) * splits + split) * D + i % D] = sum;
     }
     if (tid < nrows) {
-        float mx = KV_NEG_INF, sum = 0.f;
+        float mx = KBIT_NEG_INF, sum = 0.f;
         for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml[(w * kRows + tid) * 2]);
-        const float safe = mx == KV_NEG_INF ? 0.f : mx;
+        const float safe = mx == KBIT_NEG_INF ? 0.f : mx;
         for (int w = 0; w < kWarps; ++w) sum += ml[(w * kRows + tid) * 2 + 1] * exp2f(ml[(w * kRows + tid) * 2] - safe);
         part_ml[((R0 + tid) * splits + split) * 2] = mx;
         part_ml[((R0 + tid) * splits + split) * 2 + 1] = sum;
@@ -946,11 +945,11 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
     const int tid = threadIdx.x;
     grid_dependency_wait();
     if (tid < 32) {
-        float mx = KV_NEG_INF;
+        float mx = KBIT_NEG_INF;
         for (int s = tid; s < splits; s += 32) mx = fmaxf(mx, part_ml[(R * splits + s) * 2]);
 #pragma unroll
         for (int d = 16; d; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-        const float safe = mx == KV_NEG_INF ? 0.f : mx;
+        const float safe = mx == KBIT_NEG_INF ? 0.f : mx;
         float sum = 0.f;
         for (int s = tid; s < splits; s += 32) {
             const float f = exp2f(part_ml[(R * splits + s) * 2] - safe);
@@ -1017,7 +1016,7 @@ kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float
     grid_dependency_wait();
     for (int r = threadIdx.x; r < rows; r += kMassThreads) {
         const float mx = ml[((size_t)b * rows + r) * 2], sum = ml[((size_t)b * rows + r) * 2 + 1];
-        row_ml[2 * r] = mx == KV_NEG_INF ? 0.f : mx;
+        row_ml[2 * r] = mx == KBIT_NEG_INF ? 0.f : mx;
         row_ml[2 * r + 1] = sum > 0.f ? 1.f / sum : 0.f;
     }
     __syncthreads();

@@ -96,11 +96,11 @@ template <int DT, bool SCORES_F32>
 KBIT_DEVICE void top_k_of_token(const void* logits, void* scores, long long* index, int t, int E, int top_k, bool normalize,
                                 int lane) {
     float p[kMaxPerLane];
-    float m = -INFINITY;
+    float m = KBIT_NEG_INF;
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i) {
         const int e = lane + 32 * i;
-        p[i] = e < E ? load_from_l2<DT>(logits, (size_t)t * E + e) : -INFINITY;
+        p[i] = e < E ? load_from_l2<DT>(logits, (size_t)t * E + e) : KBIT_NEG_INF;
         m = fmaxf(m, p[i]);
     }
 #pragma unroll
