@@ -11,13 +11,15 @@
 //   index   [T][k]   int64: their experts
 //   counter [1]      int32, zero before and after the launch (blocks done)
 //
-// Grid: ceil(E / 4) blocks of 4 warps. Warp w of block b takes expert e = 4 b + w for every
-// token, kTokens tokens per pass over its weight row; lane l reads 8 consecutive elements at
-// h = 8 l + 256 j (16-byte loads; the host checks H % 8 == 0 and 16-byte aligned rows):
+// Grid: E blocks of 4 warps, block e computing expert e's logit for every token, kTokens tokens
+// per pass over its weight row. The warps split the row into 256-element chunks (warp w takes
+// chunks w, w + 4, ...; lane l reads its 8 consecutive elements, 16-byte loads: the host checks
+// H % 8 == 0 and 16-byte aligned rows), so that a row's loads are in flight at once:
 //
-//   w row e   | lane 0: h 0..7 | lane 1: h 8..15 | ... | lane 31: h 248..255 | lane 0: 256..263 | ...
+//   w row e   | warp 0: chunk 0 (lane l: h 8l..8l+7) | warp 1: chunk 1 | warp 2 | warp 3 | warp 0: chunk 4 | ...
 //   x row t   | the same elements, read for each of the pass's tokens
 //
+// Each warp's partial sums meet in shared memory; warp 0 adds them and writes the logits.
 // The block that finishes last (each block adds one to `counter` after its logits are visible)
 // reads every logit back from L2 and picks the top k, one warp per token: lane l holds experts
 // l, l + 32, ... (E <= 32 * kMaxPerLane); k rounds of a warp arg-max (larger probability, then
@@ -65,13 +67,15 @@ KBIT_DEVICE float warp_sum(float v) {
     return v;
 }
 
-// Logits of expert e for tokens [t0, t0 + kTokens) of T: one pass over w's row e.
+// Logits of expert e for tokens [t0, t0 + kTokens) of T: one pass over w's row e by the block.
 template <int DT>
-KBIT_DEVICE void logits_of_expert(const void* x, const void* w, void* logits, int t0, int T, int H, int E, int e, int lane) {
+KBIT_DEVICE void logits_of_expert(const void* x, const void* w, void* logits, float (*partial)[kTokens], int t0, int T, int H,
+                                  int E, int e, int warp, int lane) {
     float acc[kTokens];
 #pragma unroll
     for (int i = 0; i < kTokens; ++i) acc[i] = 0.f;
-    for (int h = 8 * lane; h < H; h += 256) {
+#pragma unroll 4
+    for (int h = 256 * warp + 8 * lane; h < H; h += 256 * kWarps) {
         float wv[8];
         load8<DT>(w, (size_t)e * H + h, wv);
 #pragma unroll
@@ -87,8 +91,16 @@ KBIT_DEVICE void logits_of_expert(const void* x, const void* w, void* logits, in
 #pragma unroll
     for (int i = 0; i < kTokens; ++i) {
         const float sum = warp_sum(acc[i]);
-        if (lane == i && t0 + i < T) store_elem<DT>(logits, (size_t)(t0 + i) * E + e, sum);
+        if (lane == i) partial[warp][i] = sum;
     }
+    __syncthreads();
+    if (warp == 0 && lane < kTokens && t0 + lane < T) {
+        float sum = 0.f;
+#pragma unroll
+        for (int v = 0; v < kWarps; ++v) sum += partial[v][lane];
+        store_elem<DT>(logits, (size_t)(t0 + lane) * E + e, sum);
+    }
+    __syncthreads();  // partial is free for the next pass
 }
 
 // Softmax and top-k of token t's logits, by one warp.
@@ -150,21 +162,19 @@ KBIT_DEVICE void top_k_of_token(const void* logits, void* scores, long long* ind
 }  // namespace kbit
 
 // ---------------------------------------------------------------------------------------
-// kbit_router_top_k<DT, SCORES_F32>: grid ceil(E / 4), 128 threads.
+// kbit_router_top_k<DT, SCORES_F32>: grid E, 128 threads.
 // ---------------------------------------------------------------------------------------
 template <int DT, bool SCORES_F32>
 __global__ void __launch_bounds__(kbit::router::kThreads)
 kbit_router_top_k(const void* __restrict__ x, const void* __restrict__ w, void* __restrict__ logits, void* __restrict__ scores,
                   long long* __restrict__ index, int* __restrict__ counter, int T, int H, int E, int top_k, int normalize) {
     using namespace kbit::router;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int e = blockIdx.x * kWarps + warp;
-    if (e < E) {
-        for (int t0 = 0; t0 < T; t0 += kTokens) logits_of_expert<DT>(x, w, logits, t0, T, H, E, e, lane);
-    }
-    __threadfence();  // this thread's logits are visible device-wide before the block counts itself done
-    __syncthreads();
+    __shared__ float partial[kWarps][kTokens];
     __shared__ int is_last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int t0 = 0; t0 < T; t0 += kTokens) logits_of_expert<DT>(x, w, logits, partial, t0, T, H, E, blockIdx.x, warp, lane);
+    __threadfence();  // this block's logits are visible device-wide before it counts itself done
+    __syncthreads();
     if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
     __syncthreads();
     if (!is_last) return;

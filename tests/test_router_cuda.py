@@ -44,7 +44,7 @@ def _op(x, w, k, normalize, scores_float):
 def _selection(logits, k, normalize, scores_float):
     """The reference's softmax / stable top-k / renormalisation on the given logits."""
     probs = torch.softmax(logits.float(), -1)
-    s, i = torch.sort(probs, -1, descending=True, stable=True)
+    s, i = torch.sort(probs, dim=-1, descending=True, stable=True)
     s, i = s[:, :k], i[:, :k]
     if normalize:
         s = s / s.sum(-1, keepdim=True)

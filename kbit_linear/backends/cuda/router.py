@@ -25,7 +25,7 @@ MAX_TOP_K = 32
 
 _SOURCE = "router.cu"
 _DT = DTYPE_CODES
-_WARPS = 4  # kWarps: one expert per warp
+_THREADS = 128  # kThreads: one block per expert
 _ARGS = loader.ArgPack("kbit_router_top_k", "x:p w:p logits:p scores:p index:p counter:p T:i H:i E:i top_k:i normalize:i")
 
 
@@ -60,7 +60,7 @@ def router_top_k_cuda(x: torch.Tensor, weight: torch.Tensor, top_k: int, normali
     stream = loader._current_raw_stream(index_dev)
     _, counter = workspace.zeroed_scratch("router", index_dev, stream, 0, 1)  # the kernel leaves it at zero
     kern = loader.get_kernel(_SOURCE, f"kbit_router_top_k<{_DT[x.dtype]}, {str(scores_float).lower()}>", dev)
-    loader.launch(kern, -(-experts // _WARPS), 32 * _WARPS, _ARGS.Values(
+    loader.launch(kern, experts, _THREADS, _ARGS.Values(
         x=aligned16(x), w=aligned16(weight), logits=logits, scores=scores, index=index, counter=counter, T=t, H=h, E=experts,
         top_k=top_k, normalize=int(normalize)), 0, dev, pack=_ARGS, stream=stream)
     return logits, scores, index
