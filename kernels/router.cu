@@ -173,12 +173,17 @@ kbit_router_top_k(const void* __restrict__ x, const void* __restrict__ w, void* 
     __shared__ int is_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int t0 = 0; t0 < T; t0 += kTokens) logits_of_expert<DT>(x, w, logits, partial, t0, T, H, E, blockIdx.x, warp, lane);
-    __threadfence();  // this block's logits are visible device-wide before it counts itself done
+    // Grid-wide hand-over as cooperative groups' grid sync does it: the block's writes, then one
+    // thread's fence (cumulative over what the barrier ordered before it) and count; the last
+    // block's counting thread fences again before the barrier that lets its warps read.
     __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+        if (is_last) __threadfence();
+    }
     __syncthreads();
     if (!is_last) return;
-    __threadfence();
     for (int t = warp; t < T; t += kWarps) top_k_of_token<DT, SCORES_F32>(logits, scores, index, t, E, top_k, normalize != 0, lane);
     if (threadIdx.x == 0) *counter = 0;
 }

@@ -31,7 +31,9 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # and odd ones (experts not a multiple of the block's 4, one expert, the most experts and top_k)
 SHAPES = [(1, 128, 2048, 8), (4, 8, 4096, 2), (16, 64, 2048, 8), (3, 60, 2048, 4), (9, 5, 520, 2), (2, 1, 8, 1),
           (7, 257, 136, 32), (1, 512, 64, 8), (11, 33, 1032, 3), (8, 128, 2048, 8)]
-LOGIT_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}
+# |logit - F.linear| <= rel * |F.linear| + abs * max |F.linear|: the rounding to the dtype, and sums
+# in another order (absolute, at the scale of the row's terms)
+LOGIT_TOL = {torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 2e-3), torch.float32: (1e-5, 1e-5)}
 
 
 def _op(x, w, k, normalize, scores_float):
@@ -57,17 +59,21 @@ def _check(x, w, k, normalize, scores_float, got):
     assert scores.dtype == (torch.float32 if scores_float else x.dtype)
     assert not torch.isnan(logits).any() and not torch.isnan(scores.float()).any()
     ref = F.linear(x.float(), w.float())
-    err = (logits.float() - ref).abs() / ref.abs().clamp_min(ref.abs().max() * 1e-3)
-    assert float(err.max()) <= LOGIT_TOL[x.dtype], f"logits off by {float(err.max()):.2e}"
+    rel, ab = LOGIT_TOL[x.dtype]
+    bad = (logits.float() - ref).abs() > rel * ref.abs() + ab * ref.abs().max()
+    assert not bad.any(), f"logits off: {logits[bad][:4].tolist()} vs {ref[bad][:4].tolist()}"
     want_s, want_i = _selection(logits, k, normalize, scores_float)
-    assert torch.equal(index, want_i), (index, want_i)
+    rows = (index != want_i).any(-1)
+    assert not rows.any(), f"experts differ in rows {rows.nonzero().flatten().tolist()}: {index[rows].tolist()} vs " \
+                           f"{want_i[rows].tolist()}; logits {logits[rows].float().tolist()}"
     tol = 1e-5 if scores_float else {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}[x.dtype]
     torch.testing.assert_close(scores.float(), want_s.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"T{t}E{e}H{h}k{k}" for t, e, h, k in SHAPES])
-def test_kernel_matches_the_reference_selection(shape, dtype):
+def test_kernel_matches_the_reference_selection(shape, dtype, monkeypatch):
+    monkeypatch.setattr(tuning, "ROUTER_MAX_TOKENS", 1 << 30)  # the kernel at every count (passes of 8 tokens too)
     t, e, h, k = shape
     g = torch.Generator(device="cpu").manual_seed(t * 1000003 + e * 1009 + h)
     x = torch.randn(t, h, generator=g).to(DEV, dtype)

@@ -475,7 +475,10 @@ KV_DECODE_SPLIT_TILES_IDLE_SHARE = 0.5
 # the one-launch router of mixture-of-experts layers (kbit_linear.backends.cuda.router)
 # ---------------------------------------------------------------------------------------
 
-# Most tokens the router kernel takes; more go to the reference (cuBLAS GEMM, softmax, top-k),
-# whose launches matter less as the token count grows while the kernel's last block walks every
-# token's top-k alone. Set from scripts/bench_router.py (bench/results/router-h200.md).
-ROUTER_MAX_TOKENS = 16
+# Most tokens the router kernel takes; more go to the reference (GEMM, softmax, top-k, sort),
+# whose launches matter less as the token count grows while the kernel's one block per expert
+# re-reads x for every token. H200, bf16, us per call, transformers' router vs the kernel
+# (scripts/bench_router.py, 2026-11-29, bench/results/router-h200.md): 8 tokens Qwen3-30B-A3B
+# 27.3 vs 13.2, Mixtral 21.9 vs 13.0, OLMoE 22.0 vs 12.7; 16 tokens 27.8 vs 23.9, 22.1 vs 23.6,
+# 20.0 vs 23.0.
+ROUTER_MAX_TOKENS = 8
