@@ -10,7 +10,10 @@ top-k routers of transformers' MoE families compute (Mixtral, Qwen2-MoE, Qwen3-M
     scores = scores if scores_float else scores.to(logits.dtype)
 
 ``x [T, H]`` and ``weight [E, H]`` share a floating dtype and device; ``index`` is int64
-``[T, top_k]``. The reference below is that code (with a stable sort for the ties); the CUDA
+``[T, top_k]``. Known difference of the CUDA kernel: experts whose probability is below
+float32's normal range (~1.2e-38, logits ~87 or more under the row's largest) count there as ties
+at zero, the lower expert first, where this reference orders their subnormal probabilities; they
+are chosen only when fewer than ``top_k`` experts have any weight, and weigh nothing either way. The reference below is that code (with a stable sort for the ties); the CUDA
 backend runs it as one kernel at decode sizes (``kernels/router.cu``), where the reference is a
 GEMV, a softmax, a top-k and a sort (four to six launches).
 

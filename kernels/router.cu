@@ -25,6 +25,9 @@
 // l, l + 32, ... (E <= 32 * kMaxPerLane); k rounds of a warp arg-max (larger probability, then
 // lower expert) take the winners out, lane i keeping the i-th. It leaves `counter` at zero, so
 // the same counter serves every launch on a stream (and a CUDA graph's replays).
+//
+// Known difference from the spec: probabilities below float32's normal range compare as zero here
+// (ties: the lower expert), where the reference orders their subnormal values.
 #include "common.cuh"
 
 namespace kbit {

@@ -81,8 +81,7 @@ def main() -> None:
                           f"{res['transformers'] / res['fused']:.2f}x"])
             print(table[-1], flush=True)
     env = bc.environment(dev)
-    lines = ["# MoE router: transformers' module vs fuse_routers", "", *bc.env_lines(env),
-             f"- command: `{bc.command_line(sys.argv)}`", "",
+    lines = ["# MoE router: transformers' module vs fuse_routers", "", *bc.env_lines(env), "",
              "us per call, bf16, CUDA-graph replay over router weight copies past L2.", "",
              bc.markdown_table(["shape", "tokens", "transformers us", "fused us", "kernel forced us", "speed-up"], table)]
     text = "\n".join(lines) + "\n"
