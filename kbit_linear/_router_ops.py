@@ -17,8 +17,10 @@ are chosen only when fewer than ``top_k`` experts have any weight, and weigh not
 backend runs it as one kernel at decode sizes (``kernels/router.cu``), where the reference is a
 GEMV, a softmax, a top-k and a sort (four to six launches).
 
-Same layer as :mod:`kbit_linear._ops`: the schema, a fake implementation with the checks, the
-reference as the default implementation; backends register their kernels.
+Differentiable in ``x`` and ``weight`` as the reference is (router training, auxiliary losses):
+the backward recomputes the softmax from the saved logits. Same layer as :mod:`kbit_linear._ops`:
+the schema, a fake implementation with the checks, the reference as the default implementation;
+backends register their kernels.
 """
 
 from __future__ import annotations
@@ -83,6 +85,36 @@ def router_top_k_reference(x: torch.Tensor, weight: torch.Tensor, top_k: int, no
 
 
 torch.library.impl(f"{_NS}::router_top_k", "default")(router_top_k_reference)  # not as a decorator (see _grouped_ops)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, normalize, _ = inputs
+    logits, _, index = output
+    ctx.save_for_backward(x, weight, logits, index)
+    ctx.normalize = normalize
+    ctx.mark_non_differentiable(index)
+
+
+def _backward(ctx, grad_logits, grad_scores, _grad_index):
+    # What autograd gives the reference: the scores' gradient back through the renormalisation,
+    # the gathered softmax and the float cast onto the logits, then through F.linear (the experts'
+    # choice is a constant, as torch.topk's indices are).
+    x, weight, logits, index = ctx.saved_tensors
+    g = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device) if grad_logits is None else grad_logits.float()
+    if grad_scores is not None:
+        with torch.enable_grad():
+            l = logits.detach().float().requires_grad_(True)
+            picked = torch.softmax(l, dim=-1).gather(1, index)
+            if ctx.normalize:
+                picked = picked / picked.sum(dim=-1, keepdim=True)
+            g = g + torch.autograd.grad(picked, l, grad_scores.float())[0]
+    g = g.to(x.dtype)
+    grad_x = g @ weight if ctx.needs_input_grad[0] else None
+    grad_weight = g.t() @ x if ctx.needs_input_grad[1] else None
+    return grad_x, grad_weight, None, None, None
+
+
+torch.library.register_autograd(f"{_NS}::router_top_k", _backward, setup_context=_setup_context)
 
 
 def router_top_k(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool,

@@ -240,3 +240,43 @@ def test_quantize_model_and_from_pretrained_with_fuse_fuse_the_routers(tmp_path)
     assert all(isinstance(m, FusedTopKRouter) for m in _routers(loaded).values())
     with torch.no_grad():
         assert torch.isfinite(loaded(ids).logits).all()
+
+
+@pytest.mark.parametrize("normalize,scores_float", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gradients_are_the_references(normalize, scores_float, dtype):
+    # The op's backward against autograd through the reference's own torch code.
+    g = torch.Generator().manual_seed(7)
+    x0, w0 = torch.randn(5, 24, generator=g).to(dtype), (torch.randn(10, 24, generator=g) * 0.3).to(dtype)
+    r_logits, r_scores = torch.randn(5, 10, generator=g), torch.randn(5, 3, generator=g)
+    grads = []
+    for fn in (torch.ops.kbit_linear.router_top_k, _router_ops.router_top_k_reference):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        logits, scores, index = fn(x, w, 3, normalize, scores_float)
+        assert not index.requires_grad
+        ((logits.float() * r_logits).sum() + (scores.float() * r_scores).sum()).backward()
+        grads.append((x.grad, w.grad))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for got, want in zip(grads[0], grads[1]):
+        torch.testing.assert_close(got, want, **tol)
+    # only the scores' gradient: the logits' output unused
+    x, w = x0.clone().requires_grad_(True), w0.clone()
+    _, scores, _ = torch.ops.kbit_linear.router_top_k(x, w, 3, normalize, scores_float)
+    scores.float().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_a_fused_router_trains_as_the_original():
+    # Router fine-tuning (and the auxiliary load-balancing loss) must see the same gradients.
+    ids = torch.randint(0, VOCAB, (2, 6))
+    grads = []
+    for fuse in (False, True):
+        model = _model("qwen3_moe", True)
+        model.config.output_router_logits = True
+        if fuse:
+            assert len(kbit_linear.fuse_routers(model).fused) == 2
+        out = model(ids, labels=ids, output_router_logits=True)
+        out.loss.backward()
+        grads.append([model.model.layers[i].mlp.gate.weight.grad.clone() for i in range(2)])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
