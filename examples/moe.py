@@ -3,6 +3,7 @@
 
     python3 examples/moe.py                       # a random Qwen3-MoE-shaped model, 4 bits, CPU (or CUDA if present)
     python3 examples/moe.py --bits 3 --experts 32 --layers 4 --max-new-tokens 16
+    python3 examples/moe.py --fuse                # q/k/v as one GEMM, each router as one kernel
 
 The model is built from a scaled-down Qwen3-30B-A3B config with random weights (no download):
 Qwen3-30B-A3B has hidden size 2048, 128 experts of intermediate size 768, 8 of them per token, 48
@@ -11,7 +12,8 @@ every ``nn.Linear`` by a ``KbitLinear`` and every experts module (``Qwen3MoeExpe
 ``gate_up_proj`` / ``down_proj`` are 3-D weights, not ``nn.Linear``) by a ``KbitExperts``. The
 summary shows the experts' bytes before and after; the script then compares the logits with the
 dense model's (random weights: the number only shows the quantization is sane) and generates
-greedily.
+greedily. ``--fuse`` also runs the attention's q/k/v projections as one GEMM and each MoE router
+(softmax top-k) as one kernel on a GPU (``fuse_routers``; the summary lists them).
 For a checkpoint on disk, ``from_pretrained(path, quantization_config=KbitConfig(bits=4))``
 does the same at load (``examples/from_pretrained.py``).
 """
@@ -32,6 +34,7 @@ parser.add_argument("--experts", type=int, default=16)
 parser.add_argument("--top-k", type=int, default=4)
 parser.add_argument("--layers", type=int, default=2)
 parser.add_argument("--max-new-tokens", type=int, default=8)
+parser.add_argument("--fuse", action="store_true", help="fuse q/k/v into one GEMM and each router into one kernel")
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 args = parser.parse_args()
 
@@ -54,7 +57,7 @@ model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(args.device).ev
 dense = copy.deepcopy(model)
 print(f"dense model: {module_bytes(model):,} bytes, {sum(p.numel() for p in model.parameters()):,} parameters")
 
-summary = quantize_model(model, bits=args.bits)
+summary = quantize_model(model, bits=args.bits, fuse=args.fuse)
 print(summary)
 print(model.model.layers[0].mlp)
 

@@ -57,6 +57,11 @@ class FusedTopKRouter(nn.Module):
         x = hidden_states.reshape(-1, self.weight.shape[1])
         return _router_ops.router_top_k(x, self.weight, int(self.top_k), self.router_normalize, self.router_scores_float)
 
+    def extra_repr(self) -> str:
+        e, h = self.weight.shape
+        return (f"experts={e}, hidden={h}, top_k={self.top_k}, normalize={self.router_normalize}, "
+                f"scores_float={self.router_scores_float} (one kernel: kbit_linear::router_top_k)")
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The made class lives nowhere importable: pickle the original class and rebuild.
         return (_rebuild, (_original_class(type(self)),), self.__getstate__())

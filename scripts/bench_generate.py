@@ -172,17 +172,33 @@ def build_variant(name: str, config: Any, device: torch.device, libs: dict[str, 
 
 
 def model_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes held by the model: total, and the part not read by a decode step (the embedding).
+    """Bytes held by the model: total, the part not read by a decode step (the embedding), and the
+    MoE experts modules' (classes named ``*Experts``: transformers' and ``KbitExperts``), of which
+    a step reads only the experts its tokens are routed to.
 
     bitsandbytes keeps its absmax outside the parameters; it is counted too.
     """
     total = sum(bc.tensor_bytes(t) for t in model.parameters()) + sum(bc.tensor_bytes(t) for t in model.buffers())
+    experts = 0
     for mod in model.modules():
         qs = getattr(getattr(mod, "weight", None), "quant_state", None)
         if qs is not None and getattr(qs, "absmax", None) is not None:
             total += bc.tensor_bytes(qs.absmax)
+        if type(mod).__name__.endswith("Experts"):
+            experts += sum(bc.tensor_bytes(t) for t in (*mod.parameters(), *mod.buffers()))
     emb = model.get_input_embeddings()
-    return {"total": total, "embedding": bc.tensor_bytes(emb.weight)}
+    return {"total": total, "embedding": bc.tensor_bytes(emb.weight), "experts": experts}
+
+
+def expert_hit_share(config: Any, batch: int) -> float:
+    """Expected share of a MoE layer's experts that ``batch`` tokens hit when each picks
+    ``num_experts_per_tok`` of the ``E`` experts uniformly: ``1 - (1 - k / E) ** batch`` (1 for
+    dense models)."""
+    e = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    k = getattr(config, "num_experts_per_tok", None)
+    if not e or not k:
+        return 1.0
+    return 1.0 - (1.0 - k / e) ** batch
 
 
 # ---------------------------------------------------------------------------------------
@@ -502,7 +518,8 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
         for batch in args.batches:
             prompt = torch.randint(0, config.vocab_size, (batch, args.prompt), device=device, generator=gen)
             ctx = args.prompt + args.decode / 2  # mean attended length during decode
-            floor_ms = 1e3 * (mb["total"] - mb["embedding"] + kv_bytes(config, batch, int(ctx))) / (copy_gbps * 1e9)
+            read = mb["total"] - mb["embedding"] - mb["experts"] * (1.0 - expert_hit_share(config, batch))
+            floor_ms = 1e3 * (read + kv_bytes(config, batch, int(ctx))) / (copy_gbps * 1e9)
             eager_tokens = None
             if args.profile and batch == args.batches[0]:
                 with torch.inference_mode():
@@ -595,7 +612,8 @@ def report(payload: dict[str, Any]) -> str:
         f"weights, prompt {cfg['prompt']} random tokens, greedy decode of {cfg['decode']} tokens; lm_head bf16 in every "
         "variant. tok/s counts every sequence of the batch. TTFT = prefill + first pick (eager: one generate call; "
         "compiled mode: the median of three prefills into fresh caches). floor = (bytes of all weights "
-        "but the embedding + mean KV cache) / copy bandwidth. Peak = max allocated GPU memory during the timed run. "
+        "but the embedding, MoE experts counted as the share a batch hits under uniform routing, 1 - (1 - k/E)^batch, "
+        "+ mean KV cache) / copy bandwidth. Peak = max allocated GPU memory during the timed run. "
         "Eager mode is bound by Python launch overhead; the compiled mode measures the GPU"
         + (" (decoder layer compiled once as a `torch.compiler.nested_compile_region`)" if cfg.get("regions") else "")
         + ". '= eager tokens': "
