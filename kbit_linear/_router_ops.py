@@ -10,10 +10,12 @@ top-k routers of transformers' MoE families compute (Mixtral, Qwen2-MoE, Qwen3-M
     scores = scores if scores_float else scores.to(logits.dtype)
 
 ``x [T, H]`` and ``weight [E, H]`` share a floating dtype and device; ``index`` is int64
-``[T, top_k]``. Known difference of the CUDA kernel: experts whose probability is below
-float32's normal range (~1.2e-38, logits ~87 or more under the row's largest) count there as ties
-at zero, the lower expert first, where this reference orders their subnormal probabilities; they
-are chosen only when fewer than ``top_k`` experts have any weight, and weigh nothing either way. The reference below is that code (with a stable sort for the ties); the CUDA
+``[T, top_k]``. Known differences of the CUDA kernel (built with flush-to-zero, as CuPy builds
+every kernel): probabilities below float32's normal range (~1.2e-38, logits ~87 or more under the
+row's largest) are zero there, ties among them going to the lower expert, where this reference
+keeps and orders their subnormal values (they are chosen only when fewer than ``top_k`` experts
+have any weight, and weigh nothing either way); and a row with a NaN or +inf logit, or all -inf,
+gets the expert id ``E`` ("no expert") in every slot where this reference gives NaN scores. The reference below is that code (with a stable sort for the ties); the CUDA
 backend runs it as one kernel at decode sizes (``kernels/router.cu``), where the reference is a
 GEMV, a softmax, a top-k and a sort (four to six launches).
 
@@ -51,13 +53,17 @@ def check_router_args(x: torch.Tensor, weight: torch.Tensor, top_k: int, normali
         raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     if weight.dtype != x.dtype:
         raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if x.layout != torch.strided or weight.layout != torch.strided:
+        raise TypeError(f"x and weight must be dense (strided) tensors, got {x.layout} and {weight.layout}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [T, H] and weight [E, H], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device} and weight on {weight.device}: they must share a device")
     experts = weight.shape[0]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
-        raise ValueError(f"top_k must be an int in [1, {experts}] (the weight's experts), got {top_k!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k must be in [1, {experts}] (the weight's experts), got {top_k}")
     for name, flag in (("normalize", normalize), ("scores_float", scores_float)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -75,7 +81,8 @@ def router_top_k_reference(x: torch.Tensor, weight: torch.Tensor, top_k: int, no
                            scores_float: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The spec of ``router_top_k`` (module docstring), on any device."""
     check_router_args(x, weight, top_k, normalize, scores_float)
-    logits = F.linear(x, weight)
+    with torch.autocast(x.device.type, enabled=False):  # logits in x's dtype, as the schema says, under autocast too
+        logits = F.linear(x, weight)
     probs = torch.softmax(logits.float(), dim=-1)
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # stable: ties keep the lower expert first
     scores, index = sorted_probs[:, :top_k].contiguous(), order[:, :top_k].contiguous()

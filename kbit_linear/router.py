@@ -12,12 +12,14 @@ the op. The module keeps its weight, attributes and state-dict keys, and ``isins
 original class still holds (transformers records router logits by class). :func:`unfuse_routers`
 gives the original class back. Nothing is quantized: the router weight stays as it is.
 
-Which modules: a module whose class name contains ``Router`` with a 2-D floating ``weight``
-``[E, H]`` and an int ``top_k``, whose own forward, on a probe input, returns ``(logits, scores,
-index)`` equal to the op's reference with the two options the output shows (``scores`` float32
-or the logits' dtype; scores summing to one or not). Routers that compute anything else
-(sigmoid scores, expert groups, a bias correction) fail the probe and are left alone, with the
-reason in the summary.
+Which modules: a module whose class name contains ``Router``, that holds a 2-D floating
+``weight`` ``[E, H]`` and nothing else (no bias, no correction buffer, no submodule), an int
+``top_k``, and a class ``forward(hidden_states)`` not replaced on the instance, whose output on a
+probe input is ``(logits, scores, index)`` equal to the op's reference with the two options the
+output shows (scores float32 or in the logits' dtype, read in bfloat16 for a float32 router; scores
+summing to one or not). Routers that compute anything else (sigmoid scores, expert groups, a
+bias correction) or fail on the probe are left alone, with the reason in the summary. Hidden
+states in another dtype than the weight, and autocast, take the original forward.
 
 Results equal the original router's up to the rounding of the logits' sums (the kernel sums in
 another order than cuBLAS), which can swap two experts whose probabilities are within a rounding
@@ -26,6 +28,8 @@ of each other; ties go to the lower expert.
 
 from __future__ import annotations
 
+import copy
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +57,12 @@ class FusedTopKRouter(nn.Module):
     router_scores_float: bool
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(router_logits [T, E], scores [T, top_k], index int64 [T, top_k])`` for ``hidden_states [..., H]``."""
+        """``(router_logits [T, E], scores [T, top_k], index int64 [T, top_k])`` for ``hidden_states [..., H]``.
+
+        Hidden states of another dtype than the weight, or autocast, take the original forward
+        (whatever casts it makes are its own)."""
+        if hidden_states.dtype != self.weight.dtype or torch.is_autocast_enabled(hidden_states.device.type):
+            return _original_class(type(self)).forward(self, hidden_states)
         x = hidden_states.reshape(-1, self.weight.shape[1])
         return _router_ops.router_top_k(x, self.weight, int(self.top_k), self.router_normalize, self.router_scores_float)
 
@@ -96,9 +105,29 @@ def _router_parts(module: nn.Module) -> str | None:
         return f"top_k={top_k!r} is not an int in [1, {w.shape[0]}]"
     if w.device.type == "meta":
         return "its weight is on the meta device"
-    if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
-        return "it has hooks (module or accelerate hooks), which the fused forward would skip"
+    extra = [n for n, _ in (*module.named_parameters(), *module.named_buffers()) if n != "weight"]
+    if extra or next(module.children(), None) is not None:
+        return f"it holds more than a weight ({', '.join(extra) or 'submodules'}), which the fused forward would ignore"
+    if "forward" in vars(module) or hasattr(module, "_hf_hook"):
+        # (module hooks are fine: nn.Module.__call__ runs them around any forward)
+        return "its forward is replaced on the instance (accelerate or another wrapper), which would bypass the fused one"
+    params = list(inspect.signature(type(module).forward).parameters)
+    if len(params) != 2:
+        return f"its forward takes {params[1:]}, not the hidden states alone"
     return None
+
+
+def _probe(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, tuple] | str:
+    """``(x, module(x))`` for the probe input in ``dtype``, or why the call failed."""
+    w = module.weight.detach()
+    g = torch.Generator(device="cpu").manual_seed(_PROBE_SEED)
+    x = torch.randn((_PROBE_TOKENS, w.shape[1]), generator=g) * (1.0 / max(float(w.float().norm(dim=1).mean()), 1e-6))
+    x = x.to(w.device, dtype)
+    try:
+        with torch.no_grad():
+            return x, type(module).forward(module, x)  # the class's forward: no hooks see the probe
+    except Exception as e:  # noqa: BLE001  (any failure leaves the router as it is, with the reason)
+        return f"its forward failed on a probe input: {type(e).__name__}: {e}"[:200]
 
 
 def router_options(module: nn.Module) -> tuple[bool, bool] | str:
@@ -115,11 +144,10 @@ def router_options(module: nn.Module) -> tuple[bool, bool] | str:
     if why is not None:
         return why
     w = module.weight.detach()
-    g = torch.Generator(device="cpu").manual_seed(_PROBE_SEED)
-    x = torch.randn((_PROBE_TOKENS, w.shape[1]), generator=g).to(w.device, w.dtype)
-    x = x * (1.0 / max(float(w.float().norm(dim=1).mean()), 1e-6))
-    with torch.no_grad():
-        out = module(x)
+    probed = _probe(module, w.dtype)
+    if isinstance(probed, str):
+        return probed
+    x, out = probed
     if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
         return "its forward does not return (logits, scores, index) tensors"
     logits, scores, index = out
@@ -129,6 +157,13 @@ def router_options(module: nn.Module) -> tuple[bool, bool] | str:
     scores_float = scores.dtype == torch.float32
     if not scores_float and scores.dtype != logits.dtype:
         return f"its scores are {scores.dtype}, neither float32 nor the logits' {logits.dtype}"
+    if scores_float and logits.dtype == torch.float32:
+        # float32 throughout: whether its scores stay float32 or follow the logits shows in bf16
+        half = copy.deepcopy(module).to(torch.bfloat16)
+        probed_half = _probe(half, torch.bfloat16)
+        if isinstance(probed_half, str) or not isinstance(probed_half[1], tuple) or len(probed_half[1]) != 3:
+            return probed_half if isinstance(probed_half, str) else "its forward does not return (logits, scores, index) in bfloat16"
+        scores_float = probed_half[1][1].dtype == torch.float32
     ref_logits = F.linear(x, w)
     if logits.dtype != ref_logits.dtype or not torch.equal(logits, ref_logits):
         return "its logits are not F.linear(hidden_states, weight)"
@@ -138,13 +173,13 @@ def router_options(module: nn.Module) -> tuple[bool, bool] | str:
     # (the probe's logits spread over about one unit, so the top-k never hold all the mass unless
     # top_k is every expert, where both readings are the same).
     picked = torch.softmax(ref_logits.float(), -1).gather(1, index)
-    tol = 1e-5 if scores_float else 1e-2
+    tol = 1e-5 if scores.dtype == torch.float32 else 1e-2
     errors = {normalize: float((scores.float() - (picked / picked.sum(-1, keepdim=True) if normalize else picked)).abs().max())
               for normalize in (True, False)}
     normalize = min(errors, key=errors.get)
     if errors[normalize] > tol:
         return "its scores are not the top-k softmax probabilities (renormalised or not) of its logits"
-    _, ref_scores, _ = _router_ops.router_top_k_reference(x, w, top_k, normalize, scores_float)
+    _, ref_scores, _ = _router_ops.router_top_k_reference(x, w, top_k, normalize, scores.dtype == torch.float32)
     if not torch.allclose(scores.float(), ref_scores.float(), rtol=tol, atol=tol):
         return "its experts are not those of the top-k probabilities"
     return normalize, scores_float

@@ -8,7 +8,7 @@
 //   scores  [T][k]   fp32 (SCORES_F32) or DT: the k largest of softmax(logits[t]) (fp32, from the
 //                    rounded logits), descending, ties to the lower expert; divided by their
 //                    sum when `normalize`
-//   index   [T][k]   int64: their experts
+//   index   [T][k]   int64: their experts (top_k <= 32: one chosen expert per lane)
 //   counter [1]      int32, zero before and after the launch (blocks done)
 //
 // Grid: E blocks of 4 warps, block e computing expert e's logit for every token, kTokens tokens
@@ -26,8 +26,9 @@
 // lower expert) take the winners out, lane i keeping the i-th. It leaves `counter` at zero, so
 // the same counter serves every launch on a stream (and a CUDA graph's replays).
 //
-// Known difference from the spec: probabilities below float32's normal range compare as zero here
-// (ties: the lower expert), where the reference orders their subnormal values.
+// Known difference from the spec: CuPy builds with -ftz=true, so probabilities below float32's
+// normal range are zero here (and compare as zero: ties, the lower expert first), where the
+// reference orders their subnormal values.
 #include "common.cuh"
 
 namespace kbit {
@@ -37,7 +38,6 @@ constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kTokens = 8;       // tokens per pass over a weight row (accumulators per lane)
 constexpr int kMaxPerLane = 16;  // experts per lane in the top-k phase: E <= 512
-constexpr int kMaxTopK = 32;     // one chosen expert per lane
 
 // 8 consecutive elements from element i of p (16-byte aligned) as floats.
 template <int DT>

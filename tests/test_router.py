@@ -68,8 +68,10 @@ def test_fused_routers_match_transformers_routers(family, norm, dtype):
         assert isinstance(fused, FusedTopKRouter) and isinstance(fused, type(orig))
         want_norm = True if family == "mixtral" else norm
         assert fused.router_normalize == want_norm
-        # the scores' dtype as the installed transformers returns it (Mixtral's stayed float32 in some versions)
-        assert fused.router_scores_float == (orig(torch.randn(1, 64, dtype=dtype))[1].dtype == torch.float32)
+        # whether the scores stay float32 under 16-bit logits, as the installed transformers does it
+        # (Mixtral's did in some versions); read in bfloat16
+        half = copy.deepcopy(orig).to(torch.bfloat16)
+        assert fused.router_scores_float == (half(torch.randn(1, 64, dtype=torch.bfloat16))[1].dtype == torch.float32)
         for tokens in (1, 3, 17):
             x = torch.randn(tokens, 64, dtype=dtype) * 3
             got, want = fused(x), orig(x)
@@ -152,16 +154,37 @@ class OddRouter(nn.Module):
         return (logits,) * self.returns
 
 
+class ExtraArgRouter(OddRouter):
+    def forward(self, x, correction):
+        return super().forward(x)
+
+
+class BiasRouter(SigmoidRouter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(8))  # zero at the probe: still not a router the op computes
+
+
+class FailingRouter(SigmoidRouter):
+    def forward(self, x):
+        raise RuntimeError("needs its own inputs")
+
+
 def test_other_routers_are_left_alone_with_a_reason():
+    mixtral_gate = _routers(_model("mixtral", True))["model.layers.0.mlp.gate"]
+    wrapped = copy.deepcopy(mixtral_gate)
+    wrapped.forward = lambda x: type(wrapped).forward(wrapped, x)  # what accelerate's hooks do
     holder = nn.ModuleDict({"sig": SigmoidRouter(), "one": OddRouter(returns=1), "k": OddRouter(top_k=9),
-                            "hooked": copy.deepcopy(_routers(_model("mixtral", True))["model.layers.0.mlp.gate"])})
-    holder["hooked"].register_forward_hook(lambda *a: None)
+                            "extra": ExtraArgRouter(), "bias": BiasRouter(), "fails": FailingRouter(), "wrapped": wrapped})
     summary = kbit_linear.fuse_routers(holder)
     assert not summary.fused
     assert "not the top-k softmax" in summary.skipped["sig"]
     assert "does not return" in summary.skipped["one"]
     assert "top_k=9" in summary.skipped["k"]
-    assert "hooks" in summary.skipped["hooked"]
+    assert "takes ['x', 'correction']" in summary.skipped["extra"]
+    assert "more than a weight (bias)" in summary.skipped["bias"]
+    assert "RuntimeError: needs its own inputs" in summary.skipped["fails"]
+    assert "replaced on the instance" in summary.skipped["wrapped"]
     meta = copy.deepcopy(holder["sig"]).to("meta")
     assert "meta" in router_options(meta)
     with pytest.raises(TypeError, match="model"):
@@ -280,3 +303,34 @@ def test_a_fused_router_trains_as_the_original():
         grads.append([model.model.layers[i].mlp.gate.weight.grad.clone() for i in range(2)])
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_module_hooks_run_around_a_fused_router():
+    # transformers adds such hooks to record router logits; they must neither block fusing nor be skipped
+    gate = copy.deepcopy(_routers(_model("qwen3_moe", True))["model.layers.0.mlp.gate"])
+    seen = []
+    gate.register_forward_hook(lambda mod, args, out: seen.append(out[0].shape))
+    assert kbit_linear.fuse_routers(gate).fused == [""]
+    gate(torch.randn(3, 64))
+    assert seen == [torch.Size([3, 6])]  # the fused call's, not the probe's
+
+
+def test_other_dtypes_and_autocast_take_the_original_forward():
+    model = _model("mixtral", True)  # float32: the scores' rule is read in bfloat16 (Mixtral's stay float32 or not)
+    gate = model.model.layers[0].mlp.gate
+    orig = copy.deepcopy(gate)
+    kbit_linear.fuse_routers(model)
+    half_scores = orig.to(torch.bfloat16)(torch.randn(2, 64, dtype=torch.bfloat16))[1].dtype
+    orig.float()
+    assert gate.router_scores_float == (half_scores == torch.float32)
+    model.to(torch.bfloat16)  # fused in float32, run in bfloat16: the scores' dtype as the original's
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert gate(x)[1].dtype == half_scores
+    x32 = torch.randn(4, 64)
+    with pytest.raises(RuntimeError):  # another dtype than the weight: the original forward, and its error
+        orig.to(torch.bfloat16)(x32)
+    with pytest.raises(RuntimeError):
+        gate(x32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = gate(x)
+    assert got[0].dtype == torch.bfloat16

@@ -5,7 +5,8 @@ Registered as the CUDA implementation of ``kbit_linear::router_top_k``
 one kernel, where the reference takes a GEMV, a softmax, a top-k and its sort. Up to
 :data:`~kbit_linear.backends.cuda.tuning.ROUTER_MAX_TOKENS` tokens, at most :data:`MAX_EXPERTS`
 experts, ``top_k`` up to :data:`MAX_TOP_K` and a hidden size that is a multiple of 8 take the
-kernel; anything else runs the reference (also free of host syncs).
+kernel on a GPU the kernels run on (sm_80+, CuPy installed); anything else runs the reference
+(also free of host syncs).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ... import _router_ops
-from . import loader, tuning, workspace
+from . import experts, loader, tuning, workspace
 from .tensors import DTYPE_CODES, aligned16
 
 __all__ = ["MAX_EXPERTS", "MAX_TOP_K", "router_instances", "router_top_k_cuda"]
@@ -36,8 +37,8 @@ def router_instances() -> list[str]:
 
 def _takes(x: torch.Tensor, weight: torch.Tensor, top_k: int) -> bool:
     t, h = x.shape
-    return (x.device.type == "cuda" and 0 < t <= tuning.ROUTER_MAX_TOKENS and weight.shape[0] <= MAX_EXPERTS
-            and top_k <= MAX_TOP_K and h % 8 == 0 and weight.numel() < 2**31)
+    return (0 < t <= tuning.ROUTER_MAX_TOKENS and weight.shape[0] <= MAX_EXPERTS and top_k <= MAX_TOP_K and h % 8 == 0
+            and weight.numel() < 2**31 and experts.kernels_supported(x.device))
 
 
 def router_top_k_cuda(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool,
