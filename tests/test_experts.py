@@ -34,8 +34,7 @@ from kbit_linear.serialization import CheckpointError, load_into, parse_header, 
 transformers = pytest.importorskip("transformers")
 
 from kbit_linear.integrations.transformers import KbitConfig  # noqa: E402
-
-VOCAB = 96
+from moe_configs import VOCAB, tiny_moe_config  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -50,26 +49,12 @@ EXPERT_TENSORS = tuple(p + s for p in PROJECTIONS for s in ("", "_absmax", "_cod
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def _config(family: str):
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, initializer_range=0.05)
-    if family == "mixtral":  # intermediate 80: gate_up 160 rows (padded to 256), down 3 blocks (a padded block)
-        return transformers.MixtralConfig(**common, intermediate_size=80, num_key_value_heads=2, num_local_experts=4,
-                                          num_experts_per_tok=2)
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=40, head_dim=16,
-                                           num_key_value_heads=2, num_experts=6, num_experts_per_tok=3, norm_topk_prob=True)
-    if family == "olmoe":
-        return transformers.OlmoeConfig(**common, intermediate_size=48, num_key_value_heads=4, num_experts=5,
-                                        num_experts_per_tok=2)
-    raise ValueError(family)
-
-
 FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 
 
 def _model(family: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(_config(family)).eval()
+    return transformers.AutoModelForCausalLM.from_config(tiny_moe_config(family)).eval()
 
 
 def _experts_names(model: nn.Module) -> list[str]:
@@ -389,7 +374,7 @@ def test_a_class_with_its_own_forward_or_gate_is_refused():
             gate, up = gate_up_out.chunk(2, dim=-1)
             return self.act_fn(gate).clamp(max=7) * up
 
-    module = OwnGate(_config("qwen3_moe"))
+    module = OwnGate(tiny_moe_config("qwen3_moe"))
     assert "own gate function" in experts_layout_problem(module)
     # the decorated forward of a class whose eager loop is different code
     from transformers.integrations.moe import use_experts_implementation
@@ -406,7 +391,7 @@ def test_a_class_with_its_own_forward_or_gate_is_refused():
         def forward(self, hidden_states, top_k_index, top_k_weights):
             return hidden_states
 
-    assert "not transformers' standard experts loop" in experts_layout_problem(Different(_config("qwen3_moe")))
+    assert "not transformers' standard experts loop" in experts_layout_problem(Different(tiny_moe_config("qwen3_moe")))
 
 
 def test_quantize_model_skips_an_unknown_layout_with_a_reason():
@@ -456,7 +441,7 @@ def test_quantize_model_device_argument_and_meta_model():
     model = _model("olmoe")
     quantize_model(model, bits=4, progress=False, device="cpu")
     with torch.device("meta"):
-        meta = transformers.AutoModelForCausalLM.from_config(_config("olmoe"))
+        meta = transformers.AutoModelForCausalLM.from_config(tiny_moe_config("olmoe"))
     summary = quantize_model(meta, bits=4, progress=False)
     assert summary.experts == _experts_names(meta)
     assert meta.model.layers[0].mlp.experts.gate_up_proj.device.type == "meta"
@@ -484,7 +469,7 @@ def test_save_quantized_round_trip_is_bit_identical(mixtral_file):
     ids = _ids()
     assert torch.equal(_logits(target, ids), _logits(model, ids))
     with torch.device("meta"):
-        meta = transformers.AutoModelForCausalLM.from_config(_config("mixtral")).eval()
+        meta = transformers.AutoModelForCausalLM.from_config(tiny_moe_config("mixtral")).eval()
     with pytest.warns(UserWarning, match="meta device"):  # rotary inv_freq is in no state dict
         load_into(meta, path)
     for n in _experts_names(meta):
@@ -590,7 +575,7 @@ def test_value_checks_name_the_expert(mixtral_file, tmp_path, name, idx, value, 
 
 def test_load_into_a_model_with_other_experts_refuses(mixtral_file):
     _, path = mixtral_file
-    cfg = _config("mixtral")
+    cfg = tiny_moe_config("mixtral")
     cfg.num_local_experts = 3
     torch.manual_seed(0)
     with pytest.raises(CheckpointError, match="experts, hidden, intermediate"):

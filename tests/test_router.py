@@ -21,34 +21,15 @@ transformers = pytest.importorskip("transformers")
 import kbit_linear  # noqa: E402
 from kbit_linear import _router_ops  # noqa: E402
 from kbit_linear.router import FusedTopKRouter, router_options  # noqa: E402
+from moe_configs import VOCAB, tiny_moe_config  # noqa: E402
 
-VOCAB = 96
-
-
-def _config(family: str, norm: bool = True):
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, initializer_range=0.05)
-    if family == "mixtral":
-        return transformers.MixtralConfig(**common, intermediate_size=80, num_key_value_heads=2, num_local_experts=4,
-                                          num_experts_per_tok=2)
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=40, head_dim=16,
-                                           num_key_value_heads=2, num_experts=6, num_experts_per_tok=3, norm_topk_prob=norm)
-    if family == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                           num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=norm)
-    if family == "olmoe":
-        return transformers.OlmoeConfig(**common, intermediate_size=48, num_key_value_heads=4, num_experts=5,
-                                        num_experts_per_tok=2, norm_topk_prob=norm)
-    raise ValueError(family)
-
-
-# (family, norm_topk_prob, expected (normalize, scores_float) in the model's fp32 / bf16)
+# (family, norm_topk_prob)
 CASES = [("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False), ("qwen2_moe", False), ("olmoe", False), ("olmoe", True)]
 
 
 def _model(family: str, norm: bool, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(_config(family, norm)).to(dtype).eval()
+    return transformers.AutoModelForCausalLM.from_config(tiny_moe_config(family, norm)).to(dtype).eval()
 
 
 def _routers(model: nn.Module) -> dict[str, nn.Module]:
