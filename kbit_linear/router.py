@@ -117,17 +117,21 @@ def _router_parts(module: nn.Module) -> str | None:
     return None
 
 
-def _probe(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, tuple] | str:
-    """``(x, module(x))`` for the probe input in ``dtype``, or why the call failed."""
+def _probe(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | str:
+    """``(x, module(x))`` for the probe input in ``dtype``, or why the call failed or did not
+    return three tensors."""
     w = module.weight.detach()
     g = torch.Generator(device="cpu").manual_seed(_PROBE_SEED)
     x = torch.randn((_PROBE_TOKENS, w.shape[1]), generator=g) * (1.0 / max(float(w.float().norm(dim=1).mean()), 1e-6))
     x = x.to(w.device, dtype)
     try:
         with torch.no_grad():
-            return x, type(module).forward(module, x)  # the class's forward: no hooks see the probe
+            out = type(module).forward(module, x)  # the class's forward: no hooks see the probe
     except Exception as e:  # noqa: BLE001  (any failure leaves the router as it is, with the reason)
         return f"its forward failed on a probe input: {type(e).__name__}: {e}"[:200]
+    if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+        return "its forward does not return (logits, scores, index) tensors"
+    return x, out
 
 
 def router_options(module: nn.Module) -> tuple[bool, bool] | str:
@@ -147,10 +151,7 @@ def router_options(module: nn.Module) -> tuple[bool, bool] | str:
     probed = _probe(module, w.dtype)
     if isinstance(probed, str):
         return probed
-    x, out = probed
-    if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
-        return "its forward does not return (logits, scores, index) tensors"
-    logits, scores, index = out
+    x, (logits, scores, index) = probed
     top_k = int(module.top_k)
     if tuple(scores.shape) != (_PROBE_TOKENS, top_k) or tuple(index.shape) != (_PROBE_TOKENS, top_k):
         return f"its scores / index are {tuple(scores.shape)} / {tuple(index.shape)}, not [tokens, top_k={top_k}]"
@@ -159,10 +160,9 @@ def router_options(module: nn.Module) -> tuple[bool, bool] | str:
         return f"its scores are {scores.dtype}, neither float32 nor the logits' {logits.dtype}"
     if scores_float and logits.dtype == torch.float32:
         # float32 throughout: whether its scores stay float32 or follow the logits shows in bf16
-        half = copy.deepcopy(module).to(torch.bfloat16)
-        probed_half = _probe(half, torch.bfloat16)
-        if isinstance(probed_half, str) or not isinstance(probed_half[1], tuple) or len(probed_half[1]) != 3:
-            return probed_half if isinstance(probed_half, str) else "its forward does not return (logits, scores, index) in bfloat16"
+        probed_half = _probe(copy.deepcopy(module).to(torch.bfloat16), torch.bfloat16)
+        if isinstance(probed_half, str):
+            return probed_half
         scores_float = probed_half[1][1].dtype == torch.float32
     ref_logits = F.linear(x, w)
     if logits.dtype != ref_logits.dtype or not torch.equal(logits, ref_logits):
