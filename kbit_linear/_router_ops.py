@@ -5,17 +5,16 @@ top-k routers of transformers' MoE families compute (Mixtral, Qwen2-MoE, Qwen3-M
 
     logits = F.linear(x, weight)                        # [T, E], x's dtype
     probs  = softmax(logits.float(), dim=-1)
-    scores, index = top_k of probs                      # descending; ties: the lower expert first
+    index  = the top_k experts by logit                 # descending, NaN first; ties: the lower expert first
+    scores = probs[index]
     if normalize: scores = scores / scores.sum(-1, keepdim=True)
     scores = scores if scores_float else scores.to(logits.dtype)
 
 ``x [T, H]`` and ``weight [E, H]`` share a floating dtype and device; ``index`` is int64
-``[T, top_k]``. Known differences of the CUDA kernel (built with flush-to-zero, as CuPy builds
-every kernel): probabilities below float32's normal range (~1.2e-38, logits ~87 or more under the
-row's largest) are zero there, ties among them going to the lower expert, where this reference
-keeps and orders their subnormal values (they are chosen only when fewer than ``top_k`` experts
-have any weight, and weigh nothing either way); and a row with a NaN or +inf logit, or all -inf,
-gets the expert id ``E`` ("no expert") in every slot where this reference gives NaN scores. The reference below is that code (with a stable sort for the ties); the CUDA
+``[T, top_k]``. Ordering by logit is ordering by probability, without the ties that rounding or
+underflow of the exponentials make between different logits (``torch.topk`` on the probabilities
+breaks those in no specified way; the kernel is built with flush-to-zero, as CuPy builds every
+kernel, so its probabilities below float32's normal range are zero). The reference below is that code (with a stable sort for the ties); the CUDA
 backend runs it as one kernel at decode sizes (``kernels/router.cu``), where the reference is a
 GEMV, a softmax, a top-k and a sort (four to six launches).
 
@@ -84,8 +83,9 @@ def router_top_k_reference(x: torch.Tensor, weight: torch.Tensor, top_k: int, no
     with torch.autocast(x.device.type, enabled=False):  # logits in x's dtype, as the schema says, under autocast too
         logits = F.linear(x, weight)
     probs = torch.softmax(logits.float(), dim=-1)
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # stable: ties keep the lower expert first
-    scores, index = sorted_probs[:, :top_k].contiguous(), order[:, :top_k].contiguous()
+    order = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices  # stable: ties keep the lower expert first
+    index = order[:, :top_k].contiguous()
+    scores = probs.gather(1, index)
     if normalize:
         scores = scores / scores.sum(dim=-1, keepdim=True)
     return logits, scores if scores_float else scores.to(logits.dtype), index

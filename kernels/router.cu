@@ -5,9 +5,9 @@
 //   x       [T][H]   fp16 / bf16 / fp32 (DT), rows contiguous
 //   w       [E][H]   the router's weight, same dtype
 //   logits  [T][E]   DT: round_DT(sum_h x[t][h] * w[e][h]), summed in fp32
-//   scores  [T][k]   fp32 (SCORES_F32) or DT: the k largest of softmax(logits[t]) (fp32, from the
-//                    rounded logits), descending, ties to the lower expert; divided by their
-//                    sum when `normalize`
+//   scores  [T][k]   fp32 (SCORES_F32) or DT: softmax(logits[t]) (fp32, from the rounded logits)
+//                    of the k largest logits, descending (NaN first, as torch.sort), ties to the
+//                    lower expert; divided by their sum when `normalize`
 //   index   [T][k]   int64: their experts (top_k <= 32: one chosen expert per lane)
 //   counter [1]      int32, zero before and after the launch (blocks done)
 //
@@ -25,10 +25,6 @@
 // l, l + 32, ... (E <= 32 * kMaxPerLane); k rounds of a warp arg-max (larger probability, then
 // lower expert) take the winners out, lane i keeping the i-th. It leaves `counter` at zero, so
 // the same counter serves every launch on a stream (and a CUDA graph's replays).
-//
-// Known difference from the spec: CuPy builds with -ftz=true, so probabilities below float32's
-// normal range are zero here (and compare as zero: ties, the lower expert first), where the
-// reference orders their subnormal values.
 #include "common.cuh"
 
 namespace kbit {
@@ -106,50 +102,65 @@ KBIT_DEVICE void logits_of_expert(const void* x, const void* w, void* logits, fl
     __syncthreads();  // partial is free for the next pass
 }
 
-// Softmax and top-k of token t's logits, by one warp.
+// The order of torch.sort on float32: larger float -> larger int, NaN above +inf, -0 = +0. An integer
+// compare is immune to flush-to-zero (CuPy builds with -ftz=true, under which float compares
+// see every subnormal as zero).
+KBIT_DEVICE int order_key(float f) {
+    if (f != f) return 0x7fffffff;
+    const int b = __float_as_int(f);
+    return b >= 0 ? b : b == (int)0x80000000 ? 0 : b ^ 0x7fffffff;  // -0 ties with +0, as the floats compare
+}
+
+// Softmax and top-k of token t's logits, by one warp. The experts are picked by logit (the
+// probabilities' order, without the ties that underflow of the exponentials makes), their
+// probabilities taken from the softmax (NaN for every expert of a row with a NaN or +inf logit,
+// or all -inf, as in the reference).
 template <int DT, bool SCORES_F32>
 KBIT_DEVICE void top_k_of_token(const void* logits, void* scores, long long* index, int t, int E, int top_k, bool normalize,
                                 int lane) {
-    float p[kMaxPerLane];
+    float l[kMaxPerLane];
     float m = KBIT_NEG_INF;
+    bool nan = false;
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i) {
         const int e = lane + 32 * i;
-        p[i] = e < E ? load_from_l2<DT>(logits, (size_t)t * E + e) : KBIT_NEG_INF;
-        m = fmaxf(m, p[i]);
+        l[i] = e < E ? load_from_l2<DT>(logits, (size_t)t * E + e) : KBIT_NEG_INF;
+        m = fmaxf(m, l[i]);
+        nan |= l[i] != l[i];
     }
 #pragma unroll
     for (int d = 16; d; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+    if (__any_sync(0xffffffffu, nan)) m = __int_as_float(0x7fffffff);  // fmaxf skips NaN; the softmax does not
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < kMaxPerLane; ++i) {
-        p[i] = lane + 32 * i < E ? expf(p[i] - m) : 0.f;
-        s += p[i];
-    }
+    for (int i = 0; i < kMaxPerLane; ++i) s += lane + 32 * i < E ? expf(l[i] - m) : 0.f;
     s = warp_sum(s);
-#pragma unroll
-    for (int i = 0; i < kMaxPerLane; ++i) p[i] = lane + 32 * i < E ? __fdiv_rn(p[i], s) : -1.f;  // -1: never chosen
 
     float mine = 0.f;
     int mine_e = E;
+    u32 taken = 0;  // bit i: expert lane + 32 i is chosen already
     for (int r = 0; r < top_k; ++r) {
-        float best = -1.f;
-        int best_e = E;  // no expert: only if every probability is NaN
+        int best = 0, best_e = E;  // E: this lane holds no candidate
 #pragma unroll
         for (int i = 0; i < kMaxPerLane; ++i) {
-            if (p[i] > best) best = p[i], best_e = lane + 32 * i;  // strict: the lower expert of a tie
+            const int key = order_key(l[i]);
+            const bool open = lane + 32 * i < E && !((taken >> i) & 1u);
+            if (open && (best_e == E || key > best)) best = key, best_e = lane + 32 * i;  // strict: a tie keeps the lower
         }
 #pragma unroll
         for (int d = 16; d; d >>= 1) {
-            const float other = __shfl_xor_sync(0xffffffffu, best, d);
+            const int other = __shfl_xor_sync(0xffffffffu, best, d);
             const int other_e = __shfl_xor_sync(0xffffffffu, best_e, d);
-            if (other > best || (other == best && other_e < best_e)) best = other, best_e = other_e;
+            if (other_e != E && (best_e == E || other > best || (other == best && other_e < best_e))) best = other, best_e = other_e;
         }
-        if (lane == r) mine = best, mine_e = best_e;
+        // the winner's logit, from the lane that holds it (best_e is the same in every lane)
+        float held = 0.f;
 #pragma unroll
         for (int i = 0; i < kMaxPerLane; ++i) {
-            if (lane + 32 * i == best_e) p[i] = -1.f;
+            if (lane + 32 * i == best_e) held = l[i], taken |= 1u << i;
         }
+        const float won = __shfl_sync(0xffffffffu, held, best_e & 31);
+        if (lane == r) mine = __fdiv_rn(expf(won - m), s), mine_e = best_e;
     }
     const float chosen = warp_sum(lane < top_k ? mine : 0.f);
     if (lane < top_k) {

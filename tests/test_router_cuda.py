@@ -61,8 +61,8 @@ def kernel_only(monkeypatch):
 def _selection(logits, k, normalize, scores_float):
     """The reference's softmax / stable top-k / renormalisation on the given logits."""
     probs = torch.softmax(logits.float(), -1)
-    s, i = torch.sort(probs, dim=-1, descending=True, stable=True)
-    s, i = s[:, :k], i[:, :k]
+    i = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+    s = probs.gather(1, i)
     if normalize:
         s = s / s.sum(-1, keepdim=True)
     return (s if scores_float else s.to(logits.dtype)), i
@@ -187,14 +187,31 @@ def test_a_fused_moe_model_runs_the_kernel_and_compiles():
         assert torch.isfinite(model(ids).logits).all()
 
 
-@pytest.mark.xfail(reason="known: the kernel orders experts whose probability is below float32's normal range "
-                          "(logits ~87 or more under the row's largest) as ties at zero, the lower expert first; the "
-                          "reference keeps their subnormal probabilities (CuPy compiles with -ftz=true). Next: select on the "
-                          "logits in both.", strict=True)
-def test_experts_with_subnormal_probabilities_are_ordered_as_the_reference_orders_them(kernel_only):
-    # Row seen on an H200: the fourth pick is among experts whose probabilities are 1e-40..1e-44.
+def test_experts_with_underflowing_probabilities_are_picked_by_logit(kernel_only):
+    # Row seen on an H200 when the kernel picked by probability: the fourth pick is among experts whose
+    # probabilities are 1e-40..1e-44, which flush-to-zero made ties.
     logits = torch.tensor([[52.0, -48.0, -67.0, 13.875, -39.25, -44.75, 2.53125, -45.25]])
     x = torch.eye(8)[:1].repeat(2, 1).to(DEV, torch.bfloat16)  # row t of x @ w.T = column of w: w = logits^T
     w = logits.t().repeat(1, 8)[:, :8].contiguous().to(DEV, torch.bfloat16)
     got = _op(x, w, 4, True, False)
     assert got[2][0].tolist() == [0, 3, 6, 4]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp32"])
+def test_rows_with_nan_or_infinite_logits_are_the_references(dtype, kernel_only):
+    # NaN scores (never a silent "no expert"), experts ordered as torch.sort orders the logits
+    nan, inf = float("nan"), float("inf")
+    rows = [([0.5, nan, 0.1, 0.2, -1.0], [1, 0, 3]), ([0.5, inf, 0.1, 0.2, -1.0], [1, 0, 3]), ([-inf] * 5, [0, 1, 2]),
+            ([0.0, 0.0, 0.0, 0.0, 1.0], [4, 0, 1])]
+    for row, want in rows:
+        x = torch.zeros(1, 8, device=DEV, dtype=dtype)
+        x[0, 0] = 1  # the logits are w's first column
+        w = torch.zeros(5, 8)
+        w[:, 0] = torch.tensor(row)
+        logits, scores, index = _op(x, w.to(DEV, dtype), 3, True, True)
+        assert index[0].tolist() == want, (row, index)
+        if all(v == v and abs(v) != inf for v in row):
+            probs = torch.softmax(logits.float(), -1)[0, want]
+            torch.testing.assert_close(scores[0], probs / probs.sum())
+        else:
+            assert torch.isnan(scores).all(), (row, scores)
