@@ -13,9 +13,11 @@ top-k routers of transformers' MoE families compute (Mixtral, Qwen2-MoE, Qwen3-M
 ``x [T, H]`` and ``weight [E, H]`` share a floating dtype and device; ``index`` is int64
 ``[T, top_k]``. Ordering by logit is ordering by probability, without the ties that rounding or
 underflow of the exponentials make between different logits (``torch.topk`` on the probabilities
-breaks those in no specified way; the kernel is built with flush-to-zero, as CuPy builds every
-kernel, so its probabilities below float32's normal range are zero). The reference below is that code (with a stable sort for the ties); the CUDA
-backend runs it as one kernel at decode sizes (``kernels/router.cu``), where the reference is a
+breaks those in no specified way). The CUDA kernel is built with flush-to-zero, as CuPy builds
+every kernel, so its probabilities below float32's normal range are zero; and it puts every NaN
+logit first, where ``torch.sort`` on CUDA may order a negative-signed NaN below -inf. The reference
+below is that code (with a stable sort for the ties); the CUDA backend runs it as one kernel at
+decode sizes (``kernels/router.cu``), where the reference is a
 GEMV, a softmax, a top-k and a sort (four to six launches).
 
 Differentiable in ``x`` and ``weight`` as the reference is (router training, auxiliary losses):

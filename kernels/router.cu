@@ -22,8 +22,8 @@
 // Each warp's partial sums meet in shared memory; warp 0 adds them and writes the logits.
 // The block that finishes last (each block adds one to `counter` after its logits are visible)
 // reads every logit back from L2 and picks the top k, one warp per token: lane l holds experts
-// l, l + 32, ... (E <= 32 * kMaxPerLane); k rounds of a warp arg-max (larger probability, then
-// lower expert) take the winners out, lane i keeping the i-th. It leaves `counter` at zero, so
+// l, l + 32, ... (E <= 32 * kMaxPerLane); k rounds of a warp arg-max (larger logit by order_key,
+// NaN first and -0 = +0, then lower expert) take the winners out, lane i keeping the i-th. It leaves `counter` at zero, so
 // the same counter serves every launch on a stream (and a CUDA graph's replays).
 #include "common.cuh"
 
@@ -114,23 +114,20 @@ KBIT_DEVICE int order_key(float f) {
 // Softmax and top-k of token t's logits, by one warp. The experts are picked by logit (the
 // probabilities' order, without the ties that underflow of the exponentials makes), their
 // probabilities taken from the softmax (NaN for every expert of a row with a NaN or +inf logit,
-// or all -inf, as in the reference).
+// or all -inf, as in the reference; one -inf among finite logits is a probability of 0).
 template <int DT, bool SCORES_F32>
 KBIT_DEVICE void top_k_of_token(const void* logits, void* scores, long long* index, int t, int E, int top_k, bool normalize,
                                 int lane) {
     float l[kMaxPerLane];
     float m = KBIT_NEG_INF;
-    bool nan = false;
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i) {
         const int e = lane + 32 * i;
         l[i] = e < E ? load_from_l2<DT>(logits, (size_t)t * E + e) : KBIT_NEG_INF;
-        m = fmaxf(m, l[i]);
-        nan |= l[i] != l[i];
+        m = fmaxf(m, l[i]);  // skips NaN: a NaN logit still makes the sum below NaN, so every score
     }
 #pragma unroll
     for (int d = 16; d; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
-    if (__any_sync(0xffffffffu, nan)) m = __int_as_float(0x7fffffff);  // fmaxf skips NaN; the softmax does not
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i) s += lane + 32 * i < E ? expf(l[i] - m) : 0.f;
