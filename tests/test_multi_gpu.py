@@ -30,7 +30,7 @@ from torch import nn
 import kbit_linear
 from kbit_linear import format as fmt
 from kbit_linear.backends import cuda as kcuda
-from kbit_linear.backends.cuda import loader, ops
+from kbit_linear.backends.cuda import driver, loader, ops
 
 pytestmark = [
     pytest.mark.cuda,
@@ -103,6 +103,28 @@ def test_wgmma_plans_and_cluster_launches_on_the_second_gpu(bits, current, pdl):
             err = _rel_err(out, F.linear(x.float(), w, layer.bias.float()))
             assert err < REL_TOL[torch.bfloat16], f"{kw} M={m}: relative error {err:.2e}"
         assert torch.cuda.current_device() == current
+
+
+@pytest.mark.skipif(not all(torch.cuda.get_device_capability(i) == (9, 0) for i in range(min(2, torch.cuda.device_count()))),
+                    reason="the wgmma kernel needs compute capability 9.0 on both GPUs")
+def test_cluster_occupancy_on_one_gpu_after_a_cluster_launch_on_the_other():
+    # Cluster launches and the driver's cluster-occupancy query share one launch configuration per
+    # thread; a launch leaves its stream in it, and the query used to pass that stream on, so a
+    # cuda:0 cluster launch made the next cuda:1 plan fail with CUDA_ERROR_INVALID_HANDLE.
+    plans = []
+    for device in (torch.device("cuda", 0), SECOND):
+        layer = kbit_linear.KbitLinear.from_linear(_dense(4, torch.bfloat16).to(device), bits=4)
+        x = torch.randn(100, K, dtype=torch.bfloat16, device=device)
+        out = _gemm(layer, x, "wgmma", split_k=2)  # launches with clusters of 2 on cuda:0 first
+        plan = ops._plan(100, N, K, 4, torch.bfloat16, device.index, "wgmma", 2, layer.weight.dtype is torch.uint8)
+        assert plan.cluster == 2, plan
+        assert _rel_err(out, F.linear(x.float(), layer.dequantize(), layer.bias.float())) < REL_TOL[torch.bfloat16]
+        plans.append(plan)
+    torch.cuda.synchronize(0)
+    # The query itself, uncached, for each device's copy of the kernel after the other's launches.
+    for plan, index in zip(plans, (0, 1)):
+        with loader._context_of(index):
+            assert driver.max_active_clusters(plan.kernel.func_ptr, 2, plan.threads, plan.smem) >= 1
 
 
 @pytest.mark.parametrize("current", [0, 1], ids=["current0", "current1"])

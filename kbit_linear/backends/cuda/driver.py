@@ -178,6 +178,9 @@ def max_active_clusters(func: int, cluster: int, threads: int, shared_mem: int) 
     cfg.gridDimX = cluster
     cfg.blockDimX = threads
     cfg.sharedMemBytes = shared_mem
+    # The configuration is shared with launches, which leave their stream in it; the driver reads
+    # a stream here too, and one of another GPU's context fails the query (CUDA_ERROR_INVALID_HANDLE).
+    cfg.hStream = None
     n = ctypes.c_int(0)
     check(lib().cuOccupancyMaxActiveClusters(ctypes.byref(n), func, addr),
           f"cuOccupancyMaxActiveClusters(cluster {cluster}, {threads} threads, {shared_mem} bytes)")
