@@ -22,9 +22,10 @@
 // Each warp's partial sums meet in shared memory; warp 0 adds them and writes the logits.
 // The block that finishes last (each block adds one to `counter` after its logits are visible)
 // reads every logit back from L2 and picks the top k, one warp per token: lane l holds experts
-// l, l + 32, ... (E <= 32 * kMaxPerLane); k rounds of a warp arg-max (larger logit by order_key,
-// NaN first and -0 = +0, then lower expert) take the winners out, lane i keeping the i-th. It leaves `counter` at zero, so
-// the same counter serves every launch on a stream (and a CUDA graph's replays).
+// l, l + 32, ... (P of them, E <= 32 P); k rounds of a warp arg-max (larger logit by order_key,
+// NaN first and -0 = +0, then lower expert) take the winners out, lane i keeping the i-th. It
+// leaves `counter` at zero, so the same counter serves every launch on a stream (and a CUDA
+// graph's replays).
 #include "common.cuh"
 
 namespace kbit {
@@ -33,7 +34,6 @@ namespace router {
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kTokens = 8;       // tokens per pass over a weight row (accumulators per lane)
-constexpr int kMaxPerLane = 16;  // experts per lane in the top-k phase: E <= 512
 
 // 8 consecutive elements from element i of p (16-byte aligned) as floats.
 template <int DT>
@@ -111,55 +111,76 @@ KBIT_DEVICE int order_key(float f) {
     return b >= 0 ? b : b == (int)0x80000000 ? 0 : b ^ 0x7fffffff;  // -0 ties with +0, as the floats compare
 }
 
-// Softmax and top-k of token t's logits, by one warp. The experts are picked by logit (the
-// probabilities' order, without the ties that underflow of the exponentials makes), their
-// probabilities taken from the softmax (NaN for every expert of a row with a NaN or +inf logit,
-// or all -inf, as in the reference; one -inf among finite logits is a probability of 0).
-template <int DT, bool SCORES_F32>
+// The lane's best open candidate among its P experts (lane + 32 i), ties to the lower i: a tree of
+// compares, log2 P deep, so that the one warp doing a round waits on few dependent steps.
+template <int P>
+KBIT_DEVICE void lane_best(const int (&key)[P], const float (&l)[P], int& best_key, int& best_i, float& best_l) {
+    int k[P], ix[P];
+    float v[P];
+#pragma unroll
+    for (int i = 0; i < P; ++i) k[i] = key[i], ix[i] = i, v[i] = l[i];
+#pragma unroll
+    for (int span = 1; span < P; span *= 2) {
+#pragma unroll
+        for (int i = 0; i + span < P; i += 2 * span) {
+            if (k[i + span] > k[i]) k[i] = k[i + span], ix[i] = ix[i + span], v[i] = v[i + span];  // strict: lower i on a tie
+        }
+    }
+    best_key = k[0], best_i = ix[0], best_l = v[0];
+}
+
+// Softmax and top-k of token t's logits, by one warp; lane l holds experts l, l + 32, ... (P of
+// them). The experts are picked by logit (the probabilities' order, without the ties that
+// underflow of the exponentials makes), their probabilities taken from the softmax (NaN for
+// every expert of a row with a NaN or +inf logit, or all -inf, as in the reference; one -inf
+// among finite logits is a probability of 0).
+template <int DT, bool SCORES_F32, int P>
 KBIT_DEVICE void top_k_of_token(const void* logits, void* scores, long long* index, int t, int E, int top_k, bool normalize,
                                 int lane) {
-    float l[kMaxPerLane];
+    constexpr int kNone = (int)0x80000000;  // below every order_key: no expert, or one chosen already
+    float l[P];
+    int key[P];
     float m = KBIT_NEG_INF;
 #pragma unroll
-    for (int i = 0; i < kMaxPerLane; ++i) {
+    for (int i = 0; i < P; ++i) {
         const int e = lane + 32 * i;
         l[i] = e < E ? load_from_l2<DT>(logits, (size_t)t * E + e) : KBIT_NEG_INF;
+        key[i] = e < E ? order_key(l[i]) : kNone;
         m = fmaxf(m, l[i]);  // skips NaN: a NaN logit still makes the sum below NaN, so every score
     }
 #pragma unroll
     for (int d = 16; d; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < kMaxPerLane; ++i) s += lane + 32 * i < E ? expf(l[i] - m) : 0.f;
+    for (int i = 0; i < P; ++i) s += lane + 32 * i < E ? expf(l[i] - m) : 0.f;
     s = warp_sum(s);
 
-    float mine = 0.f;
+    // Round r: the warp's best open expert goes to lane r. top_k <= E, so an open expert is
+    // always left, and its key is above kNone.
+    float mine_l = 0.f;
     int mine_e = E;
-    u32 taken = 0;  // bit i: expert lane + 32 i is chosen already
     for (int r = 0; r < top_k; ++r) {
-        int best = 0, best_e = E;  // E: this lane holds no candidate
-#pragma unroll
-        for (int i = 0; i < kMaxPerLane; ++i) {
-            const int key = order_key(l[i]);
-            const bool open = lane + 32 * i < E && !((taken >> i) & 1u);
-            if (open && (best_e == E || key > best)) best = key, best_e = lane + 32 * i;  // strict: a tie keeps the lower
-        }
+        int best, best_i;
+        float best_l;
+        lane_best<P>(key, l, best, best_i, best_l);
+        int best_e = best == kNone ? E : lane + 32 * best_i;
 #pragma unroll
         for (int d = 16; d; d >>= 1) {
             const int other = __shfl_xor_sync(0xffffffffu, best, d);
             const int other_e = __shfl_xor_sync(0xffffffffu, best_e, d);
-            if (other_e != E && (best_e == E || other > best || (other == best && other_e < best_e))) best = other, best_e = other_e;
+            if (other > best || (other == best && other_e < best_e)) best = other, best_e = other_e;
         }
-        // the winner's logit, from the lane that holds it (best_e is the same in every lane)
-        float held = 0.f;
+        // The winner is its own lane's best: that lane closes it and hands its logit to lane r.
+        const bool won_here = (best_e & 31) == lane;
 #pragma unroll
-        for (int i = 0; i < kMaxPerLane; ++i) {
-            if (lane + 32 * i == best_e) held = l[i], taken |= 1u << i;
+        for (int i = 0; i < P; ++i) {
+            if (won_here && i == best_i) key[i] = kNone;
         }
-        const float won = __shfl_sync(0xffffffffu, held, best_e & 31);
-        if (lane == r) mine = __fdiv_rn(expf(won - m), s), mine_e = best_e;
+        const float won = __shfl_sync(0xffffffffu, best_l, best_e & 31);
+        if (lane == r) mine_l = won, mine_e = best_e;
     }
-    const float chosen = warp_sum(lane < top_k ? mine : 0.f);
+    const float mine = lane < top_k ? __fdiv_rn(expf(mine_l - m), s) : 0.f;
+    const float chosen = warp_sum(mine);
     if (lane < top_k) {
         const float v = normalize ? __fdiv_rn(mine, chosen) : mine;
         const size_t at = (size_t)t * top_k + lane;
@@ -173,9 +194,10 @@ KBIT_DEVICE void top_k_of_token(const void* logits, void* scores, long long* ind
 }  // namespace kbit
 
 // ---------------------------------------------------------------------------------------
-// kbit_router_top_k<DT, SCORES_F32>: grid E, 128 threads.
+// kbit_router_top_k<DT, SCORES_F32, P>: grid E, 128 threads; P experts per lane in the top-k
+// phase (a power of two, E <= 32 P <= 512).
 // ---------------------------------------------------------------------------------------
-template <int DT, bool SCORES_F32>
+template <int DT, bool SCORES_F32, int P>
 __global__ void __launch_bounds__(kbit::router::kThreads)
 kbit_router_top_k(const void* __restrict__ x, const void* __restrict__ w, void* __restrict__ logits, void* __restrict__ scores,
                   long long* __restrict__ index, int* __restrict__ counter, int T, int H, int E, int top_k, int normalize) {
@@ -195,6 +217,6 @@ kbit_router_top_k(const void* __restrict__ x, const void* __restrict__ w, void* 
     }
     __syncthreads();
     if (!is_last) return;
-    for (int t = warp; t < T; t += kWarps) top_k_of_token<DT, SCORES_F32>(logits, scores, index, t, E, top_k, normalize != 0, lane);
+    for (int t = warp; t < T; t += kWarps) top_k_of_token<DT, SCORES_F32, P>(logits, scores, index, t, E, top_k, normalize != 0, lane);
     if (threadIdx.x == 0) *counter = 0;
 }

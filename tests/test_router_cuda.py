@@ -30,7 +30,7 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (tokens, experts, hidden, top_k): real shapes (Qwen3-30B-A3B, Mixtral, OLMoE, Qwen2-MoE's 60)
 # and odd ones (experts not a multiple of the block's 4, one expert, the most experts and top_k)
 SHAPES = [(1, 128, 2048, 8), (4, 8, 4096, 2), (16, 64, 2048, 8), (3, 60, 2048, 4), (9, 5, 520, 2), (2, 1, 8, 1),
-          (7, 257, 136, 32), (1, 512, 64, 8), (11, 33, 1032, 3), (8, 128, 2048, 8)]
+          (7, 257, 136, 32), (1, 512, 64, 8), (11, 33, 1032, 3), (8, 128, 2048, 8), (5, 200, 264, 16)]
 # |logit - F.linear| <= rel * |F.linear| + abs * max |F.linear|: the rounding to the dtype, and sums
 # in another order (absolute, at the scale of the row's terms)
 LOGIT_TOL = {torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 2e-3), torch.float32: (1e-5, 1e-5)}
@@ -106,6 +106,11 @@ def test_ties_go_to_the_lower_expert(dtype, kernel_only):
     logits, scores, index = _op(x.to(DEV, dtype), w.to(DEV, dtype), 6, True, True)
     assert index.tolist() == [[3, 40, 41, 69, 0, 7]] * 5
     _check(x.to(DEV, dtype), w.to(DEV, dtype), 6, True, True, (logits, scores, index))
+    # equal best experts held by one lane (5, 37, 69, 101: lane 5's four), listed back to front
+    w = torch.zeros(128, h)
+    w[[101, 69, 37, 5]] = 0.25
+    _, _, index = _op(torch.ones(1, h, device=DEV, dtype=dtype), w.to(DEV, dtype), 4, True, True)
+    assert index.tolist() == [[5, 37, 69, 101]]
     # every logit equal: the first k experts
     _, _, index = _op(torch.zeros(2, h, device=DEV, dtype=dtype), w.to(DEV, dtype), 8, False, True)
     assert index.tolist() == [list(range(8))] * 2
