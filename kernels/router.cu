@@ -205,6 +205,11 @@ kbit_router_top_k(const void* __restrict__ x, const void* __restrict__ w, void* 
     __shared__ float partial[kWarps][kTokens];
     __shared__ int is_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // Launched as a programmatic dependent where the grid fits on the SMs at once: x (and the
+    // counter) may still be written by the previous kernel until the wait. Every block is
+    // resident by the time all have passed the trigger, so the next kernel may start then.
+    grid_dependency_wait();
+    allow_dependent_launch();
     for (int t0 = 0; t0 < T; t0 += kTokens) logits_of_expert<DT>(x, w, logits, partial, t0, T, H, E, blockIdx.x, warp, lane);
     // Grid-wide hand-over as cooperative groups' grid sync does it: the block's writes, then one
     // thread's fence (cumulative over what the barrier ordered before it) and count; the last

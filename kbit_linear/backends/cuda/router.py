@@ -73,9 +73,14 @@ def router_top_k_cuda(x: torch.Tensor, weight: torch.Tensor, top_k: int, normali
     stream = loader._current_raw_stream(index_dev)
     _, counter = workspace.zeroed_scratch("router", index_dev, stream, 0, 1)  # the kernel leaves it at zero
     kern = loader.get_kernel(_SOURCE, _instance(_DT[x.dtype], scores_float, _per_lane(experts)), dev)
-    loader.launch(kern, experts, _THREADS, _ARGS.Values(
-        x=aligned16(x), w=aligned16(weight), logits=logits, scores=scores, index=index, counter=counter, T=t, H=h, E=experts,
-        top_k=top_k, normalize=int(normalize)), 0, dev, pack=_ARGS, stream=stream)
+    # One block per expert: with no more blocks than SMs the grid may start while the previous
+    # kernel finishes without piling blocks on the SMs it leaves idle (loader.grid_may_overlap).
+    programmatic = experts <= loader.device_properties(index_dev).sm_count
+    xa, wa = aligned16(x), aligned16(weight)  # held until the launch is queued
+    _ARGS.launch(kern, experts, 0, stream, _ARGS.Values(
+        x=xa.data_ptr(), w=wa.data_ptr(), logits=logits.data_ptr(), scores=scores.data_ptr(), index=index.data_ptr(),
+        counter=counter, T=t, H=h, E=experts, top_k=top_k, normalize=int(normalize)), threads=_THREADS,
+        programmatic=programmatic)
     return logits, scores, index
 
 
