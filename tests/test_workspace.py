@@ -43,6 +43,13 @@ def _read_words(ptr: int, n: int) -> list[int]:
     return list(host)
 
 
+def test_nothing_asked_for_is_a_null_pointer(monkeypatch):
+    # no allocation at all (so no GPU needed): the router's launches ask for a counter only
+    monkeypatch.setattr(workspace, "_buffers", {})
+    assert workspace.zeroed_scratch("router", 0, 0, 0, 0) == (0, 0)
+    assert workspace._buffers == {}
+
+
 @gpu
 def test_buffers_are_zero_kept_and_grow(monkeypatch):
     monkeypatch.setattr(workspace, "_buffers", {})
@@ -53,6 +60,8 @@ def test_buffers_are_zero_kept_and_grow(monkeypatch):
     assert workspace.zeroed_scratch("test", 0, stream, 100, 3) == (ws, cnt)  # kept
     assert workspace.zeroed_scratch("test", 0, torch.cuda.Stream().cuda_stream, 100, 3)[0] != ws  # per stream
     assert workspace.zeroed_scratch("other", 0, stream, 100, 3)[0] != ws  # per user
+    ws0, cnt0 = workspace.zeroed_scratch("counter only", 0, stream, 0, 1)
+    assert ws0 == 0 and cnt0 and not any(_read_words(cnt0, 1))  # no workspace where none is asked for
     grown, _ = workspace.zeroed_scratch("test", 0, stream, 50000, 3)
     assert grown != ws and not any(_read_words(grown, 50000))
     assert not any(_read_words(ws, 5000))  # the outgrown buffer is still valid memory (never freed)

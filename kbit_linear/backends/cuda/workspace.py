@@ -70,6 +70,8 @@ def _allocate_zeroed(index: int, nbytes: int) -> int:
 
 
 def _get(key: tuple[str, int, int, str], nbytes: int) -> int:
+    if nbytes == 0:
+        return 0  # nothing asked for (the router wants only a counter): no buffer
     buf = _buffers.get(key)
     if buf is not None and buf[1] >= nbytes:
         return buf[0]
@@ -96,8 +98,8 @@ def zeroed_scratch(user: str, index: int, stream: int, ws_floats: int, counters:
 
     Returns:
         ``(workspace pointer, counters pointer)``, each with room for at least the requested
-        elements. The caller's kernel must leave the counters zero (and the workspace too, when
-        it relies on it being zero).
+        elements, or 0 (null) where none were asked for. The caller's kernel must leave the
+        counters zero (and the workspace too, when it relies on it being zero).
     """
     if ws_floats < 0 or counters < 0:
         raise ValueError(f"ws_floats and counters must be >= 0, got {ws_floats} and {counters}")
