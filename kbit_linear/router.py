@@ -22,8 +22,9 @@ bias correction) or fail on the probe are left alone, with the reason in the sum
 states in another dtype than the weight, and autocast, take the original forward.
 
 Results equal the original router's up to the rounding of the logits' sums (the kernel sums in
-another order than cuBLAS), which can swap two experts whose probabilities are within a rounding
-of each other; ties go to the lower expert.
+another order than cuBLAS), which can swap two experts whose logits are within a rounding of each
+other. Experts are ranked by logit, so two whose probabilities round to the same float still go
+by their logits; equal logits go to the lower expert.
 """
 
 from __future__ import annotations

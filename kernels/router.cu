@@ -146,7 +146,7 @@ KBIT_DEVICE void top_k_of_token(const void* logits, void* scores, long long* ind
         const int e = lane + 32 * i;
         l[i] = e < E ? load_from_l2<DT>(logits, (size_t)t * E + e) : KBIT_NEG_INF;
         key[i] = e < E ? order_key(l[i]) : kNone;
-        m = fmaxf(m, l[i]);  // skips NaN: a NaN logit still makes the sum below NaN, so every score
+        m = fmaxf(m, l[i]);  // skips NaN: a NaN logit still makes the sum below NaN, so every score is NaN
     }
 #pragma unroll
     for (int d = 16; d; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));

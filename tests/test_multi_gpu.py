@@ -110,12 +110,14 @@ def test_wgmma_plans_and_cluster_launches_on_the_second_gpu(bits, current, pdl):
 def test_cluster_occupancy_on_one_gpu_after_a_cluster_launch_on_the_other():
     # Cluster launches and the driver's cluster-occupancy query share one launch configuration per
     # thread; a launch leaves its stream in it, and the query used to pass that stream on, so a
-    # cuda:0 cluster launch made the next cuda:1 plan fail with CUDA_ERROR_INVALID_HANDLE.
+    # cuda:0 cluster launch made the next cuda:1 plan fail with CUDA_ERROR_INVALID_HANDLE. The
+    # query uses the configuration of launches without programmatic launch: so do these.
     plans = []
     for device in (torch.device("cuda", 0), SECOND):
         layer = kbit_linear.KbitLinear.from_linear(_dense(4, torch.bfloat16).to(device), bits=4)
         x = torch.randn(100, K, dtype=torch.bfloat16, device=device)
-        out = _gemm(layer, x, "wgmma", split_k=2)  # launches with clusters of 2 on cuda:0 first
+        with _programmatic(False):
+            out = _gemm(layer, x, "wgmma", split_k=2)  # launches with clusters of 2 on cuda:0 first
         plan = ops._plan(100, N, K, 4, torch.bfloat16, device.index, "wgmma", 2, layer.weight.dtype is torch.uint8)
         assert plan.cluster == 2, plan
         assert _rel_err(out, F.linear(x.float(), layer.dequantize(), layer.bias.float())) < REL_TOL[torch.bfloat16]

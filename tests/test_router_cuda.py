@@ -159,6 +159,50 @@ def test_replays_in_a_cuda_graph(kernel_only):
         _check(x, w, 8, True, False, out)
 
 
+@pytest.mark.parametrize("in_graph", [False, True], ids=["eager", "graph"])
+def test_behind_a_kernel_that_writes_x_and_lets_it_start_early(in_graph, kernel_only):
+    # The router launches as a programmatic dependent. Here the kernel before it is the decode GEMM,
+    # which writes x and lets its dependents start before it finishes; a router that read x too
+    # early would give logits off F.linear of the x the GEMM wrote.
+    torch.manual_seed(13)
+    layer = kbit_linear.KbitLinear.from_linear(torch.nn.Linear(256, 2048, bias=False).to(DEV, torch.bfloat16), bits=4)
+    w = (torch.randn(128, 2048, device=DEV) / 45).to(torch.bfloat16)
+    xs = [torch.randn(1, 256, device=DEV, dtype=torch.bfloat16) for _ in range(24)]
+
+    def calls():
+        with torch.no_grad():
+            return [(y, _op(y, w, 8, True, False)) for y in (layer(x) for x in xs)]
+
+    old = loader.set_programmatic_launch(True)
+    try:
+        if not in_graph:
+            for _ in range(3):
+                for y, out in calls():
+                    _check(y, w, 8, True, False, out)
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            calls()  # compile and plan outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            got = calls()
+        for _ in range(3):
+            for x in xs:
+                x.copy_(torch.randn_like(x))
+            for y, out in got:
+                y.fill_(float("nan"))
+                for t in out:
+                    t.fill_(-1)
+            graph.replay()
+            torch.cuda.synchronize()
+            for y, out in got:
+                _check(y, w, 8, True, False, out)
+    finally:
+        loader.set_programmatic_launch(old)
+
+
 def _qwen3_moe(dtype=torch.bfloat16):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
