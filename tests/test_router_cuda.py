@@ -138,18 +138,25 @@ def test_many_launches_in_a_row_leave_the_counter_at_zero(kernel_only):
         _check(x, w, min(e, 4), True, False, _op(x, w, min(e, 4), True, False))
 
 
+def _captured(fn):
+    """A CUDA graph of ``fn()`` and the outputs of the captured call: one call on a side stream
+    first (compile, plan and allocate outside the capture), then the capture on that stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = fn()
+    return graph, out
+
+
 def test_replays_in_a_cuda_graph(kernel_only):
     g = torch.Generator(device="cpu").manual_seed(11)
     x = torch.randn(2, 2048, generator=g).to(DEV, torch.bfloat16)
     w = (torch.randn(128, 2048, generator=g) * 0.02).to(DEV, torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        torch.ops.kbit_linear.router_top_k(x, w, 8, True, False)  # compile and allocate outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out = torch.ops.kbit_linear.router_top_k(x, w, 8, True, False)
+    graph, out = _captured(lambda: torch.ops.kbit_linear.router_top_k(x, w, 8, True, False))
     for _ in range(3):
         x.copy_(torch.randn(2, 2048, generator=g).to(DEV, torch.bfloat16))
         for t in out:
@@ -180,14 +187,7 @@ def test_behind_a_kernel_that_writes_x_and_lets_it_start_early(in_graph, kernel_
                 for y, out in calls():
                     _check(y, w, 8, True, False, out)
             return
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            calls()  # compile and plan outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            got = calls()
+        graph, got = _captured(calls)
         for _ in range(3):
             for x in xs:
                 x.copy_(torch.randn_like(x))

@@ -478,7 +478,9 @@ KV_DECODE_SPLIT_TILES_IDLE_SHARE = 0.5
 # Most tokens the router kernel takes; more go to the reference (GEMM, softmax, top-k, sort),
 # whose launches matter less as the token count grows while the kernel's one block per expert
 # re-reads x for every token. H200, bf16, us per call, transformers' router vs the kernel
-# (scripts/bench_router.py, 2026-11-29, bench/results/router-h200.md): 8 tokens Qwen3-30B-A3B
-# 27.3 vs 13.2, Mixtral 21.9 vs 13.0, OLMoE 22.0 vs 12.7; 16 tokens 27.8 vs 23.9, 22.1 vs 23.6,
-# 20.0 vs 23.0.
+# (scripts/bench_router.py, bench/results/router-h200.md), Qwen3-30B-A3B / Mixtral / OLMoE:
+# 2026-11-29 17:50 UTC, 8 tokens 27.3 vs 13.0, 21.1 vs 12.8, 21.7 vs 12.6; 16 tokens 28.6 vs
+# 23.6, 22.0 vs 23.0, 22.1 vs 22.8. After the kernel's faster top-k (19:35 UTC): 8 tokens 27.0
+# vs 11.3, 22.1 vs 10.6, 19.3 vs 9.9; 16 tokens 27.7 vs 20.2, 22.2 vs 19.4, 22.2 vs 17.6: ahead
+# at 16 now, but counts between 8 and 16 were not timed, so the limit is not raised yet.
 ROUTER_MAX_TOKENS = 8
