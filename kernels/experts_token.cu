@@ -28,9 +28,13 @@
 //   ..  +----------+----------+----------+--      (decode_core.cuh: lane layout, decode)
 //
 // Each warp writes its fp32 sums to its own slice of shared memory (for down: one slice per
-// slot, zero where it had no item); after one block barrier, thread r < 16 adds the slices of
-// row r in warp order (deterministic) and finishes the row. Two slice buffers alternate between
-// units, so the barrier of a unit also orders the previous unit's reads before the next writes.
+// slot, zero where it had no item); after a block barrier the slices of each row are added in
+// warp order (deterministic): gate_up: lane (q, r) of warp 0 adds row r of the gate (q = 0) or
+// up (q = 1) slices, and lane r finishes the row; down: thread (s, r) adds row r of slot s and
+// scales it, and after a second barrier thread r sums its row over the slots in order. What the
+// finishing threads read from global memory (scales, routing weights) is prefetched into L1
+// before the barrier. Two slice buffers alternate between units, so the barriers of a unit also
+// order the previous unit's reads before the next writes.
 //
 // Loads: each warp keeps D items of plane words in flight (a ring of decode_core.cuh's Sub),
 // refilled as soon as an item's planes are turned into index bytes.
@@ -64,6 +68,10 @@ KBIT_DEVICE long long expert_or_none(const long long* __restrict__ ids, int s, i
 KBIT_DEVICE int block_units(int units) {
     return units > (int)blockIdx.x ? (units - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
 }
+
+// Bring the line at p into this SM's L1 without holding a register: the finishing threads
+// prefetch what they read after a block barrier, so that the latency passes at the barrier.
+KBIT_DEVICE void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 
 template <int BITS> KBIT_DEVICE void zero_sub(Sub<BITS>& d) {
 #pragma unroll
@@ -147,7 +155,10 @@ kbit_token_gate_up(const u16* __restrict__ x, const long long* __restrict__ ids,
             kbit_decode::load_sub<BITS>(d[q], sp.pw, sp.pa, un.e >= 0 && sp.on);
         }
     };
-    // End of unit m: this warp's sums are in its slice; one barrier; thread r finishes row r.
+    // End of unit m: this warp's sums are in its slice; one barrier; then warp 0 finishes the unit:
+    // lane (q, r) adds row r of the gate (q = 0) or up (q = 1) slices in warp order, and lane r
+    // takes up's sum from lane 16 + r and writes h. Lane 0 prefetches the expert's scale before
+    // the barrier, so that its latency passes while the other warps arrive.
     auto finish = [&](int m, const float (&acc)[2][1][4]) {
         const u32 buf = win.rest + (u32)(m & 1) * kBuffer;
         if (t == 0 && per > 0) {
@@ -158,19 +169,24 @@ kbit_token_gate_up(const u16* __restrict__ x, const long long* __restrict__ ids,
                 sts32(slice + 4u * (g + 8), __float_as_uint(acc[q][0][2]));
             }
         }
+        if (threadIdx.x == 0) {
+            const long long e = unit_at(m).e;  // ids: in L1 already, read by load_item
+            if (e >= 0) prefetch_l1(tensor_scale + e);
+        }
         __syncthreads();
-        const Unit un = unit_at(m);
-        if (threadIdx.x < kRowsPerUnit && un.e >= 0) {
-            const int r = threadIdx.x;
-            float gs = 0.0f, us = 0.0f;
-            for (int v = 0; v < min(NW, kc); ++v) {  // warps past kc had no chunk
-                gs += __uint_as_float(lds32(buf + (u32)((v * 2 + 0) * kRowsPerUnit + r) * 4u));
-                us += __uint_as_float(lds32(buf + (u32)((v * 2 + 1) * kRowsPerUnit + r) * 4u));
+        if (w == 0) {
+            const Unit un = unit_at(m);
+            const float ts = un.e >= 0 ? __ldg(tensor_scale + un.e) : 0.0f;
+            const int q = lane / kRowsPerUnit, r = lane % kRowsPerUnit;
+            float sum = 0.0f;
+            for (int v = 0; v < min(NW, kc); ++v)  // warps past kc had no chunk
+                sum += __uint_as_float(lds32(buf + (u32)((v * 2 + q) * kRowsPerUnit + r) * 4u));
+            const float us = __shfl_down_sync(0xffffffffu, sum, kRowsPerUnit);
+            if (q == 0 && un.e >= 0) {
+                const float gv = bits_to_f32<DT>(f32_to_bits<DT>(sum * ts));
+                const float uv = bits_to_f32<DT>(f32_to_bits<DT>(us * ts));
+                h[(long long)un.s * inter + un.j * kRowsPerUnit + r] = f32_to_bits<DT>(gv / (1.0f + expf(-gv)) * uv);
             }
-            const float ts = __ldg(tensor_scale + un.e);
-            const float gv = bits_to_f32<DT>(f32_to_bits<DT>(gs * ts));
-            const float uv = bits_to_f32<DT>(f32_to_bits<DT>(us * ts));
-            h[(long long)un.s * inter + un.j * kRowsPerUnit + r] = f32_to_bits<DT>(gv / (1.0f + expf(-gv)) * uv);
         }
     };
 
@@ -227,6 +243,7 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
     const TableWindows<BITS> win = tables_after_wait<BITS, DT, NW, PAIRS>(smem, codebook);
 
     const int kc = (k_tiles + 1) >> 1;
+    static_assert(NW * 32 >= 16 * kRowsPerUnit, "a thread for every (slot, row) pair of up to 16 slots");
     const int units = (N + kRowsPerUnit - 1) / kRowsPerUnit;
     const int mine = block_units(units);
     const int items = slots * kc;  // of one unit: (slot, chunk), slot-major
@@ -248,21 +265,46 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
         for (int q = lane; q < slots * kRowsPerUnit; q += 32) sts32(slice_of(buf, q / kRowsPerUnit, w) + 4u * (q % kRowsPerUnit), 0u);
         __syncwarp();
     };
-    // One barrier, then thread r finishes row r of unit m.
+    // Unit m's rows, in three steps around two barriers. Thread (s, 0) of every slot s prefetches
+    // the slot's scale and routing weight before the first barrier, so that their latency passes
+    // while the other warps arrive. After it, thread (s, r) (s < slots <= 16: every pair has a
+    // thread) adds row r of slot s's slices in warp order, rounds the scaled sum, and leaves it and
+    // the weight in its own elements of the slot's first two slices (nobody else reads them before
+    // the second barrier). After it, thread r sums its row over the slots in order.
     auto finish = [&](int m) {
         const u32 buf = win.rest + (u32)(m & 1) * buffer;
+        const int s = (int)threadIdx.x / kRowsPerUnit, r = (int)threadIdx.x % kRowsPerUnit;
+        const bool pair = s < slots;
+        if (pair && r == 0) {
+            const long long e = expert_of(s);  // ids: in L1 already, read by load_item
+            if (e >= 0) {
+                prefetch_l1(tensor_scale + e);
+                prefetch_l1(static_cast<const char*>(weights) + (size_t)s * (WT == KBIT_F32 ? 4 : 2));
+            }
+        }
+        __syncthreads();
+        if (pair) {
+            // A slot without an expert leaves y = weight = 0: adding 0 * 0 keeps the row's sum as it
+            // was, bit for bit (the sum starts at +0 and round-to-nearest never makes it -0).
+            float y = 0.0f, wt = 0.0f;
+            const long long e = expert_of(s);
+            if (e >= 0) {
+                const float ts = __ldg(tensor_scale + e);
+                wt = load_routing_weight<DT, WT>(weights, s);
+                float ys = 0.0f;
+                for (int v = 0; v < min(NW, items); ++v) ys += __uint_as_float(lds32(slice_of(buf, s, v) + 4u * r));
+                y = bits_to_f32<DT>(f32_to_bits<DT>(ys * ts));
+            }
+            sts32(slice_of(buf, s, 0) + 4u * r, __float_as_uint(y));
+            sts32(slice_of(buf, s, 1) + 4u * r, __float_as_uint(wt));
+        }
         __syncthreads();
         const int n = ((int)blockIdx.x + m * (int)gridDim.x) * kRowsPerUnit + (int)threadIdx.x;
         if (threadIdx.x < kRowsPerUnit) {
             float total = 0.0f;
-            for (int s = 0; s < slots; ++s) {
-                const long long e = expert_of(s);
-                if (e < 0) continue;
-                float ys = 0.0f;
-                for (int v = 0; v < min(NW, items); ++v) ys += __uint_as_float(lds32(slice_of(buf, s, v) + 4u * threadIdx.x));
-                const float y = bits_to_f32<DT>(f32_to_bits<DT>(ys * __ldg(tensor_scale + e)));
-                total = fmaf(load_routing_weight<DT, WT>(weights, s), y, total);
-            }
+            for (int s2 = 0; s2 < slots; ++s2)
+                total = fmaf(__uint_as_float(lds32(slice_of(buf, s2, 1) + 4u * threadIdx.x)),
+                             __uint_as_float(lds32(slice_of(buf, s2, 0) + 4u * threadIdx.x)), total);
             if (n < N) out[n] = f32_to_bits<DT>(total);
         }
     };

@@ -379,11 +379,20 @@ class DecodeConfig:
 # spill there); e.g. 8192->28672 K = 4 at M = 1 47.2 against 54.3 us with (16, 4, 2, 2, 1), and
 # the grouped expert launches of Mixtral / Qwen3-MoE shapes 10-30 % faster (the fit below). With
 # two fragments it would need more shared memory than an A100 block has (the reduction slots
-# double), so those keep two shapes.
+# double), so those keep two shapes. K = 3 and 4 also have a 64-row shape, 8 warps along K with two
+# items in flight (16, 8, 2, 2, 1), for layers of a few thousand rows that whole 32-row tiles would
+# put two to a block: on the collected H100 cases (`decode-plan-fit-h100.json`, evaluated with
+# `scripts/tune_decode_plan.py evaluate`) the plans come to 1.3 / 1.6 % above the fastest measured
+# choice at K = 3 / 4 (were 2.0 / 1.9 %; worst 9.4 / 12.7 %, were 17.2 / 12.8 %), e.g. 4096->6144 at
+# M = 1 and 4 about 10 % faster and 28672->8192 at K = 4 4 % slower; on an H200
+# (`decode-small-h200.md`) 2048->5120 at M = 1 takes 7.1 us in place of 8.6. Its K = 4 instances (pair
+# codes) spill on sm_90 (4-20 bytes, the grouped ones 56; K = 3 none): the timings include that.
 DECODE_CONFIGS: dict[tuple[int, int], tuple[DecodeConfig, ...]] = {
     (2, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1)),
-    (3, 1): (DecodeConfig(16, 16, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1)),
-    (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1)),
+    (3, 1): (DecodeConfig(16, 16, 2, 2, 1), DecodeConfig(16, 8, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1),
+             DecodeConfig(16, 1, 2, 2, 1)),
+    (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 8, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1),
+             DecodeConfig(16, 1, 2, 2, 1)),
     (5, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1), DecodeConfig(16, 1, 2, 1, 1)),
     (2, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
     (3, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
