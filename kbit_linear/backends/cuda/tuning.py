@@ -384,8 +384,9 @@ class DecodeConfig:
 # put two to a block: on the collected H100 cases (`decode-plan-fit-h100.json`, evaluated with
 # `scripts/tune_decode_plan.py evaluate`) the plans come to 1.3 / 1.6 % above the fastest measured
 # choice at K = 3 / 4 (were 2.0 / 1.9 %; worst 9.4 / 12.7 %, were 17.2 / 12.8 %), e.g. 4096->6144 at
-# M = 1 and 4 about 10 % faster and 28672->8192 at K = 4 4 % slower; on an H200
-# (`decode-small-h200.md`) 2048->5120 at M = 1 takes 7.1 us in place of 8.6. Its K = 4 instances (pair
+# M = 1 and 4 about 10 % faster and 28672->8192 at K = 4 4 % slower. Timed on an H200 before and after
+# (`small-calls-ab-h200.md`, one run): 2048->5120 8.6 -> 7.1 us (K = 4, M = 1), 4096->6144 12.5 -> 10.3,
+# 28672->8192 48.0 -> 43.9 (faster there too); the 2048- and 4096-column layers keep their shapes. Its K = 4 instances (pair
 # codes) spill on sm_90 (4-20 bytes, the grouped ones 56; K = 3 none): the timings include that.
 DECODE_CONFIGS: dict[tuple[int, int], tuple[DecodeConfig, ...]] = {
     (2, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1)),
