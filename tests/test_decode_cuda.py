@@ -634,6 +634,8 @@ def test_grid_may_overlap():
     assert loader.grid_may_overlap(300, 2, 132)  # more than one wave
     assert not loader.grid_may_overlap(128, 2, 132)  # free slots beside its own blocks
     assert not loader.grid_may_overlap(263, 2, 132)
+    assert loader.short_grid_may_overlap(132, 132)  # short blocks: up to one per SM, however many fit
+    assert not loader.short_grid_may_overlap(133, 132)
 
 
 def test_programmatic_launch_switch():
