@@ -191,7 +191,7 @@ kbit_token_gate_up(const u16* __restrict__ x, const long long* __restrict__ ids,
         }
         const long long e = expert_or_none(ids, p.s, experts);  // ids: in L1 already, read by load_item
         if (threadIdx.x == 0 && e >= 0) prefetch_l1(tensor_scale + e);
-        __syncthreads();
+        block_barrier();
         if (w == 0) {
             const float ts = e >= 0 ? __ldg(tensor_scale + e) : 0.0f;
             const int q = lane / kRowsPerUnit, r = lane % kRowsPerUnit;
@@ -337,7 +337,7 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
                 prefetch_l1(static_cast<const char*>(weights) + (size_t)s * (WT == KBIT_F32 ? 4 : 2));
             }
         }
-        __syncthreads();
+        block_barrier();
         if (pair) {
             // A slot without an expert leaves y = weight = 0: adding 0 * 0 keeps the row's sum as it
             // was, bit for bit (the sum starts at +0 and round-to-nearest never makes it -0).
@@ -353,7 +353,7 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
             sts32(slice_of(buf, s, 0) + 4u * r, __float_as_uint(y));
             sts32(slice_of(buf, s, 1) + 4u * r, __float_as_uint(wt));
         }
-        __syncthreads();
+        block_barrier();
         const int n = ((int)blockIdx.x + m * (int)gridDim.x) * kRowsPerUnit + (int)threadIdx.x;
         if (threadIdx.x < kRowsPerUnit) {
             float total = 0.0f;
