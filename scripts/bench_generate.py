@@ -2,7 +2,8 @@
 
 ``--arch qwen3-30b-a3b`` takes a Qwen3-30B-A3B-shaped mixture-of-experts model instead (hidden
 2048, 128 experts of 768 with 8 per token, 32/4 heads of 128, vocab 151936; ``--layers`` of its 48),
-so the kbit rows run ``KbitExperts``.
+so the kbit rows run ``KbitExperts``; ``--arch mixtral-8x7b`` a Mixtral-8x7B-shaped one (hidden 4096, 8
+experts of 14336 with 2 per token, 32/8 heads of 128, vocab 32000; ``--layers`` of its 32).
 
 For each model variant (bf16; kbit K = 2..5 through ``kbit_linear.quantize_model``; bitsandbytes
 NF4 when it imports) and batch size, a prompt of ``--prompt`` random tokens is prefilled and
@@ -94,11 +95,30 @@ def qwen3_moe_config(layers: int = 48) -> Any:
     return config
 
 
-ARCHS = {"llama3-8b": llama3_8b_config, "qwen3-30b-a3b": qwen3_moe_config}
+def mixtral_config(layers: int = 32) -> Any:
+    """A Mixtral-8x7B-shaped ``MixtralConfig`` (hidden 4096, 8 experts of 14336, top 2, 32/8 heads of
+    128, vocab 32000)."""
+    from transformers import MixtralConfig
+
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    config = MixtralConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=8192, rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
+        tie_word_embeddings=False,
+    )
+    config._experts_implementation = "grouped_mm"  # as for Qwen3 above
+    return config
+
+
+ARCHS = {"llama3-8b": llama3_8b_config, "qwen3-30b-a3b": qwen3_moe_config, "mixtral-8x7b": mixtral_config}
 ARCH_TEXT = {
     "llama3-8b": "Llama-3-8B-shaped model ({layers} layers, hidden 4096, MLP 14336, 32/8 heads, vocab 128256)",
     "qwen3-30b-a3b": "Qwen3-30B-A3B-shaped MoE model ({layers} layers, hidden 2048, 128 experts of 768, top 8, 32/4 heads "
                      "of 128, vocab 151936)",
+    "mixtral-8x7b": "Mixtral-8x7B-shaped MoE model ({layers} layers, hidden 4096, 8 experts of 14336, top 2, 32/8 heads "
+                    "of 128, vocab 32000)",
 }
 
 
