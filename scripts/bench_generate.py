@@ -543,6 +543,14 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
             notes.append(f"kbit rows absent: {why}")
             models = [m for m in models if not m.startswith("kbit")]
 
+    if args.inductor_pdl:
+        import torch._inductor.config as inductor_config
+
+        if hasattr(inductor_config.triton, "enable_pdl"):
+            inductor_config.triton.enable_pdl = True  # before the first compile: it shapes the generated kernels
+        else:
+            notes.append("--inductor-pdl: this torch has no torch._inductor.config.triton.enable_pdl; not applied")
+            args.inductor_pdl = False
     t_start = time.perf_counter()
     copy_gbps = bc.measure_copy_bandwidth(device)
     print(f"# {env['gpu']}: copy {copy_gbps:.0f} GB/s", flush=True)
@@ -553,7 +561,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
     def payload(complete: bool) -> dict[str, Any]:
         return {"env": env, "copy_gbps": copy_gbps, "rows": list(rows), "notes": list(notes),
                 "config": {"models": args.models, "batches": args.batches, "modes": args.modes, "prompt": args.prompt,
-                           "attn": args.attn,
+                           "attn": args.attn, "inductor_pdl": args.inductor_pdl,
                            "decode": args.decode, "layers": args.layers, "regions": args.regions, "arch": args.arch},
                 "progress": {"done": done, "planned": planned, "measured": len(rows), "complete": complete},
                 "wall_s": time.perf_counter() - t_start}
@@ -679,7 +687,9 @@ def report(payload: dict[str, Any]) -> str:
         + ". '= eager tokens': "
         "leading greedy tokens of the compiled loop identical to HF generate's for every sequence (rounding "
         "differs between the modes, so random-weight models may part after a while)."
-        + (f" Attention: transformers' `{cfg['attn']}` implementation in every variant." if cfg.get("attn") else ""), "",
+        + (f" Attention: transformers' `{cfg['attn']}` implementation in every variant." if cfg.get("attn") else "")
+        + (" Inductor's Triton kernels use programmatic dependent launch (`torch._inductor.config.triton.enable_pdl`) "
+           "in every variant." if cfg.get("inductor_pdl") else ""), "",
         table(payload), "",
     ]
     profiled = [r for r in payload["rows"] if r.get("profile")]
@@ -753,6 +763,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attn", default=None,
                    help="transformers attention implementation for every variant (default: transformers' own, sdpa); "
                         "e.g. flex_attention, whose GQA reads each key/value head once instead of expanding it per query head")
+    p.add_argument("--inductor-pdl", action="store_true",
+                   help="compile with torch._inductor.config.triton.enable_pdl (every variant): inductor's Triton kernels "
+                        "then start while the kernel before them finishes, as the kbit kernels do")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one eager decode step per variant and "
                    "(compiled mode) the GPU time of a compiled step by kernel family")
     p.add_argument("--json", help="write all rows and the environment as JSON")
