@@ -746,7 +746,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
                const u16* vs4, const u16* vz4, const int* p4, const u8* k8, const u8* v8, const u16* ks8, const u16* vs8,
                const int* p8, const u16* k_min, const u16* k_range, const int* __restrict__ rel, const int* rs2, const int* rs3, const int* rs4,
                const int* rs8, int C, int bs, const float* bias,
-               u16* logits, int LS, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int G, int Q, int S, int NB,
+               u16* logits, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int G, int Q, int S, int NB,
                int nblk, int kbps, int splits, float scale_log2) {
     using SM = Smem<D>;
     constexpr int KSTEPS = D / 16;
@@ -822,7 +822,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         ri.ok[rr] = r < nrows;
         ri.qi[rr] = rg % Q;
         ri.limit[rr] = S - Q + ri.qi[rr];
-        ri.logits[rr] = logits != nullptr && ri.ok[rr] ? logits + (R0 + r) * LS : nullptr;
+        ri.logits[rr] = logits != nullptr && ri.ok[rr] ? logits + (R0 + r) * S : nullptr;
         ri.bias[rr] = bias != nullptr ? bias + ((size_t)b * Q + ri.qi[rr]) * S : nullptr;
     }
 
@@ -944,7 +944,6 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
     const size_t R = blockIdx.x;
     const int tid = threadIdx.x;
     grid_dependency_wait();
-    allow_dependent_launch();  // the mass kernel (short grids) may start; it waits for this grid to finish
     if (tid < 32) {
         float mx = KBIT_NEG_INF;
         for (int s = tid; s < splits; s += 32) mx = fmaxf(mx, part_ml[(R * splits + s) * 2]);
@@ -1005,29 +1004,15 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
 }
 
 // ---------------------------------------------------------------------------------------
-// kbit_kv_mass: grid ceil(S / kMassSpan) * B (one-dimensional, for programmatic launch), 128
-// threads, rows * 8 + kMassPartials bytes of shared memory.
+// kbit_kv_mass: grid (ceil(S / 128), B), 128 threads, rows * 8 bytes of shared memory.
 // mass[b][p] = sum over the row's Hq * Q query rows of 2^(logit - M) / L (rows with L = 0 add 0).
-// The logits rows are LS apart, LS a multiple of 8, so each lane reads 8 positions of a row with
-// one 16-byte load (positions S..LS-1 hold garbage; their sums are never stored):
-//
-//   block: positions [kMassSpan * x, + kMassSpan) of batch row b
-//   warp w:  rows w, w + 4, ...      lane l: positions 8l .. 8l + 7 of the span
-//   the four warps' partial sums meet in shared memory; warp 0 adds them and stores.
 // ---------------------------------------------------------------------------------------
-constexpr int kMassThreads = 128;
-constexpr int kMassWarps = kMassThreads / 32;
-constexpr int kMassSpan = 8 * 32;  // positions per block
-constexpr int kMassPartials = (kMassWarps - 1) * kMassSpan * 4;  // bytes: warps 1.. hand their sums to warp 0
+constexpr int kMassThreads = 128;  // small blocks: short contexts still spread over many SMs
 
 extern "C" __global__ void __launch_bounds__(kMassThreads)
-kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float* __restrict__ mass, int rows, int S, int LS) {
-    extern __shared__ float4 mass_smem[];
-    float* row_ml = reinterpret_cast<float*>(mass_smem);  // [rows][2]: max, 1 / sum (0 when the sum is 0)
-    float* partial = row_ml + 2 * rows;                    // [kMassWarps - 1][8][32]: warp, position in the lane's 8, lane
-    const int spans = (S + kMassSpan - 1) / kMassSpan;
-    const int b = blockIdx.x / spans, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int p0 = (blockIdx.x - b * spans) * kMassSpan + 8 * lane;
+kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float* __restrict__ mass, int rows, int S) {
+    extern __shared__ float row_ml[];  // [rows][2]: max, 1 / sum (0 when the sum is 0)
+    const int b = blockIdx.y, p = blockIdx.x * kMassThreads + threadIdx.x;
     grid_dependency_wait();
     for (int r = threadIdx.x; r < rows; r += kMassThreads) {
         const float mx = ml[((size_t)b * rows + r) * 2], sum = ml[((size_t)b * rows + r) * 2 + 1];
@@ -1035,35 +1020,15 @@ kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float
         row_ml[2 * r + 1] = sum > 0.f ? 1.f / sum : 0.f;
     }
     __syncthreads();
-    float acc[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] = 0.f;
-    if (p0 < S) {
-        // every valid row wrote every position's logit; a row without mass (inv = 0) is skipped
-        // by the select, not by a branch, so that the unrolled loads are all in flight at once
-#pragma unroll 4
-        for (int r = warp; r < rows; r += kMassWarps) {
-            const float inv = row_ml[2 * r + 1], mx = row_ml[2 * r];
-            const uint4 u = *reinterpret_cast<const uint4*>(logits + ((size_t)b * rows + r) * LS + p0);
-            const u32 w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float x = bits_to_f32<KBIT_F16>((u16)(j & 1 ? w[j >> 1] >> 16 : w[j >> 1] & 0xffffu));
-                acc[j] += inv > 0.f ? fast_exp2(x - mx) * inv : 0.f;
-            }
-        }
+    if (p >= S) return;
+    float acc = 0.f;
+    // every valid row wrote every position's logit; a row without mass (inv = 0) is skipped by
+    // the select, not by a branch, so that the unrolled loads are all in flight at once
+#pragma unroll 16
+    for (int r = 0; r < rows; ++r) {
+        const float inv = row_ml[2 * r + 1];
+        const float x = bits_to_f32<KBIT_F16>(logits[((size_t)b * rows + r) * S + p]);
+        acc += inv > 0.f ? fast_exp2(x - row_ml[2 * r]) * inv : 0.f;
     }
-    if (warp > 0) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) partial[((warp - 1) * 8 + j) * 32 + lane] = acc[j];
-    }
-    __syncthreads();
-    if (warp > 0 || p0 >= S) return;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        float sum = acc[j];
-#pragma unroll
-        for (int v = 0; v < kMassWarps - 1; ++v) sum += partial[(v * 8 + j) * 32 + lane];
-        if (p0 + j < S) mass[(size_t)b * S + p0 + j] = sum;
-    }
+    mass[(size_t)b * S + p] = acc;
 }

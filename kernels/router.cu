@@ -21,13 +21,11 @@
 //
 // Each warp's partial sums meet in shared memory; warp 0 adds them and writes the logits.
 // The block that finishes last (each block adds one to `counter` after its logits are visible)
-// reads every logit back from L2 and picks the top k, the whole block on one token at a time:
-// thread i holds experts i, i + 128, ... (P of them, E <= 128 P) and ranks each against every
-// key in shared memory (rank = the experts ahead of it: a larger logit by order_key, NaN first
-// and -0 = +0, or the same key and a lower expert); the experts of rank < k are the choice, in
-// rank order. Every thread counts at once, where k rounds of a warp arg-max would wait on k
-// chains of shuffles. It leaves `counter` at zero, so the same counter serves every launch on a
-// stream (and a CUDA graph's replays).
+// reads every logit back from L2 and picks the top k, one warp per token: lane l holds experts
+// l, l + 32, ... (P of them, E <= 32 P); k rounds of a warp arg-max (larger logit by order_key,
+// NaN first and -0 = +0, then lower expert) take the winners out, lane i keeping the i-th. It
+// leaves `counter` at zero, so the same counter serves every launch on a stream (and a CUDA
+// graph's replays).
 #include "common.cuh"
 
 namespace kbit {
@@ -113,98 +111,91 @@ KBIT_DEVICE int order_key(float f) {
     return b >= 0 ? b : b == (int)0x80000000 ? 0 : b ^ 0x7fffffff;  // -0 ties with +0, as the floats compare
 }
 
-// What the top-k phase keeps in shared memory, for one token at a time.
+// The lane's best open candidate among its P experts (lane + 32 i), ties to the lower i: a tree of
+// compares, log2 P deep, so that the one warp doing a round waits on few dependent steps.
 template <int P>
-struct TopK {
-    int key[kThreads * P];  // order_key of each expert, kNone past E
-    float chosen_l[32];     // the logit of the expert of rank r < top_k
-    int chosen_e[32];       // and the expert
-    float red[kWarps];      // the warps' partial max / sum
-};
-
-constexpr int kNone = (int)0x80000000;  // below every order_key: past the last expert
-
-// The block's max (NaN skipped) or sum of one value per thread; every thread gets it.
-template <bool MAX, int P>
-KBIT_DEVICE float block_reduce(float v, TopK<P>& sm, int warp, int lane) {
+KBIT_DEVICE void lane_best(const int (&key)[P], const float (&l)[P], int& best_key, int& best_i, float& best_l) {
+    int k[P], ix[P];
+    float v[P];
 #pragma unroll
-    for (int d = 16; d; d >>= 1) {
-        const float o = __shfl_xor_sync(0xffffffffu, v, d);
-        v = MAX ? fmaxf(v, o) : v + o;
+    for (int i = 0; i < P; ++i) k[i] = key[i], ix[i] = i, v[i] = l[i];
+#pragma unroll
+    for (int span = 1; span < P; span *= 2) {
+#pragma unroll
+        for (int i = 0; i + span < P; i += 2 * span) {
+            if (k[i + span] > k[i]) k[i] = k[i + span], ix[i] = ix[i + span], v[i] = v[i + span];  // strict: lower i on a tie
+        }
     }
-    if (lane == 0) sm.red[warp] = v;
-    __syncthreads();
-    v = sm.red[0];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) v = MAX ? fmaxf(v, sm.red[w]) : v + sm.red[w];
-    __syncthreads();  // red is free for the next reduction
-    return v;
+    best_key = k[0], best_i = ix[0], best_l = v[0];
 }
 
-// Softmax and top-k of token t's logits, by the whole block. The experts are picked by logit
-// (the probabilities' order, without the ties that underflow of the exponentials makes), their
-// probabilities taken from the softmax (NaN for every expert of a row with a NaN or +inf logit,
-// or all -inf, as in the reference; one -inf among finite logits is a probability of 0).
+// Softmax and top-k of token t's logits, by one warp; lane l holds experts l, l + 32, ... (P of
+// them). The experts are picked by logit (the probabilities' order, without the ties that
+// underflow of the exponentials makes), their probabilities taken from the softmax (NaN for
+// every expert of a row with a NaN or +inf logit, or all -inf, as in the reference; one -inf
+// among finite logits is a probability of 0).
 template <int DT, bool SCORES_F32, int P>
 KBIT_DEVICE void top_k_of_token(const void* logits, void* scores, long long* index, int t, int E, int top_k, bool normalize,
-                                TopK<P>& sm, int warp, int lane) {
+                                int lane) {
+    constexpr int kNone = (int)0x80000000;  // below every order_key: no expert, or one chosen already
     float l[P];
     int key[P];
     float m = KBIT_NEG_INF;
 #pragma unroll
     for (int i = 0; i < P; ++i) {
-        const int e = threadIdx.x + kThreads * i;
+        const int e = lane + 32 * i;
         l[i] = e < E ? load_from_l2<DT>(logits, (size_t)t * E + e) : KBIT_NEG_INF;
         key[i] = e < E ? order_key(l[i]) : kNone;
-        sm.key[e] = key[i];
         m = fmaxf(m, l[i]);  // skips NaN: a NaN logit still makes the sum below NaN, so every score is NaN
     }
-    m = block_reduce<true>(m, sm, warp, lane);  // its barrier also publishes the keys
+#pragma unroll
+    for (int d = 16; d; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < P; ++i) s += threadIdx.x + kThreads * i < E ? expf(l[i] - m) : 0.f;
-    s = block_reduce<false>(s, sm, warp, lane);
+    for (int i = 0; i < P; ++i) s += lane + 32 * i < E ? expf(l[i] - m) : 0.f;
+    s = warp_sum(s);
 
-    // Rank: the keys ahead of expert e's are the larger ones, and the equal ones of lower experts
-    // (those are the keys above e's key minus one; a real key is far above the int minimum, so
-    // the subtraction cannot wrap).
-    const int words = (E + 3) / 4;
+    // Round r: the warp's best open expert goes to lane r. top_k <= E, so an open expert is
+    // always left, and its key is above kNone.
+    float mine_l = 0.f;
+    int mine_e = E;
+    for (int r = 0; r < top_k; ++r) {
+        int best, best_i;
+        float best_l;
+        lane_best<P>(key, l, best, best_i, best_l);
+        int best_e = best == kNone ? E : lane + 32 * best_i;
 #pragma unroll
-    for (int i = 0; i < P; ++i) {
-        const int e = threadIdx.x + kThreads * i;
-        if (e >= E) continue;
-        int rank = 0;
-        for (int w = 0; w < words; ++w) {
-            const int4 k4 = reinterpret_cast<const int4*>(sm.key)[w];
-            rank += k4.x > (4 * w < e ? key[i] - 1 : key[i]);
-            rank += k4.y > (4 * w + 1 < e ? key[i] - 1 : key[i]);
-            rank += k4.z > (4 * w + 2 < e ? key[i] - 1 : key[i]);
-            rank += k4.w > (4 * w + 3 < e ? key[i] - 1 : key[i]);
+        for (int d = 16; d; d >>= 1) {
+            const int other = __shfl_xor_sync(0xffffffffu, best, d);
+            const int other_e = __shfl_xor_sync(0xffffffffu, best_e, d);
+            if (other > best || (other == best && other_e < best_e)) best = other, best_e = other_e;
         }
-        if (rank < top_k) sm.chosen_l[rank] = l[i], sm.chosen_e[rank] = e;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const float mine_l = lane < top_k ? sm.chosen_l[lane] : 0.f;
-        const float mine = lane < top_k ? __fdiv_rn(expf(mine_l - m), s) : 0.f;
-        const float chosen = warp_sum(mine);
-        if (lane < top_k) {
-            const float v = normalize ? __fdiv_rn(mine, chosen) : mine;
-            const size_t at = (size_t)t * top_k + lane;
-            if constexpr (SCORES_F32) static_cast<float*>(scores)[at] = v;
-            else store_elem<DT>(scores, at, v);
-            index[at] = sm.chosen_e[lane];
+        // The winner is its own lane's best: that lane closes it and hands its logit to lane r.
+        const bool won_here = (best_e & 31) == lane;
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            if (won_here && i == best_i) key[i] = kNone;
         }
+        const float won = __shfl_sync(0xffffffffu, best_l, best_e & 31);
+        if (lane == r) mine_l = won, mine_e = best_e;
     }
-    __syncthreads();  // the keys and choices are free for the next token
+    const float mine = lane < top_k ? __fdiv_rn(expf(mine_l - m), s) : 0.f;
+    const float chosen = warp_sum(mine);
+    if (lane < top_k) {
+        const float v = normalize ? __fdiv_rn(mine, chosen) : mine;
+        const size_t at = (size_t)t * top_k + lane;
+        if constexpr (SCORES_F32) static_cast<float*>(scores)[at] = v;
+        else store_elem<DT>(scores, at, v);
+        index[at] = mine_e;
+    }
 }
 
 }  // namespace router
 }  // namespace kbit
 
 // ---------------------------------------------------------------------------------------
-// kbit_router_top_k<DT, SCORES_F32, P>: grid E, 128 threads; P experts per thread in the top-k
-// phase (E <= 128 P <= 512).
+// kbit_router_top_k<DT, SCORES_F32, P>: grid E, 128 threads; P experts per lane in the top-k
+// phase (a power of two, E <= 32 P <= 512).
 // ---------------------------------------------------------------------------------------
 template <int DT, bool SCORES_F32, int P>
 __global__ void __launch_bounds__(kbit::router::kThreads)
@@ -212,7 +203,6 @@ kbit_router_top_k(const void* __restrict__ x, const void* __restrict__ w, void* 
                   long long* __restrict__ index, int* __restrict__ counter, int T, int H, int E, int top_k, int normalize) {
     using namespace kbit::router;
     __shared__ float partial[kWarps][kTokens];
-    __shared__ __align__(16) TopK<P> top;
     __shared__ int is_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // Launched as a programmatic dependent where the grid fits on the SMs at once: x (and the
@@ -232,6 +222,6 @@ kbit_router_top_k(const void* __restrict__ x, const void* __restrict__ w, void* 
     }
     __syncthreads();
     if (!is_last) return;
-    for (int t = 0; t < T; ++t) top_k_of_token<DT, SCORES_F32, P>(logits, scores, index, t, E, top_k, normalize != 0, top, warp, lane);
+    for (int t = warp; t < T; t += kWarps) top_k_of_token<DT, SCORES_F32, P>(logits, scores, index, t, E, top_k, normalize != 0, lane);
     if (threadIdx.x == 0) *counter = 0;
 }

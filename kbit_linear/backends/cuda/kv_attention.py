@@ -34,20 +34,17 @@ MAX_SPLIT_KEY_BLOCKS = 256
 _OFFSET_THREADS = 1024
 _COMBINE_THREADS = 128
 _MASS_THREADS = 128
-_MASS_SPAN = 256  # positions per mass block (kMassSpan)
-_MASS_PARTIALS = (_MASS_THREADS // 32 - 1) * _MASS_SPAN * 4  # bytes of the mass block's hand-over of partial sums (kMassPartials)
-_LOGIT_ALIGN = 8  # logits rows are a multiple of this many positions apart: the mass kernel reads 16 bytes at a time
 _LOG2E = 1.4426950408889634
 
 _OFFSETS_ARGS = loader.ArgPack("kbit_kv_offsets", "tier:p rel:p S:i C:i bs:i")
 _DECODE_ARGS = loader.ArgPack(
     "kbit_kv_decode",
     "q:p k2:p v2:p vs2:p vz2:p p2:p k3:p v3:p vs3:p vz3:p p3:p k4:p v4:p vs4:p vz4:p p4:p k8:p v8:p ks8:p vs8:p p8:p "
-    "k_min:p k_range:p rel:p rs2:p rs3:p rs4:p rs8:p C:i bs:i bias:p logits:p LS:i part_acc:p part_ml:p H:i G:i Q:i S:i NB:i nblk:i "
+    "k_min:p k_range:p rel:p rs2:p rs3:p rs4:p rs8:p C:i bs:i bias:p logits:p part_acc:p part_ml:p H:i G:i Q:i S:i NB:i nblk:i "
     "kbps:i splits:i "
     "scale_log2:f")
 _COMBINE_ARGS = loader.ArgPack("kbit_kv_combine", "part_acc:p part_ml:p out:p ml:p Hq:i Q:i D:i splits:i")
-_MASS_ARGS = loader.ArgPack("kbit_kv_mass", "logits:p ml:p mass:p rows:i S:i LS:i")
+_MASS_ARGS = loader.ArgPack("kbit_kv_mass", "logits:p ml:p mass:p rows:i S:i")
 
 
 def _round16(n: int) -> int:
@@ -167,8 +164,7 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
 
     rel = _relative_offsets(tier, nb, block_size, kv_len, workspace)
     rs = [aligned16(bk.row_start) for bk in buckets]
-    logit_stride = (kv_len + _LOGIT_ALIGN - 1) // _LOGIT_ALIGN * _LOGIT_ALIGN
-    logits = torch.empty((b, hq, q_len, logit_stride), dtype=torch.float16, device=dev) if need_mass else None  # log2 units
+    logits = torch.empty((b, hq, q_len, kv_len), dtype=torch.float16, device=dev) if need_mass else None  # log2 units
     part_acc = torch.empty((b * hq * q_len, splits, d), dtype=torch.float32, device=dev)
     part_ml = torch.empty((b * hq * q_len, splits, 2), dtype=torch.float32, device=dev)
     t = {bk.bits: bk for bk in buckets}
@@ -184,7 +180,7 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
         k3=a(t[3].k), v3=a(t[3].v), vs3=a(t[3].v_scale), vz3=a(t[3].v_zero), p3=a(t[3].pos),
         k4=a(t[4].k), v4=a(t[4].v), vs4=a(t[4].v_scale), vz4=a(t[4].v_zero), p4=a(t[4].pos),
         k8=a(t[8].k), v8=a(t[8].v), ks8=a(t[8].k_scale), vs8=a(t[8].v_scale), p8=a(t[8].pos),
-        k_min=kmin, k_range=krange, rel=rel, rs2=rs[0], rs3=rs[1], rs4=rs[2], rs8=rs[3], C=nb, bs=block_size, bias=bias, logits=logits, LS=logit_stride, part_acc=part_acc, part_ml=part_ml,
+        k_min=kmin, k_range=krange, rel=rel, rs2=rs[0], rs3=rs[1], rs4=rs[2], rs8=rs[3], C=nb, bs=block_size, bias=bias, logits=logits, part_acc=part_acc, part_ml=part_ml,
         H=h, G=g, Q=q_len, S=kv_len, NB=nb, nblk=nblk, kbps=kbps, splits=splits, scale_log2=float(scaling) * _LOG2E),
         decode_smem_bytes(d), dev, pack=_DECODE_ARGS)
 
@@ -202,11 +198,9 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
         return out, None
     mass = torch.empty((b, kv_len), dtype=torch.float32, device=dev)
     kern = loader.get_kernel(_SOURCE, "kbit_kv_mass", dev)
-    mass_grid = math.ceil(kv_len / _MASS_SPAN) * b
-    _MASS_ARGS.launch(kern, mass_grid, hq * q_len * 8 + _MASS_PARTIALS, loader._current_raw_stream(kern.device_index),
-                      _MASS_ARGS.Values(logits=logits.data_ptr(), ml=ml.data_ptr(), mass=mass.data_ptr(), rows=hq * q_len,
-                                        S=kv_len, LS=logit_stride),
-                      threads=_MASS_THREADS, programmatic=loader.short_grid_may_overlap(mass_grid, props.sm_count))
+    loader.launch(kern, (math.ceil(kv_len / _MASS_THREADS), b), _MASS_THREADS,
+                  _MASS_ARGS.Values(logits=logits, ml=ml, mass=mass, rows=hq * q_len, S=kv_len), hq * q_len * 8, dev,
+                  pack=_MASS_ARGS)
     return out, mass
 
 

@@ -19,32 +19,32 @@ from .tensors import DTYPE_CODES, aligned16
 
 __all__ = ["MAX_EXPERTS", "MAX_TOP_K", "router_instances", "router_top_k_cuda"]
 
-_THREADS = 128  # kThreads: one block per expert
-EXPERTS_PER_THREAD = (1, 2, 4)
-"""The instances' experts per thread in the top-k phase (``P`` in ``router.cu``): a call takes the
-smallest that holds its experts, as each thread ranks all ``P`` of its experts against all."""
-MAX_EXPERTS = _THREADS * EXPERTS_PER_THREAD[-1]
-"""Most experts the kernel takes (a block's threads x the largest of :data:`EXPERTS_PER_THREAD`)."""
+EXPERTS_PER_LANE = (1, 2, 4, 8, 16)
+"""The instances' experts per lane in the top-k phase (``P`` in ``router.cu``): a call takes the
+smallest that holds its experts, as each round of the top-k scans all ``P`` of a lane."""
+MAX_EXPERTS = 32 * EXPERTS_PER_LANE[-1]
+"""Most experts the kernel takes (32 lanes x the largest of :data:`EXPERTS_PER_LANE`)."""
 MAX_TOP_K = 32
 """Largest ``top_k`` the kernel takes (one chosen expert per lane)."""
 
 _SOURCE = "router.cu"
 _DT = DTYPE_CODES
+_THREADS = 128  # kThreads: one block per expert
 _ARGS = loader.ArgPack("kbit_router_top_k", "x:p w:p logits:p scores:p index:p counter:p T:i H:i E:i top_k:i normalize:i")
 
 
 def router_instances() -> list[str]:
     """Every instance of ``router.cu`` the backend can launch (name expressions)."""
-    return [_instance(dt, f, p) for dt in _DT.values() for f in (False, True) for p in EXPERTS_PER_THREAD]
+    return [_instance(dt, f, p) for dt in _DT.values() for f in (False, True) for p in EXPERTS_PER_LANE]
 
 
-def _instance(dt: int, scores_float: bool, per_thread: int) -> str:
-    return f"kbit_router_top_k<{dt}, {str(scores_float).lower()}, {per_thread}>"
+def _instance(dt: int, scores_float: bool, per_lane: int) -> str:
+    return f"kbit_router_top_k<{dt}, {str(scores_float).lower()}, {per_lane}>"
 
 
-def _per_thread(experts: int) -> int:
+def _per_lane(experts: int) -> int:
     """The smallest instance that holds ``experts`` (at most :data:`MAX_EXPERTS`)."""
-    return next(p for p in EXPERTS_PER_THREAD if _THREADS * p >= experts)
+    return next(p for p in EXPERTS_PER_LANE if 32 * p >= experts)
 
 
 def _takes(x: torch.Tensor, weight: torch.Tensor, top_k: int) -> bool:
@@ -72,7 +72,7 @@ def router_top_k_cuda(x: torch.Tensor, weight: torch.Tensor, top_k: int, normali
     index = torch.empty((t, top_k), dtype=torch.int64, device=dev)
     stream = loader._current_raw_stream(index_dev)
     _, counter = workspace.zeroed_scratch("router", index_dev, stream, 0, 1)  # the kernel leaves it at zero
-    kern = loader.get_kernel(_SOURCE, _instance(_DT[x.dtype], scores_float, _per_thread(experts)), dev)
+    kern = loader.get_kernel(_SOURCE, _instance(_DT[x.dtype], scores_float, _per_lane(experts)), dev)
     # one short block per expert
     programmatic = loader.short_grid_may_overlap(experts, loader.device_properties(index_dev).sm_count)
     xa, wa = aligned16(x), aligned16(weight)  # held until the launch is queued
