@@ -51,7 +51,7 @@ import inspect
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -315,6 +315,17 @@ def kernel_family(name: str) -> str:
     return "other"
 
 
+def _family_lines(per_kernel: Iterable[tuple[str, float]], total: float) -> list[str]:
+    """One line per :data:`KERNEL_FAMILIES` family, largest first: its microseconds per step summed
+    over ``per_kernel`` ((name, us per step) pairs), in ms and as a share of ``total`` us."""
+    fam: dict[str, float] = {}
+    for name, us in per_kernel:
+        family = kernel_family(name)
+        fam[family] = fam.get(family, 0.0) + us
+    return [f"  {us / 1e3:8.3f} ms {100 * us / max(total, 1e-9):5.1f} %  {family}"
+            for family, us in sorted(fam.items(), key=lambda kv: -kv[1])]
+
+
 def summarize_kernels(events: list[tuple[str, float, int]], steps: int, rows: int = 10) -> str:
     """A text table of GPU time per decode step: by family, then the top ``rows`` kernels.
 
@@ -324,13 +335,8 @@ def summarize_kernels(events: list[tuple[str, float, int]], steps: int, rows: in
         rows: kernels listed one by one.
     """
     total = sum(us for _, us, _ in events) / steps
-    fam: dict[str, float] = {}
-    for name, us, _ in events:
-        family = kernel_family(name)
-        fam[family] = fam.get(family, 0.0) + us / steps
     lines = [f"  GPU time per step {total / 1e3:.3f} ms (kernels in the graph, summed)"]
-    for family, us in sorted(fam.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {us / 1e3:8.3f} ms {100 * us / max(total, 1e-9):5.1f} %  {family}")
+    lines += _family_lines(((name, us / steps) for name, us, _ in events), total)
     lines.append("  top kernels (ms per step, calls per step, name):")
     for name, us, calls in sorted(events, key=lambda e: -e[1])[:rows]:
         lines.append(f"  {us / steps / 1e3:8.3f} ms {calls // steps:5d}x  {name[:100]}")
@@ -362,11 +368,7 @@ def summarize_critical_path(spans: list[tuple[str, float, float]], steps: int, r
     wall = (last_end - spans[0][1]) / steps if spans else 0.0
     lines = [f"  wall time per step {wall / 1e3:.3f} ms from the first kernel's start to the last's end, of it "
              f"{idle / steps / 1e3:.3f} ms with no kernel running"]
-    fam: dict[str, float] = {}
-    for name, us in added.items():
-        fam[kernel_family(name)] = fam.get(kernel_family(name), 0.0) + us / steps
-    for family, us in sorted(fam.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {us / 1e3:8.3f} ms {100 * us / max(wall, 1e-9):5.1f} %  {family}")
+    lines += _family_lines(((name, us / steps) for name, us in added.items()), wall)
     lines.append("  kernels by added time (ms per step, name):")
     for name, us in sorted(added.items(), key=lambda kv: -kv[1])[:rows]:
         lines.append(f"  {us / steps / 1e3:8.3f} ms  {name[:100]}")

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bench_generate():
-    sys.path.insert(0, str(ROOT / "scripts"))
     spec = importlib.util.spec_from_file_location("bench_generate", ROOT / "scripts" / "bench_generate.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
