@@ -285,20 +285,31 @@ template <int BITS> struct TableWindows {
 // weight sits: its plane words and scale byte, and whether it exists (k-tile 2c + t/2 <
 // k_tiles; a missing one points into the last k-tile, so the address stays inside the weight).
 // The address is a sum of parts (words of the planes, bytes of the scales) that kernels walking
-// many blocks keep apart: the row group's (tile column rg / 8, rows 16 (rg % 8) on), the
-// chunk's (two k-tiles per chunk) and the lane's (k-tile t / 2 of the chunk, row g, block t % 2).
+// many blocks keep apart: the row group's (rows_words / rows_bytes: tile column rg / 8, rows
+// 16 (rg % 8) on) and the chunk's and lane's together (BlockAt::LaneChunks).
 template <int BITS> struct BlockAt {
     static constexpr u32 kTileWords = 256 * BITS, kTileBytes = 256;
     KBIT_DEVICE static u32 rows_words(int rg) { return (u32)(rg >> 3) * kTileWords + (u32)(rg & 7) * (32 * BITS); }
     KBIT_DEVICE static u32 rows_bytes(int rg) { return (u32)(rg >> 3) * kTileBytes + (u32)(rg & 7) * 32u; }
-    KBIT_DEVICE static u32 chunk_words(int n_tiles) { return 2u * (u32)n_tiles * kTileWords; }
-    KBIT_DEVICE static u32 chunk_bytes(int n_tiles) { return 2u * (u32)n_tiles * kTileBytes; }
-    KBIT_DEVICE static u32 lane_words(int t, int g, int n_tiles) {
-        return (u32)(t >> 1) * (u32)n_tiles * kTileWords + (u32)(2 * g + (t & 1)) * BITS;
-    }
-    KBIT_DEVICE static u32 lane_bytes(int t, int g, int n_tiles) {
-        return (u32)(t >> 1) * (u32)n_tiles * kTileBytes + (u32)(2 * g + (t & 1));
-    }
+
+    // This lane's part (k-tile t / 2 of the chunk, row g, block t % 2) and a chunk's (two k-tiles),
+    // computed once per kernel.
+    struct LaneChunks {
+        u32 lane_w, lane_a, chunk_w, chunk_a;
+        int t;
+        KBIT_DEVICE LaneChunks(int t_, int g, int n_tiles)
+            : lane_w((u32)(t_ >> 1) * (u32)n_tiles * kTileWords + (u32)(2 * g + (t_ & 1)) * BITS),
+              lane_a((u32)(t_ >> 1) * (u32)n_tiles * kTileBytes + (u32)(2 * g + (t_ & 1))),
+              chunk_w(2u * (u32)n_tiles * kTileWords), chunk_a(2u * (u32)n_tiles * kTileBytes), t(t_) {}
+        // Chunk c's and this lane's part of the address in w / a, and whether the block exists
+        // (false only for t >= 2 in a last, half chunk: then 0, an address inside the weight).
+        KBIT_DEVICE bool at(int c, int k_tiles, u32& w, u32& a) const {
+            const bool on = 2 * c + (t >> 1) < k_tiles;
+            w = on ? (u32)c * chunk_w + lane_w : 0u;
+            a = on ? (u32)c * chunk_a + lane_a : 0u;
+            return on;
+        }
+    };
 
     const u32* pw;
     const u8* pa;

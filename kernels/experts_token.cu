@@ -130,8 +130,7 @@ kbit_token_gate_up(const u16* __restrict__ x, const long long* __restrict__ ids,
     const int per = w < kc ? (kc - w + NW - 1) / NW : 0;  // this warp's chunks of a unit
     constexpr u32 kBuffer = NW * 2 * kRowsPerUnit * 4;  // bytes of one buffer
     using At = BlockAt<BITS>;
-    const u32 lane_w = At::lane_words(t, g, n_tiles), lane_a = At::lane_bytes(t, g, n_tiles);
-    const u32 chunk_w = At::chunk_words(n_tiles), chunk_a = At::chunk_bytes(n_tiles);
+    const typename At::LaneChunks lanes(t, g, n_tiles);
     // The next unit of the block is gridDim.x units on: ds slots and dj row groups further.
     const int ds = (int)gridDim.x / groups, dj = (int)gridDim.x - ds * groups;
 
@@ -164,8 +163,8 @@ kbit_token_gate_up(const u16* __restrict__ x, const long long* __restrict__ ids,
     // Loads of the item at p: gate and up row groups of its chunk.
     auto load_item = [&](Sub<BITS> (&d)[2], const Pos& p) {
         const long long e = expert_or_none(ids, p.s, experts);
-        const bool kon = 2 * p.c + (t >> 1) < k_tiles;  // false only for t >= 2 in a last, half chunk
-        const u32 cw = kon ? (u32)p.c * chunk_w + lane_w : 0u, ca = kon ? (u32)p.c * chunk_a + lane_a : 0u;
+        u32 cw, ca;
+        const bool kon = lanes.at(p.c, k_tiles, cw, ca);
         const long long eo = e < 0 ? 0 : e;
         const u32* ew = packed + eo * expert_words;
         const u8* ea = absmax + eo * expert_scales;
@@ -275,8 +274,7 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
     const int per = w < items ? (items - w + NW - 1) / NW : 0;
     const u32 buffer = (u32)(slots * NW * kRowsPerUnit) * 4u;  // bytes of one buffer
     using At = BlockAt<BITS>;
-    const u32 lane_w = At::lane_words(t, g, n_tiles), lane_a = At::lane_bytes(t, g, n_tiles);
-    const u32 chunk_w = At::chunk_words(n_tiles), chunk_a = At::chunk_bytes(n_tiles);
+    const typename At::LaneChunks lanes(t, g, n_tiles);
     auto expert_of = [&](int s) { return expert_or_none(ids, s, experts); };
     auto slice_of = [&](u32 buf, int s, int v) { return buf + (u32)((s * NW + v) * kRowsPerUnit) * 4u; };
     // Where the warp is in its sequence of items: unit m of the block (row group blockIdx.x +
@@ -309,8 +307,8 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
     auto load_item = [&](Sub<BITS>& d, const Pos& p) {
         const int j = (int)blockIdx.x + p.m * (int)gridDim.x;
         const long long e = expert_of(p.s), eo = e < 0 ? 0 : e;
-        const bool kon = 2 * p.c + (t >> 1) < k_tiles;  // false only for t >= 2 in a last, half chunk
-        const u32 cw = kon ? (u32)p.c * chunk_w + lane_w : 0u, ca = kon ? (u32)p.c * chunk_a + lane_a : 0u;
+        u32 cw, ca;
+        const bool kon = lanes.at(p.c, k_tiles, cw, ca);
         kbit_decode::load_sub<BITS>(d, packed + eo * expert_words + At::rows_words(j) + cw,
                                     absmax + eo * expert_scales + At::rows_bytes(j) + ca, e >= 0 && kon);
     };
