@@ -1,0 +1,347 @@
+"""KbitKVCache(replayable=True) (CPU): the 8-bit store and its in-place append, the in-place mass
+accumulation, and layers and models that give the default cache's results bit for bit while the
+store's tensors keep their addresses between two allocator runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kbit_linear import _kv_ops
+from kbit_linear.kv_cache import KbitKVCache, KbitKVLayer, ReplayableKVLayer
+from kbit_linear.kv_format import (
+    TIERS,
+    KVBucket,
+    KVStore8,
+    accumulate_mass,
+    append_tokens8,
+    append_tokens8_in_place,
+    causal_visible,
+    quantize_tokens,
+    visible_queries,
+)
+from test_kv_cache import _record_allocations, _tiny
+
+
+def _bucket8(counts: list[int], heads: int = 2, d: int = 64, seed: int = 0) -> KVBucket:
+    """An 8-bit bucket whose row ``r`` holds ``counts[r]`` random tokens at increasing positions below 50."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.cat([torch.full((n,), r) for r, n in enumerate(counts)]).long()
+    pos = torch.cat([torch.sort(torch.randperm(50, generator=g)[:n]).values for n in counts]).long()
+    n = rows.numel()
+    return quantize_tokens(torch.randn(n, heads, d, generator=g), torch.randn(n, heads, d, generator=g), 8, rows, pos, len(counts))
+
+
+def _entries(bucket: KVBucket) -> dict[str, torch.Tensor]:
+    """A bucket's entries as a set: every field and the row, sorted by (row, position)."""
+    rows = bucket.rows()
+    order = torch.argsort(rows * (1 << 32) + bucket.pos.long())
+    out = {name: val[order] for name, val in bucket.tensors().items() if name != "row_start"}
+    out["rows"] = rows[order]
+    return out
+
+
+def _assert_same_entries(a: KVBucket, b: KVBucket) -> None:
+    ea, eb = _entries(a), _entries(b)
+    assert ea.keys() == eb.keys()
+    for name, x in ea.items():
+        assert x.dtype == eb[name].dtype and torch.equal(x, eb[name]), name
+
+
+def _addresses(store: KVStore8) -> dict[str, int]:
+    return {name: t.data_ptr() for name, t in store.tensors().items()}
+
+
+# ---- the store -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("counts", [[0], [5], [5, 0, 7]], ids=str)
+def test_store_holds_the_bucket_with_room_in_its_fullest_row(counts: list[int]) -> None:
+    bucket = _bucket8(counts)
+    store = KVStore8.from_bucket(bucket, 3)
+    assert store.capacity == max(counts) + 3 and store.count.tolist() == counts and store.overflow.tolist() == [0]
+    assert store.k.shape == (len(counts) * store.capacity, 2, 64)
+    for r, n in enumerate(counts):  # row r's entries from r * capacity on
+        lo = int(bucket.row_start[r])
+        assert torch.equal(store.pos[r * store.capacity:r * store.capacity + n], bucket.pos[lo:lo + n])
+    back = store.bucket()
+    for name, x in bucket.tensors().items():
+        assert torch.equal(back.tensors()[name], x), name
+
+
+@pytest.mark.parametrize("q", [1, 4])
+@pytest.mark.parametrize("counts", [[6], [5, 0, 7]], ids=str)
+def test_in_place_append_equals_append_tokens8(q: int, counts: list[int]) -> None:
+    # the same codes, scales and positions as the growing bucket, at the same addresses, with the
+    # positions taken from the device length; keys in the model's layout (a strided view)
+    b, steps = len(counts), 3
+    bucket = _bucket8(counts)
+    store = KVStore8.from_bucket(bucket, steps * q)
+    before = _addresses(store)
+    length = torch.tensor([50], dtype=torch.int32)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        k = torch.randn(b, q, 2, 64, generator=g).transpose(1, 2)
+        v = torch.randn(b, 2, q, 64, generator=g, dtype=torch.float16)
+        bucket = append_tokens8(bucket, k, v, 50 + step * q)
+        _kv_ops.append_tokens8_in_place(store, k, v, length)
+        assert _addresses(store) == before
+        assert length.tolist() == [50 + (step + 1) * q] and store.count.tolist() == [n + (step + 1) * q for n in counts]
+        _assert_same_entries(store.bucket(), bucket)
+    assert store.overflow.tolist() == [0] and int(store.count.max()) == store.capacity
+
+
+@pytest.mark.parametrize("room", [0, 3])
+def test_an_append_that_does_not_fit_writes_nothing_and_sets_overflow(room: int) -> None:
+    store = KVStore8.from_bucket(_bucket8([2, 4]), room)
+    kept = {name: t.clone() for name, t in store.tensors().items()}
+    length = torch.tensor([50], dtype=torch.int32)
+    k = torch.randn(2, 2, 4, 64)
+    append_tokens8_in_place(store, k, k, length)  # room for 3 in the fullest row, not 4
+    assert store.overflow.tolist() == [1] and length.tolist() == [50]
+    for name, t in store.tensors().items():
+        if name != "overflow":
+            assert torch.equal(t, kept[name]), name
+    if room:
+        append_tokens8_in_place(store, k[:, :, :room], k[:, :, :room], length)
+        assert length.tolist() == [50 + room]
+    assert store.overflow.tolist() == [1]  # a later append that fits does not clear it
+
+
+def test_in_place_append_refuses_what_does_not_fit() -> None:
+    store = KVStore8.from_bucket(_bucket8([2, 4]), 4)
+    k, length = torch.randn(2, 2, 1, 64), torch.tensor([50], dtype=torch.int32)
+    with pytest.raises(ValueError, match="does not fit"):
+        _kv_ops.append_tokens8_in_place(store, k[:1], k[:1], length)
+    with pytest.raises(ValueError, match="k and v"):
+        _kv_ops.append_tokens8_in_place(store, k, k[..., :32], length)
+    with pytest.raises(ValueError, match="length"):
+        _kv_ops.append_tokens8_in_place(store, k, k, length.long())
+    store.count = store.count.long()
+    with pytest.raises(ValueError, match="count"):
+        _kv_ops.append_tokens8_in_place(store, k, k, length)
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_a_backend_takes_the_in_place_append_or_leaves_it_to_the_reference(monkeypatch: pytest.MonkeyPatch, taken: bool) -> None:
+    calls = []
+    monkeypatch.setattr(_kv_ops, "_append_in_place_backends", {})
+    _kv_ops.register_append_tokens8_in_place("cpu", lambda *args: calls.append(args) or taken)
+    store, length = KVStore8.from_bucket(_bucket8([2]), 1), torch.tensor([50], dtype=torch.int32)
+    k = torch.randn(1, 2, 1, 64)
+    _kv_ops.append_tokens8_in_place(store, k, k, length)
+    assert len(calls) == 1 and calls[0][0] is store
+    assert store.count.tolist() == [2 if taken else 3] and length.tolist() == [50 if taken else 51]
+
+
+# ---- mass ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_causal_visible_with_a_device_length_equals_visible_queries(q: int) -> None:
+    got = causal_visible(torch.tensor([9], dtype=torch.int32), q, 16)
+    assert torch.equal(got[:9], visible_queries(None, 1, q, 9)[0]) and not got[9:].any()
+
+
+def test_accumulate_mass_rounds_as_adding_into_views() -> None:
+    g = torch.Generator().manual_seed(0)
+    mass, seen = torch.rand(2, 16, generator=g), torch.rand(2, 16, generator=g) * 100
+    view_mass, view_seen = mass.clone(), seen.clone()
+    step_mass = torch.rand(2, 11, generator=g) / 3  # values whose sums round
+    step_seen = 4 * causal_visible(torch.tensor([11], dtype=torch.int32), 2, 16)
+    view_mass[:, :11] += step_mass
+    view_seen[:, :11] += 4 * visible_queries(None, 2, 2, 11)
+    kept = mass.clone(), seen.clone()
+    accumulate_mass(mass, seen, step_mass, step_seen, torch.tensor([False]))
+    assert torch.equal(mass, kept[0]) and torch.equal(seen, kept[1])
+    accumulate_mass(mass, seen, step_mass, step_seen, torch.tensor([True]))
+    assert torch.equal(mass, view_mass) and torch.equal(seen, view_seen)
+
+
+# ---- layers --------------------------------------------------------------------------------------
+
+class _Twins:
+    """A default and a replayable layer fed the same random tokens and queries (2 KV heads of 32
+    channels, 6 query heads; a left-padding mask when ``pad`` is given), checked equal after
+    every call."""
+
+    def __init__(self, batch: int, pad: list[int] | None, mass_interval: int = 1, kv_bits: float = 3) -> None:
+        kw = dict(window=6, sink_tokens=2, block_size=16, hysteresis=0.1, mass_interval=mass_interval)
+        self.layers = (KbitKVLayer(kv_bits, **kw), ReplayableKVLayer(kv_bits, **kw))
+        self.g = torch.Generator().manual_seed(batch * 10 + mass_interval)
+        self.batch, self.pad = batch, None if pad is None else torch.tensor(pad[:batch])
+
+    def step(self, q: int) -> None:
+        s = self.layers[0].seq_len
+        k, v = (torch.randn(self.batch, 2, q, 32, generator=self.g) for _ in range(2))
+        query = torch.randn(self.batch, 6, q, 32, generator=self.g)
+        mask = None
+        if self.pad is not None:
+            p, i = torch.arange(s + q), torch.arange(q).unsqueeze(1) + s
+            mask = ((p >= self.pad.view(-1, 1, 1)) & (p <= i)).unsqueeze(1)  # [B, 1, q, s + q]
+        outs = []
+        for layer in self.layers:
+            layer.update(k, v)
+            outs.append(layer.attend(query, mask, 32**-0.5))
+        assert torch.equal(outs[0], outs[1])
+        self.check()
+
+    def remap(self, how: str, rows: list[int]) -> None:
+        for layer in self.layers:
+            getattr(layer, how)(torch.tensor(rows))
+        self.batch = len(rows)
+        self.pad = None if self.pad is None else self.pad[rows]
+        self.check()
+
+    def check(self) -> None:
+        a, b = self.layers
+        assert (a.seq_len, a._alloc_len, a._decode_calls) == (b.seq_len, b._alloc_len, b._decode_calls)
+        assert b.device_seq_len.tolist() == [b.seq_len] and b.device_decode_calls.tolist() == [b._decode_calls]
+        for t in TIERS:
+            _assert_same_entries(a.buckets[t], b.buckets[t])
+        for name in ("tier", "mass", "seen", "k_block_min", "k_block_range"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("q", [1, 4])
+@pytest.mark.parametrize("batch,pad,mass_interval", [(1, None, 1), (3, None, 3), (3, [0, 5, 11], 1)],
+                         ids=["b1", "b3-interval3", "b3-padded"])
+def test_replayable_layer_equals_the_default_one(batch: int, pad: list[int] | None, mass_interval: int, q: int) -> None:
+    twins = _Twins(batch, pad, mass_interval)
+    twins.step(40)  # a prompt
+    for _ in range(70 // q):  # several allocations
+        twins.step(q)
+    assert int((twins.layers[1].tier[0] < 8).sum()) > 10  # tokens left 8 bits
+    for layer in twins.layers:
+        layer.crop(-5)
+    twins.check()
+    for _ in range(20 // q):
+        twins.step(q)
+    if batch > 1:
+        twins.remap("batch_select_indices", [2, 0])
+        twins.step(q)
+        twins.remap("reorder_cache", [1, 1])
+        for _ in range(20 // q):
+            twins.step(q)
+    twins.step(24)  # a prompt chunk after decode steps
+    twins.step(q)
+
+
+@pytest.mark.parametrize("q", [1, 3])
+def test_store_and_columns_keep_their_addresses_until_the_allocator_runs(q: int) -> None:
+    layer = ReplayableKVLayer(3, window=6, sink_tokens=2, block_size=16, hysteresis=0.1)
+    calls = _record_allocations(layer)
+    g = torch.Generator().manual_seed(q)
+
+    def feed(n: int) -> None:
+        layer.update(torch.randn(2, 2, n, 32, generator=g), torch.randn(2, 2, n, 32, generator=g))
+        layer.attend(torch.randn(2, 4, n, 32, generator=g), None, 32**-0.5)
+
+    def addresses() -> dict[str, int]:
+        held = {name: getattr(layer, name).data_ptr() for name in ("tier", "mass", "seen", "device_seq_len", "device_decode_calls")}
+        return held | _addresses(layer._store)
+
+    feed(40)
+    epochs = []
+    for _ in range(150 // q):
+        steps, runs = layer.steps_until_allocation(q), len(calls)
+        if steps == 0:
+            assert layer._room == 0  # the store is full when the allocator runs
+        feed(q)
+        assert len(calls) == runs + (steps == 0)  # the allocator ran exactly when announced
+        if steps == 0 or not epochs:
+            epochs.append(addresses())
+        assert addresses() == epochs[-1]
+        store = layer._store
+        assert store.overflow.tolist() == [0] and int(store.count.max()) + layer._room == store.capacity
+        assert layer._spare["tier"][0].shape[1] % 16 == 0
+    assert len(epochs) >= 5 and calls[-1] > 100
+
+
+def test_a_device_length_off_the_host_one_is_found_when_the_epoch_ends() -> None:
+    layer = ReplayableKVLayer(3, window=6, sink_tokens=2, block_size=16, hysteresis=0.1)
+    layer.update(torch.randn(1, 2, 10, 32), torch.randn(1, 2, 10, 32))
+    layer.device_seq_len += 1
+    with pytest.raises(RuntimeError, match="length 11"):
+        layer.crop(-2)
+
+
+def test_nbytes_counts_the_store_capacity() -> None:
+    layer = ReplayableKVLayer(3, window=6, sink_tokens=2, block_size=16, hysteresis=0.1)
+    layer.update(torch.randn(2, 2, 10, 32), torch.randn(2, 2, 10, 32))
+    store = layer._store
+    assert store.capacity > 10
+    assert layer.nbytes_by_kind()["payload"] == store.k.nbytes + store.v.nbytes
+
+
+# ---- models --------------------------------------------------------------------------------------
+
+def _caches(model, **kw) -> tuple[KbitKVCache, KbitKVCache]:
+    kw = dict(kv_bits=3, window=4, sink_tokens=1, block_size=8, mass_interval=2) | kw
+    return KbitKVCache(model.config, **kw), KbitKVCache(model.config, replayable=True, **kw)
+
+
+def _assert_same_caches(a: KbitKVCache, b: KbitKVCache) -> None:
+    for la, lb in zip(a.layers, b.layers):
+        assert isinstance(lb, ReplayableKVLayer) and not isinstance(la, ReplayableKVLayer)
+        for t in TIERS:
+            _assert_same_entries(la.buckets[t], lb.buckets[t])
+        for name in ("tier", "mass", "seen"):
+            assert torch.equal(getattr(la, name), getattr(lb, name)), name
+
+
+def test_model_decode_crop_and_batch_edits_equal_the_default_cache() -> None:
+    model = _tiny("llama")
+    caches = _caches(model)
+    runs = _record_allocations(caches[1].layers[0])
+    ids = torch.randint(3, 128, (3, 90), generator=torch.Generator().manual_seed(0))
+    am = torch.ones_like(ids)
+    am[1, :4] = 0  # left padding
+    with torch.no_grad():
+        def forward(lo: int, hi: int) -> None:
+            outs = [model(ids[:, lo:hi], attention_mask=am[:, :hi], past_key_values=c).logits for c in caches]
+            assert torch.equal(outs[0], outs[1])
+            _assert_same_caches(*caches)
+
+        forward(0, 20)
+        for t in range(20, 60):
+            steps, before = caches[1].steps_until_allocation(1), len(runs)
+            forward(t, t + 1)
+            assert len(runs) == before + (steps == 0)
+        assert len(runs) >= 4
+        for c in caches:
+            c.crop(-5)
+        forward(55, 70)  # a chunk of 15 queries: decode-size attention
+        for c in caches:
+            c.batch_select_indices(torch.tensor([2, 1]))
+        ids, am = ids[[2, 1]], am[[2, 1]]
+        for t in range(70, 90):
+            forward(t, t + 1)
+
+
+def test_beam_search_equals_the_default_cache() -> None:
+    model = _tiny("llama")
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=24, do_sample=False, num_beams=3, pad_token_id=0, output_scores=True,
+              return_dict_in_generate=True)
+    caches = _caches(model)
+    outs = [model.generate(ids, past_key_values=c, **kw) for c in caches]
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert all(torch.equal(x, y) for x, y in zip(outs[0].scores, outs[1].scores))
+    _assert_same_caches(*caches)
+
+
+def test_steps_until_allocation_needs_agreeing_layers() -> None:
+    cache = KbitKVCache(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=2), block_size=16,
+                        replayable=True)
+    assert cache.steps_until_allocation(1) == 16 and cache.steps_until_allocation(3) == 6
+    cache.layers[0].update(torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32))
+    with pytest.raises(RuntimeError, match=r"\[11, 16\]"):
+        cache.steps_until_allocation(1)
+    with pytest.raises(ValueError, match="q"):
+        cache.steps_until_allocation(0)
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_replayable_must_be_a_bool(bad) -> None:
+    with pytest.raises(ValueError, match="replayable"):
+        KbitKVCache(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1), replayable=bad)
