@@ -132,8 +132,25 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], nb // bits * 8)
 
 
+class _TensorFields:
+    """What a dataclass of tensors (a bucket, a store) says about its fields."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor held, by field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, split into ``payload`` (k, v), ``scales`` and ``metadata`` (row starts or
+        counts, positions)."""
+        out = {"payload": 0, "scales": 0, "metadata": 0}
+        for name, t in self.tensors().items():
+            kind = "payload" if name in ("k", "v") else "scales" if name in ("k_scale", "v_scale", "v_zero") else "metadata"
+            out[kind] += t.numel() * t.element_size()
+        return out
+
+
 @dataclass
-class KVBucket:
+class KVBucket(_TensorFields):
     """The tokens of one layer stored at one width (layout in the module docstring)."""
 
     bits: int
@@ -150,14 +167,6 @@ class KVBucket:
         """Entries in the bucket (tokens times batch rows)."""
         return int(self.pos.shape[0])
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor the bucket holds, by field name."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
-
-    def nbytes(self) -> dict[str, int]:
-        """Bytes held, split into ``payload`` (k, v), ``scales`` and ``metadata`` (row_start, pos)."""
-        return _nbytes_by_kind(self.tensors())
-
     def rows(self) -> torch.Tensor:
         """int64 ``[n]``: the batch row of every entry (expanded from ``row_start``)."""
         counts = (self.row_start[1:] - self.row_start[:-1]).to(torch.int64)
@@ -172,24 +181,15 @@ class KVBucket:
                         torch.zeros(0, dtype=torch.int32, device=device), **z)
 
 
-def _nbytes_by_kind(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Bytes of a bucket's or store's tensors as ``payload`` (k, v), ``scales`` and ``metadata`` (the rest)."""
-    out = {"payload": 0, "scales": 0, "metadata": 0}
-    for name, t in tensors.items():
-        kind = "payload" if name in ("k", "v") else "scales" if name in ("k_scale", "v_scale", "v_zero") else "metadata"
-        out[kind] += t.numel() * t.element_size()
-    return out
-
-
 _ENTRY8_DTYPES = {"k": torch.int8, "v": torch.int8, "k_scale": torch.float16, "v_scale": torch.float16,
                   "pos": torch.int32}  # an 8-bit entry's tensors (the tables above): a store's per-entry fields
 
 
 @dataclass
-class KVStore8:
+class KVStore8(_TensorFields):
     """A layer's 8-bit tokens with room for ``capacity`` entries per batch row, appended in place
     (layout in the module docstring): row ``b``'s entries, sorted by position, start at
-    ``b * capacity``; ``count`` says how many there are."""
+    ``b * capacity``; ``count`` says how many there are. ``nbytes()`` counts the whole capacity."""
 
     capacity: int
     count: torch.Tensor
@@ -199,14 +199,6 @@ class KVStore8:
     v: torch.Tensor
     k_scale: torch.Tensor
     v_scale: torch.Tensor
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor the store holds, by field name."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
-
-    def nbytes(self) -> dict[str, int]:
-        """Bytes held (the whole capacity), as :meth:`KVBucket.nbytes` splits them."""
-        return _nbytes_by_kind(self.tensors())
 
     @staticmethod
     def from_bucket(bucket: KVBucket, room: int) -> "KVStore8":
