@@ -97,7 +97,7 @@ def test_an_append_that_does_not_fit_writes_nothing_and_sets_overflow(room: int)
     kept = {name: t.clone() for name, t in store.tensors().items()}
     length = torch.tensor([50], dtype=torch.int32)
     k = torch.randn(2, 2, 4, 64)
-    append_tokens8_in_place(store, k, k, length)  # room for 3 in the fullest row, not 4
+    append_tokens8_in_place(store, k, k, length)  # 4 tokens: more than the fullest row has room for
     assert store.overflow.tolist() == [1] and length.tolist() == [50]
     for name, t in store.tensors().items():
         if name != "overflow":
