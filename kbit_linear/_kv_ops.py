@@ -5,7 +5,7 @@ tokens into the 8-bit bucket) and :func:`append_tokens8_in_place` (into a replay
 8-bit store) run the reference of :mod:`kbit_linear.kv_format` (the spec) unless a backend
 registered a faster implementation for the inputs' device type; the CUDA backend registers its
 kernels on import (:mod:`kbit_linear.backends.cuda.kv_attention`,
-:mod:`kbit_linear.backends.cuda.kv_append`), none for the in-place append yet. A backend returns
+:mod:`kbit_linear.backends.cuda.kv_append`, which has both appends). A backend returns
 ``None`` (``False`` for the in-place append) for a problem it does not take (a head size it has
 no instance for), which falls back to the reference.
 """

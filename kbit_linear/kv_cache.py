@@ -657,11 +657,12 @@ class ReplayableKVLayer(KbitKVLayer):
 
     ``buckets`` stays readable: while the store holds the 8-bit tokens it is a read-only
     snapshot whose 8-bit bucket is a compacted copy of the store. Decode attention reads that
-    copy, and the append and the mass accumulation run the PyTorch references
-    (:func:`~kbit_linear.kv_format.append_tokens8_in_place`,
-    :func:`~kbit_linear.kv_format.accumulate_mass`) on every device, CUDA included: no kernel
-    reads the store yet, so a step on a GPU works but is not capture-safe (the copy reads the
-    row counts on the host), and it computes the mass on every step.
+    copy, and the mass accumulation runs the PyTorch reference
+    (:func:`~kbit_linear.kv_format.accumulate_mass`) on every device; the append is
+    :func:`kbit_linear._kv_ops.append_tokens8_in_place` (a kernel on CUDA, the reference
+    elsewhere). No attention kernel reads the store yet, so a step on a GPU works but is not
+    capture-safe (the copy reads the row counts on the host), and it computes the mass on every
+    step.
     """
 
     _store: KVStore8 | None = None  # the open store (None between epochs)
