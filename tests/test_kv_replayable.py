@@ -134,6 +134,34 @@ def test_a_backend_takes_the_in_place_append_or_leaves_it_to_the_reference(monke
     assert store.count.tolist() == [2 if taken else 3] and length.tolist() == [50 if taken else 51]
 
 
+def test_the_cuda_kernel_takes_the_in_place_append_of_cuda_tensors_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kbit_linear.backends.cuda import kv_append
+
+    assert _kv_ops._append_in_place_backends.get("cuda") is kv_append.append_tokens8_in_place_cuda
+    assert "cpu" not in _kv_ops._append_in_place_backends
+    monkeypatch.setitem(_kv_ops._append_in_place_backends, "cuda", lambda *args: pytest.fail("the CUDA launcher got CPU tensors"))
+    store, length = KVStore8.from_bucket(_bucket8([2]), 1), torch.tensor([50], dtype=torch.int32)
+    k = torch.randn(1, 2, 1, 64)
+    _kv_ops.append_tokens8_in_place(store, k, k, length)
+    assert store.count.tolist() == [3] and length.tolist() == [51]
+
+
+def test_the_cuda_launcher_declines_what_its_kernel_does_not_read() -> None:
+    # decided before anything touches a device: each of these goes to the reference
+    from kbit_linear.backends.cuda.kv_append import append_tokens8_in_place_cuda
+
+    store, length = KVStore8.from_bucket(_bucket8([2, 0]), 2), torch.tensor([50], dtype=torch.int32)
+    k = torch.randn(2, 2, 1, 64, dtype=torch.float16)
+    wide = torch.randn(2, 2, 1, 128, dtype=torch.float16)
+    assert not append_tokens8_in_place_cuda(store, k, k.float(), length)  # two dtypes
+    assert not append_tokens8_in_place_cuda(store, k.double(), k.double(), length)  # no instance
+    assert not append_tokens8_in_place_cuda(store, wide[..., ::2], k, length)  # channels not contiguous
+    empty = KVStore8.from_bucket(KVBucket.empty(8, 0, 2, 64), 2)
+    assert not append_tokens8_in_place_cuda(empty, k[:0], k[:0], length)  # no rows: no grid
+    store.k = store.k.transpose(1, 2)  # a store the kernel could not write in place
+    assert not append_tokens8_in_place_cuda(store, k, k, length)
+
+
 # ---- mass ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("q", [1, 3])
