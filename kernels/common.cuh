@@ -231,6 +231,12 @@ KBIT_DEVICE float4 ld_cg(const float4* p) {
 // for this one to finish before it touches memory), so its launch and prologue overlap this
 // kernel's work.
 
+// A block barrier that threads may reach from different places in the code (barrier.sync
+// without .aligned): __syncthreads() is the .aligned form, which requires every thread to run the
+// same barrier instruction, and a persistent loop unrolled over a ring reaches a unit's end from
+// whichever copy of the loop body holds that warp's last item of the unit.
+KBIT_DEVICE void block_barrier() { asm volatile("barrier.sync 0;" ::: "memory"); }
+
 KBIT_DEVICE void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

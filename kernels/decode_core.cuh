@@ -284,17 +284,33 @@ template <int BITS> struct TableWindows {
 // Where this lane's block of row group `rg` (rows 16 rg + g and + 8, block t) in chunk c of a
 // weight sits: its plane words and scale byte, and whether it exists (k-tile 2c + t/2 <
 // k_tiles; a missing one points into the last k-tile, so the address stays inside the weight).
+// The address is a sum of parts (words of the planes, bytes of the scales) that kernels walking
+// many blocks keep apart: the row group's (tile column rg / 8, rows 16 (rg % 8) on), the
+// chunk's (two k-tiles per chunk) and the lane's (k-tile t / 2 of the chunk, row g, block t % 2).
 template <int BITS> struct BlockAt {
+    static constexpr u32 kTileWords = 256 * BITS, kTileBytes = 256;
+    KBIT_DEVICE static u32 rows_words(int rg) { return (u32)(rg >> 3) * kTileWords + (u32)(rg & 7) * (32 * BITS); }
+    KBIT_DEVICE static u32 rows_bytes(int rg) { return (u32)(rg >> 3) * kTileBytes + (u32)(rg & 7) * 32u; }
+    KBIT_DEVICE static u32 chunk_words(int n_tiles) { return 2u * (u32)n_tiles * kTileWords; }
+    KBIT_DEVICE static u32 chunk_bytes(int n_tiles) { return 2u * (u32)n_tiles * kTileBytes; }
+    KBIT_DEVICE static u32 lane_words(int t, int g, int n_tiles) {
+        return (u32)(t >> 1) * (u32)n_tiles * kTileWords + (u32)(2 * g + (t & 1)) * BITS;
+    }
+    KBIT_DEVICE static u32 lane_bytes(int t, int g, int n_tiles) {
+        return (u32)(t >> 1) * (u32)n_tiles * kTileBytes + (u32)(2 * g + (t & 1));
+    }
+
     const u32* pw;
     const u8* pa;
     bool on;
     KBIT_DEVICE BlockAt(const u32* packed, const u8* absmax, int rg, int c, int t, int g, int k_tiles, int n_tiles) {
+        // = rows + chunk + lane parts (the kt clamp aside), in the form the decode kernel's code was tuned with
         const int n0 = rg * 16 + g;
         const int kt = 2 * c + (t >> 1);
         on = kt < k_tiles;
         const long long tile = (long long)min(kt, k_tiles - 1) * n_tiles + (n0 >> 7);
-        pw = packed + tile * (256 * BITS) + ((n0 & 127) * 2 + (t & 1)) * BITS;
-        pa = absmax + tile * 256 + (n0 & 127) * 2 + (t & 1);
+        pw = packed + tile * kTileWords + ((n0 & 127) * 2 + (t & 1)) * BITS;
+        pa = absmax + tile * kTileBytes + (n0 & 127) * 2 + (t & 1);
     }
 };
 

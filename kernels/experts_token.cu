@@ -129,38 +129,58 @@ kbit_token_gate_up(const u16* __restrict__ x, const long long* __restrict__ ids,
     const int mine = block_units(units);
     const int per = w < kc ? (kc - w + NW - 1) / NW : 0;  // this warp's chunks of a unit
     constexpr u32 kBuffer = NW * 2 * kRowsPerUnit * 4;  // bytes of one buffer
+    using At = BlockAt<BITS>;
+    const u32 lane_w = At::lane_words(t, g, n_tiles), lane_a = At::lane_bytes(t, g, n_tiles);
+    const u32 chunk_w = At::chunk_words(n_tiles), chunk_a = At::chunk_bytes(n_tiles);
+    // The next unit of the block is gridDim.x units on: ds slots and dj row groups further.
+    const int ds = (int)gridDim.x / groups, dj = (int)gridDim.x - ds * groups;
 
-    // Unit m of this block: its slot, row group and expert (-1: none).
-    struct Unit {
-        int s, j;
-        long long e;
+    // Where the warp is in its sequence of items: unit m of the block (slot s, row group j), the
+    // unit's item k (chunk c). Stepped without divisions.
+    struct Pos {
+        int m, s, j, k, c;
     };
-    auto unit_at = [&](int m) {
-        const int u = (int)blockIdx.x + m * (int)gridDim.x;
-        Unit r;
-        r.s = u / groups;
-        r.j = u - r.s * groups;
-        r.e = expert_or_none(ids, r.s, experts);
-        return r;
-    };
-    // Loads of item i of this warp's sequence: gate and up row groups of its chunk.
-    auto load_item = [&](Sub<BITS> (&d)[2], int i) {
-        const int m = i / per, c = w + (i - m * per) * NW;
-        const Unit un = unit_at(m);
-        const long long eo = un.e < 0 ? 0 : un.e;
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            const BlockAt<BITS> sp(packed + eo * expert_words, absmax + eo * expert_scales, q * groups + un.j, c, t, g, k_tiles,
-                                n_tiles);
-            kbit_decode::load_sub<BITS>(d[q], sp.pw, sp.pa, un.e >= 0 && sp.on);
+    Pos start;
+    start.m = 0;
+    start.s = (int)blockIdx.x / groups;
+    start.j = (int)blockIdx.x - start.s * groups;
+    start.k = 0;
+    start.c = w;
+    auto next = [&](Pos& p) {
+        if (++p.k < per) {
+            p.c += NW;
+        } else {
+            p.k = 0;
+            p.c = w;
+            ++p.m;
+            p.s += ds;
+            p.j += dj;
+            if (p.j >= groups) {
+                p.j -= groups;
+                ++p.s;
+            }
         }
     };
-    // End of unit m: this warp's sums are in its slice; one barrier; then warp 0 finishes the unit:
-    // lane (q, r) adds row r of the gate (q = 0) or up (q = 1) slices in warp order, and lane r
-    // takes up's sum from lane 16 + r and writes h. Lane 0 prefetches the expert's scale before
-    // the barrier, so that its latency passes while the other warps arrive.
-    auto finish = [&](int m, const float (&acc)[2][1][4]) {
-        const u32 buf = win.rest + (u32)(m & 1) * kBuffer;
+    // Loads of the item at p: gate and up row groups of its chunk.
+    auto load_item = [&](Sub<BITS> (&d)[2], const Pos& p) {
+        const long long e = expert_or_none(ids, p.s, experts);
+        const bool kon = 2 * p.c + (t >> 1) < k_tiles;  // false only for t >= 2 in a last, half chunk
+        const u32 cw = kon ? (u32)p.c * chunk_w + lane_w : 0u, ca = kon ? (u32)p.c * chunk_a + lane_a : 0u;
+        const long long eo = e < 0 ? 0 : e;
+        const u32* ew = packed + eo * expert_words;
+        const u8* ea = absmax + eo * expert_scales;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int rg = q * groups + p.j;
+            kbit_decode::load_sub<BITS>(d[q], ew + At::rows_words(rg) + cw, ea + At::rows_bytes(rg) + ca, e >= 0 && kon);
+        }
+    };
+    // End of the unit at p: this warp's sums are in its slice; one barrier; then warp 0 finishes
+    // the unit: lane (q, r) adds row r of the gate (q = 0) or up (q = 1) slices in warp order, and
+    // lane r takes up's sum from lane 16 + r and writes h. Lane 0 prefetches the expert's scale
+    // before the barrier, so that its latency passes while the other warps arrive.
+    auto finish = [&](const Pos& p, const float (&acc)[2][1][4]) {
+        const u32 buf = win.rest + (u32)(p.m & 1) * kBuffer;
         if (t == 0 && per > 0) {
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
@@ -169,61 +189,66 @@ kbit_token_gate_up(const u16* __restrict__ x, const long long* __restrict__ ids,
                 sts32(slice + 4u * (g + 8), __float_as_uint(acc[q][0][2]));
             }
         }
-        if (threadIdx.x == 0) {
-            const long long e = unit_at(m).e;  // ids: in L1 already, read by load_item
-            if (e >= 0) prefetch_l1(tensor_scale + e);
-        }
-        __syncthreads();
+        const long long e = expert_or_none(ids, p.s, experts);  // ids: in L1 already, read by load_item
+        if (threadIdx.x == 0 && e >= 0) prefetch_l1(tensor_scale + e);
+        block_barrier();
         if (w == 0) {
-            const Unit un = unit_at(m);
-            const float ts = un.e >= 0 ? __ldg(tensor_scale + un.e) : 0.0f;
+            const float ts = e >= 0 ? __ldg(tensor_scale + e) : 0.0f;
             const int q = lane / kRowsPerUnit, r = lane % kRowsPerUnit;
             float sum = 0.0f;
             for (int v = 0; v < min(NW, kc); ++v)  // warps past kc had no chunk
                 sum += __uint_as_float(lds32(buf + (u32)((v * 2 + q) * kRowsPerUnit + r) * 4u));
             const float us = __shfl_down_sync(0xffffffffu, sum, kRowsPerUnit);
-            if (q == 0 && un.e >= 0) {
+            if (q == 0 && e >= 0) {
                 const float gv = bits_to_f32<DT>(f32_to_bits<DT>(sum * ts));
                 const float uv = bits_to_f32<DT>(f32_to_bits<DT>(us * ts));
-                h[(long long)un.s * inter + un.j * kRowsPerUnit + r] = f32_to_bits<DT>(gv / (1.0f + expf(-gv)) * uv);
+                h[(long long)p.s * inter + p.j * kRowsPerUnit + r] = f32_to_bits<DT>(gv / (1.0f + expf(-gv)) * uv);
             }
         }
     };
 
     float acc[2][1][4] = {};
     if (per == 0) {  // no chunks: meet every unit's barrier
-        for (int m = 0; m < mine; ++m) finish(m, acc);
+        for (Pos p = start; p.m < mine; next(p)) finish(p, acc);
         return;
     }
     const int n_items = mine * per;
     Sub<BITS> ring[D][2];
+    Pos lp = start;  // the next item to load
 #pragma unroll
     for (int d = 0; d < D; ++d) {
         zero_sub<BITS>(ring[d][0]);
         zero_sub<BITS>(ring[d][1]);
-        if (d < n_items) load_item(ring[d], d);
+        if (d < n_items) {
+            load_item(ring[d], lp);
+            next(lp);
+        }
     }
+    Pos cp = start;  // the item to compute
     for (int ib = 0; ib < n_items; ib += D) {
 #pragma unroll
         for (int d = 0; d < D; ++d) {
             const int i = ib + d;
             if (i >= n_items) break;
-            const int m = i / per, c = w + (i - m * per) * NW;
             u32 bx[1][16];
-            kbit_decode::load_x<1>(bx, x, 1, K, 0, c * 128 + 32 * t, g);
+            kbit_decode::load_x<1>(bx, x, 1, K, 0, cp.c * 128 + 32 * t, g);
             Prepped<BITS> o[2];
             kbit_decode::prep<BITS, PAIRS>(ring[d][0], o[0], win.stab);
             kbit_decode::prep<BITS, PAIRS>(ring[d][1], o[1], win.stab);
-            if (i + D < n_items) load_item(ring[d], i + D);  // the planes are consumed: refill
+            if (i + D < n_items) {  // the planes are consumed: refill
+                load_item(ring[d], lp);
+                next(lp);
+            }
             kbit_decode::lookup_mma<BITS, DT, 1, PAIRS>(o[0], bx, acc[0], win.lanebase, win.lut);
             kbit_decode::lookup_mma<BITS, DT, 1, PAIRS>(o[1], bx, acc[1], win.lanebase, win.lut);
-            if (i - m * per == per - 1) {
-                finish(m, acc);
+            if (cp.k == per - 1) {
+                finish(cp, acc);
 #pragma unroll
                 for (int q = 0; q < 2; ++q)
 #pragma unroll
                     for (int v = 0; v < 4; ++v) acc[q][0][v] = 0.0f;
             }
+            next(cp);
         }
     }
 }
@@ -249,15 +274,45 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
     const int items = slots * kc;  // of one unit: (slot, chunk), slot-major
     const int per = w < items ? (items - w + NW - 1) / NW : 0;
     const u32 buffer = (u32)(slots * NW * kRowsPerUnit) * 4u;  // bytes of one buffer
+    using At = BlockAt<BITS>;
+    const u32 lane_w = At::lane_words(t, g, n_tiles), lane_a = At::lane_bytes(t, g, n_tiles);
+    const u32 chunk_w = At::chunk_words(n_tiles), chunk_a = At::chunk_bytes(n_tiles);
     auto expert_of = [&](int s) { return expert_or_none(ids, s, experts); };
     auto slice_of = [&](u32 buf, int s, int v) { return buf + (u32)((s * NW + v) * kRowsPerUnit) * 4u; };
-    // Item i of this warp's sequence: unit m, and item it (slot s, chunk c) of that unit.
-    auto load_item = [&](Sub<BITS>& d, int i) {
-        const int m = i / per, it = w + (i - m * per) * NW, s = it / kc, c = it - s * kc;
-        const int j = (int)blockIdx.x + m * (int)gridDim.x;
-        const long long e = expert_of(s), eo = e < 0 ? 0 : e;
-        const BlockAt<BITS> sp(packed + eo * expert_words, absmax + eo * expert_scales, j, c, t, g, k_tiles, n_tiles);
-        kbit_decode::load_sub<BITS>(d, sp.pw, sp.pa, e >= 0 && sp.on);
+    // Where the warp is in its sequence of items: unit m of the block (row group blockIdx.x +
+    // m * gridDim.x), the unit's item k = (slot s, chunk c), the unit's item w + k * NW. Every unit
+    // has the same (s, c) sequence: NW items on is ds slots and dc chunks further.
+    const int ds = NW / kc, dc = NW - ds * kc;
+    struct Pos {
+        int m, k, s, c;
+    };
+    Pos start;
+    start.m = 0;
+    start.k = 0;
+    start.s = w / kc;
+    start.c = w - start.s * kc;
+    auto next = [&](Pos& p) {
+        if (++p.k < per) {
+            p.s += ds;
+            p.c += dc;
+            if (p.c >= kc) {
+                p.c -= kc;
+                ++p.s;
+            }
+        } else {
+            p.k = 0;
+            p.s = start.s;
+            p.c = start.c;
+            ++p.m;
+        }
+    };
+    auto load_item = [&](Sub<BITS>& d, const Pos& p) {
+        const int j = (int)blockIdx.x + p.m * (int)gridDim.x;
+        const long long e = expert_of(p.s), eo = e < 0 ? 0 : e;
+        const bool kon = 2 * p.c + (t >> 1) < k_tiles;  // false only for t >= 2 in a last, half chunk
+        const u32 cw = kon ? (u32)p.c * chunk_w + lane_w : 0u, ca = kon ? (u32)p.c * chunk_a + lane_a : 0u;
+        kbit_decode::load_sub<BITS>(d, packed + eo * expert_words + At::rows_words(j) + cw,
+                                    absmax + eo * expert_scales + At::rows_bytes(j) + ca, e >= 0 && kon);
     };
     // This warp's slices of unit m's buffer start at zero: a slot with no item of the warp adds nothing.
     auto zero_slices = [&](int m) {
@@ -282,7 +337,7 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
                 prefetch_l1(static_cast<const char*>(weights) + (size_t)s * (WT == KBIT_F32 ? 4 : 2));
             }
         }
-        __syncthreads();
+        block_barrier();
         if (pair) {
             // A slot without an expert leaves y = weight = 0: adding 0 * 0 keeps the row's sum as it
             // was, bit for bit (the sum starts at +0 and round-to-nearest never makes it -0).
@@ -298,7 +353,7 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
             sts32(slice_of(buf, s, 0) + 4u * r, __float_as_uint(y));
             sts32(slice_of(buf, s, 1) + 4u * r, __float_as_uint(wt));
         }
-        __syncthreads();
+        block_barrier();
         const int n = ((int)blockIdx.x + m * (int)gridDim.x) * kRowsPerUnit + (int)threadIdx.x;
         if (threadIdx.x < kRowsPerUnit) {
             float total = 0.0f;
@@ -315,38 +370,46 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
     }
     const int n_items = mine * per;
     Sub<BITS> ring[D];
+    Pos lp = start;  // the next item to load
 #pragma unroll
     for (int d = 0; d < D; ++d) {
         zero_sub<BITS>(ring[d]);
-        if (d < n_items) load_item(ring[d], d);
+        if (d < n_items) {
+            load_item(ring[d], lp);
+            next(lp);
+        }
     }
     float acc[1][4] = {};
+    Pos cp = start;  // the item to compute
     for (int ib = 0; ib < n_items; ib += D) {
 #pragma unroll
         for (int d = 0; d < D; ++d) {
             const int i = ib + d;
             if (i >= n_items) break;
-            const int m = i / per, k = i - m * per, it = w + k * NW, s = it / kc, c = it - s * kc;
-            if (k == 0) zero_slices(m);
-            const bool ok = expert_of(s) >= 0;
+            if (cp.k == 0) zero_slices(cp.m);
+            const bool ok = expert_of(cp.s) >= 0;
             u32 bx[1][16];
             // a slot without an expert has no h row: x stays zero (M = 0 loads nothing)
-            kbit_decode::load_x<1>(bx, h + (long long)s * K, ok ? 1 : 0, K, 0, c * 128 + 32 * t, g);
+            kbit_decode::load_x<1>(bx, h + (long long)cp.s * K, ok ? 1 : 0, K, 0, cp.c * 128 + 32 * t, g);
             Prepped<BITS> o;
             kbit_decode::prep<BITS, PAIRS>(ring[d], o, win.stab);
-            if (i + D < n_items) load_item(ring[d], i + D);  // the planes are consumed: refill
+            if (i + D < n_items) {  // the planes are consumed: refill
+                load_item(ring[d], lp);
+                next(lp);
+            }
             kbit_decode::lookup_mma<BITS, DT, 1, PAIRS>(o, bx, acc, win.lanebase, win.lut);
-            const bool unit_ends = k == per - 1;
-            if (unit_ends || (it + NW) / kc != s) {  // the warp's last item of slot s in this unit
+            const bool unit_ends = cp.k == per - 1;
+            if (unit_ends || ds > 0 || cp.c + dc >= kc) {  // the warp's last item of slot s in this unit
                 if (t == 0) {
-                    const u32 slice = slice_of(win.rest + (u32)(m & 1) * buffer, s, w);
+                    const u32 slice = slice_of(win.rest + (u32)(cp.m & 1) * buffer, cp.s, w);
                     sts32(slice + 4u * g, __float_as_uint(acc[0][0]));  // column 0 (x's row): rows g, g + 8
                     sts32(slice + 4u * (g + 8), __float_as_uint(acc[0][2]));
                 }
 #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[0][v] = 0.0f;
             }
-            if (unit_ends) finish(m);
+            if (unit_ends) finish(cp.m);
+            next(cp);
         }
     }
 }

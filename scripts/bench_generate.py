@@ -28,7 +28,8 @@ cache) / bandwidth.
 
 The model is built directly on the GPU in bf16 (same seed for every variant) and quantized in
 place, layer by layer, so the full-precision copy never has to exist twice. ``lm_head`` stays
-bf16 in every variant.
+bf16 in every variant but ``kbit4-fused-head`` (everything at 4 bits, ``lm_head`` too, as
+``quantize_model(skip=[])`` gives it).
 
 The ``--json`` / ``--md`` / ``--plot`` files are rewritten (atomically) after every finished row,
 so a run cut short still leaves all rows measured so far; until the last row is done the markdown
@@ -57,7 +58,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402  (needs the path above)
 
-MODELS = ["bf16", "kbit2", "kbit3", "kbit4", "kbit5", "kbit4-fused", "bnb-nf4"]
+MODELS = ["bf16", "kbit2", "kbit3", "kbit4", "kbit5", "kbit4-fused", "kbit4-fused-head", "bnb-nf4"]
 QUICK_MODELS = ["bf16", "kbit4"]
 SKIP = ["lm_head"]
 
@@ -161,7 +162,7 @@ def build_variant(name: str, config: Any, device: torch.device, libs: dict[str, 
     """The model for variant ``name`` (one of ``MODELS``), with attention implementation ``attn``."""
     model = build_bf16(config, device, attn=attn)
     if name.startswith("kbit"):
-        quantize_kbit(model, int(name[4]), SKIP, fuse=name.endswith("-fused"))
+        quantize_kbit(model, int(name[4]), [] if name.endswith("-head") else SKIP, fuse="-fused" in name)
     elif name == "bnb-nf4":
         quantize_bnb(model, libs["bitsandbytes"], SKIP)
     elif name != "bf16":
@@ -610,7 +611,7 @@ def report(payload: dict[str, Any]) -> str:
         f"- wall time of the run{' so far' if partial else ''}: {payload['wall_s']:.0f} s", "",
         ARCH_TEXT[cfg.get("arch", "llama3-8b")].format(layers=cfg["layers"]) + ", random "
         f"weights, prompt {cfg['prompt']} random tokens, greedy decode of {cfg['decode']} tokens; lm_head bf16 in every "
-        "variant. tok/s counts every sequence of the batch. TTFT = prefill + first pick (eager: one generate call; "
+        "variant but kbit4-fused-head. tok/s counts every sequence of the batch. TTFT = prefill + first pick (eager: one generate call; "
         "compiled mode: the median of three prefills into fresh caches). floor = (bytes of all weights "
         "but the embedding, MoE experts counted as the share a batch hits under uniform routing, 1 - (1 - k/E)^batch, "
         "+ mean KV cache) / copy bandwidth. Peak = max allocated GPU memory during the timed run. "

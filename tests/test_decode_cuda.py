@@ -634,6 +634,8 @@ def test_grid_may_overlap():
     assert loader.grid_may_overlap(300, 2, 132)  # more than one wave
     assert not loader.grid_may_overlap(128, 2, 132)  # free slots beside its own blocks
     assert not loader.grid_may_overlap(263, 2, 132)
+    assert loader.short_grid_may_overlap(132, 132)  # short blocks: up to one per SM, however many fit
+    assert not loader.short_grid_may_overlap(133, 132)
 
 
 def test_programmatic_launch_switch():
@@ -660,8 +662,9 @@ def test_supported_range():
     assert not decode.decode_supported(1, 4, torch.float32)
     assert not decode.decode_supported(True, 4, torch.float16)
     # ((4 bits + the 4- and 5-bit pair codes) x 2 fragment counts x 2 launch shapes, plus a third
-    # shape for each of the six with one fragment) x 2 dtypes x 2 kernels (single, grouped)
-    assert len(decode.decode_instances()) == (6 * 2 * 2 + 6) * 2 * 2
+    # shape for each of the six with one fragment, plus a fourth for K = 3, 4 and 4's pair codes
+    # with one fragment) x 2 dtypes x 2 kernels (single, grouped)
+    assert len(decode.decode_instances()) == (6 * 2 * 2 + 6 + 3) * 2 * 2
 
 
 def test_device_checks_refuse_what_the_kernels_do_not_run_on():

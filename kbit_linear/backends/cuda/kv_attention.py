@@ -187,14 +187,13 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
     out = torch.empty((b, q_len, hq, d), dtype=query.dtype, device=dev)
     ml = torch.empty((b * hq * q_len, 2), dtype=torch.float32, device=dev)
     kern = loader.get_kernel(_SOURCE, f"kbit_kv_combine<{_DT[query.dtype]}>", dev)
-    # One small block per query row; it waits for the decode kernel before any memory access,
-    # and the decode kernel lets it start once its tiles are done. Where there are no more blocks
-    # than SMs it may start early (as the router does).
+    # One short block per query row; it waits for the decode kernel before any memory access,
+    # and the decode kernel lets it start once its tiles are done.
     combine_grid = b * hq * q_len
     _COMBINE_ARGS.launch(kern, combine_grid, combine_smem_bytes(splits), loader._current_raw_stream(kern.device_index),
                          _COMBINE_ARGS.Values(part_acc=part_acc.data_ptr(), part_ml=part_ml.data_ptr(), out=out.data_ptr(),
                                               ml=ml.data_ptr(), Hq=hq, Q=q_len, D=d, splits=splits),
-                         threads=_COMBINE_THREADS, programmatic=combine_grid <= props.sm_count)
+                         threads=_COMBINE_THREADS, programmatic=loader.short_grid_may_overlap(combine_grid, props.sm_count))
     if not need_mass:
         return out, None
     mass = torch.empty((b, kv_len), dtype=torch.float32, device=dev)

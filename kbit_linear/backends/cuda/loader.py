@@ -44,6 +44,7 @@ __all__ = [
     "programmatic_launch_enabled",
     "set_programmatic_launch",
     "grid_may_overlap",
+    "short_grid_may_overlap",
     "device_properties",
     "runnable_properties",
     "cupy_available",
@@ -535,6 +536,14 @@ def grid_may_overlap(grid: int, blocks_per_sm: int, sm_count: int) -> bool:
     last (decode, 14336->4096 at K = 3 on an H100: 25 us instead of 19.5).
     """
     return blocks_per_sm <= 1 or grid >= blocks_per_sm * sm_count
+
+
+def short_grid_may_overlap(grid: int, sm_count: int) -> bool:
+    """:func:`grid_may_overlap` for a grid of short blocks (a few microseconds of work each: the
+    MoE router, the KV-cache combine), whatever their number per SM: where there are no more
+    blocks than SMs. Blocks piling up on the SMs the previous kernel leaves idle cost little when
+    each is this short (``router-h200.md``'s timings include it)."""
+    return grid <= sm_count
 
 
 def _launch_ex(kernel: CudaKernel, grid: int, threads: int, shared_mem: int, stream: int, params: int, programmatic: bool,

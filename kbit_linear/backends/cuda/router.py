@@ -73,11 +73,8 @@ def router_top_k_cuda(x: torch.Tensor, weight: torch.Tensor, top_k: int, normali
     stream = loader._current_raw_stream(index_dev)
     _, counter = workspace.zeroed_scratch("router", index_dev, stream, 0, 1)  # the kernel leaves it at zero
     kern = loader.get_kernel(_SOURCE, _instance(_DT[x.dtype], scores_float, _per_lane(experts)), dev)
-    # One block per expert, each a few microseconds of work: where there are no more blocks than
-    # SMs the grid may start while the previous kernel finishes. (loader.grid_may_overlap's concern,
-    # blocks piling up on the SMs the previous kernel leaves idle, is small for blocks this short;
-    # router-h200.md's timings include it.)
-    programmatic = experts <= loader.device_properties(index_dev).sm_count
+    # one short block per expert
+    programmatic = loader.short_grid_may_overlap(experts, loader.device_properties(index_dev).sm_count)
     xa, wa = aligned16(x), aligned16(weight)  # held until the launch is queued
     _ARGS.launch(kern, experts, 0, stream, _ARGS.Values(
         x=xa.data_ptr(), w=wa.data_ptr(), logits=logits.data_ptr(), scores=scores.data_ptr(), index=index.data_ptr(),
