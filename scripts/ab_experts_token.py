@@ -1,9 +1,10 @@
 """A/B of one-token experts calls on one GPU: ``kbit_linear::experts_one_token`` (the two kernels of
 ``kernels/experts_token.cu`` where they take the call) against the grouped path
 (``experts_one_token_composed``: route, grouped SwiGLU, grouped GEMM, combine), CUDA-graph
-replay, Qwen3-30B-A3B and Mixtral-8x7B shapes, K = 2..5. "hot": the same routing every call (the
-hit experts stay in L2, as ``bench_moe.py`` times); "cold": a graph of 16 calls with 16 different
-routings (other experts each call, as the next layer's would be). Prints JSON rows and a
+replay, Qwen3-30B-A3B and Mixtral-8x7B shapes, K = 2..5. Both modes replay a graph of 16 calls:
+"hot" with one routing 16 times (the hit experts stay in L2, as ``bench_moe.py`` times), "cold"
+with 16 different routings (other experts each call, as the next layer's would be). (Pages
+written before 2026-11-30 timed "hot" as a graph of one call, its launch included.) Prints JSON rows and a
 markdown table. Run from the repository root: ``python3 scripts/ab_experts_token.py``."""
 import argparse
 import json
@@ -41,7 +42,7 @@ def main() -> None:
             roof = top_k * per_expert / bw * 1e6
             res = {"shape": shape, "bits": bits, "hit_roofline_us": roof}
             for name, fn in (("two kernels", OP), ("grouped", _grouped_ops.experts_one_token_composed)):
-                for mode, rs in (("hot", routes[:1]), ("cold", routes)):
+                for mode, rs in (("hot", routes[:1] * len(routes)), ("cold", routes)):
                     call = lambda: [fn(x, i, w, *gu, *dn, bits, inter) for i, w in rs]
                     g, _ = bc.capture_graph(call, warmup=2)
                     for _ in range(3):

@@ -2,7 +2,8 @@
 
 ``--arch qwen3-30b-a3b`` takes a Qwen3-30B-A3B-shaped mixture-of-experts model instead (hidden
 2048, 128 experts of 768 with 8 per token, 32/4 heads of 128, vocab 151936; ``--layers`` of its 48),
-so the kbit rows run ``KbitExperts``.
+so the kbit rows run ``KbitExperts``; ``--arch mixtral-8x7b`` a Mixtral-8x7B-shaped one (hidden 4096, 8
+experts of 14336 with 2 per token, 32/8 heads of 128, vocab 32000; ``--layers`` of its 32).
 
 For each model variant (bf16; kbit K = 2..5 through ``kbit_linear.quantize_model``; bitsandbytes
 NF4 when it imports) and batch size, a prompt of ``--prompt`` random tokens is prefilled and
@@ -94,11 +95,30 @@ def qwen3_moe_config(layers: int = 48) -> Any:
     return config
 
 
-ARCHS = {"llama3-8b": llama3_8b_config, "qwen3-30b-a3b": qwen3_moe_config}
+def mixtral_config(layers: int = 32) -> Any:
+    """A Mixtral-8x7B-shaped ``MixtralConfig`` (hidden 4096, 8 experts of 14336, top 2, 32/8 heads of
+    128, vocab 32000)."""
+    from transformers import MixtralConfig
+
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    config = MixtralConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=8192, rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
+        tie_word_embeddings=False,
+    )
+    config._experts_implementation = "grouped_mm"  # as for Qwen3 above
+    return config
+
+
+ARCHS = {"llama3-8b": llama3_8b_config, "qwen3-30b-a3b": qwen3_moe_config, "mixtral-8x7b": mixtral_config}
 ARCH_TEXT = {
     "llama3-8b": "Llama-3-8B-shaped model ({layers} layers, hidden 4096, MLP 14336, 32/8 heads, vocab 128256)",
     "qwen3-30b-a3b": "Qwen3-30B-A3B-shaped MoE model ({layers} layers, hidden 2048, 128 experts of 768, top 8, 32/4 heads "
                      "of 128, vocab 151936)",
+    "mixtral-8x7b": "Mixtral-8x7B-shaped MoE model ({layers} layers, hidden 4096, 8 experts of 14336, top 2, 32/8 heads "
+                    "of 128, vocab 32000)",
 }
 
 
@@ -317,6 +337,42 @@ def summarize_kernels(events: list[tuple[str, float, int]], steps: int, rows: in
     return "\n".join(lines)
 
 
+def summarize_critical_path(spans: list[tuple[str, float, float]], steps: int, rows: int = 12) -> str:
+    """A text table of what each kernel adds to the step's wall time, and the idle time between kernels.
+
+    Kernels of one stream run in order, but a programmatic launch starts a kernel while the one
+    before it finishes, so a kernel's own GPU time overstates its cost. Here each kernel is charged
+    only the time from the later of its start and the previous kernel's end to its own end, and the
+    time when no kernel ran is listed apart (launch latency inside the graph).
+
+    Args:
+        spans: (kernel name, start us, end us) of every kernel over ``steps`` steps, any order.
+        steps: decode steps the spans cover.
+        rows: kernels listed one by one.
+    """
+    spans = sorted(spans, key=lambda s: s[1])
+    added: dict[str, float] = {}
+    idle = 0.0
+    last_end = spans[0][1] if spans else 0.0
+    for name, start, end in spans:
+        if start > last_end:
+            idle += start - last_end
+        added[name] = added.get(name, 0.0) + max(0.0, end - max(start, last_end))
+        last_end = max(last_end, end)
+    wall = (last_end - spans[0][1]) / steps if spans else 0.0
+    lines = [f"  wall time per step {wall / 1e3:.3f} ms from the first kernel's start to the last's end, of it "
+             f"{idle / steps / 1e3:.3f} ms with no kernel running"]
+    fam: dict[str, float] = {}
+    for name, us in added.items():
+        fam[kernel_family(name)] = fam.get(kernel_family(name), 0.0) + us / steps
+    for family, us in sorted(fam.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {us / 1e3:8.3f} ms {100 * us / max(wall, 1e-9):5.1f} %  {family}")
+    lines.append("  kernels by added time (ms per step, name):")
+    for name, us in sorted(added.items(), key=lambda kv: -kv[1])[:rows]:
+        lines.append(f"  {us / steps / 1e3:8.3f} ms  {name[:100]}")
+    return "\n".join(lines)
+
+
 def _forward_kwargs(model: nn.Module) -> bool:
     """Whether this transformers version's decoder still takes ``cache_position``."""
     return "cache_position" in inspect.signature(model.model.forward).parameters
@@ -416,6 +472,9 @@ def run_compiled(
             torch.cuda.synchronize()
         events = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
         profile_text = summarize_kernels(events, profile_steps)
+        spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+        profile_text += "\n" + summarize_critical_path(spans, profile_steps)
     res = {"ttft_ms": 1e3 * ttft, "ms_per_step": 1e3 * step_s, "tok_s": batch / step_s,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "compile_s": compile_s, "fullgraph": fullgraph,
            "regions": regions,
@@ -484,6 +543,14 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
             notes.append(f"kbit rows absent: {why}")
             models = [m for m in models if not m.startswith("kbit")]
 
+    if args.inductor_pdl:
+        import torch._inductor.config as inductor_config
+
+        if hasattr(inductor_config.triton, "enable_pdl"):
+            inductor_config.triton.enable_pdl = True  # before the first compile: it shapes the generated kernels
+        else:
+            notes.append("--inductor-pdl: this torch has no torch._inductor.config.triton.enable_pdl; not applied")
+            args.inductor_pdl = False
     t_start = time.perf_counter()
     copy_gbps = bc.measure_copy_bandwidth(device)
     print(f"# {env['gpu']}: copy {copy_gbps:.0f} GB/s", flush=True)
@@ -494,7 +561,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
     def payload(complete: bool) -> dict[str, Any]:
         return {"env": env, "copy_gbps": copy_gbps, "rows": list(rows), "notes": list(notes),
                 "config": {"models": args.models, "batches": args.batches, "modes": args.modes, "prompt": args.prompt,
-                           "attn": args.attn,
+                           "attn": args.attn, "inductor_pdl": args.inductor_pdl,
                            "decode": args.decode, "layers": args.layers, "regions": args.regions, "arch": args.arch},
                 "progress": {"done": done, "planned": planned, "measured": len(rows), "complete": complete},
                 "wall_s": time.perf_counter() - t_start}
@@ -620,7 +687,9 @@ def report(payload: dict[str, Any]) -> str:
         + ". '= eager tokens': "
         "leading greedy tokens of the compiled loop identical to HF generate's for every sequence (rounding "
         "differs between the modes, so random-weight models may part after a while)."
-        + (f" Attention: transformers' `{cfg['attn']}` implementation in every variant." if cfg.get("attn") else ""), "",
+        + (f" Attention: transformers' `{cfg['attn']}` implementation in every variant." if cfg.get("attn") else "")
+        + (" Inductor's Triton kernels use programmatic dependent launch (`torch._inductor.config.triton.enable_pdl`) "
+           "in every variant." if cfg.get("inductor_pdl") else ""), "",
         table(payload), "",
     ]
     profiled = [r for r in payload["rows"] if r.get("profile")]
@@ -694,6 +763,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attn", default=None,
                    help="transformers attention implementation for every variant (default: transformers' own, sdpa); "
                         "e.g. flex_attention, whose GQA reads each key/value head once instead of expanding it per query head")
+    p.add_argument("--inductor-pdl", action="store_true",
+                   help="compile with torch._inductor.config.triton.enable_pdl (every variant): inductor's Triton kernels "
+                        "then start while the kernel before them finishes, as the kbit kernels do")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one eager decode step per variant and "
                    "(compiled mode) the GPU time of a compiled step by kernel family")
     p.add_argument("--json", help="write all rows and the environment as JSON")

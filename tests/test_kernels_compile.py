@@ -188,8 +188,10 @@ def test_host_shared_memory_sizes_match_the_kernels(tmp_path):
                          for b in fmt.SUPPORTED_BITS for bt in khopper.TOKEN_TILES],
         "decode.cu": [f'printf("decode {b} {mt} {c.warps} {c.k_warps} {c.row_groups} %d\\n", '
                       f'kbit_decode::DecodeSmem<{b}, {mt}, {c.warps}, {c.k_warps}, {c.row_groups}>::kBytes);' for b, mt, c in configs],
-        "kv_attention.cu": [f'printf("kv {d} %d\\n", kbit::kv::Smem<{d}>::BYTES);' for d in kkv.HEAD_DIMS],
+        "kv_attention.cu": [f'printf("kv {d} %d\\n", kbit::kv::Smem<{d}>::BYTES);' for d in kkv.HEAD_DIMS]
+        + ['printf("kv mass threads %d\\n", kMassThreads);', 'printf("kv combine threads %d\\n", kCombineThreads);'],
         "quantize.cu": ['printf("dequantize items %d\\n", kDequantItems);'],
+        "router.cu": ['printf("router threads %d\\n", kbit::router::kThreads);'],
     }
     kernel = {}
     for source, lines in programs.items():  # one program per source: each inlines common.cuh
@@ -214,6 +216,10 @@ def test_host_shared_memory_sizes_match_the_kernels(tmp_path):
             assert khopper.smem_bytes(b, bt) <= limit, f"sm90 bits={b} BT={bt} needs more than an sm_90 block has"
     for d in kkv.HEAD_DIMS:
         assert kkv.decode_smem_bytes(d) == kernel[("kv", str(d))], f"kv_attention head_dim={d}"
+    # launch facts the host copies: the block sizes of the mass, combine and router kernels
+    assert kkv._MASS_THREADS == kernel[("kv", "mass", "threads")]
+    assert kkv._COMBINE_THREADS == kernel[("kv", "combine", "threads")]
+    assert krouter._THREADS == kernel[("router", "threads")]
     for b, mt, c in configs:
         assert kdecode._smem(b, mt, c) == kernel[("decode", str(b), str(mt), str(c.warps), str(c.k_warps), str(c.row_groups))], (b, mt, c)
     # not a shared-memory size, but a launch fact the host copies too: the dequantize kernel's grid
