@@ -20,18 +20,21 @@ from .kv_format import (
     _ENTRY8_DTYPES,
     KVBucket,
     KVStore8,
+    accumulate_mass,
     append_tokens8 as _append_tokens8_reference,
     append_tokens8_in_place as _append_tokens8_in_place_reference,
     bucket_attention,
+    causal_visible,
 )
 
-__all__ = ["append_tokens8", "append_tokens8_in_place", "decode_attention", "register_append_tokens8",
-           "register_append_tokens8_in_place", "register_decode_attention"]
+__all__ = ["append_tokens8", "append_tokens8_in_place", "decode_attention", "decode_attention_in_place", "register_append_tokens8",
+           "register_append_tokens8_in_place", "register_decode_attention", "register_decode_attention_in_place"]
 
 Implementation = Callable[..., Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]]
 _backends: dict[str, Implementation] = {}
 _append_backends: dict[str, Callable[..., Optional[KVBucket]]] = {}
 _append_in_place_backends: dict[str, Callable[..., bool]] = {}
+_in_place_backends: dict[str, Callable[..., Optional[torch.Tensor]]] = {}
 _BUCKET8_DTYPES = {**_ENTRY8_DTYPES, "row_start": torch.int32}
 _STORE8_DTYPES = {**_ENTRY8_DTYPES, "count": torch.int32, "overflow": torch.int32}
 
@@ -56,6 +59,17 @@ def register_append_tokens8(device_type: str, fn: Callable[..., Optional[KVBucke
     if not isinstance(device_type, str) or not callable(fn):
         raise TypeError("register_append_tokens8 takes a device type string and a callable")
     _append_backends[device_type] = fn
+
+
+def register_decode_attention_in_place(device_type: str, fn: Callable[..., Optional[torch.Tensor]]) -> None:
+    """Let a backend take :func:`decode_attention_in_place` calls whose query is on ``device_type``.
+
+    ``fn`` takes :func:`decode_attention_in_place`'s arguments (checked) and returns the output,
+    or ``None`` to leave the problem to the reference.
+    """
+    if not isinstance(device_type, str) or not callable(fn):
+        raise TypeError("register_decode_attention_in_place takes a device type string and a callable")
+    _in_place_backends[device_type] = fn
 
 
 def register_append_tokens8_in_place(device_type: str, fn: Callable[..., bool]) -> None:
@@ -171,3 +185,72 @@ def decode_attention(query: torch.Tensor, buckets: list[KVBucket], k_block_min: 
             return res
     out, mass = bucket_attention(query, buckets, k_block_min, k_block_range, block_size, kv_len, attention_mask, scaling)
     return out, (mass if need_mass else None)
+
+
+def decode_attention_in_place(query: torch.Tensor, buckets: list[KVBucket], store: KVStore8, k_block_min: torch.Tensor | None,
+                              k_block_range: torch.Tensor | None, block_size: int, planned_len: int, length: torch.Tensor,
+                              tier: torch.Tensor, scaling: float, mass: torch.Tensor, seen: torch.Tensor, calls: torch.Tensor,
+                              mass_interval: int, workspace: dict | None = None) -> torch.Tensor:
+    """Causal decode attention of a replayable cache layer, its mass recorded in place.
+
+    What :func:`decode_attention` computes over ``buckets`` and ``store``'s live tokens, with no
+    host read of a device value on a backend that takes it (the CUDA one: every step of an epoch
+    launches the same kernels with the same arguments, so a CUDA graph can replay it). On a
+    recording call (``(calls - 1) % mass_interval == 0``: the caller has advanced ``calls``) the
+    step's mass is added into ``mass`` and the query heads that saw each position into ``seen``,
+    as :func:`~kbit_linear.kv_format.accumulate_mass` does.
+
+    Args:
+        query: ``[B, Hq, q_len, D]``, the last ``q_len`` positions' queries (causal, no padding).
+        buckets: the 2-, 3- and 4-bit buckets, in that order.
+        store: the 8-bit tokens (:class:`~kbit_linear.kv_format.KVStore8`).
+        k_block_min, k_block_range, block_size: the layer's key block ranges.
+        planned_len: a length the live one stays within for the whole epoch (the backend plans
+            its launch for it), at most ``tier.shape[1]``.
+        length: int32 ``[1]`` on the query's device, the cached positions per row.
+        tier: int8 ``[B, ld]``, each position's width (columns past the live length unused).
+        scaling: the logit scale.
+        mass, seen: float32 ``[B, ld]``, the running sums.
+        calls: int32 ``[1]``, decode calls so far, this one included.
+        mass_interval: calls per recording call.
+        workspace: as for :func:`decode_attention`.
+
+    Returns:
+        ``out [B, q_len, Hq, D]``. A backend plans its splits for ``planned_len``, so its sums may
+        be added in another order than at the live length (rounding).
+
+    Raises:
+        ValueError: buffers that do not fit together, naming which.
+    """
+    b, hq, q_len, _ = query.shape
+    ld = tier.shape[1] if tier.dim() == 2 else -1
+    if tier.dim() != 2 or tier.shape[0] != b or tier.dtype != torch.int8:
+        raise ValueError(f"tier must be int8 [{b}, ld], got {tier.dtype} {tuple(tier.shape)}")
+    for name, buf in (("mass", mass), ("seen", seen)):
+        if buf.shape != (b, ld) or buf.dtype != torch.float32 or not buf.is_contiguous() or buf.device != query.device:
+            raise ValueError(f"{name} must be a contiguous float32 [{b}, {ld}] on {query.device}, got {buf.dtype} "
+                             f"{tuple(buf.shape)} on {buf.device}")
+    for name, counter in (("length", length), ("calls", calls)):
+        if counter.dtype != torch.int32 or counter.shape != (1,) or counter.device != query.device:
+            raise ValueError(f"{name} must be int32 [1] on {query.device}, got {counter.dtype} {tuple(counter.shape)} on {counter.device}")
+    if isinstance(planned_len, bool) or not isinstance(planned_len, int) or not 0 < planned_len <= ld:
+        raise ValueError(f"planned_len must be an int in 1..{ld} (the tier's columns), got {planned_len!r}")
+    if isinstance(mass_interval, bool) or not isinstance(mass_interval, int) or mass_interval < 1:
+        raise ValueError(f"mass_interval must be an int >= 1, got {mass_interval!r}")
+    if len(buckets) != 3 or [bk.bits for bk in buckets] != [2, 3, 4]:
+        raise ValueError(f"buckets must be the 2-, 3- and 4-bit ones, in that order, got {[bk.bits for bk in buckets]}")
+    fn = _in_place_backends.get(query.device.type)
+    if fn is not None:
+        out = fn(query, buckets, store, k_block_min, k_block_range, block_size, planned_len, length, tier, scaling, mass, seen,
+                 calls, mass_interval, workspace)
+        if out is not None:
+            return out
+    # The reference reads the live length on the host (not replayable on a GPU).
+    kv_len = int(length.item())
+    if kv_len > planned_len:
+        raise ValueError(f"the live length {kv_len} is past planned_len {planned_len}")
+    out, step_mass = decode_attention(query, list(buckets) + [store.bucket()], k_block_min, k_block_range, block_size, kv_len,
+                                      tier[:, :kv_len], None, scaling, need_mass=True, workspace=None)
+    record = (calls - 1) % mass_interval == 0
+    accumulate_mass(mass, seen, step_mass, hq * causal_visible(length, q_len, ld, query.device), record)
+    return out

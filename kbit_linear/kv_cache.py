@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ._kv_ops import append_tokens8, append_tokens8_in_place, decode_attention
+from ._kv_ops import append_tokens8, append_tokens8_in_place, decode_attention, decode_attention_in_place
 from .kv_format import (
     TIERS,
     KVBucket,
@@ -634,8 +634,9 @@ class KbitKVLayer(CacheLayerMixin):
 
 
 class ReplayableKVLayer(KbitKVLayer):
-    """A :class:`KbitKVLayer` whose decode steps move no tensor between two allocator runs, with
-    the same results bit for bit: what a CUDA graph replaying the steps needs.
+    """A :class:`KbitKVLayer` whose decode steps move no tensor between two allocator runs (what a
+    CUDA graph replaying the steps needs), with the same results (bit for bit on the CPU; see below
+    for a GPU).
 
     - The 8-bit tokens sit in a :class:`~kbit_linear.kv_format.KVStore8` (row ``b``'s entries
       from ``b * capacity``, a device count per row), appended in place.
@@ -656,17 +657,21 @@ class ReplayableKVLayer(KbitKVLayer):
     epoch checks the device counters against the host's (one host read).
 
     ``buckets`` stays readable: while the store holds the 8-bit tokens it is a read-only
-    snapshot whose 8-bit bucket is a compacted copy of the store. Decode attention reads that
-    copy, and the mass accumulation runs the PyTorch reference
-    (:func:`~kbit_linear.kv_format.accumulate_mass`) on every device; the append is
+    snapshot whose 8-bit bucket is a compacted copy of the store. Causal decode attention (no
+    mask) reads the store and the column buffers in place
+    (:func:`~kbit_linear._kv_ops.decode_attention_in_place`: on CUDA the same launches every step
+    of an epoch, with the mass added in place on recording calls only; elsewhere the reference,
+    which reads the length on the host); the append is
     :func:`kbit_linear._kv_ops.append_tokens8_in_place` (a kernel on CUDA, the reference
-    elsewhere). No attention kernel reads the store yet, so a step on a GPU works but is not
-    capture-safe (the copy reads the row counts on the host), and it computes the mass on every
-    step.
+    elsewhere). A masked call reads the snapshot and adds the mass with the reference
+    (:func:`~kbit_linear.kv_format.accumulate_mass`). The CUDA in-place attention plans its splits
+    for the epoch's longest length, so on a GPU its sums may be added in another order than
+    :class:`KbitKVLayer`'s (rounding); on the CPU the two agree bit for bit.
     """
 
     _store: KVStore8 | None = None  # the open store (None between epochs)
     _room = 0  # free entries left in the open store's fullest row (host mirror of its counts)
+    _planned_len = 0  # the cached length when the open store is full
 
     @property
     def buckets(self) -> Mapping[int, KVBucket]:
@@ -706,6 +711,7 @@ class ReplayableKVLayer(KbitKVLayer):
         self._close_store()
         room = q * (1 if self._is_prompt_chunk(q) else self.steps_until_allocation(q))
         self._store, self._room = KVStore8.from_bucket(self._buckets.pop(8), room), room
+        self._planned_len = self.seq_len + room  # the longest this epoch gets: what the attention plans for
         columns = -(-(self.seq_len + room) // _COLUMN_ALIGN) * _COLUMN_ALIGN
         for name in _COLUMN_FILL:
             self._spare_columns(name, columns)
@@ -741,13 +747,20 @@ class ReplayableKVLayer(KbitKVLayer):
 
     def _decode(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """As :meth:`KbitKVLayer._decode`, deciding on the device whether to record the mass and
-        accumulating it in place (the attention always returns it)."""
+        accumulating it in place. Without a mask, while the store is open, one call reads the store
+        and the column buffers in place (:func:`~kbit_linear._kv_ops.decode_attention_in_place`);
+        otherwise the attention over the snapshot returns the mass and the reference adds it."""
         b, hq, q, _ = query.shape
-        record = self.device_decode_calls % self.mass_interval == 0
         self.device_decode_calls += 1
         self._decode_calls += 1
-        out, mass = self._bucket_attention(query, attention_mask, scaling, need_mass=True)
         mass_buf, seen_buf = self._spare["mass"][0], self._spare["seen"][0]
+        if attention_mask is None and self._store is not None:
+            return decode_attention_in_place(query, [self._buckets[t] for t in TIERS if t != 8], self._store, self.k_block_min,
+                                             self.k_block_range, self.block_size, self._planned_len, self.device_seq_len,
+                                             self._spare["tier"][0], scaling, mass_buf, seen_buf, self.device_decode_calls,
+                                             self.mass_interval, self.workspace)
+        record = (self.device_decode_calls - 1) % self.mass_interval == 0
+        out, mass = self._bucket_attention(query, attention_mask, scaling, need_mass=True)
         if attention_mask is None:
             seen = hq * causal_visible(self.device_seq_len, q, seen_buf.shape[1], self.device)
         else:

@@ -373,3 +373,59 @@ def test_steps_until_allocation_needs_agreeing_layers() -> None:
 def test_replayable_must_be_a_bool(bad) -> None:
     with pytest.raises(ValueError, match="replayable"):
         KbitKVCache(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1), replayable=bad)
+
+
+def _in_place_args(batch: int = 2, heads: int = 2, hq: int = 4, d: int = 64, length: int = 40, room: int = 8):
+    """Arguments of decode_attention_in_place for a small random cache (CPU)."""
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(batch, length, heads, d, generator=g), torch.randn(batch, length, heads, d, generator=g)
+    rows, pos = torch.nonzero(torch.ones(batch, length), as_tuple=True)
+    eight = quantize_tokens(k[rows, pos], v[rows, pos], 8, rows, pos, batch, None, None, 16)
+    lower = [KVBucket.empty(t, batch, heads, d) for t in (2, 3, 4)]
+    ld = 48
+    return dict(query=torch.randn(batch, hq, 1, d, generator=g), buckets=lower, store=KVStore8.from_bucket(eight, room),
+                k_block_min=None, k_block_range=None, block_size=16, planned_len=length + room,
+                length=torch.tensor([length], dtype=torch.int32), tier=torch.full((batch, ld), 8, dtype=torch.int8),
+                scaling=d**-0.5, mass=torch.zeros(batch, ld), seen=torch.zeros(batch, ld),
+                calls=torch.tensor([1], dtype=torch.int32), mass_interval=2)
+
+
+def test_in_place_attention_reference_records_on_the_calls_it_should() -> None:
+    """The reference of decode_attention_in_place: the plain attention at the live length, its mass
+    added into the running sums when (calls - 1) % mass_interval == 0 and not otherwise."""
+    args = _in_place_args()
+    out = _kv_ops.decode_attention_in_place(**args)
+    want, mass = _kv_ops.decode_attention(args["query"], args["buckets"] + [args["store"].bucket()], None, None, 16, 40,
+                                          args["tier"][:, :40], None, args["scaling"])
+    assert torch.equal(out, want)
+    assert torch.equal(args["mass"][:, :40], mass) and torch.equal(args["seen"][:, :40], torch.full((2, 40), 4.0))
+    assert not args["mass"][:, 40:].any() and not args["seen"][:, 40:].any()
+    args["calls"].fill_(2)  # (2 - 1) % 2 != 0: not a recording call
+    before = args["mass"].clone()
+    _kv_ops.decode_attention_in_place(**args)
+    assert torch.equal(args["mass"], before)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"tier": torch.full((2, 48), 8, dtype=torch.int32)}, "tier"),
+    ({"mass": torch.zeros(2, 40)}, "mass"),
+    ({"seen": torch.zeros(2, 48, dtype=torch.float64)}, "seen"),
+    ({"length": torch.tensor([40])}, "length"),
+    ({"calls": torch.tensor([1, 2], dtype=torch.int32)}, "calls"),
+    ({"planned_len": 49}, "planned_len"),
+    ({"planned_len": 0}, "planned_len"),
+    ({"mass_interval": 0}, "mass_interval"),
+    ({"planned_len": 39}, "past planned_len"),
+])
+def test_in_place_attention_names_bad_arguments(change: dict, match: str) -> None:
+    args = _in_place_args()
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        _kv_ops.decode_attention_in_place(**args)
+
+
+def test_in_place_attention_wants_the_lower_buckets_in_order() -> None:
+    args = _in_place_args()
+    args["buckets"] = args["buckets"][::-1]
+    with pytest.raises(ValueError, match="buckets"):
+        _kv_ops.decode_attention_in_place(**args)
