@@ -26,10 +26,11 @@ state that a replayed CUDA graph needs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
 import torch
@@ -672,6 +673,32 @@ class ReplayableKVLayer(KbitKVLayer):
     _store: KVStore8 | None = None  # the open store (None between epochs)
     _room = 0  # free entries left in the open store's fullest row (host mirror of its counts)
     _planned_len = 0  # the cached length when the open store is full
+    _captured = False  # a decode step is being captured (KbitKVCache.capturing): nothing changes on the host
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[KbitKVView, KbitKVView]:
+        """As :meth:`KbitKVLayer.update`; while a step is captured, only the in-place append (its
+        host side waits for :meth:`advance`)."""
+        if not self._captured:
+            return super().update(key_states, value_states, *args, **kwargs)
+        q = key_states.shape[2]
+        if not self.is_initialized or self._store is None or self._room < q or self._allocation_due(q):
+            raise RuntimeError(f"a captured step of {q} tokens must fit the open epoch: store open {self._store is not None}, "
+                               f"room {self._room}, allocator due {self.is_initialized and self._allocation_due(q)}")
+        append_tokens8_in_place(self._store, key_states, value_states, self.device_seq_len)
+        view = KbitKVView(self)
+        return view, view
+
+    def advance(self, q: int, steps: int) -> None:
+        """The host's side of ``steps`` captured updates of ``q`` tokens, each with one decode-size
+        attention call, after their replays: the length, the store's room, the column views and
+        the call count move as the steps' own updates would have moved them."""
+        n = q * steps
+        if n > self._room:
+            raise RuntimeError(f"{steps} steps of {q} tokens do not fit the open store's room of {self._room}")
+        self._room -= n
+        self._add_columns(n)
+        self.seq_len += n
+        self._decode_calls += steps
 
     @property
     def buckets(self) -> Mapping[int, KVBucket]:
@@ -751,8 +778,10 @@ class ReplayableKVLayer(KbitKVLayer):
         and the column buffers in place (:func:`~kbit_linear._kv_ops.decode_attention_in_place`);
         otherwise the attention over the snapshot returns the mass and the reference adds it."""
         b, hq, q, _ = query.shape
+        if self._captured and (attention_mask is not None or self._store is None):
+            raise RuntimeError("a captured decode step must be causal without a mask, with the store open")
         self.device_decode_calls += 1
-        self._decode_calls += 1
+        self._decode_calls += 0 if self._captured else 1
         mass_buf, seen_buf = self._spare["mass"][0], self._spare["seen"][0]
         if attention_mask is None and self._store is not None:
             return decode_attention_in_place(query, [self._buckets[t] for t in TIERS if t != 8], self._store, self.k_block_min,
@@ -870,6 +899,8 @@ class KbitKVCache(Cache):
             config._attn_implementation = ATTENTION_NAME
             logger.info("KbitKVCache: attention implementation %r -> %r", impl, ATTENTION_NAME)
         self.kv_bits = float(kv_bits)
+        self.replayable = replayable
+        """Whether the layers are :class:`ReplayableKVLayer` (decode steps that a CUDA graph can replay)."""
         layer_class = ReplayableKVLayer if replayable else KbitKVLayer
         layers = [layer_class(kv_bits, window, sink_tokens, block_size, float(hysteresis), prefill_interval,
                               float(allocation_fraction), mass_interval) for _ in layer_types]
@@ -887,6 +918,53 @@ class KbitKVCache(Cache):
             for kind, n in layer.nbytes_by_kind().items():
                 out[kind] += n
         return out
+
+    def replayable_steps(self, q: int) -> int:
+        """Decode steps of ``q`` tokens that a CUDA graph captured now may replay before the host
+        must run one (the allocator, or a new store): 0 when not replayable or no store is open.
+
+        Raises:
+            ValueError: ``q`` is not an int >= 1.
+        """
+        _check_positive_int("q", q, 1)
+        if not self.replayable or not self.layers or any(layer._store is None for layer in self.layers):
+            return 0
+        return min(min(layer.steps_until_allocation(q), layer._room // q) for layer in self.layers)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """While a decode step is captured into a CUDA graph: each layer records its append and
+        attention and changes nothing on the host; :meth:`advance` moves the host's side after
+        the replays. Only for ``replayable=True`` caches with a store open in every layer (after
+        an eager decode step); at most :meth:`replayable_steps` replays between two
+        :meth:`advance` calls and eager steps.
+
+        Raises:
+            RuntimeError: the cache is not replayable.
+        """
+        if not self.replayable:
+            raise RuntimeError("capturing() needs KbitKVCache(..., replayable=True)")
+        for layer in self.layers:
+            layer._captured = True
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer._captured = False
+
+    def advance(self, q: int, steps: int) -> None:
+        """The host's side of ``steps`` replayed decode steps of ``q`` tokens (see :meth:`capturing`).
+
+        Raises:
+            ValueError: ``q`` or ``steps`` is not an int >= 1.
+            RuntimeError: the cache is not replayable, or the steps do not fit the open stores.
+        """
+        _check_positive_int("q", q, 1)
+        _check_positive_int("steps", steps, 1)
+        if not self.replayable:
+            raise RuntimeError("advance() needs KbitKVCache(..., replayable=True)")
+        for layer in self.layers:
+            layer.advance(q, steps)
 
     def steps_until_allocation(self, q: int) -> int:
         """Decode steps of ``q`` tokens that run before the allocator does (it runs at the start of

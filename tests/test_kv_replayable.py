@@ -429,3 +429,74 @@ def test_in_place_attention_wants_the_lower_buckets_in_order() -> None:
     args["buckets"] = args["buckets"][::-1]
     with pytest.raises(ValueError, match="buckets"):
         _kv_ops.decode_attention_in_place(**args)
+
+
+def _greedy(model, cache: KbitKVCache, first: torch.Tensor, steps: int) -> torch.Tensor:
+    """Plain greedy decoding, one eager forward call a token, without a mask or positions."""
+    ids, out = first, []
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            out.append(ids)
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_decode_graph_schedule_equals_plain_decoding(kind: str) -> None:
+    """KbitDecodeGraph's schedule (eager step, frozen steps, advance) without graphs: the tokens and
+    the cache of plain greedy decoding with the default cache, over several allocator runs."""
+    from kbit_linear import KbitDecodeGraph
+
+    model = _tiny(kind)
+    plain, replayable = _caches(model)
+    prompt = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        firsts = [model(prompt, past_key_values=c, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+                  for c in (plain, replayable)]
+    assert torch.equal(*firsts)
+    runs = _record_allocations(replayable.layers[0])
+    want = _greedy(model, plain, firsts[0], 60)
+    decoder = KbitDecodeGraph(model, replayable, use_graph=False)
+    got = decoder.generate(firsts[1], 60)
+    assert torch.equal(got, want)
+    _assert_same_caches(plain, replayable)
+    assert len(runs) >= 3 and decoder.replays > 40  # several epochs, most steps frozen
+    for layer in replayable.layers:  # the host's mirrors agree with the device counters
+        assert layer.device_seq_len.tolist() == [layer.seq_len] and layer.device_decode_calls.tolist() == [layer._decode_calls]
+
+
+def test_a_frozen_step_that_does_not_fit_the_epoch_is_refused() -> None:
+    model = _tiny("llama")
+    _, cache = _caches(model)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 30)), past_key_values=cache, use_cache=True)  # a prompt: no decode store open
+        assert cache.replayable_steps(1) == 0
+        with pytest.raises(RuntimeError, match="must fit the open epoch"), cache.capturing():
+            model(torch.randint(3, 128, (1, 1)), past_key_values=cache, use_cache=True)
+
+
+def test_capturing_and_advance_need_a_replayable_cache() -> None:
+    from kbit_linear import KbitDecodeGraph
+
+    model = _tiny("llama")
+    plain, replayable = _caches(model)
+    with pytest.raises(RuntimeError, match="replayable"), plain.capturing():
+        pass
+    with pytest.raises(RuntimeError, match="replayable"):
+        plain.advance(1, 1)
+    assert plain.replayable_steps(1) == 0
+    with pytest.raises(ValueError, match="steps"):
+        replayable.advance(1, 0)
+    with pytest.raises(ValueError, match="replayable"):
+        KbitDecodeGraph(model, plain)
+    with pytest.raises(TypeError, match="KbitKVCache"):
+        KbitDecodeGraph(model, object())
+    with pytest.raises(ValueError, match="no tokens"):
+        KbitDecodeGraph(model, replayable)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (2, 12)), past_key_values=replayable, use_cache=True)
+    decoder = KbitDecodeGraph(model, replayable, use_graph=False)
+    with pytest.raises(ValueError, match="first"):
+        decoder.generate(torch.zeros(1, 1, dtype=torch.int64), 3)
+    with pytest.raises(ValueError, match="steps"):
+        decoder.generate(torch.zeros(2, 1, dtype=torch.int64), 0)
