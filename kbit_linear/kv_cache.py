@@ -32,13 +32,14 @@ import math
 import numbers
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from ._kv_ops import append_tokens8, append_tokens8_in_place, decode_attention, decode_attention_in_place
 from .kv_format import (
@@ -56,7 +57,7 @@ from .kv_format import (
 )
 
 __all__ = ["ALLOCATION_FRACTION", "ATTENTION_NAME", "MASS_INTERVAL", "PREFILL_INTERVAL", "KbitKVCache", "KbitKVLayer", "KbitKVView",
-           "ReplayableKVLayer", "allocate_tiers", "kbit_kv_attention"]
+           "ReplayableKVLayer", "allocate_tiers", "kbit_kv_attention", "kbit_kv_mask"]
 
 logger = logging.getLogger(__name__)
 
@@ -1017,5 +1018,21 @@ def kbit_kv_attention(module: torch.nn.Module, query: torch.Tensor, key, value, 
     return key.layer.attend(query, attention_mask, scale), None
 
 
+def kbit_kv_mask(**kwargs: Any) -> torch.Tensor | None:
+    """transformers' SDPA mask, except while a CUDA graph is captured over rows without padding.
+
+    Under stream capture transformers counts as tracing and always builds the mask, since SDPA
+    would otherwise hard-code ``is_causal``. The kbit attention needs no mask for plain causal
+    decoding (it reads the live length on the device), and a replayed step cannot take a mask
+    built for the captured length, so for an unpadded, unmodified causal mask it returns None.
+    Any padding, sliding window or changed mask function still builds the mask.
+    """
+    if (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() and kwargs.get("attention_mask") is None
+            and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+            and kwargs.get("local_size") is None and kwargs.get("allow_is_causal_skip", True)):
+        return None
+    return sdpa_mask(**kwargs)
+
+
 AttentionInterface.register(ATTENTION_NAME, kbit_kv_attention)
-AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+AttentionMaskInterface.register(ATTENTION_NAME, kbit_kv_mask)

@@ -500,3 +500,27 @@ def test_capturing_and_advance_need_a_replayable_cache() -> None:
         decoder.generate(torch.zeros(1, 1, dtype=torch.int64), 3)
     with pytest.raises(ValueError, match="steps"):
         decoder.generate(torch.zeros(2, 1, dtype=torch.int64), 0)
+
+
+def test_mask_left_out_only_for_a_captured_unpadded_causal_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a CUDA graph is captured, transformers builds the causal mask even for one query; the
+    cache's mask function leaves it out (a replayed step cannot take a mask built for one length)
+    unless there is padding, a window or a changed mask function."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    from kbit_linear.kv_cache import kbit_kv_mask
+
+    args = dict(batch_size=2, q_length=1, kv_length=10, q_offset=9, kv_offset=0, mask_function=causal_mask_function,
+                allow_is_causal_skip=True, device="cpu")
+    padded = torch.ones(2, 10, dtype=torch.bool)
+    padded[1, :3] = False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert kbit_kv_mask(attention_mask=None, **args) is None
+    built = kbit_kv_mask(attention_mask=padded, **args)
+    assert torch.equal(built, sdpa_mask(attention_mask=padded, **args)) and not built.all()
+    assert kbit_kv_mask(attention_mask=None, local_size=4, **args) is not None
+    assert kbit_kv_mask(attention_mask=None, **{**args, "allow_is_causal_skip": False}) is not None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    q3 = {**args, "q_length": 3, "q_offset": 7}
+    assert torch.equal(kbit_kv_mask(attention_mask=None, **q3), sdpa_mask(attention_mask=None, **q3))
