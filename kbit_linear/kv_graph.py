@@ -63,6 +63,7 @@ class KbitDecodeGraph:
         decoder = getattr(model, "model", model)
         self._takes_cache_position = "cache_position" in inspect.signature(decoder.forward).parameters
         self._pool = None
+        self._graph: torch.cuda.CUDAGraph | None = None
         self.captures = 0
         """CUDA graphs captured so far (one per epoch)."""
         self.replays = 0
@@ -109,11 +110,12 @@ class KbitDecodeGraph:
             if n == 0:
                 continue
             if self.use_graph:
-                graph = self._capture(ids, pos, cpos)
+                # The previous epoch's graph is dropped only once this one is captured: graphs that
+                # share a memory pool must keep it in use while another is captured into it.
+                self._graph = self._capture(ids, pos, cpos)
                 for i in range(n):
-                    graph.replay()
+                    self._graph.replay()
                     out[:, done + i] = ids[:, 0]
-                del graph
                 self.captures += 1
             else:
                 for i in range(n):
