@@ -2,6 +2,7 @@
 
     python examples/kv_cache.py            # the embedded SmolLM2-135M-Instruct
     python examples/kv_cache.py --kv-bits 3
+    python examples/kv_cache.py --graph     # also decode with KbitDecodeGraph (CUDA graphs on a GPU)
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="'default' (SmolLM2), a folder or a hub id")
     ap.add_argument("--kv-bits", type=float, default=4.0)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--graph", action="store_true",
+                    help="also decode greedily with KbitDecodeGraph: a replayable cache, one CUDA graph per allocator epoch "
+                         "(on a CPU the same schedule runs without graphs)")
     args = ap.parse_args()
     path = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
@@ -36,6 +40,15 @@ def main() -> None:
     n = inputs["input_ids"].shape[1]
     print("dense cache:", tok.decode(dense[0, n:], skip_special_tokens=True), "\n")
     print(f"KbitKVCache(kv_bits={args.kv_bits}):", tok.decode(out[0, n:], skip_special_tokens=True), "\n")
+    if args.graph:
+        graph_cache = kbit_linear.KbitKVCache(model.config, kv_bits=args.kv_bits, window=16, block_size=16, replayable=True)
+        with torch.no_grad():
+            logits = model(**inputs, past_key_values=graph_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        first = logits.argmax(-1, keepdim=True)
+        decoder = kbit_linear.KbitDecodeGraph(model, graph_cache, use_graph=model.device.type == "cuda")
+        tokens = torch.cat([first, decoder.generate(first, args.new_tokens - 1)], 1)  # no stop at end-of-text
+        print(f"KbitDecodeGraph ({decoder.captures} graphs captured, {decoder.replays} of {args.new_tokens} tokens from "
+              f"{'replays' if decoder.use_graph else 'frozen eager steps'}):", tok.decode(tokens[0], skip_special_tokens=True), "\n")
     layer = cache.layers[0]
     bf16 = 2 * layer.heads * layer.head_dim * 2 * cache.get_seq_length() * len(cache.layers)
     print(f"{cache.get_seq_length()} tokens; tokens per width (all layers): {cache.tier_counts()}; "

@@ -18,6 +18,7 @@ from .format import KbitWeight, create_normal_float_codebook, dequantize, matmul
 from .gguf_linear import GGUFEmbedding, GGUFLinear
 from .gguf_loader import load_gguf  # imports gguf and the transformers GGUF reader only when called
 from .kv_cache import KbitKVCache  # also registers the "kbit_kv" attention with transformers
+from .kv_graph import KbitDecodeGraph
 from .linear import KbitLinear
 from .parallel import shard_for_tensor_parallel
 from .router import fuse_routers, unfuse_routers
@@ -32,6 +33,7 @@ __all__ = [
     "GGUFEmbedding",
     "GGUFLinear",
     "KbitConfig",
+    "KbitDecodeGraph",
     "KbitExperts",
     "KbitKVCache",
     "KbitLinear",

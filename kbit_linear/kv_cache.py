@@ -17,25 +17,37 @@ tensors. The model's attention, ``"kbit_kv"``, sees that view and runs
 :func:`kbit_linear._kv_ops.decode_attention` (the fused CUDA kernel on a GPU, the reference
 :func:`kbit_linear.kv_format.bucket_attention` elsewhere; prefill: dequantize + SDPA), which
 also yields each token's attention mass; its running mean per token is the importance.
+
+``KbitKVCache(replayable=True)`` gives the same results with :class:`ReplayableKVLayer`s: between
+two allocations their decode steps write in place and change no tensor's address (the 8-bit
+tokens in a store of fixed capacity, the length and the call count also on the device), the
+state that a replayed CUDA graph needs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import numbers
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-from ._kv_ops import append_tokens8, decode_attention
+from ._kv_ops import append_tokens8, append_tokens8_in_place, decode_attention, decode_attention_in_place
 from .kv_format import (
     TIERS,
     KVBucket,
+    KVStore8,
+    accumulate_mass,
+    causal_visible,
     channel_group,
     dequantize_bucket,
     key_block_ranges,
@@ -44,8 +56,8 @@ from .kv_format import (
     visible_queries,
 )
 
-__all__ = ["ALLOCATION_FRACTION", "ATTENTION_NAME", "MASS_INTERVAL", "PREFILL_INTERVAL", "KbitKVCache", "KbitKVLayer", "KbitKVView", "allocate_tiers",
-           "kbit_kv_attention"]
+__all__ = ["ALLOCATION_FRACTION", "ATTENTION_NAME", "MASS_INTERVAL", "PREFILL_INTERVAL", "KbitKVCache", "KbitKVLayer", "KbitKVView",
+           "ReplayableKVLayer", "allocate_tiers", "kbit_kv_attention", "kbit_kv_mask"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +97,8 @@ is the mean over the recorded steps, and the KL against the dense cache did not 
 at 2.5; ``kv-cache-accuracy.md``)."""
 
 _PREFILL_OBSERVED = 32  # prefill scores importance from its last 32 queries (SnapKV-style), not all of them
+_COLUMN_FILL = {"tier": 8, "mass": 0.0, "seen": 0.0}  # the per-token columns and what a new token holds in each
+_COLUMN_ALIGN = 16  # a replayable layer's column buffers are a multiple of 16 wide (16-byte aligned int8 tier rows)
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
 
 
@@ -264,7 +278,8 @@ class KbitKVLayer(CacheLayerMixin):
     query-heads that could see the token; importance is their ratio), ``first_valid`` (int64
     ``[B]``: the first position not masked as padding, where the sinks start). ``tier``, ``mass``
     and ``seen`` are views into buffers with spare columns (not contiguous when ``B > 1``).
-    Arguments as :class:`KbitKVCache`'s, which checks them.
+    Arguments as :class:`KbitKVCache`'s, which checks them. :meth:`steps_until_allocation` says
+    when the allocator runs next.
     """
 
     is_sliding = False
@@ -279,7 +294,7 @@ class KbitKVLayer(CacheLayerMixin):
         self.kv_bits, self.window, self.sink_tokens = float(kv_bits), window, sink_tokens
         self.block_size, self.hysteresis, self.prefill_interval = block_size, hysteresis, prefill_interval
         self.allocation_fraction, self.mass_interval = allocation_fraction, mass_interval
-        self.seq_len = 0
+        self.seq_len, self._alloc_len = 0, 0  # tokens cached now, and at the last allocation
         self._decode_calls = 0  # attention calls of decode size so far (every mass_interval-th records the mass)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -314,12 +329,15 @@ class KbitKVLayer(CacheLayerMixin):
         if self._allocation_due(q):
             self.reallocate()
             self._alloc_len = self.seq_len
-        # the new tokens at 8 bits after each row's entries (one kernel on a GPU)
-        self.buckets[8] = append_tokens8(self.buckets[8], key_states, value_states, self.seq_len)
+        self._store_tokens(key_states, value_states)
         self._add_columns(q)
         self.seq_len += q
         view = KbitKVView(self)
         return view, view
+
+    def _store_tokens(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The new tokens at 8 bits after each row's entries (one kernel on a GPU)."""
+        self.buckets[8] = append_tokens8(self.buckets[8], key_states, value_states, self.seq_len)
 
     def _add_columns(self, q: int) -> None:
         """``tier``, ``mass`` and ``seen`` grow by ``q`` columns for new tokens (width 8, no mass
@@ -327,26 +345,51 @@ class KbitKVLayer(CacheLayerMixin):
         decode step only widens the views; a buffer is made anew, with 1/16 (at least
         ``block_size``) spare, when it is full or the tensor was replaced (an allocation, a crop,
         a batch edit)."""
-        for name, fill in (("tier", 8), ("mass", 0.0), ("seen", 0.0)):
+        for name in _COLUMN_FILL:
             cur = getattr(self, name)
             b, s = cur.shape
             buf, used = self._spare.get(name, (None, -1))
             if buf is None or used != s or cur.data_ptr() != buf.data_ptr() or buf.shape[0] != b or buf.shape[1] < s + q:
-                buf = torch.full((b, s + q + max(self.block_size, (s + q) // 16)), fill, dtype=cur.dtype, device=cur.device)
-                buf[:, :s] = cur
+                buf = self._spare_columns(name, s + q + max(self.block_size, (s + q) // 16))
             self._spare[name] = (buf, s + q)
             setattr(self, name, buf[:, :s + q])
 
+    def _spare_columns(self, name: str, columns: int) -> torch.Tensor:
+        """Move ``tier``, ``mass`` or ``seen`` (``name``) into a new buffer of ``columns`` columns
+        (the new ones hold a new token's value) and return it."""
+        cur = getattr(self, name)
+        b, s = cur.shape
+        buf = torch.full((b, columns), _COLUMN_FILL[name], dtype=cur.dtype, device=cur.device)
+        buf[:, :s] = cur
+        self._spare[name] = (buf, s)
+        setattr(self, name, buf[:, :s])
+        return buf
+
+    def _is_prompt_chunk(self, incoming: int) -> bool:
+        """Whether an update of ``incoming`` tokens counts as a chunk of a prompt (more than ``block_size``)."""
+        return incoming > self.block_size
+
+    def _allocation_interval(self, incoming: int) -> int:
+        """Tokens between two allocator runs while updates bring ``incoming`` tokens each:
+        ``block_size``, or ``allocation_fraction`` times the tokens cached when it last ran if
+        more, or ``prefill_interval`` for a prompt's chunks."""
+        if self._is_prompt_chunk(incoming):
+            return max(self.block_size, self.prefill_interval)
+        return max(self.block_size, int(self._alloc_len * self.allocation_fraction))
+
+    def steps_until_allocation(self, q: int) -> int:
+        """Updates of ``q`` tokens each that store their tokens before the allocator runs again
+        (it runs first thing in the update after them; 0: in the next one).
+
+        The allocator runs at the start of an update once :meth:`_allocation_interval` tokens
+        arrived since its last run (at ``seq_len`` 0 it has nothing to do and does not run).
+        """
+        left = self._allocation_interval(q) - (self.seq_len - self._alloc_len)
+        return max(0, -(-left // q))
+
     def _allocation_due(self, incoming: int) -> bool:
-        """Whether the allocator runs before ``incoming`` new tokens are stored: once ``block_size``
-        tokens, or ``allocation_fraction`` times the tokens cached when it last ran if more,
-        arrived since it last ran, or ``prefill_interval`` while the new tokens come in chunks
-        longer than ``block_size`` (a prompt)."""
-        if incoming <= self.block_size:
-            interval = max(self.block_size, int(self._alloc_len * self.allocation_fraction))
-        else:
-            interval = max(self.block_size, self.prefill_interval)
-        return self.seq_len - self._alloc_len >= interval  # (at seq_len 0 the allocator has nothing to do)
+        """Whether the allocator runs before ``incoming`` new tokens are stored."""
+        return self.steps_until_allocation(incoming) == 0
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv_length, kv_offset) of the mask for the next step: every position is kept."""
@@ -444,8 +487,8 @@ class KbitKVLayer(CacheLayerMixin):
         out = {"payload": 0, "scales": 0, "metadata": 0}
         if not self.is_initialized:
             return out
-        for bk in self.buckets.values():
-            for kind, n in bk.nbytes().items():
+        for part in self._token_storage():
+            for kind, n in part.nbytes().items():
                 out[kind] += n
         for t in (self.k_block_min, self.k_block_range):
             out["scales"] += t.numel() * t.element_size()
@@ -454,6 +497,10 @@ class KbitKVLayer(CacheLayerMixin):
         if self.first_valid is not None:
             out["metadata"] += self.first_valid.numel() * self.first_valid.element_size()
         return out
+
+    def _token_storage(self) -> list[KVBucket | KVStore8]:
+        """What holds the tokens (each with an ``nbytes()``): the buckets."""
+        return list(self.buckets.values())
 
     def importance(self) -> torch.Tensor:
         """float32 ``[B, S]``: mean attention mass per query head that could see each token."""
@@ -554,29 +601,206 @@ class KbitKVLayer(CacheLayerMixin):
                 seen_last = torch.isfinite(mask_bias(attention_mask[:, :, -1:], b, 1, s, dev)[:, 0, :])
                 self.first_valid = torch.where(seen_last.any(1), seen_last.to(torch.int8).argmax(1), 0).to(torch.int64)
         if q <= DECODE_MAX_QUERIES:
-            record = self._decode_calls % self.mass_interval == 0
-            self._decode_calls += 1
-            out, mass = decode_attention(query, [self.buckets[t] for t in TIERS], self.k_block_min, self.k_block_range,
-                                         self.block_size, s, self.tier, attention_mask, scaling, need_mass=record,
-                                         workspace=self.workspace)
-            if not record:
-                return out
-            # one query and no mask (a plain decode step): every position is seen by every head
-            visible = hq if attention_mask is None and q == 1 else visible_queries(attention_mask, b, q, s, dev) * hq
-        else:
-            bias = mask_bias(attention_mask, b, q, s, dev)
-            k, v = self.dequantize()
-            k = k.repeat_interleave(hq // self.heads, 1).to(query.dtype)
-            v = v.repeat_interleave(hq // self.heads, 1).to(query.dtype)
-            mask = attention_mask[:, :, -q:, -s:] if attention_mask is not None else (bias == 0).unsqueeze(1)
-            out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling).transpose(1, 2)
-            o = min(q, _PREFILL_OBSERVED)
-            logits = scaling * query[:, :, -o:].float() @ k.float().transpose(-1, -2) + bias[:, -o:].unsqueeze(1)
-            mass = torch.nan_to_num(torch.softmax(logits, -1), nan=0.0).sum((1, 2))
-            visible = torch.isfinite(bias[:, -o:]).sum(1).float() * hq
-        self.mass += mass
-        self.seen += visible
+            return self._decode(query, attention_mask, scaling)
+        bias = mask_bias(attention_mask, b, q, s, dev)
+        k, v = self.dequantize()
+        k = k.repeat_interleave(hq // self.heads, 1).to(query.dtype)
+        v = v.repeat_interleave(hq // self.heads, 1).to(query.dtype)
+        mask = attention_mask[:, :, -q:, -s:] if attention_mask is not None else (bias == 0).unsqueeze(1)
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling).transpose(1, 2)
+        o = min(q, _PREFILL_OBSERVED)
+        logits = scaling * query[:, :, -o:].float() @ k.float().transpose(-1, -2) + bias[:, -o:].unsqueeze(1)
+        self.mass += torch.nan_to_num(torch.softmax(logits, -1), nan=0.0).sum((1, 2))
+        self.seen += torch.isfinite(bias[:, -o:]).sum(1).float() * hq
         return out
+
+    def _decode(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Attention of up to :data:`DECODE_MAX_QUERIES` queries; every ``mass_interval``-th call records the mass."""
+        b, hq, q, _ = query.shape
+        record = self._decode_calls % self.mass_interval == 0
+        self._decode_calls += 1
+        out, mass = self._bucket_attention(query, attention_mask, scaling, need_mass=record)
+        if record:
+            self.mass += mass
+            # one query and no mask (a plain decode step): every position is seen by every head
+            plain = attention_mask is None and q == 1
+            self.seen += hq if plain else visible_queries(attention_mask, b, q, self.seq_len, query.device) * hq
+        return out
+
+    def _bucket_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
+                          need_mass: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:func:`~kbit_linear._kv_ops.decode_attention` over this layer's buckets."""
+        buckets = self.buckets
+        return decode_attention(query, [buckets[t] for t in TIERS], self.k_block_min, self.k_block_range, self.block_size,
+                                self.seq_len, self.tier, attention_mask, scaling, need_mass=need_mass, workspace=self.workspace)
+
+
+class ReplayableKVLayer(KbitKVLayer):
+    """A :class:`KbitKVLayer` whose decode steps move no tensor between two allocator runs (what a
+    CUDA graph replaying the steps needs), with the same results (bit for bit on the CPU; see below
+    for a GPU).
+
+    - The 8-bit tokens sit in a :class:`~kbit_linear.kv_format.KVStore8` (row ``b``'s entries
+      from ``b * capacity``, a device count per row), appended in place.
+    - ``tier``, ``mass`` and ``seen`` are views of the live columns of buffers ``[B, ld]``;
+      ``ld`` covers the tokens until the next allocation, rounded up to a multiple of 16.
+    - ``device_seq_len`` and ``device_decode_calls`` (int32 ``[1]``) are the cached length and
+      the decode-size attention calls on the device: the append advances the length and the
+      positions come from it; the call counter decides, on the device, which calls record the
+      mass. ``seq_len`` and the call count on the host advance with them (a step adds a known
+      number of tokens), so nothing is read back.
+
+    An epoch runs from one store build to the next. An update builds the store when the
+    allocator runs (the store's tokens go back into the 8-bit bucket, the allocator runs as in
+    :class:`KbitKVLayer`, and a new store gets room for the updates of the same size until the
+    next run: :meth:`steps_until_allocation`), or when its tokens do not fit (the first update,
+    another token count, a prompt chunk, which gets room for itself only). A crop or a batch edit
+    puts the tokens back into the bucket; the next update builds the store again. Leaving an
+    epoch checks the device counters against the host's (one host read).
+
+    ``buckets`` stays readable: while the store holds the 8-bit tokens it is a read-only
+    snapshot whose 8-bit bucket is a compacted copy of the store. Causal decode attention (no
+    mask) reads the store and the column buffers in place
+    (:func:`~kbit_linear._kv_ops.decode_attention_in_place`: on CUDA the same launches every step
+    of an epoch, with the mass added in place on recording calls only; elsewhere the reference,
+    which reads the length on the host); the append is
+    :func:`kbit_linear._kv_ops.append_tokens8_in_place` (a kernel on CUDA, the reference
+    elsewhere). A masked call reads the snapshot and adds the mass with the reference
+    (:func:`~kbit_linear.kv_format.accumulate_mass`). The CUDA in-place attention plans its splits
+    for the epoch's longest length, so on a GPU its sums may be added in another order than
+    :class:`KbitKVLayer`'s (rounding); on the CPU the two agree bit for bit.
+    """
+
+    _store: KVStore8 | None = None  # the open store (None between epochs)
+    _room = 0  # free entries left in the open store's fullest row (host mirror of its counts)
+    _planned_len = 0  # the cached length when the open store is full
+    _captured = False  # a decode step is being captured (KbitKVCache.capturing): nothing changes on the host
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[KbitKVView, KbitKVView]:
+        """As :meth:`KbitKVLayer.update`; while a step is captured, only the in-place append (its
+        host side waits for :meth:`advance`)."""
+        if not self._captured:
+            return super().update(key_states, value_states, *args, **kwargs)
+        q = key_states.shape[2]
+        if not self.is_initialized or self._store is None or self._room < q or self._allocation_due(q):
+            raise RuntimeError(f"a captured step of {q} tokens must fit the open epoch: store open {self._store is not None}, "
+                               f"room {self._room}, allocator due {self.is_initialized and self._allocation_due(q)}")
+        append_tokens8_in_place(self._store, key_states, value_states, self.device_seq_len)
+        view = KbitKVView(self)
+        return view, view
+
+    def advance(self, q: int, steps: int) -> None:
+        """The host's side of ``steps`` captured updates of ``q`` tokens, each with one decode-size
+        attention call, after their replays: the length, the store's room, the column views and
+        the call count move as the steps' own updates would have moved them."""
+        n = q * steps
+        if n > self._room:
+            raise RuntimeError(f"{steps} steps of {q} tokens do not fit the open store's room of {self._room}")
+        self._room -= n
+        self._add_columns(n)
+        self.seq_len += n
+        self._decode_calls += steps
+
+    @property
+    def buckets(self) -> Mapping[int, KVBucket]:
+        """Width -> :class:`~kbit_linear.kv_format.KVBucket`; a read-only snapshot while the store is open."""
+        if self._store is None:
+            return self._buckets
+        return MappingProxyType({**self._buckets, 8: self._store.bucket()})
+
+    @buckets.setter
+    def buckets(self, value: dict[int, KVBucket]) -> None:
+        self._buckets = value
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """As :class:`KbitKVLayer`'s, plus the device counters (no store until the first update)."""
+        super().lazy_initialization(key_states, value_states)
+        self._store = None
+        self.device_seq_len = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.device_decode_calls = torch.zeros(1, dtype=torch.int32, device=self.device)
+
+    def reset(self) -> None:
+        """Drop every token and the store."""
+        super().reset()
+        self._store = None
+
+    def _store_tokens(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The new tokens into the store, in place (a new store first if they do not fit)."""
+        q = key_states.shape[2]
+        if self._store is None or self._room < q:
+            self._open_store(q)
+        append_tokens8_in_place(self._store, key_states, value_states, self.device_seq_len)
+        self._room -= q
+
+    def _open_store(self, q: int) -> None:
+        """Start an epoch: the 8-bit tokens into a store with room for the updates of ``q`` tokens
+        until the allocator's next run (a prompt chunk: for itself only, as the next chunk's
+        length is unknown), and ``tier``/``mass``/``seen`` into buffers with columns for them."""
+        self._close_store()
+        room = q * (1 if self._is_prompt_chunk(q) else self.steps_until_allocation(q))
+        self._store, self._room = KVStore8.from_bucket(self._buckets.pop(8), room), room
+        self._planned_len = self.seq_len + room  # the longest this epoch gets: what the attention plans for
+        columns = -(-(self.seq_len + room) // _COLUMN_ALIGN) * _COLUMN_ALIGN
+        for name in _COLUMN_FILL:
+            self._spare_columns(name, columns)
+
+    def _close_store(self) -> None:
+        """End an epoch: the store's tokens back into the 8-bit bucket, once the device counters
+        agree with the host's (one host read)."""
+        if self._store is None:
+            return
+        length, calls, overflow = torch.cat([self.device_seq_len, self.device_decode_calls, self._store.overflow]).tolist()  # one sync
+        if (length, calls, overflow) != (self.seq_len, self._decode_calls, 0):
+            raise RuntimeError(f"replayable KV layer: the device holds length {length}, {calls} decode calls and overflow "
+                               f"{overflow}, the host expects {self.seq_len}, {self._decode_calls} and 0")
+        self._buckets[8] = self._store.bucket()
+        self._store = None
+
+    def reallocate(self) -> None:
+        """End the epoch, then run the allocator (:meth:`KbitKVLayer.reallocate`)."""
+        self._close_store()
+        super().reallocate()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """As :meth:`KbitKVLayer.crop`, after ending the epoch; the device length follows."""
+        self._close_store()
+        super().crop(tokens_to_remove)
+        if self.is_initialized:
+            self.device_seq_len.fill_(self.seq_len)
+
+    def _remap_rows(self, src: torch.Tensor) -> None:
+        """As :meth:`KbitKVLayer._remap_rows`, after ending the epoch."""
+        self._close_store()
+        super()._remap_rows(src)
+
+    def _decode(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """As :meth:`KbitKVLayer._decode`, deciding on the device whether to record the mass and
+        accumulating it in place. Without a mask, while the store is open, one call reads the store
+        and the column buffers in place (:func:`~kbit_linear._kv_ops.decode_attention_in_place`);
+        otherwise the attention over the snapshot returns the mass and the reference adds it."""
+        b, hq, q, _ = query.shape
+        if self._captured and (attention_mask is not None or self._store is None):
+            raise RuntimeError("a captured decode step must be causal without a mask, with the store open")
+        self.device_decode_calls += 1
+        self._decode_calls += 0 if self._captured else 1
+        mass_buf, seen_buf = self._spare["mass"][0], self._spare["seen"][0]
+        if attention_mask is None and self._store is not None:
+            return decode_attention_in_place(query, [self._buckets[t] for t in TIERS if t != 8], self._store, self.k_block_min,
+                                             self.k_block_range, self.block_size, self._planned_len, self.device_seq_len,
+                                             self._spare["tier"][0], scaling, mass_buf, seen_buf, self.device_decode_calls,
+                                             self.mass_interval, self.workspace)
+        record = (self.device_decode_calls - 1) % self.mass_interval == 0
+        out, mass = self._bucket_attention(query, attention_mask, scaling, need_mass=True)
+        if attention_mask is None:
+            seen = hq * causal_visible(self.device_seq_len, q, seen_buf.shape[1], self.device)
+        else:
+            seen = visible_queries(attention_mask, b, q, self.seq_len, self.device) * hq
+        accumulate_mass(mass_buf, seen_buf, mass, seen, record)
+        return out
+
+    def _token_storage(self) -> list[KVBucket | KVStore8]:
+        """The buckets, and the store with its whole capacity while it is open."""
+        return list(self._buckets.values()) + ([self._store] if self._store is not None else [])
 
 
 def _range_ignoring_nan(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -633,6 +857,8 @@ class KbitKVCache(Cache):
             chunks too). A token is first seen at most ``mass_interval - 1`` steps after it
             arrives, so keep ``window`` at least that long: a token that leaves the window unseen
             has importance 0. Default :data:`MASS_INTERVAL`.
+        replayable: layers of :class:`ReplayableKVLayer` (same results; between two allocator
+            runs a decode step moves no tensor) instead of :class:`KbitKVLayer`. Default False.
 
     Raises:
         ValueError: a bad argument or a model the cache cannot serve, naming which.
@@ -640,7 +866,8 @@ class KbitKVCache(Cache):
 
     def __init__(self, config, kv_bits: float = 4, *, window: int = 64, sink_tokens: int = 4, block_size: int = 64,
                  hysteresis: float = 0.1, prefill_interval: int = PREFILL_INTERVAL,
-                 allocation_fraction: float = ALLOCATION_FRACTION, mass_interval: int = MASS_INTERVAL) -> None:
+                 allocation_fraction: float = ALLOCATION_FRACTION, mass_interval: int = MASS_INTERVAL,
+                 replayable: bool = False) -> None:
         if isinstance(kv_bits, bool) or not isinstance(kv_bits, numbers.Real) or not TIERS[0] <= float(kv_bits) <= TIERS[-1]:
             raise ValueError(f"kv_bits must be a number in [{TIERS[0]}, {TIERS[-1]}] (the target average width over the widths {TIERS}), got {kv_bits!r}")
         _check_positive_int("window", window, 0)
@@ -653,6 +880,8 @@ class KbitKVCache(Cache):
         if (isinstance(allocation_fraction, bool) or not isinstance(allocation_fraction, numbers.Real)
                 or not 0 < allocation_fraction <= 1):
             raise ValueError(f"allocation_fraction must be a number in (0, 1], got {allocation_fraction!r}")
+        if not isinstance(replayable, bool):
+            raise ValueError(f"replayable must be a bool, got {replayable!r}")
         text = config.get_text_config(decoder=True)
         layer_types, _ = get_layer_types_and_kwargs(text)
         bad = sorted(set(layer_types) - set(_SUPPORTED_LAYERS))
@@ -671,7 +900,10 @@ class KbitKVCache(Cache):
             config._attn_implementation = ATTENTION_NAME
             logger.info("KbitKVCache: attention implementation %r -> %r", impl, ATTENTION_NAME)
         self.kv_bits = float(kv_bits)
-        layers = [KbitKVLayer(kv_bits, window, sink_tokens, block_size, float(hysteresis), prefill_interval,
+        self.replayable = replayable
+        """Whether the layers are :class:`ReplayableKVLayer` (decode steps that a CUDA graph can replay)."""
+        layer_class = ReplayableKVLayer if replayable else KbitKVLayer
+        layers = [layer_class(kv_bits, window, sink_tokens, block_size, float(hysteresis), prefill_interval,
                               float(allocation_fraction), mass_interval) for _ in layer_types]
         super().__init__(layers=layers)
 
@@ -687,6 +919,67 @@ class KbitKVCache(Cache):
             for kind, n in layer.nbytes_by_kind().items():
                 out[kind] += n
         return out
+
+    def replayable_steps(self, q: int) -> int:
+        """Decode steps of ``q`` tokens that a CUDA graph captured now may replay before the host
+        must run one (the allocator, or a new store): 0 when not replayable or no store is open.
+
+        Raises:
+            ValueError: ``q`` is not an int >= 1.
+        """
+        _check_positive_int("q", q, 1)
+        if not self.replayable or not self.layers or any(layer._store is None for layer in self.layers):
+            return 0
+        return min(min(layer.steps_until_allocation(q), layer._room // q) for layer in self.layers)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """While a decode step is captured into a CUDA graph: each layer records its append and
+        attention and changes nothing on the host; :meth:`advance` moves the host's side after
+        the replays. Only for ``replayable=True`` caches with a store open in every layer (after
+        an eager decode step); at most :meth:`replayable_steps` replays between two
+        :meth:`advance` calls and eager steps.
+
+        Raises:
+            RuntimeError: the cache is not replayable.
+        """
+        if not self.replayable:
+            raise RuntimeError("capturing() needs KbitKVCache(..., replayable=True)")
+        for layer in self.layers:
+            layer._captured = True
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer._captured = False
+
+    def advance(self, q: int, steps: int) -> None:
+        """The host's side of ``steps`` replayed decode steps of ``q`` tokens (see :meth:`capturing`).
+
+        Raises:
+            ValueError: ``q`` or ``steps`` is not an int >= 1.
+            RuntimeError: the cache is not replayable, or the steps do not fit the open stores.
+        """
+        _check_positive_int("q", q, 1)
+        _check_positive_int("steps", steps, 1)
+        if not self.replayable:
+            raise RuntimeError("advance() needs KbitKVCache(..., replayable=True)")
+        for layer in self.layers:
+            layer.advance(q, steps)
+
+    def steps_until_allocation(self, q: int) -> int:
+        """Decode steps of ``q`` tokens that run before the allocator does (it runs at the start of
+        the step after them): :meth:`KbitKVLayer.steps_until_allocation`, the same in every layer.
+
+        Raises:
+            ValueError: ``q`` is not an int >= 1.
+            RuntimeError: the layers disagree (they were not fed the same steps).
+        """
+        _check_positive_int("q", q, 1)
+        steps = {layer.steps_until_allocation(q) for layer in self.layers}
+        if len(steps) != 1:
+            raise RuntimeError(f"the layers' allocators would run after different numbers of steps: {sorted(steps)}")
+        return steps.pop()
 
     def tier_counts(self) -> dict[int, int]:
         """Tokens (times batch rows, summed over layers) stored at each width."""
@@ -725,5 +1018,21 @@ def kbit_kv_attention(module: torch.nn.Module, query: torch.Tensor, key, value, 
     return key.layer.attend(query, attention_mask, scale), None
 
 
+def kbit_kv_mask(**kwargs: Any) -> torch.Tensor | None:
+    """transformers' SDPA mask, except while a CUDA graph is captured over rows without padding.
+
+    Under stream capture transformers counts as tracing and always builds the mask, since SDPA
+    would otherwise hard-code ``is_causal``. The kbit attention needs no mask for plain causal
+    decoding (it reads the live length on the device), and a replayed step cannot take a mask
+    built for the captured length, so for an unpadded, unmodified causal mask it returns None.
+    Any padding, sliding window or changed mask function still builds the mask.
+    """
+    if (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() and kwargs.get("attention_mask") is None
+            and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+            and kwargs.get("local_size") is None and kwargs.get("allow_is_causal_skip", True)):
+        return None
+    return sdpa_mask(**kwargs)
+
+
 AttentionInterface.register(ATTENTION_NAME, kbit_kv_attention)
-AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+AttentionMaskInterface.register(ATTENTION_NAME, kbit_kv_mask)

@@ -27,6 +27,18 @@ position ``p`` decodes as ``min + code * range / (2**b - 1)`` with the range of 
 ``code * scale``. ``g`` is :func:`channel_group` (64 channels, or 32 when ``D`` is not a
 multiple of 64).
 
+A replayable cache keeps its 8-bit tokens in a :class:`KVStore8` instead: room for a fixed
+number of entries per row, filled in place, so that its tensors keep their addresses from one
+decode step to the next (what a captured CUDA graph needs):
+
+==============  ========================  ===============================================================
+tensor          shape, dtype              meaning
+==============  ========================  ===============================================================
+``count``       ``[B]`` int32             entries of row ``b``: slots ``b * capacity`` on, by position
+``overflow``    ``[1]`` int32             1 once an append did not fit (it then wrote nothing)
+``pos`` etc.    ``[B * capacity, ...]``   the 8-bit bucket's fields (a slot past its row's count: no token)
+==============  ========================  ===============================================================
+
 Bytes per token and KV head at ``D = 128`` (keys and values together, scales included; bf16 is
 512): 8 bits 264, 4 bits 144 (0.281x), 3 bits 112 (0.219x), 2 bits 80 (0.156x); see
 :func:`bytes_per_token`.
@@ -42,17 +54,21 @@ import torch
 __all__ = [
     "TIERS",
     "KVBucket",
+    "KVStore8",
     "channel_group",
     "pack_codes",
     "unpack_codes",
     "quantize_tokens",
     "append_tokens8",
+    "append_tokens8_in_place",
     "dequantize_bucket",
     "key_block_ranges",
     "bytes_per_token",
     "bucket_attention",
     "mask_bias",
     "visible_queries",
+    "causal_visible",
+    "accumulate_mass",
 ]
 
 TIERS: tuple[int, ...] = (2, 3, 4, 8)
@@ -116,8 +132,25 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], nb // bits * 8)
 
 
+class _TensorFields:
+    """What a dataclass of tensors (a bucket, a store) says about its fields."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor held, by field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, split into ``payload`` (k, v), ``scales`` and ``metadata`` (row starts or
+        counts, positions)."""
+        out = {"payload": 0, "scales": 0, "metadata": 0}
+        for name, t in self.tensors().items():
+            kind = "payload" if name in ("k", "v") else "scales" if name in ("k_scale", "v_scale", "v_zero") else "metadata"
+            out[kind] += t.numel() * t.element_size()
+        return out
+
+
 @dataclass
-class KVBucket:
+class KVBucket(_TensorFields):
     """The tokens of one layer stored at one width (layout in the module docstring)."""
 
     bits: int
@@ -134,18 +167,6 @@ class KVBucket:
         """Entries in the bucket (tokens times batch rows)."""
         return int(self.pos.shape[0])
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor the bucket holds, by field name."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
-
-    def nbytes(self) -> dict[str, int]:
-        """Bytes held, split into ``payload`` (k, v), ``scales`` and ``metadata`` (row_start, pos)."""
-        out = {"payload": 0, "scales": 0, "metadata": 0}
-        for name, t in self.tensors().items():
-            kind = "payload" if name in ("k", "v") else "metadata" if name in ("row_start", "pos") else "scales"
-            out[kind] += t.numel() * t.element_size()
-        return out
-
     def rows(self) -> torch.Tensor:
         """int64 ``[n]``: the batch row of every entry (expanded from ``row_start``)."""
         counts = (self.row_start[1:] - self.row_start[:-1]).to(torch.int64)
@@ -158,6 +179,53 @@ class KVBucket:
                             bits, None, None)
         return KVBucket(bits, torch.zeros(batch + 1, dtype=torch.int32, device=device),
                         torch.zeros(0, dtype=torch.int32, device=device), **z)
+
+
+_ENTRY8_DTYPES = {"k": torch.int8, "v": torch.int8, "k_scale": torch.float16, "v_scale": torch.float16,
+                  "pos": torch.int32}  # an 8-bit entry's tensors (the tables above): a store's per-entry fields
+
+
+@dataclass
+class KVStore8(_TensorFields):
+    """A layer's 8-bit tokens with room for ``capacity`` entries per batch row, appended in place
+    (layout in the module docstring): row ``b``'s entries, sorted by position, start at
+    ``b * capacity``; ``count`` says how many there are. ``nbytes()`` counts the whole capacity."""
+
+    capacity: int
+    count: torch.Tensor
+    overflow: torch.Tensor
+    pos: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+    @staticmethod
+    def from_bucket(bucket: KVBucket, room: int) -> "KVStore8":
+        """The 8-bit ``bucket``'s entries in a store whose fullest row has ``room`` free entries
+        (reads the row counts on the host once)."""
+        if bucket.bits != 8:
+            raise ValueError(f"a store holds 8-bit tokens, got a {bucket.bits}-bit bucket")
+        count = (bucket.row_start[1:] - bucket.row_start[:-1]).to(torch.int32)
+        b, dev = count.numel(), bucket.pos.device
+        capacity = (int(count.max()) if b else 0) + room
+        rows = bucket.rows()
+        slot = rows * capacity + torch.arange(bucket.num_tokens, device=dev) - bucket.row_start[:-1].to(torch.int64)[rows]
+        entries = {}
+        for name in _ENTRY8_DTYPES:
+            val = getattr(bucket, name)
+            entries[name] = val.new_zeros((b * capacity, *val.shape[1:]))
+            entries[name][slot] = val
+        return KVStore8(capacity, count, torch.zeros(1, dtype=torch.int32, device=dev), **entries)
+
+    def bucket(self) -> KVBucket:
+        """The live entries as an 8-bit :class:`KVBucket` (a copy; finds them on the host)."""
+        b, dev = self.count.numel(), self.count.device
+        live = torch.arange(self.capacity, device=dev).unsqueeze(0) < self.count.unsqueeze(1)
+        index = torch.nonzero(live.reshape(-1)).reshape(-1)
+        row_start = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+        row_start[1:] = self.count.cumsum(0)
+        return KVBucket(8, row_start, **{name: getattr(self, name)[index] for name in _ENTRY8_DTYPES})
 
 
 def _fp16(x: torch.Tensor) -> torch.Tensor:
@@ -241,12 +309,52 @@ def append_tokens8(bucket: KVBucket, k: torch.Tensor, v: torch.Tensor, pos0: int
     Returns:
         A new bucket: row ``r``'s old entries, then its ``q`` new ones quantized at 8 bits.
     """
-    b, h, q, d = k.shape
+    b, _, q, _ = k.shape
     pos = torch.arange(pos0, pos0 + q, device=k.device, dtype=torch.int32).repeat(b)
-    parts = _quantize_parts(k.permute(0, 2, 1, 3).reshape(b * q, h, d).float(), v.permute(0, 2, 1, 3).reshape(b * q, h, d).float(),
-                            8, None, None)
     row_start = torch.arange(0, (b + 1) * q, q, device=k.device, dtype=torch.int32)
-    return _append(bucket, KVBucket(8, row_start, pos, **parts))
+    return _append(bucket, KVBucket(8, row_start, pos, **_step_parts8(k, v)))
+
+
+def _step_parts8(k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """A step's keys and values ``[B, H, q, D]`` quantized at 8 bits, entries ordered by row, then position."""
+    b, h, q, d = k.shape
+    return _quantize_parts(k.permute(0, 2, 1, 3).reshape(b * q, h, d).float(), v.permute(0, 2, 1, 3).reshape(b * q, h, d).float(),
+                           8, None, None)
+
+
+def append_tokens8_in_place(store: KVStore8, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor) -> None:
+    """A step's new tokens into the 8-bit ``store``, in place, reading no device value on the host
+    (the reference).
+
+    Row ``r``'s token ``i`` goes to slot ``r * capacity + count[r] + i`` at position
+    ``length + i``, quantized as :func:`append_tokens8` quantizes it (the same codes and
+    scales); then ``count`` and ``length`` grow by ``q``. If any row lacks room
+    (``count[r] + q > capacity``) nothing is written, neither counter moves and
+    ``store.overflow`` becomes 1.
+
+    Args:
+        store: the store, ``B`` rows.
+        k, v: float ``[B, H, q, D]`` (any strides), the new keys and values.
+        length: int32 ``[1]`` on the store's device, the first new position (the cached length).
+    """
+    b, _, q, _ = k.shape
+    if store.capacity == 0:  # no slot to aim even a discarded write at
+        store.overflow.fill_(1)
+        return
+    dev = k.device
+    new = {name: val for name, val in _step_parts8(k, v).items() if val is not None}
+    new["pos"] = (length + torch.arange(q, device=dev, dtype=torch.int32)).repeat(b)
+    over = (store.count + q > store.capacity).any()
+    # an overflowing step aims at the rows' last slots and writes back what they hold
+    slot = (store.count.to(torch.int64).unsqueeze(1) + torch.arange(q, device=dev)).clamp(max=store.capacity - 1)
+    index = (torch.arange(b, device=dev).unsqueeze(1) * store.capacity + slot).reshape(-1)
+    for name, val in new.items():
+        dst = getattr(store, name)
+        dst.index_copy_(0, index, torch.where(over, dst[index], val))
+    step = torch.where(over, 0, q)
+    store.count += step
+    length += step
+    store.overflow |= over
 
 
 def key_block_ranges(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,10 +472,34 @@ def visible_queries(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: i
     """float32 ``[B, kv_len]``: how many of the ``q_len`` queries may attend to each position
     (the mask as in :func:`mask_bias`), without building the bias for a causal mask."""
     if mask is None:
-        p = torch.arange(kv_len, device=device, dtype=torch.float32)
-        late = (p - (kv_len - q_len)).clamp(min=0)  # queries before the position's own cannot see it
-        return (q_len - late).clamp(min=0).expand(batch, kv_len)
+        return causal_visible(kv_len, q_len, kv_len, device).expand(batch, kv_len)
     return torch.isfinite(mask_bias(mask, batch, q_len, kv_len, device)).sum(1).float()
+
+
+def causal_visible(length: torch.Tensor | int, q_len: int, columns: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """float32 ``[columns]``: how many of ``q_len`` causal queries, the last ones of ``length``
+    positions, see each position; 0 from ``length`` on. ``length`` may be an int tensor ``[1]``
+    on ``device`` (not read on the host)."""
+    p = torch.arange(columns, device=device, dtype=torch.float32)
+    late = (p - (length - q_len)).clamp(min=0)  # queries before the position's own cannot see it
+    return (q_len - late).clamp(min=0)
+
+
+def accumulate_mass(mass: torch.Tensor, seen: torch.Tensor, step_mass: torch.Tensor, step_seen: torch.Tensor,
+                    record: torch.Tensor) -> None:
+    """In place, a step's attention mass into the running sums, where the device flag ``record`` says so (the reference).
+
+    ``mass[:, :n] += step_mass`` and ``seen[:, :m] += step_seen`` (the same float32 adds, so the
+    same rounding, as adding into views of those columns), or no change when ``record`` is false.
+
+    Args:
+        mass, seen: float32 ``[B, ld]``, the layer's mass and seen columns.
+        step_mass: float32 ``[B, n]``, ``n <= ld``: the step's mass per position.
+        step_seen: float32 ``[m]`` or ``[B, m]``, ``m <= ld``: query heads that could see each position.
+        record: bool, one element: whether the step records.
+    """
+    mass[:, :step_mass.shape[-1]] += torch.where(record, step_mass, 0.0)
+    seen[:, :step_seen.shape[-1]] += torch.where(record, step_seen, 0.0)
 
 
 def bucket_attention(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Tensor | None,

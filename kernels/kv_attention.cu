@@ -17,6 +17,16 @@
 //   kbit_kv_combine  merges the splits into the output.
 //   kbit_kv_mass     each position's attention mass (the allocator's signal) from the logits.
 //
+// In-place mode (a replayable cache: the launches of a decode step are the same every step, so a
+// CUDA graph can replay them): the live length comes from the device (`live_len`, read after the
+// dependency wait) instead of the arguments, the key blocks past it are empty splits, rows of the
+// tier, logits and bias are `ld` apart (buffers with room for the epoch), the 8-bit entries are
+// a store's (row b's from b * capacity: rs8 = b * capacity), and the step records the mass only
+// when the device call counter says so ((calls - 1) % interval == 0: the counter is advanced
+// before the attention). The mass kernel then adds the step's mass and the query heads that saw
+// each position into the running sums in place. With live_len == nullptr every launch is as
+// before (ld = S, the mass written, not added).
+//
 // Query rows: a kv head serves G query heads and Q queries, rows r = j * Q + i (head h*G + j,
 // query i), 8 rows per block (one n8 fragment; row chunks for G*Q > 8). Tokens are the M side of
 // both tensor-core products (fp16 operands, fp32 accumulators; lane = 4g + t):
@@ -223,11 +233,11 @@ using namespace kbit;
 using namespace kbit::kv;
 
 extern "C" __global__ void __launch_bounds__(kOffsetThreads)
-kbit_kv_offsets(const signed char* __restrict__ tier, int* __restrict__ rel, int S, int C, int bs) {
+kbit_kv_offsets(const signed char* __restrict__ tier, int* __restrict__ rel, int S, int C, int bs, int ld) {
     __shared__ int warp_sums[kOffsetThreads / 32][kTiers];
     __shared__ int carry[kTiers];
     const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const signed char* row = tier + (size_t)b * S;
+    const signed char* row = tier + (size_t)b * ld;  // rows ld >= S apart
     int* out = rel + (size_t)b * (C + 1) * kTiers;
     grid_dependency_wait();
     for (int kb = warp; kb < C; kb += kOffsetThreads / 32) {
@@ -738,6 +748,8 @@ KBIT_DEVICE void q_dot_min(const float* qrows, int lane, const u16* kmin, float&
 // Smem<D>::BYTES; SPLIT_TILES: how the warps share the split (Cursor).
 // part_acc [R][splits][D] (R = (b * Hq + hq) * Q + i) holds the split's output times its sum,
 // relative to its max; part_ml [R][splits][2] the max and sum (log2 units).
+// In-place mode (live_len != nullptr): S and nblk come from *live_len; logits and bias rows are
+// ld apart; logits are written only on a recording call (calls, interval).
 // ---------------------------------------------------------------------------------------
 template <int D, int DT, bool SPLIT_TILES>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 4 : 1)
@@ -747,7 +759,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
                const int* p8, const u16* k_min, const u16* k_range, const int* __restrict__ rel, const int* rs2, const int* rs3, const int* rs4,
                const int* rs8, int C, int bs, const float* bias,
                u16* logits, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int G, int Q, int S, int NB,
-               int nblk, int kbps, int splits, float scale_log2) {
+               int nblk, int kbps, int splits, float scale_log2, const int* live_len, int ld, const int* calls, int interval) {
     using SM = Smem<D>;
     constexpr int KSTEPS = D / 16;
     constexpr int GROUPS = D / kGroup;
@@ -773,6 +785,11 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     pr.H = H; pr.NB = NB; pr.b = b; pr.h = h;
 
     grid_dependency_wait();
+    if (live_len != nullptr) {  // in place: the length the append left on the device
+        S = *live_len;
+        nblk = (S + bs - 1) / bs;
+        if (calls != nullptr && (*calls - 1) % interval != 0) logits = nullptr;  // not a recording call
+    }
     // the block's query rows, times scale * log2(e) (rows past nrows are zero)
     const int Hq = H * G;
     // a kv head's rows are contiguous in q ([B][Hq][Q][D]; row r = j * Q + i is head h*G + j,
@@ -822,8 +839,8 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         ri.ok[rr] = r < nrows;
         ri.qi[rr] = rg % Q;
         ri.limit[rr] = S - Q + ri.qi[rr];
-        ri.logits[rr] = logits != nullptr && ri.ok[rr] ? logits + (R0 + r) * S : nullptr;
-        ri.bias[rr] = bias != nullptr ? bias + ((size_t)b * Q + ri.qi[rr]) * S : nullptr;
+        ri.logits[rr] = logits != nullptr && ri.ok[rr] ? logits + (R0 + r) * ld : nullptr;
+        ri.bias[rr] = bias != nullptr ? bias + ((size_t)b * Q + ri.qi[rr]) * ld : nullptr;
     }
 
     // ---- each warp's tiles through its copy ring ----
@@ -1004,16 +1021,25 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
 }
 
 // ---------------------------------------------------------------------------------------
-// kbit_kv_mass: grid (ceil(S / 128), B), 128 threads, rows * 8 bytes of shared memory.
+// kbit_kv_mass: grid (ceil(S / 128), B) (in place: ceil(ld / 128)), 128 threads, rows * 8 bytes
+// of shared memory. logits rows are ld apart.
 // mass[b][p] = sum over the row's Hq * Q query rows of 2^(logit - M) / L (rows with L = 0 add 0).
+// In place (live_len != nullptr), on a recording call only: mass[b][p] += that sum and seen[b][p]
+// += heads * (the Q causal queries that see p) for p < *live_len, rows of mass and seen ld apart:
+// the same float adds as adding the step's mass into the running sums afterwards.
 // ---------------------------------------------------------------------------------------
 constexpr int kMassThreads = 128;  // small blocks: short contexts still spread over many SMs
 
 extern "C" __global__ void __launch_bounds__(kMassThreads)
-kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float* __restrict__ mass, int rows, int S) {
+kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float* __restrict__ mass, int rows, int S, int ld,
+             const int* live_len, float* __restrict__ seen, int heads, int Q, const int* calls, int interval) {
     extern __shared__ float row_ml[];  // [rows][2]: max, 1 / sum (0 when the sum is 0)
     const int b = blockIdx.y, p = blockIdx.x * kMassThreads + threadIdx.x;
     grid_dependency_wait();
+    if (live_len != nullptr) {
+        if ((*calls - 1) % interval != 0) return;  // not a recording call: the logits were not written
+        S = *live_len;
+    }
     for (int r = threadIdx.x; r < rows; r += kMassThreads) {
         const float mx = ml[((size_t)b * rows + r) * 2], sum = ml[((size_t)b * rows + r) * 2 + 1];
         row_ml[2 * r] = mx == KBIT_NEG_INF ? 0.f : mx;
@@ -1027,8 +1053,14 @@ kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float
 #pragma unroll 16
     for (int r = 0; r < rows; ++r) {
         const float inv = row_ml[2 * r + 1];
-        const float x = bits_to_f32<KBIT_F16>(logits[((size_t)b * rows + r) * S + p]);
+        const float x = bits_to_f32<KBIT_F16>(logits[((size_t)b * rows + r) * ld + p]);
         acc += inv > 0.f ? fast_exp2(x - row_ml[2 * r]) * inv : 0.f;
     }
-    mass[(size_t)b * S + p] = acc;
+    if (live_len == nullptr) {
+        mass[(size_t)b * S + p] = acc;
+        return;
+    }
+    const int late = max(p - (S - Q), 0);  // the queries before position p's own cannot see it
+    mass[(size_t)b * ld + p] += acc;
+    seen[(size_t)b * ld + p] += (float)(heads * max(Q - late, 0));
 }

@@ -78,6 +78,9 @@ def main() -> None:
                     help="KbitKVCache's allocation_fraction, one kbit row per value (default: the library's)")
     ap.add_argument("--mass-interval", type=int, nargs="+", default=None,
                     help="KbitKVCache's mass_interval, one kbit row per value (default: the library's)")
+    ap.add_argument("--graph", action="store_true",
+                    help="also: each kbit row again with KbitDecodeGraph (replayable cache, one CUDA graph per allocator "
+                         "epoch), and bf16 in a StaticCache with a compiled (CUDA-graph) step, the fair baseline for it")
     ap.add_argument("--md")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -95,7 +98,13 @@ def main() -> None:
     for f in fractions:
         for m in intervals:
             variants[f"KbitKVCache {args.kv_bits:g} bits, allocation_fraction {f:.3g}, mass_interval {m}"] = (f, m)
+            if args.graph:
+                variants[f"KbitKVCache {args.kv_bits:g} bits, allocation_fraction {f:.3g}, mass_interval {m}, CUDA graph per epoch"] = (f, m)
     for name, kbit in variants.items():
+        if name.endswith("CUDA graph per epoch"):
+            rows.append(_kbit_graph(model, ids, args, dev, name, kbit))
+            print(rows[-1], flush=True)
+            continue
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
@@ -123,6 +132,9 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
         del cache
+    if args.graph:
+        rows.append(_bf16_compiled(model, ids, args, dev))
+        print(rows[-1], flush=True)
     total = torch.cuda.get_device_properties(dev).total_memory
     text = _markdown(args, bc.environment(dev), rows, total)
     if args.md:
@@ -132,27 +144,71 @@ def main() -> None:
     print(text)
 
 
+def _bf16_compiled(model: Any, ids: torch.Tensor, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
+    """bf16 keys and values in a StaticCache, the whole prompt in one call, then a compiled
+    CUDA-graph decode step (``bench_generate.run_compiled``)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    model.config._attn_implementation = "sdpa"
+    res = bg.run_compiled(model, ids, args.decode, model.config)
+    kv_bytes = 2 * model.config.num_hidden_layers * args.batch * (args.context + args.decode + 3) * \
+        model.config.num_key_value_heads * (model.config.hidden_size // model.config.num_attention_heads) * 2
+    return {"cache": "bf16 StaticCache, compiled step (CUDA graphs)", "prefill_s": res["ttft_ms"] / 1e3, "first_step_ms": float("nan"),
+            "step_ms_mean": res["ms_per_step"], "step_ms_median": res["ms_per_step"], "tok_s": res["tok_s"],
+            "cache_bytes": kv_bytes, "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30, "average_bits": 16.0}
+
+
+def _kbit_graph(model: Any, ids: torch.Tensor, args: argparse.Namespace, dev: torch.device, name: str,
+                kbit: tuple[float, int]) -> dict[str, Any]:
+    """The kbit cache built replayable, prefilled as the eager rows, then ``args.decode`` tokens from
+    :class:`kbit_linear.KbitDecodeGraph` (its eager steps, captures and allocator runs included)."""
+    import kbit_linear
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    cache = kbit_linear.KbitKVCache(model.config, kv_bits=args.kv_bits, allocation_fraction=kbit[0], mass_interval=kbit[1],
+                                    replayable=True)
+    t0 = time.perf_counter()
+    first = _prefill(model, ids, cache, args.chunk)
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t0
+    decoder = kbit_linear.KbitDecodeGraph(model, cache)
+    t0 = time.perf_counter()
+    decoder.generate(first.argmax(-1, keepdim=True), args.decode)
+    torch.cuda.synchronize()
+    step_ms = 1e3 * (time.perf_counter() - t0) / args.decode
+    return {"cache": name + f" ({decoder.captures} captures)", "prefill_s": prefill_s, "first_step_ms": float("nan"),
+            "step_ms_mean": step_ms, "step_ms_median": step_ms, "tok_s": 1e3 * args.batch / step_ms,
+            "cache_bytes": int(cache.nbytes), "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30,
+            "average_bits": cache.average_bits()}
+
+
 def _markdown(args: argparse.Namespace, env: dict[str, Any], rows: list[dict[str, Any]], total: int) -> str:
     lines = ["# End-to-end decode at long context: KbitKVCache vs bf16 DynamicCache", ""]
     lines += bc.env_lines(env)
     lines += [f"- model: Llama-3-8B-shaped, {args.layers} layers, linear layers kbit K = 4, random weights; batch {args.batch}, "
               f"context {args.context} (prefilled in chunks of {args.chunk}), {args.decode} greedy decode steps, eager forward calls", ""]
     base, tuned = rows[0], rows[1]  # bf16 with torch's SDPA pick, and with flash / efficient
+    compiled = next((r for r in rows if r["cache"].startswith("bf16 StaticCache")), None)
     table = []
     for r in rows:
         per_tok = r["cache_bytes"] / (args.batch * (args.context + args.decode))
+        vs = [f"{compiled['step_ms_mean'] / r['step_ms_mean']:.2f}x"] if compiled else []
         table.append([r["cache"], bc.fmt(r["step_ms_mean"]), bc.fmt(r["step_ms_median"]), f"{r['tok_s']:.1f}",
-                      f"{base['step_ms_mean'] / r['step_ms_mean']:.2f}x", f"{tuned['step_ms_mean'] / r['step_ms_mean']:.2f}x",
+                      f"{base['step_ms_mean'] / r['step_ms_mean']:.2f}x", f"{tuned['step_ms_mean'] / r['step_ms_mean']:.2f}x", *vs,
                       f"{r['cache_bytes'] / 2**30:.2f}",
                       f"{per_tok / 1024:.1f}", f"{r.get('average_bits', float('nan')):.2f}", bc.fmt(r["peak_gib"], 1), bc.fmt(r["prefill_s"], 1), bc.fmt(r["first_step_ms"])])
     lines.append(bc.markdown_table(["cache", "ms/step (mean)", "ms/step (median)", "tok/s", "speed vs bf16 (SDPA default)",
-                                    "vs bf16 (SDPA flash / efficient)",
+                                    "vs bf16 (SDPA flash / efficient)", *(["vs bf16 StaticCache compiled"] if compiled else []),
                                     "cache GiB", "KiB/token", "payload bits", "peak GiB", "prefill s", "first step ms"], table))
     lines += ["", "Steps 2 onwards (the allocator's runs included: every max(64, allocation_fraction x tokens cached at its last run) "
               "tokens); the first decode step is "
               "listed apart: with the kbit cache it re-codes the prompt tokens stored since the allocator last ran "
               "(up to `prefill_interval` plus a chunk; it belongs to the time to "
-              "first token)."]
+              "first token). `--graph` rows: the mean over all decode steps, their eager steps, captures and the "
+              "allocator's runs included (the first step too); the bf16 StaticCache row prefills the prompt in one call."]
     return "\n".join(lines)
 
 

@@ -161,7 +161,7 @@ def test_kernel_argument_packs_match_the_kernel_signatures():
              kdecode._ARGS, kdecode._GROUPED_ARGS, krouting._ARGS, kgguf._DEQUANT_ARGS, kgguf._GEMV_ARGS,
              kgguf._Q8_ARGS, kgguf._GEMV_A8_ARGS, kkv._OFFSETS_ARGS, kkv._DECODE_ARGS, kkv._COMBINE_ARGS, kkv._MASS_ARGS,
              khadamard._ARGS, kgrouped._ARGS, kexperts._SWIGLU_ARGS, kexperts._COMBINE_ARGS,
-             kexperts_token._GATE_UP_ARGS, kexperts_token._DOWN_ARGS, kappend._ARGS]
+             kexperts_token._GATE_UP_ARGS, kexperts_token._DOWN_ARGS, kappend._ARGS, kappend._IN_PLACE_ARGS]
     sources = {**_kernel_params("gemm.cu"), **_kernel_params("quantize.cu"), **_kernel_params("decode.cu"),
                **_kernel_params("gemm_sm90.cu"), **_kernel_params("route.cu"), **_kernel_params("gguf.cu"),
                **_kernel_params("kv_attention.cu"), **_kernel_params("hadamard.cu"), **_kernel_params("experts.cu"),

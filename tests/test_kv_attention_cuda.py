@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from kbit_linear import _kv_ops
 from kbit_linear.backends.cuda import kv_attention as kkv
-from kbit_linear.kv_format import TIERS, KVBucket, bucket_attention, dequantize_bucket, key_block_ranges, quantize_tokens
+from kbit_linear.kv_format import (TIERS, KVBucket, KVStore8, bucket_attention, causal_visible, dequantize_bucket, key_block_ranges,
+                                   quantize_tokens)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -293,3 +294,98 @@ def test_many_small_probabilities_times_small_value_scales_still_count(walk: str
     out, mass = kkv.kv_decode_attention_cuda(q.cuda(), _cuda(buckets), None, None, block, length, tier.cuda(), bias.cuda(), d**-0.5)
     assert (out.cpu() - ref).abs().max() < 1e-2 * ref.abs().max()
     torch.testing.assert_close(mass.cpu(), ref_mass, atol=2e-3 * hq, rtol=2e-2)
+
+
+# In place (a replayable layer's epoch): batch, kv heads, query heads, head_dim, length, block, q_len, room
+IN_PLACE_CASES = [
+    (1, 2, 8, 128, 37, 16, 1, 5),
+    (2, 2, 6, 64, 200, 32, 1, 40),
+    (3, 2, 4, 128, 333, 64, 2, 100),
+    (1, 8, 32, 128, 4099, 64, 1, 700),  # many splits, planned well past the live length: empty splits
+]
+
+
+def _in_place_problem(case, dtype: torch.dtype, seed: int):
+    """A random cache with its 8-bit tokens in a store with ``room`` free entries a row, its tier
+    in a buffer of ``ld`` columns, and running mass and seen sums of random values."""
+    batch, heads, hq, d, length, block, q_len, room = case
+    buckets, kmin, krange, tier = random_cache(batch, heads, d, length, block, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = (torch.randn(batch, hq, q_len, d, generator=g) * 2).to(dtype)
+    cb = _cuda(buckets)
+    store = KVStore8.from_bucket(cb[3], room)
+    ld = -(-(length + room) // 16) * 16
+    tier_buf = torch.full((batch, ld), 8, dtype=torch.int8, device="cuda")
+    tier_buf[:, :length] = tier.cuda()
+    mass0 = torch.rand(batch, ld, generator=g).cuda()
+    seen0 = torch.randint(0, 50, (batch, ld), generator=g).float().cuda()
+    return buckets, cb, store, kmin, krange, tier, tier_buf, q, mass0, seen0, ld
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", IN_PLACE_CASES, ids=lambda c: "b{}-h{}-hq{}-d{}-s{}-bs{}-q{}-room{}".format(*c))
+@pytest.mark.parametrize("record", [True, False], ids=["recording", "not-recording"])
+def test_in_place_attention_matches_the_reference(case, dtype: torch.dtype, record: bool, walk: str) -> None:
+    """The store read in place at a device length, planned for a longer one: the output as the
+    reference's; the mass and the seen query heads added into the running sums on a recording
+    call only, and only at live positions."""
+    batch, heads, hq, d, length, block, q_len, room = case
+    seed = zlib.crc32(repr((case, str(dtype), record)).encode())
+    buckets, cb, store, kmin, krange, tier, tier_buf, q, mass0, seen0, ld = _in_place_problem(case, dtype, seed)
+    scaling = d**-0.5
+    ref_out, ref_mass = bucket_attention(q.float(), buckets, kmin, krange, block, length, None, scaling)
+    interval = 3
+    calls = torch.tensor([1 if record else 2], dtype=torch.int32, device="cuda")  # advanced before the call: (calls - 1) % 3
+    live = torch.tensor([length], dtype=torch.int32, device="cuda")
+    mass, seen = mass0.clone(), seen0.clone()
+    _poison(batch * hq * q_len * max(ld, d) * 4)
+    out = kkv.kv_decode_attention_in_place_cuda(q.cuda(), cb[:3], store, kmin.cuda(), krange.cuda(), block, length + room, live,
+                                                tier_buf, scaling, mass, seen, calls, interval, {})
+    assert out.dtype == dtype and out.shape == (batch, q_len, hq, d) and not torch.isnan(out).any()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-2
+    err = (out.float().cpu() - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-6)
+    assert err < tol, float(err)
+    # the plain call at the live length: the same tiles, the splits cut elsewhere
+    plain, _ = kkv.kv_decode_attention_cuda(q.cuda(), cb, kmin.cuda(), krange.cuda(), block, length, tier.cuda(), None, scaling)
+    torch.testing.assert_close(out.float(), plain.float(), rtol=2e-3, atol=2e-3 * plain.float().abs().max().item())
+    if not record:
+        assert torch.equal(mass, mass0) and torch.equal(seen, seen0)
+        return
+    assert torch.equal(mass[:, length:], mass0[:, length:]) and torch.equal(seen[:, length:], seen0[:, length:])
+    torch.testing.assert_close((mass - mass0)[:, :length].cpu(), ref_mass, atol=2e-3 * hq * q_len, rtol=2e-2)
+    want_seen = seen0 + hq * causal_visible(length, q_len, ld, "cuda")
+    assert torch.equal(seen, want_seen)
+
+
+def test_in_place_attention_replays_in_a_cuda_graph_at_the_device_length() -> None:
+    """One in-place call captured once, replayed after the device length and call counter change:
+    each replay equals an eager call at that length (the kernels read both on the device)."""
+    case = (2, 2, 8, 128, 300, 64, 1, 60)
+    batch, heads, hq, d, length, block, q_len, room = case
+    buckets, cb, store, kmin, krange, tier, tier_buf, q, mass0, seen0, ld = _in_place_problem(case, torch.float16, 7)
+    qc, kminc, krangec = q.cuda(), kmin.cuda(), krange.cuda()
+    live = torch.tensor([length], dtype=torch.int32, device="cuda")
+    calls = torch.tensor([1], dtype=torch.int32, device="cuda")
+    mass, seen = mass0.clone(), seen0.clone()
+    workspace: dict = {}
+
+    def step() -> torch.Tensor:
+        return kkv.kv_decode_attention_in_place_cuda(qc, cb[:3], store, kminc, krangec, block, length + room, live, tier_buf,
+                                                     d**-0.5, mass, seen, calls, 2, workspace)
+
+    step()  # compiles and fills the workspace outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for shorter, count in ((0, 1), (5, 2), (40, 3), (0, 4)):  # the store's last entries past the live length go unread
+        live.fill_(length - shorter)
+        calls.fill_(count)
+        m_before, s_before = mass.clone(), seen.clone()
+        graph.replay()
+        got, got_mass, got_seen = out.clone(), mass.clone(), seen.clone()
+        mass.copy_(m_before)
+        seen.copy_(s_before)
+        want = step()
+        assert torch.equal(got, want), (shorter, count)
+        assert torch.equal(got_mass, mass) and torch.equal(got_seen, seen), (shorter, count)
+        assert torch.equal(got_mass, m_before) == (count % 2 == 0)  # (calls - 1) % 2 == 0 records

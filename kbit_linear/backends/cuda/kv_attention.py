@@ -15,11 +15,12 @@ import math
 import torch
 
 from ... import _kv_ops
-from ...kv_format import TIERS, KVBucket, mask_bias
+from ...kv_format import TIERS, KVBucket, KVStore8, mask_bias
 from . import loader, tuning
 from .tensors import DTYPE_CODES, aligned16
 
-__all__ = ["HEAD_DIMS", "MAX_SPLIT_KEY_BLOCKS", "stage_bytes", "resident_blocks_per_sm", "kv_attention_instances", "decode_smem_bytes", "combine_smem_bytes", "kv_decode_attention_cuda"]
+__all__ = ["HEAD_DIMS", "MAX_SPLIT_KEY_BLOCKS", "stage_bytes", "resident_blocks_per_sm", "kv_attention_instances", "decode_smem_bytes", "combine_smem_bytes", "kv_decode_attention_cuda",
+           "kv_decode_attention_in_place_cuda"]
 
 _SOURCE = "kv_attention.cu"
 HEAD_DIMS = (64, 128, 256)
@@ -36,15 +37,15 @@ _COMBINE_THREADS = 128
 _MASS_THREADS = 128
 _LOG2E = 1.4426950408889634
 
-_OFFSETS_ARGS = loader.ArgPack("kbit_kv_offsets", "tier:p rel:p S:i C:i bs:i")
+_OFFSETS_ARGS = loader.ArgPack("kbit_kv_offsets", "tier:p rel:p S:i C:i bs:i ld:i")
 _DECODE_ARGS = loader.ArgPack(
     "kbit_kv_decode",
     "q:p k2:p v2:p vs2:p vz2:p p2:p k3:p v3:p vs3:p vz3:p p3:p k4:p v4:p vs4:p vz4:p p4:p k8:p v8:p ks8:p vs8:p p8:p "
     "k_min:p k_range:p rel:p rs2:p rs3:p rs4:p rs8:p C:i bs:i bias:p logits:p part_acc:p part_ml:p H:i G:i Q:i S:i NB:i nblk:i "
     "kbps:i splits:i "
-    "scale_log2:f")
+    "scale_log2:f live_len:p ld:i calls:p interval:i")
 _COMBINE_ARGS = loader.ArgPack("kbit_kv_combine", "part_acc:p part_ml:p out:p ml:p Hq:i Q:i D:i splits:i")
-_MASS_ARGS = loader.ArgPack("kbit_kv_mass", "logits:p ml:p mass:p rows:i S:i")
+_MASS_ARGS = loader.ArgPack("kbit_kv_mass", "logits:p ml:p mass:p rows:i S:i ld:i live_len:p seen:p heads:i Q:i calls:p interval:i")
 
 
 def _round16(n: int) -> int:
@@ -112,7 +113,9 @@ def _relative_offsets(tier: torch.Tensor, complete: int, block_size: int, kv_len
     """int32 ``[B, complete + 1, 4]``: per row and key block ``kb <= complete``, how many positions
     before ``kb * block_size`` each width holds (the kernel adds the buckets' row starts, and
     extends it past ``complete``, where every position is 8-bit). Kept in ``workspace`` (the
-    cache layer empties it whenever widths change) so that decode steps do not recount."""
+    cache layer empties it whenever widths change) so that decode steps do not recount.
+    ``tier``: int8 ``[B, >= kv_len]`` with contiguous rows (a view of the first ``kv_len`` columns
+    of a wider buffer is read in place)."""
     key = ("relative_offsets", complete, tier.shape[0])
     # Positions up to complete * block_size must all exist to be counted once for good: after a
     # crop they may not yet (the key blocks' ranges outlive it), and then each call recounts.
@@ -121,33 +124,47 @@ def _relative_offsets(tier: torch.Tensor, complete: int, block_size: int, kv_len
     if workspace is not None and key in workspace:
         return workspace[key]
     b = tier.shape[0]
+    if tier.stride(-1) != 1 or tier.data_ptr() % 16:
+        tier = aligned16(tier)
     rel = torch.empty((b, complete + 1, len(TIERS)), dtype=torch.int32, device=tier.device)
     kern = loader.get_kernel(_SOURCE, "kbit_kv_offsets", tier.device)
-    loader.launch(kern, b, _OFFSET_THREADS, _OFFSETS_ARGS.Values(tier=aligned16(tier), rel=rel, S=kv_len, C=complete, bs=block_size),
+    loader.launch(kern, b, _OFFSET_THREADS, _OFFSETS_ARGS.Values(tier=tier, rel=rel, S=kv_len, C=complete, bs=block_size,
+                                                                 ld=tier.stride(0) if b > 1 else kv_len),
                   0, tier.device, pack=_OFFSETS_ARGS)
     if workspace is not None:
         workspace[key] = rel
     return rel
 
 
-def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Tensor | None,
-                             k_block_range: torch.Tensor | None, block_size: int, kv_len: int, tier: torch.Tensor,
-                             attention_mask: torch.Tensor | None, scaling: float, need_mass: bool = True,
-                             workspace: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The CUDA :func:`kbit_linear._kv_ops.decode_attention`; ``None`` for a problem it does not take.
-
-    Lower widths must lie in the first ``k_block_min.shape[1]`` key blocks only (what the cache
-    guarantees: later positions are 8-bit)."""
-    b, hq, q_len, d = query.shape
-    if d not in HEAD_DIMS or query.dtype not in _DT or len(buckets) != len(TIERS) or kv_len == 0:
-        return None
+def _check_problem(query: torch.Tensor, buckets: list[KVBucket], tier: torch.Tensor, columns: int) -> bool:
+    """Whether the kernels take ``query`` (a head size and dtype with instances, one bucket per
+    width); raises ValueError for buckets, heads or a tier (int8 ``[B, columns]``) that do not fit."""
+    b, hq, _, d = query.shape
+    if d not in HEAD_DIMS or query.dtype not in _DT or len(buckets) != len(TIERS):
+        return False
     if [bk.bits for bk in buckets] != list(TIERS):
         raise ValueError(f"buckets must be one per width {TIERS}, in that order, got {[bk.bits for bk in buckets]}")
     h = buckets[0].k.shape[1]
     if hq % h:
         raise ValueError(f"query heads ({hq}) must be a multiple of the cache's KV heads ({h})")
-    if tier.shape != (b, kv_len) or tier.dtype != torch.int8:
-        raise ValueError(f"tier must be int8 [{b}, {kv_len}], got {tier.dtype} {tuple(tier.shape)}")
+    if tier.shape != (b, columns) or tier.dtype != torch.int8:
+        raise ValueError(f"tier must be int8 [{b}, {columns}], got {tier.dtype} {tuple(tier.shape)}")
+    return True
+
+
+def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Tensor | None, k_block_range: torch.Tensor | None,
+            block_size: int, kv_len: int, tier: torch.Tensor, bias: torch.Tensor | None, scaling: float, need_mass: bool,
+            workspace: dict | None, in_place: dict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The decode and combine launches: ``(out, ml, logits)`` (``logits`` None without the mass),
+    or None where the GPU lacks the shared memory.
+
+    ``kv_len`` plans the grid (the splits) and sizes the logits. ``in_place`` (None: the plain
+    call): the live length, call counter and record interval on the device (``len``, ``calls``,
+    ``interval``) and the logits' and bias' row stride ``ld`` >= ``kv_len``; ``buckets[-1]``
+    is then a store seen as rows of its capacity (:func:`_store_rows`).
+    """
+    b, hq, q_len, d = query.shape
+    h = buckets[0].k.shape[1]
     dev = query.device
     g = hq // h
     rows = g * q_len
@@ -157,14 +174,12 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
     props = loader.device_properties(dev)
     if decode_smem_bytes(d) > props.max_shared_per_block:
         return None  # head_dim 256 on GPUs with less than ~100 KiB of shared memory per block
-    bias = None
-    if attention_mask is not None:
-        bias = aligned16(mask_bias(attention_mask, b, q_len, kv_len, dev))
     kbps, splits, split_tiles = _splits(nblk, b * h * chunks, resident_blocks_per_sm(d, props.shared_per_sm), props.sm_count)
+    ld = kv_len if in_place is None else in_place["ld"]
 
     rel = _relative_offsets(tier, nb, block_size, kv_len, workspace)
     rs = [aligned16(bk.row_start) for bk in buckets]
-    logits = torch.empty((b, hq, q_len, kv_len), dtype=torch.float16, device=dev) if need_mass else None  # log2 units
+    logits = torch.empty((b, hq, q_len, ld), dtype=torch.float16, device=dev) if need_mass else None  # log2 units
     part_acc = torch.empty((b * hq * q_len, splits, d), dtype=torch.float32, device=dev)
     part_ml = torch.empty((b * hq * q_len, splits, 2), dtype=torch.float32, device=dev)
     t = {bk.bits: bk for bk in buckets}
@@ -181,7 +196,9 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
         k4=a(t[4].k), v4=a(t[4].v), vs4=a(t[4].v_scale), vz4=a(t[4].v_zero), p4=a(t[4].pos),
         k8=a(t[8].k), v8=a(t[8].v), ks8=a(t[8].k_scale), vs8=a(t[8].v_scale), p8=a(t[8].pos),
         k_min=kmin, k_range=krange, rel=rel, rs2=rs[0], rs3=rs[1], rs4=rs[2], rs8=rs[3], C=nb, bs=block_size, bias=bias, logits=logits, part_acc=part_acc, part_ml=part_ml,
-        H=h, G=g, Q=q_len, S=kv_len, NB=nb, nblk=nblk, kbps=kbps, splits=splits, scale_log2=float(scaling) * _LOG2E),
+        H=h, G=g, Q=q_len, S=kv_len, NB=nb, nblk=nblk, kbps=kbps, splits=splits, scale_log2=float(scaling) * _LOG2E,
+        live_len=None if in_place is None else in_place["len"], ld=ld, calls=None if in_place is None else in_place["calls"],
+        interval=1 if in_place is None else in_place["interval"]),
         decode_smem_bytes(d), dev, pack=_DECODE_ARGS)
 
     out = torch.empty((b, q_len, hq, d), dtype=query.dtype, device=dev)
@@ -194,14 +211,85 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
                          _COMBINE_ARGS.Values(part_acc=part_acc.data_ptr(), part_ml=part_ml.data_ptr(), out=out.data_ptr(),
                                               ml=ml.data_ptr(), Hq=hq, Q=q_len, D=d, splits=splits),
                          threads=_COMBINE_THREADS, programmatic=loader.short_grid_may_overlap(combine_grid, props.sm_count))
+    return out, ml, logits
+
+
+def _launch_mass(logits: torch.Tensor, ml: torch.Tensor, mass: torch.Tensor, rows: int, kv_len: int, ld: int,
+                 in_place: dict | None, seen: torch.Tensor | None, heads: int, q_len: int) -> None:
+    """The mass kernel: into ``mass`` ``[B, kv_len]``, or (``in_place``) added into the running
+    ``mass`` and ``seen`` ``[B, ld]`` on a recording call."""
+    b = mass.shape[0]
+    kern = loader.get_kernel(_SOURCE, "kbit_kv_mass", mass.device)
+    loader.launch(kern, (math.ceil((kv_len if in_place is None else ld) / _MASS_THREADS), b), _MASS_THREADS,
+                  _MASS_ARGS.Values(logits=logits, ml=ml, mass=mass, rows=rows, S=kv_len, ld=ld,
+                                    live_len=None if in_place is None else in_place["len"], seen=seen, heads=heads, Q=q_len,
+                                    calls=None if in_place is None else in_place["calls"],
+                                    interval=1 if in_place is None else in_place["interval"]),
+                  rows * 8, mass.device, pack=_MASS_ARGS)
+
+
+def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Tensor | None,
+                             k_block_range: torch.Tensor | None, block_size: int, kv_len: int, tier: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float, need_mass: bool = True,
+                             workspace: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The CUDA :func:`kbit_linear._kv_ops.decode_attention`; ``None`` for a problem it does not take.
+
+    Lower widths must lie in the first ``k_block_min.shape[1]`` key blocks only (what the cache
+    guarantees: later positions are 8-bit)."""
+    if kv_len == 0 or not _check_problem(query, buckets, tier, kv_len):
+        return None
+    b, hq, q_len, _ = query.shape
+    bias = None
+    if attention_mask is not None:
+        bias = aligned16(mask_bias(attention_mask, b, q_len, kv_len, query.device))
+    got = _attend(query, buckets, k_block_min, k_block_range, block_size, kv_len, tier, bias, scaling, need_mass, workspace, None)
+    if got is None:
+        return None
+    out, ml, logits = got
     if not need_mass:
         return out, None
-    mass = torch.empty((b, kv_len), dtype=torch.float32, device=dev)
-    kern = loader.get_kernel(_SOURCE, "kbit_kv_mass", dev)
-    loader.launch(kern, (math.ceil(kv_len / _MASS_THREADS), b), _MASS_THREADS,
-                  _MASS_ARGS.Values(logits=logits, ml=ml, mass=mass, rows=hq * q_len, S=kv_len), hq * q_len * 8, dev,
-                  pack=_MASS_ARGS)
+    mass = torch.empty((b, kv_len), dtype=torch.float32, device=query.device)
+    _launch_mass(logits, ml, mass, hq * q_len, kv_len, kv_len, None, None, 0, q_len)
     return out, mass
 
 
+def _store_rows(store: KVStore8, workspace: dict | None) -> KVBucket:
+    """``store`` as the decode kernel reads it: an 8-bit bucket whose row ``b`` starts at ``b *
+    capacity``. Only for the kernel: the rows also span the free entries, which it never reads (its
+    entry ranges come from the offsets and the live length, not from the row starts' gaps). The
+    row starts are the same every step of an epoch; ``workspace`` keeps them."""
+    b = store.count.numel()
+    key = ("store_row_start", store.capacity, b)
+    row_start = None if workspace is None else workspace.get(key)
+    if row_start is None:
+        row_start = torch.arange(b + 1, dtype=torch.int32, device=store.count.device) * store.capacity
+        if workspace is not None:
+            workspace[key] = row_start
+    return KVBucket(8, row_start, store.pos, store.k, store.v, store.v_scale, store.k_scale)
+
+
+def kv_decode_attention_in_place_cuda(query: torch.Tensor, buckets: list[KVBucket], store: KVStore8, k_block_min: torch.Tensor | None,
+                                      k_block_range: torch.Tensor | None, block_size: int, planned_len: int, length: torch.Tensor,
+                                      tier: torch.Tensor, scaling: float, mass: torch.Tensor, seen: torch.Tensor,
+                                      calls: torch.Tensor, mass_interval: int, workspace: dict | None = None) -> torch.Tensor | None:
+    """The CUDA :func:`kbit_linear._kv_ops.decode_attention_in_place`; ``None`` for a problem it
+    does not take. Reads no device value on the host, allocates only the step's scratch, and
+    launches the same kernels with the same arguments every step of an epoch (``planned_len``
+    fixed): replayable in a CUDA graph. Its splits are planned for ``planned_len``, so its sums
+    are added in another order than :func:`kv_decode_attention_cuda`'s at the live length."""
+    ld = tier.shape[1]
+    full = list(buckets) + [_store_rows(store, workspace)]
+    if planned_len == 0 or not _check_problem(query, full, tier, ld):
+        return None
+    b, hq, q_len, _ = query.shape
+    in_place = {"len": length, "calls": calls, "interval": mass_interval, "ld": ld}
+    got = _attend(query, full, k_block_min, k_block_range, block_size, planned_len, tier, None, scaling, True, workspace, in_place)
+    if got is None:
+        return None
+    out, ml, logits = got
+    _launch_mass(logits, ml, mass, hq * q_len, planned_len, ld, in_place, seen, hq, q_len)
+    return out
+
+
 _kv_ops.register_decode_attention("cuda", kv_decode_attention_cuda)
+_kv_ops.register_decode_attention_in_place("cuda", kv_decode_attention_in_place_cuda)

@@ -1,0 +1,137 @@
+"""Greedy decoding with a replayable :class:`~kbit_linear.KbitKVCache`, one CUDA graph per epoch.
+
+A decode step over the quantized KV cache launches the same kernels with the same arguments
+from one allocator run to the next (``KbitKVCache(..., replayable=True)``: the 8-bit tokens are
+appended in place, the attention reads the live length on the device). So the step is captured
+once per epoch and replayed, which removes the Python and launch time that an eager step spends
+on the host:
+
+    eager step (runs the allocator when due, opens the epoch's store)
+    capture one step          (the cache's host state frozen: KbitKVCache.capturing)
+    replay it n times          (n = KbitKVCache.replayable_steps(1), at most the tokens still wanted)
+    KbitKVCache.advance(1, n)  (the host's side of the n steps)
+    ... until the requested tokens are out.
+
+The model is called with a static ``input_ids`` ``[B, 1]``, ``position_ids`` (and
+``cache_position`` where the transformers version takes it) and no attention mask: causal decoding
+of rows without padding, as ``KbitKVCache``'s in-place attention requires.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .kv_cache import KbitKVCache
+
+__all__ = ["KbitDecodeGraph"]
+
+
+class KbitDecodeGraph:
+    """Greedy decoding of ``model`` over a replayable ``cache``, replayed from CUDA graphs.
+
+    Args:
+        model: a transformers causal LM whose attention runs through ``cache`` (built with the
+            model's config).
+        cache: a ``KbitKVCache(..., replayable=True)`` that already holds the prompt.
+        use_graph: capture and replay (needs CUDA); ``False`` runs the same schedule eagerly,
+            each would-be replay as an eager step with the cache's host state frozen, so that the
+            epoch bookkeeping can be checked anywhere (CPU included).
+
+    Example::
+
+        cache = KbitKVCache(model.config, kv_bits=4, replayable=True)
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+        tokens = KbitDecodeGraph(model, cache).generate(logits.argmax(-1, keepdim=True), 256)
+
+    Raises:
+        TypeError: ``cache`` is not a :class:`~kbit_linear.KbitKVCache`.
+        ValueError: the cache is not replayable or holds nothing yet.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: KbitKVCache, use_graph: bool = True) -> None:
+        if not isinstance(cache, KbitKVCache):
+            raise TypeError(f"cache must be a KbitKVCache, got {type(cache).__name__}")
+        if not cache.replayable:
+            raise ValueError("cache must be built with KbitKVCache(..., replayable=True)")
+        if cache.get_seq_length() == 0:
+            raise ValueError("cache holds no tokens: run the prompt through the model first")
+        if not isinstance(use_graph, bool):
+            raise TypeError(f"use_graph must be a bool, got {use_graph!r}")
+        self.model, self.cache, self.use_graph = model, cache, use_graph
+        decoder = getattr(model, "model", model)
+        self._takes_cache_position = "cache_position" in inspect.signature(decoder.forward).parameters
+        self._pool = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self.captures = 0
+        """CUDA graphs captured so far (one per epoch)."""
+        self.replays = 0
+        """Steps run as replays (or, without graphs, as frozen eager steps)."""
+
+    def _step(self, ids: torch.Tensor, pos: torch.Tensor, cpos: torch.Tensor) -> None:
+        """One greedy step on the static buffers: ``ids`` becomes the next token, the positions move on."""
+        extra = {"cache_position": cpos} if self._takes_cache_position else {}
+        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True, logits_to_keep=1, **extra)
+        ids.copy_(out.logits[:, -1, :].argmax(dim=-1, keepdim=True))
+        pos.add_(1)
+        cpos.add_(1)
+
+    @torch.no_grad()
+    def generate(self, first: torch.Tensor, steps: int) -> torch.Tensor:
+        """``steps`` greedy tokens after ``first``, the token picked from the prompt.
+
+        Args:
+            first: int64 ``[B, 1]`` on the model's device, not yet in the cache.
+            steps: tokens to produce (``first`` is fed as the first step's input).
+
+        Returns:
+            int64 ``[B, steps]``.
+
+        Raises:
+            ValueError: ``first`` is not ``[B, 1]`` int64 for the cache's batch, or ``steps`` < 1.
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        batch = self.cache.layers[0].batch
+        if first.dtype != torch.int64 or first.shape != (batch, 1):
+            raise ValueError(f"first must be int64 [{batch}, 1], got {first.dtype} {tuple(first.shape)}")
+        ids = first.clone()
+        length = self.cache.get_seq_length()
+        pos = torch.full((batch, 1), length, dtype=torch.int64, device=ids.device)
+        cpos = torch.full((1,), length, dtype=torch.int64, device=ids.device)
+        out = torch.empty((batch, steps), dtype=torch.int64, device=ids.device)
+        done = 0
+        while done < steps:
+            self._step(ids, pos, cpos)  # eager: the allocator runs here when due, and the epoch's store opens
+            out[:, done] = ids[:, 0]
+            done += 1
+            n = min(self.cache.replayable_steps(1), steps - done)
+            if n == 0:
+                continue
+            if self.use_graph:
+                # The previous epoch's graph is dropped only once this one is captured: graphs that
+                # share a memory pool must keep it in use while another is captured into it.
+                self._graph = self._capture(ids, pos, cpos)
+                for i in range(n):
+                    self._graph.replay()
+                    out[:, done + i] = ids[:, 0]
+                self.captures += 1
+            else:
+                for i in range(n):
+                    with self.cache.capturing():
+                        self._step(ids, pos, cpos)
+                    out[:, done + i] = ids[:, 0]
+            self.cache.advance(1, n)
+            self.replays += n
+            done += n
+        return out
+
+    def _capture(self, ids: torch.Tensor, pos: torch.Tensor, cpos: torch.Tensor) -> torch.cuda.CUDAGraph:
+        """One step captured with the cache's host state frozen (nothing runs until a replay)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with self.cache.capturing(), torch.cuda.graph(graph, pool=self._pool):
+            self._step(ids, pos, cpos)
+        return graph

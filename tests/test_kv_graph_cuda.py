@@ -1,0 +1,48 @@
+"""KbitDecodeGraph on a GPU: decode steps captured once per epoch and replayed give the tokens and
+the cache of the same schedule run eagerly (the replay reads the length and call counter on the
+device; nothing on the host changes between the replays)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kbit_linear import KbitDecodeGraph, KbitKVCache
+from kbit_linear.kv_format import TIERS
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
+
+
+def _run(model, use_graph: bool, prompt: torch.Tensor, steps: int):
+    cache = KbitKVCache(model.config, kv_bits=3, window=8, sink_tokens=2, block_size=16, mass_interval=2, replayable=True)
+    with torch.no_grad():
+        first = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+    decoder = KbitDecodeGraph(model, cache, use_graph=use_graph)
+    head = decoder.generate(first, steps - 40)
+    tail = decoder.generate(head[:, -1:], 40)  # a second call captures into the same memory pool
+    return torch.cat([head, tail], 1), cache, decoder
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_replayed_steps_equal_the_eager_schedule(batch: int) -> None:
+    model = _model()
+    prompt = torch.randint(3, 128, (batch, 200), device="cuda", generator=torch.Generator(device="cuda").manual_seed(batch))
+    eager, eager_cache, _ = _run(model, False, prompt, 120)
+    graph, graph_cache, decoder = _run(model, True, prompt, 120)
+    assert decoder.captures >= 3 and decoder.replays > 100
+    assert torch.equal(graph, eager)
+    for a, b in zip(eager_cache.layers, graph_cache.layers):
+        assert (a.seq_len, a._decode_calls) == (b.seq_len, b._decode_calls)
+        assert b.device_seq_len.tolist() == [b.seq_len] and b.device_decode_calls.tolist() == [b._decode_calls]
+        for name in ("tier", "mass", "seen"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        for t in TIERS:
+            assert a.buckets[t].num_tokens == b.buckets[t].num_tokens, t
