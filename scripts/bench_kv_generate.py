@@ -81,6 +81,9 @@ def main() -> None:
     ap.add_argument("--graph", action="store_true",
                     help="also: each kbit row again with KbitDecodeGraph (replayable cache, one CUDA graph per allocator "
                          "epoch), and bf16 in a StaticCache with a compiled (CUDA-graph) step, the fair baseline for it")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="with --graph: that many more steps of each graph row (one generate call: its first step eager) "
+                         "and of the compiled bf16 row under torch.profiler, GPU time per step by kernel family")
     ap.add_argument("--md")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -105,7 +108,7 @@ def main() -> None:
     for name, kbit in variants.items():
         if name.endswith("CUDA graph per epoch"):
             rows.append(_kbit_graph(model, ids, args, dev, name, kbit))
-            print(rows[-1], flush=True)
+            print({k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
             continue
         gc.collect()
         torch.cuda.empty_cache()
@@ -136,7 +139,7 @@ def main() -> None:
         del cache
     if args.graph:
         rows.append(_bf16_compiled(model, ids, args, dev))
-        print(rows[-1], flush=True)
+        print({k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
     total = torch.cuda.get_device_properties(dev).total_memory
     text = _markdown(args, bc.environment(dev), rows, total)
     if args.md:
@@ -153,12 +156,13 @@ def _bf16_compiled(model: Any, ids: torch.Tensor, args: argparse.Namespace, dev:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(dev)
     model.config._attn_implementation = "sdpa"
-    res = bg.run_compiled(model, ids, args.decode, model.config)
+    res = bg.run_compiled(model, ids, args.decode, model.config, profile_steps=args.profile)
     kv_bytes = 2 * model.config.num_hidden_layers * args.batch * (args.context + args.decode + 3) * \
         model.config.num_key_value_heads * (model.config.hidden_size // model.config.num_attention_heads) * 2
     return {"cache": "bf16 StaticCache, compiled step (CUDA graphs)", "prefill_s": res["ttft_ms"] / 1e3, "first_step_ms": float("nan"),
             "step_ms_mean": res["ms_per_step"], "step_ms_median": res["ms_per_step"], "tok_s": res["tok_s"],
-            "cache_bytes": kv_bytes, "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30, "average_bits": 16.0}
+            "cache_bytes": kv_bytes, "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30, "average_bits": 16.0,
+            **({"profile": res["profile"]} if res.get("profile") else {})}
 
 
 def _kbit_graph(model: Any, ids: torch.Tensor, args: argparse.Namespace, dev: torch.device, name: str,
@@ -183,13 +187,29 @@ def _kbit_graph(model: Any, ids: torch.Tensor, args: argparse.Namespace, dev: to
     torch.cuda.synchronize()
     first_ms = 1e3 * (time.perf_counter() - t0)
     t0 = time.perf_counter()
-    decoder.generate(nxt, args.decode - 1)
+    nxt = decoder.generate(nxt, args.decode - 1)[:, -1:]
     torch.cuda.synchronize()
     step_ms = 1e3 * (time.perf_counter() - t0) / (args.decode - 1)
-    return {"cache": name + f" ({decoder.captures} captures)", "prefill_s": prefill_s, "first_step_ms": first_ms,
-            "step_ms_mean": step_ms, "step_ms_median": step_ms, "tok_s": 1e3 * args.batch / step_ms,
-            "cache_bytes": int(cache.nbytes), "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30,
-            "average_bits": cache.average_bits()}
+    row = {"cache": name + f" ({decoder.captures} captures)", "prefill_s": prefill_s, "first_step_ms": first_ms,
+           "step_ms_mean": step_ms, "step_ms_median": step_ms, "tok_s": 1e3 * args.batch / step_ms,
+           "cache_bytes": int(cache.nbytes), "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30,
+           "average_bits": cache.average_bits()}
+    if args.profile:
+        row["profile"] = _profile(lambda: decoder.generate(nxt, args.profile), args.profile)
+    return row
+
+
+def _profile(run: Any, steps: int) -> str:
+    """GPU time per step of ``run()`` (``steps`` decode steps) by kernel, and its critical path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    events = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    return bg.summarize_kernels(events, steps) + "\n" + bg.summarize_critical_path(spans, steps)
 
 
 def _markdown(args: argparse.Namespace, env: dict[str, Any], rows: list[dict[str, Any]], total: int) -> str:
@@ -216,6 +236,9 @@ def _markdown(args: argparse.Namespace, env: dict[str, Any], rows: list[dict[str
               "(up to `prefill_interval` plus a chunk; it belongs to the time to "
               "first token). `--graph` rows: the mean over steps 2 onwards as one `generate` call, its eager steps, captures and the "
               "allocator's runs included (so there is no median apart); the bf16 StaticCache row prefills the prompt in one call."]
+    for r in rows:
+        if r.get("profile"):
+            lines += ["", f"GPU time per step, {r['cache']} (`--profile {args.profile}`):", "", "```", r["profile"], "```"]
     return "\n".join(lines)
 
 
