@@ -19,6 +19,7 @@ of rows without padding, as ``KbitKVCache``'s in-place attention requires.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -89,13 +90,27 @@ class KbitDecodeGraph:
             int64 ``[B, steps]``.
 
         Raises:
-            ValueError: ``first`` is not ``[B, 1]`` int64 for the cache's batch, or ``steps`` < 1.
+            ValueError: ``first`` is not ``[B, 1]`` int64 for the cache's batch on the cache's
+                device, or ``steps`` < 1; with ``use_graph``, the cache is not on one CUDA device.
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         batch = self.cache.layers[0].batch
         if first.dtype != torch.int64 or first.shape != (batch, 1):
             raise ValueError(f"first must be int64 [{batch}, 1], got {first.dtype} {tuple(first.shape)}")
+        devices = {layer.device for layer in self.cache.layers}
+        if self.use_graph and (len(devices) != 1 or next(iter(devices)).type != "cuda"):
+            # one graph records one device's stream: a model split over GPUs cannot be captured whole
+            raise ValueError(f"use_graph=True needs the cache on one CUDA device, got {sorted(map(str, devices))}; "
+                             "use_graph=False runs the same steps eagerly")
+        if first.device not in devices:
+            raise ValueError(f"first must be on the cache's device, got {first.device}")
+        # kernels and the capture run on the current device's stream: make it the cache's device
+        with torch.cuda.device(first.device) if first.device.type == "cuda" else contextlib.nullcontext():
+            return self._generate(first, steps, batch)
+
+    def _generate(self, first: torch.Tensor, steps: int, batch: int) -> torch.Tensor:
+        """:meth:`generate` past its checks, on the current device."""
         ids = first.clone()
         length = self.cache.get_seq_length()
         pos = torch.full((batch, 1), length, dtype=torch.int64, device=ids.device)

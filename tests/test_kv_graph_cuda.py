@@ -14,11 +14,11 @@ from kbit_linear.kv_format import TIERS
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _model() -> LlamaForCausalLM:
+def _model(device: str = "cuda") -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                       num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
-    return LlamaForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
+    return LlamaForCausalLM(cfg).eval().to(device, torch.bfloat16)
 
 
 def _run(model, use_graph: bool, prompt: torch.Tensor, steps: int):
@@ -46,3 +46,14 @@ def test_replayed_steps_equal_the_eager_schedule(batch: int) -> None:
             assert torch.equal(getattr(a, name), getattr(b, name)), name
         for t in TIERS:
             assert a.buckets[t].num_tokens == b.buckets[t].num_tokens, t
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_replays_on_the_second_gpu_while_the_first_is_current() -> None:
+    """The capture and the kernels follow the cache's device, not the current one."""
+    model = _model("cuda:1")
+    prompt = torch.randint(3, 128, (2, 200), device="cuda:1", generator=torch.Generator(device="cuda:1").manual_seed(7))
+    with torch.cuda.device(0):
+        eager, _, _ = _run(model, False, prompt, 100)
+        graph, _, decoder = _run(model, True, prompt, 100)
+    assert decoder.captures >= 2 and torch.equal(graph, eager) and graph.device == torch.device("cuda:1")

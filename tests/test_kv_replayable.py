@@ -500,6 +500,10 @@ def test_capturing_and_advance_need_a_replayable_cache() -> None:
         decoder.generate(torch.zeros(1, 1, dtype=torch.int64), 3)
     with pytest.raises(ValueError, match="steps"):
         decoder.generate(torch.zeros(2, 1, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match="cache's device"):
+        decoder.generate(torch.zeros(2, 1, dtype=torch.int64, device="meta"), 3)
+    with pytest.raises(ValueError, match="one CUDA device"):  # graphs need the cache on a GPU
+        KbitDecodeGraph(model, replayable).generate(torch.zeros(2, 1, dtype=torch.int64), 3)
 
 
 def test_mask_left_out_only_for_a_captured_unpadded_causal_step(monkeypatch: pytest.MonkeyPatch) -> None:
