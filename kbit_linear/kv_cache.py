@@ -900,6 +900,8 @@ class KbitKVCache(Cache):
             config._attn_implementation = ATTENTION_NAME
             logger.info("KbitKVCache: attention implementation %r -> %r", impl, ATTENTION_NAME)
         self.kv_bits = float(kv_bits)
+        self.layer_types = tuple(layer_types)
+        """The config's attention type of each layer (``"full_attention"`` or ``"sliding_attention"``)."""
         self.replayable = replayable
         """Whether the layers are :class:`ReplayableKVLayer` (decode steps that a CUDA graph can replay)."""
         layer_class = ReplayableKVLayer if replayable else KbitKVLayer
@@ -1019,15 +1021,18 @@ def kbit_kv_attention(module: torch.nn.Module, query: torch.Tensor, key, value, 
 
 
 def kbit_kv_mask(**kwargs: Any) -> torch.Tensor | None:
-    """transformers' SDPA mask, except while a CUDA graph is captured over rows without padding.
+    """transformers' SDPA mask, except for one query while a CUDA graph is captured over rows
+    without padding.
 
-    Under stream capture transformers counts as tracing and always builds the mask, since SDPA
-    would otherwise hard-code ``is_causal``. The kbit attention needs no mask for plain causal
-    decoding (it reads the live length on the device), and a replayed step cannot take a mask
-    built for the captured length, so for an unpadded, unmodified causal mask it returns None.
-    Any padding, sliding window or changed mask function still builds the mask.
+    Under stream capture some transformers versions count as tracing and build the mask even for
+    one query (where ``q_offset`` is a tensor, as with ``cache_position``). The kbit attention needs
+    no mask for plain causal decoding (it reads the live length on the device), and a replayed
+    step cannot take a mask built for the captured length, so for one query and an unpadded,
+    unmodified causal mask it returns None. Any padding, sliding window or changed mask function
+    still builds the mask.
     """
-    if (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() and kwargs.get("attention_mask") is None
+    if (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() and kwargs.get("q_length") == 1
+            and kwargs.get("attention_mask") is None
             and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
             and kwargs.get("local_size") is None and kwargs.get("allow_is_causal_skip", True)):
         return None

@@ -48,7 +48,8 @@ class KbitDecodeGraph:
 
     Raises:
         TypeError: ``cache`` is not a :class:`~kbit_linear.KbitKVCache`.
-        ValueError: the cache is not replayable or holds nothing yet.
+        ValueError: the cache is not replayable or holds nothing yet, the model has sliding-window
+            layers, or the prompt was padded.
     """
 
     def __init__(self, model: torch.nn.Module, cache: KbitKVCache, use_graph: bool = True) -> None:
@@ -58,6 +59,14 @@ class KbitDecodeGraph:
             raise ValueError("cache must be built with KbitKVCache(..., replayable=True)")
         if cache.get_seq_length() == 0:
             raise ValueError("cache holds no tokens: run the prompt through the model first")
+        if "sliding_attention" in cache.layer_types:
+            # a step captured below the window would be replayed past it without the window's mask
+            raise ValueError("KbitDecodeGraph decodes full-attention layers only; this model has sliding-window layers "
+                             "(use model.generate with the cache)")
+        first_valid = cache.layers[0].first_valid
+        if first_valid is not None and bool(first_valid.any()):
+            raise ValueError("the prompt was left-padded; KbitDecodeGraph decodes rows without padding "
+                             "(use model.generate with the cache)")
         if not isinstance(use_graph, bool):
             raise TypeError(f"use_graph must be a bool, got {use_graph!r}")
         self.model, self.cache, self.use_graph = model, cache, use_graph

@@ -506,6 +506,32 @@ def test_capturing_and_advance_need_a_replayable_cache() -> None:
         KbitDecodeGraph(model, replayable).generate(torch.zeros(2, 1, dtype=torch.int64), 3)
 
 
+@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+def test_decode_graph_refuses_sliding_window_layers(kind: str) -> None:
+    """A step captured below the window would be replayed past it without the window's mask."""
+    from kbit_linear import KbitDecodeGraph
+
+    model = _tiny(kind)
+    _, cache = _caches(model)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 12)), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="sliding-window"):
+        KbitDecodeGraph(model, cache, use_graph=False)
+
+
+def test_decode_graph_refuses_a_padded_prompt() -> None:
+    from kbit_linear import KbitDecodeGraph
+
+    model = _tiny("llama")
+    _, cache = _caches(model)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        model(torch.randint(3, 128, (2, 12)), attention_mask=mask, past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="left-padded"):
+        KbitDecodeGraph(model, cache, use_graph=False)
+
+
 def test_mask_left_out_only_for_a_captured_unpadded_causal_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """While a CUDA graph is captured, transformers builds the causal mask even for one query; the
     cache's mask function leaves it out (a replayed step cannot take a mask built for one length)
@@ -525,6 +551,7 @@ def test_mask_left_out_only_for_a_captured_unpadded_causal_step(monkeypatch: pyt
     assert torch.equal(built, sdpa_mask(attention_mask=padded, **args)) and not built.all()
     assert kbit_kv_mask(attention_mask=None, local_size=4, **args) is not None
     assert kbit_kv_mask(attention_mask=None, **{**args, "allow_is_causal_skip": False}) is not None
+    assert kbit_kv_mask(attention_mask=None, **{**args, "q_length": 3, "q_offset": 7}) is not None  # SDPA would take it upper-left
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     q3 = {**args, "q_length": 3, "q_offset": 7}
     assert torch.equal(kbit_kv_mask(attention_mask=None, **q3), sdpa_mask(attention_mask=None, **q3))
