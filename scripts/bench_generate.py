@@ -343,6 +343,20 @@ def summarize_kernels(events: list[tuple[str, float, int]], steps: int, rows: in
     return "\n".join(lines)
 
 
+def profile_gpu(run: Callable[[], Any], steps: int) -> str:
+    """:func:`summarize_kernels` and :func:`summarize_critical_path` of ``run()``, ``steps`` decode
+    steps, under ``torch.profiler`` (CUDA activity only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    events = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    return summarize_kernels(events, steps) + "\n" + summarize_critical_path(spans, steps)
+
+
 def summarize_critical_path(spans: list[tuple[str, float, float]], steps: int, rows: int = 12) -> str:
     """A text table of what each kernel adds to the step's wall time, and the idle time between kernels.
 
@@ -466,17 +480,12 @@ def run_compiled(
     step_s = (time.perf_counter() - t1) / decode
     profile_text = None
     if profile_steps > 0:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        def more_steps() -> None:
+            nxt = ids
             for _ in range(profile_steps):
-                ids = step(ids)
-            torch.cuda.synchronize()
-        events = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
-        profile_text = summarize_kernels(events, profile_steps)
-        spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
-        profile_text += "\n" + summarize_critical_path(spans, profile_steps)
+                nxt = step(nxt)
+
+        profile_text = profile_gpu(more_steps, profile_steps)
     res = {"ttft_ms": 1e3 * ttft, "ms_per_step": 1e3 * step_s, "tok_s": batch / step_s,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "compile_s": compile_s, "fullgraph": fullgraph,
            "regions": regions,

@@ -195,21 +195,8 @@ def _kbit_graph(model: Any, ids: torch.Tensor, args: argparse.Namespace, dev: to
            "cache_bytes": int(cache.nbytes), "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30,
            "average_bits": cache.average_bits()}
     if args.profile:
-        row["profile"] = _profile(lambda: decoder.generate(nxt, args.profile), args.profile)
+        row["profile"] = bg.profile_gpu(lambda: decoder.generate(nxt, args.profile), args.profile)
     return row
-
-
-def _profile(run: Any, steps: int) -> str:
-    """GPU time per step of ``run()`` (``steps`` decode steps) by kernel, and its critical path."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    events = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
-    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-             if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
-    return bg.summarize_kernels(events, steps) + "\n" + bg.summarize_critical_path(spans, steps)
 
 
 def _markdown(args: argparse.Namespace, env: dict[str, Any], rows: list[dict[str, Any]], total: int) -> str:
