@@ -909,6 +909,14 @@ class KbitKVCache(Cache):
                               float(allocation_fraction), mass_interval) for _ in layer_types]
         super().__init__(layers=layers)
 
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[KbitKVView, KbitKVView]:
+        """``Cache.update``, kept out of ``torch.compile``: a compiled decoder layer breaks its graph
+        here, so that the layers' host state (lengths, stores, the allocator) runs eagerly and the
+        layer index is not specialised into one graph per layer."""
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     @property
     def nbytes(self) -> int:
         """Bytes the cache holds: payloads, scales and metadata of every layer."""
@@ -1017,7 +1025,14 @@ def kbit_kv_attention(module: torch.nn.Module, query: torch.Tensor, key, value, 
     if dropout and module.training:
         raise ValueError("KbitKVCache attention has no dropout; call model.eval() (dropout > 0 in training mode)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return key.layer.attend(query, attention_mask, scale), None
+    return _attend(key.layer, query, attention_mask, scale), None
+
+
+@torch.compiler.disable
+def _attend(layer: KbitKVLayer, query: torch.Tensor, attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    # Kept out of torch.compile: the layer's host state (lengths, epochs, call counts) changes
+    # from call to call, which a compiled graph would either bake in or guard on at every step.
+    return layer.attend(query, attention_mask, scale)
 
 
 def kbit_kv_mask(**kwargs: Any) -> torch.Tensor | None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -39,6 +41,16 @@ class KbitDecodeGraph:
         use_graph: capture and replay (needs CUDA); ``False`` runs the same schedule eagerly,
             each would-be replay as an eager step with the cache's host state frozen, so that the
             epoch bookkeeping can be checked anywhere (CPU included).
+        compile_layers: while :meth:`generate` runs, the model's decoder layers
+            (``model.model.layers``) are compiled with ``torch.compile`` (a replay then runs the
+            compiled kernels, far fewer than the eager model's norms, rotary embedding and
+            element-wise ops). The cache's update and attention stay eager (each breaks a layer's
+            graph), and the layer index is traced as an input, so that every layer shares the same
+            graphs. The first :meth:`generate` compiles (seconds); the layers' own compiled state
+            is restored when it returns.
+        compile_options: keywords for ``torch.compile`` with ``compile_layers`` (``backend``,
+            ``mode``, ``options``, ...). Modes that take CUDA graphs of their own
+            (``"reduce-overhead"``, ``"max-autotune"``) cannot run inside this class's graphs.
 
     Example::
 
@@ -49,10 +61,12 @@ class KbitDecodeGraph:
     Raises:
         TypeError: ``cache`` is not a :class:`~kbit_linear.KbitKVCache`.
         ValueError: the cache is not replayable or holds nothing yet, the model has sliding-window
-            layers, or the prompt was padded.
+            layers, or the prompt was padded; ``compile_layers`` for a model without
+            ``model.model.layers``, or ``compile_options`` with a mode that takes CUDA graphs.
     """
 
-    def __init__(self, model: torch.nn.Module, cache: KbitKVCache, use_graph: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, cache: KbitKVCache, use_graph: bool = True, compile_layers: bool = False,
+                 compile_options: Mapping[str, Any] | None = None) -> None:
         if not isinstance(cache, KbitKVCache):
             raise TypeError(f"cache must be a KbitKVCache, got {type(cache).__name__}")
         if not cache.replayable:
@@ -69,6 +83,15 @@ class KbitDecodeGraph:
                              "(use model.generate with the cache)")
         if not isinstance(use_graph, bool):
             raise TypeError(f"use_graph must be a bool, got {use_graph!r}")
+        if not isinstance(compile_layers, bool):
+            raise TypeError(f"compile_layers must be a bool, got {compile_layers!r}")
+        if compile_options is not None and not isinstance(compile_options, Mapping):
+            raise TypeError(f"compile_options must be a mapping of torch.compile keywords, got {compile_options!r}")
+        self._compile_options = dict(compile_options or {})
+        if self._compile_options.get("mode") in ("reduce-overhead", "max-autotune"):
+            raise ValueError(f"compile_options: mode {self._compile_options['mode']!r} takes CUDA graphs of its own, which "
+                             "cannot be captured inside KbitDecodeGraph's; use 'default' or 'max-autotune-no-cudagraphs'")
+        self._layers = _decoder_layers(model) if compile_layers else None
         self.model, self.cache, self.use_graph = model, cache, use_graph
         decoder = getattr(model, "model", model)
         self._takes_cache_position = "cache_position" in inspect.signature(decoder.forward).parameters
@@ -115,8 +138,28 @@ class KbitDecodeGraph:
         if first.device not in devices:
             raise ValueError(f"first must be on the cache's device, got {first.device}")
         # kernels and the capture run on the current device's stream: make it the cache's device
-        with torch.cuda.device(first.device) if first.device.type == "cuda" else contextlib.nullcontext():
+        with torch.cuda.device(first.device) if first.device.type == "cuda" else contextlib.nullcontext(), self._compiled():
             return self._generate(first, steps, batch)
+
+    @contextlib.contextmanager
+    def _compiled(self) -> Iterator[None]:
+        """The decoder layers compiled (``compile_layers``) for the duration, their previous
+        compiled state (none, or the user's ``layer.compile()``) restored afterwards."""
+        if self._layers is None:
+            yield
+            return
+        saved = [layer._compiled_call_impl for layer in self._layers]
+        try:
+            # Integer attributes (the layer index) traced as inputs: one set of graphs for every
+            # layer, where specialising them would compile each layer apart and soon pass torch's
+            # recompile limit.
+            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+                for layer in self._layers:
+                    layer.compile(**self._compile_options)
+                yield
+        finally:
+            for layer, impl in zip(self._layers, saved):
+                layer._compiled_call_impl = impl
 
     def _generate(self, first: torch.Tensor, steps: int, batch: int) -> torch.Tensor:
         """:meth:`generate` past its checks, on the current device."""
@@ -159,3 +202,11 @@ class KbitDecodeGraph:
         with self.cache.capturing(), torch.cuda.graph(graph, pool=self._pool):
             self._step(ids, pos, cpos)
         return graph
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """``model.model.layers`` (transformers' decoder-only layout), or a ValueError saying it is missing."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"compile_layers=True needs the decoder layers at model.model.layers; {type(model).__name__} has none")
+    return layers

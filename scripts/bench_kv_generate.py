@@ -80,7 +80,8 @@ def main() -> None:
                     help="KbitKVCache's mass_interval, one kbit row per value (default: the library's)")
     ap.add_argument("--graph", action="store_true",
                     help="also: each kbit row again with KbitDecodeGraph (replayable cache, one CUDA graph per allocator "
-                         "epoch), and bf16 in a StaticCache with a compiled (CUDA-graph) step, the fair baseline for it")
+                         "epoch), eager and with compiled decoder layers, and bf16 in a StaticCache with a compiled "
+                         "(CUDA-graph) step, the fair baseline for them")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="with --graph: that many more steps of each graph row (one generate call: its first step eager) "
                          "and of the compiled bf16 row under torch.profiler, GPU time per step by kernel family")
@@ -104,10 +105,12 @@ def main() -> None:
         for m in intervals:
             variants[f"KbitKVCache {args.kv_bits:g} bits, allocation_fraction {f:.3g}, mass_interval {m}"] = (f, m)
             if args.graph:
-                variants[f"KbitKVCache {args.kv_bits:g} bits, allocation_fraction {f:.3g}, mass_interval {m}, CUDA graph per epoch"] = (f, m)
+                for layers in ("", ", compiled layers"):
+                    variants[f"KbitKVCache {args.kv_bits:g} bits, allocation_fraction {f:.3g}, mass_interval {m}, "
+                             f"CUDA graph per epoch{layers}"] = (f, m)
     for name, kbit in variants.items():
-        if name.endswith("CUDA graph per epoch"):
-            rows.append(_kbit_graph(model, ids, args, dev, name, kbit))
+        if "CUDA graph per epoch" in name:
+            rows.append(_kbit_graph(model, ids, args, dev, name, kbit, compile_layers=name.endswith("compiled layers")))
             print({k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
             continue
         gc.collect()
@@ -166,10 +169,11 @@ def _bf16_compiled(model: Any, ids: torch.Tensor, args: argparse.Namespace, dev:
 
 
 def _kbit_graph(model: Any, ids: torch.Tensor, args: argparse.Namespace, dev: torch.device, name: str,
-                kbit: tuple[float, int]) -> dict[str, Any]:
+                kbit: tuple[float, int], compile_layers: bool) -> dict[str, Any]:
     """The kbit cache built replayable, prefilled as the eager rows, then ``args.decode`` tokens from
     :class:`kbit_linear.KbitDecodeGraph`: the first in a call of its own, timed apart as the eager
-    rows' first step, the rest in one call (its eager steps, captures and allocator runs included)."""
+    rows' first step (with ``compile_layers``, the compilation too), the rest in one call (its eager
+    steps, captures and allocator runs included)."""
     import kbit_linear
 
     gc.collect()
@@ -181,7 +185,7 @@ def _kbit_graph(model: Any, ids: torch.Tensor, args: argparse.Namespace, dev: to
     first = _prefill(model, ids, cache, args.chunk)
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
-    decoder = kbit_linear.KbitDecodeGraph(model, cache)
+    decoder = kbit_linear.KbitDecodeGraph(model, cache, compile_layers=compile_layers)
     t0 = time.perf_counter()
     nxt = decoder.generate(first.argmax(-1, keepdim=True), 1)  # eager: re-codes the prompt's last tokens
     torch.cuda.synchronize()

@@ -21,11 +21,11 @@ def _model(device: str = "cuda") -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval().to(device, torch.bfloat16)
 
 
-def _run(model, use_graph: bool, prompt: torch.Tensor, steps: int):
+def _run(model, use_graph: bool, prompt: torch.Tensor, steps: int, **decoder_kw):
     cache = KbitKVCache(model.config, kv_bits=3, window=8, sink_tokens=2, block_size=16, mass_interval=2, replayable=True)
     with torch.no_grad():
         first = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-    decoder = KbitDecodeGraph(model, cache, use_graph=use_graph)
+    decoder = KbitDecodeGraph(model, cache, use_graph=use_graph, **decoder_kw)
     head = decoder.generate(first, steps - 40)
     tail = decoder.generate(head[:, -1:], 40)  # a second call captures into the same memory pool
     return torch.cat([head, tail], 1), cache, decoder
@@ -57,3 +57,16 @@ def test_replays_on_the_second_gpu_while_the_first_is_current() -> None:
         eager, _, _ = _run(model, False, prompt, 100)
         graph, _, decoder = _run(model, True, prompt, 100)
     assert decoder.captures >= 2 and torch.equal(graph, eager) and graph.device == torch.device("cuda:1")
+
+
+def test_replays_of_compiled_layers_equal_the_same_layers_run_eagerly() -> None:
+    """compile_layers: the compiled layers captured and replayed give the tokens of the same
+    compiled layers run step by step (inductor's kernels round as they round; the graph adds nothing)."""
+    torch._dynamo.reset()
+    model = _model()
+    prompt = torch.randint(3, 128, (2, 200), device="cuda", generator=torch.Generator(device="cuda").manual_seed(11))
+    eager, _, _ = _run(model, False, prompt, 100, compile_layers=True)
+    graph, _, decoder = _run(model, True, prompt, 100, compile_layers=True)
+    assert decoder.captures >= 2 and torch.equal(graph, eager)
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+    torch._dynamo.reset()

@@ -555,3 +555,53 @@ def test_mask_left_out_only_for_a_captured_unpadded_causal_step(monkeypatch: pyt
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     q3 = {**args, "q_length": 3, "q_offset": 7}
     assert torch.equal(kbit_kv_mask(attention_mask=None, **q3), sdpa_mask(attention_mask=None, **q3))
+
+
+def test_compiled_layers_share_their_graphs_and_decode_the_same_tokens() -> None:
+    """compile_layers: every decoder layer runs the same few compiled graphs (the layer index is an
+    input, the cache's update and attention break the graph), the tokens equal the eager schedule's,
+    and the layers' own compiled state is back afterwards."""
+    from torch._dynamo.testing import CompileCounter
+
+    from kbit_linear import KbitDecodeGraph
+
+    torch._dynamo.reset()
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=12, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+    torch.manual_seed(0)
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(cfg).eval()
+    prompt = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(3))
+    got = {}
+    counter = CompileCounter()
+    for compiled in (False, True):
+        _, cache = _caches(model)
+        with torch.no_grad():
+            first = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        decoder = KbitDecodeGraph(model, cache, use_graph=False, compile_layers=compiled, compile_options={"backend": counter})
+        head = decoder.generate(first, 12)
+        frames = counter.frame_count
+        got[compiled] = torch.cat([head, decoder.generate(head[:, -1:], 8)], 1)
+    assert torch.equal(got[True], got[False])
+    assert 0 < counter.frame_count <= 6, f"{counter.frame_count} graphs for 12 layers: the layers do not share them"
+    assert counter.frame_count == frames, "a second generate call compiled again"
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+    torch._dynamo.reset()
+
+
+def test_compile_layers_names_bad_arguments() -> None:
+    from kbit_linear import KbitDecodeGraph
+
+    model = _tiny("llama")
+    _, cache = _caches(model)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 12)), past_key_values=cache, use_cache=True)
+    with pytest.raises(TypeError, match="compile_layers"):
+        KbitDecodeGraph(model, cache, compile_layers=1)
+    with pytest.raises(TypeError, match="compile_options"):
+        KbitDecodeGraph(model, cache, compile_layers=True, compile_options=["aot_eager"])
+    with pytest.raises(ValueError, match="reduce-overhead"):
+        KbitDecodeGraph(model, cache, compile_layers=True, compile_options={"mode": "reduce-overhead"})
+    with pytest.raises(ValueError, match="model.model.layers"):
+        KbitDecodeGraph(model.model.layers[0], cache, compile_layers=True)
