@@ -102,6 +102,14 @@ class KbitDecodeGraph:
         self.replays = 0
         """Steps run as replays (or, without graphs, as frozen eager steps)."""
 
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The last epoch's captured step (None before the first capture or without graphs). Each
+        replay runs one more step on the device only: the host's side (:meth:`KbitKVCache.advance`)
+        is :meth:`generate`'s, so replays outside it are for timing what is left of the epoch
+        (``cache.replayable_steps(1)`` of them at most)."""
+        return self._graph
+
     def _step(self, ids: torch.Tensor, pos: torch.Tensor, cpos: torch.Tensor) -> None:
         """One greedy step on the static buffers: ``ids`` becomes the next token, the positions move on."""
         extra = {"cache_position": cpos} if self._takes_cache_position else {}
