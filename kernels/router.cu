@@ -22,19 +22,10 @@
 // Each warp's partial sums meet in shared memory; warp 0 adds them and writes the logits.
 // The block that finishes last (each block adds one to `counter` after its logits are visible)
 // reads every logit back from L2 and picks the top k, one warp per token: lane l holds experts
-// l, l + 32, ... (P of them, E <= 32 P). Experts are ordered by logit (order_key: NaN first and
-// -0 = +0), then by lower expert. Two ways to pick the k first, chosen on the host (`by_rank`):
-//
-//   by rank    each lane counts, for each of its experts, the experts ahead of it (a scan of the
-//              token's keys in shared memory, E independent compares per expert); an expert of
-//              rank r < k goes to slot r. Few dependent steps, but E * P compares per lane: the
-//              faster way for one token or up to ROUTER_RANK_MAX_EXPERTS experts.
-//   by arg-max k rounds of a warp arg-max take the winners out, one per round: k chains of
-//              shuffles, but only P compares per lane and round.
-//
-// Both fill the same slots, and lane i then reads slot i, so the scores are added in the same
-// order either way. The last block leaves `counter` at zero, so the same counter serves every
-// launch on a stream (and a CUDA graph's replays).
+// l, l + 32, ... (P of them, E <= 32 P); k rounds of a warp arg-max (larger logit by order_key,
+// NaN first and -0 = +0, then lower expert) take the winners out, lane i keeping the i-th. It
+// leaves `counter` at zero, so the same counter serves every launch on a stream (and a CUDA
+// graph's replays).
 #include "common.cuh"
 
 namespace kbit {
@@ -143,74 +134,10 @@ KBIT_DEVICE void lane_best(const int (&key)[P], const float (&l)[P], int& best_k
 // underflow of the exponentials makes), their probabilities taken from the softmax (NaN for
 // every expert of a row with a NaN or +inf logit, or all -inf, as in the reference; one -inf
 // among finite logits is a probability of 0).
-constexpr int kNone = (int)0x80000000;  // below every order_key: no expert, or one chosen already
-
-// The token's chosen experts in slot order (slot r: the r-th largest), filled by either way.
-struct Slots {
-    float logit[32];
-    int expert[32];
-};
-
-// By rank: the rank of each of the lane's experts (lane + 32 i) among the E keys in `keys`
-// (larger key first, then lower expert); an expert of rank r < top_k fills slot r. For expert
-// e = 32 i + lane, a key j ahead of it is key_j > key_e for j > e and key_j >= key_e, that is
-// key_j > key_e - 1, for j < e: chunk c of 32 keys is wholly before, after or (c = i) around e.
-template <int P>
-KBIT_DEVICE void fill_slots_by_rank(const int* keys, const int (&key)[P], const float (&l)[P], Slots& slots, int E, int top_k,
-                                    int lane) {
-    int rank[P];
-#pragma unroll
-    for (int i = 0; i < P; ++i) rank[i] = 0;
-#pragma unroll
-    for (int c = 0; c < P; ++c) {
-        if (32 * c >= E) break;
-        const int n = min(32, E - 32 * c);
-#pragma unroll 2
-        for (int jj = 0; jj < n; ++jj) {
-            const int kj = keys[32 * c + jj];  // the same address in every lane: a broadcast
-#pragma unroll
-            for (int i = 0; i < P; ++i) {
-                const bool before = c < i || (c == i && jj < lane);  // key j is before expert e
-                rank[i] += kj > key[i] - (int)before;
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < P; ++i) {
-        const int e = lane + 32 * i;
-        if (e < E && rank[i] < top_k) slots.logit[rank[i]] = l[i], slots.expert[rank[i]] = e;
-    }
-}
-
-// By arg-max: round r takes the warp's best open expert out into slot r.
-template <int P>
-KBIT_DEVICE void fill_slots_by_arg_max(int (&key)[P], const float (&l)[P], Slots& slots, int E, int top_k, int lane) {
-    // top_k <= E, so an open expert is always left, and its key is above kNone.
-    for (int r = 0; r < top_k; ++r) {
-        int best, best_i;
-        float best_l;
-        lane_best<P>(key, l, best, best_i, best_l);
-        int best_e = best == kNone ? E : lane + 32 * best_i;
-#pragma unroll
-        for (int d = 16; d; d >>= 1) {
-            const int other = __shfl_xor_sync(0xffffffffu, best, d);
-            const int other_e = __shfl_xor_sync(0xffffffffu, best_e, d);
-            if (other > best || (other == best && other_e < best_e)) best = other, best_e = other_e;
-        }
-        // The winner is its own lane's best: that lane closes it and fills the slot.
-        if ((best_e & 31) == lane) {
-#pragma unroll
-            for (int i = 0; i < P; ++i) {
-                if (i == best_i) key[i] = kNone;
-            }
-            slots.logit[r] = best_l, slots.expert[r] = best_e;
-        }
-    }
-}
-
 template <int DT, bool SCORES_F32, int P>
-KBIT_DEVICE void top_k_of_token(const void* logits, void* scores, long long* index, int* keys, Slots& slots, int t, int E,
-                                int top_k, bool normalize, bool by_rank, int lane) {
+KBIT_DEVICE void top_k_of_token(const void* logits, void* scores, long long* index, int t, int E, int top_k, bool normalize,
+                                int lane) {
+    constexpr int kNone = (int)0x80000000;  // below every order_key: no expert, or one chosen already
     float l[P];
     int key[P];
     float m = KBIT_NEG_INF;
@@ -228,17 +155,30 @@ KBIT_DEVICE void top_k_of_token(const void* logits, void* scores, long long* ind
     for (int i = 0; i < P; ++i) s += lane + 32 * i < E ? expf(l[i] - m) : 0.f;
     s = warp_sum(s);
 
-    if (by_rank) {
+    // Round r: the warp's best open expert goes to lane r. top_k <= E, so an open expert is
+    // always left, and its key is above kNone.
+    float mine_l = 0.f;
+    int mine_e = E;
+    for (int r = 0; r < top_k; ++r) {
+        int best, best_i;
+        float best_l;
+        lane_best<P>(key, l, best, best_i, best_l);
+        int best_e = best == kNone ? E : lane + 32 * best_i;
 #pragma unroll
-        for (int i = 0; i < P; ++i) keys[lane + 32 * i] = key[i];
-        __syncwarp();
-        fill_slots_by_rank<P>(keys, key, l, slots, E, top_k, lane);
-    } else {
-        fill_slots_by_arg_max<P>(key, l, slots, E, top_k, lane);
+        for (int d = 16; d; d >>= 1) {
+            const int other = __shfl_xor_sync(0xffffffffu, best, d);
+            const int other_e = __shfl_xor_sync(0xffffffffu, best_e, d);
+            if (other > best || (other == best && other_e < best_e)) best = other, best_e = other_e;
+        }
+        // The winner is its own lane's best: that lane closes it and hands its logit to lane r.
+        const bool won_here = (best_e & 31) == lane;
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            if (won_here && i == best_i) key[i] = kNone;
+        }
+        const float won = __shfl_sync(0xffffffffu, best_l, best_e & 31);
+        if (lane == r) mine_l = won, mine_e = best_e;
     }
-    __syncwarp();
-    const float mine_l = lane < top_k ? slots.logit[lane] : 0.f;
-    const int mine_e = lane < top_k ? slots.expert[lane] : E;
     const float mine = lane < top_k ? __fdiv_rn(expf(mine_l - m), s) : 0.f;
     const float chosen = warp_sum(mine);
     if (lane < top_k) {
@@ -248,7 +188,6 @@ KBIT_DEVICE void top_k_of_token(const void* logits, void* scores, long long* ind
         else store_elem<DT>(scores, at, v);
         index[at] = mine_e;
     }
-    __syncwarp();  // keys and slots are free for the warp's next token
 }
 
 }  // namespace router
@@ -256,17 +195,14 @@ KBIT_DEVICE void top_k_of_token(const void* logits, void* scores, long long* ind
 
 // ---------------------------------------------------------------------------------------
 // kbit_router_top_k<DT, SCORES_F32, P>: grid E, 128 threads; P experts per lane in the top-k
-// phase (a power of two, E <= 32 P <= 512); by_rank picks the way the top k are found.
+// phase (a power of two, E <= 32 P <= 512).
 // ---------------------------------------------------------------------------------------
 template <int DT, bool SCORES_F32, int P>
 __global__ void __launch_bounds__(kbit::router::kThreads)
 kbit_router_top_k(const void* __restrict__ x, const void* __restrict__ w, void* __restrict__ logits, void* __restrict__ scores,
-                  long long* __restrict__ index, int* __restrict__ counter, int T, int H, int E, int top_k, int normalize,
-                  int by_rank) {
+                  long long* __restrict__ index, int* __restrict__ counter, int T, int H, int E, int top_k, int normalize) {
     using namespace kbit::router;
     __shared__ float partial[kWarps][kTokens];
-    __shared__ int keys[kWarps][32 * P];  // by rank: each warp's token's keys
-    __shared__ Slots slots[kWarps];
     __shared__ int is_last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // Launched as a programmatic dependent where the grid fits on the SMs at once: x (and the
@@ -286,9 +222,6 @@ kbit_router_top_k(const void* __restrict__ x, const void* __restrict__ w, void* 
     }
     __syncthreads();
     if (!is_last) return;
-    for (int t = warp; t < T; t += kWarps) {
-        top_k_of_token<DT, SCORES_F32, P>(logits, scores, index, keys[warp], slots[warp], t, E, top_k, normalize != 0,
-                                          by_rank != 0, lane);
-    }
+    for (int t = warp; t < T; t += kWarps) top_k_of_token<DT, SCORES_F32, P>(logits, scores, index, t, E, top_k, normalize != 0, lane);
     if (threadIdx.x == 0) *counter = 0;
 }

@@ -96,37 +96,8 @@ def test_kernel_matches_the_reference_selection(shape, dtype, kernel_only):
         _check(x, w, k, normalize, scores_float, _op(x, w, k, normalize, scores_float))
 
 
-@pytest.fixture(params=["rank", "arg_max"])
-def way(request, monkeypatch):
-    """The kernel's top-k forced to one way (by rank or by arg-max rounds) at every size."""
-    monkeypatch.setattr(router, "top_k_by_rank", lambda tokens, experts: request.param == "rank")
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp32"])
-@pytest.mark.parametrize("shape", SHAPES, ids=[f"T{t}E{e}H{h}k{k}" for t, e, h, k in SHAPES])
-def test_both_ways_to_the_top_k_give_the_same_bits(shape, dtype, kernel_only, monkeypatch):
-    t, e, h, k = shape
-    g = torch.Generator(device="cpu").manual_seed(t * 7919 + e * 31 + h)
-    x = torch.randn(t, h, generator=g).to(DEV, dtype)
-    w = (torch.randn(e, h, generator=g) * h**-0.5).to(DEV, dtype)
-    w[e // 2] = w[0]  # a tie at every token
-    got = {}
-    for by_rank in (True, False):
-        monkeypatch.setattr(router, "top_k_by_rank", lambda tokens, experts, r=by_rank: r)
-        got[by_rank] = _op(x, w, k, True, True)
-        _check(x, w, k, True, True, got[by_rank])
-    assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
-
-
-def test_the_host_picks_rank_for_one_token_or_few_experts():
-    assert router.top_k_by_rank(1, router.MAX_EXPERTS)
-    assert router.top_k_by_rank(tuning.ROUTER_MAX_TOKENS, tuning.ROUTER_RANK_MAX_EXPERTS)
-    assert not router.top_k_by_rank(2, tuning.ROUTER_RANK_MAX_EXPERTS + 1)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp32"])
-def test_ties_go_to_the_lower_expert(dtype, kernel_only, way):
+def test_ties_go_to_the_lower_expert(dtype, kernel_only):
     e, h = 70, 64
     w = torch.zeros(e, h)
     w[[3, 40, 41, 69]] = 0.25  # four equal best experts
@@ -265,7 +236,7 @@ def test_a_fused_moe_model_runs_the_kernel_and_compiles():
         assert torch.isfinite(model(ids).logits).all()
 
 
-def test_experts_with_underflowing_probabilities_are_picked_by_logit(kernel_only, way):
+def test_experts_with_underflowing_probabilities_are_picked_by_logit(kernel_only):
     # Row seen on an H200 when the kernel picked by probability: the fourth pick is among experts whose
     # probabilities are 1e-40..1e-44, which flush-to-zero made ties.
     logits = torch.tensor([[52.0, -48.0, -67.0, 13.875, -39.25, -44.75, 2.53125, -45.25]])
@@ -276,7 +247,7 @@ def test_experts_with_underflowing_probabilities_are_picked_by_logit(kernel_only
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp32"])
-def test_rows_with_nan_or_infinite_logits_are_the_references(dtype, kernel_only, way):
+def test_rows_with_nan_or_infinite_logits_are_the_references(dtype, kernel_only):
     # NaN scores (never a silent "no expert"), experts ordered as torch.sort orders the logits
     nan, inf = float("nan"), float("inf")
     rows = [([0.5, nan, 0.1, 0.2, -1.0], [1, 0, 3]), ([0.5, inf, 0.1, 0.2, -1.0], [1, 0, 3]), ([-inf] * 5, [0, 1, 2]),

@@ -17,7 +17,7 @@ from ... import _router_ops
 from . import experts, loader, tuning, workspace
 from .tensors import DTYPE_CODES, aligned16
 
-__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "router_instances", "router_top_k_cuda", "top_k_by_rank"]
+__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "router_instances", "router_top_k_cuda"]
 
 EXPERTS_PER_LANE = (1, 2, 4, 8, 16)
 """The instances' experts per lane in the top-k phase (``P`` in ``router.cu``): a call takes the
@@ -30,7 +30,7 @@ MAX_TOP_K = 32
 _SOURCE = "router.cu"
 _DT = DTYPE_CODES
 _THREADS = 128  # kThreads: one block per expert
-_ARGS = loader.ArgPack("kbit_router_top_k", "x:p w:p logits:p scores:p index:p counter:p T:i H:i E:i top_k:i normalize:i by_rank:i")
+_ARGS = loader.ArgPack("kbit_router_top_k", "x:p w:p logits:p scores:p index:p counter:p T:i H:i E:i top_k:i normalize:i")
 
 
 def router_instances() -> list[str]:
@@ -45,13 +45,6 @@ def _instance(dt: int, scores_float: bool, per_lane: int) -> str:
 def _per_lane(experts: int) -> int:
     """The smallest instance that holds ``experts`` (at most :data:`MAX_EXPERTS`)."""
     return next(p for p in EXPERTS_PER_LANE if 32 * p >= experts)
-
-
-def top_k_by_rank(tokens: int, experts: int) -> bool:
-    """Whether the kernel picks a call's top k by rank (else by k rounds of arg-max), ``router.cu``'s
-    choice: by rank for one token or up to :data:`~kbit_linear.backends.cuda.tuning.ROUTER_RANK_MAX_EXPERTS`
-    experts."""
-    return tokens == 1 or experts <= tuning.ROUTER_RANK_MAX_EXPERTS
 
 
 def _takes(x: torch.Tensor, weight: torch.Tensor, top_k: int) -> bool:
@@ -85,8 +78,7 @@ def router_top_k_cuda(x: torch.Tensor, weight: torch.Tensor, top_k: int, normali
     xa, wa = aligned16(x), aligned16(weight)  # held until the launch is queued
     _ARGS.launch(kern, experts, 0, stream, _ARGS.Values(
         x=xa.data_ptr(), w=wa.data_ptr(), logits=logits.data_ptr(), scores=scores.data_ptr(), index=index.data_ptr(),
-        counter=counter, T=t, H=h, E=experts, top_k=top_k, normalize=int(normalize),
-        by_rank=int(top_k_by_rank(t, experts))), threads=_THREADS,
+        counter=counter, T=t, H=h, E=experts, top_k=top_k, normalize=int(normalize)), threads=_THREADS,
         programmatic=programmatic)
     return logits, scores, index
 

@@ -39,7 +39,6 @@ __all__ = [
     "KV_DECODE_MIN_KEY_BLOCKS",
     "KV_DECODE_SPLIT_TILES_IDLE_SHARE",
     "ROUTER_MAX_TOKENS",
-    "ROUTER_RANK_MAX_EXPERTS",
     "DecodeConfig",
     "DECODE_CONFIGS",
     "DECODE_SPLIT_COST_BYTES",
@@ -495,11 +494,3 @@ KV_DECODE_SPLIT_TILES_IDLE_SHARE = 0.5
 # vs 11.3, 22.1 vs 10.6, 19.3 vs 9.9; 16 tokens 27.7 vs 20.2, 22.2 vs 19.4, 22.2 vs 17.6: ahead
 # at 16 now, but counts between 8 and 16 were not timed, so the limit is not raised yet.
 ROUTER_MAX_TOKENS = 8
-
-# Most experts for which the router kernel picks the top k of several tokens by rank (one token
-# always goes by rank); above it, by k rounds of a warp arg-max. Ranking costs E compares per
-# expert, the rounds k chains of shuffles. H200, bf16, us per router call, arg-max vs rank (an
-# earlier rank-only version of router.cu, 2026-11-30): 128 experts top-8, 1 / 4 / 8 tokens 5.5 vs
-# 4.1, 6.9 vs 5.8, 11.1 vs 8.5; 256 experts 6.9 vs 5.8, 8.4 vs 12.2, 13.9 vs 20.8; 512 experts
-# 10.8 vs 8.9, 12.8 vs 26.7, 21.6 vs 48.8.
-ROUTER_RANK_MAX_EXPERTS = 128
