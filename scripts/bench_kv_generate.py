@@ -74,6 +74,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048, help="prefill tokens per forward call")
     ap.add_argument("--kv-bits", type=float, default=4.0)
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--fuse", action="store_true",
+                    help="the model's q/k/v and gate/up projections fused (kbit_linear.fuse_projections: 4 kbit calls a "
+                         "layer in place of 7), in every row")
     ap.add_argument("--allocation-fraction", type=float, nargs="+", default=None,
                     help="KbitKVCache's allocation_fraction, one kbit row per value (default: the library's)")
     ap.add_argument("--mass-interval", type=int, nargs="+", default=None,
@@ -95,7 +98,7 @@ def main() -> None:
 
     config = bg.llama3_8b_config(args.layers)
     config.max_position_embeddings = max(config.max_position_embeddings, args.context + args.decode + 16)
-    model = bg.build_variant("kbit4", config, dev, {})
+    model = bg.build_variant("kbit4-fused" if args.fuse else "kbit4", config, dev, {})
     ids = torch.randint(0, config.vocab_size, (args.batch, args.context), device=dev, generator=torch.Generator(device=dev).manual_seed(0))
     rows = []
     fractions = args.allocation_fraction or [kbit_linear.kv_cache.ALLOCATION_FRACTION]
@@ -224,7 +227,7 @@ def _replay_ms(graph: torch.cuda.CUDAGraph, n: int) -> float:
 def _markdown(args: argparse.Namespace, env: dict[str, Any], rows: list[dict[str, Any]], total: int) -> str:
     lines = ["# End-to-end decode at long context: KbitKVCache vs bf16 DynamicCache", ""]
     lines += bc.env_lines(env)
-    lines += [f"- model: Llama-3-8B-shaped, {args.layers} layers, linear layers kbit K = 4, random weights; batch {args.batch}, "
+    lines += [f"- model: Llama-3-8B-shaped, {args.layers} layers, linear layers kbit K = 4{' (q/k/v and gate/up fused)' if args.fuse else ''}, random weights; batch {args.batch}, "
               f"context {args.context} (prefilled in chunks of {args.chunk}), {args.decode} greedy decode steps, eager forward calls", ""]
     base, tuned = rows[0], rows[1]  # bf16 with torch's SDPA pick, and with flash / efficient
     compiled = next((r for r in rows if r["cache"].startswith("bf16 StaticCache")), None)
