@@ -46,8 +46,10 @@ def main() -> None:
             logits = model(**inputs, past_key_values=graph_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         first = logits.argmax(-1, keepdim=True)
         decoder = kbit_linear.KbitDecodeGraph(model, graph_cache, use_graph=model.device.type == "cuda")
-        tokens = torch.cat([first, decoder.generate(first, args.new_tokens - 1)], 1)  # no stop at end-of-text
-        print(f"KbitDecodeGraph ({decoder.captures} graphs captured, {decoder.replays} of {args.new_tokens} tokens from "
+        # stops at end-of-text as model.generate does
+        eos = model.generation_config.eos_token_id
+        tokens = torch.cat([first, decoder.generate(first, args.new_tokens - 1, eos_token_id=eos)], 1)
+        print(f"KbitDecodeGraph ({decoder.captures} graphs captured, {decoder.replays} of {tokens.shape[1]} tokens from "
               f"{'replays' if decoder.use_graph else 'frozen eager steps'}):", tok.decode(tokens[0], skip_special_tokens=True), "\n")
     layer = cache.layers[0]
     bf16 = 2 * layer.heads * layer.head_dim * 2 * cache.get_seq_length() * len(cache.layers)

@@ -1,4 +1,4 @@
-"""Greedy decoding with a replayable :class:`~kbit_linear.KbitKVCache`, one CUDA graph per epoch.
+"""Greedy or sampled decoding with a replayable :class:`~kbit_linear.KbitKVCache`, one CUDA graph per epoch.
 
 A decode step over the quantized KV cache launches the same kernels with the same arguments
 from one allocator run to the next (``KbitKVCache(..., replayable=True)``: the 8-bit tokens are
@@ -10,29 +10,123 @@ on the host:
     capture one step          (the cache's host state frozen: KbitKVCache.capturing)
     replay it n times          (n = KbitKVCache.replayable_steps(1), at most the tokens still wanted)
     KbitKVCache.advance(1, n)  (the host's side of the n steps)
-    ... until the requested tokens are out.
+    ... until the requested tokens are out, or every row has produced an end token.
 
 The model is called with a static ``input_ids`` ``[B, 1]``, ``position_ids`` (and
 ``cache_position`` where the transformers version takes it) and no attention mask: causal decoding
 of rows without padding, as ``KbitKVCache``'s in-place attention requires.
+
+The token is picked inside the step, on the device, so that it is captured with it: the argmax,
+or a sample (transformers' temperature, top-k and top-p warpers, then a draw without a host
+sync); then end tokens: a device mask of the finished rows, which get the pad token. The host
+reads that mask once after each eager step and after each epoch's replays, to stop early.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from .kv_cache import KbitKVCache
 
 __all__ = ["KbitDecodeGraph"]
 
 
+class _TokenPicker:
+    """How one :meth:`KbitDecodeGraph.generate` call picks a step's token, on the device only: it
+    runs inside the captured step, where nothing may be read back to the host.
+
+    Args:
+        warpers: temperature / top-k / top-p warpers to sample through, or ``None`` for greedy.
+        eos: int64 ``[E]`` end tokens on the device, or ``None`` (no end tokens).
+        pad: the token of a row after its end token.
+        first: the call's first input ``[B, 1]``: a row whose ``first`` is an end token has ended.
+    """
+
+    def __init__(self, warpers: LogitsProcessorList | None, eos: torch.Tensor | None, pad: int,
+                 first: torch.Tensor) -> None:
+        self.warpers, self.eos, self.pad = warpers, eos, pad
+        # bool [B, 1], updated in place by every step (a replay updates the captured buffer)
+        self.finished = None if eos is None else (first == eos).any(dim=-1, keepdim=True)
+
+    def __call__(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The next token ``[B, 1]`` from the last position's ``logits`` ``[B, V]`` (``ids``: the
+        step's input, which the warpers are handed as transformers hands them the sequence)."""
+        if self.warpers is None:
+            token = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = self.warpers(ids, logits.float()).softmax(dim=-1)  # float32, as transformers samples
+            # The exponential race: argmax(p / E), E ~ Exp(1) per token, draws from p without the host
+            # checks of torch.multinomial. exponential_ may give 0: the floor keeps p / E finite.
+            race = torch.empty_like(probs).exponential_().clamp_min_(torch.finfo(probs.dtype).tiny)
+            token = (probs / race).argmax(dim=-1, keepdim=True)
+        if self.finished is not None:
+            token = torch.where(self.finished, self.pad, token)
+            # a comparison with every end token, not torch.isin: isin sorts with a host sync for long lists
+            self.finished |= (token == self.eos).any(dim=-1, keepdim=True)
+        return token
+
+    def all_finished(self) -> bool:
+        """Whether every row has produced an end token (one host read; False without end tokens)."""
+        return self.finished is not None and bool(self.finished.all())
+
+
+def _token_ids(value: int | Sequence[int]) -> list[int]:
+    """``eos_token_id`` as a list of ints >= 0, or a ValueError naming it."""
+    ids = [value] if isinstance(value, int) else value
+    if (isinstance(value, (bool, str, bytes)) or not isinstance(ids, Sequence) or not ids
+            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)):
+        raise ValueError(f"eos_token_id must be an int >= 0 or a non-empty sequence of them, got {value!r}")
+    return list(ids)
+
+
+def _warpers(do_sample: bool, temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList | None:
+    """The sampling arguments checked, as transformers' warpers in its order (``None``: greedy).
+
+    Raises:
+        TypeError: ``do_sample`` is not a bool.
+        ValueError: ``temperature``, ``top_k`` or ``top_p`` is out of its range, or set without
+            ``do_sample``.
+    """
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"do_sample must be a bool, got {do_sample!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+    if not do_sample:
+        given = [f"{name}={value!r}" for name, value, unset in
+                (("temperature", temperature, 1.0), ("top_k", top_k, None), ("top_p", top_p, None)) if value != unset]
+        if given:  # greedy decoding would ignore them: refuse rather than decode other than asked
+            raise ValueError(f"{', '.join(given)} only take effect with do_sample=True")
+        return None
+    warpers = LogitsProcessorList()
+    # the warpers transformers' generate builds, in its order; 1.0 leaves the scores as they are
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(float(temperature)))
+    if top_k is not None:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        warpers.append(TopPLogitsWarper(float(top_p)))
+    return warpers
+
+
 class KbitDecodeGraph:
-    """Greedy decoding of ``model`` over a replayable ``cache``, replayed from CUDA graphs.
+    """Greedy or sampled decoding of ``model`` over a replayable ``cache``, replayed from CUDA graphs.
 
     Args:
         model: a transformers causal LM whose attention runs through ``cache`` (built with the
@@ -56,7 +150,10 @@ class KbitDecodeGraph:
 
         cache = KbitKVCache(model.config, kv_bits=4, replayable=True)
         logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
-        tokens = KbitDecodeGraph(model, cache).generate(logits.argmax(-1, keepdim=True), 256)
+        decoder = KbitDecodeGraph(model, cache)
+        tokens = decoder.generate(logits.argmax(-1, keepdim=True), 256, eos_token_id=tokenizer.eos_token_id)
+        # or sampled (torch's default generator: torch.manual_seed makes it repeatable)
+        tokens = decoder.generate(first, 256, do_sample=True, temperature=0.7, top_p=0.9)
 
     Raises:
         TypeError: ``cache`` is not a :class:`~kbit_linear.KbitKVCache`.
@@ -110,34 +207,76 @@ class KbitDecodeGraph:
         (``cache.replayable_steps(1)`` of them at most)."""
         return self._graph
 
-    def _step(self, ids: torch.Tensor, pos: torch.Tensor, cpos: torch.Tensor) -> None:
-        """One greedy step on the static buffers: ``ids`` becomes the next token, the positions move on."""
+    def _step(self, ids: torch.Tensor, pos: torch.Tensor, cpos: torch.Tensor, pick: _TokenPicker) -> None:
+        """One step on the static buffers: ``ids`` becomes the next token, the positions move on."""
         extra = {"cache_position": cpos} if self._takes_cache_position else {}
         out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True, logits_to_keep=1, **extra)
-        ids.copy_(out.logits[:, -1, :].argmax(dim=-1, keepdim=True))
+        ids.copy_(pick(out.logits[:, -1, :], ids))
         pos.add_(1)
         cpos.add_(1)
 
     @torch.no_grad()
-    def generate(self, first: torch.Tensor, steps: int) -> torch.Tensor:
-        """``steps`` greedy tokens after ``first``, the token picked from the prompt.
+    def generate(self, first: torch.Tensor, steps: int, *, eos_token_id: int | Sequence[int] | None = None,
+                 pad_token_id: int | None = None, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+        """Up to ``steps`` tokens after ``first``, the token picked from the prompt: greedy, or
+        sampled with ``do_sample``, until every row has produced an end token.
 
         Args:
             first: int64 ``[B, 1]`` on the model's device, not yet in the cache.
             steps: tokens to produce (``first`` is fed as the first step's input).
+            eos_token_id: end token(s). A row that has produced one (``first`` included) gives
+                ``pad_token_id`` from the next step on; the call stops once every row has (see
+                Returns). The check is one host read after each eager step and after each epoch's
+                replays, none inside the replays.
+            pad_token_id: the token of a finished row, also fed back to the model as its next
+                input; defaults to the first end token. Without ``eos_token_id`` it has no effect.
+            do_sample: sample instead of taking the argmax: transformers' temperature, top-k and
+                top-p warpers (in that order, on float32 logits), then a draw from the
+                probabilities as an exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which
+                needs no host sync. The draws come from torch's default generator of the cache's
+                device: ``torch.manual_seed`` makes a run repeatable. Graph replays advance that
+                generator per replay, so ``use_graph=True`` and ``False`` draw different tokens
+                for the same seed. Nothing is checked on the host: a row whose logits hold a NaN or
+                +inf, or none above -inf, has NaN probabilities and gets token 0 (the argmax of
+                NaNs), where ``torch.multinomial`` would fail.
+            temperature: divides the logits before sampling; a finite number > 0.
+            top_k: sample among the ``top_k`` most likely tokens only (ties with the last one
+                kept); ``None``: all.
+            top_p: sample among the most likely tokens whose probabilities add up to ``top_p``
+                (at least one), in ``(0, 1]``; ``None`` or 1: all.
 
         Returns:
-            int64 ``[B, steps]``.
+            int64 ``[B, n]`` with ``n <= steps``: ``n < steps`` only when every row has produced an
+            end token, the call then returning at the first check after that (an epoch's replays
+            run to their end, so the last columns may be ``pad_token_id`` in every row). The
+            cache holds ``first`` and the first ``n - 1`` tokens, as after a call for ``n``
+            steps. With the defaults, the greedy tokens of the call without these arguments.
 
         Raises:
             ValueError: ``first`` is not ``[B, 1]`` int64 for the cache's batch on the cache's
-                device, or ``steps`` < 1; with ``use_graph``, the cache is not on one CUDA device.
+                device, ``steps`` < 1, ``eos_token_id`` is not an int >= 0 or a non-empty
+                sequence of them, ``pad_token_id`` is not an int >= 0 below the input
+                embedding's size, ``temperature``, ``top_k`` or ``top_p`` is out of its range or
+                given without ``do_sample``; with ``use_graph``, the cache is not on one CUDA
+                device.
+            TypeError: ``do_sample`` is not a bool.
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         batch = self.cache.layers[0].batch
         if first.dtype != torch.int64 or first.shape != (batch, 1):
             raise ValueError(f"first must be int64 [{batch}, 1], got {first.dtype} {tuple(first.shape)}")
+        warpers = _warpers(do_sample, temperature, top_k, top_p)
+        eos = None if eos_token_id is None else _token_ids(eos_token_id)
+        if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)
+                                         or pad_token_id < 0):
+            raise ValueError(f"pad_token_id must be None or an int >= 0, got {pad_token_id!r}")
+        pad = pad_token_id if pad_token_id is not None else eos[0] if eos else 0
+        vocab = getattr(self.model.get_input_embeddings(), "num_embeddings", None)
+        if eos and vocab is not None and pad >= vocab:  # a finished row feeds the pad token to the embedding
+            raise ValueError(f"pad_token_id (the first eos_token_id unless given) must be below the input embedding's "
+                             f"{vocab} tokens, got {pad}")
         devices = {layer.device for layer in self.cache.layers}
         if self.use_graph and (len(devices) != 1 or next(iter(devices)).type != "cuda"):
             # one graph records one device's stream: a model split over GPUs cannot be captured whole
@@ -147,7 +286,8 @@ class KbitDecodeGraph:
             raise ValueError(f"first must be on the cache's device, got {first.device}")
         # kernels and the capture run on the current device's stream: make it the cache's device
         with torch.cuda.device(first.device) if first.device.type == "cuda" else contextlib.nullcontext(), self._compiled():
-            return self._generate(first, steps, batch)
+            eos_ids = None if eos is None else torch.tensor(eos, dtype=torch.int64, device=first.device)
+            return self._generate(first, steps, batch, _TokenPicker(warpers, eos_ids, pad, first))
 
     @contextlib.contextmanager
     def _compiled(self) -> Iterator[None]:
@@ -169,7 +309,7 @@ class KbitDecodeGraph:
             for layer, impl in zip(self._layers, saved):
                 layer._compiled_call_impl = impl
 
-    def _generate(self, first: torch.Tensor, steps: int, batch: int) -> torch.Tensor:
+    def _generate(self, first: torch.Tensor, steps: int, batch: int, pick: _TokenPicker) -> torch.Tensor:
         """:meth:`generate` past its checks, on the current device."""
         ids = first.clone()
         length = self.cache.get_seq_length()
@@ -177,17 +317,21 @@ class KbitDecodeGraph:
         cpos = torch.full((1,), length, dtype=torch.int64, device=ids.device)
         out = torch.empty((batch, steps), dtype=torch.int64, device=ids.device)
         done = 0
-        while done < steps:
-            self._step(ids, pos, cpos)  # eager: the allocator runs here when due, and the epoch's store opens
+        # The finished rows are read on the host only here, between eager steps and epochs (never
+        # without end tokens): a replayed epoch runs to its end.
+        finished = pick.all_finished()  # every first token an end token: nothing to decode
+        while done < steps and not finished:
+            self._step(ids, pos, cpos, pick)  # eager: the allocator runs here when due, and the epoch's store opens
             out[:, done] = ids[:, 0]
             done += 1
             n = min(self.cache.replayable_steps(1), steps - done)
-            if n == 0:
+            finished = pick.all_finished()
+            if n == 0 or finished:
                 continue
             if self.use_graph:
                 # The previous epoch's graph is dropped only once this one is captured: graphs that
                 # share a memory pool must keep it in use while another is captured into it.
-                self._graph = self._capture(ids, pos, cpos)
+                self._graph = self._capture(ids, pos, cpos, pick)
                 for i in range(n):
                     self._graph.replay()
                     out[:, done + i] = ids[:, 0]
@@ -195,20 +339,21 @@ class KbitDecodeGraph:
             else:
                 for i in range(n):
                     with self.cache.capturing():
-                        self._step(ids, pos, cpos)
+                        self._step(ids, pos, cpos, pick)
                     out[:, done + i] = ids[:, 0]
             self.cache.advance(1, n)
             self.replays += n
             done += n
-        return out
+            finished = pick.all_finished()
+        return out if done == steps else out[:, :done].clone()
 
-    def _capture(self, ids: torch.Tensor, pos: torch.Tensor, cpos: torch.Tensor) -> torch.cuda.CUDAGraph:
+    def _capture(self, ids: torch.Tensor, pos: torch.Tensor, cpos: torch.Tensor, pick: _TokenPicker) -> torch.cuda.CUDAGraph:
         """One step captured with the cache's host state frozen (nothing runs until a replay)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with self.cache.capturing(), torch.cuda.graph(graph, pool=self._pool):
-            self._step(ids, pos, cpos)
+            self._step(ids, pos, cpos, pick)
         return graph
 
 

@@ -14,11 +14,11 @@ from kbit_linear.kv_format import TIERS
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _model(device: str = "cuda") -> LlamaForCausalLM:
+def _model(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                       num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
-    return LlamaForCausalLM(cfg).eval().to(device, torch.bfloat16)
+    return LlamaForCausalLM(cfg).eval().to(device, dtype)
 
 
 def _run(model, use_graph: bool, prompt: torch.Tensor, steps: int, **decoder_kw):
@@ -70,3 +70,41 @@ def test_replays_of_compiled_layers_equal_the_same_layers_run_eagerly() -> None:
     assert decoder.captures >= 2 and torch.equal(graph, eager)
     assert all(layer._compiled_call_impl is None for layer in model.model.layers)
     torch._dynamo.reset()
+
+
+def _decode(model, prompt: torch.Tensor, steps: int, use_graph: bool, **kw) -> tuple[torch.Tensor, KbitDecodeGraph]:
+    """One ``generate`` call on a fresh replayable cache holding ``prompt``."""
+    cache = KbitKVCache(model.config, kv_bits=3, window=8, sink_tokens=2, block_size=16, mass_interval=2, replayable=True)
+    with torch.no_grad():
+        first = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+    decoder = KbitDecodeGraph(model, cache, use_graph=use_graph)
+    return decoder.generate(first, steps, **kw), decoder
+
+
+def test_replayed_sampling_runs_in_the_graph() -> None:
+    """Sampling (the warpers, the exponential race, end tokens) is captured and replayed: top_k=1
+    gives the greedy tokens, and a seed repeats a run."""
+    model = _model(dtype=torch.float32)  # float32: no near-ties in the argmax
+    prompt = torch.randint(3, 128, (3, 100), device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
+    greedy, _ = _decode(model, prompt, 80, True)
+    top1, decoder = _decode(model, prompt, 80, True, do_sample=True, top_k=1, top_p=0.9, temperature=2.0)
+    assert decoder.captures >= 3 and torch.equal(top1, greedy)
+    runs = []
+    for seed in (3, 3):
+        torch.manual_seed(seed)
+        runs.append(_decode(model, prompt, 80, True, do_sample=True, temperature=2.0, eos_token_id=127)[0])
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], greedy)
+
+
+def test_replayed_end_tokens_stop_and_pad_as_the_eager_schedule() -> None:
+    model = _model(dtype=torch.float32)
+    prompt = torch.randint(3, 128, (3, 100), device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    greedy, _ = _decode(model, prompt, 120, True)
+    eos = [int(greedy[0, 5]), int(greedy[1, 30]), int(greedy[2, 50])]  # rows end at different steps
+    eager, _ = _decode(model, prompt, 120, False, eos_token_id=eos, pad_token_id=0)
+    graph, decoder = _decode(model, prompt, 120, True, eos_token_id=eos, pad_token_id=0)
+    assert decoder.replays > 0 and torch.equal(graph, eager) and graph.shape[1] < 120
+    hits = torch.isin(graph, torch.tensor(eos, device="cuda"))
+    assert hits.any(1).all()
+    for row, end in enumerate(hits.int().argmax(1).tolist()):
+        assert torch.equal(graph[row, :end + 1], greedy[row, :end + 1]) and not graph[row, end + 1:].any()
