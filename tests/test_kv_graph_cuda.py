@@ -73,12 +73,12 @@ def test_replays_of_compiled_layers_equal_the_same_layers_run_eagerly() -> None:
 
 
 def _decode(model, prompt: torch.Tensor, steps: int, use_graph: bool, **kw) -> tuple[torch.Tensor, KbitDecodeGraph]:
-    """One ``generate`` call on a fresh replayable cache holding ``prompt``."""
+    """One ``generate`` call on a fresh replayable cache holding ``prompt``: ``first`` and the tokens."""
     cache = KbitKVCache(model.config, kv_bits=3, window=8, sink_tokens=2, block_size=16, mass_interval=2, replayable=True)
     with torch.no_grad():
         first = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
     decoder = KbitDecodeGraph(model, cache, use_graph=use_graph)
-    return decoder.generate(first, steps, **kw), decoder
+    return torch.cat([first, decoder.generate(first, steps, **kw)], 1), decoder
 
 
 def test_replayed_sampling_runs_in_the_graph() -> None:
@@ -100,11 +100,11 @@ def test_replayed_end_tokens_stop_and_pad_as_the_eager_schedule() -> None:
     model = _model(dtype=torch.float32)
     prompt = torch.randint(3, 128, (3, 100), device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
     greedy, _ = _decode(model, prompt, 120, True)
-    eos = [int(greedy[0, 5]), int(greedy[1, 30]), int(greedy[2, 50])]  # rows end at different steps
+    eos = [int(greedy[0, 6]), int(greedy[1, 31]), int(greedy[2, 51])]  # rows end at different steps
     eager, _ = _decode(model, prompt, 120, False, eos_token_id=eos, pad_token_id=0)
     graph, decoder = _decode(model, prompt, 120, True, eos_token_id=eos, pad_token_id=0)
-    assert decoder.replays > 0 and torch.equal(graph, eager) and graph.shape[1] < 120
-    hits = torch.isin(graph, torch.tensor(eos, device="cuda"))
+    assert decoder.replays > 0 and torch.equal(graph, eager) and graph.shape[1] < 1 + 120
+    hits = torch.isin(graph, torch.tensor(eos, device="cuda"))  # first included: it may end a row already
     assert hits.any(1).all()
     for row, end in enumerate(hits.int().argmax(1).tolist()):
         assert torch.equal(graph[row, :end + 1], greedy[row, :end + 1]) and not graph[row, end + 1:].any()

@@ -50,7 +50,7 @@ def _reference(model, prompt: torch.Tensor, steps: int, eos: list[int] | None = 
     those tokens fed back instead. Also each step's last logits."""
     cache, _ = _caches(model)
     ids = _prefill(model, cache, prompt)
-    finished = torch.zeros_like(ids, dtype=torch.bool)
+    finished = torch.zeros_like(ids, dtype=torch.bool) if eos is None else torch.isin(ids, torch.tensor(eos))
     out, logits = [], []
     with torch.no_grad():
         for i in range(steps):
