@@ -334,6 +334,8 @@ class KbitDecodeGraph:
                 self._graph = self._capture(ids, pos, cpos, pick)
                 for i in range(n):
                     self._graph.replay()
+                    if i == 0:
+                        self._check_first_replay()
                     out[:, done + i] = ids[:, 0]
                 self.captures += 1
             else:
@@ -346,6 +348,16 @@ class KbitDecodeGraph:
             done += n
             finished = pick.all_finished()
         return out if done == steps else out[:, :done].clone()
+
+    def _check_first_replay(self) -> None:
+        """One host read an epoch: the first replay moved the device's length one token past the
+        host's, or the capture recorded nothing (an empty graph replays as a no-op, and the
+        epoch's tokens would all repeat the last eager step's)."""
+        layer = self.cache.layers[0]
+        if int(layer.device_seq_len[0]) != layer.seq_len + 1:
+            raise RuntimeError(f"the captured decode step did not run on replay (device length {int(layer.device_seq_len[0])}, "
+                               f"expected {layer.seq_len + 1}): the CUDA graph recorded nothing. Seen with compile_layers=True "
+                               "in a process that ran kernels on another GPU before; use compile_layers=False there")
 
     def _capture(self, ids: torch.Tensor, pos: torch.Tensor, cpos: torch.Tensor, pick: _TokenPicker) -> torch.cuda.CUDAGraph:
         """One step captured with the cache's host state frozen (nothing runs until a replay)."""

@@ -605,3 +605,16 @@ def test_compile_layers_names_bad_arguments() -> None:
         KbitDecodeGraph(model, cache, compile_layers=True, compile_options={"mode": "reduce-overhead"})
     with pytest.raises(ValueError, match="model.model.layers"):
         KbitDecodeGraph(model.model.layers[0], cache, compile_layers=True)
+
+
+def test_a_replay_that_did_not_move_the_device_length_is_refused() -> None:
+    """The check after an epoch's first replay: an empty capture (a replay that ran nothing) raises
+    instead of repeating the last eager token for the whole epoch."""
+    from kbit_linear import KbitDecodeGraph
+
+    model = _tiny("llama")
+    _, cache = _caches(model)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 12)), past_key_values=cache, use_cache=True)
+    with pytest.raises(RuntimeError, match="did not run on replay"):
+        KbitDecodeGraph(model, cache, use_graph=False)._check_first_replay()  # the device length is the host's
