@@ -284,6 +284,7 @@ class KbitKVLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
+    _rows_pending = False  # a row has shown no unmasked position yet (_note_first_valid)
     # crop cannot undo the demotions the cropped tokens caused, so a rollback would leave a trace
     is_croppable = False
 
@@ -436,6 +437,7 @@ class KbitKVLayer(CacheLayerMixin):
             setattr(self, name, getattr(self, name)[src])
         if self.first_valid is not None:
             self.first_valid = self.first_valid[src]
+            self._first_valid_known = self._first_valid_known[src]
         self.batch = nb
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -495,7 +497,7 @@ class KbitKVLayer(CacheLayerMixin):
         for t in (self.tier, self.mass, self.seen):  # their buffers' spare columns included
             out["metadata"] += t.untyped_storage().nbytes()
         if self.first_valid is not None:
-            out["metadata"] += self.first_valid.numel() * self.first_valid.element_size()
+            out["metadata"] += self.first_valid.numel() * self.first_valid.element_size() + self._first_valid_known.numel()
         return out
 
     def _token_storage(self) -> list[KVBucket | KVStore8]:
@@ -594,12 +596,7 @@ class KbitKVLayer(CacheLayerMixin):
             raise ValueError(f"query of shape {tuple(query.shape)} does not fit the cache ({self.heads} KV heads of {self.head_dim})")
         s = self.seq_len
         dev = query.device
-        if self.first_valid is None:
-            if attention_mask is None:
-                self.first_valid = torch.zeros(b, dtype=torch.int64, device=dev)
-            else:
-                seen_last = torch.isfinite(mask_bias(attention_mask[:, :, -1:], b, 1, s, dev)[:, 0, :])
-                self.first_valid = torch.where(seen_last.any(1), seen_last.to(torch.int8).argmax(1), 0).to(torch.int64)
+        self._note_first_valid(attention_mask, b, s, dev)
         if q <= DECODE_MAX_QUERIES:
             return self._decode(query, attention_mask, scaling)
         bias = mask_bias(attention_mask, b, q, s, dev)
@@ -613,6 +610,23 @@ class KbitKVLayer(CacheLayerMixin):
         self.mass += torch.nan_to_num(torch.softmax(logits, -1), nan=0.0).sum((1, 2))
         self.seen += torch.isfinite(bias[:, -o:]).sum(1).float() * hq
         return out
+
+    def _note_first_valid(self, attention_mask: torch.Tensor | None, b: int, s: int, dev: torch.device) -> None:
+        """``first_valid`` from the first attention call (0 for every row without a mask), then, for a
+        row whose positions were all padding so far (left padding longer than a prompt's first
+        chunk), from the first masked call that shows one of its positions. One host read per
+        masked call while such a row is left, none after."""
+        if self.first_valid is None:
+            self.first_valid = torch.zeros(b, dtype=torch.int64, device=dev)
+            self._first_valid_known = torch.full((b,), attention_mask is None, dtype=torch.bool, device=dev)
+            self._rows_pending = attention_mask is not None
+        if attention_mask is None or not self._rows_pending:
+            return
+        seen_last = torch.isfinite(mask_bias(attention_mask[:, :, -1:], b, 1, s, dev)[:, 0, :])
+        found = seen_last.any(1) & ~self._first_valid_known
+        self.first_valid = torch.where(found, seen_last.to(torch.int8).argmax(1).to(torch.int64), self.first_valid)
+        self._first_valid_known |= found
+        self._rows_pending = not bool(self._first_valid_known.all())
 
     def _decode(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Attention of up to :data:`DECODE_MAX_QUERIES` queries; every ``mass_interval``-th call records the mass."""

@@ -602,3 +602,20 @@ def test_8bit_codes_of_zero_and_underflowing_groups_are_zero() -> None:
     s = scale[2].float().repeat_interleave(32, -1)
     assert torch.equal(codes[2], (x[2] / s).round().clamp(-127, 127).to(torch.int8))
     assert int(codes[2].abs().max()) == 127
+
+
+def test_first_valid_of_a_row_whose_first_prompt_chunk_is_all_padding() -> None:
+    """Left padding longer than a prompt's first chunk: the row's first valid position (where its
+    sinks start) comes from the first chunk that shows one, as with the whole prompt at once."""
+    model = _tiny("llama")
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :20] = 0
+    whole, chunked = KbitKVCache(model.config, kv_bits=4), KbitKVCache(model.config, kv_bits=4)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=whole, use_cache=True)
+        for i in range(0, 40, 8):
+            model(ids[:, i:i + 8], attention_mask=mask[:, :i + 8], past_key_values=chunked, use_cache=True)
+    for a, b in zip(whole.layers, chunked.layers):
+        assert a.first_valid.tolist() == b.first_valid.tolist() == [0, 20]
+        assert not b._rows_pending
