@@ -139,9 +139,10 @@ class KbitDecodeGraph:
             (``model.model.layers``) are compiled with ``torch.compile`` (a replay then runs the
             compiled kernels, far fewer than the eager model's norms, rotary embedding and
             element-wise ops). The cache's update and attention stay eager (each breaks a layer's
-            graph), and the layer index is traced as an input, so that every layer shares the same
-            graphs. The first :meth:`generate` compiles (seconds); the layers' own compiled state
-            is restored when it returns.
+            graph); the layer index is traced as an input where it can be, and torch's recompile
+            limit is raised for the frames that need one variant per layer. The first
+            :meth:`generate` compiles (seconds to a minute); the layers' own compiled state is
+            restored when it returns.
         compile_options: keywords for ``torch.compile`` with ``compile_layers`` (``backend``,
             ``mode``, ``options``, ...). Modes that take CUDA graphs of their own
             (``"reduce-overhead"``, ``"max-autotune"``) cannot run inside this class's graphs.
@@ -298,10 +299,16 @@ class KbitDecodeGraph:
             return
         saved = [layer._compiled_call_impl for layer in self._layers]
         try:
-            # Integer attributes (the layer index) traced as inputs: one set of graphs for every
-            # layer, where specialising them would compile each layer apart and soon pass torch's
-            # recompile limit.
-            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            # Integer attributes (the layer index) traced as inputs, so that the layers share their
+            # graphs; but the attention's own frame hands the index to the cache's (eager) update,
+            # which specialises it there: one variant of that frame per layer (the same graph,
+            # which inductor's cache serves), and module hooks (fused projections) add one per
+            # layer too. Past torch's recompile limit the rest of the layers would run eagerly.
+            limit = len(self._layers) + 8
+            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True,
+                                            recompile_limit=max(torch._dynamo.config.recompile_limit, limit),
+                                            accumulated_recompile_limit=max(torch._dynamo.config.accumulated_recompile_limit,
+                                                                            8 * limit)):
                 for layer in self._layers:
                     layer.compile(**self._compile_options)
                 yield

@@ -557,37 +557,53 @@ def test_mask_left_out_only_for_a_captured_unpadded_causal_step(monkeypatch: pyt
     assert torch.equal(kbit_kv_mask(attention_mask=None, **q3), sdpa_mask(attention_mask=None, **q3))
 
 
-def test_compiled_layers_share_their_graphs_and_decode_the_same_tokens() -> None:
-    """compile_layers: every decoder layer runs the same few compiled graphs (the layer index is an
-    input, the cache's update and attention break the graph), the tokens equal the eager schedule's,
-    and the layers' own compiled state is back afterwards."""
-    from torch._dynamo.testing import CompileCounter
-
+def test_compiled_layers_run_compiled_in_every_layer_and_decode_the_same_tokens() -> None:
+    """compile_layers: every decoder layer runs its compiled graphs (as many graph calls a step per
+    layer with 12 layers as with 2: none fell back to eager past torch's recompile limit, with
+    fused projections too), the tokens equal the uncompiled schedule's, a second generate call
+    compiles nothing more, and the layers' own compiled state is back afterwards."""
+    import kbit_linear
     from kbit_linear import KbitDecodeGraph
-
-    torch._dynamo.reset()
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=12, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
-    torch.manual_seed(0)
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM(cfg).eval()
-    prompt = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(3))
-    got = {}
-    counter = CompileCounter()
-    for compiled in (False, True):
-        _, cache = _caches(model)
-        with torch.no_grad():
-            first = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-        decoder = KbitDecodeGraph(model, cache, use_graph=False, compile_layers=compiled, compile_options={"backend": counter})
-        head = decoder.generate(first, 12)
-        frames = counter.frame_count
-        got[compiled] = torch.cat([head, decoder.generate(head[:, -1:], 8)], 1)
-    assert torch.equal(got[True], got[False])
-    assert 0 < counter.frame_count <= 6, f"{counter.frame_count} graphs for 12 layers: the layers do not share them"
-    assert counter.frame_count == frames, "a second generate call compiled again"
-    assert all(layer._compiled_call_impl is None for layer in model.model.layers)
-    torch._dynamo.reset()
+    def graph_calls_per_step(layers: int, fuse: bool) -> tuple[float, int, int]:
+        torch._dynamo.reset()
+        calls, compiled = [0], [0]
+
+        def backend(gm, example_inputs):
+            compiled[0] += 1
+
+            def run(*args):
+                calls[0] += 1
+                return gm.forward(*args)
+            return run
+
+        cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).eval()
+        if fuse:
+            kbit_linear.quantize_model(model, bits=4, skip=["lm_head"], fuse=True, progress=False)
+        prompt = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(3))
+        got = {}
+        for on in (False, True):
+            _, cache = _caches(model)
+            with torch.no_grad():
+                first = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            decoder = KbitDecodeGraph(model, cache, use_graph=False, compile_layers=on, compile_options={"backend": backend})
+            head = decoder.generate(first, 4)
+            frames, calls[0] = compiled[0], 0
+            got[on] = torch.cat([head, decoder.generate(head[:, -1:], 8)], 1)
+        assert torch.equal(got[True], got[False])
+        assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+        torch._dynamo.reset()
+        return calls[0] / 8, frames, compiled[0]
+
+    for fuse in (False, True):
+        per_step_2, _, _ = graph_calls_per_step(2, fuse)
+        per_step_12, frames, after = graph_calls_per_step(12, fuse)
+        assert per_step_2 > 0 and per_step_12 == 6 * per_step_2, (fuse, per_step_2, per_step_12)
+        assert after == frames, "a second generate call compiled again"
 
 
 def test_compile_layers_names_bad_arguments() -> None:
