@@ -194,6 +194,7 @@ class KbitDecodeGraph:
         decoder = getattr(model, "model", model)
         self._takes_cache_position = "cache_position" in inspect.signature(decoder.forward).parameters
         self._pool = None
+        self._stream: torch.cuda.Stream | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
         self.captures = 0
         """CUDA graphs captured so far (one per epoch)."""
@@ -363,15 +364,20 @@ class KbitDecodeGraph:
         layer = self.cache.layers[0]
         if int(layer.device_seq_len[0]) != layer.seq_len + 1:
             raise RuntimeError(f"the captured decode step did not run on replay (device length {int(layer.device_seq_len[0])}, "
-                               f"expected {layer.seq_len + 1}): the CUDA graph recorded nothing. Seen with compile_layers=True "
-                               "in a process that ran kernels on another GPU before; use compile_layers=False there")
+                               f"expected {layer.seq_len + 1}): the CUDA graph recorded nothing (captured on a stream "
+                               "of another device?)")
 
     def _capture(self, ids: torch.Tensor, pos: torch.Tensor, cpos: torch.Tensor, pick: _TokenPicker) -> torch.cuda.CUDAGraph:
         """One step captured with the cache's host state frozen (nothing runs until a replay)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self._stream is None:
+            # Our own capture stream on the cache's device: torch.cuda.graph's default one is made
+            # once per process, on the device current at its first capture, and a capture for
+            # another device on it records nothing (the kernels run on that device's own stream).
+            self._stream = torch.cuda.Stream(device=ids.device)
         graph = torch.cuda.CUDAGraph()
-        with self.cache.capturing(), torch.cuda.graph(graph, pool=self._pool):
+        with self.cache.capturing(), torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
             self._step(ids, pos, cpos, pick)
         return graph
 
