@@ -263,6 +263,8 @@ class KbitDecodeGraph:
                 given without ``do_sample``; with ``use_graph``, the cache is not on one CUDA
                 device.
             TypeError: ``do_sample`` is not a bool.
+            RuntimeError: an epoch's first replay did not move the cache's device length (the
+                captured step recorded nothing), checked once an epoch.
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
