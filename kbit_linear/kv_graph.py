@@ -193,6 +193,8 @@ class KbitDecodeGraph:
         self.model, self.cache, self.use_graph = model, cache, use_graph
         decoder = getattr(model, "model", model)
         self._takes_cache_position = "cache_position" in inspect.signature(decoder.forward).parameters
+        # transformers 5.24 renamed past_key_values to cache (the old name warns, then goes in 5.40)
+        self._cache_keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -212,7 +214,8 @@ class KbitDecodeGraph:
     def _step(self, ids: torch.Tensor, pos: torch.Tensor, cpos: torch.Tensor, pick: _TokenPicker) -> None:
         """One step on the static buffers: ``ids`` becomes the next token, the positions move on."""
         extra = {"cache_position": cpos} if self._takes_cache_position else {}
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True, logits_to_keep=1, **extra)
+        extra[self._cache_keyword] = self.cache
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **extra)
         ids.copy_(pick(out.logits[:, -1, :], ids))
         pos.add_(1)
         cpos.add_(1)
