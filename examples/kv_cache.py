@@ -3,6 +3,7 @@
     python examples/kv_cache.py            # the embedded SmolLM2-135M-Instruct
     python examples/kv_cache.py --kv-bits 3
     python examples/kv_cache.py --graph     # also decode with KbitDecodeGraph (CUDA graphs on a GPU)
+    python examples/kv_cache.py --graph --compile-layers   # ... with the decoder layers compiled
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main() -> None:
     ap.add_argument("--graph", action="store_true",
                     help="also decode greedily with KbitDecodeGraph: a replayable cache, one CUDA graph per allocator epoch "
                          "(on a CPU the same schedule runs without graphs)")
+    ap.add_argument("--compile-layers", action="store_true",
+                    help="with --graph: compile the decoder layers while KbitDecodeGraph decodes (torch.compile)")
     args = ap.parse_args()
     path = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
@@ -45,7 +48,8 @@ def main() -> None:
         with torch.no_grad():
             logits = model(**inputs, past_key_values=graph_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         first = logits.argmax(-1, keepdim=True)
-        decoder = kbit_linear.KbitDecodeGraph(model, graph_cache, use_graph=model.device.type == "cuda")
+        decoder = kbit_linear.KbitDecodeGraph(model, graph_cache, use_graph=model.device.type == "cuda",
+                                              compile_layers=args.compile_layers)
         # stops at end-of-text as model.generate does
         eos = model.generation_config.eos_token_id
         tokens = torch.cat([first, decoder.generate(first, args.new_tokens - 1, eos_token_id=eos)], 1)
