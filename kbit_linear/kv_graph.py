@@ -176,7 +176,7 @@ class KbitDecodeGraph:
             raise ValueError("KbitDecodeGraph decodes full-attention layers only; this model has sliding-window layers "
                              "(use model.generate with the cache)")
         first_valid = cache.layers[0].first_valid
-        if first_valid is not None and bool(first_valid.any()):
+        if first_valid is not None and (bool(first_valid.any()) or cache.layers[0]._rows_pending):
             raise ValueError("the prompt was left-padded; KbitDecodeGraph decodes rows without padding "
                              "(use model.generate with the cache)")
         if not isinstance(use_graph, bool):
@@ -186,9 +186,16 @@ class KbitDecodeGraph:
         if compile_options is not None and not isinstance(compile_options, Mapping):
             raise TypeError(f"compile_options must be a mapping of torch.compile keywords, got {compile_options!r}")
         self._compile_options = dict(compile_options or {})
-        if self._compile_options.get("mode") in ("reduce-overhead", "max-autotune"):
-            raise ValueError(f"compile_options: mode {self._compile_options['mode']!r} takes CUDA graphs of its own, which "
-                             "cannot be captured inside KbitDecodeGraph's; use 'default' or 'max-autotune-no-cudagraphs'")
+        try:
+            inspect.signature(torch.compile).bind(None, **self._compile_options)
+        except TypeError as e:
+            raise TypeError(f"compile_options must be torch.compile's keywords: {e}") from None
+        inductor_options = self._compile_options.get("options") or {}
+        if (self._compile_options.get("mode") in ("reduce-overhead", "max-autotune")
+                or inductor_options.get("triton.cudagraphs")):
+            raise ValueError("compile_options: CUDA graphs of torch.compile's own (mode 'reduce-overhead' or "
+                             "'max-autotune', or options triton.cudagraphs) cannot be captured inside "
+                             "KbitDecodeGraph's; use mode 'default' or 'max-autotune-no-cudagraphs'")
         self._layers = _decoder_layers(model) if compile_layers else None
         self.model, self.cache, self.use_graph = model, cache, use_graph
         decoder = getattr(model, "model", model)
@@ -198,6 +205,8 @@ class KbitDecodeGraph:
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_inputs: tuple = ()
+        self._graph_current = False  # _graph belongs to the epoch still open
         self.captures = 0
         """CUDA graphs captured so far (one per epoch)."""
         self.replays = 0
@@ -205,11 +214,13 @@ class KbitDecodeGraph:
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
-        """The last epoch's captured step (None before the first capture or without graphs). Each
-        replay runs one more step on the device only: the host's side (:meth:`KbitKVCache.advance`)
-        is :meth:`generate`'s, so replays outside it are for timing what is left of the epoch
-        (``cache.replayable_steps(1)`` of them at most)."""
-        return self._graph
+        """The captured step of the epoch still open after the last :meth:`generate` (its static
+        inputs are kept with it), or None: before the first capture, without graphs, or when that
+        call ended with an eager step (which may have opened a new epoch). Each replay runs one
+        more step on the device only: the host's side (:meth:`KbitKVCache.advance`) is
+        :meth:`generate`'s, so replays outside it are for timing what is left of the epoch
+        (``cache.replayable_steps(1)`` of them at most), after which the cache is not to be used."""
+        return self._graph if self._graph_current else None
 
     def _step(self, ids: torch.Tensor, pos: torch.Tensor, cpos: torch.Tensor, pick: _TokenPicker) -> None:
         """One step on the static buffers: ``ids`` becomes the next token, the positions move on."""
@@ -242,12 +253,12 @@ class KbitDecodeGraph:
                 needs no host sync. The draws come from torch's default generator of the cache's
                 device: ``torch.manual_seed`` makes a run repeatable. Graph replays advance that
                 generator per replay, so ``use_graph=True`` and ``False`` draw different tokens
-                for the same seed. Nothing is checked on the host: a row whose logits hold a NaN or
-                +inf, or none above -inf, has NaN probabilities and gets token 0 (the argmax of
-                NaNs), where ``torch.multinomial`` would fail.
+                for the same seed. Nothing is checked on the host: a row whose probabilities are
+                not finite (a NaN or +inf logit, or none above -inf) gets whatever token the argmax
+                over NaNs gives, where ``torch.multinomial`` would fail.
             temperature: divides the logits before sampling; a finite number > 0.
             top_k: sample among the ``top_k`` most likely tokens only (ties with the last one
-                kept); ``None``: all.
+                kept); ``None``: all (``model.generate`` takes its generation config's 50).
             top_p: sample among the most likely tokens whose probabilities add up to ``top_p``
                 (at least one), in ``(0, 1]``; ``None`` or 1: all.
 
@@ -256,7 +267,9 @@ class KbitDecodeGraph:
             end token, the call then returning at the first check after that (an epoch's replays
             run to their end, so the last columns may be ``pad_token_id`` in every row). The
             cache holds ``first`` and the first ``n - 1`` tokens, as after a call for ``n``
-            steps. With the defaults, the greedy tokens of the call without these arguments.
+            steps (nothing new when ``n`` is 0: every ``first`` an end token). A later call
+            starts its finished rows from its own ``first`` only. With the defaults, the greedy
+            tokens of the call without these arguments.
 
         Raises:
             ValueError: ``first`` is not ``[B, 1]`` int64 for the cache's batch on the cache's
@@ -335,29 +348,40 @@ class KbitDecodeGraph:
         finished = pick.all_finished()  # every first token an end token: nothing to decode
         while done < steps and not finished:
             self._step(ids, pos, cpos, pick)  # eager: the allocator runs here when due, and the epoch's store opens
+            self._graph_current = False  # this step may have opened a new epoch
             out[:, done] = ids[:, 0]
             done += 1
             n = min(self.cache.replayable_steps(1), steps - done)
             finished = pick.all_finished()
             if n == 0 or finished:
                 continue
-            if self.use_graph:
-                # The previous epoch's graph is dropped only once this one is captured: graphs that
-                # share a memory pool must keep it in use while another is captured into it.
-                self._graph = self._capture(ids, pos, cpos, pick)
-                for i in range(n):
-                    self._graph.replay()
-                    if i == 0:
-                        self._check_first_replay()
-                    out[:, done + i] = ids[:, 0]
-                self.captures += 1
-            else:
-                for i in range(n):
-                    with self.cache.capturing():
-                        self._step(ids, pos, cpos, pick)
-                    out[:, done + i] = ids[:, 0]
-            self.cache.advance(1, n)
-            self.replays += n
+            ran = 0
+            try:
+                if self.use_graph:
+                    # The previous epoch's graph is dropped only once this one is captured: graphs that
+                    # share a memory pool must keep it in use while another is captured into it.
+                    self._graph = self._capture(ids, pos, cpos, pick)
+                    self._graph_inputs = (ids, pos, cpos, pick)  # what the graph reads and writes, kept with it
+                    self.captures += 1
+                    for i in range(n):
+                        self._graph.replay()
+                        if i == 0:
+                            self._check_first_replay()
+                        ran += 1
+                        out[:, done + i] = ids[:, 0]
+                    self._graph_current = True
+                else:
+                    for i in range(n):
+                        with self.cache.capturing():
+                            self._step(ids, pos, cpos, pick)
+                        ran += 1
+                        out[:, done + i] = ids[:, 0]
+            finally:
+                # the host's side of the steps that ran, also when a later one raised (an interrupt):
+                # the cache stays usable
+                if ran:
+                    self.cache.advance(1, ran)
+                    self.replays += ran
             done += n
             finished = pick.all_finished()
         return out if done == steps else out[:, :done].clone()

@@ -619,6 +619,10 @@ def test_compile_layers_names_bad_arguments() -> None:
         KbitDecodeGraph(model, cache, compile_layers=True, compile_options=["aot_eager"])
     with pytest.raises(ValueError, match="reduce-overhead"):
         KbitDecodeGraph(model, cache, compile_layers=True, compile_options={"mode": "reduce-overhead"})
+    with pytest.raises(ValueError, match="triton.cudagraphs"):
+        KbitDecodeGraph(model, cache, compile_layers=True, compile_options={"options": {"triton.cudagraphs": True}})
+    with pytest.raises(TypeError, match="compile_options"):
+        KbitDecodeGraph(model, cache, compile_layers=True, compile_options={"bakend": "eager"})
     with pytest.raises(ValueError, match="model.model.layers"):
         KbitDecodeGraph(model.model.layers[0], cache, compile_layers=True)
 
@@ -634,3 +638,62 @@ def test_a_replay_that_did_not_move_the_device_length_is_refused() -> None:
         model(torch.randint(3, 128, (1, 12)), past_key_values=cache, use_cache=True)
     with pytest.raises(RuntimeError, match="did not run on replay"):
         KbitDecodeGraph(model, cache, use_graph=False)._check_first_replay()  # the device length is the host's
+
+
+def test_a_layer_the_user_compiled_gets_its_compiled_state_back() -> None:
+    from kbit_linear import KbitDecodeGraph
+
+    model = _tiny("llama")
+    _, cache = _caches(model)
+    with torch.no_grad():
+        first = model(torch.randint(3, 128, (1, 12)), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    model.model.layers[0].compile(backend="eager")
+    users = model.model.layers[0]._compiled_call_impl
+    decoder = KbitDecodeGraph(model, cache, use_graph=False, compile_layers=True, compile_options={"backend": "eager"})
+    decoder.generate(first, 3)
+    assert model.model.layers[0]._compiled_call_impl is users and model.model.layers[1]._compiled_call_impl is None
+    assert decoder.graph is None  # no graphs without use_graph
+    torch._dynamo.reset()
+
+
+def test_an_interrupted_epoch_leaves_the_cache_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception in the middle of an epoch's steps: the host takes the steps that ran, so the
+    next call goes on from there (its eager step would otherwise find the device ahead)."""
+    from kbit_linear import KbitDecodeGraph
+
+    model = _tiny("llama")
+    plain, cache = _caches(model)
+    prompt = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        first = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+    decoder = KbitDecodeGraph(model, cache, use_graph=False)
+    real_step, calls = decoder._step, [0]
+
+    def failing_step(*args):
+        calls[0] += 1
+        if calls[0] == 4:  # the third frozen step of the first epoch
+            raise KeyboardInterrupt
+        return real_step(*args)
+
+    monkeypatch.setattr(decoder, "_step", failing_step)
+    with pytest.raises(KeyboardInterrupt):
+        decoder.generate(first, 40)
+    monkeypatch.setattr(decoder, "_step", real_step)
+    assert cache.get_seq_length() == 30 + 3 and decoder.replays == 2
+    more = decoder.generate(first, 5)  # goes on without a device/host mismatch
+    assert more.shape == (1, 5)
+    for layer in cache.layers:
+        assert layer.device_seq_len.tolist() == [layer.seq_len]
+
+
+def test_decode_graph_refuses_a_row_with_no_valid_position_yet() -> None:
+    from kbit_linear import KbitDecodeGraph
+
+    model = _tiny("llama")
+    _, cache = _caches(model)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1] = 0  # row 1: padding only, so far
+    with torch.no_grad():
+        model(torch.randint(3, 128, (2, 8)), attention_mask=mask, past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="left-padded"):
+        KbitDecodeGraph(model, cache, use_graph=False)
