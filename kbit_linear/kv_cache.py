@@ -836,10 +836,10 @@ def _check_positive_int(name: str, value: object, low: int) -> int:
 class KbitKVCache(Cache):
     """A transformers cache that keeps each token's K/V at 2, 3, 4 or 8 bits to meet an average width.
 
-    Pass it as ``past_key_values=`` to ``model.generate`` or ``model(...)``. Constructing it with a
-    model's config switches that config's attention implementation to ``"kbit_kv"`` (registered
-    by ``import kbit_linear``): attention over this cache then reads its buckets, and any other
-    cache still runs through SDPA.
+    Pass it as ``past_key_values=`` (``cache=`` from transformers 5.24, which renamed the argument)
+    to ``model.generate`` or ``model(...)``. Constructing it with a model's config switches that
+    config's attention implementation to ``"kbit_kv"`` (registered by ``import kbit_linear``):
+    attention over this cache then reads its buckets, and any other cache still runs through SDPA.
 
     Args:
         config: the model's config (its text config is used): full or sliding-window attention

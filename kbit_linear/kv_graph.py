@@ -20,6 +20,10 @@ The token is picked inside the step, on the device, so that it is captured with 
 or a sample (transformers' temperature, top-k and top-p warpers, then a draw without a host
 sync); then end tokens: a device mask of the finished rows, which get the pad token. The host
 reads that mask once after each eager step and after each epoch's replays, to stop early.
+
+With ``compile_layers`` the decoder layers run compiled (``torch.compile``) while ``generate``
+runs, so that a replay issues the compiled kernels in place of the eager model's many small ones;
+the cache's update and attention stay eager, outside the compiled graphs.
 """
 
 from __future__ import annotations
