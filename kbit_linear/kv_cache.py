@@ -927,8 +927,8 @@ class KbitKVCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
                **kwargs) -> tuple[KbitKVView, KbitKVView]:
         """``Cache.update``, kept out of ``torch.compile``: a compiled decoder layer breaks its graph
-        here, so that the layers' host state (lengths, stores, the allocator) runs eagerly and the
-        layer index is not specialised into one graph per layer."""
+        here, so that the layers' host state (lengths, stores, the allocator) runs eagerly. (The
+        frame that calls it specialises the layer index it passes: one variant per layer.)"""
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property

@@ -395,8 +395,9 @@ class KbitDecodeGraph:
         host's, or the capture recorded nothing (an empty graph replays as a no-op, and the
         epoch's tokens would all repeat the last eager step's)."""
         layer = self.cache.layers[0]
-        if int(layer.device_seq_len[0]) != layer.seq_len + 1:
-            raise RuntimeError(f"the captured decode step did not run on replay (device length {int(layer.device_seq_len[0])}, "
+        length = int(layer.device_seq_len[0])
+        if length != layer.seq_len + 1:
+            raise RuntimeError(f"the captured decode step did not run on replay (device length {length}, "
                                f"expected {layer.seq_len + 1}): the CUDA graph recorded nothing (captured on a stream "
                                "of another device?)")
 

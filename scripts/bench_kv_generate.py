@@ -86,8 +86,9 @@ def main() -> None:
                          "epoch), eager and with compiled decoder layers, and bf16 in a StaticCache with a compiled "
                          "(CUDA-graph) step, the fair baseline for them")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="with --graph: that many more steps of each graph row (one generate call: its first step eager) "
-                         "and of the compiled bf16 row under torch.profiler, GPU time per step by kernel family")
+                    help="with --graph: that many replays of each graph row's last captured step (what is left of its "
+                         "epoch at most) and that many steps of the compiled bf16 row under torch.profiler, GPU time per "
+                         "step by kernel family")
     ap.add_argument("--md")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -206,22 +207,11 @@ def _kbit_graph(model: Any, ids: torch.Tensor, args: argparse.Namespace, dev: to
     room = cache.replayable_steps(1)
     timed = min(room // 2, 32)
     if decoder.graph is not None and timed >= 4:
-        row["replay_ms"] = _replay_ms(decoder.graph, timed)
+        row["replay_ms"] = bc._event_ms(lambda: [decoder.graph.replay() for _ in range(timed)], 1)[0] / timed
         if args.profile:
             steps = min(args.profile, room - timed)
             row["profile"] = bg.profile_gpu(lambda: [decoder.graph.replay() for _ in range(steps)], steps)
     return row
-
-
-def _replay_ms(graph: torch.cuda.CUDAGraph, n: int) -> float:
-    """Mean ms of ``n`` back-to-back replays of ``graph`` (CUDA events)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
 
 
 def _markdown(args: argparse.Namespace, env: dict[str, Any], rows: list[dict[str, Any]], total: int) -> str:
