@@ -46,8 +46,9 @@ from kbit_linear import format as fmt  # noqa: E402
 from kbit_linear.backends.cuda import decode, loader, plans, tuning  # noqa: E402
 
 DENSE = ("4096x4096", "4096x14336", "14336x4096", "8192x28672", "28672x8192", "4096x6144", "4096x1024", "2048x4096",
-         "4096x2048", "2048x512", "3584x18944", "18944x3584", "1024x4096", "5120x13824")
-"""Dense layers, in_features x out_features (Llama-3-8B/70B, Qwen2-7B, Qwen3-MoE attention, small ones)."""
+         "4096x2048", "2048x512", "3584x18944", "18944x3584", "1024x4096", "5120x13824", "2048x5120")
+"""Dense layers, in_features x out_features (Llama-3-8B/70B, Qwen2-7B, Qwen3-MoE attention (2048x5120: q, k and v
+fused), small ones)."""
 
 GROUPED = ((2048, 1536, 128, 8), (768, 2048, 128, 8), (2048, 1536, 128, 32), (768, 2048, 128, 32),
            (4096, 28672, 8, 2), (14336, 4096, 8, 2), (4096, 28672, 8, 8), (14336, 4096, 8, 8))

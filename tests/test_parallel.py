@@ -166,9 +166,13 @@ def test_shard_plan_uses_the_models_plan() -> None:
     assert shards["model.layers.1.self_attn.q_proj"].span == (128, 256)
     assert shards["model.layers.0.mlp.down_proj"].style == "rowwise"
     assert shards["model.layers.0.mlp.down_proj"].span == (256, 512)
-    assert shards["model.embed_tokens"].style == "embedding_rowwise"
     assert shards["lm_head"].style == "colwise_gather_output"
     assert "model.norm" not in shards
+    # the embedding is in Llama's plan from some transformers 5.x release on (not in 5.17)
+    own = model.tp_plan if getattr(model, "tp_plan", None) else {}
+    assert ("model.embed_tokens" in shards) == any(key.endswith("embed_tokens") for key in own)
+    if "model.embed_tokens" in shards:
+        assert shards["model.embed_tokens"].style == "embedding_rowwise"
 
 
 def test_shard_plan_user_plan_and_replicate() -> None:
@@ -186,7 +190,7 @@ def test_shard_plan_refuses_uneven_splits_naming_the_layer() -> None:
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj: out_features=128 does not split evenly over 3"):
         shard_plan(model, 3, 0, {"model.layers.*.self_attn.k_proj": "colwise"})
     with pytest.raises(ValueError, match=r"model\.embed_tokens: num_embeddings=256 does not split evenly over 3"):
-        shard_plan(model, 3, 0)
+        shard_plan(model, 3, 0, {"model.embed_tokens": "embedding_rowwise"})
     # in_features 512 over 8 ranks = 64 per rank is fine; over 32 it would cut a 32-weight block
     model = _llama(intermediate_size=320)  # 320 / 2 = 160 per rank: fine; 320 / 4 = 80: cuts a block
     shard_plan(model, 2, 0, {"model.layers.*.mlp.down_proj": "rowwise"})

@@ -388,12 +388,19 @@ class DecodeConfig:
 # (`small-calls-ab-h200.md`, one run): 2048->5120 8.6 -> 7.1 us (K = 4, M = 1), 4096->6144 12.5 -> 10.3,
 # 28672->8192 48.0 -> 43.9 (faster there too); the 2048- and 4096-column layers keep their shapes. Its K = 4 instances (pair
 # codes) spill on sm_90 (4-20 bytes, the grouped ones 56; K = 3 none): the timings include that.
+# K = 4 with one fragment also has a 16-row shape (16, 16, 1, 2, 1) and a 64-row one with one item in
+# flight (16, 8, 2, 1, 1), for the layers of a few thousand rows that leave SMs idle at 32 or 64 rows a
+# tile (no spills, 119-128 registers): on the H200 cases of `scripts/tune_decode_plan.py collect --bits 4
+# --m 1 4` (`bench/results/decode-plan-fit-k4-h200.json`, 2026-11-30) the plans come to 1.6 % above the
+# fastest measured choice (were 4.3 %; worst 14.6 %, was 21.1 %): 4096->1024 6.3 -> 5.2 us at M = 1,
+# 4096->2048 6.5 -> 6.0, 2048->5120 7.4 -> 6.7, 4096->6144 10.7 -> 9.9, 28672->8192 47.8 -> 45.1; the
+# cost constants below are unchanged (a fit on those cases alone gains 0.9 points more).
 DECODE_CONFIGS: dict[tuple[int, int], tuple[DecodeConfig, ...]] = {
     (2, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1)),
     (3, 1): (DecodeConfig(16, 16, 2, 2, 1), DecodeConfig(16, 8, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1),
              DecodeConfig(16, 1, 2, 2, 1)),
-    (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 8, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1),
-             DecodeConfig(16, 1, 2, 2, 1)),
+    (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 16, 1, 2, 1), DecodeConfig(16, 8, 2, 1, 1),
+             DecodeConfig(16, 8, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1)),
     (5, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1), DecodeConfig(16, 1, 2, 1, 1)),
     (2, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
     (3, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
@@ -430,8 +437,8 @@ DECODE_SPLIT_PIECE_COST_BYTES = 2560
 DECODE_VARIANTS: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {
     (2, 1): [(16, 16, 2, 1, 1), (16, 16, 2, 2, 1), (16, 4, 2, 2, 1), (16, 4, 2, 3, 1), (16, 1, 2, 1, 1), (16, 1, 2, 2, 1)],
     (3, 1): [(8, 8, 2, 2, 2), (16, 16, 2, 1, 1), (16, 16, 2, 2, 1), (16, 8, 2, 2, 1), (16, 4, 2, 2, 1), (16, 1, 2, 1, 1), (16, 1, 2, 2, 1)],
-    (4, 1): [(16, 16, 2, 1, 1), (16, 16, 2, 2, 1), (16, 4, 2, 2, 1), (16, 4, 4, 1, 1), (16, 8, 2, 2, 1), (16, 1, 2, 1, 1),
-             (16, 1, 2, 2, 1)],
+    (4, 1): [(16, 16, 2, 1, 1), (16, 16, 2, 2, 1), (16, 4, 2, 2, 1), (16, 4, 4, 1, 1), (16, 8, 2, 2, 1), (16, 8, 2, 1, 1),
+             (16, 16, 1, 2, 1), (16, 8, 1, 2, 1), (16, 1, 2, 1, 1), (16, 1, 2, 2, 1)],
     (5, 1): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
     (2, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 2, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
     (3, 2): [(16, 16, 2, 1, 1), (16, 4, 2, 1, 1), (16, 1, 2, 1, 1)],
