@@ -663,8 +663,9 @@ def test_supported_range():
     assert not decode.decode_supported(True, 4, torch.float16)
     # ((4 bits + the 4- and 5-bit pair codes) x 2 fragment counts x 2 launch shapes, plus a third
     # shape for each of the six with one fragment, plus a fourth for K = 3, 4 and 4's pair codes
-    # with one fragment) x 2 dtypes x 2 kernels (single, grouped)
-    assert len(decode.decode_instances()) == (6 * 2 * 2 + 6 + 3) * 2 * 2
+    # with one fragment, plus a fifth and a sixth for K = 4 and 4's pair codes with one fragment)
+    # x 2 dtypes x 2 kernels (single, grouped)
+    assert len(decode.decode_instances()) == (6 * 2 * 2 + 6 + 3 + 2 * 2) * 2 * 2
 
 
 def test_device_checks_refuse_what_the_kernels_do_not_run_on():
@@ -756,6 +757,34 @@ def test_plan_picks_the_launch_shape_by_cost(monkeypatch):
     assert narrow.config.tile_rows < wide.config.tile_rows
     assert not narrow.split and not wide.split
     assert narrow.kernel == narrow.name
+
+
+def test_grouped_plans_that_may_cut_a_row_tile_have_the_split_scratch(monkeypatch):
+    """A grouped launch shares out only the hit groups' row tiles, so every grouped plan whose
+    blocks' ranges are not whole row tiles keeps the split-K workspace and counters, also where
+    its ranges are whole tiles when every group has rows (700 rows of 16-row tiles x 3 groups
+    over 132 blocks: 8 chunks each, one row tile each)."""
+    from types import SimpleNamespace
+
+    props = SimpleNamespace(sm_count=132, shared_per_sm=233472, max_shared_per_block=232448)
+    monkeypatch.setattr(loader, "device_properties", lambda index: props)
+    monkeypatch.setattr(loader, "get_kernel", lambda src, name, dev: name)
+    plans.clear()
+    try:
+        for bits in (2, 3, 4, 5):
+            for n, k_tiles, groups in ((700, 16, 3), (2048, 32, 8), (1536, 32, 32), (4096, 224, 2), (128, 2, 5)):
+                for cfg in (None, decode.DecodeConfig(16, 16, 1, 2, 1), decode.DecodeConfig(16, 1, 2, 1, 1)):
+                    for kind in decode.SCHEDULES:
+                        try:
+                            plan = decode.decode_plan(8, bits, torch.float16, n, k_tiles, device=0, config=cfg, schedule_kind=kind,
+                                                      groups=groups)
+                        except ValueError:  # the schedule does not apply
+                            continue
+                        kc = (k_tiles + 1) // 2
+                        if plan.align != kc or plan.stream_k_slack >= 0:
+                            assert plan.split and plan.ws_numel > 0 and plan.counters > 0, (bits, n, groups, cfg, kind, plan)
+    finally:
+        plans.clear()
 
 
 def test_decode_config_rejects_bad_shapes():

@@ -282,7 +282,9 @@ def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_til
     if groups is not None and kind == "auto" and sch.align == kc > 1:
         slack = math.ceil((DECODE_SPLIT_COST_BYTES + 2 * DECODE_SPLIT_PIECE_COST_BYTES + _segment_cost(cfg.k_warps > 1))
                           / item_bytes)
-    split = sch.split or slack >= 0
+    # A grouped launch shares out only the hit groups' row tiles (decode.cu's used_groups), so a
+    # stream-K range that covers whole row tiles when every group has rows may cut one when fewer do.
+    split = sch.split or slack >= 0 or (groups is not None and sch.align != kc)
     ws = row_tiles * cfg.tile_rows * 8 * mt if split else 0
     cnt = row_tiles * cfg.row_slots if split else 0
     return DecodePlan(kernel, name, cfg, sch.grid, smem, row_tiles * kc, sch.align, sch.kind, split, ws, cnt,
