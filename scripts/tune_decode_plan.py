@@ -6,7 +6,7 @@ says how far the plans the model picks are from the fastest one, so its constant
 when a kernel or a GPU changes.
 
 ``collect`` (GPU): for each bit width, M and problem, every launch shape of
-``tuning.DECODE_VARIANTS`` and ``DECODE_CONFIGS`` on every schedule that applies, timed in CUDA
+``tuning.DECODE_VARIANTS`` and ``all_decode_configs()`` on every schedule that applies, timed in CUDA
 graphs over weight copies (or expert routings) that together exceed twice the L2; dense layers
 from 2048->512 to 28672->8192 and the grouped (mixture-of-experts) launches of Qwen3-MoE and
 Mixtral expert shapes. 4- and 5-bit weights are pair codes, as layers hold them on the GPU.
@@ -89,7 +89,7 @@ def _shape_key(config: tuning.DecodeConfig) -> list[int]:
 
 def _launch_shapes(bits: int, mt: int) -> list[tuning.DecodeConfig]:
     shapes = [tuning.DecodeConfig(*v) for v in tuning.DECODE_VARIANTS[(bits, mt)]]
-    return shapes + [c for c in tuning.DECODE_CONFIGS[(bits, mt)] if c not in shapes]
+    return shapes + [c for c in tuning.all_decode_configs()[(bits, mt)] if c not in shapes]
 
 
 def _collect_case(bits: int, m: int, k: int, n: int, experts: int | None, used: int | None) -> dict[str, Any]:
@@ -180,6 +180,13 @@ def _measured(case: dict[str, Any], config: list[int], kind: str, grid: int) -> 
                  if v["config"] == config and v["schedule"] == kind and v["grid"] == grid), None)
 
 
+def gpu_properties(data: dict[str, Any]) -> SimpleNamespace:
+    """What the planner reads of the GPU a collected file comes from (its name picks
+    ``tuning.DECODE_CONFIGS_BY_GPU``)."""
+    return SimpleNamespace(sm_count=data["sm_count"], shared_per_sm=data["shared_per_sm"],
+                           max_shared_per_block=data["max_shared_per_block"], name=data["environment"]["gpu"])
+
+
 def _picks(cases: list[dict[str, Any]], props: SimpleNamespace) -> list[tuple[dict[str, Any], float | None]]:
     """The measured time of the plan the planner makes now for each case (None: that choice
     was not measured), on faked device properties (no GPU, no compilation)."""
@@ -228,8 +235,7 @@ def evaluate(args: argparse.Namespace) -> None:
     props = None
     for path in args.json:
         data = json.loads(Path(path).read_text())
-        p = SimpleNamespace(sm_count=data["sm_count"], shared_per_sm=data["shared_per_sm"],
-                            max_shared_per_block=data["max_shared_per_block"])
+        p = gpu_properties(data)
         if props is not None and p != props:
             raise SystemExit(f"{path} comes from another GPU ({p}) than the files before it ({props})")
         props = p

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from kbit_linear import format as fmt
 from kbit_linear.backends.cuda import decode, loader, plans
-from kbit_linear.backends.cuda.tuning import DECODE_CONFIGS
+from kbit_linear.backends.cuda.tuning import all_decode_configs
 from kbit_linear.backends.cuda import experts as kexperts
 
 _GPU_MARKS = (
@@ -225,7 +225,7 @@ def test_other_launch_shapes(bits, cfg):
 @pytest.mark.parametrize("pairs", (False, True), ids=("planes", "pairs"))
 @pytest.mark.parametrize("bits", BITS, ids=lambda b: f"k{b}")
 def test_every_tuned_launch_shape(bits, pairs):
-    """Every launch shape a plan may pick (``tuning.DECODE_CONFIGS``), forced, on every schedule
+    """Every launch shape a plan may pick on any GPU (``tuning.all_decode_configs()``), forced, on every schedule
     that applies, from planes and (4 and 5 bits) pair codes: each is right wherever the cost
     model sends a shape to it."""
     if pairs and not fmt.has_pair_codes(bits):
@@ -237,7 +237,7 @@ def test_every_tuned_launch_shape(bits, pairs):
         if pairs:
             qw = dataclasses.replace(qw, packed=fmt.to_pair_codes(qw.packed))
         x = torch.randn(m, k, device=DEV, dtype=dtype)
-        for cfg in DECODE_CONFIGS[(bits, 1 if m <= 8 else 2)]:
+        for cfg in all_decode_configs()[(bits, 1 if m <= 8 else 2)]:
             for sched in ("stream-k", "tiles", "tile-split"):
                 try:
                     decode.decode_plan(m, bits, dtype, n, qw.packed.shape[0], config=cfg, schedule_kind=sched, pairs=pairs)

@@ -1,5 +1,7 @@
 """The decode plan's cost model against the committed timings of every launch shape x schedule
-(``bench/results/decode-plan-fit-h100.json``, ``scripts/tune_decode_plan.py``): no GPU needed.
+(``bench/results/decode-plan-fit-h100.json`` and ``decode-plan-fit-k{2,3,4,5}-h200.json``,
+``scripts/tune_decode_plan.py``): no GPU needed. Each GPU's plans are made as on that GPU (its
+SMs, shared memory and name, which picks ``tuning.DECODE_CONFIGS_BY_GPU``).
 
 A change to the launch shapes or to the cost constants that makes the plans slower on the cases
 measured fails here, before any GPU run."""
@@ -14,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FIT = ROOT / "bench" / "results" / "decode-plan-fit-h100.json"
+RESULTS = ROOT / "bench" / "results"
+FITS = {"h100": ["decode-plan-fit-h100.json"], "h200": [f"decode-plan-fit-k{b}-h200.json" for b in (2, 3, 4, 5)]}
 
 
 def _script():
@@ -24,12 +27,13 @@ def _script():
     return module
 
 
-@pytest.fixture(scope="module")
-def fit():
-    data = json.loads(FIT.read_text())
-    props = SimpleNamespace(sm_count=data["sm_count"], shared_per_sm=data["shared_per_sm"],
-                            max_shared_per_block=data["max_shared_per_block"])
-    return _script(), data["cases"], props
+@pytest.fixture(scope="module", params=sorted(FITS))
+def fit(request):
+    script = _script()
+    files = [json.loads((RESULTS / name).read_text()) for name in FITS[request.param]]
+    props = script.gpu_properties(files[0])
+    assert all(script.gpu_properties(d) == props for d in files), "one GPU per fixture"
+    return script, [c for d in files for c in d["cases"]], props
 
 
 def test_every_plan_is_a_measured_choice(fit):

@@ -179,7 +179,7 @@ def test_host_shared_memory_sizes_match_the_kernels(tmp_path):
     underestimate would let a kernel write past its shared memory; and the dequantize kernel's
     items per warp, which its grid is sized by."""
     gemm = [(b, mb) for b in fmt.SUPPORTED_BITS for mb in kcuda.tuning.FUSED_ROW_BLOCKS]
-    configs = {(b, mt, c) for (b, mt), cs in kcuda.tuning.DECODE_CONFIGS.items() for c in cs}
+    configs = {(b, mt, c) for (b, mt), cs in kcuda.tuning.all_decode_configs().items() for c in cs}
     configs |= {(b, mt, kcuda.tuning.DecodeConfig(*v)) for (b, mt), vs in kcuda.tuning.DECODE_VARIANTS.items() for v in vs}
     configs = sorted(configs, key=lambda t: (t[0], t[1], t[2].warps, t[2].k_warps, t[2].row_groups))
     programs = {

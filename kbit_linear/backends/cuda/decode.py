@@ -33,8 +33,8 @@ import torch
 from ... import format as fmt
 from . import loader, plans, workspace
 from .tensors import HALF_DTYPE_CODES, aligned16, kernel_rows, layout_arg, weight_layouts
-from .tuning import (DECODE_CONFIGS, DECODE_SEGMENT_COST_BYTES, DECODE_SHARED_SEGMENT_COST_BYTES, DECODE_SPLIT_COST_BYTES,
-                     DECODE_SPLIT_PIECE_COST_BYTES, DecodeConfig)
+from .tuning import (DECODE_SEGMENT_COST_BYTES, DECODE_SHARED_SEGMENT_COST_BYTES, DECODE_SPLIT_COST_BYTES,
+                     DECODE_SPLIT_PIECE_COST_BYTES, DecodeConfig, all_decode_configs, decode_configs)
 
 __all__ = [
     "MAX_M",
@@ -79,7 +79,8 @@ def _smem(bits: int, mt: int, cfg: DecodeConfig) -> int:
 
 
 # Most shared memory any tuned launch shape of a bit width needs (what decode_supported checks).
-_MAX_SMEM = {bits: max(_smem(bits, mt, cfg) for (b, mt), cfgs in DECODE_CONFIGS.items() if b == bits for cfg in cfgs) for bits in _TABLE_SMEM}
+_MAX_SMEM = {bits: max(_smem(bits, mt, cfg) for (b, mt), cfgs in all_decode_configs().items() if b == bits for cfg in cfgs)
+             for bits in _TABLE_SMEM}
 
 
 def _name(bits: int, dtype: torch.dtype, mt: int, cfg: DecodeConfig, grouped: bool = False, pairs: bool = False) -> str:
@@ -91,7 +92,7 @@ def _name(bits: int, dtype: torch.dtype, mt: int, cfg: DecodeConfig, grouped: bo
 def decode_instances() -> list[str]:
     """Every kernel template instance :func:`decode_gemm` and :func:`grouped_decode_gemm` can
     launch (name expressions in ``decode.cu``)."""
-    return [_name(b, dt, mt, cfg, grouped, pairs) for grouped in (False, True) for (b, mt), cfgs in sorted(DECODE_CONFIGS.items())
+    return [_name(b, dt, mt, cfg, grouped, pairs) for grouped in (False, True) for (b, mt), cfgs in sorted(all_decode_configs().items())
             for pairs in weight_layouts(b) for cfg in cfgs for dt in _DT]
 
 
@@ -249,9 +250,10 @@ class DecodePlan:
     stream_k_slack: int = -1
 
 
-def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_tiles: int, configs: tuple[DecodeConfig, ...],
+def _make_plan(index: int, mt: int, bits: int, dtype: torch.dtype, n: int, k_tiles: int, config: DecodeConfig | None,
                kind: str, groups: int | None, pairs: bool) -> DecodePlan:
     props = loader.device_properties(index)
+    configs = (config,) if config is not None else decode_configs(getattr(props, "name", ""), bits, mt)
     kc = (k_tiles + 1) // 2
     best = None
     for cfg in configs:
@@ -328,11 +330,10 @@ def decode_plan(
         raise ValueError(f"the decode kernel does not support m={m}, bits={bits}, dtype={dtype}")
     index = torch.cuda.current_device() if device is None else (device if isinstance(device, int) else loader._device_index(device))
     mt = 1 if m <= 8 else 2
-    configs = (config,) if config is not None else DECODE_CONFIGS[(bits, mt)]
     if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
         raise ValueError(f"groups must be a positive int or None, got {groups!r}")
     return plans.get_or_make(("decode", index, mt, bits, dtype, out_features, k_tiles, config, schedule_kind, groups, pairs),
-                             lambda: _make_plan(index, mt, bits, dtype, out_features, k_tiles, configs, schedule_kind, groups, pairs))
+                             lambda: _make_plan(index, mt, bits, dtype, out_features, k_tiles, config, schedule_kind, groups, pairs))
 
 
 # ---------------------------------------------------------------------------------------

@@ -41,11 +41,14 @@ __all__ = [
     "ROUTER_MAX_TOKENS",
     "DecodeConfig",
     "DECODE_CONFIGS",
+    "DECODE_CONFIGS_BY_GPU",
     "DECODE_SPLIT_COST_BYTES",
     "DECODE_SPLIT_PIECE_COST_BYTES",
     "DECODE_SEGMENT_COST_BYTES",
     "DECODE_SHARED_SEGMENT_COST_BYTES",
     "DECODE_VARIANTS",
+    "all_decode_configs",
+    "decode_configs",
     "dequant_cublas_min_m",
     "decode_max_m",
     "wgmma_rows",
@@ -388,25 +391,53 @@ class DecodeConfig:
 # (`small-calls-ab-h200.md`, one run): 2048->5120 8.6 -> 7.1 us (K = 4, M = 1), 4096->6144 12.5 -> 10.3,
 # 28672->8192 48.0 -> 43.9 (faster there too); the 2048- and 4096-column layers keep their shapes. Its K = 4 instances (pair
 # codes) spill on sm_90 (4-20 bytes, the grouped ones 56; K = 3 none): the timings include that.
-# K = 4 with one fragment also has a 16-row shape (16, 16, 1, 2, 1) and a 64-row one with one item in
-# flight (16, 8, 2, 1, 1), for the layers of a few thousand rows that leave SMs idle at 32 or 64 rows a
-# tile (no spills, 119-128 registers): on the H200 cases of `scripts/tune_decode_plan.py collect --bits 4
-# --m 1 4` (`bench/results/decode-plan-fit-k4-h200.json`, 2026-11-30) the plans come to 1.6 % above the
-# fastest measured choice (were 4.3 %; worst 14.6 %, was 21.1 %): 4096->1024 6.3 -> 5.2 us at M = 1,
-# 4096->2048 6.5 -> 6.0, 2048->5120 7.4 -> 6.7, 4096->6144 10.7 -> 9.9, 28672->8192 47.8 -> 45.1; the
-# cost constants below are unchanged (a fit on those cases alone gains 0.9 points more).
 DECODE_CONFIGS: dict[tuple[int, int], tuple[DecodeConfig, ...]] = {
     (2, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1)),
     (3, 1): (DecodeConfig(16, 16, 2, 2, 1), DecodeConfig(16, 8, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1),
              DecodeConfig(16, 1, 2, 2, 1)),
-    (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 16, 1, 2, 1), DecodeConfig(16, 8, 2, 1, 1),
-             DecodeConfig(16, 8, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1)),
+    (4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 8, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1),
+             DecodeConfig(16, 1, 2, 2, 1)),
     (5, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1), DecodeConfig(16, 1, 2, 1, 1)),
     (2, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 2, 1)),
     (3, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
     (4, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
     (5, 2): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 4, 2, 1, 1)),
 }
+
+# The launch shapes a plan chooses from on the GPUs named here (a name containing the key), in place of
+# DECODE_CONFIGS' for the same (bits, fragments); other GPUs keep DECODE_CONFIGS until measured. The
+# order breaks ties of the cost model. H200, K = 4 with one fragment: DECODE_CONFIGS' four and a
+# 16-row shape (16, 16, 1, 2, 1) and a 64-row one with one item in flight (16, 8, 2, 1, 1), for the
+# layers of a few thousand rows that leave SMs idle at 32 or 64 rows a tile (no spills, 119-128
+# registers). On the H200 cases of `scripts/tune_decode_plan.py collect --bits 4 --m 1 4`
+# (`bench/results/decode-plan-fit-k4-h200.json`, 2026-11-30, `bench/results/decode-plan-h200.md`) the
+# plans come to 1.6 % above the fastest measured choice (were 4.3 %; worst 14.6 %, was 21.1 %):
+# 4096->1024 6.3 -> 5.2 us at M = 1, 4096->2048 6.5 -> 6.0, 2048->5120 7.4 -> 6.7, 4096->6144
+# 10.7 -> 9.9, 28672->8192 47.8 -> 45.1, with the cost constants below unchanged. The H100 (same SMs,
+# less bandwidth) was not measured with them.
+DECODE_CONFIGS_BY_GPU: dict[str, dict[tuple[int, int], tuple[DecodeConfig, ...]]] = {
+    "H200": {(4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 16, 1, 2, 1), DecodeConfig(16, 8, 2, 1, 1),
+                      DecodeConfig(16, 8, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1))},
+}
+
+
+def decode_configs(device_name: str, bits: int, mt: int) -> tuple[DecodeConfig, ...]:
+    """The launch shapes a decode plan chooses from on a GPU named ``device_name``, for ``bits``
+    and ``mt`` n8 fragments: that GPU's :data:`DECODE_CONFIGS_BY_GPU` entry, else :data:`DECODE_CONFIGS`'."""
+    for key, table in DECODE_CONFIGS_BY_GPU.items():
+        if key in device_name and (bits, mt) in table:
+            return table[(bits, mt)]
+    return DECODE_CONFIGS[(bits, mt)]
+
+
+def all_decode_configs() -> dict[tuple[int, int], tuple[DecodeConfig, ...]]:
+    """Every launch shape a decode plan may choose on any GPU, per (bits, fragments): what the
+    build checks and the GPU tests cover."""
+    out = {key: tuple(cfgs) for key, cfgs in DECODE_CONFIGS.items()}
+    for table in DECODE_CONFIGS_BY_GPU.values():
+        for key, cfgs in table.items():
+            out[key] = out[key] + tuple(c for c in cfgs if c not in out[key])
+    return out
 
 # The plan's cost model (decode.schedule()), in bytes of weight one SM streams in the same time
 # (3 TB/s over 132 SMs: ~23 KB/us). Fitted (2026-11-24) to every launch shape x schedule of
