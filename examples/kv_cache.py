@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -36,17 +37,19 @@ def main() -> None:
                                      tokenize=False, add_generation_prompt=True)
     inputs = tok(prompt, return_tensors="pt")
     kw = dict(max_new_tokens=args.new_tokens, do_sample=False)
-    dense = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **kw)
+    # transformers 5.24 renamed the cache keyword past_key_values to cache (the old name warns, then goes)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    dense = model.generate(**inputs, **{cache_kw: DynamicCache(config=model.config)}, **kw)
     # window/block smaller than the defaults so that a short chat already moves tokens below 8 bits
     cache = kbit_linear.KbitKVCache(model.config, kv_bits=args.kv_bits, window=16, block_size=16)
-    out = model.generate(**inputs, past_key_values=cache, **kw)
+    out = model.generate(**inputs, **{cache_kw: cache}, **kw)
     n = inputs["input_ids"].shape[1]
     print("dense cache:", tok.decode(dense[0, n:], skip_special_tokens=True), "\n")
     print(f"KbitKVCache(kv_bits={args.kv_bits}):", tok.decode(out[0, n:], skip_special_tokens=True), "\n")
     if args.graph:
         graph_cache = kbit_linear.KbitKVCache(model.config, kv_bits=args.kv_bits, window=16, block_size=16, replayable=True)
         with torch.no_grad():
-            logits = model(**inputs, past_key_values=graph_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = model(**inputs, **{cache_kw: graph_cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
         first = logits.argmax(-1, keepdim=True)
         decoder = kbit_linear.KbitDecodeGraph(model, graph_cache, use_graph=model.device.type == "cuda",
                                               compile_layers=args.compile_layers)
