@@ -440,9 +440,6 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
         kbit::mbar_init(ctl_s + kFullOffset, 32 * KS);
         kbit::mbar_init(ctl_s + kFreeOffset, 32);
     }
-    // Tables and slots are ready before any warp uses them: the block's one barrier, placed where
-    // it overlaps the previous kernel.
-    __syncthreads();
     grid_dependency_wait();
     if constexpr (GROUPED) {
         // The items run over the groups up to the last one with rows: the routing lists the hit
@@ -455,7 +452,7 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
     }
     // The codebook as it reads now: if the previous kernel changed it, the tables are rebuilt
     // below (no lookup has happened yet).
-    const u32 cb_now = ldg_cg_word(cb_entry);
+    const bool cb_changed = ldg_cg_word(cb_entry) != cb_early;
 
     // Order of this block's items: when its range ends inside a row tile that it does not also
     // start in, that partial tile goes first; then the range from its start. A range holding a
@@ -490,7 +487,10 @@ KBIT_DEVICE void decode_gemm_body(const u16* __restrict__ x, const u32* __restri
     // x of the first item while the first loads are on their way.
     u32 bx[MT][16];
     load_x<MT>(bx, GROUPED ? x + (size_t)cur.xrow0 * grp.x_ld : x, GROUPED ? cur.xrows : M, K, grp.x_ld, cur.ch * 128 + 32 * t, g);
-    rebuild_tables_if_changed<BITS, DT, NW * 32, PAIRS>(lut_win, stab_win, cb_early, cb_now, threadIdx.x);
+    if (__syncthreads_or(cb_changed)) {
+        build_tables<BITS, DT, NW * 32, PAIRS>(lut_win, stab_win, __ldcg(cb_entry), threadIdx.x);
+        __syncthreads();
+    }
     if (n_mine == 0) return;
     const float tscale = GROUPED ? 0.0f : __ldg(tensor_scale);  // grouped: per expert, at the flush
 

@@ -201,23 +201,6 @@ KBIT_DEVICE void build_tables(u32 lut, u32 stab, float cb, int tid) {
     }
 }
 
-// The check that follows the dependency wait. The tables were built from the codebook as it read
-// before the wait (under a programmatic launch the previous kernel may still have been writing
-// it); cb_now is the same entry read after the wait. Each warp reads every entry (lane l: entry
-// l mod 2^BITS), so every warp reaches the same answer on its own: no block barrier unless the
-// tables are rebuilt, which every warp then takes part in. Call it before the first lookup and
-// after the warp's first weight loads are issued, so that the read's latency passes under theirs
-// (a block-wide barrier on it cost 0.3-0.8 us a call on an H200).
-template <int BITS, int DT, int NTHREADS, bool PAIRS>
-KBIT_DEVICE void rebuild_tables_if_changed(u32 lut, u32 stab, u32 cb_early, u32 cb_now, int tid) {
-    if (__any_sync(0xffffffffu, cb_now != cb_early)) {
-        // no lookup has happened yet, and the first build is ordered before this by the barrier
-        // before the wait: only the rebuild's own stores need ordering before the lookups
-        build_tables<BITS, DT, NTHREADS, PAIRS>(lut, stab, __uint_as_float(cb_now), tid);
-        block_barrier();
-    }
-}
-
 // Gather: plane words of one 32-weight block -> index bytes. q[j] byte m = the pair of weights
 // (8m + 2j, 8m + 2j + 1) for BITS = 3, 4, 5 (r[j] byte m: their plane-4 bits, BITS = 5), or
 // the quad (8m + 4j .. 8m + 4j + 3) for BITS = 2 (j = 0, 1).

@@ -49,7 +49,6 @@ namespace kbit_token {
 
 using kbit_decode::BlockAt;
 using kbit_decode::build_tables;
-using kbit_decode::rebuild_tables_if_changed;
 using kbit_decode::ldg_cg_word;
 using kbit_decode::lds32;
 using kbit_decode::Prepped;
@@ -83,19 +82,21 @@ template <int BITS> KBIT_DEVICE void zero_sub(Sub<BITS>& d) {
     }
 }
 
-// The block's tables, built before the dependency wait, and their shared-memory windows; the
-// partial-sum slices start at `rest`. Returns after a block barrier and the wait, with this
-// thread's codebook entry as it read before the wait (cb_early) and after it (cb_now): the
-// caller hands both to rebuild_tables_if_changed once its first weight loads are issued.
+// The block's tables, built before the dependency wait (rebuilt if the codebook changed by the
+// wait), and their shared-memory windows; the partial-sum slices start at `rest`. Returns after
+// a block barrier, past the wait.
 template <int BITS, int DT, int NW, bool PAIRS>
-KBIT_DEVICE TableWindows<BITS> tables_then_wait(const void* smem, const float* __restrict__ codebook, u32& cb_early, u32& cb_now) {
+KBIT_DEVICE TableWindows<BITS> tables_after_wait(const void* smem, const float* __restrict__ codebook) {
     const TableWindows<BITS> win(smem);
     const float* cb_entry = codebook + (threadIdx.x & ((1 << BITS) - 1));
-    cb_early = ldg_cg_word(cb_entry);
+    const u32 cb_early = ldg_cg_word(cb_entry);
     build_tables<BITS, DT, NW * 32, PAIRS>(win.lut, win.stab, __uint_as_float(cb_early), threadIdx.x);
-    __syncthreads();  // the tables are whole before any warp looks up
     grid_dependency_wait();
-    cb_now = ldg_cg_word(cb_entry);
+    const bool cb_changed = ldg_cg_word(cb_entry) != cb_early;
+    if (__syncthreads_or(cb_changed)) {
+        build_tables<BITS, DT, NW * 32, PAIRS>(win.lut, win.stab, __ldcg(cb_entry), threadIdx.x);
+        __syncthreads();
+    }
     return win;
 }
 
@@ -120,8 +121,7 @@ kbit_token_gate_up(const u16* __restrict__ x, const long long* __restrict__ ids,
     allow_dependent_launch();
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    u32 cb_early, cb_now;
-    const TableWindows<BITS> win = tables_then_wait<BITS, DT, NW, PAIRS>(smem, codebook, cb_early, cb_now);
+    const TableWindows<BITS> win = tables_after_wait<BITS, DT, NW, PAIRS>(smem, codebook);
 
     const int kc = (k_tiles + 1) >> 1;
     const int groups = inter / kRowsPerUnit;
@@ -206,6 +206,11 @@ kbit_token_gate_up(const u16* __restrict__ x, const long long* __restrict__ ids,
         }
     };
 
+    float acc[2][1][4] = {};
+    if (per == 0) {  // no chunks: meet every unit's barrier
+        for (Pos p = start; p.m < mine; next(p)) finish(p, acc);
+        return;
+    }
     const int n_items = mine * per;
     Sub<BITS> ring[D][2];
     Pos lp = start;  // the next item to load
@@ -217,12 +222,6 @@ kbit_token_gate_up(const u16* __restrict__ x, const long long* __restrict__ ids,
             load_item(ring[d], lp);
             next(lp);
         }
-    }
-    rebuild_tables_if_changed<BITS, DT, NW * 32, PAIRS>(win.lut, win.stab, cb_early, cb_now, threadIdx.x);  // every warp
-    float acc[2][1][4] = {};
-    if (per == 0) {  // no chunks: meet every unit's barrier
-        for (Pos p = start; p.m < mine; next(p)) finish(p, acc);
-        return;
     }
     Pos cp = start;  // the item to compute
     for (int ib = 0; ib < n_items; ib += D) {
@@ -265,8 +264,7 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
     allow_dependent_launch();
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    u32 cb_early, cb_now;
-    const TableWindows<BITS> win = tables_then_wait<BITS, DT, NW, PAIRS>(smem, codebook, cb_early, cb_now);
+    const TableWindows<BITS> win = tables_after_wait<BITS, DT, NW, PAIRS>(smem, codebook);
 
     const int kc = (k_tiles + 1) >> 1;
     static_assert(NW * 32 >= 16 * kRowsPerUnit, "a thread for every (slot, row) pair of up to 16 slots");
@@ -364,6 +362,10 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
         }
     };
 
+    if (per == 0) {  // no items: meet every unit's barrier
+        for (int m = 0; m < mine; ++m) finish(m);
+        return;
+    }
     const int n_items = mine * per;
     Sub<BITS> ring[D];
     Pos lp = start;  // the next item to load
@@ -374,11 +376,6 @@ kbit_token_down(const u16* __restrict__ h, const long long* __restrict__ ids, co
             load_item(ring[d], lp);
             next(lp);
         }
-    }
-    rebuild_tables_if_changed<BITS, DT, NW * 32, PAIRS>(win.lut, win.stab, cb_early, cb_now, threadIdx.x);  // every warp
-    if (per == 0) {  // no items: meet every unit's barrier
-        for (int m = 0; m < mine; ++m) finish(m);
-        return;
     }
     float acc[1][4] = {};
     Pos cp = start;  // the item to compute
