@@ -436,7 +436,7 @@ def all_decode_configs() -> dict[tuple[int, int], tuple[DecodeConfig, ...]]:
     out = {key: tuple(cfgs) for key, cfgs in DECODE_CONFIGS.items()}
     for table in DECODE_CONFIGS_BY_GPU.values():
         for key, cfgs in table.items():
-            out[key] = out[key] + tuple(c for c in cfgs if c not in out[key])
+            out[key] = out.get(key, ()) + tuple(c for c in cfgs if c not in out.get(key, ()))
     return out
 
 # The plan's cost model (decode.schedule()), in bytes of weight one SM streams in the same time
