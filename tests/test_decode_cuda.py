@@ -787,6 +787,19 @@ def test_grouped_plans_that_may_cut_a_row_tile_have_the_split_scratch(monkeypatc
         plans.clear()
 
 
+def test_launch_shapes_per_gpu():
+    """A GPU named in DECODE_CONFIGS_BY_GPU plans with its own launch shapes, any other with
+    DECODE_CONFIGS'; all_decode_configs holds both (what the build checks and tests cover)."""
+    from kbit_linear.backends.cuda import tuning
+
+    h200 = tuning.decode_configs("NVIDIA H200", 4, 1)
+    assert h200 == tuning.DECODE_CONFIGS_BY_GPU["H200"][(4, 1)] and set(tuning.DECODE_CONFIGS[(4, 1)]) < set(h200)
+    assert tuning.decode_configs("NVIDIA H100 80GB HBM3", 4, 1) == tuning.DECODE_CONFIGS[(4, 1)]
+    assert tuning.decode_configs("NVIDIA H200", 3, 1) == tuning.DECODE_CONFIGS[(3, 1)]  # no H200 entry
+    every = all_decode_configs()
+    assert set(h200) <= set(every[(4, 1)]) and all(set(cs) <= set(every[key]) for key, cs in tuning.DECODE_CONFIGS.items())
+
+
 def test_decode_config_rejects_bad_shapes():
     with pytest.raises(ValueError, match="k_warps must divide warps"):
         decode.DecodeConfig(16, 3, 2, 1, 1)
