@@ -42,7 +42,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .kv_cache import KbitKVCache
+from .kv_cache import KbitKVCache, _check_positive_int
 
 __all__ = ["KbitDecodeGraph"]
 
@@ -286,16 +286,14 @@ class KbitDecodeGraph:
             RuntimeError: an epoch's first replay did not move the cache's device length (the
                 captured step recorded nothing), checked once an epoch.
         """
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        _check_positive_int("steps", steps, 1)
         batch = self.cache.layers[0].batch
         if first.dtype != torch.int64 or first.shape != (batch, 1):
             raise ValueError(f"first must be int64 [{batch}, 1], got {first.dtype} {tuple(first.shape)}")
         warpers = _warpers(do_sample, temperature, top_k, top_p)
         eos = None if eos_token_id is None else _token_ids(eos_token_id)
-        if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)
-                                         or pad_token_id < 0):
-            raise ValueError(f"pad_token_id must be None or an int >= 0, got {pad_token_id!r}")
+        if pad_token_id is not None:
+            _check_positive_int("pad_token_id", pad_token_id, 0)
         pad = pad_token_id if pad_token_id is not None else eos[0] if eos else 0
         vocab = getattr(self.model.get_input_embeddings(), "num_embeddings", None)
         if eos and vocab is not None and pad >= vocab:  # a finished row feeds the pad token to the embedding

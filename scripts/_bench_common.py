@@ -53,6 +53,7 @@ __all__ = [
     "time_calls",
     "eager_wall_us",
     "tensor_bytes",
+    "random_tiles",
     "optional_import",
     "kbit_cuda_status",
     "kbit_api",
@@ -322,6 +323,21 @@ def quantize_rows(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     """Total storage bytes of the given tensors (``None`` counts 0)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def random_tiles(k: int, n: int, bits: int, experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tiled kbit codes of an ``in_features = k``, ``out_features = n`` weight (``experts`` of
+    them stacked, if given) on the GPU: pair codes where the bit width has them, as layers hold them
+    there, and E4M4 scale codes of moderate size. Every bit pattern is a valid weight."""
+    from kbit_linear import format as fmt
+
+    n_pad, k_pad = fmt.padded_shape(n, k)
+    lead = () if experts is None else (experts,)
+    shape = lead + (k_pad // fmt.TILE_K, n_pad // fmt.TILE_N, fmt.TILE_N, 2)
+    packed = torch.randint(-(2**31), 2**31 - 1, shape + (bits,), device="cuda", dtype=torch.int32)
+    if fmt.has_pair_codes(bits):
+        packed = fmt.to_pair_codes(packed)
+    return packed, torch.randint(0x50, 0xD0, shape, device="cuda", dtype=torch.uint8)
 
 
 def copies_past_l2(bytes_per_copy: int, l2: int, factor: float = 2.0, max_copies: int | None = 64) -> int:

@@ -79,17 +79,6 @@ def instrumented_source() -> str:
     return src
 
 
-def _weights(k: int, n: int, bits: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Random tiled 4-bit pair codes and E4M4 scale codes, ``copies`` of them."""
-    n_pad, k_pad = fmt.padded_shape(n, k)
-    shape = (k_pad // fmt.TILE_K, n_pad // fmt.TILE_N, fmt.TILE_N, 2)
-    out = []
-    for _ in range(copies):
-        planes = torch.randint(-(2**31), 2**31 - 1, shape + (bits,), device="cuda", dtype=torch.int32)
-        out.append((fmt.to_pair_codes(planes), torch.randint(0x50, 0xD0, shape, device="cuda", dtype=torch.uint8)))
-    return out
-
-
 def _phases(d, i: int) -> dict[str, float]:
     """Call i's figures (ns) from the timeline words d [calls, blocks, 16]."""
     b = d[i]
@@ -114,7 +103,7 @@ def run(shape: str, calls: int) -> dict:
     k, n = map(int, shape.split("x"))
     bits, dtype, dev = 4, torch.bfloat16, torch.device("cuda")
     cb = fmt.create_normal_float_codebook(bits, "cuda")
-    weights = _weights(k, n, bits, calls)
+    weights = [bc.random_tiles(k, n, bits) for _ in range(calls)]  # pair codes at 4 bits
     x = torch.randn(1, k, device=dev, dtype=dtype)
     out = torch.empty(1, n, device=dev, dtype=dtype)
     scale = torch.tensor([2.0 ** -6], device=dev)

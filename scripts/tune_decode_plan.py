@@ -65,17 +65,6 @@ COSTS = ("DECODE_SEGMENT_COST_BYTES", "DECODE_SHARED_SEGMENT_COST_BYTES", "DECOD
 # ---------------------------------------------------------------------------------------
 
 
-def _random_tiles(k: int, n: int, bits: int, experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random tiled codes (pair codes where the bit width has them) and E4M4 scale codes."""
-    n_pad, k_pad = fmt.padded_shape(n, k)
-    lead = () if experts is None else (experts,)
-    shape = lead + (k_pad // fmt.TILE_K, n_pad // fmt.TILE_N, fmt.TILE_N, 2)
-    packed = torch.randint(-(2**31), 2**31 - 1, shape + (bits,), device="cuda", dtype=torch.int32)
-    if fmt.has_pair_codes(bits):
-        packed = fmt.to_pair_codes(packed)
-    return packed, torch.randint(0x50, 0xD0, shape, device="cuda", dtype=torch.uint8)
-
-
 def _time_rotation(calls: list[Callable[[], None]], min_calls: int = 120) -> float:
     """Median microseconds per call of a CUDA graph that cycles through ``calls``."""
     return bc.time_calls(lambda i: calls[i](), len(calls), min_calls=max(min_calls, len(calls)), max_calls=max(min_calls, len(calls)),
@@ -97,9 +86,9 @@ def _collect_case(bits: int, m: int, k: int, n: int, experts: int | None, used: 
     cb = fmt.create_normal_float_codebook(bits, "cuda")
     l2 = bc.l2_bytes()
     if experts is None:
-        first = _random_tiles(k, n, bits)
+        first = bc.random_tiles(k, n, bits)
         nbytes = bc.tensor_bytes(*first)
-        weights = [first] + [_random_tiles(k, n, bits) for _ in range(bc.copies_past_l2(nbytes, l2) - 1)]
+        weights = [first] + [bc.random_tiles(k, n, bits) for _ in range(bc.copies_past_l2(nbytes, l2) - 1)]
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         out = torch.empty(m, n, device="cuda", dtype=dtype)
         scale = torch.tensor([2.0 ** -6], device="cuda")
@@ -108,7 +97,7 @@ def _collect_case(bits: int, m: int, k: int, n: int, experts: int | None, used: 
         def calls(plan: decode.DecodePlan) -> list[Callable[[], None]]:
             return [lambda w=w: decode.launch(plan, x, w[0], w[1], cb, scale, out) for w in weights]
     else:
-        packed0, absmax = _random_tiles(k, n, bits, experts)
+        packed0, absmax = bc.random_tiles(k, n, bits, experts)
         x = torch.randn(used * m, k, device="cuda", dtype=dtype)
         out = torch.empty(used * m, n, device="cuda", dtype=dtype)
         scale = torch.full((experts,), 2.0 ** -6, device="cuda")

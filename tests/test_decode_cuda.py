@@ -741,50 +741,46 @@ def test_schedule_prefers_whole_tiles_and_rejects_bad_kind():
         decode.schedule(4, 4, 132, 1, 1.0, "fastest")
 
 
-def test_plan_picks_the_launch_shape_by_cost(monkeypatch):
-    """Narrow row tiles for 4096 output rows, wide ones for 14336 (no GPU: device queries faked)."""
+@pytest.fixture
+def faked_device(monkeypatch):
+    """Device queries and kernel builds faked (an H100-sized GPU; a kernel is its name): plans
+    without a GPU. The plans made meanwhile hold the faked kernels, so they are dropped after."""
     from types import SimpleNamespace
 
     props = SimpleNamespace(sm_count=132, shared_per_sm=233472, max_shared_per_block=232448)
     monkeypatch.setattr(loader, "device_properties", lambda index: props)
     monkeypatch.setattr(loader, "get_kernel", lambda src, name, dev: name)
     plans.clear()
-    try:
-        narrow = decode.decode_plan(1, 4, torch.float16, 4096, 64, device=0)
-        wide = decode.decode_plan(1, 4, torch.float16, 14336, 64, device=0)
-    finally:
-        plans.clear()  # the plans hold the faked kernels: keep them from later tests
+    yield
+    plans.clear()
+
+
+def test_plan_picks_the_launch_shape_by_cost(faked_device):
+    """Narrow row tiles for 4096 output rows, wide ones for 14336 (no GPU: device queries faked)."""
+    narrow = decode.decode_plan(1, 4, torch.float16, 4096, 64, device=0)
+    wide = decode.decode_plan(1, 4, torch.float16, 14336, 64, device=0)
     assert narrow.config.tile_rows < wide.config.tile_rows
     assert not narrow.split and not wide.split
     assert narrow.kernel == narrow.name
 
 
-def test_grouped_plans_that_may_cut_a_row_tile_have_the_split_scratch(monkeypatch):
+def test_grouped_plans_that_may_cut_a_row_tile_have_the_split_scratch(faked_device):
     """A grouped launch shares out only the hit groups' row tiles, so every grouped plan whose
     blocks' ranges are not whole row tiles keeps the split-K workspace and counters, also where
     its ranges are whole tiles when every group has rows (700 rows of 16-row tiles x 3 groups
     over 132 blocks: 8 chunks each, one row tile each)."""
-    from types import SimpleNamespace
-
-    props = SimpleNamespace(sm_count=132, shared_per_sm=233472, max_shared_per_block=232448)
-    monkeypatch.setattr(loader, "device_properties", lambda index: props)
-    monkeypatch.setattr(loader, "get_kernel", lambda src, name, dev: name)
-    plans.clear()
-    try:
-        for bits in (2, 3, 4, 5):
-            for n, k_tiles, groups in ((700, 16, 3), (2048, 32, 8), (1536, 32, 32), (4096, 224, 2), (128, 2, 5)):
-                for cfg in (None, decode.DecodeConfig(16, 16, 1, 2, 1), decode.DecodeConfig(16, 1, 2, 1, 1)):
-                    for kind in decode.SCHEDULES:
-                        try:
-                            plan = decode.decode_plan(8, bits, torch.float16, n, k_tiles, device=0, config=cfg, schedule_kind=kind,
-                                                      groups=groups)
-                        except ValueError:  # the schedule does not apply
-                            continue
-                        kc = (k_tiles + 1) // 2
-                        if plan.align != kc or plan.stream_k_slack >= 0:
-                            assert plan.split and plan.ws_numel > 0 and plan.counters > 0, (bits, n, groups, cfg, kind, plan)
-    finally:
-        plans.clear()
+    for bits in (2, 3, 4, 5):
+        for n, k_tiles, groups in ((700, 16, 3), (2048, 32, 8), (1536, 32, 32), (4096, 224, 2), (128, 2, 5)):
+            for cfg in (None, decode.DecodeConfig(16, 16, 1, 2, 1), decode.DecodeConfig(16, 1, 2, 1, 1)):
+                for kind in decode.SCHEDULES:
+                    try:
+                        plan = decode.decode_plan(8, bits, torch.float16, n, k_tiles, device=0, config=cfg, schedule_kind=kind,
+                                                  groups=groups)
+                    except ValueError:  # the schedule does not apply
+                        continue
+                    kc = (k_tiles + 1) // 2
+                    if plan.align != kc or plan.stream_k_slack >= 0:
+                        assert plan.split and plan.ws_numel > 0 and plan.counters > 0, (bits, n, groups, cfg, kind, plan)
 
 
 def test_launch_shapes_per_gpu():

@@ -406,8 +406,8 @@ DECODE_CONFIGS: dict[tuple[int, int], tuple[DecodeConfig, ...]] = {
 
 # The launch shapes a plan chooses from on the GPUs named here (a name containing the key), in place of
 # DECODE_CONFIGS' for the same (bits, fragments); other GPUs keep DECODE_CONFIGS until measured. The
-# order breaks ties of the cost model. H200, K = 4 with one fragment: DECODE_CONFIGS' four and a
-# 16-row shape (16, 16, 1, 2, 1) and a 64-row one with one item in flight (16, 8, 2, 1, 1), for the
+# order breaks ties of the cost model. H200, K = 4 with one fragment: DECODE_CONFIGS' four with, after
+# the first, a 16-row shape (16, 16, 1, 2, 1) and a 64-row one with one item in flight (16, 8, 2, 1, 1), for the
 # layers of a few thousand rows that leave SMs idle at 32 or 64 rows a tile (no spills, 119-128
 # registers). On the H200 cases of `scripts/tune_decode_plan.py collect --bits 4 --m 1 4`
 # (`bench/results/decode-plan-fit-k4-h200.json`, 2026-11-30, `bench/results/decode-plan-h200.md`) the
@@ -416,8 +416,8 @@ DECODE_CONFIGS: dict[tuple[int, int], tuple[DecodeConfig, ...]] = {
 # 10.7 -> 9.9, 28672->8192 47.8 -> 45.1, with the cost constants below unchanged. The H100 (same SMs,
 # less bandwidth) was not measured with them.
 DECODE_CONFIGS_BY_GPU: dict[str, dict[tuple[int, int], tuple[DecodeConfig, ...]]] = {
-    "H200": {(4, 1): (DecodeConfig(16, 16, 2, 1, 1), DecodeConfig(16, 16, 1, 2, 1), DecodeConfig(16, 8, 2, 1, 1),
-                      DecodeConfig(16, 8, 2, 2, 1), DecodeConfig(16, 4, 2, 2, 1), DecodeConfig(16, 1, 2, 2, 1))},
+    "H200": {(4, 1): (DECODE_CONFIGS[(4, 1)][0], DecodeConfig(16, 16, 1, 2, 1), DecodeConfig(16, 8, 2, 1, 1),
+                      *DECODE_CONFIGS[(4, 1)][1:])},
 }
 
 
