@@ -230,7 +230,8 @@ def combine_experts_reference(y, position, top_k_weights):
     each token's ``top_k`` slots as one batched product (float32 products and sums, rounded once)."""
     check_combine_args(y, position, top_k_weights)
     tokens, top_k = top_k_weights.shape
-    rows = y[position].view(tokens, top_k, y.shape[1])
+    # a negative position is outside the rows too: past the end, so that indexing fails rather than wraps
+    rows = y[torch.where(position < 0, y.shape[0], position)].view(tokens, top_k, y.shape[1])
     return torch.bmm(top_k_weights.reshape(tokens, 1, top_k).to(y.dtype), rows).view(tokens, y.shape[1])
 
 

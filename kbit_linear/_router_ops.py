@@ -129,5 +129,11 @@ torch.library.register_autograd(f"{_NS}::router_top_k", _backward, setup_context
 def router_top_k(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool,
                  scores_float: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.kbit_linear.router_top_k``: ``(logits [T, E], scores [T, top_k], index int64 [T, top_k])``
-    of the module docstring; the CUDA kernel on CUDA tensors of decode sizes, the reference elsewhere."""
+    of the module docstring; the CUDA kernel on CUDA tensors of decode sizes, the reference elsewhere.
+
+    Raises:
+        TypeError / ValueError: bad arguments, named (checked here first: the op's dispatcher
+            would turn a bool ``top_k`` or a non-bool ``normalize`` into an int or a bool).
+    """
+    check_router_args(x, weight, top_k, normalize, scores_float)
     return torch.ops.kbit_linear.router_top_k(x, weight, top_k, normalize, scores_float)

@@ -135,6 +135,9 @@ def allocate_bits(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str,
     """
     if not errors:
         return {}
+    for name, errs in errors.items():
+        if not isinstance(errs, Mapping) or not errs or any(isinstance(b, bool) or not isinstance(b, int) for b in errs):
+            raise ValueError(f"errors[{name!r}] must be a non-empty mapping of bit widths (ints) to errors, got {errs!r}")
     if set(sizes) != set(errors) or any(not isinstance(sizes[n], int) or sizes[n] < 1 for n in errors):
         raise ValueError("sizes must give a positive weight count for every layer of errors, and no other")
     choices = sorted(next(iter(errors.values())))
@@ -184,6 +187,9 @@ def plan_layer_bits(layers: Iterable[tuple[str, torch.Tensor]], target_bpw: floa
     errors: dict[str, dict[int, float]] = {}
     sizes: dict[str, int] = {}
     for name, weight in tqdm(list(layers), desc="kbit bit widths (sensitivity)", unit="layer", disable=not progress):
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(f"layer {name!r}: the weight must be a 2-D tensor [out, in], got "
+                             f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
         signs = hd.random_signs(weight.shape[1], hd.layer_seed(name), weight.device) if hadamard else None
         errors[name] = relative_errors(weight, codebook=codebook, scale_search=scale_search, hadamard_signs=signs,
                                        name=f"{name}.weight")

@@ -80,6 +80,7 @@ TENSOR_SUFFIXES = {"packed": "", "absmax": "_absmax", "codebook": "_codebook", "
 """Field of :class:`~kbit_linear.quantizer.KbitTensors` -> suffix of its attribute after the
 projection's name (``gate_up_proj``, ``gate_up_proj_absmax``, ...)."""
 
+_ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # forward's (not float8: no silu, no promotion)
 _DEQUANTIZE = torch.ops.kbit_linear.dequantize.default
 _FLOAT32_BUFFERS = tuple(p + s for p in PROJECTIONS for s in ("_codebook", "_tensor_scale"))
 
@@ -413,7 +414,9 @@ class KbitExperts(nn.Module):
         """Replace the stored tensors of ``proj`` by ``tensors`` (as :func:`quantize_experts_weight` returns).
 
         Raises:
-            ValueError / TypeError: a tensor of the wrong dtype or shape, named.
+            ValueError / TypeError: a tensor of the wrong dtype or shape, a codebook that is not
+                ``format.validate_codebook``'s (NaN, out of [-1, 1], not increasing), or tensors
+                not on one device (this projection's four and the other projection's), named.
         """
         n, k = self.projection_shape(proj)
         packed_shape, absmax_shape = fmt.tiled_shapes(n, k, self.bits)
@@ -429,6 +432,13 @@ class KbitExperts(nn.Module):
                 raise TypeError(f"{proj}{TENSOR_SUFFIXES[field]} must be a {dtype} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
             if tuple(t.shape) != shape:
                 raise ValueError(f"{proj}{TENSOR_SUFFIXES[field]} must have shape {shape}, got {tuple(t.shape)}")
+        devices = {getattr(tensors, field).device for field in want}
+        other = getattr(self, PROJECTIONS[1 - PROJECTIONS.index(proj)], None)
+        if other is not None and other.device.type != "meta" and next(iter(devices)).type != "meta":
+            devices.add(other.device)  # (a module being built starts on meta: from_experts)
+        if len(devices) > 1:
+            raise ValueError(f"{proj}'s tensors and the other projection's must be on one device, got {sorted(map(str, devices))}")
+        fmt.validate_codebook(tensors.codebook, self.bits, name=f"{proj}_codebook")  # (values not checked on meta)
         setattr(self, proj, nn.Parameter(weight_layout.device_form(tensors.packed, self.bits), requires_grad=False))
         for field in ("absmax", "codebook", "tensor_scale"):
             setattr(self, proj + TENSOR_SUFFIXES[field], getattr(tensors, field))
@@ -563,8 +573,8 @@ class KbitExperts(nn.Module):
         for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not hidden_states.is_floating_point():
-            raise TypeError(f"hidden_states must be floating point, got {hidden_states.dtype}")
+        if hidden_states.dtype not in _ACTIVATION_DTYPES:
+            raise TypeError(f"hidden_states must be floating point (float32, float16, bfloat16 or float64), got {hidden_states.dtype}")
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_dim:
             raise ValueError(f"hidden_states must have shape [tokens, hidden_dim={self.hidden_dim}], got {tuple(hidden_states.shape)}")
         if top_k_index.is_floating_point() or top_k_index.is_complex() or top_k_index.dtype == torch.bool:
@@ -582,7 +592,7 @@ class KbitExperts(nn.Module):
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device}, the experts on {device}")
         if read_values and top_k_index.numel():
-            lo, hi = torch.stack(torch.aminmax(top_k_index)).tolist()
+            lo, hi = torch.stack(torch.aminmax(top_k_index.to(torch.int64))).tolist()  # int64: unsigned ids too
             if lo < 0 or hi > self.num_experts:
                 raise ValueError(
                     f"top_k_index holds expert ids {lo}..{hi}; valid ids are 0..{self.num_experts - 1} "

@@ -144,6 +144,11 @@ def allocate_tiers(current: torch.Tensor, importance: torch.Tensor, budget: floa
     Returns:
         int8 ``[m]``: the new widths, each ``<= current``.
     """
+    if current.dim() != 1 or importance.dim() != 1 or current.numel() != importance.numel():
+        raise ValueError(f"current and importance must be 1-D of one length, got {tuple(current.shape)} and "
+                         f"{tuple(importance.shape)}")
+    if not 0 <= hysteresis < 1:
+        raise ValueError(f"hysteresis must be in [0, 1), got {hysteresis}")
     device = current.device
     cur = current.to("cpu", torch.int64)  # the walks below read values back step by step: on the host
     importance = importance.to("cpu")
@@ -250,7 +255,8 @@ class KbitKVView:
     def __init__(self, layer: "KbitKVLayer") -> None:
         self.layer = layer
 
-    def _refuse(self) -> str:
+    @staticmethod
+    def _refuse() -> str:
         """The error message for a model whose attention cannot read the cache."""
         return (
             "KbitKVCache hands attention a KbitKVView, not tensors: the model's attention must run through "
@@ -264,9 +270,17 @@ class KbitKVView:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        """Refuse every torch operation with the explanation."""
-        view = next(a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, KbitKVView))
-        raise TypeError(f"{view._refuse()} (it called {getattr(func, '__name__', func)})")
+        """Refuse every torch operation with the explanation (views inside lists too: ``torch.cat``)."""
+        raise TypeError(f"{cls._refuse()} (it called {getattr(func, '__name__', func)})")
+
+    def _refuse_operator(self, *args: object) -> None:
+        raise TypeError(f"{self._refuse()} (it indexed it, took its length or used it in arithmetic)")
+
+    def __bool__(self) -> bool:  # (not through __len__: a view is there, whatever it holds)
+        return True
+
+    __getitem__ = __len__ = __iter__ = _refuse_operator
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __matmul__ = __rmatmul__ = __truediv__ = _refuse_operator
 
 
 class KbitKVLayer(CacheLayerMixin):
@@ -438,6 +452,7 @@ class KbitKVLayer(CacheLayerMixin):
         if self.first_valid is not None:
             self.first_valid = self.first_valid[src]
             self._first_valid_known = self._first_valid_known[src]
+        self._spare.clear()  # sized for the old batch: not reusable, and nbytes would not count them
         self.batch = nb
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -450,8 +465,20 @@ class KbitKVLayer(CacheLayerMixin):
             self._remap_rows(torch.arange(self.batch, device=self.device).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the batch rows ``indices``."""
-        self._remap_rows(torch.as_tensor(indices).reshape(-1))
+        """Keep only the batch rows ``indices`` (integer row numbers, or a bool mask over the rows).
+
+        Raises:
+            TypeError: ``indices`` neither integer nor bool.
+            ValueError: a bool mask whose length is not the batch size.
+        """
+        indices = torch.as_tensor(indices).reshape(-1)
+        if indices.dtype == torch.bool:
+            if self.is_initialized and indices.numel() != self.batch:
+                raise ValueError(f"indices as a bool mask must have one entry per batch row ({self.batch}), got {indices.numel()}")
+            indices = torch.nonzero(indices).reshape(-1)
+        elif indices.is_floating_point() or indices.is_complex():
+            raise TypeError(f"indices must be integer row numbers or a bool mask, got {indices.dtype}")
+        self._remap_rows(indices)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (a negative count, as transformers passes it).

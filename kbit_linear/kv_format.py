@@ -206,6 +206,8 @@ class KVStore8(_TensorFields):
         (reads the row counts on the host once)."""
         if bucket.bits != 8:
             raise ValueError(f"a store holds 8-bit tokens, got a {bucket.bits}-bit bucket")
+        if isinstance(room, bool) or not isinstance(room, int) or room < 0:
+            raise ValueError(f"room must be an int >= 0, got {room!r}")
         count = (bucket.row_start[1:] - bucket.row_start[:-1]).to(torch.int32)
         b, dev = count.numel(), bucket.pos.device
         capacity = (int(count.max()) if b else 0) + room
@@ -448,7 +450,8 @@ def mask_bias(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int,
     """The attention mask as an additive float32 bias ``[B, q_len, kv_len]``.
 
     ``mask`` is what transformers hands to attention: boolean ``[B, 1 or heads, q, kv]`` (True =
-    attend), an additive float mask of that shape, or ``None`` for causal attention with the
+    attend), an additive float mask of that shape (entries at or below half its dtype's lowest
+    value, as transformers' masked ones, count as -inf: masked), or ``None`` for causal attention with the
     queries at the end of the sequence (query ``i`` sees positions ``<= kv_len - q_len + i``),
     built on ``device`` (default: the mask's device, else the CPU). A mask with more than one head
     must be the same for every head.
@@ -460,10 +463,15 @@ def mask_bias(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int,
     if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[-2] < q_len or mask.shape[-1] < kv_len:
         raise ValueError(f"attention_mask of shape {tuple(mask.shape)} does not cover batch {batch}, {q_len} queries "
                          f"and {kv_len} cached positions ([batch or 1, heads, >= queries, >= positions])")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"attention_mask must be bool (True: attend) or a floating-point bias, got {mask.dtype}")
     m = mask[:, 0, -q_len:, -kv_len:]
     if device is not None:
         m = m.to(device)
-    m = torch.where(m, 0.0, -math.inf).to(torch.float32) if m.dtype == torch.bool else m.float()
+    if m.dtype == torch.bool:
+        m = torch.where(m, 0.0, -math.inf).to(torch.float32)
+    else:  # a bias: its dtype's lowest value (transformers' masked entries) or near it is masked, as -inf
+        m = torch.where(m <= torch.finfo(m.dtype).min / 2, -math.inf, m.float())
     return m.expand(batch, q_len, kv_len)
 
 

@@ -64,6 +64,10 @@ def test_allocate_bits_budget_edges_and_sizes():
         (lambda: allocation.check_target_bpw("3.5"), TypeError, "target_bpw"),
         (lambda: allocation.check_target_bpw(True), TypeError, "target_bpw"),
         (lambda: allocation.allocate_bits({"a": _convex_errors(1)}, {"a": 1}, "3"), TypeError, "target_bpw"),
+        (lambda: allocation.allocate_bits({"a": {}}, {"a": 10}, 3.0), ValueError, r"errors\['a'\]"),
+        (lambda: allocation.allocate_bits({"a": [0.5, 0.1]}, {"a": 10}, 3.0), ValueError, r"errors\['a'\]"),
+        (lambda: allocation.plan_layer_bits([("a", torch.randn(64))], 3.0, hadamard=True, progress=False), ValueError,
+         "2-D"),
     ],
 )
 def test_allocation_rejects_bad_arguments(call, error, match):

@@ -815,6 +815,19 @@ def test_other_bad_arguments():
         k.set_projection("gate_up_proj", q)
     with pytest.raises(ValueError, match="proj must be one of"):
         k.projection_shape("up_proj")
+    good = quantize_experts_weight(torch.randn(2, 64, 32), 4)
+    with pytest.raises(ValueError, match="gate_up_proj_codebook"):  # NaN in the codebook
+        k.set_projection("gate_up_proj", good._replace(codebook=torch.full((16,), float("nan"))))
+    with pytest.raises(ValueError, match="one device"):
+        k.set_projection("gate_up_proj", good._replace(codebook=good.codebook.to("meta")))
+    x, index, weights = torch.randn(3, 32), torch.tensor([[0, 1], [1, 2], [2, 0]]), torch.rand(3, 2)
+    k2 = KbitExperts(3, 32, 16)
+    with pytest.raises(TypeError, match="hidden_states must be"):
+        k2(x.to(torch.float8_e4m3fn), index, weights)
+    for dtype in (torch.uint8, torch.int16, torch.uint16, torch.uint32):  # unsigned ids: range-checked, then run
+        torch.testing.assert_close(k2(x, index.to(dtype), weights), k2(x, index, weights))
+    with pytest.raises(ValueError, match="top_k_index holds expert ids"):
+        k2(x, torch.tensor([[0, 1], [1, 2], [2, 9]], dtype=torch.uint16), weights)
     with pytest.raises(TypeError, match="dtype"):
         k.dequantize(torch.int32)
 
@@ -916,6 +929,15 @@ def test_combine_experts_reference_is_the_weighted_sum_over_each_tokens_slots(dt
     assert got.dtype == dtype and got.shape == (5, 24)
     step = 2**-7 if dtype == torch.bfloat16 else 1e-6  # one rounding step of the output
     torch.testing.assert_close(got, _combine_by_loop(y, position, weights), rtol=step, atol=1e-6)
+
+
+def test_combine_experts_reference_refuses_positions_outside_the_rows():
+    """A position outside ``y``'s rows is an indexing error in the reference, negative ones too
+    (indexing would wrap them round to the last rows)."""
+    y, weights = torch.randn(4, 8), torch.ones(2, 2)
+    for bad in (4, -1):
+        with pytest.raises(IndexError):
+            torch.ops.kbit_linear.combine_experts(y, torch.tensor([0, 1, 2, bad]), weights)
 
 
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.float32),

@@ -222,6 +222,13 @@ def test_allocator_equals_the_token_by_token_loop() -> None:
         assert torch.equal(got, _allocate_tiers_loop(cur, imp, budget, hyst)), (case, m, budget, hyst)
 
 
+def test_allocator_refuses_inputs_that_disagree() -> None:
+    with pytest.raises(ValueError, match="1-D of one length"):
+        allocate_tiers(torch.full((5,), 8), torch.tensor([1.0]), 20.0)
+    with pytest.raises(ValueError, match="hysteresis"):
+        allocate_tiers(torch.full((5,), 8), torch.ones(5), 20.0, hysteresis=1.5)
+
+
 def test_allocator_hysteresis() -> None:
     # 10 tokens at 4 bits, budget for 5 at 4 and 5 at 3: the 6th most important sits just below the cutoff
     cur = torch.full((10,), 4)
@@ -552,6 +559,42 @@ def test_view_refuses_tensor_use() -> None:
         view.shape
     with pytest.raises(TypeError, match="kbit_kv"):
         torch.matmul(torch.randn(2, 2), view)
+    with pytest.raises(TypeError, match="kbit_kv.*called cat"):  # views inside a list argument
+        torch.cat([view, view])
+    for use in (lambda: view[:, :, :2], lambda: len(view), lambda: view * 2):
+        with pytest.raises(TypeError, match="kbit_kv"):
+            use()
+    assert view  # truthy, as any object
+
+
+def test_batch_select_indices_takes_a_bool_mask_and_refuses_floats() -> None:
+    by_rows, _ = _filled_layer(3, 2, 32, 40, 4.0, seed=3)
+    by_mask, _ = _filled_layer(3, 2, 32, 40, 4.0, seed=3)
+    by_rows.batch_select_indices(torch.tensor([1, 2]))
+    by_mask.batch_select_indices(torch.tensor([False, True, True]))
+    assert by_mask.batch == 2
+    for a, b in zip(by_rows.dequantize(), by_mask.dequantize()):
+        assert torch.equal(a, b)
+    assert not by_mask._spare  # the old batch's spare column buffers are not kept (nbytes counts what is held)
+    with pytest.raises(ValueError, match="one entry per batch row"):
+        by_mask.batch_select_indices(torch.tensor([True, False, True]))
+    with pytest.raises(TypeError, match="integer row numbers or a bool mask"):
+        by_mask.batch_select_indices(torch.tensor([0.0, 1.0]))
+
+
+def test_float_masks_with_the_dtype_minimum_are_masked_and_int_masks_refused() -> None:
+    from kbit_linear.kv_format import mask_bias, visible_queries
+
+    mask = torch.ones(2, 1, 3, 10, dtype=torch.bool).tril(7)
+    mask[1, :, :, :2] = False
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # transformers' masks: 0 or the dtype's lowest
+        as_min = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+        assert torch.equal(mask_bias(as_min, 2, 3, 10), mask_bias(mask, 2, 3, 10))
+        assert torch.equal(visible_queries(as_min, 2, 3, 10), visible_queries(mask, 2, 3, 10))
+    bias = torch.where(mask, -2.5, -math.inf)  # an ordinary additive bias is kept as it is
+    assert torch.equal(mask_bias(bias, 2, 3, 10), bias[:, 0])
+    with pytest.raises(TypeError, match="attention_mask must be bool"):
+        mask_bias(mask.long(), 2, 3, 10)
 
 
 def test_top_level_export() -> None:

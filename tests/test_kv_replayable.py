@@ -91,6 +91,11 @@ def test_in_place_append_equals_append_tokens8(q: int, counts: list[int]) -> Non
     assert store.overflow.tolist() == [0] and int(store.count.max()) == store.capacity
 
 
+def test_a_store_needs_room_of_zero_or_more() -> None:
+    with pytest.raises(ValueError, match="room"):
+        KVStore8.from_bucket(_bucket8([3, 1]), -1)
+
+
 @pytest.mark.parametrize("room", [0, 3])
 def test_an_append_that_does_not_fit_writes_nothing_and_sets_overflow(room: int) -> None:
     store = KVStore8.from_bucket(_bucket8([2, 4]), room)

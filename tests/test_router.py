@@ -227,6 +227,11 @@ def test_bad_arguments_name_themselves():
         op(x[0], w, 2, True, True)
     with pytest.raises((TypeError, RuntimeError), match="normalize|bool"):
         _router_ops.router_top_k_reference(x, w, 2, 1, True)
+    # the public function checks before the op's dispatcher turns True into 1 or None into False
+    with pytest.raises(TypeError, match="top_k must be an int"):
+        _router_ops.router_top_k(x, w, True, True, True)
+    with pytest.raises(TypeError, match="normalize"):
+        _router_ops.router_top_k(x, w, 2, None, True)
 
 
 def test_quantize_model_and_from_pretrained_with_fuse_fuse_the_routers(tmp_path):
