@@ -59,6 +59,7 @@ __all__ = [
     "SWEEP_CUDA_GRAPHS",
     "CALIBRATION_MODULES",
     "Calibration",
+    "check_hessian",
     "default_calibration_text",
     "gptq_quantize_blocks",
     "damped_inverse_cholesky",
@@ -239,6 +240,22 @@ def damped_inverse_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     raise ValueError(f"hessian is not positive definite even with damping {damp * 1000:g} x its mean diagonal")
 
 
+def check_hessian(hessian: torch.Tensor, in_features: int) -> None:
+    """A Hessian for a weight of ``in_features`` columns: a floating-point ``[in_features, in_features]``
+    tensor of finite values.
+
+    Raises:
+        TypeError / ValueError: naming ``hessian``.
+    """
+    if not isinstance(hessian, torch.Tensor) or not hessian.is_floating_point():
+        raise TypeError(f"hessian must be a floating-point torch.Tensor, got {getattr(hessian, 'dtype', type(hessian).__name__)}")
+    if tuple(hessian.shape) != (in_features, in_features):
+        raise ValueError(f"hessian must have shape [in_features, in_features] = [{in_features}, {in_features}], "
+                         f"got {tuple(hessian.shape)}")
+    if hessian.device.type != "meta" and not bool(torch.isfinite(hessian).all()):
+        raise ValueError("hessian contains NaN or Inf values")
+
+
 def gptq_quantize_blocks(
     weight: torch.Tensor,
     hessian: torch.Tensor,
@@ -293,12 +310,7 @@ def gptq_quantize_blocks(
     fmt.check_bits(bits)
     fmt.check_weight(weight)
     n, k = weight.shape
-    if not isinstance(hessian, torch.Tensor) or not hessian.is_floating_point():
-        raise TypeError(f"hessian must be a floating-point torch.Tensor, got {getattr(hessian, 'dtype', type(hessian).__name__)}")
-    if tuple(hessian.shape) != (k, k):
-        raise ValueError(f"hessian must have shape [in_features, in_features] = [{k}, {k}], got {tuple(hessian.shape)}")
-    if not bool(torch.isfinite(hessian).all()):
-        raise ValueError("hessian contains NaN or Inf values")
+    check_hessian(hessian, k)
     fmt.check_bool("scale_search", scale_search)
     damp = _check_damp(damp)
     fmt.check_bool("act_order", act_order)
@@ -307,7 +319,7 @@ def gptq_quantize_blocks(
         raise ValueError(f"lazy_block must be a multiple of {fmt.BLOCK_SIZE}, got {lazy_block}")
     device = weight.device
     cb = fmt.resolve_codebook(codebook, bits, device)
-    ts = fmt.compute_tensor_scale(weight) if tensor_scale is None else tensor_scale.to(device)
+    ts = fmt.compute_tensor_scale(weight) if tensor_scale is None else fmt.check_given_tensor_scale(tensor_scale, weight)
     candidates = fmt.SCALE_SEARCH_CANDIDATES if scale_search else 1  # 1: the round-up code alone
 
     w = weight.detach().to(torch.float32).clone()

@@ -31,6 +31,7 @@ __all__ = [
     "SUPPORTED_BITS",
     "E4M4_BIAS",
     "E4M4_MAX",
+    "check_given_tensor_scale",
     "KbitWeight",
     "create_normal_float_codebook",
     "validate_codebook",
@@ -389,6 +390,30 @@ def _check_tensor_scale(tensor_scale: torch.Tensor) -> None:
         raise ValueError(f"tensor_scale must be a float32 tensor with one element, got {tensor_scale.dtype} {tuple(tensor_scale.shape)}")
 
 
+def check_given_tensor_scale(tensor_scale: torch.Tensor, weight: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """A caller's ``tensor_scale`` for ``weight`` as float32 ``[1]`` on the weight's device, checked:
+    one positive finite power of two that holds the weight (its largest block absmax over it fits
+    the E4M4 range). On the meta device only its type and size are checked.
+
+    Raises:
+        TypeError: not a floating-point tensor. ValueError: not one value, or not such a scale.
+    """
+    if not isinstance(tensor_scale, torch.Tensor) or not tensor_scale.is_floating_point():
+        raise TypeError(f"tensor_scale must be a floating-point tensor, got {getattr(tensor_scale, 'dtype', type(tensor_scale).__name__)}")
+    if tensor_scale.numel() != 1:
+        raise ValueError(f"tensor_scale must hold one value, got shape {tuple(tensor_scale.shape)}")
+    if tensor_scale.device.type == "meta" and weight.device.type != "meta":
+        raise ValueError("tensor_scale is on the meta device (it holds no value)")
+    ts = tensor_scale.detach().to(device=weight.device, dtype=torch.float32).reshape(1)
+    if weight.device.type == "meta":
+        return ts
+    if not is_power_of_two(ts):
+        raise ValueError(f"tensor_scale must be a positive finite power of two, got {ts.item()!r}")
+    if bool((compute_tensor_scale(weight) > ts).any()):
+        raise ValueError(f"tensor_scale={ts.item()!r} is too small for {name}: its largest value / tensor_scale exceeds {E4M4_MAX}")
+    return ts
+
+
 def quantize_blockwise(
     weight: torch.Tensor,
     bits: int,
@@ -410,7 +435,7 @@ def quantize_blockwise(
     check_bits(bits)
     check_weight(weight)
     cb = _resolve_codebook(codebook, bits, weight.device)
-    ts = compute_tensor_scale(weight) if tensor_scale is None else tensor_scale
+    ts = compute_tensor_scale(weight) if tensor_scale is None else check_given_tensor_scale(tensor_scale, weight)
     _check_tensor_scale(ts)
     ts = ts.to(device=weight.device)
     packed, codes = _quantize_blocks(weight, bits, cb, ts)

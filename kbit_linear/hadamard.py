@@ -40,6 +40,8 @@ def hadamard_matrix(size: int, dtype: torch.dtype = torch.float32, device: torch
     """The orthonormal Walsh-Hadamard matrix ``[size, size]`` (Sylvester order, symmetric), ``size`` a power of two."""
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or size & (size - 1):
         raise ValueError(f"size must be a positive power of two, got {size!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")  # entries are +-1/sqrt(size)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < size:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -72,6 +74,8 @@ def random_signs(in_features: int, seed: int = 0, device: torch.device | str | N
     """int8 ``[in_features]`` of +-1 drawn from ``seed`` (on the CPU, so every device draws the same)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must fit in 64 bits, got {seed}")
     hadamard_block(in_features)  # checks in_features
     g = torch.Generator().manual_seed(seed)
     return (torch.randint(0, 2, (in_features,), generator=g, dtype=torch.int8) * 2 - 1).to(device)
@@ -88,6 +92,13 @@ def check_signs(signs: torch.Tensor, in_features: int, name: str = "hadamard_sig
         raise ValueError(f"{name} must hold only +1 and -1")
 
 
+def _check_operands(t: torch.Tensor, signs: torch.Tensor) -> None:
+    """Metadata checks of :func:`rotate` / :func:`unrotate` (they run in forward passes: no value reads)."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() == 0:
+        raise TypeError(f"t must be a floating-point tensor of at least one dimension, got {getattr(t, 'dtype', type(t).__name__)}")
+    check_signs(signs, t.shape[-1], "signs", values=False)
+
+
 def rotate(t: torch.Tensor, signs: torch.Tensor, matrix: torch.Tensor | None = None) -> torch.Tensor:
     """``t R`` along the last dimension (= ``R^T t`` for vectors): ``(t * signs)`` in blocks of
     :func:`hadamard_block` ``(t.shape[-1])`` times the Hadamard matrix; ``t``'s dtype and shape.
@@ -98,6 +109,7 @@ def rotate(t: torch.Tensor, signs: torch.Tensor, matrix: torch.Tensor | None = N
         matrix: the block's Hadamard matrix in ``t``'s dtype and device (default:
             :func:`cached_matrix`).
     """
+    _check_operands(t, signs)
     k = t.shape[-1]
     b = hadamard_block(k)
     if matrix is None:
@@ -108,6 +120,7 @@ def rotate(t: torch.Tensor, signs: torch.Tensor, matrix: torch.Tensor | None = N
 
 def unrotate(t: torch.Tensor, signs: torch.Tensor, matrix: torch.Tensor | None = None) -> torch.Tensor:
     """The inverse of :func:`rotate` (``t R^T``): the blocks times the Hadamard matrix, then the signs."""
+    _check_operands(t, signs)
     k = t.shape[-1]
     b = hadamard_block(k)
     if matrix is None:

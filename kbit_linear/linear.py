@@ -247,7 +247,7 @@ class KbitLinear(nn.Module):
         """
         # The gemm op only knows in_features up to the 64-wide tile padding, so it would
         # accept a slightly too wide x and read the padding: one int compare refuses it.
-        if x.shape[-1] != self.in_features:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x's last dimension must be in_features={self.in_features}, got shape {tuple(x.shape)}")
         if self.hadamard_signs is not None:
             x = _ops.hadamard_rotate(x, self.hadamard_signs)

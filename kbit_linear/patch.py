@@ -162,8 +162,12 @@ def matches_skip(name: str, rules: Iterable[SkipRule]) -> SkipRule | None:
 
     Returns:
         The matching rule, or ``None``.
+
+    Raises:
+        TypeError / ValueError: bad rules (:func:`check_skip_rules`: one bare rule is taken as one
+            rule, not iterated character by character).
     """
-    for rule in rules:
+    for rule in check_skip_rules(rules, "rules"):
         if isinstance(rule, re.Pattern):
             if rule.search(name):
                 return rule

@@ -120,9 +120,10 @@ def quantize_weight(
             signs = hadamard_signs.to(w.device)
             w = hadamard.rotate(w.to(torch.float32), signs)
             if hessian is not None:
+                calibration.check_hessian(hessian, weight.shape[1])  # before the rotation, which would hide a bad one
                 hessian = hadamard.rotate_hessian(hessian.to(device=w.device, dtype=torch.float32), signs)
         cb = codebooks.resolve_codebook_option(codebook, w, bits, scale_search=scale_search)
-        ts = fmt.compute_tensor_scale(w) if tensor_scale is None else _given_tensor_scale(tensor_scale, w, name)
+        ts = fmt.compute_tensor_scale(w) if tensor_scale is None else fmt.check_given_tensor_scale(tensor_scale, w, name)
         if hessian is not None and w.device.type != "meta":
             packed_flat, absmax_flat, _ = calibration.gptq_quantize_blocks(
                 w, hessian, bits, cb, ts, scale_search=scale_search, damp=damp, act_order=act_order)
@@ -133,26 +134,6 @@ def quantize_weight(
             packed_flat, absmax_flat = _QUANTIZE(w, cb, ts, bits)
         packed, absmax = _REPACK(packed_flat, absmax_flat, bits)
     return KbitTensors(packed, absmax, cb, ts)
-
-
-def _given_tensor_scale(tensor_scale: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
-    """``tensor_scale`` as float32 ``[1]`` on ``w``'s device, checked: a positive finite power of
-    two that holds ``w`` (its largest block absmax fits the E4M4 range)."""
-    if not isinstance(tensor_scale, torch.Tensor) or not tensor_scale.is_floating_point():
-        raise TypeError(f"tensor_scale must be a floating-point tensor, got {type(tensor_scale).__name__}")
-    if tensor_scale.numel() != 1:
-        raise ValueError(f"tensor_scale must hold one value, got shape {tuple(tensor_scale.shape)}")
-    if tensor_scale.device.type == "meta" and w.device.type != "meta":
-        raise ValueError("tensor_scale is on the meta device (it holds no value)")
-    ts = tensor_scale.detach().to(device=w.device, dtype=torch.float32).reshape(1)
-    if w.device.type == "meta":
-        return ts
-    if not fmt.is_power_of_two(ts):
-        raise ValueError(f"tensor_scale must be a positive finite power of two, got {ts.item()!r}")
-    if bool((fmt.compute_tensor_scale(w) > ts).any()):
-        raise ValueError(f"tensor_scale={ts.item()!r} is too small for {name}: its largest value / tensor_scale exceeds "
-                         f"{fmt.E4M4_MAX}")
-    return ts
 
 
 def squared_error(weight: torch.Tensor, bits: int, codebook: torch.Tensor | str | None = None, *, scale_search: bool = False,
@@ -250,6 +231,8 @@ def group_quantization(weights: Sequence[torch.Tensor], bits: int, codebook: tor
         fmt.check_weight(w, f"weights[{i}]", finite=False)
         if w.shape[1] != weights[0].shape[1]:
             raise ValueError(f"weights[{i}] has in_features={w.shape[1]}, weights[0] {weights[0].shape[1]}")
+    if hadamard_signs is not None:
+        hadamard.check_signs(hadamard_signs, weights[0].shape[1], "hadamard_signs")
     device = weights[0].device if device is None else torch.device(device)
     if device.type == "meta" or any(w.device.type == "meta" for w in weights):  # shapes only: nothing to share
         return GroupShared(codebooks.resolve_codebook_option(codebook, weights[0], bits, device=device), None)

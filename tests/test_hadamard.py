@@ -271,3 +271,17 @@ def _copy(net: nn.Module) -> nn.Module:
     import copy
 
     return copy.deepcopy(net)
+
+
+def test_bad_operands_are_named() -> None:
+    signs = hd.random_signs(64)
+    with pytest.raises(ValueError, match="signs must have shape"):
+        hd.rotate(torch.randn(2, 64), torch.ones(1, dtype=torch.int8))  # one sign would broadcast
+    with pytest.raises(TypeError, match="signs must be an int8"):
+        hd.unrotate(torch.randn(2, 64), signs.float())
+    with pytest.raises(TypeError, match="t must be a floating-point"):
+        hd.rotate(torch.arange(64).reshape(1, 64), signs)  # integer rows would round to zeros
+    with pytest.raises(TypeError, match="dtype"):
+        hd.hadamard_matrix(4, torch.int32)
+    with pytest.raises(ValueError, match="seed must fit in 64 bits"):
+        hd.random_signs(64, 2**64)

@@ -228,3 +228,9 @@ def test_torch_compile_fullgraph():
     x = torch.randn(3, 100)
     compiled = torch.compile(layer, fullgraph=True, backend="eager")
     assert torch.equal(compiled(x), layer(x))
+
+
+def test_a_zero_dimensional_input_is_refused_by_name():
+    layer = KbitLinear.from_linear(torch.nn.Linear(64, 32))
+    with pytest.raises(ValueError, match="in_features=64"):
+        layer(torch.tensor(1.0))

@@ -325,3 +325,9 @@ def test_check_skip_rules_names_the_argument():
         check_skip_rules([""], name="skip_modules")
     with pytest.raises(ValueError, match="skip_modules entry 're:\\(' is not a valid regular expression"):
         check_skip_rules(["re:("], name="skip_modules")
+
+
+def test_matches_skip_takes_one_bare_rule_as_a_rule():
+    assert matches_skip("model.layers.0.mlp.up_proj", "mlp") == "mlp"
+    assert matches_skip("model.layers.0.mlp.up_proj", re.compile(r"mlp\.up")).pattern == r"mlp\.up"
+    assert matches_skip("a.b", "b.c") is None

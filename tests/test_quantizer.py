@@ -7,7 +7,9 @@ import torch
 
 from kbit_linear import format as fmt
 from kbit_linear import quantizer
-from kbit_linear.quantizer import KbitTensors, quantize_weight
+from kbit_linear import calibration
+from kbit_linear.linear import KbitLinear
+from kbit_linear.quantizer import KbitTensors, group_quantization, quantize_weight
 
 
 @pytest.mark.parametrize("bits", fmt.SUPPORTED_BITS)
@@ -233,3 +235,31 @@ def test_tensor_scale_shape_and_meta_are_refused_and_far_apart_groups_keep_their
         quantize_weight(w, 4, tensor_scale=torch.ones(1, device="meta"))
     shared = quantizer.group_quantization([w, w * 1e-5], 4)
     assert shared.tensor_scale is None  # 2**17 apart: more than GROUP_SCALE_SPREAD_MAX
+
+
+def test_a_bad_hessian_is_named_before_the_rotation():
+    lin = torch.nn.Linear(64, 128)
+    with pytest.raises(ValueError, match="hessian must have shape"):
+        KbitLinear.from_linear(lin, hadamard=True, hessian=torch.eye(32))
+    with pytest.raises(TypeError, match="hessian must be a floating-point"):
+        KbitLinear.from_linear(lin, hadamard=True, hessian=torch.eye(64, dtype=torch.int64))
+
+
+def test_given_tensor_scales_are_checked_where_they_are_taken():
+    w = torch.randn(64, 64)
+    for bad in (torch.tensor([2.0**-10]), torch.tensor([0.0]), torch.tensor([-1.0]), torch.tensor([3.0])):
+        with pytest.raises(ValueError, match="tensor_scale"):
+            fmt.quantize_blockwise(w, 4, tensor_scale=bad)
+        with pytest.raises(ValueError, match="tensor_scale"):
+            calibration.gptq_quantize_blocks(w, torch.eye(64), 4, tensor_scale=bad)
+    with pytest.raises(TypeError, match="tensor_scale"):
+        calibration.gptq_quantize_blocks(w, torch.eye(64), 4, tensor_scale=1.0)
+    ts = fmt.compute_tensor_scale(w)
+    assert fmt.quantize_blockwise(w, 4, tensor_scale=ts.double())[2].dtype == torch.float32
+
+
+def test_group_quantization_checks_the_signs():
+    with pytest.raises(ValueError, match="hadamard_signs"):
+        group_quantization([torch.randn(32, 64)], 4, hadamard_signs=torch.ones(1, dtype=torch.int8))
+    with pytest.raises(ValueError, match="hadamard_signs must hold only"):
+        group_quantization([torch.randn(32, 64)], 4, hadamard_signs=torch.full((64,), 10, dtype=torch.int8))
