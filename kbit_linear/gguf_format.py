@@ -250,8 +250,21 @@ def split_blocks(raw: torch.Tensor, qtype: str | GGUFBlockType, out_features: in
     return GGUFWeight(qs, qh, scale, mins, t.name, out_features, in_features)
 
 
+def _check_gguf_weight(weight: object) -> None:
+    if not isinstance(weight, GGUFWeight):
+        raise TypeError(f"weight must be a GGUFWeight (split_blocks makes one), got {type(weight).__name__}")
+
+
+def _check_bias(bias: torch.Tensor | None, out_features: int) -> None:
+    if bias is not None and (not isinstance(bias, torch.Tensor) or not bias.is_floating_point()
+                             or tuple(bias.shape) != (out_features,)):
+        raise ValueError(f"bias must be a floating-point [{out_features}] tensor or None, got "
+                         f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+
+
 def join_blocks(weight: GGUFWeight) -> torch.Tensor:
     """The GGUF bytes of ``weight``: uint8 ``[out_features, in_features / 32 * block_bytes]``."""
+    _check_gguf_weight(weight)
     t = block_type(weight.qtype)
     n, blocks = weight.out_features, weight.in_features // BLOCK
     parts = [weight.scale.contiguous().view(torch.uint8).reshape(n, blocks, 2)]
@@ -271,6 +284,7 @@ def join_blocks(weight: GGUFWeight) -> torch.Tensor:
 
 def weight_indices(weight: GGUFWeight) -> torch.Tensor:
     """Each weight's integer level ``q`` as int32 ``[N, K]`` (before the offset; Q8_0: the int8)."""
+    _check_gguf_weight(weight)
     t = block_type(weight.qtype)
     n, k = weight.out_features, weight.in_features
     if t.bits == 8:
@@ -286,6 +300,7 @@ def weight_indices(weight: GGUFWeight) -> torch.Tensor:
 def dequantize(weight: GGUFWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The dense ``[out_features, in_features]`` weight: float32 arithmetic in GGUF's order (bit
     for bit ``gguf.dequantize``), then rounded to ``dtype``."""
+    _check_gguf_weight(weight)
     t = block_type(weight.qtype)
     n, k = weight.out_features, weight.in_features
     q = (weight_indices(weight) - t.offset).to(torch.float32).reshape(n, k // BLOCK, BLOCK)
@@ -298,6 +313,8 @@ def dequantize(weight: GGUFWeight, dtype: torch.dtype = torch.float32) -> torch.
 def matmul(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` with ``W`` dequantized to ``x``'s dtype: what a model whose weights were
     dequantized at load to that dtype computes. ``x`` is ``[..., in_features]``."""
+    _check_gguf_weight(weight)
+    _check_bias(bias, weight.out_features)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.shape[-1] != weight.in_features:
@@ -350,6 +367,8 @@ def matmul_a8(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None = N
     the blocks in float32, plus the bias rounded to ``x``'s dtype, returned in ``x``'s dtype.
     ``x`` is ``[..., in_features]``; a NaN in a block of x makes its scale NaN (so the rows that
     read it are NaN)."""
+    _check_gguf_weight(weight)
+    _check_bias(bias, weight.out_features)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.shape[-1] != weight.in_features:

@@ -907,7 +907,7 @@ def load_quantized(
         for name, t in tensors.items():
             verify_sha256(name, t, sums, where=where)
     for alias, stored in aliases.items():
-        if not isinstance(alias, str) or stored not in tensors:
+        if not isinstance(alias, str) or not isinstance(stored, str) or stored not in tensors:
             raise CheckpointError(f"{where}: alias {alias!r} refers to {stored!r}, which is not in the file")
         if alias in tensors:
             raise CheckpointError(f"{where}: alias {alias!r} is also stored as a tensor")
@@ -999,6 +999,9 @@ def load_into(
                 raise CheckpointError(
                     f"{where}: layer {prefix!r} is {n}x{k} in the checkpoint but {module.out_features}x{module.in_features} in the model"
                 )
+            if (module.bias is not None) != has_bias:  # the swap would add or drop it unseen
+                raise CheckpointError(f"{where}: layer {prefix!r} has {'a' if has_bias else 'no'} bias in the checkpoint but "
+                                      f"{'one' if module.bias is not None else 'none'} in the model")
             replace_module(model, prefix, kbit_placeholder(module, bits, bias=has_bias, hadamard=rotated))
         else:
             # the swap rule of kbit_linear.patch.is_convertible: exact nn.Linear only

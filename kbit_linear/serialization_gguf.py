@@ -254,6 +254,9 @@ def _check_target(prefix: str, module: nn.Module, meta: Mapping[str, Any], where
             if (module.out_features, module.in_features) != (n, k):
                 got = f"{module.out_features}x{module.in_features}"
                 raise CheckpointError(f"{ctx} is {n}x{k} in the checkpoint but {got} in the model")
+            if (module.bias is not None) != meta["bias"]:  # the swap would add or drop it unseen
+                raise CheckpointError(f"{ctx} has {'a' if meta['bias'] else 'no'} bias in the checkpoint but "
+                                      f"{'one' if module.bias is not None else 'none'} in the model")
         else:
             # the swap rule of kbit_linear.patch.is_convertible: exact nn.Linear only
             raise CheckpointError(f"{ctx} is a {type(module).__name__} in the model, not nn.Linear or GGUFLinear "
@@ -265,6 +268,10 @@ def _check_target(prefix: str, module: nn.Module, meta: Mapping[str, Any], where
         if _shape_of(module) != want:
             raise CheckpointError(f"{ctx} is GGUFEmbedding (qtype, rows, width, scaled)={want} in the checkpoint but "
                                   f"{_shape_of(module)} in the model")
+        # the model keeps its own factor (not a saved tensor): it must be the checkpoint's
+        if scaled and module.embed_scale.device.type != "meta" and float(module.embed_scale) != meta["embed_scale"]:
+            raise CheckpointError(f"{ctx}: embed_scale is {meta['embed_scale']!r} in the checkpoint but "
+                                  f"{float(module.embed_scale)!r} in the model")
         return
     if not isinstance(module, nn.Embedding):
         raise CheckpointError(f"{ctx} is a {type(module).__name__} in the model, not nn.Embedding or GGUFEmbedding")

@@ -450,3 +450,17 @@ def test_linear_activation_bits_selects_the_8_bit_op():
         layer.activation_bits = 4
     with pytest.raises(ValueError, match="activation_bits"):
         GGUFLinear(64, 16, "Q4_0", activation_bits=True)
+
+
+def test_public_functions_name_a_weight_that_is_not_a_gguf_weight_and_a_bad_bias():
+    dense = torch.randn(8, 64)
+    for fn in (gf.dequantize, gf.join_blocks, gf.weight_indices):
+        with pytest.raises(TypeError, match="weight must be a GGUFWeight"):
+            fn(dense)
+    for fn in (gf.matmul, gf.matmul_a8):
+        with pytest.raises(TypeError, match="weight must be a GGUFWeight"):
+            fn(torch.randn(2, 64), dense)
+    weight, _ = _weight("Q8_0", 8, 64)
+    for fn in (gf.matmul, gf.matmul_a8):
+        with pytest.raises(ValueError, match=r"bias must be a floating-point \[8\]"):
+            fn(torch.randn(2, 64), weight, torch.zeros(9))

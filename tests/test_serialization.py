@@ -464,3 +464,12 @@ def test_overwrite_replaces_the_file(tmp_path):
     save_quantized(second, path)
     assert torch.equal(load_quantized(path).tensors["4.weight"], second[4].weight)
     assert os.listdir(tmp_path) == ["m.safetensors"]
+
+
+def test_load_into_refuses_a_dense_layer_whose_bias_the_checkpoint_lacks_or_has(saved):
+    _, path = saved
+    for index, bias in ((0, False), (2, True)):  # the checkpoint's "0" has a bias, its "2" none
+        model = _mlp()
+        model[index] = nn.Linear(model[index].in_features, model[index].out_features, bias=bias)
+        with pytest.raises(CheckpointError, match=rf"layer '{index}' has (a|no) bias in the checkpoint but (none|one) in the model"):
+            load_into(model, path)

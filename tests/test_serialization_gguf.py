@@ -417,7 +417,17 @@ MISMATCHES = {
     "scaled-embedding": (lambda m: setattr(m, "embed", _ScaledEmbedding(VOCAB, HIDDEN)),
                          r"layer 'embed' is a _ScaledEmbedding in the model \(a subclass of nn.Embedding\), but the checkpoint holds a plain"),
     "max-norm": (lambda m: setattr(m, "embed", nn.Embedding(VOCAB, HIDDEN, max_norm=1.0)), r"layer 'embed': the model's embedding renormalizes"),
+    "bias-dropped": (lambda m: setattr(m, "narrow", nn.Linear(HIDDEN, NARROW, bias=False)),
+                     r"layer 'narrow' has a bias in the checkpoint but none in the model"),
 }
+
+
+def test_load_into_refuses_another_embed_scale(tmp_path):
+    weight = _blocks(torch.randn(40, 64), "Q8_0")
+    path = save_quantized(nn.Sequential(GGUFEmbedding.from_weight(weight, embed_scale=8.0)), tmp_path / "scaled.safetensors")
+    with pytest.raises(CheckpointError, match=r"embed_scale is 8.0 in the checkpoint but 2.0 in the model"):
+        load_into(nn.Sequential(GGUFEmbedding(40, 64, "Q8_0", embed_scale=2.0)), path)
+    load_into(nn.Sequential(GGUFEmbedding(40, 64, "Q8_0", embed_scale=8.0)), path)  # the same factor loads
 
 
 @pytest.mark.parametrize("case", list(MISMATCHES))

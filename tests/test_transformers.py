@@ -570,6 +570,11 @@ def _skip_changed_in_config(sd, meta, cfg):
     cfg["quantization_config"]["skip_modules"] = ["mlp"]
 
 
+def _checksums_emptied(sd, meta, cfg):
+    meta["kbit_linear.sha256"] = "{}"  # an empty table turns no check off
+    sd[f"{_LAYER}.weight"].view(-1)[7] ^= 1
+
+
 @pytest.mark.parametrize(
     "tamper, match",
     [
@@ -584,6 +589,7 @@ def _skip_changed_in_config(sd, meta, cfg):
         (_padding_not_zero, "padding"),
         (_bits_changed_in_config, r"'bits': 3.* in the checkpoint but the model \(config.json\) expects \{'bits': 4"),
         (_skip_changed_in_config, "keeps dense"),
+        (_checksums_emptied, "has no checksum"),
     ],
     ids=lambda v: v.__name__.strip("_") if callable(v) else None,
 )

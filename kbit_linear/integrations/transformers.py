@@ -462,6 +462,7 @@ class KbitHfQuantizer(HfQuantizer):
         self.pending_experts: dict[str, set[str]] = {}
         # sha256 of every quantized tensor, from the headers of a pre-quantized checkpoint
         self._header_sha256: dict[str, str] = {}
+        self._headers_read = False  # the checkpoint files' headers were checked: every stored tensor needs its checksum
         # with fuse: layer -> its group of sibling projections (quantized with one set of levels
         # and one rotation), and the dense weights of groups still waiting for a sibling
         self.group_of: dict[str, tuple[str, ...]] = {}
@@ -585,6 +586,7 @@ class KbitHfQuantizer(HfQuantizer):
         _refuse_stray(layers, placeholders, "layers", where)
         self._check_experts_headers(model, experts, shapes, where)
         self._header_sha256 = sums
+        self._headers_read = True
 
     @staticmethod
     def _check_experts_headers(model: nn.Module, experts: dict[str, Any],
@@ -678,13 +680,13 @@ class KbitHfQuantizer(HfQuantizer):
                 validate_layer_tensors(name, tensors, layer_metadata(module))
             except CheckpointError as e:
                 raise CheckpointError(f"after loading: {e}") from None
-            if self.pre_quantized and self._header_sha256:
+            if self.pre_quantized and self._headers_read:  # (an empty table is no checksum for any tensor)
                 for t_name in stored_tensor_names(module):
                     verify_sha256(f"{name}.{t_name}", tensors[t_name], self._header_sha256)
             for p in module.parameters(recurse=False):
                 p.requires_grad_(False)
             weight_layout.adopt(module.weight, module.bits)  # loaded as planes: the device's layout
-        self._header_sha256 = {}
+        self._header_sha256, self._headers_read = {}, False
         if config.fuse:
             model.kbit_fusion = fuse_projections(model)
             model.kbit_router_fusion = fuse_routers(model)
@@ -701,7 +703,7 @@ class KbitHfQuantizer(HfQuantizer):
             validate_experts_tensors(name, tensors, experts_metadata(module))
         except CheckpointError as e:
             raise CheckpointError(f"after loading: {e}") from None
-        if self.pre_quantized and self._header_sha256:
+        if self.pre_quantized and self._headers_read:
             for t_name, t in tensors.items():
                 verify_sha256(f"{name}.{t_name}", t, self._header_sha256)
         for p in module.parameters(recurse=False):
