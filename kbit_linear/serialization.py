@@ -1041,6 +1041,12 @@ def load_into(
     shared: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         shared.setdefault(id(p), []).append(name)
+    for names in shared.values():  # tied in the model: the checkpoint must hold one value for them
+        stored = [ckpt.tensors[n] for n in names if n in ckpt.tensors]
+        if any(t is not stored[0] and (t.shape != stored[0].shape or t.dtype != stored[0].dtype or not torch.equal(t, stored[0]))
+               for t in stored[1:]):
+            raise CheckpointError(f"{where}: the model ties {names} (one parameter) but the checkpoint holds different "
+                                  "tensors for them (saved from a model that does not tie them?)")
     assign = any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
     try:
         model.load_state_dict(ckpt.tensors, strict=strict, assign=assign)

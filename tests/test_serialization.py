@@ -473,3 +473,23 @@ def test_load_into_refuses_a_dense_layer_whose_bias_the_checkpoint_lacks_or_has(
         model[index] = nn.Linear(model[index].in_features, model[index].out_features, bias=bias)
         with pytest.raises(CheckpointError, match=rf"layer '{index}' has (a|no) bias in the checkpoint but (none|one) in the model"):
             load_into(model, path)
+
+
+def test_load_into_refuses_different_tensors_for_parameters_the_model_ties(tmp_path):
+    def net(tied: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(40, 64), nn.Linear(64, 64), nn.Linear(64, 40, bias=False))
+        if tied:
+            model[2].weight = model[0].weight
+        return model
+
+    def quantized(tied: bool) -> nn.Module:
+        model = net(tied)
+        quantize_model(model, bits=4, skip=["0", "2"], progress=False)
+        return model
+
+    path = save_quantized(quantized(False), tmp_path / "untied.safetensors")
+    with pytest.raises(CheckpointError, match=r"the model ties \['0.weight', '2.weight'\]"):
+        load_into(quantized(True), path)
+    path = save_quantized(quantized(True), tmp_path / "tied.safetensors")  # a tied model's own checkpoint loads
+    load_into(quantized(True), path)
