@@ -498,10 +498,12 @@ def unfuse_projections(model: nn.Module) -> int:
     return restored
 
 
-def kbit_layers(model: nn.Module) -> Iterator[tuple[str, KbitLinear]]:
+def kbit_layers(model: nn.Module, remove_duplicate: bool = True) -> Iterator[tuple[str, KbitLinear]]:
     """``(name, layer)`` for every quantized linear layer of ``model`` as a ``KbitLinear``: the
-    model's own, and a standalone copy of each fused part (for metadata and checksums)."""
-    for name, module in model.named_modules():
+    model's own, and a standalone copy of each fused part (for metadata and checksums). A layer
+    used under several names comes once, or, with ``remove_duplicate=False``, under every name
+    (as a state dict lists it)."""
+    for name, module in model.named_modules(remove_duplicate=remove_duplicate):
         if isinstance(module, KbitLinear):
             yield name, module
         elif isinstance(module, KbitLinearSlice):

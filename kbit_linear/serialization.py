@@ -685,7 +685,7 @@ def save_quantized(
                             "and GGUF modules describe themselves")
         state = dict(model_or_state_dict.state_dict())
         modules = list(model_or_state_dict.named_modules(remove_duplicate=False))
-        layer_meta = {name: layer_metadata(m) for name, m in kbit_layers(model_or_state_dict)}
+        layer_meta = {name: layer_metadata(m) for name, m in kbit_layers(model_or_state_dict, remove_duplicate=False)}
         experts_meta = {name: experts_metadata(m) for name, m in modules if isinstance(m, KbitExperts)}
         gguf_meta = {name: sg.gguf_metadata(m) for name, m in modules if isinstance(m, (GGUFLinear, GGUFEmbedding))}
     elif isinstance(model_or_state_dict, Mapping):

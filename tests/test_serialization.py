@@ -493,3 +493,16 @@ def test_load_into_refuses_different_tensors_for_parameters_the_model_ties(tmp_p
         load_into(quantized(True), path)
     path = save_quantized(quantized(True), tmp_path / "tied.safetensors")  # a tied model's own checkpoint loads
     load_into(quantized(True), path)
+
+
+def test_a_layer_used_under_two_names_saves_and_loads(tmp_path):
+    torch.manual_seed(0)
+    shared = nn.Linear(64, 64)
+    model = nn.Sequential(shared, nn.GELU(), shared)
+    quantize_model(model, bits=4, skip=None, progress=False)
+    path = save_quantized(model, tmp_path / "reused.safetensors")  # was refused as unlisted quantized planes
+    other = nn.Linear(64, 64)
+    loaded = nn.Sequential(other, nn.GELU(), other)
+    load_into(loaded, path)
+    x = torch.randn(3, 64)
+    assert torch.equal(loaded(x), model(x))
