@@ -98,6 +98,31 @@ def _check_state_dtypes(state_dict: dict[str, Any], prefix: str, expected: dict[
     return ok
 
 
+def _check_state_values(state_dict: dict[str, Any], prefix: str, bits: int, error_msgs: list[str]) -> bool:
+    """Append an error naming the key for a codebook, tensor scale or sign vector in
+    ``state_dict`` whose values a layer cannot hold (checked off the meta device: one host read
+    each); ``False`` if there was one. The checkpoint loaders check more (shapes, padding, checksums)."""
+    def check(name: str, t: torch.Tensor) -> None:
+        if name == "codebook" and t.numel() == 1 << bits:  # (another size: load_state_dict's size mismatch)
+            fmt.validate_codebook(t, bits, name=prefix + name)
+        elif name == "tensor_scale" and not fmt.is_power_of_two(t):
+            raise ValueError(f"{prefix}{name} must be a positive finite power of two")
+        elif name == "hadamard_signs":
+            hd.check_signs(t, t.numel(), prefix + name)
+
+    ok = True
+    for name in ("codebook", "tensor_scale", "hadamard_signs"):
+        t = state_dict.get(prefix + name)
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        try:
+            check(name, t)
+        except (TypeError, ValueError) as e:
+            error_msgs.append(str(e))
+            ok = False
+    return ok
+
+
 class KbitLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` stored as ``bits``-bit codebook indices and E4M4 block scales.
 
@@ -309,6 +334,8 @@ class KbitLinear(nn.Module):
         error_msgs: list[str],
     ) -> None:
         if not _check_state_dtypes(state_dict, prefix, STATE_DTYPES, error_msgs, f"a {self.bits}-bit KbitLinear"):
+            return
+        if not _check_state_values(state_dict, prefix, self.bits, error_msgs):
             return
         # The state dict holds planes: take them in planes, then move to the device's layout.
         self.weight.data = weight_layout.storage_form(self.weight.data)

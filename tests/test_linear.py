@@ -234,3 +234,16 @@ def test_a_zero_dimensional_input_is_refused_by_name():
     layer = KbitLinear.from_linear(torch.nn.Linear(64, 32))
     with pytest.raises(ValueError, match="in_features=64"):
         layer(torch.tensor(1.0))
+
+
+def test_load_state_dict_refuses_values_a_layer_cannot_hold():
+    layer = KbitLinear.from_linear(torch.nn.Linear(64, 32), hadamard=True)
+    for key, value, match in (("hadamard_signs", torch.zeros(64, dtype=torch.int8), "hadamard_signs must hold only"),
+                              ("tensor_scale", torch.tensor([-3.0]), "tensor_scale must be a positive finite power of two"),
+                              ("codebook", torch.full((16,), float("nan")), "codebook contains NaN")):
+        state = layer.state_dict()
+        state[key] = value
+        fresh = KbitLinear(64, 32, hadamard=True)
+        with pytest.raises(RuntimeError, match=match):
+            fresh.load_state_dict(state)
+    KbitLinear(64, 32, hadamard=True).load_state_dict(layer.state_dict())  # its own state loads
