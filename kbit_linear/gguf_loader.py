@@ -599,7 +599,10 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None, device:
     gguf = _import_gguf()
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OSError) as e:  # numpy's reshape / struct errors on a short or damaged file
+        raise ValueError(f"{path}: cannot read the file as GGUF (truncated or damaged?): {e}") from e
     architecture = _architecture(reader, path)
     config, processor_config = _read_config(path, architecture)
     model = _empty_model(config, dtype, architecture)

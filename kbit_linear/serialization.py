@@ -690,6 +690,9 @@ def save_quantized(
         gguf_meta = {name: sg.gguf_metadata(m) for name, m in modules if isinstance(m, (GGUFLinear, GGUFEmbedding))}
     elif isinstance(model_or_state_dict, Mapping):
         state = dict(model_or_state_dict)
+        bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        if bad:
+            raise TypeError(f"a state dict to save maps names (str) to tensors; these entries do not: {bad[:5]!r}")
         layer_meta, experts_meta, gguf_meta = {}, {}, {}
         if layers is not None:
             if not isinstance(layers, Mapping):

@@ -337,6 +337,14 @@ def test_bad_arguments(files):
         load_gguf(files["tied"], progress="yes")
 
 
+def test_a_truncated_file_is_named(files, tmp_path):
+    data = files["tied"].read_bytes()
+    short = tmp_path / "short.gguf"
+    short.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"short.gguf: cannot read the file as GGUF \(truncated or damaged\?\)"):
+        load_gguf(short)
+
+
 # ---------------------------------------------------------------------------------------
 # the real SmolLM2 GGUF
 # ---------------------------------------------------------------------------------------

@@ -423,6 +423,10 @@ def test_save_argument_checks(tmp_path):
         save_quantized(model, tmp_path / "a.safetensors", layers={})
     with pytest.raises(TypeError, match="nn.Module or a state dict"):
         save_quantized([1, 2], tmp_path / "a.safetensors")
+    with pytest.raises(TypeError, match="maps names"):
+        save_quantized({1: torch.zeros(2)}, tmp_path / "a.safetensors")
+    with pytest.raises(TypeError, match="maps names"):
+        save_quantized({"a": [1.0]}, tmp_path / "a.safetensors")
     with torch.device("meta"):
         meta = _mlp()
     quantize_model(meta, progress=False)
