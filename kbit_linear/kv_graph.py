@@ -195,6 +195,8 @@ class KbitDecodeGraph:
         except TypeError as e:
             raise TypeError(f"compile_options must be torch.compile's keywords: {e}") from None
         inductor_options = self._compile_options.get("options") or {}
+        if not isinstance(inductor_options, Mapping):
+            raise TypeError(f"compile_options['options'] must be a mapping of inductor options, got {inductor_options!r}")
         if (self._compile_options.get("mode") in ("reduce-overhead", "max-autotune")
                 or inductor_options.get("triton.cudagraphs")):
             raise ValueError("compile_options: CUDA graphs of torch.compile's own (mode 'reduce-overhead' or "
@@ -288,8 +290,9 @@ class KbitDecodeGraph:
         """
         _check_positive_int("steps", steps, 1)
         batch = self.cache.layers[0].batch
-        if first.dtype != torch.int64 or first.shape != (batch, 1):
-            raise ValueError(f"first must be int64 [{batch}, 1], got {first.dtype} {tuple(first.shape)}")
+        if not isinstance(first, torch.Tensor) or first.dtype != torch.int64 or first.shape != (batch, 1):
+            raise ValueError(f"first must be an int64 tensor [{batch}, 1], got "
+                             f"{f'{first.dtype} {tuple(first.shape)}' if isinstance(first, torch.Tensor) else type(first).__name__}")
         warpers = _warpers(do_sample, temperature, top_k, top_p)
         eos = None if eos_token_id is None else _token_ids(eos_token_id)
         if pad_token_id is not None:

@@ -55,8 +55,10 @@ COLWISE_STYLES = ("colwise", "colwise_rep", "colwise_gather_output")
 """Plan styles that split out_features (the last three gather the output)."""
 ROWWISE_STYLES = ("rowwise", "rowwise_rep", "rowwise_split_input")
 """Plan styles that split in_features (the last two take a full-width input and slice it)."""
-SUPPORTED_STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, "embedding_rowwise", "replicate")
-"""Every style :func:`shard_for_tensor_parallel` understands."""
+SUPPORTED_STYLES = (*COLWISE_STYLES, *ROWWISE_STYLES, "embedding_rowwise", "replicate", "replicated_with_grad_allreduce")
+"""Every style :func:`shard_for_tensor_parallel` understands (``"replicated_with_grad_allreduce"``,
+which transformers' plans give norms of Qwen3, Gemma3 and others, is ``"replicate"`` here: the
+model is sharded for inference, and gradients are not all-reduced)."""
 
 _GATHER = ("colwise_rep", "colwise_gather_output")
 _SPLIT_INPUT = ("rowwise_rep", "rowwise_split_input")
@@ -183,7 +185,9 @@ def shard_plan(model: nn.Module, world_size: int, rank: int, plan: dict[str, str
         TypeError: a bad argument, or a style applied to a module type it cannot shard (named).
         ValueError: an unknown style, a plan that names nothing, or a split that is not even
             (out_features / in_features / vocabulary not divisible by ``world_size``, a column
-            cut inside a 32-weight block of a KbitLinear, an attention head cut in two), named.
+            cut inside a 32-weight block of a KbitLinear or inside a Hadamard-rotated layer's
+            rotation block, an attention head cut in two), named. Also ``TypeError`` for an
+            embedding subclass under ``embedding_rowwise`` (its own forward would be lost).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -217,11 +221,11 @@ def shard_plan(model: nn.Module, world_size: int, rank: int, plan: dict[str, str
 
 def _check_split(name: str, module: nn.Module, parent: nn.Module | None, style: str, world: int, rank: int) -> _Shard:
     """The shard of ``module`` kept by ``rank`` under ``style``, or a named error."""
-    if style == "replicate":
-        return _Shard(name, style, None)
+    if style in ("replicate", "replicated_with_grad_allreduce"):
+        return _Shard(name, "replicate", None)
     if style == "embedding_rowwise":
-        if not isinstance(module, nn.Embedding):
-            raise TypeError(f"{name}: style {style!r} shards nn.Embedding, got {type(module).__name__}")
+        if type(module) is not nn.Embedding:  # a subclass's forward (a scaled embedding, say) would be lost
+            raise TypeError(f"{name}: style {style!r} shards a plain nn.Embedding, got {type(module).__name__}")
         size, what = module.num_embeddings, "num_embeddings"
     else:
         if isinstance(module, KbitLinearSlice):
@@ -238,6 +242,11 @@ def _check_split(name: str, module: nn.Module, parent: nn.Module | None, style: 
             f"{name}: in_features={size} over {world} ranks gives {chunk} per rank, not a multiple of "
             f"{fmt.BLOCK_SIZE}: a 32-weight block shares one scale and cannot be split (style {style!r})"
         )
+    if style in ROWWISE_STYLES and isinstance(module, KbitLinear) and module.hadamard_signs is not None and world > 1:
+        block = hadamard.hadamard_block(size)
+        if (rank * chunk) % block or hadamard.hadamard_block(chunk) != block:
+            raise ValueError(f"{name}: in_features={size} over {world} ranks gives {chunk} per rank, which cuts the "
+                             f"layer's Hadamard rotation blocks of {block} (style {style!r})")
     head_dim = getattr(parent, "head_dim", None)
     if style in COLWISE_STYLES and isinstance(head_dim, int) and head_dim > 0 and chunk % head_dim:
         raise ValueError(f"{name}: {what}={size} over {world} ranks gives {chunk} per rank, which cuts a head of {head_dim}")

@@ -223,3 +223,12 @@ def test_gemma_converts_to_a_plain_gemma3_folder():
     cfg = json.loads((open(f"{path}/config.json")).read())
     assert cfg["model_type"] == "gemma3_text" and cfg["num_hidden_layers"] == 18
     assert "quantization_config" not in cfg
+
+
+def test_evaluate_names_empty_windows_and_a_reference_of_other_length():
+    model = _tiny_llama()
+    windows = torch.randint(0, 96, (3, 8))
+    with pytest.raises(ValueError, match="num_windows >= 1"):
+        evaluate(model, windows[:0])
+    with pytest.raises(ValueError, match="reference holds log-probabilities of 2 windows, windows 3"):
+        evaluate(model, windows, [torch.zeros(1)] * 2)

@@ -191,3 +191,12 @@ def test_bad_arguments_are_named_before_anything_runs(model, prompt: torch.Tenso
     with pytest.raises(error, match=name):
         KbitDecodeGraph(model, cache, use_graph=False).generate(first, 4, **kw)
     assert cache.get_seq_length() == length
+
+
+def test_a_first_token_that_is_not_a_tensor_and_inductor_options_that_are_not_a_mapping_are_named(model, prompt) -> None:
+    _, cache = _caches(model)
+    _prefill(model, cache, prompt)
+    with pytest.raises(ValueError, match="first must be an int64 tensor"):
+        KbitDecodeGraph(model, cache, use_graph=False).generate([[8]] * prompt.shape[0], 3)
+    with pytest.raises(TypeError, match=r"compile_options\['options'\] must be a mapping"):
+        KbitDecodeGraph(model, cache, use_graph=False, compile_layers=True, compile_options={"options": "abc"})

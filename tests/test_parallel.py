@@ -198,6 +198,31 @@ def test_shard_plan_refuses_uneven_splits_naming_the_layer() -> None:
         shard_plan(model, 4, 0, {"model.layers.*.mlp.down_proj": "rowwise"})
 
 
+def test_shard_plan_refuses_cut_rotation_blocks_before_anything_is_cut() -> None:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=384, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64))
+    kbit_linear.quantize_model(model, bits=4, hadamard=True, progress=False)  # down_proj: 384 in, rotation blocks of 128
+    shard_plan(model, 3, 0, {"model.layers.*.mlp.down_proj": "rowwise"})  # 128 per rank: whole blocks
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj: in_features=384 over 2 ranks gives 192 per "
+                                         r"rank, which cuts the layer's Hadamard rotation blocks of 128"):
+        shard_plan(model, 2, 0, {"model.layers.*.mlp.down_proj": "rowwise"})
+
+
+def test_shard_plan_replicates_for_replicated_with_grad_allreduce_and_refuses_embedding_subclasses() -> None:
+    model = _llama()
+    shards = shard_plan(model, 2, 0, {"model.norm": "replicated_with_grad_allreduce"})
+    assert [(s.name, s.style) for s in shards] == [("model.norm", "replicate")]
+
+    class ScaledEmbedding(nn.Embedding):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) * 8.0
+
+    model = nn.Sequential(ScaledEmbedding(16, 8))
+    with pytest.raises(TypeError, match="0: style 'embedding_rowwise' shards a plain nn.Embedding, got ScaledEmbedding"):
+        shard_plan(model, 2, 0, {"0": "embedding_rowwise"})
+
+
 def test_shard_plan_refuses_cut_heads() -> None:
     model = _llama(num_key_value_heads=1, head_dim=64)  # k_proj 64 rows over 2 ranks: half a head each
     with pytest.raises(ValueError, match=r"k_proj: out_features=64 over 2 ranks gives 32 per rank, which cuts a head of 64"):

@@ -139,10 +139,13 @@ class KbitConfig(QuantizationConfigMixin):
             (``"model.layers.0"``), trailing path (``"o_proj"``), or a regex as ``"re:..."``.
         codebook: ``2**bits`` strictly increasing floats in [-1, 1] (list or tensor);
             ``None``: the normal-float codebook; ``"fitted"``: levels fitted to each weight
-            (:mod:`kbit_linear.codebooks`, data-free; each layer stores its own). Default
-            ``"default"``: fitted levels, or normal-float ones with ``hadamard``
-            (:func:`kbit_linear.codebooks.default_codebook`); the config stores the resolved
-            choice, and a stored ``null`` means normal-float, as it did before.
+            (:mod:`kbit_linear.codebooks`, data-free; each layer stores its own);
+            ``"nf-zero"`` / ``"fitted-zero"``: those levels with a zero among them. Default
+            ``"default"``: per layer width, :data:`kbit_linear.codebooks.DEFAULT_BY_WIDTH`
+            (fitted at 2 and 5 bits, ``"nf-zero"`` at 3, ``"fitted-zero"`` at 4), or the
+            normal-float levels with ``hadamard`` (:func:`kbit_linear.codebooks.default_codebook`);
+            the config stores ``"default"`` as given (each layer stores its levels), and a
+            stored ``null`` means normal-float, as it did before.
         scale_search: choose each block's scale for the least error instead of rounding its
             absmax up when quantizing at load (better at 2 and 3 bits, slower to load); a
             quantize-time choice: checkpoints store the chosen scales in the same format.

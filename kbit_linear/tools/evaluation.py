@@ -168,8 +168,11 @@ def evaluate(model: nn.Module, windows: torch.Tensor, reference: nn.Module | lis
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if reference is not None and not isinstance(reference, (nn.Module, list)):
         raise TypeError(f"reference must be a torch.nn.Module, a list of log-probabilities or None, got {type(reference).__name__}")
-    if not isinstance(windows, torch.Tensor) or windows.dtype != torch.int64 or windows.dim() != 2 or windows.shape[1] < 2:
-        raise ValueError("windows must be an int64 tensor [num_windows, T] with T >= 2")
+    if not isinstance(windows, torch.Tensor) or windows.dtype != torch.int64 or windows.dim() != 2 or windows.shape[1] < 2 \
+            or windows.shape[0] < 1:
+        raise ValueError("windows must be an int64 tensor [num_windows >= 1, T] with T >= 2")
+    if isinstance(reference, list) and len(reference) != windows.shape[0]:
+        raise ValueError(f"reference holds log-probabilities of {len(reference)} windows, windows {windows.shape[0]}")
     rows = range(windows.shape[0])
     if progress:
         from tqdm.auto import tqdm
@@ -273,6 +276,9 @@ def sentence_embeddings(model: nn.Module, tokenizer, sentences: list[str], batch
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(sentences, (list, tuple)) or not sentences or not all(isinstance(t, str) for t in sentences):
         raise ValueError("sentences must be a non-empty list of strings")
+    for arg, value in (("batch_size", batch_size), ("max_length", max_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg} must be a positive int, got {value!r}")
     device = _input_device(model)
     chunks = []
     for i in range(0, len(sentences), batch_size):
