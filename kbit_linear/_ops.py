@@ -173,10 +173,17 @@ def _(packed_flat, absmax_flat, bits):
     return packed_flat.new_empty(p_shape), absmax_flat.new_empty(a_shape)
 
 
+def check_dequantize_dtype(dtype: torch.dtype) -> None:
+    """``dequantize``'s output dtype: a floating-point one (an integer dtype would truncate the values)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+
+
 @torch.library.register_fake(f"{_NS}::dequantize")
 def _(packed, absmax, codebook, tensor_scale, bits, out_features, in_features, dtype):
     check_tiled_args(packed, absmax, bits, out_features, in_features)
     check_codebook_args(codebook, tensor_scale, bits, packed.device)
+    check_dequantize_dtype(dtype)
     return packed.new_empty((out_features, in_features), dtype=dtype)
 
 
@@ -201,7 +208,7 @@ def check_rotate_args(x: torch.Tensor, signs: torch.Tensor) -> None:
 @torch.library.register_fake(f"{_NS}::hadamard_rotate")
 def _(x, signs):
     check_rotate_args(x, signs)
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the implementations return it (not x's strides)
 
 
 # ---------------------------------------------------------------------------------------
@@ -223,8 +230,10 @@ def _(packed_flat, absmax_flat, bits):
 
 @torch.library.impl(f"{_NS}::dequantize", "default")
 def _(packed, absmax, codebook, tensor_scale, bits, out_features, in_features, dtype):
+    check_dequantize_dtype(dtype)
     qw = fmt.KbitWeight(packed, absmax, codebook, tensor_scale, bits, out_features, in_features)
-    return fmt.dequantize(qw, dtype)
+    # contiguous [N, K], as the fake kernel says (the blocks' padding cut off leaves a strided view)
+    return fmt.dequantize(qw, dtype).contiguous()
 
 
 @torch.library.impl(f"{_NS}::gemm", "default")
@@ -424,6 +433,8 @@ def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """``x R``: the ``kbit_linear::hadamard_rotate`` op, with the eager fast path of :func:`gemm`
     (CUDA inputs outside torch.compile tracing and autograd recording go straight to the
     backend; everything else through the op)."""
+    if not isinstance(x, torch.Tensor):  # (the op checks the rest; the fast path reads x.is_cuda first)
+        raise TypeError(f"x must be a floating-point tensor, got {type(x).__name__}")
     if x.is_cuda and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
         fn = _eager_rotate.get("cuda")
         if fn is not None:

@@ -282,7 +282,7 @@ class GGUFLinear(_GGUFArrays):
         Returns:
             ``[..., out_features]`` in ``x``'s dtype.
         """
-        if x.shape[-1] != self.in_features:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x's last dimension must be in_features={self.in_features}, got shape {tuple(x.shape)}")
         gemm = _GEMM if self._activation_bits == 16 else _GEMM_A8
         y = gemm(x.reshape(-1, self.in_features), self.qs, self.qh, self.scale, self.mins, self.qtype, self.out_features,

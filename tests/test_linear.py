@@ -247,3 +247,24 @@ def test_load_state_dict_refuses_values_a_layer_cannot_hold():
         with pytest.raises(RuntimeError, match=match):
             fresh.load_state_dict(state)
     KbitLinear(64, 32, hadamard=True).load_state_dict(layer.state_dict())  # its own state loads
+
+
+def test_dequantize_is_contiguous_as_its_fake_kernel_says_and_refuses_integer_dtypes():
+    layer = KbitLinear.from_linear(torch.nn.Linear(70, 130))  # 70 in-features: the blocks' padding is cut off
+    w = layer.dequantize()
+    assert w.is_contiguous() and w.view(-1).numel() == 130 * 70
+    args = (layer.weight, layer.absmax, layer.codebook, layer.tensor_scale, layer.bits, 130, 70)
+    torch.library.opcheck(torch.ops.kbit_linear.dequantize.default, (*args, torch.float32))
+    with pytest.raises(TypeError, match="dtype must be a floating-point"):
+        torch.ops.kbit_linear.dequantize(*args, torch.int8)
+
+
+def test_hadamard_rotate_returns_contiguous_as_its_fake_kernel_says():
+    from kbit_linear import _ops
+    from kbit_linear import hadamard as hd
+
+    x = torch.randn(64, 3).t()  # strided
+    signs = hd.random_signs(64)
+    torch.library.opcheck(torch.ops.kbit_linear.hadamard_rotate.default, (x, signs))
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        _ops.hadamard_rotate([[1.0] * 64], signs)

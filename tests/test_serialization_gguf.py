@@ -555,3 +555,9 @@ def test_load_gguf_save_load(tmp_path, output):
     assert torch.equal(_out(fresh, TOKENS), ref)
     if output is None:
         _assert_tied(fresh, "lm_head", "model.embed_tokens")
+
+
+def test_gguf_linear_names_a_zero_dimensional_input():
+    layer = GGUFLinear.from_weight(_blocks(torch.randn(8, 64), "Q8_0"))
+    with pytest.raises(ValueError, match="in_features=64"):
+        layer(torch.tensor(1.0))
