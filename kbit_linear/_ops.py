@@ -196,11 +196,7 @@ def _(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias):
 def check_rotate_args(x: torch.Tensor, signs: torch.Tensor) -> None:
     """Metadata checks for ``hadamard_rotate``: ``x`` floating ``[..., K]`` and ``signs`` int8
     ``[K]`` on its device (the +-1 values are checked once, when the layer gets them)."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (its last is in_features)")
-    hd.check_signs(signs, x.shape[-1], "signs", values=False)
+    hd.check_rotate_operands(x, signs, "x")
     if signs.device != x.device:
         raise ValueError(f"signs must be on x's device {x.device}, got {signs.device}")
 

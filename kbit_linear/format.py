@@ -435,9 +435,8 @@ def quantize_blockwise(
     check_bits(bits)
     check_weight(weight)
     cb = _resolve_codebook(codebook, bits, weight.device)
+    # float32 [1] on the weight's device either way
     ts = compute_tensor_scale(weight) if tensor_scale is None else check_given_tensor_scale(tensor_scale, weight)
-    _check_tensor_scale(ts)
-    ts = ts.to(device=weight.device)
     packed, codes = _quantize_blocks(weight, bits, cb, ts)
     return packed, codes, ts
 

@@ -20,7 +20,8 @@ import zlib
 
 import torch
 
-__all__ = ["MAX_BLOCK", "cached_matrix", "layer_seed", "hadamard_block", "hadamard_matrix", "random_signs", "check_signs", "rotate", "unrotate", "rotate_hessian"]
+__all__ = ["MAX_BLOCK", "cached_matrix", "layer_seed", "hadamard_block", "hadamard_matrix", "random_signs", "check_signs",
+           "check_rotate_operands", "keeps_blocks", "rotate", "unrotate", "rotate_hessian"]
 
 MAX_BLOCK = 256
 """The largest rotation block. Measured (SmolLM2-135M and Gemma-3-270M, K = 3, data-free KL vs
@@ -92,11 +93,23 @@ def check_signs(signs: torch.Tensor, in_features: int, name: str = "hadamard_sig
         raise ValueError(f"{name} must hold only +1 and -1")
 
 
-def _check_operands(t: torch.Tensor, signs: torch.Tensor) -> None:
-    """Metadata checks of :func:`rotate` / :func:`unrotate` (they run in forward passes: no value reads)."""
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() == 0:
-        raise TypeError(f"t must be a floating-point tensor of at least one dimension, got {getattr(t, 'dtype', type(t).__name__)}")
+def check_rotate_operands(t: torch.Tensor, signs: torch.Tensor, name: str = "t") -> None:
+    """Metadata checks of a rotation's operands (:func:`rotate`, :func:`unrotate`, the
+    ``hadamard_rotate`` op; they run in forward passes: no value reads): ``t`` floating
+    ``[..., K]`` (named ``name``) and ``signs`` int8 ``[K]``."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if t.dim() == 0:
+        raise ValueError(f"{name} must have at least one dimension (its last is in_features)")
     check_signs(signs, t.shape[-1], "signs", values=False)
+
+
+def keeps_blocks(start: int, stop: int, in_features: int) -> bool:
+    """Whether in-features ``[start, stop)`` of a rotated layer of ``in_features`` hold whole
+    rotation blocks of the same size (what a slice of it must: the stored weight is ``W R``, ``R``
+    block diagonal)."""
+    block = hadamard_block(in_features)
+    return start % block == 0 and hadamard_block(stop - start) == block
 
 
 def rotate(t: torch.Tensor, signs: torch.Tensor, matrix: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,7 +122,7 @@ def rotate(t: torch.Tensor, signs: torch.Tensor, matrix: torch.Tensor | None = N
         matrix: the block's Hadamard matrix in ``t``'s dtype and device (default:
             :func:`cached_matrix`).
     """
-    _check_operands(t, signs)
+    check_rotate_operands(t, signs)
     k = t.shape[-1]
     b = hadamard_block(k)
     if matrix is None:
@@ -120,7 +133,7 @@ def rotate(t: torch.Tensor, signs: torch.Tensor, matrix: torch.Tensor | None = N
 
 def unrotate(t: torch.Tensor, signs: torch.Tensor, matrix: torch.Tensor | None = None) -> torch.Tensor:
     """The inverse of :func:`rotate` (``t R^T``): the blocks times the Hadamard matrix, then the signs."""
-    _check_operands(t, signs)
+    check_rotate_operands(t, signs)
     k = t.shape[-1]
     b = hadamard_block(k)
     if matrix is None:

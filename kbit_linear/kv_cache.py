@@ -46,6 +46,7 @@ from .kv_format import (
     TIERS,
     KVBucket,
     KVStore8,
+    _check_positive_int,
     accumulate_mass,
     causal_visible,
     channel_group,
@@ -851,13 +852,6 @@ def _range_ignoring_nan(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     empty = torch.isinf(lo)
     lo, hi = torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
     return key_block_ranges(torch.stack([lo, hi], 2))
-
-
-def _check_positive_int(name: str, value: object, low: int) -> int:
-    """Return ``value`` if it is an int ``>= low``, else raise a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
 
 
 class KbitKVCache(Cache):

@@ -89,6 +89,13 @@ def channel_group(head_dim: int) -> int:
     return 64 if head_dim % 64 == 0 else 32
 
 
+def _check_positive_int(name: str, value: object, low: int) -> int:
+    """Return ``value`` if it is an int ``>= low``, else raise a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
 def _check_bits(bits: int) -> None:
     """Raise a ValueError naming ``bits`` when it is not a tier."""
     if bits not in TIERS:
@@ -206,8 +213,7 @@ class KVStore8(_TensorFields):
         (reads the row counts on the host once)."""
         if bucket.bits != 8:
             raise ValueError(f"a store holds 8-bit tokens, got a {bucket.bits}-bit bucket")
-        if isinstance(room, bool) or not isinstance(room, int) or room < 0:
-            raise ValueError(f"room must be an int >= 0, got {room!r}")
+        _check_positive_int("room", room, 0)
         count = (bucket.row_start[1:] - bucket.row_start[:-1]).to(torch.int32)
         b, dev = count.numel(), bucket.pos.device
         capacity = (int(count.max()) if b else 0) + room

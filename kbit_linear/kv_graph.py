@@ -42,7 +42,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .kv_cache import KbitKVCache, _check_positive_int
+from .kv_cache import KbitKVCache
+from .kv_format import _check_positive_int
 
 __all__ = ["KbitDecodeGraph"]
 

@@ -96,8 +96,8 @@ def slice_linear(layer: KbitLinear | nn.Linear, rows: tuple[int, int] | None = N
         signs = None
         if layer.hadamard_signs is not None:  # the stored weight is W R, R block diagonal along in_features
             c0, c1 = _span("cols", cols, layer.in_features)
-            block = hadamard.hadamard_block(layer.in_features)
-            if c0 % block or hadamard.hadamard_block(c1 - c0) != block:
+            if not hadamard.keeps_blocks(c0, c1, layer.in_features):
+                block = hadamard.hadamard_block(layer.in_features)
                 raise ValueError(
                     f"cols {(c0, c1)} do not keep a Hadamard-rotated layer's rotation blocks of {block} in-features: "
                     f"the slice must start at a multiple of {block} and its width's own block "
@@ -242,11 +242,10 @@ def _check_split(name: str, module: nn.Module, parent: nn.Module | None, style: 
             f"{name}: in_features={size} over {world} ranks gives {chunk} per rank, not a multiple of "
             f"{fmt.BLOCK_SIZE}: a 32-weight block shares one scale and cannot be split (style {style!r})"
         )
-    if style in ROWWISE_STYLES and isinstance(module, KbitLinear) and module.hadamard_signs is not None and world > 1:
-        block = hadamard.hadamard_block(size)
-        if (rank * chunk) % block or hadamard.hadamard_block(chunk) != block:
-            raise ValueError(f"{name}: in_features={size} over {world} ranks gives {chunk} per rank, which cuts the "
-                             f"layer's Hadamard rotation blocks of {block} (style {style!r})")
+    if (style in ROWWISE_STYLES and isinstance(module, KbitLinear) and module.hadamard_signs is not None and world > 1
+            and not hadamard.keeps_blocks(rank * chunk, (rank + 1) * chunk, size)):
+        raise ValueError(f"{name}: in_features={size} over {world} ranks gives {chunk} per rank, which cuts the "
+                         f"layer's Hadamard rotation blocks of {hadamard.hadamard_block(size)} (style {style!r})")
     head_dim = getattr(parent, "head_dim", None)
     if style in COLWISE_STYLES and isinstance(head_dim, int) and head_dim > 0 and chunk % head_dim:
         raise ValueError(f"{name}: {what}={size} over {world} ranks gives {chunk} per rank, which cuts a head of {head_dim}")

@@ -94,6 +94,7 @@ __all__ = [
     "QUANTIZED_TENSORS",
     "CheckpointError",
     "CheckpointHeader",
+    "check_swap_bias",
     "QuantizedCheckpoint",
     "header_metadata",
     "parse_header",
@@ -940,6 +941,14 @@ def load_quantized(
     return QuantizedCheckpoint(tensors=tensors, layers=layers, metadata=user, path=where, experts=experts, gguf=gguf)
 
 
+def check_swap_bias(module: nn.Module, has_bias: bool, ctx: str) -> None:
+    """Raise unless the dense ``module`` a load swaps for a quantized layer has a bias exactly when
+    the checkpoint's layer does (the swap would add or drop it unseen). ``ctx`` starts the message."""
+    if (module.bias is not None) != has_bias:
+        raise CheckpointError(f"{ctx} has {'a' if has_bias else 'no'} bias in the checkpoint but "
+                              f"{'one' if module.bias is not None else 'none'} in the model")
+
+
 def load_into(
     model: nn.Module,
     path: PathLike,
@@ -1002,9 +1011,7 @@ def load_into(
                 raise CheckpointError(
                     f"{where}: layer {prefix!r} is {n}x{k} in the checkpoint but {module.out_features}x{module.in_features} in the model"
                 )
-            if (module.bias is not None) != has_bias:  # the swap would add or drop it unseen
-                raise CheckpointError(f"{where}: layer {prefix!r} has {'a' if has_bias else 'no'} bias in the checkpoint but "
-                                      f"{'one' if module.bias is not None else 'none'} in the model")
+            check_swap_bias(module, has_bias, f"{where}: layer {prefix!r}")
             replace_module(model, prefix, kbit_placeholder(module, bits, bias=has_bias, hadamard=rotated))
         else:
             # the swap rule of kbit_linear.patch.is_convertible: exact nn.Linear only

@@ -29,7 +29,7 @@ from torch import nn
 from . import gguf_format as gf
 from .gguf_linear import GGUFEmbedding, GGUFLinear, embedding_scale, forget_tied_weights
 from .patch import is_convertible, replace_module
-from .serialization import CheckpointError
+from .serialization import CheckpointError, check_swap_bias
 
 __all__ = [
     "GGUF_ARRAYS",
@@ -254,9 +254,7 @@ def _check_target(prefix: str, module: nn.Module, meta: Mapping[str, Any], where
             if (module.out_features, module.in_features) != (n, k):
                 got = f"{module.out_features}x{module.in_features}"
                 raise CheckpointError(f"{ctx} is {n}x{k} in the checkpoint but {got} in the model")
-            if (module.bias is not None) != meta["bias"]:  # the swap would add or drop it unseen
-                raise CheckpointError(f"{ctx} has {'a' if meta['bias'] else 'no'} bias in the checkpoint but "
-                                      f"{'one' if module.bias is not None else 'none'} in the model")
+            check_swap_bias(module, meta["bias"], ctx)
         else:
             # the swap rule of kbit_linear.patch.is_convertible: exact nn.Linear only
             raise CheckpointError(f"{ctx} is a {type(module).__name__} in the model, not nn.Linear or GGUFLinear "
