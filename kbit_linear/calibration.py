@@ -59,6 +59,7 @@ __all__ = [
     "SWEEP_CUDA_GRAPHS",
     "CALIBRATION_MODULES",
     "Calibration",
+    "check_damp",
     "check_hessian",
     "default_calibration_text",
     "gptq_quantize_blocks",
@@ -135,7 +136,12 @@ def _check_int(name: str, value: Any, low: int) -> int:
     return value
 
 
-def _check_damp(damp: Any) -> float:
+def check_damp(damp: Any) -> float:
+    """``damp`` as a float: the Hessian damping, a fraction of its mean diagonal, in (0, 1).
+
+    Raises:
+        TypeError / ValueError: naming ``damp``.
+    """
     if isinstance(damp, bool) or not isinstance(damp, (int, float)):
         raise TypeError(f"damp must be a float, got {type(damp).__name__}")
     if not 0 < damp < 1:
@@ -179,7 +185,7 @@ class Calibration:
         _check_int("num_sequences", self.num_sequences, 1)
         _check_int("seq_len", self.seq_len, 2)
         _check_int("batch_size", self.batch_size, 1)
-        _check_damp(self.damp)
+        check_damp(self.damp)
         fmt.check_bool("act_order", self.act_order)
         _check_int("lazy_block", self.lazy_block, fmt.BLOCK_SIZE)
         if self.lazy_block % fmt.BLOCK_SIZE:
@@ -312,7 +318,7 @@ def gptq_quantize_blocks(
     n, k = weight.shape
     check_hessian(hessian, k)
     fmt.check_bool("scale_search", scale_search)
-    damp = _check_damp(damp)
+    damp = check_damp(damp)
     fmt.check_bool("act_order", act_order)
     _check_int("lazy_block", lazy_block, fmt.BLOCK_SIZE)
     if lazy_block % fmt.BLOCK_SIZE:

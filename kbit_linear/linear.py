@@ -235,7 +235,7 @@ class KbitLinear(nn.Module):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         fmt.check_bool("hadamard", hadamard)
-        hadamard_search = check_hadamard_search(hadamard_search)
+        hadamard_search = check_hadamard_search(hadamard_search, hadamard=hadamard)
         signs = None
         if hadamard:
             signs = hadamard_signs_for(linear.weight, bits, codebook, scale_search=scale_search, seed=hadamard_seed,

@@ -515,9 +515,7 @@ def quantize_model(
     fmt.check_bool("hadamard", hadamard)
     fmt.check_bool("fuse", fuse)
     codebook = codebooks.resolve_default(codebook, hadamard, calibrated=calibration is not None)
-    hadamard_search = check_hadamard_search(hadamard_search)
-    if fuse and hadamard and hadamard_search > 1:
-        raise ValueError("fuse=True needs one rotation per group of projections: use hadamard_search=1 with it")
+    hadamard_search = check_hadamard_search(hadamard_search, hadamard=hadamard, fuse=fuse)
     rules = check_skip_rules(skip)
     if target_bpw is not None:
         target_bpw = allocation.check_target_bpw(target_bpw)

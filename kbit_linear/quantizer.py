@@ -13,6 +13,7 @@ Layering: above the op schemas (``_ops``), below the module (``linear``); pure f
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple, Sequence
 
 import torch
@@ -150,8 +151,14 @@ def squared_error(weight: torch.Tensor, bits: int, codebook: torch.Tensor | str 
 # ---------------------------------------------------------------------------------------
 
 
-def check_hadamard_search(candidates: object, name: str = "hadamard_search") -> int:
+def check_hadamard_search(candidates: object, name: str = "hadamard_search", *, hadamard: bool | None = None,
+                          fuse: bool = False) -> int:
     """``candidates`` as a positive int (sign vectors to try per layer).
+
+    With ``hadamard`` given, also the rules that tie the search to the rotation's other options:
+    more than one candidate without the rotation has no effect (a warning, not an error, so that
+    configs saved that way still load), and ``fuse`` shares one rotation per group of projections,
+    which a per-layer search would break.
 
     Raises:
         TypeError / ValueError: naming ``name``.
@@ -160,6 +167,11 @@ def check_hadamard_search(candidates: object, name: str = "hadamard_search") -> 
         raise TypeError(f"{name} must be an int (sign vectors tried per layer), got {type(candidates).__name__}")
     if candidates < 1:
         raise ValueError(f"{name} must be at least 1, got {candidates}")
+    if hadamard is not None and candidates > 1:
+        if not hadamard:
+            warnings.warn(f"{name}={candidates} has no effect without hadamard=True", UserWarning, stacklevel=3)
+        elif fuse:
+            raise ValueError(f"fuse=True needs one rotation per group of projections: use {name}=1 with it")
     return candidates
 
 

@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                 name += f" (best of {args.hadamard_search} signs)"
             cb = {"codebook": None if option == "nf" else option}  # None: the normal-float levels (not the default)
             if False in calibrations:
-                config = KbitConfig(**width, **cb, scale_search=search, hadamard=rotate, hadamard_search=args.hadamard_search,
+                config = KbitConfig(**width, **cb, scale_search=search, hadamard=rotate, hadamard_search=args.hadamard_search if rotate else 1,
                                     **({"fuse": True} if fuse else {}))
                 model, load_s = _load(path, DTYPES[args.quantize_dtype], device, config, causal=causal)
                 model.to(dtype)  # casts what stayed dense; the quantized tensors keep their dtypes
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 calib = Calibration(tokenizer=tokenizer, num_sequences=args.calib_sequences, seq_len=args.calib_len,
                                     act_order=act_order)
                 quantize_model(model, **width, **cb, scale_search=search, calibration=calib, hadamard=rotate,
-                               hadamard_search=args.hadamard_search, **({"fuse": True} if fuse else {}))
+                               hadamard_search=args.hadamard_search if rotate else 1, **({"fuse": True} if fuse else {}))
                 quantize_s = time.perf_counter() - start
                 model.to(dtype)
                 report(f"{name}, calibrated" + ("" if act_order else ", in-feature order"), f"{stored_bits_per_weight(model):.2f}",

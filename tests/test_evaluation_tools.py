@@ -111,6 +111,13 @@ def test_gptq_is_rtn_without_feedback_and_beats_it_on_correlated_inputs():
     assert all(q[r, g * 64:(g + 1) * 64].unique().numel() <= 8 for r in range(n) for g in range(3))
     with pytest.raises(ValueError, match="hessian"):
         fake_quantize_gptq(w, torch.eye(k + 1), 3, 64)
+    with pytest.raises(ValueError, match="hessian"):
+        fake_quantize_gptq(w, torch.full((k, k), float("nan")), 3, 64)
+    with pytest.raises(TypeError, match="hessian"):
+        fake_quantize_gptq(w, torch.eye(k, dtype=torch.int64), 3, 64)
+    for damp, error in ((-0.1, ValueError), (0.0, ValueError), (1.5, ValueError), ("0.01", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="damp"):
+            fake_quantize_gptq(w, h, 3, 64, damp=damp)
 
 
 @pytest.mark.parametrize("k", [192, 200])  # 200: a short last group

@@ -250,6 +250,13 @@ def test_sign_search_keeps_the_candidate_with_the_least_error():
         with pytest.raises(err, match="hadamard_search"):
             kbit_linear.quantize_model(nn.Sequential(nn.Linear(64, 64)), hadamard=True, hadamard_search=bad, skip=None,
                                        progress=False)
+    # a search without the rotation does nothing: said at every entry point, not refused (saved configs load)
+    with pytest.warns(UserWarning, match="hadamard_search=4 has no effect without hadamard=True"):
+        kbit_linear.KbitLinear.from_linear(nn.Linear(64, 32), bits=3, hadamard_search=4)
+    with pytest.warns(UserWarning, match="hadamard_search=4 has no effect"):
+        kbit_linear.quantize_model(nn.Sequential(nn.Linear(64, 64)), hadamard_search=4, skip=None, progress=False)
+    with pytest.warns(UserWarning, match="hadamard_search=4 has no effect"):
+        kbit_linear.KbitConfig(bits=3, hadamard_search=4)
 
 
 def test_quantize_model_sign_search_lowers_each_layers_error():

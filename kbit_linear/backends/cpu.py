@@ -30,8 +30,10 @@ A call (``x`` flattened to ``[M, K]``, computed in float32):
    32 weights): 0.625 bytes per weight at 4 bits, about 1.2x the stored tensors. The cache lives
    beside the tensors, never in them (the stored format and the state dict are unchanged); it is
    keyed on the ``packed`` tensor object, dropped when that tensor is freed, and rebuilt when
-   ``packed``, ``absmax`` or ``tensor_scale`` change in place. Inference tensors (no version
-   counter) are never cached. :func:`set_cache_enabled` or the environment variable
+   ``packed``, ``absmax`` or ``tensor_scale`` change in place. A write through ``.data``
+   (``layer.weight.data.copy_(...)``) bypasses the tensor's version counter and goes unseen:
+   write with ``copy_`` under ``torch.no_grad()`` or ``load_state_dict``, or call
+   :func:`clear_cache` after it. Inference tensors (no version counter) are never cached. :func:`set_cache_enabled` or the environment variable
    ``KBIT_LINEAR_CPU_CACHE=0`` turn it off: keys are then rebuilt at every call (about half the
    speed) and nothing is kept.
 

@@ -24,8 +24,8 @@ How it plugs into the transformers 5.x loader:
   hold freed temporaries in its allocator).
 * save: the quantized tensors are the layers' state dict (``weight`` is the tiled int32
   planes, a shape no dense loader accepts); ``config.json`` gets ``quantization_config`` and
-  every safetensors header gets the format version, the per-layer metadata and a sha256 of
-  every quantized tensor. A model holding GGUF modules (:class:`~kbit_linear.GGUFLinear`,
+  every safetensors header gets the format version, the per-layer metadata and a sha256, dtype
+  and shape of every quantized tensor. A model holding GGUF modules (:class:`~kbit_linear.GGUFLinear`,
   :class:`~kbit_linear.GGUFEmbedding`) is refused with a ``ValueError``: ``from_pretrained``
   would find no ``weight`` for those layers and initialize them at random (it only reports
   missing keys); :func:`kbit_linear.save_quantized` and :func:`kbit_linear.load_into` carry them,
@@ -34,7 +34,7 @@ How it plugs into the transformers 5.x loader:
   placeholders and the tensors load as they are; the headers are checked before loading
   (version, layer shapes, tensor names, dtypes and shapes, through
   :func:`kbit_linear.serialization.parse_header`) and the loaded tensors after (values,
-  padding, checksums), so a damaged or edited checkpoint raises :class:`CheckpointError`
+  padding, checksums, dtypes and shapes against the header's record), so a damaged or edited checkpoint raises :class:`CheckpointError`
   instead of producing a model that runs on garbage.
 
 ``lm_head``, tied embeddings and the model's ``_keep_in_fp32_modules`` always stay dense
@@ -92,11 +92,13 @@ from ..serialization import (
     parse_header,
     stored_tensor_names,
     tensor_sha256,
+    tensor_type,
     validate_experts_metadata,
     validate_experts_tensors,
     validate_layer_metadata,
     validate_layer_tensors,
     verify_sha256,
+    verify_tensor_type,
 )
 
 try:
@@ -222,9 +224,7 @@ class KbitConfig(QuantizationConfigMixin):
         if hadamard and format_version == FORMAT_VERSION:
             raise ValueError(f"hadamard=True needs format_version {HADAMARD_FORMAT_VERSION!r}, got {format_version!r}")
         self.format_version = format_version
-        self.hadamard_search = check_hadamard_search(hadamard_search)
-        if self.fuse and self.hadamard and self.hadamard_search > 1:
-            raise ValueError("fuse=True needs one rotation per group of projections: use hadamard_search=1 with it")
+        self.hadamard_search = check_hadamard_search(hadamard_search, hadamard=self.hadamard, fuse=self.fuse)
         self.target_bpw = None if target_bpw is None else check_target_bpw(target_bpw)
         if self.target_bpw is not None:
             check_codebook_for_widths(self.codebook)
@@ -465,6 +465,10 @@ class KbitHfQuantizer(HfQuantizer):
         self.pending_experts: dict[str, set[str]] = {}
         # sha256 of every quantized tensor, from the headers of a pre-quantized checkpoint
         self._header_sha256: dict[str, str] = {}
+        # ... their dtypes and shapes (None: headers written before that entry existed), and the
+        # checkpoint's name for messages
+        self._header_types: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        self._header_where = ""
         self._headers_read = False  # the checkpoint files' headers were checked: every stored tensor needs its checksum
         # with fuse: layer -> its group of sibling projections (quantized with one set of levels
         # and one rotation), and the dense weights of groups still waiting for a sibling
@@ -549,6 +553,7 @@ class KbitHfQuantizer(HfQuantizer):
         layers: dict[str, dict[str, Any]] = {}
         experts: dict[str, dict[str, Any]] = {}
         sums: dict[str, str] = {}
+        types: dict[str, tuple[str, tuple[int, ...]]] | None = None
         shapes: dict[str, tuple[torch.dtype | str, tuple[int, ...]]] = {}
         for path in checkpoint_files:
             path = str(path)
@@ -570,6 +575,8 @@ class KbitHfQuantizer(HfQuantizer):
             layers.update(parsed.layers)
             experts.update(parsed.experts)
             sums.update(parsed.sha256)
+            if parsed.tensor_types is not None:
+                types = {**(types or {}), **parsed.tensor_types}
         where = str(checkpoint_files[0]) if len(checkpoint_files) == 1 else f"checkpoint ({len(checkpoint_files)} files)"
         placeholders = {n: m for n, m in model.named_modules() if isinstance(m, KbitLinear)}
         for name, module in placeholders.items():
@@ -588,7 +595,7 @@ class KbitHfQuantizer(HfQuantizer):
                                      f"a {module.bits}-bit {module.out_features}x{module.in_features} layer", where)
         _refuse_stray(layers, placeholders, "layers", where)
         self._check_experts_headers(model, experts, shapes, where)
-        self._header_sha256 = sums
+        self._header_sha256, self._header_types, self._header_where = sums, types, where
         self._headers_read = True
 
     @staticmethod
@@ -685,11 +692,11 @@ class KbitHfQuantizer(HfQuantizer):
                 raise CheckpointError(f"after loading: {e}") from None
             if self.pre_quantized and self._headers_read:  # (an empty table is no checksum for any tensor)
                 for t_name in stored_tensor_names(module):
-                    verify_sha256(f"{name}.{t_name}", tensors[t_name], self._header_sha256)
+                    self._verify_loaded(f"{name}.{t_name}", tensors[t_name])
             for p in module.parameters(recurse=False):
                 p.requires_grad_(False)
             weight_layout.adopt(module.weight, module.bits)  # loaded as planes: the device's layout
-        self._header_sha256, self._headers_read = {}, False
+        self._header_sha256, self._header_types, self._header_where, self._headers_read = {}, None, "", False
         if config.fuse:
             model.kbit_fusion = fuse_projections(model)
             model.kbit_router_fusion = fuse_routers(model)
@@ -708,17 +715,24 @@ class KbitHfQuantizer(HfQuantizer):
             raise CheckpointError(f"after loading: {e}") from None
         if self.pre_quantized and self._headers_read:
             for t_name, t in tensors.items():
-                verify_sha256(f"{name}.{t_name}", t, self._header_sha256)
+                self._verify_loaded(f"{name}.{t_name}", t)
         for p in module.parameters(recurse=False):
             p.requires_grad_(False)
         for proj in PROJECTIONS:  # loaded as planes: the device's layout
             weight_layout.adopt(getattr(module, proj), module.bits)
 
+    def _verify_loaded(self, name: str, tensor: torch.Tensor) -> None:
+        """Check one loaded quantized tensor (as stored) against the headers' checksum and, when
+        they record them, dtype and shape."""
+        verify_sha256(name, tensor, self._header_sha256, where=self._header_where)
+        if self._header_types is not None:
+            verify_tensor_type(name, tensor, self._header_types, where=self._header_where)
+
     # --- saving ------------------------------------------------------------------------
 
     def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[None, dict[str, str]]:
         """Header metadata for ``save_pretrained`` (:func:`kbit_linear.serialization.header_metadata`):
-        version, per-layer and per-experts metadata, checksums of the quantized tensors.
+        version, per-layer and per-experts metadata, checksums, dtypes and shapes of the quantized tensors.
 
         Also drops the weight conversions that ``save_pretrained`` would apply to the quantized
         tensors (:func:`_keep_quantized_names`), so they are stored under the names the headers list.
@@ -733,18 +747,20 @@ class KbitHfQuantizer(HfQuantizer):
                 "those layers and initialize them at random. Save with kbit_linear.save_quantized(model, 'model.safetensors') "
                 "and load with kbit_linear.load_into(model, 'model.safetensors')"
             )
-        layers, experts, sums = {}, {}, {}
+        layers, experts, sums, types = {}, {}, {}, {}
         for name, module in kbit_layers(model):  # fused parts as standalone copies, as their state dicts hold them
             layers[name] = layer_metadata(module)
             for t_name in stored_tensor_names(module):
-                sums[f"{name}.{t_name}"] = tensor_sha256(_as_saved(module, t_name))
+                t = _as_saved(module, t_name)
+                sums[f"{name}.{t_name}"], types[f"{name}.{t_name}"] = tensor_sha256(t), tensor_type(t)
         for name, module in model.named_modules():
             if isinstance(module, KbitExperts):
                 experts[name] = experts_metadata(module)
                 for t_name in _EXPERTS_TENSORS:
-                    sums[f"{name}.{t_name}"] = tensor_sha256(_as_saved(module, t_name))
+                    t = _as_saved(module, t_name)
+                    sums[f"{name}.{t_name}"], types[f"{name}.{t_name}"] = tensor_sha256(t), tensor_type(t)
         _keep_quantized_names(model, list(sums))
-        return None, header_metadata(layers, sums, experts)
+        return None, header_metadata(layers, sums, experts, tensor_types=types)
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         """Quantized models save to safetensors and load back without re-quantizing."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import format as fmt
-from ..calibration import DEFAULT_DAMP, Calibration, calibrate_model, damped_inverse_cholesky
+from ..calibration import DEFAULT_DAMP, Calibration, calibrate_model, check_damp, check_hessian, damped_inverse_cholesky
 from ..patch import SkipRule, convertible_layers
 
 __all__ = ["fake_quantize_rtn", "rtn_bits_per_weight", "apply_rtn", "fake_quantize_gptq", "apply_gptq"]
@@ -131,9 +131,9 @@ def fake_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, g
     _check(bits, group_size)
     _check_weight(weight)
     fmt.check_bool("act_order", act_order)
+    damp = check_damp(damp)
     n, k = weight.shape
-    if not isinstance(hessian, torch.Tensor) or tuple(hessian.shape) != (k, k):
-        raise ValueError(f"hessian must be a [{k}, {k}] tensor, got {tuple(getattr(hessian, 'shape', ()))}")
+    check_hessian(hessian, k)
     w = weight.detach().float().clone()
     h = hessian.detach().float().clone()
     dead = h.diagonal() <= 0
