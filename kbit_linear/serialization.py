@@ -31,6 +31,14 @@ On-disk format (version ``"1"``; ``"2"`` when a layer is Hadamard-rotated), one 
   - ``kbit_linear.layers``: JSON ``{prefix: layer metadata}`` (see :func:`layer_metadata`:
     bits, true and padded shape, block size, tile config, bias flag);
   - ``kbit_linear.sha256``: JSON ``{tensor name: hex sha256 of its bytes}``;
+  - ``kbit_linear.tensor_types``: JSON ``{tensor name: [dtype, shape]}`` for the same tensors
+    (``dtype`` as safetensors names it, e.g. ``"BF16"``, ``shape`` a list of ints; see
+    :func:`tensor_type`). The checksums cover a tensor's bytes but not the dtype and shape that
+    the safetensors per-tensor header gives them: without this entry, relabelling a dense tensor
+    ``F32`` -> ``I32`` or ``BF16`` -> ``F16``, or swapping a 2-D shape, would load other values
+    unseen (``load_state_dict`` casts them into the parameter). Files of writers that predate
+    the entry lack it and load as before, without this check; readers that predate it ignore it
+    (it is additive, so the version is unchanged);
   - ``kbit_linear.experts``: JSON ``{prefix: experts metadata}`` for every MoE experts module
     stored as :class:`~kbit_linear.experts.KbitExperts` (see :func:`experts_metadata`; written
     only when there is one); its tensors are ``<prefix>.gate_up_proj`` / ``<prefix>.down_proj``
@@ -52,12 +60,15 @@ On-disk format (version ``"1"``; ``"2"`` when a layer is Hadamard-rotated), one 
 The header schema (these keys, the version, how they are written and parsed) lives here only:
 :func:`header_metadata` writes the kbit entries and :func:`parse_header` checks and parses them,
 for this single-file format and for the transformers plug-in's sharded ``save_pretrained`` files
-(which carry the version, layers and sha256 entries in every shard's header).
+(which carry the version, layers, sha256 and tensor_types entries in every shard's header, for
+the quantized tensors).
 
 Loading checks the version, every layer's metadata, tensor names, dtypes, shapes, codebook
 values, the tensor scale, that the padding is made of zero blocks, every GGUF module's metadata,
-array names, dtypes and shapes and that its block scales are finite, and the checksums, and
-raises :class:`CheckpointError` naming the file, the layer and what is wrong. Writes go to a
+array names, dtypes and shapes and that its block scales are finite, and the checksums together
+with every stored tensor's dtype and shape against ``kbit_linear.tensor_types``
+(:func:`verify_sha256` and :func:`verify_tensor_type`, side by side), and raises
+:class:`CheckpointError` naming the file, the layer and what is wrong. Writes go to a
 temporary file in the target folder, are fsynced and renamed over the target, so an
 interrupted save leaves the old file or none, never a partial one (a killed process may
 leave a hidden ``.<name>.*.tmp`` file beside it; a failed save removes its own).
@@ -106,6 +117,8 @@ __all__ = [
     "validate_experts_tensors",
     "tensor_sha256",
     "verify_sha256",
+    "tensor_type",
+    "verify_tensor_type",
     "save_quantized",
     "load_quantized",
     "load_into",
@@ -127,6 +140,7 @@ QUANTIZED_TENSORS = LAYER_TENSORS[:4]
 _KEY_VERSION = "kbit_linear.version"
 _KEY_LAYERS = "kbit_linear.layers"
 _KEY_SHA256 = "kbit_linear.sha256"
+_KEY_TENSOR_TYPES = "kbit_linear.tensor_types"
 _KEY_ALIASES = "kbit_linear.aliases"
 _KEY_EXPERTS = "kbit_linear.experts"
 _KEY_GGUF = "kbit_linear.gguf"
@@ -531,6 +545,64 @@ def verify_sha256(name: str, tensor: torch.Tensor, sums: Mapping[str, str], *, w
         raise _fail(where, f"tensor {name!r} fails its sha256 check: the checkpoint is corrupted or was modified")
 
 
+# torch dtype -> the name safetensors gives it in a file's per-tensor header
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.complex64: "C64",
+}
+
+
+def tensor_type(t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    """A tensor's entry in a header's ``kbit_linear.tensor_types`` table: ``(dtype, shape)``.
+
+    Args:
+        t: any tensor (meta tensors too: only its dtype and shape are read).
+
+    Returns:
+        The dtype as safetensors names it (``"F32"``, ``"BF16"``, ``"I32"``, ...; a dtype
+        safetensors has no name for is given as torch writes it) and the shape.
+    """
+    return _DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape)
+
+
+def verify_tensor_type(
+    name: str,
+    tensor: torch.Tensor,
+    types: Mapping[str, tuple[str, tuple[int, ...]]],
+    *,
+    where: str = "",
+) -> None:
+    """Check ``tensor``'s dtype and shape against its entry in a header's ``kbit_linear.tensor_types``
+    table (as :func:`parse_header` returns it), the part of a stored tensor its checksum does not cover.
+
+    Raises:
+        CheckpointError: no entry for ``name``, or another dtype or shape than the entry.
+    """
+    want = types.get(name)
+    if want is None:
+        raise _fail(where, f"tensor {name!r} has no dtype and shape in the checkpoint header")
+    got = tensor_type(tensor)
+    if got != tuple(want):
+        raise _fail(where, f"tensor {name!r} is {got[0]} {list(got[1])} in the file but {want[0]} {list(want[1])} in the "
+                           "checkpoint header: the checkpoint is corrupted or its safetensors header was modified")
+
+
 def _header_digest(header: Mapping[str, str]) -> str:
     """sha256 of every header entry except the digest itself, as sorted compact JSON."""
     body = {k: v for k, v in header.items() if k != _KEY_HEADER_SHA256}
@@ -736,7 +808,8 @@ def save_quantized(
     tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     header = {
         "format": "pt",
-        **header_metadata(layer_meta, {name: _sha256(t) for name, t in tensors.items()}, experts_meta, gguf_meta),
+        **header_metadata(layer_meta, {name: _sha256(t) for name, t in tensors.items()}, experts_meta, gguf_meta,
+                          tensor_types={name: tensor_type(t) for name, t in tensors.items()}),
         **user,
     }
     if aliases:
@@ -765,6 +838,22 @@ def _parse_json(where: str, key: str, text: str | None, default: Any) -> Any:
     return value
 
 
+def _parse_tensor_types(where: str, text: str | None) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """The ``kbit_linear.tensor_types`` entry as ``{name: (dtype, shape)}``, or ``None`` when the
+    header has none (written before the entry existed)."""
+    if text is None:
+        return None
+    out = {}
+    for name, entry in _parse_json(where, _KEY_TENSOR_TYPES, text, None).items():
+        ok = (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], list)
+              and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry[1]))
+        if not ok:
+            raise CheckpointError(f"{where}: header entry {_KEY_TENSOR_TYPES!r} has {json.dumps(entry)} for tensor {name!r}, "
+                                  "expected [dtype, shape] (a string and a list of non-negative ints)")
+        out[name] = (entry[0], tuple(entry[1]))
+    return out
+
+
 @dataclass
 class CheckpointHeader:
     """The kbit entries of one safetensors header, parsed by :func:`parse_header`.
@@ -776,6 +865,9 @@ class CheckpointHeader:
         experts: prefix -> experts metadata as stored (check each with :func:`validate_experts_metadata`).
         gguf: prefix -> GGUF module metadata as stored (check each with
             :func:`kbit_linear.serialization_gguf.validate_gguf_metadata`).
+        tensor_types: tensor name -> ``(dtype, shape)`` (check each tensor with
+            :func:`verify_tensor_type`); ``None`` for a file written before the entry existed,
+            whose dtypes and shapes then have no record to be checked against.
     """
 
     layers: dict[str, Any]
@@ -783,6 +875,7 @@ class CheckpointHeader:
     aliases: dict[str, str] = field(default_factory=dict)
     experts: dict[str, Any] = field(default_factory=dict)
     gguf: dict[str, Any] = field(default_factory=dict)
+    tensor_types: dict[str, tuple[str, tuple[int, ...]]] | None = None
 
 
 def header_metadata(
@@ -790,8 +883,11 @@ def header_metadata(
     sha256: Mapping[str, str],
     experts: Mapping[str, Mapping[str, Any]] | None = None,
     gguf: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    tensor_types: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
 ) -> dict[str, str]:
-    """The kbit entries of a safetensors header: format version, layer metadata, checksums.
+    """The kbit entries of a safetensors header: format version, layer metadata, checksums,
+    dtypes and shapes.
 
     Args:
         layers: prefix -> layer metadata (as :func:`layer_metadata` returns).
@@ -801,6 +897,8 @@ def header_metadata(
         gguf: prefix -> GGUF module metadata (as
             :func:`kbit_linear.serialization_gguf.gguf_metadata` returns); the entry is written
             only when there is one.
+        tensor_types: tensor name -> ``(dtype, shape)`` (:func:`tensor_type`), for the tensors
+            that ``sha256`` lists; the entry is written when given (every writer gives it).
 
     Returns:
         str -> str entries, as safetensors requires; the caller adds ``format`` and any others.
@@ -811,6 +909,9 @@ def header_metadata(
         _KEY_LAYERS: json.dumps(layers, sort_keys=True),
         _KEY_SHA256: json.dumps(dict(sha256), sort_keys=True),
     }
+    if tensor_types is not None:
+        header[_KEY_TENSOR_TYPES] = json.dumps({name: [dtype, list(shape)] for name, (dtype, shape) in tensor_types.items()},
+                                               sort_keys=True)
     if experts:
         header[_KEY_EXPERTS] = json.dumps(experts, sort_keys=True)
     if gguf:
@@ -829,7 +930,8 @@ def parse_header(header: Mapping[str, str], where: str, *, verify_digest: bool =
 
     Raises:
         CheckpointError: no version (not written by kbit_linear), an unknown version, a failed
-            header digest, or a missing or malformed layers / sha256 / aliases / experts / gguf entry.
+            header digest, or a missing or malformed layers / sha256 / aliases / experts / gguf entry,
+            or a malformed tensor_types entry (which may be absent: files of older writers).
     """
     version = header.get(_KEY_VERSION)
     if version is None:
@@ -848,6 +950,7 @@ def parse_header(header: Mapping[str, str], where: str, *, verify_digest: bool =
         aliases=_parse_json(where, _KEY_ALIASES, header.get(_KEY_ALIASES), {}),
         experts=_parse_json(where, _KEY_EXPERTS, header.get(_KEY_EXPERTS), {}),
         gguf=_parse_json(where, _KEY_GGUF, header.get(_KEY_GGUF), {}),
+        tensor_types=_parse_tensor_types(where, header.get(_KEY_TENSOR_TYPES)),
     )
     if version == FORMAT_VERSION and isinstance(parsed.layers, Mapping) and any(
             isinstance(m, Mapping) and m.get("hadamard") is True for m in parsed.layers.values()):
@@ -867,9 +970,11 @@ def load_quantized(
     Args:
         path: the ``.safetensors`` file.
         device: where the returned tensors go (read and checked on CPU first).
-        verify_checksums: check the header's own sha256 and compare every tensor's sha256
-            with the header (one pass over the data, about 1 GB/s; turn off for trusted files
-            when load time matters; the structural checks always run).
+        verify_checksums: check the header's own sha256 and compare every tensor's sha256,
+            dtype and shape with the header (one pass over the data, about 1 GB/s; turn off for
+            trusted files when load time matters; the structural checks always run). A file
+            written before the ``kbit_linear.tensor_types`` entry existed has no dtypes and shapes
+            to compare: its dense tensors' dtypes and shapes are then taken as the file says.
 
     Returns:
         A :class:`QuantizedCheckpoint`.
@@ -878,7 +983,8 @@ def load_quantized(
         FileNotFoundError: no such file.
         CheckpointError: not readable as safetensors (truncated, damaged header), not a
             kbit_linear checkpoint, unknown version, missing/extra tensors, wrong dtypes,
-            shapes or values, checksum mismatch. The message names the file and the tensor.
+            shapes or values, checksum mismatch, a dtype or shape other than the header records.
+            The message names the file and the tensor.
     """
     from safetensors import safe_open
 
@@ -910,6 +1016,8 @@ def load_quantized(
     if verify_checksums:
         for name, t in tensors.items():
             verify_sha256(name, t, sums, where=where)
+            if parsed.tensor_types is not None:  # (absent from the files of older writers)
+                verify_tensor_type(name, t, parsed.tensor_types, where=where)
     for alias, stored in aliases.items():
         if not isinstance(alias, str) or not isinstance(stored, str) or stored not in tensors:
             raise CheckpointError(f"{where}: alias {alias!r} refers to {stored!r}, which is not in the file")

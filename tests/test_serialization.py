@@ -26,6 +26,7 @@ from kbit_linear.serialization import (
     save_quantized,
     validate_layer_tensors,
     verify_sha256,
+    verify_tensor_type,
 )
 
 
@@ -63,11 +64,27 @@ def _read(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 
 def _forge(path, tensors: dict[str, torch.Tensor], header: dict[str, str]) -> None:
-    """Rewrite ``path`` consistently (checksums recomputed), so only the semantic checks can object."""
+    """Rewrite ``path`` consistently (checksums, dtypes and shapes recomputed), so only the
+    semantic checks can object."""
     header = dict(header)
     header[ser._KEY_SHA256] = json.dumps({k: ser._sha256(t) for k, t in tensors.items()})
+    if ser._KEY_TENSOR_TYPES in header:
+        types = {k: ser.tensor_type(t) for k, t in tensors.items()}
+        header[ser._KEY_TENSOR_TYPES] = json.dumps({k: [dtype, list(shape)] for k, (dtype, shape) in types.items()})
     header[ser._KEY_HEADER_SHA256] = ser._header_digest(header)
     safetensors.torch.save_file(tensors, str(path), metadata=header)
+
+
+def _edit_tensor_entry(path, name: str, **changes) -> None:
+    """Rewrite one tensor's entry (``dtype``, ``shape``) in the raw safetensors JSON header of
+    ``path``, leaving the tensor bytes and the kbit header metadata as they are."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    entries = json.loads(data[8 : 8 + n])
+    entries[name].update(changes)
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
 
 
 # ---------------------------------------------------------------------------------------
@@ -205,6 +222,80 @@ def test_flipped_tensor_byte_fails_the_checksum(saved):
         load_quantized(path)
 
 
+# Dense tensors (norms, embeddings, the head) have no structural check: only the header's record
+# of their dtype and shape tells that the safetensors header now gives their bytes other meaning.
+@pytest.mark.parametrize(
+    "bits, dtype, name, changes, recorded",
+    [
+        (3, torch.float32, "5.weight", {"dtype": "I32"}, r"I32 \[200\] in the file but F32 \[200\]"),
+        (5, torch.bfloat16, "5.weight", {"dtype": "F16"}, r"F16 \[200\] in the file but BF16 \[200\]"),
+        (5, torch.bfloat16, "0.bias", {"dtype": "F16"}, r"F16 \[33\] in the file but BF16 \[33\]"),
+        (3, torch.float32, "6.weight", {"shape": [200, 7]}, r"F32 \[200, 7\] in the file but F32 \[7, 200\]"),
+    ],
+    ids=["f32-as-i32", "bf16-as-f16", "kbit-bias-bf16-as-f16", "transposed-shape"],
+)
+def test_a_relabelled_dense_tensor_is_refused(tmp_path, bits, dtype, name, changes, recorded):
+    model = _quantized_mlp(bits=bits).to(dtype)
+    path = save_quantized(model, tmp_path / "m.safetensors")
+    _edit_tensor_entry(path, name, **changes)
+    _, header = _read(path)
+    assert parse_header(header, str(path), verify_digest=True).sha256  # the kbit metadata is intact
+    edited = load_quantized(path, verify_checksums=False).tensors[name]  # unchecked, the edit goes through
+    assert ser.tensor_type(edited) != ser.tensor_type(model.state_dict()[name])
+    pattern = rf"{path.name}: tensor '{name}' is {recorded} in the checkpoint header"
+    with pytest.raises(CheckpointError, match=pattern):
+        load_quantized(path)
+    with pytest.raises(CheckpointError, match=pattern):
+        load_into(_mlp().to(dtype), path)
+
+
+def test_tensor_types_entry_is_written_for_every_stored_tensor(saved):
+    model, path = saved
+    _, header = _read(path)
+    types = json.loads(header[ser._KEY_TENSOR_TYPES])
+    assert types.keys() == model.state_dict().keys()
+    assert types["5.weight"] == ["F32", [200]] and types["0.absmax"] == ["U8", [2, 1, 128, 2]]
+    assert types["4.weight"] == ["I32", [5, 2, 128, 2, 3]]
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda h: h.pop(ser._KEY_TENSOR_TYPES),
+        lambda h: h.update({ser._KEY_TENSOR_TYPES: h[ser._KEY_TENSOR_TYPES].replace('"F32", [200]', '"I32", [200]', 1)}),
+    ],
+    ids=["removed", "edited"],
+)
+def test_tensor_types_entry_is_covered_by_the_header_digest(saved, edit):
+    _, path = saved
+    tensors, header = _read(path)
+    before = dict(header)
+    edit(header)
+    assert header != before
+    safetensors.torch.save_file(tensors, str(path), metadata=header)  # digest untouched
+    with pytest.raises(CheckpointError, match=rf"{path.name}: the header metadata fails its sha256 check"):
+        load_quantized(path)
+
+
+def test_a_file_of_a_writer_without_tensor_types_still_loads(saved):
+    """An older writer wrote no tensor_types entry (and its digest did not cover one): such files
+    load, without the dtype and shape check."""
+    model, path = saved
+    tensors, header = _read(path)
+    del header[ser._KEY_TENSOR_TYPES]
+    header[ser._KEY_HEADER_SHA256] = ser._header_digest(header)
+    safetensors.torch.save_file(tensors, str(path), metadata=header)
+    assert parse_header(header, str(path), verify_digest=True).tensor_types is None
+    ckpt = load_quantized(path)
+    for name, t in model.state_dict().items():
+        assert torch.equal(ckpt.tensors[name], t), name
+    dense = _mlp(seed=5)
+    load_into(dense, path)
+    x = torch.randn(3, 100)
+    with torch.no_grad():
+        assert torch.equal(dense(x), model(x))
+
+
 def test_not_a_kbit_checkpoint(tmp_path):
     path = tmp_path / "plain.safetensors"
     safetensors.torch.save_file({"w": torch.zeros(3)}, str(path))
@@ -340,6 +431,10 @@ def test_header_metadata_and_parse_header_round_trip(saved):
     assert header[ser._KEY_VERSION] == FORMAT_VERSION and all(isinstance(v, str) for v in header.values())
     parsed = parse_header(header, "x.safetensors")
     assert parsed.layers == layers and parsed.sha256 == sums and parsed.aliases == {}
+    assert parsed.tensor_types is None  # not given: not written
+    types = {"0.weight": ser.tensor_type(model[0].weight)}
+    parsed = parse_header(header_metadata(layers, sums, tensor_types=types), "x.safetensors")
+    assert parsed.tensor_types == {"0.weight": ("I32", (2, 1, 128, 2, 3))}
     # what save_quantized wrote parses the same way, with its header digest
     _, written = _read(path)
     parsed = parse_header(written, str(path), verify_digest=True)
@@ -355,8 +450,13 @@ def test_header_metadata_and_parse_header_round_trip(saved):
         (lambda h: h.pop(ser._KEY_SHA256), r"header lacks 'kbit_linear.sha256'"),
         (lambda h: h.update({ser._KEY_LAYERS: "[1, 2]"}), r"'kbit_linear.layers' must be a JSON object"),
         (lambda h: h.update({ser._KEY_SHA256: "{"}), r"'kbit_linear.sha256' is not valid JSON"),
+        (lambda h: h.update({ser._KEY_TENSOR_TYPES: "[]"}), r"'kbit_linear.tensor_types' must be a JSON object"),
+        (lambda h: h.update({ser._KEY_TENSOR_TYPES: '{"a": ["F32", [2, -1]]}'}), r"\[\"F32\", \[2, -1\]\] for tensor 'a', expected \[dtype, shape\]"),
+        (lambda h: h.update({ser._KEY_TENSOR_TYPES: '{"a": ["F32"]}'}), r"for tensor 'a', expected \[dtype, shape\]"),
+        (lambda h: h.update({ser._KEY_TENSOR_TYPES: '{"a": [32, [2]]}'}), r"for tensor 'a', expected \[dtype, shape\]"),
     ],
-    ids=["no-version", "version", "no-layers", "no-sha256", "layers-not-object", "bad-json"],
+    ids=["no-version", "version", "no-layers", "no-sha256", "layers-not-object", "bad-json", "types-not-object",
+         "types-negative-dim", "types-no-shape", "types-dtype-not-str"],
 )
 def test_parse_header_errors(edit, match):
     header = header_metadata({}, {})
@@ -381,6 +481,19 @@ def test_verify_sha256():
         verify_sha256("a", t + 1, sums, where="f.safetensors")
     with pytest.raises(CheckpointError, match=r"tensor 'b' has no checksum"):
         verify_sha256("b", t, sums)
+
+
+def test_verify_tensor_type():
+    t = torch.zeros(3, 4, dtype=torch.bfloat16)
+    types = {"a": ser.tensor_type(t)}
+    assert types["a"] == ("BF16", (3, 4))
+    verify_tensor_type("a", t, types)
+    with pytest.raises(CheckpointError, match=r"f.safetensors: tensor 'a' is F16 \[3, 4\] in the file but BF16 \[3, 4\]"):
+        verify_tensor_type("a", t.half(), types, where="f.safetensors")
+    with pytest.raises(CheckpointError, match=r"tensor 'a' is BF16 \[4, 3\] in the file but BF16 \[3, 4\]"):
+        verify_tensor_type("a", t.t(), types)
+    with pytest.raises(CheckpointError, match=r"tensor 'b' has no dtype and shape in the checkpoint header"):
+        verify_tensor_type("b", t, types)
 
 
 # ---------------------------------------------------------------------------------------

@@ -389,6 +389,9 @@ def test_saved_headers_use_the_serialization_schema(saved_dir):
         parsed = parse_header(dict(f.metadata()), "model.safetensors")
     assert set(parsed.layers) == _block_names()
     assert set(parsed.sha256) == {f"{n}.{t}" for n in _block_names() for t in QUANTIZED}
+    assert parsed.tensor_types is not None and parsed.tensor_types.keys() == parsed.sha256.keys()
+    assert parsed.tensor_types["model.layers.0.self_attn.k_proj.weight"] == ("I32", (2, 1, 128, 2, 3))
+    assert parsed.tensor_types["model.layers.0.self_attn.k_proj.codebook"] == ("F32", (8,))
 
 
 def test_untied_lm_head_and_user_skips_keep_default_skips(untied_dir):
@@ -570,6 +573,12 @@ def _skip_changed_in_config(sd, meta, cfg):
     cfg["quantization_config"]["skip_modules"] = ["mlp"]
 
 
+def _recorded_shape_edited(sd, meta, cfg):
+    types = json.loads(meta["kbit_linear.tensor_types"])
+    types[f"{_LAYER}.tensor_scale"] = ["F32", [2]]
+    meta["kbit_linear.tensor_types"] = json.dumps(types)
+
+
 def _checksums_emptied(sd, meta, cfg):
     meta["kbit_linear.sha256"] = "{}"  # an empty table turns no check off
     sd[f"{_LAYER}.weight"].view(-1)[7] ^= 1
@@ -590,6 +599,7 @@ def _checksums_emptied(sd, meta, cfg):
         (_bits_changed_in_config, r"'bits': 3.* in the checkpoint but the model \(config.json\) expects \{'bits': 4"),
         (_skip_changed_in_config, "keeps dense"),
         (_checksums_emptied, "has no checksum"),
+        (_recorded_shape_edited, rf"tensor '{_LAYER}.tensor_scale' is F32 \[1\] in the file but F32 \[2\] in the checkpoint header"),
     ],
     ids=lambda v: v.__name__.strip("_") if callable(v) else None,
 )
@@ -609,6 +619,22 @@ def test_a_tampered_checkpoint_fails_with_a_clear_error(saved_dir, tmp_path, tam
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=match):
         _load(path)
+
+
+def test_a_checkpoint_saved_without_tensor_types_still_loads(saved_dir, tmp_path):
+    """Headers written before the tensor_types entry existed: loaded with the other checks only."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "older"
+    shutil.copytree(saved_dir, path)
+    weights = path / "model.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        meta = dict(f.metadata())
+    del meta["kbit_linear.tensor_types"]
+    save_file(load_file(str(weights)), str(weights), metadata=meta)
+    ids = _ids()
+    assert torch.equal(_logits(_load(path), ids), _logits(_load(saved_dir), ids))
 
 
 def test_quantizer_refuses_disk_offload():

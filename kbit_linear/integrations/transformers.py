@@ -25,17 +25,18 @@ How it plugs into the transformers 5.x loader:
 * save: the quantized tensors are the layers' state dict (``weight`` is the tiled int32
   planes, a shape no dense loader accepts); ``config.json`` gets ``quantization_config`` and
   every safetensors header gets the format version, the per-layer metadata and a sha256, dtype
-  and shape of every quantized tensor. A model holding GGUF modules (:class:`~kbit_linear.GGUFLinear`,
-  :class:`~kbit_linear.GGUFEmbedding`) is refused with a ``ValueError``: ``from_pretrained``
-  would find no ``weight`` for those layers and initialize them at random (it only reports
-  missing keys); :func:`kbit_linear.save_quantized` and :func:`kbit_linear.load_into` carry them,
-  and a ``save_quantized`` file with GGUF modules is refused by ``from_pretrained`` the same way.
+  and shape of every quantized tensor. A model holding GGUF modules
+  (:class:`~kbit_linear.GGUFLinear`, :class:`~kbit_linear.GGUFEmbedding`) is refused with a
+  ``ValueError``: ``from_pretrained`` would find no ``weight`` for those layers and initialize
+  them at random (it only reports missing keys); :func:`kbit_linear.save_quantized` and
+  :func:`kbit_linear.load_into` carry them, and a ``save_quantized`` file with GGUF modules is
+  refused by ``from_pretrained`` the same way.
 * reload (``config.json`` has ``quant_method: "kbit"``): the layers become meta ``KbitLinear``
   placeholders and the tensors load as they are; the headers are checked before loading
   (version, layer shapes, tensor names, dtypes and shapes, through
   :func:`kbit_linear.serialization.parse_header`) and the loaded tensors after (values,
-  padding, checksums, dtypes and shapes against the header's record), so a damaged or edited checkpoint raises :class:`CheckpointError`
-  instead of producing a model that runs on garbage.
+  padding, checksums, dtypes and shapes against the header's record), so a damaged or edited
+  checkpoint raises :class:`CheckpointError` instead of producing a model that runs on garbage.
 
 ``lm_head``, tied embeddings and the model's ``_keep_in_fp32_modules`` always stay dense
 (transformers' default skips are kept when the user passes a skip list).
