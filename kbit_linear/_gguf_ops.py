@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _ops  # register_function_autograd and the forward-mode AD helpers
 from . import gguf_format as gf
 
 _NS = "kbit_linear"
@@ -115,15 +116,26 @@ def gguf_dequantize_reference(qs, qh, scale, mins, qtype, out_features, in_featu
 torch.library.impl(f"{_NS}::gguf_dequantize", "default")(gguf_dequantize_reference)  # not as a decorator: torch 2.11 binds its result (None) to the name
 
 
+# autograd of both products (reverse and forward mode): gradients and tangents reach x and the
+# bias; the GGUF weight is frozen.
+_GEMM = torch.ops.kbit_linear.gguf_gemm.default
+_GEMM_A8 = torch.ops.kbit_linear.gguf_gemm_a8.default
+
+
 def _gemm_setup_context(ctx, inputs, output):
     x, qs, qh, scale, mins, qtype, out_features, bias = inputs
+    ctx.set_materialize_grads(False)  # a frozen weight tensor reaches jvp as None, not zeros
     ctx.save_for_backward(qs, qh, scale, mins)
+    ctx.save_for_forward(qs, qh, scale, mins)
     ctx.qtype, ctx.out_features, ctx.in_features = qtype, out_features, x.shape[-1]
     ctx.x_dtype = x.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.out_shape = output.shape
 
 
 def _gemm_backward(ctx, grad):
+    if grad is None:  # (grads are not materialized: see _gemm_setup_context)
+        return (None,) * 8
     qs, qh, scale, mins = ctx.saved_tensors
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
@@ -135,6 +147,47 @@ def _gemm_backward(ctx, grad):
     return grad_x, None, None, None, None, None, None, grad_bias
 
 
-torch.library.register_autograd(f"{_NS}::gguf_gemm", _gemm_backward, setup_context=_gemm_setup_context)
-# 8-bit activations: the gradient passes straight through the activation rounding.
-torch.library.register_autograd(f"{_NS}::gguf_gemm_a8", _gemm_backward, setup_context=_gemm_setup_context)
+def _gemm_jvp(op, ctx, x_t, qs_t, qh_t, scale_t, mins_t, qtype_t, out_features_t, bias_t):
+    """The tangent ``x_t W^T + b_t``: ``gguf_gemm`` on the tangents (for ``gguf_gemm_a8`` too, whose
+    activation rounding the tangent passes straight through, as its gradient does)."""
+    _ops.check_frozen_tangents(op, scale=scale_t, mins=mins_t)
+    if x_t is None:
+        return _ops.bias_tangent(bias_t, ctx.x_dtype, ctx.out_shape)
+    qs, qh, scale, mins = ctx.saved_tensors
+    return _GEMM(x_t, qs, qh, scale, mins, ctx.qtype, ctx.out_features, bias_t)
+
+
+class _GGUFGemm(torch.autograd.Function):
+    """The autograd of ``gguf_gemm`` (see :func:`kbit_linear._ops.register_function_autograd`):
+    gradients and tangents reach ``x`` and the bias; the GGUF weight is frozen."""
+
+    @staticmethod
+    def forward(x, qs, qh, scale, mins, qtype, out_features, bias):
+        return _ops.call_below_autograd(_GEMM, x, qs, qh, scale, mins, qtype, out_features, bias)
+
+    setup_context = staticmethod(_gemm_setup_context)
+    backward = staticmethod(_gemm_backward)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        return _gemm_jvp("gguf_gemm", ctx, *tangents)
+
+
+class _GGUFGemmA8(torch.autograd.Function):
+    """The autograd of ``gguf_gemm_a8``: that of ``gguf_gemm``, the 8-bit activation rounding
+    passed straight through (gradient and tangent alike)."""
+
+    @staticmethod
+    def forward(x, qs, qh, scale, mins, qtype, out_features, bias):
+        return _ops.call_below_autograd(_GEMM_A8, x, qs, qh, scale, mins, qtype, out_features, bias)
+
+    setup_context = staticmethod(_gemm_setup_context)
+    backward = staticmethod(_gemm_backward)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        return _gemm_jvp("gguf_gemm_a8", ctx, *tangents)
+
+
+_ops.register_function_autograd(f"{_NS}::gguf_gemm", _GGUFGemm)
+_ops.register_function_autograd(f"{_NS}::gguf_gemm_a8", _GGUFGemmA8)

@@ -48,6 +48,7 @@ import torch
 
 from collections.abc import Callable
 
+from . import _ops  # register_function_autograd, call_below_autograd
 from . import format as fmt
 
 _NS = "kbit_linear"
@@ -238,14 +239,45 @@ def combine_experts_reference(y, position, top_k_weights):
 torch.library.impl(f"{_NS}::combine_experts", "default")(combine_experts_reference)
 
 
-def _combine_setup_context(ctx, inputs, output):
-    y, position, top_k_weights = inputs
-    ctx.save_for_backward(y, position, top_k_weights)
+_COMBINE = torch.ops.kbit_linear.combine_experts.default
+
+
+class _CombineExperts(torch.autograd.Function):
+    """The autograd of ``combine_experts`` (see :func:`kbit_linear._ops.register_function_autograd`):
+    bilinear in ``y`` and ``top_k_weights``, so the tangent is the op on each tangent with the
+    other operand, summed."""
+
+    @staticmethod
+    def forward(y, position, top_k_weights):
+        return _ops.call_below_autograd(_COMBINE, y, position, top_k_weights)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)  # an operand without a tangent reaches jvp as None, not zeros
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _combine_backward(ctx, grad)
+
+    @staticmethod
+    def jvp(ctx, y_t, position_t, top_k_weights_t):
+        y, position, top_k_weights = ctx.saved_tensors
+        # (each term rounds the weights to y's dtype as the forward does: the tangent passes
+        # straight through that rounding, as the gradient does)
+        out = None if y_t is None else _COMBINE(y_t, position, top_k_weights)
+        if top_k_weights_t is not None:
+            by_weights = _COMBINE(y, position, top_k_weights_t)
+            out = by_weights if out is None else out + by_weights
+        return out
 
 
 def _combine_backward(ctx, grad):
     """d/dy: each slot's row gets its token's gradient times the slot's (rounded) weight; d/dw:
     the gradient dotted with the slot's row. Sums in float32, as the forward's."""
+    if grad is None:  # (grads are not materialized: see _CombineExperts.setup_context)
+        return None, None, None
     y, position, top_k_weights = ctx.saved_tensors
     tokens, top_k = top_k_weights.shape
     g = grad.float().unsqueeze(1)  # [T, 1, H]
@@ -261,7 +293,7 @@ def _combine_backward(ctx, grad):
     return grad_y, None, grad_w
 
 
-torch.library.register_autograd(f"{_NS}::combine_experts", _combine_backward, setup_context=_combine_setup_context)
+_ops.register_function_autograd(f"{_NS}::combine_experts", _CombineExperts)
 
 
 # ---------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.autograd.forward_ad as _fwAD
+from torch._functorch.utils import enable_single_level_autograd_function
 
 from . import format as fmt
 from . import hadamard as hd
@@ -245,22 +247,128 @@ def _(x, signs):
     return hd.rotate(x, signs)
 
 
-def _rotate_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1])
-
-
-def _rotate_backward(ctx, grad):
-    (signs,) = ctx.saved_tensors
-    return hd.unrotate(grad, signs), None  # y = x R, R orthogonal: dL/dx = dL/dy R^T
-
-
-torch.library.register_autograd(f"{_NS}::hadamard_rotate", _rotate_backward, setup_context=_rotate_setup_context)
-
-
 # ---------------------------------------------------------------------------------------
-# autograd for gemm: gradients flow to x and bias (the quantized weight is frozen), so
-# adapters trained on top of a quantized model (LoRA) work through these layers.
+# autograd, both modes: gradients and tangents flow to x and bias (the quantized weight is
+# frozen), so adapters trained on top of a quantized model (LoRA) and forward-mode AD
+# (torch.func.jvp, jacfwd, torch.autograd.forward_ad) work through these layers.
+#
+# torch.library has no register_jvp, and register_autograd's generated autograd.Function has
+# no jvp (forward_ad raised, torch.func.jvp gave a zero tangent) and runs its Python apply,
+# which under torch.func hands it to custom_function_call (refused: no setup_context). So each
+# differentiable op gets its own Autograd kernel (register_function_autograd): an
+# autograd.Function with backward and jvp applied through the C++ apply, as a built-in op's
+# autograd kernel works, on the current torch.func level's tensors.
 # ---------------------------------------------------------------------------------------
+
+_GEMM = torch.ops.kbit_linear.gemm.default  # resolved once: skips the packet's overload lookup
+_ROTATE = torch.ops.kbit_linear.hadamard_rotate.default
+_DEQUANTIZE = torch.ops.kbit_linear.dequantize.default
+
+
+def forward_ad_active() -> bool:
+    """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``, which
+    ``torch.func.jvp`` opens too): a dual input may then carry a tangent that only the op's
+    autograd (its jvp) can carry on, so the eager fast paths, which bypass it, step aside."""
+    return _fwAD._current_level >= 0  # a module global: no tensor is looked at
+
+
+def differentiating(*args: object) -> bool:
+    """Whether an op's Autograd kernel must apply its autograd.Function: reverse mode records
+    (grad mode on and a tensor among ``args`` requires grad) or forward mode is on
+    (:func:`forward_ad_active`)."""
+    return (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)) or forward_ad_active()
+
+
+def register_function_autograd(qualname: str, function: type[torch.autograd.Function]) -> None:
+    """Make ``function`` (whose ``forward`` takes the op's arguments and calls the op through
+    :func:`call_below_autograd`) the Autograd kernel of the op ``qualname``, applied while
+    :func:`differentiating`; otherwise the kernel calls the op below autograd directly.
+
+    The kernel runs where autograd meets the op: eager calls (both AD modes, torch.func
+    transforms) and AOTAutograd's tracing under torch.compile; the fake kernel is untouched.
+    """
+    op = torch._library.utils.lookup_op(qualname)
+    # The C++ apply, not Function.apply: the latter sends calls under torch.func transforms to
+    # custom_function_call, which has no kernel at the Autograd key this runs at. Here, as in a
+    # built-in op's autograd, the Function records on the current level's wrapped tensors and
+    # its forward's call below autograd reaches the lower levels.
+    apply = super(torch.autograd.Function, function).apply
+
+    def autograd_kernel(*args):
+        if differentiating(*args):
+            if torch._C._are_functorch_transforms_active():
+                with enable_single_level_autograd_function():  # (functorch asserts it for such a Function)
+                    return apply(*args)
+            return apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    torch.library.impl(qualname, "Autograd")(autograd_kernel)
+
+
+def call_below_autograd(op: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+    """``op(*args)`` below the Autograd key: the forward of the ops' autograd.Functions.
+
+    Under torch.func transforms the call reaches the levels below the current one, which
+    differentiate on their own; the C++ apply turned grad mode and forward grad mode off for
+    this level's forward, so they are turned back on for those levels (as functorch's own
+    single-level Functions do: without it, jvp of grad and grad of jvp gave zeros).
+    """
+    if torch._C._are_functorch_transforms_active():
+        with torch.enable_grad(), _fwAD._set_fwd_grad_enabled(True), torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+def check_frozen_tangents(op: str, **tangents: torch.Tensor | None) -> None:
+    """Raise ``NotImplementedError`` naming ``op`` and the tensor if one of the quantized
+    weight's tensors carries a forward-mode tangent: the weight is frozen, and its tangent would
+    otherwise be dropped without a word (the reverse mode gives these tensors no gradient)."""
+    for name, tangent in tangents.items():
+        if tangent is not None:
+            raise NotImplementedError(f"forward-mode AD through kbit_linear::{op}: the quantized weight is frozen, "
+                                      f"so {name} takes no tangent (only the activation and the bias do)")
+
+
+def bias_tangent(bias_t: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """The tangent of ``x @ W^T + bias`` when only the bias carries one: broadcast over the
+    rows, in the output's dtype, contiguous as the output (forward AD wants the layouts equal)."""
+    return bias_t.to(dtype).expand(shape).contiguous()
+
+
+class _HadamardRotate(torch.autograd.Function):
+    """The autograd of ``hadamard_rotate``: ``y = x R`` with ``R`` orthogonal, so the tangent is
+    the rotation of x's tangent and the gradient ``dL/dy R^T``."""
+
+    @staticmethod
+    def forward(x, signs):
+        return call_below_autograd(_ROTATE, x, signs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)  # an input without a tangent reaches jvp as None, not zeros
+        ctx.save_for_backward(inputs[1])
+        ctx.save_for_forward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:  # (grads are not materialized: see setup_context)
+            return None, None
+        (signs,) = ctx.saved_tensors
+        # Traced (AOTAutograd under torch.compile), the matrix is built in the trace: the cached
+        # one is a real tensor, which fake tensors refuse to meet.
+        traced = torch._C._len_torch_dispatch_stack() > 0
+        matrix = hd.hadamard_matrix(hd.hadamard_block(grad.shape[-1]), grad.dtype, grad.device) if traced else None
+        return hd.unrotate(grad, signs, matrix), None
+
+    @staticmethod
+    def jvp(ctx, x_t, signs_t):
+        (signs,) = ctx.saved_tensors  # (the int8 signs cannot carry a tangent)
+        return hadamard_rotate(x_t, signs)
+
+
+register_function_autograd(f"{_NS}::hadamard_rotate", _HadamardRotate)
 
 
 def _gemm_setup_context(ctx, inputs, output):
@@ -286,18 +394,43 @@ def _gemm_grads(ctx, grad, dequantize: Callable[..., torch.Tensor]):
     return grad_x, None, None, None, None, None, None, grad_bias
 
 
-def _gemm_backward(ctx, grad):
-    return _gemm_grads(ctx, grad, torch.ops.kbit_linear.dequantize)
+class _Gemm(torch.autograd.Function):
+    """The autograd of ``gemm``: ``y = x W^T + b`` is linear in ``(x, b)``, so the tangent is the
+    op itself on the tangents, ``x_t W^T + b_t`` (the same kernel, the same roundings)."""
+
+    @staticmethod
+    def forward(x, packed, absmax, codebook, tensor_scale, bits, out_features, bias):
+        return call_below_autograd(_GEMM, x, packed, absmax, codebook, tensor_scale, bits, out_features, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)  # a frozen weight tensor reaches jvp as None, not zeros
+        _gemm_setup_context(ctx, inputs, output)
+        ctx.save_for_forward(*inputs[1:5])
+        ctx.out_shape = output.shape
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:  # (grads are not materialized: see setup_context)
+            return (None,) * 8
+        return _gemm_grads(ctx, grad, _DEQUANTIZE)
+
+    @staticmethod
+    def jvp(ctx, x_t, packed_t, absmax_t, codebook_t, tensor_scale_t, bits_t, out_features_t, bias_t):
+        check_frozen_tangents("gemm", codebook=codebook_t, tensor_scale=tensor_scale_t)
+        if x_t is None:
+            return bias_tangent(bias_t, ctx.x_dtype, ctx.out_shape)
+        packed, absmax, codebook, tensor_scale = ctx.saved_tensors
+        return gemm(x_t, packed, absmax, codebook, tensor_scale, ctx.bits, ctx.out_features, bias_t)
 
 
-torch.library.register_autograd(f"{_NS}::gemm", _gemm_backward, setup_context=_gemm_setup_context)
+register_function_autograd(f"{_NS}::gemm", _Gemm)
 
 
 # ---------------------------------------------------------------------------------------
 # the eager fast path of gemm
 # ---------------------------------------------------------------------------------------
 
-_GEMM = torch.ops.kbit_linear.gemm.default  # resolved once: skips the packet's overload lookup
 _eager_gemm: dict[str, Callable[..., torch.Tensor]] = {}  # device type -> backend function
 
 
@@ -393,9 +526,12 @@ def gemm(
     modes and functorch transforms (the CPU backend is torch ops, which those would otherwise
     see one by one). When autograd records on CUDA (training), outside Python modes and
     functorch transforms, :class:`_EagerGemm` differentiates with the op's own gradient code; on
-    CPU the op path differentiates. Arguments as for the op (``docs/format.md``).
+    CPU the op path differentiates. With a forward-mode AD level open every call takes the op,
+    whose autograd carries the tangents (:func:`forward_ad_active`). Arguments as for the op
+    (``docs/format.md``).
     """
-    if not torch.compiler.is_compiling():
+    # (forward_ad_active inlined: this runs at every layer call)
+    if not torch.compiler.is_compiling() and _fwAD._current_level < 0:
         recording = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
         if x.is_cuda:
             fn = _eager_gemm.get("cuda")
@@ -415,7 +551,6 @@ def gemm(
 # the eager fast path of hadamard_rotate
 # ---------------------------------------------------------------------------------------
 
-_ROTATE = torch.ops.kbit_linear.hadamard_rotate.default
 _eager_rotate: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
 
 
@@ -427,11 +562,12 @@ def register_eager_rotate(device_type: str, fn: Callable[[torch.Tensor, torch.Te
 
 def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """``x R``: the ``kbit_linear::hadamard_rotate`` op, with the eager fast path of :func:`gemm`
-    (CUDA inputs outside torch.compile tracing and autograd recording go straight to the
-    backend; everything else through the op)."""
+    (CUDA inputs outside torch.compile tracing, autograd recording and forward-mode AD go
+    straight to the backend; everything else through the op)."""
     if not isinstance(x, torch.Tensor):  # (the op checks the rest; the fast path reads x.is_cuda first)
         raise TypeError(f"x must be a floating-point tensor, got {type(x).__name__}")
-    if x.is_cuda and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
+    if (x.is_cuda and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
+            and _fwAD._current_level < 0):
         fn = _eager_rotate.get("cuda")
         if fn is not None:
             return fn(x, signs)

@@ -517,11 +517,11 @@ class KbitExperts(nn.Module):
         ``read_values`` is false, i.e. under CUDA-graph capture). Groups of up to
         :data:`~kbit_linear._grouped_ops.DECODE_GROUP_ROWS` rows run anywhere the decode kernel
         does; larger ones where the GPU has the grouped tensor-core kernel
-        (:func:`~kbit_linear._grouped_ops.large_groups_supported`). Gradients through the
-        experts use the reference."""
+        (:func:`~kbit_linear._grouped_ops.large_groups_supported`). Gradients and forward-mode
+        tangents through the experts use the reference (the grouped ops have no autograd)."""
         if not hidden_states.is_cuda or hidden_states.dtype not in (torch.float16, torch.bfloat16):
             return 0
-        if torch.is_grad_enabled() and hidden_states.requires_grad:
+        if (torch.is_grad_enabled() and hidden_states.requires_grad) or _ops.forward_ad_active():
             return 0
         tokens, top_k = top_k_index.shape
         if tokens == 0:
