@@ -60,8 +60,10 @@ On-disk format (version ``"1"``; ``"2"`` when a layer is Hadamard-rotated), one 
 The header schema (these keys, the version, how they are written and parsed) lives here only:
 :func:`header_metadata` writes the kbit entries and :func:`parse_header` checks and parses them,
 for this single-file format and for the transformers plug-in's sharded ``save_pretrained`` files
-(which carry the version, layers, sha256 and tensor_types entries in every shard's header, for
-the quantized tensors).
+(which carry the version, layers, sha256 and tensor_types entries in every shard's header: the
+checksums of the quantized tensors only, the dtypes and shapes of every tensor, dense ones too,
+which the plug-in checks with :func:`verify_stored_type` from the file's per-tensor header before
+transformers loads them).
 
 Loading checks the version, every layer's metadata, tensor names, dtypes, shapes, codebook
 values, the tensor scale, that the padding is made of zero blocks, every GGUF module's metadata,
@@ -83,7 +85,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -119,6 +121,7 @@ __all__ = [
     "verify_sha256",
     "tensor_type",
     "verify_tensor_type",
+    "verify_stored_type",
     "save_quantized",
     "load_quantized",
     "load_into",
@@ -594,11 +597,29 @@ def verify_tensor_type(
     Raises:
         CheckpointError: no entry for ``name``, or another dtype or shape than the entry.
     """
+    verify_stored_type(name, *tensor_type(tensor), types, where=where)
+
+
+def verify_stored_type(
+    name: str,
+    dtype: str,
+    shape: Sequence[int],
+    types: Mapping[str, tuple[str, tuple[int, ...]]],
+    *,
+    where: str = "",
+) -> None:
+    """:func:`verify_tensor_type` for a tensor not yet read: its ``dtype`` (as safetensors names it)
+    and ``shape`` as a file's per-tensor header gives them (``safe_open(...).get_slice(name)``),
+    so a loader can check them before any data is read.
+
+    Raises:
+        CheckpointError: no entry for ``name``, or another dtype or shape than the entry.
+    """
     want = types.get(name)
     if want is None:
         raise _fail(where, f"tensor {name!r} has no dtype and shape in the checkpoint header")
-    got = tensor_type(tensor)
-    if got != tuple(want):
+    got = (dtype, tuple(shape))
+    if got != (want[0], tuple(want[1])):
         raise _fail(where, f"tensor {name!r} is {got[0]} {list(got[1])} in the file but {want[0]} {list(want[1])} in the "
                            "checkpoint header: the checkpoint is corrupted or its safetensors header was modified")
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -95,6 +97,15 @@ def saved_dir(tmp_path_factory, dense_dir) -> Path:
     """A 3-bit bf16 checkpoint written by save_pretrained (read-only for the tests)."""
     path = tmp_path_factory.mktemp("quantized")
     _load(dense_dir, quantization_config=KbitConfig(bits=3), dtype=torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sharded_dir(tmp_path_factory, untied_dir) -> Path:
+    """A 4-bit float32 checkpoint of the untied model (a dense lm_head) in several shards (read-only)."""
+    path = tmp_path_factory.mktemp("quantized_sharded")
+    _load(untied_dir, quantization_config=KbitConfig(bits=4), dtype=torch.float32).save_pretrained(path, max_shard_size="100KB")
+    assert len(list(path.glob("model-*.safetensors"))) > 1
     return path
 
 
@@ -389,9 +400,12 @@ def test_saved_headers_use_the_serialization_schema(saved_dir):
         parsed = parse_header(dict(f.metadata()), "model.safetensors")
     assert set(parsed.layers) == _block_names()
     assert set(parsed.sha256) == {f"{n}.{t}" for n in _block_names() for t in QUANTIZED}
-    assert parsed.tensor_types is not None and parsed.tensor_types.keys() == parsed.sha256.keys()
+    # checksums of the quantized tensors; dtypes and shapes of every tensor, dense ones too
+    assert parsed.tensor_types is not None and parsed.tensor_types.keys() > parsed.sha256.keys()
     assert parsed.tensor_types["model.layers.0.self_attn.k_proj.weight"] == ("I32", (2, 1, 128, 2, 3))
     assert parsed.tensor_types["model.layers.0.self_attn.k_proj.codebook"] == ("F32", (8,))
+    assert parsed.tensor_types["model.norm.weight"] == ("BF16", (96,))
+    assert parsed.tensor_types["model.layers.0.self_attn.k_proj.bias"] == ("BF16", (48,))
 
 
 def test_untied_lm_head_and_user_skips_keep_default_skips(untied_dir):
@@ -621,20 +635,121 @@ def test_a_tampered_checkpoint_fails_with_a_clear_error(saved_dir, tmp_path, tam
         _load(path)
 
 
-def test_a_checkpoint_saved_without_tensor_types_still_loads(saved_dir, tmp_path):
+def _stored_types(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor's dtype and shape as the safetensors per-tensor header of ``file`` gives them."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        return {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+
+
+def _file_holding(folder: Path, name: str) -> Path:
+    """The safetensors file of a saved folder that holds tensor ``name``."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return folder / json.loads(index.read_text())["weight_map"][name]
+    return folder / "model.safetensors"
+
+
+def _edit_tensor_entry(file: Path, name: str, **changes: Any) -> None:
+    """Rewrite one tensor's entry (``dtype``, ``shape``) in the raw safetensors JSON header of
+    ``file``, leaving the tensor bytes and the kbit header metadata as they are."""
+    data = file.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    entries = json.loads(data[8 : 8 + n])
+    entries[name].update(changes)
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
+    file.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
+
+
+@pytest.mark.parametrize("folder", ["saved_dir", "sharded_dir"])
+def test_every_file_records_the_dtype_and_shape_of_every_tensor_it_holds(request, folder):
+    from safetensors import safe_open
+
+    files = sorted(request.getfixturevalue(folder).glob("*.safetensors"))
+    held, records = {}, []
+    for file in files:
+        stored = _stored_types(file)
+        with safe_open(str(file), "pt") as f:
+            records.append(parse_header(dict(f.metadata()), file.name).tensor_types)
+        assert {k: records[-1][k] for k in stored} == stored, file.name
+        held.update(stored)
+    assert {"model.embed_tokens.weight", "model.norm.weight", "model.layers.1.post_attention_layernorm.weight"} <= held.keys()
+    # save_pretrained gives every shard one header: each lists the tensors of all of them
+    assert all(record.keys() >= held.keys() for record in records)
+
+
+@pytest.mark.parametrize(
+    "folder, name, changes, stored, recorded",
+    [
+        ("sharded_dir", "model.layers.0.input_layernorm.weight", {"dtype": "I32"}, "I32 [96]", "F32 [96]"),
+        ("sharded_dir", "model.layers.1.self_attn.q_proj.bias", {"dtype": "I32"}, "I32 [96]", "F32 [96]"),
+        ("saved_dir", "model.norm.weight", {"dtype": "F16"}, "F16 [96]", "BF16 [96]"),
+        ("saved_dir", "model.embed_tokens.weight", {"shape": [96, 256]}, "BF16 [96, 256]", "BF16 [256, 96]"),
+        ("sharded_dir", "lm_head.weight", {"shape": [96, 256]}, "F32 [96, 256]", "F32 [256, 96]"),
+    ],
+    ids=["norm-f32-to-i32", "bias-f32-to-i32", "norm-bf16-to-f16", "embedding-transposed", "lm_head-transposed"],
+)
+def test_a_relabelled_dense_tensor_is_refused(request, tmp_path, folder, name, changes, stored, recorded):
+    """A dense tensor's safetensors header entry edited (same bytes, other dtype or shape): transformers
+    would cast or load it unseen; the headers' record refuses it, naming the file and the tensor."""
+    from safetensors import safe_open
+
+    path = tmp_path / "edited"
+    shutil.copytree(request.getfixturevalue(folder), path)
+    file = _file_holding(path, name)
+    with safe_open(str(file), "pt") as f:
+        meta = f.metadata()
+    _edit_tensor_entry(file, name, **changes)
+    with safe_open(str(file), "pt") as f:
+        assert f.metadata() == meta  # the kbit metadata is intact
+    assert _stored_types(file)[name] != _stored_types(_file_holding(request.getfixturevalue(folder), name))[name]
+    message = f"{file.name}: tensor '{name}' is {stored} in the file but {recorded} in the checkpoint header"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        _load(path)
+
+
+@pytest.mark.parametrize("folder", ["saved_dir", "sharded_dir"])
+def test_a_checkpoint_saved_without_tensor_types_still_loads(request, tmp_path, folder):
     """Headers written before the tensor_types entry existed: loaded with the other checks only."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    saved = request.getfixturevalue(folder)
     path = tmp_path / "older"
-    shutil.copytree(saved_dir, path)
-    weights = path / "model.safetensors"
-    with safe_open(str(weights), "pt") as f:
-        meta = dict(f.metadata())
-    del meta["kbit_linear.tensor_types"]
-    save_file(load_file(str(weights)), str(weights), metadata=meta)
+    shutil.copytree(saved, path)
+    for weights in path.glob("*.safetensors"):
+        with safe_open(str(weights), "pt") as f:
+            meta = dict(f.metadata())
+        del meta["kbit_linear.tensor_types"]
+        save_file(load_file(str(weights)), str(weights), metadata=meta)
     ids = _ids()
-    assert torch.equal(_logits(_load(path), ids), _logits(_load(saved_dir), ids))
+    assert torch.equal(_logits(_load(path), ids), _logits(_load(saved), ids))
+
+
+def test_dense_experts_split_by_save_pretrained_are_recorded_under_both_names(tmp_path):
+    """save_pretrained writes dense experts as the checkpoint's per-expert matrices (its default) or
+    as the model's merged tensors (save_original_format=False): both load, and a relabelled per-expert
+    matrix is refused."""
+    from moe_configs import VOCAB as MOE_VOCAB
+    from moe_configs import tiny_moe_config
+
+    dense = tmp_path / "dense"
+    transformers.AutoModelForCausalLM.from_config(tiny_moe_config("qwen3_moe")).save_pretrained(dense)
+    q = _load(dense, quantization_config=KbitConfig(bits=3, skip_modules=["mlp"]))
+    assert _kbit_layers(q)  # the attention projections
+    ids = _ids() % MOE_VOCAB
+    split = "model.layers.0.mlp.experts.0.gate_proj.weight"  # [moe_intermediate 40, hidden 64]
+    for original in (True, False):
+        out = tmp_path / f"original_{original}"
+        q.save_pretrained(out, save_original_format=original)
+        assert (split in _stored_types(out / "model.safetensors")) == original
+        assert torch.equal(_logits(_load(out), ids), _logits(q, ids))
+    file = tmp_path / "original_True" / "model.safetensors"
+    _edit_tensor_entry(file, split, shape=[64, 40])
+    with pytest.raises(CheckpointError, match=re.escape(f"tensor '{split}' is F32 [64, 40] in the file but F32 [40, 64]")):
+        _load(tmp_path / "original_True")
 
 
 def test_quantizer_refuses_disk_offload():

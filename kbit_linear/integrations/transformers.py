@@ -24,8 +24,10 @@ How it plugs into the transformers 5.x loader:
   hold freed temporaries in its allocator).
 * save: the quantized tensors are the layers' state dict (``weight`` is the tiled int32
   planes, a shape no dense loader accepts); ``config.json`` gets ``quantization_config`` and
-  every safetensors header gets the format version, the per-layer metadata and a sha256, dtype
-  and shape of every quantized tensor. A model holding GGUF modules
+  every safetensors header gets the format version, the per-layer metadata, a sha256 of every
+  quantized tensor and the dtype and shape of every tensor the files hold, dense ones too
+  (``save_pretrained`` gives every shard one header, so each lists the tensors of all shards).
+  A model holding GGUF modules
   (:class:`~kbit_linear.GGUFLinear`, :class:`~kbit_linear.GGUFEmbedding`) is refused with a
   ``ValueError``: ``from_pretrained`` would find no ``weight`` for those layers and initialize
   them at random (it only reports missing keys); :func:`kbit_linear.save_quantized` and
@@ -34,9 +36,14 @@ How it plugs into the transformers 5.x loader:
 * reload (``config.json`` has ``quant_method: "kbit"``): the layers become meta ``KbitLinear``
   placeholders and the tensors load as they are; the headers are checked before loading
   (version, layer shapes, tensor names, dtypes and shapes, through
-  :func:`kbit_linear.serialization.parse_header`) and the loaded tensors after (values,
-  padding, checksums, dtypes and shapes against the header's record), so a damaged or edited
-  checkpoint raises :class:`CheckpointError` instead of producing a model that runs on garbage.
+  :func:`kbit_linear.serialization.parse_header`; every tensor of each file, dense ones too,
+  against its header's dtypes and shapes, through
+  :func:`kbit_linear.serialization.verify_stored_type`: transformers loads the dense tensors
+  itself and would cast a relabelled one, ``F32`` -> ``I32``, into its parameter unseen) and the
+  loaded quantized tensors after (values, padding, checksums, dtypes and shapes against the
+  header's record), so a damaged or edited checkpoint raises :class:`CheckpointError` instead of
+  producing a model that runs on garbage. The dense tensors have no checksum: checking one would
+  read the data a second time.
 
 ``lm_head``, tied embeddings and the model's ``_keep_in_fp32_modules`` always stay dense
 (transformers' default skips are kept when the user passes a skip list).
@@ -99,6 +106,7 @@ from ..serialization import (
     validate_layer_metadata,
     validate_layer_tensors,
     verify_sha256,
+    verify_stored_type,
     verify_tensor_type,
 )
 
@@ -556,23 +564,27 @@ class KbitHfQuantizer(HfQuantizer):
         sums: dict[str, str] = {}
         types: dict[str, tuple[str, tuple[int, ...]]] | None = None
         shapes: dict[str, tuple[torch.dtype | str, tuple[int, ...]]] = {}
+        recorded: list[tuple[str, dict[str, Any], dict[str, Any]]] = []  # (file, its tensors' dtypes and shapes, its record)
         for path in checkpoint_files:
             path = str(path)
             if not path.endswith(".safetensors"):
                 raise CheckpointError(f"{path}: kbit checkpoints are safetensors files; cannot read this file")
+            stored: dict[str, tuple[str, tuple[int, ...]]] = {}  # this file's per-tensor header: raw dtype, shape
             try:
                 with safe_open(path, framework="pt") as f:
                     header = dict(f.metadata() or {})
                     for key in f.keys():
                         sl = f.get_slice(key)
-                        raw = sl.get_dtype()
-                        shapes[key] = (_SAFETENSORS_DTYPES.get(raw, raw), tuple(sl.get_shape()))
+                        stored[key] = (sl.get_dtype(), tuple(sl.get_shape()))
             except Exception as e:  # safetensors raises its own types for damaged files
                 raise CheckpointError(f"{path}: cannot read the file as safetensors (truncated or damaged?): {e}") from e
             parsed = parse_header(header, path)
             if parsed.gguf:
                 raise CheckpointError(f"{path}: holds GGUF modules ({_some(parsed.gguf)}), which from_pretrained cannot load; "
                                       "build the model and call kbit_linear.load_into(model, path)")
+            if parsed.tensor_types is not None:  # (absent from the files of older writers)
+                recorded.append((path, stored, parsed.tensor_types))
+            shapes.update((key, (_SAFETENSORS_DTYPES.get(raw, raw), shape)) for key, (raw, shape) in stored.items())
             layers.update(parsed.layers)
             experts.update(parsed.experts)
             sums.update(parsed.sha256)
@@ -596,6 +608,12 @@ class KbitHfQuantizer(HfQuantizer):
                                      f"a {module.bits}-bit {module.out_features}x{module.in_features} layer", where)
         _refuse_stray(layers, placeholders, "layers", where)
         self._check_experts_headers(model, experts, shapes, where)
+        # Every tensor of each file against that file's record, dense ones too: transformers loads
+        # those itself and would cast a relabelled one (F32 -> I32) into its parameter unseen.
+        # (After the checks above, whose messages say more about a quantized tensor.)
+        for path, stored, record in recorded:
+            for key, (raw, shape) in stored.items():
+                verify_stored_type(key, raw, shape, record, where=path)
         self._header_sha256, self._header_types, self._header_where = sums, types, where
         self._headers_read = True
 
@@ -731,10 +749,13 @@ class KbitHfQuantizer(HfQuantizer):
 
     # --- saving ------------------------------------------------------------------------
 
-    def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[None, dict[str, str]]:
-        """Header metadata for ``save_pretrained`` (:func:`kbit_linear.serialization.header_metadata`):
-        version, per-layer and per-experts metadata, checksums, dtypes and shapes of the quantized tensors.
+    def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The state dict and header metadata for ``save_pretrained``
+        (:func:`kbit_linear.serialization.header_metadata`): version, per-layer and per-experts
+        metadata, checksums of the quantized tensors, and the dtype and shape of every tensor the
+        files may hold (:func:`_saved_tensor_types`).
 
+        Returns ``model.state_dict()``, which ``save_pretrained`` then writes (so it is built once).
         Also drops the weight conversions that ``save_pretrained`` would apply to the quantized
         tensors (:func:`_keep_quantized_names`), so they are stored under the names the headers list.
 
@@ -761,7 +782,9 @@ class KbitHfQuantizer(HfQuantizer):
                     t = _as_saved(module, t_name)
                     sums[f"{name}.{t_name}"], types[f"{name}.{t_name}"] = tensor_sha256(t), tensor_type(t)
         _keep_quantized_names(model, list(sums))
-        return None, header_metadata(layers, sums, experts, tensor_types=types)
+        state_dict = model.state_dict()
+        types = {**_saved_tensor_types(model, state_dict), **types}
+        return state_dict, header_metadata(layers, sums, experts, tensor_types=types)
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         """Quantized models save to safetensors and load back without re-quantizing."""
@@ -819,6 +842,27 @@ def _refuse_tensor_parallel(name: str) -> None:
         "Load the model on each rank without tp_plan (device_map={'': local_rank}) and call "
         "kbit_linear.shard_for_tensor_parallel(model), which applies the model's own tensor-parallel plan"
     )
+
+
+def _saved_tensor_types(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``(dtype, shape)`` (:func:`kbit_linear.serialization.tensor_type`) of every tensor that
+    ``save_pretrained`` may write from ``state_dict``, dense ones too, for the headers'
+    ``kbit_linear.tensor_types`` entry.
+
+    ``save_pretrained`` passes one header to every shard and renames or splits tensors after this
+    hook (it reverts the model's weight conversions: the checkpoint's original names, e.g. per-expert
+    matrices of dense experts), so the table covers every shard: each tensor under the name that
+    revert gives it and under its name in the model (what ``save_original_format=False`` writes).
+    Entries for tensors a file does not hold (a tied ``lm_head`` dropped at save, the naming not
+    used) are harmless: a loader checks the tensors a file holds against the table. The revert
+    runs on meta tensors: no data is read or copied.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    types = {name: tensor_type(t) for name, t in state_dict.items()}
+    meta = {name: t.detach().to("meta") for name, t in state_dict.items()}
+    types.update((name, tensor_type(t)) for name, t in revert_weight_conversion(model, meta).items())
+    return types
 
 
 def _keep_quantized_names(model: nn.Module, names: list[str]) -> None:
