@@ -280,8 +280,8 @@ class KbitDecodeGraph:
 
         Raises:
             ValueError: ``first`` is not ``[B, 1]`` int64 for the cache's batch on the cache's
-                device, ``steps`` < 1, ``eos_token_id`` is not an int >= 0 or a non-empty
-                sequence of them, ``pad_token_id`` is not an int >= 0 below the input
+                device or holds a token outside the input embedding, ``steps`` < 1,
+                ``eos_token_id`` is not an int >= 0 or a non-empty sequence of them, ``pad_token_id`` is not an int >= 0 below the input
                 embedding's size, ``temperature``, ``top_k`` or ``top_p`` is out of its range or
                 given without ``do_sample``; with ``use_graph``, the cache is not on one CUDA
                 device.
@@ -303,6 +303,11 @@ class KbitDecodeGraph:
         if eos and vocab is not None and pad >= vocab:  # a finished row feeds the pad token to the embedding
             raise ValueError(f"pad_token_id (the first eos_token_id unless given) must be below the input embedding's "
                              f"{vocab} tokens, got {pad}")
+        # one host read: a token outside the embedding fails deep in the model (on CUDA, a device-side assert)
+        low, high = (int(v) for v in first.aminmax())
+        if low < 0 or (vocab is not None and high >= vocab):
+            raise ValueError(f"first must hold token ids in [0, {vocab if vocab is not None else 'vocab'}), "
+                             f"got {low if low < 0 else high}")
         devices = {layer.device for layer in self.cache.layers}
         if self.use_graph and (len(devices) != 1 or next(iter(devices)).type != "cuda"):
             # one graph records one device's stream: a model split over GPUs cannot be captured whole

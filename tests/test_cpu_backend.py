@@ -353,3 +353,15 @@ def test_no_dense_weight_is_allocated(cache):
         if m == 8:
             ref = F.linear(x, fmt.dequantize(fmt.KbitWeight(packed, absmax, cb, ts, bits, n, k)))
             torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("value", ["off", "0", 0, None])
+def test_set_cache_enabled_takes_a_bool_only(value):
+    # a string such as "off" once turned the cache on
+    cpu.set_cache_enabled(False)
+    try:
+        with pytest.raises(TypeError, match="enabled must be a bool"):
+            cpu.set_cache_enabled(value)
+        assert cpu.cache_enabled() is False
+    finally:
+        cpu.set_cache_enabled(True)

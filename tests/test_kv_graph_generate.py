@@ -200,3 +200,14 @@ def test_a_first_token_that_is_not_a_tensor_and_inductor_options_that_are_not_a_
         KbitDecodeGraph(model, cache, use_graph=False).generate([[8]] * prompt.shape[0], 3)
     with pytest.raises(TypeError, match=r"compile_options\['options'\] must be a mapping"):
         KbitDecodeGraph(model, cache, use_graph=False, compile_layers=True, compile_options={"options": "abc"})
+
+
+@pytest.mark.parametrize("token", [-1, 128])
+def test_a_first_token_outside_the_embedding_is_named(model, prompt: torch.Tensor, token: int) -> None:
+    _, cache = _caches(model)
+    first = _prefill(model, cache, prompt)
+    first[1, 0] = token
+    length = cache.get_seq_length()
+    with pytest.raises(ValueError, match="first must hold token ids"):
+        KbitDecodeGraph(model, cache, use_graph=False).generate(first, 4)
+    assert cache.get_seq_length() == length

@@ -141,3 +141,102 @@ def test_dora_is_refused_and_bad_config_named():
         _lora(_model(), use_dora=True)
     with pytest.raises(TypeError, match="LoraConfig"):
         register_lora_layers({"r": 4})
+
+
+def test_merging_an_adapter_that_skips_a_layer_leaves_that_layer_alone():
+    # "b" targets up_proj only: merging it (or both, "b" first) once raised KeyError in down_proj
+    model = _trained(_lora(_model()))
+    model.add_adapter("b", register_lora_layers(peft.LoraConfig(r=2, target_modules=["up_proj"], init_lora_weights=False)))
+    model.base_model.set_adapter(["b", "default"])
+    down = model.base_model.model.down_proj
+    x = torch.randn(3, 96)
+    with torch.no_grad():
+        ref = model(x)
+        model.merge_adapter(["b"])
+        assert isinstance(down.get_base_layer(), kbit_linear.KbitLinear) and not down.merged
+        model.unmerge_adapter()
+        model.merge_adapter()  # both, "b" first
+        assert isinstance(down.get_base_layer(), nn.Linear) and down.merged_adapters == ["default"]
+        torch.testing.assert_close(model(x), ref, rtol=1e-4, atol=1e-5)
+        model.unmerge_adapter()
+        assert isinstance(down.get_base_layer(), kbit_linear.KbitLinear)
+        torch.testing.assert_close(model(x), ref)
+
+
+def test_a_bias_free_bfloat16_model_merges_in_bfloat16():
+    # the adapter is float32 (PEFT upcasts it): the merged copy of a layer without a bias was float32,
+    # and the merged bfloat16 model failed with a dtype mismatch
+    torch.manual_seed(0)
+    base = _Block().to(torch.bfloat16)
+    base.down_proj.bias = None
+    kbit_linear.quantize_model(base, bits=4, skip=["head"], progress=False)
+    model = _trained(_lora(base))
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = model(x)
+        merged = model.merge_and_unload()
+        assert merged.up_proj.weight.dtype == merged.down_proj.weight.dtype == torch.bfloat16
+        torch.testing.assert_close(merged(x), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_fan_in_fan_out_is_turned_off_as_for_nn_linear():
+    # a square layer merged a transposed update without a word
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 64))
+    kbit_linear.quantize_model(base, bits=4, progress=False)
+    config = register_lora_layers(peft.LoraConfig(r=4, target_modules=["0"], fan_in_fan_out=True))
+    with pytest.warns(UserWarning, match="fan_in_fan_out"):
+        model = _trained(peft.get_peft_model(base, config))
+    assert model.base_model.model[0].fan_in_fan_out is False
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        ref = model(x)
+        torch.testing.assert_close(model.merge_and_unload()(x), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw,name", [
+    ({"init_lora_weights": "olora"}, "init_lora_weights"),
+    ({"init_lora_weights": "pissa"}, "init_lora_weights"),
+    ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights"),
+    ({"init_lora_weights": "corda"}, "init_lora_weights"),
+    ({"init_lora_weights": "mica"}, "init_lora_weights"),
+    ({"init_lora_weights": "orthogonal"}, "init_lora_weights"),
+    ({"kasa_config": "kasa"}, "kasa_config"),
+], ids=lambda v: repr(v) if isinstance(v, dict) else "")
+def test_options_that_need_the_dense_base_weight_are_refused_by_name(kw, name):
+    if kw.get("kasa_config") == "kasa":
+        if not hasattr(peft, "KasaConfig"):
+            pytest.skip("this PEFT has no KaSA")
+        kw = {"kasa_config": peft.KasaConfig()}
+    base = _model()
+    packed = base.up_proj.weight.detach().clone()
+    with pytest.raises(ValueError, match=name):
+        _lora(base, **kw)
+    assert torch.equal(base.up_proj.weight, packed)
+
+
+def test_a_second_adapter_is_checked_too():
+    model = _lora(_model())
+    with pytest.raises(ValueError, match="DoRA"):
+        model.add_adapter("b", register_lora_layers(peft.LoraConfig(r=2, target_modules=["up_proj"], use_dora=True)))
+
+
+def test_all_linear_for_a_second_adapter_names_the_layers_not_their_parts():
+    base = _model()
+    model = peft.get_peft_model(base, register_lora_layers(peft.LoraConfig(r=2, target_modules="all-linear"), base))
+    for target in (model, model.base_model.model):
+        config = register_lora_layers(peft.LoraConfig(r=2, target_modules="all-linear"), target)
+        assert config.target_modules == {"up_proj", "down_proj", "head"}
+    model.add_adapter("b", config)
+    assert all("b" in model.base_model.model.get_submodule(n).lora_A for n in ("up_proj", "down_proj", "head"))
+
+
+def test_load_adapter_reads_the_config_from_the_subfolder(tmp_path):
+    model = _trained(_lora(_model()))
+    x = torch.randn(4, 96)
+    with torch.no_grad():
+        ref = model(x)
+    model.save_pretrained(tmp_path / "sub")
+    reloaded = load_adapter(_model(), tmp_path, subfolder="sub")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(x), ref, rtol=0, atol=0)

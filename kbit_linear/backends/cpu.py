@@ -323,9 +323,15 @@ _CACHE_LOCK = threading.RLock()  # re-entrant: a finalizer may run while it is h
 
 
 def set_cache_enabled(enabled: bool) -> None:
-    """Turn the per-layer key cache on (the default) or off; turning it off also clears it."""
+    """Turn the per-layer key cache on (the default) or off; turning it off also clears it.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool (``"off"`` or ``"0"`` would read as on).
+    """
     global _cache_on
-    _cache_on = bool(enabled)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {enabled!r}")
+    _cache_on = enabled
     if not _cache_on:
         clear_cache()
 

@@ -22,16 +22,22 @@ the quantized weight stays frozen and no dense copy of it outlives a call).
 
 Merging (``merge_and_unload``, ``merge_adapter``): the quantized weight cannot absorb a
 low-rank update, so merging replaces the layer's base by a dense ``nn.Linear`` holding the
-dequantized weight plus the update (in the dtype of the kbit layer's bias, or the adapter's
-dtype where there is none). ``merge_and_unload`` therefore returns a dense model; quantize it
-again with :func:`kbit_linear.quantize_model` to store it in kbit. ``unmerge`` puts the original
-kbit layer back, bit for bit. DoRA needs the base weight inside the forward and is refused.
+dequantized weight plus the update (in the dtype of the kbit layer's bias; where there is none,
+in the dtype of the inputs of the layer's last forward, else in the adapter's dtype).
+``merge_and_unload`` therefore returns a dense model; quantize it again with
+:func:`kbit_linear.quantize_model` to store it in kbit. ``unmerge`` puts the original kbit layer
+back, bit for bit. What needs the dense base weight is refused with a ValueError: DoRA
+(``use_dora``, in every forward), KaSA (``kasa_config``) and the initialisations that read or
+rewrite the base weight (``init_lora_weights`` "pissa...", "corda...", "olora", "mica", "loftq",
+"orthogonal"). ``fan_in_fan_out=True`` is set to False with a warning, as PEFT does for
+``nn.Linear`` (a ``KbitLinear`` stores its weight as ``[out_features, in_features]``).
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -40,7 +46,7 @@ from torch import nn
 try:
     import peft
     from peft.tuners.lora.layer import Linear as _PeftLoraLinear
-    from peft.tuners.tuners_utils import check_adapters_to_merge
+    from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 except ImportError as exc:  # pragma: no cover - exercised only without peft
     raise ImportError("kbit_linear.integrations.peft needs PEFT: pip install peft") from exc
 
@@ -60,15 +66,46 @@ class KbitLoraLinear(_PeftLoraLinear):
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
         config = kwargs.get("config")
-        use_dora = getattr(config, "use_dora", False) if config is not None else kwargs.get("use_dora", False)
-        if use_dora:
-            raise ValueError("DoRA is not supported on kbit layers (it needs the dense base weight in every forward); "
-                             "use plain LoRA (use_dora=False)")
+        fan_in_fan_out = getattr(config, "fan_in_fan_out", False) if config is not None else kwargs.get("fan_in_fan_out", False)
+        if fan_in_fan_out:
+            # as PEFT does for nn.Linear: a transposed delta would be merged into [out, in] otherwise
+            warnings.warn("fan_in_fan_out is set to True but the target module is a KbitLinear (weight [out_features, "
+                          "in_features], as nn.Linear). Setting fan_in_fan_out to False.")
+            if config is not None:
+                config.fan_in_fan_out = False
+            else:  # pragma: no cover - PEFT versions that pass the options one by one
+                kwargs["fan_in_fan_out"] = False
         base = base_layer.get_base_layer() if hasattr(base_layer, "get_base_layer") else base_layer
         if not isinstance(base, KbitLinear):
             raise TypeError(f"KbitLoraLinear wraps a KbitLinear, got {type(base).__name__}")
         super().__init__(base_layer, adapter_name, *args, **kwargs)
         self._quantized_base: KbitLinear | None = None  # the kbit layer while a dense merged copy replaces it
+        self._input_dtype: torch.dtype | None = None  # of the last forward's input: the merged copy's dtype without a bias
+
+    def update_layer(self, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        # every adapter comes through here (the first from __init__, later ones from add_adapter / load_adapter)
+        config = kwargs.get("config")
+
+        def option(name: str, default: Any) -> Any:
+            return getattr(config, name, default) if config is not None else kwargs.get(name, default)
+
+        if option("use_dora", False):
+            raise ValueError("DoRA is not supported on kbit layers (it needs the dense base weight in every forward); "
+                             "use plain LoRA (use_dora=False)")
+        if option("kasa_config", None) is not None:
+            raise ValueError("KaSA (kasa_config) is not supported on kbit layers (it decomposes and truncates the dense "
+                             "base weight); use plain LoRA (kasa_config=None)")
+        init = option("init_lora_weights", True)
+        if isinstance(init, str) and (init.lower().startswith(_BASE_WEIGHT_INITS_PREFIX) or init.lower() in _BASE_WEIGHT_INITS):
+            raise ValueError(f"init_lora_weights={init!r} is not supported on kbit layers (it reads or rewrites the dense "
+                             "base weight); use True, 'gaussian' or 'eva', or initialise on the dense model and "
+                             "quantize afterwards")
+        super().update_layer(adapter_name, *args, **kwargs)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            self._input_dtype = x.dtype
+        return super().forward(x, *args, **kwargs)
 
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         # PEFT asks its layer for the base's sizes (and warns about types it does not know).
@@ -77,13 +114,14 @@ class KbitLoraLinear(_PeftLoraLinear):
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """Merge adapters into a dense copy of the base (see the module docstring); the kbit layer is kept for :meth:`unmerge`."""
-        adapter_names = check_adapters_to_merge(self, adapter_names)
+        # only this layer's adapters: one that targets other layers only has nothing to merge here
+        adapter_names = [name for name in check_adapters_to_merge(self, adapter_names) if name in self.lora_A]
         if not adapter_names:
             return
         base = self.get_base_layer()
         if isinstance(base, KbitLinear):
             self._quantized_base = base
-            self.base_layer = _dense_copy(base, self.lora_A[adapter_names[0]].weight.dtype)
+            self.base_layer = _dense_copy(base, self._input_dtype or self.lora_A[adapter_names[0]].weight.dtype)
         super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
 
     def unmerge(self) -> None:
@@ -92,6 +130,10 @@ class KbitLoraLinear(_PeftLoraLinear):
         if not self.merged and self._quantized_base is not None:
             self.base_layer = self._quantized_base
             self._quantized_base = None
+
+
+_BASE_WEIGHT_INITS = ("olora", "mica", "loftq", "orthogonal")  # init_lora_weights that need the dense base weight
+_BASE_WEIGHT_INITS_PREFIX = ("pissa", "corda")  # and those with variants ("pissa_niter_4")
 
 
 def _dense_copy(layer: KbitLinear, fallback_dtype: torch.dtype) -> nn.Linear:
@@ -151,9 +193,22 @@ def _refuse_fused(model: nn.Module) -> None:
 
 
 def _all_linear_names(model: nn.Module) -> set[str]:
-    """Full names of the ``nn.Linear`` and ``KbitLinear`` layers of ``model``, less its output embedding."""
+    """Full names of the ``nn.Linear`` and ``KbitLinear`` layers of ``model``, less its output embedding.
+
+    A model that already has adapters (a ``PeftModel``, or the model inside one): the names are
+    those of its underlying model, where PEFT looks for them, and a layer that already carries an
+    adapter is named as the layer, not by its parts (``base_layer``, ``lora_A.<name>``, ...)."""
+    if isinstance(model, peft.PeftModel):
+        model = model.get_base_model()
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    names = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, KbitLinear)) and m is not output}
+    if isinstance(output, BaseTunerLayer):
+        output = output.get_base_layer()
+    parts = {id(p) for m in model.modules() if isinstance(m, BaseTunerLayer) for p in m.modules() if p is not m}
+    names = set()
+    for n, m in model.named_modules():
+        base = m.get_base_layer() if isinstance(m, BaseTunerLayer) else m
+        if id(m) not in parts and isinstance(base, (nn.Linear, KbitLinear)) and base is not output:
+            names.add(n)
     if not names:
         raise ValueError(f"{type(model).__name__} has no nn.Linear or KbitLinear layer to put LoRA on")
     return names
@@ -167,9 +222,12 @@ def load_adapter(model: nn.Module, adapter: str | os.PathLike[str], adapter_name
         model: the base model (kbit layers in place).
         adapter: a folder (or Hub id) that ``save_pretrained`` of a PEFT model wrote.
         adapter_name: name of the loaded adapter.
-        **kwargs: passed on to ``PeftModel.from_pretrained`` (``is_trainable``, ...).
+        **kwargs: passed on to ``PeftModel.from_pretrained`` (``is_trainable``, ``subfolder``,
+            ``revision``, ...; the config is read from the same ``subfolder`` and ``revision``).
     """
-    config = peft.PeftConfig.from_pretrained(adapter)
+    # where PeftModel.from_pretrained reads the config: the same subfolder / revision as the weights
+    hub = {k: kwargs[k] for k in ("subfolder", "revision", "cache_dir", "token") if kwargs.get(k) is not None}
+    config = peft.PeftConfig.from_pretrained(adapter, **hub)
     if not isinstance(config, peft.LoraConfig):
         raise ValueError(f"{adapter} holds a {type(config).__name__}; kbit layers take LoRA adapters")
     params = inspect.signature(peft.PeftModel.from_pretrained).parameters
