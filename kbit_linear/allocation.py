@@ -24,6 +24,8 @@ block scales (8/32 bit) and the tiles' padding (:func:`kbit_linear.tools.evaluat
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -73,6 +75,11 @@ def check_codebook_for_widths(codebook: object) -> None:
                          f"(or codebook={codebooks.FITTED!r})")
 
 
+def _check_not_meta(weight: torch.Tensor, name: str) -> None:
+    if weight.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device: measuring its error needs real weights")
+
+
 def relative_errors(weight: torch.Tensor, *, codebook: str | None = None, scale_search: bool = False,
                     hadamard_signs: torch.Tensor | None = None, bit_choices: Sequence[int] = BIT_CHOICES,
                     name: str = "weight") -> dict[int, float]:
@@ -84,6 +91,8 @@ def relative_errors(weight: torch.Tensor, *, codebook: str | None = None, scale_
     orthogonal: the error is measured on the rotated weight, where it is the same). A zero weight
     has error 0 at every width.
     """
+    fmt.check_weight(weight, name, finite=False)  # the values are checked where it is quantized
+    _check_not_meta(weight, name)
     with torch.no_grad():
         w = weight.detach().to(torch.float32)
         if hadamard_signs is not None:
@@ -106,8 +115,7 @@ def experts_relative_errors(weight: torch.Tensor, *, codebook: str | None = None
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.numel() == 0:
         raise ValueError(f"{name} must be a non-empty 3-D [experts, out_features, in_features] tensor, "
                          f"got {getattr(weight, 'shape', type(weight).__name__)}")
-    if weight.device.type == "meta":
-        raise ValueError(f"{name} is on the meta device: measuring its error needs real weights")
+    _check_not_meta(weight, name)
     with torch.no_grad():
         e, n, k = weight.shape
         norm = sum(float(weight[i].detach().to(torch.float32).square().sum()) for i in range(e))
@@ -126,19 +134,30 @@ def allocate_bits(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str,
     """The width of each layer: least total error with the size-weighted mean width <= ``target_bpw``.
 
     Args:
-        errors: layer name -> ``{bits: relative error}`` over the same widths for every layer.
+        errors: layer name -> ``{bits: relative error}`` over the same widths for every layer
+            (each error a finite number >= 0).
         sizes: layer name -> its weight count (``out * in``), for every layer of ``errors``.
         target_bpw: the budget, in index bits per weight, within the widths' range.
 
     Returns:
         layer name -> bits, in ``errors``' order.
+
+    Raises:
+        TypeError: ``errors`` or ``sizes`` is not a mapping.
+        ValueError: naming the entry that is malformed, or a ``target_bpw`` out of range.
     """
+    for arg, value in (("errors", errors), ("sizes", sizes)):
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{arg} must be a mapping of layer names, got {type(value).__name__}")
     if not errors:
         return {}
     for name, errs in errors.items():
         if not isinstance(errs, Mapping) or not errs or any(isinstance(b, bool) or not isinstance(b, int) for b in errs):
             raise ValueError(f"errors[{name!r}] must be a non-empty mapping of bit widths (ints) to errors, got {errs!r}")
-    if set(sizes) != set(errors) or any(not isinstance(sizes[n], int) or sizes[n] < 1 for n in errors):
+        # a NaN would silently never be upgraded (no gain compares greater than it)
+        if any(isinstance(e, bool) or not isinstance(e, numbers.Real) or not math.isfinite(e) or e < 0 for e in errs.values()):
+            raise ValueError(f"errors[{name!r}] must map each width to a finite error >= 0, got {errs!r}")
+    if set(sizes) != set(errors) or any(isinstance(sizes[n], bool) or not isinstance(sizes[n], int) or sizes[n] < 1 for n in errors):
         raise ValueError("sizes must give a positive weight count for every layer of errors, and no other")
     choices = sorted(next(iter(errors.values())))
     if any(sorted(e) != choices for e in errors.values()):
@@ -184,9 +203,16 @@ def plan_layer_bits(layers: Iterable[tuple[str, torch.Tensor]], target_bpw: floa
     """
     target_bpw = check_target_bpw(target_bpw)
     check_codebook_for_widths(codebook)
+    fmt.check_bool("hadamard", hadamard)
+    layers, experts = _named_pairs(layers, "layers"), _named_pairs(experts, "experts")
+    seen: set[str] = set()
+    for name, _ in (*layers, *experts):  # one budget entry per name: a repeat would replace the first
+        if name in seen:
+            raise ValueError(f"the name {name!r} is given twice (layers and experts must each have their own name)")
+        seen.add(name)
     errors: dict[str, dict[int, float]] = {}
     sizes: dict[str, int] = {}
-    for name, weight in tqdm(list(layers), desc="kbit bit widths (sensitivity)", unit="layer", disable=not progress):
+    for name, weight in tqdm(layers, desc="kbit bit widths (sensitivity)", unit="layer", disable=not progress):
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError(f"layer {name!r}: the weight must be a 2-D tensor [out, in], got "
                              f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
@@ -194,9 +220,10 @@ def plan_layer_bits(layers: Iterable[tuple[str, torch.Tensor]], target_bpw: floa
         errors[name] = relative_errors(weight, codebook=codebook, scale_search=scale_search, hadamard_signs=signs,
                                        name=f"{name}.weight")
         sizes[name] = weight.numel()
-    for name, projections in tqdm(list(experts), desc="kbit bit widths (experts)", unit="module", disable=not progress):
-        if set(projections) != set(EXPERTS_ERROR_FACTORS):
-            raise ValueError(f"experts {name!r}: expected the projections {sorted(EXPERTS_ERROR_FACTORS)}, got {sorted(projections)}")
+    for name, projections in tqdm(experts, desc="kbit bit widths (experts)", unit="module", disable=not progress):
+        if not isinstance(projections, Mapping) or set(projections) != set(EXPERTS_ERROR_FACTORS):
+            got = sorted(projections) if isinstance(projections, Mapping) else type(projections).__name__
+            raise ValueError(f"experts {name!r}: expected the projections {sorted(EXPERTS_ERROR_FACTORS)}, got {got}")
         total = dict.fromkeys(BIT_CHOICES, 0.0)
         for proj, weight in projections.items():
             errs = experts_relative_errors(weight, codebook=codebook, scale_search=scale_search, name=f"{name}.{proj}")
@@ -205,3 +232,15 @@ def plan_layer_bits(layers: Iterable[tuple[str, torch.Tensor]], target_bpw: floa
         errors[name] = total
         sizes[name] = sum(w.numel() for w in projections.values())
     return allocate_bits(errors, sizes, target_bpw)
+
+
+def _named_pairs(items: object, arg: str) -> list[tuple[str, object]]:
+    """``items`` (an iterable of ``(name, value)`` pairs) as a list, each pair checked."""
+    if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
+        raise TypeError(f"{arg} must be an iterable of (name, value) pairs, got {type(items).__name__}")
+    out = list(items)
+    for item in out:
+        if not isinstance(item, (tuple, list)) or len(item) != 2 or not isinstance(item[0], str):
+            raise TypeError(f"{arg} must be an iterable of (name, value) pairs with str names, got an item of type "
+                            f"{type(item).__name__}" + (f" and length {len(item)}" if isinstance(item, (tuple, list)) else ""))
+    return out

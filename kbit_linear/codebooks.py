@@ -148,13 +148,15 @@ def check_codebook_option(codebook: object, bits: int, name: str = "codebook") -
 
 
 def resolve_codebook_option(codebook: torch.Tensor | str | None, weight: torch.Tensor, bits: int, *,
-                            scale_search: bool = False, device: torch.device | None = None) -> torch.Tensor:
+                            scale_search: bool = False, device: torch.device | str | None = None) -> torch.Tensor:
     """The levels to quantize ``weight`` (2-D) with, as a fresh float32 tensor on ``device``
     (default: the weight's): for :data:`DEFAULT` those of :data:`DEFAULT_BY_WIDTH`; fitted to it
     for ``"fitted"`` / ``"fitted-zero"`` (on the meta device the levels the fit starts from);
     :func:`normal_float_zero_codebook` for ``"nf-zero"``; else
     :func:`kbit_linear.format.resolve_codebook` (normal-float for ``None``, a tensor validated once)."""
-    device = weight.device if device is None else device
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    device = weight.device if device is None else torch.device(device)
     codebook = _at_width(codebook, bits)
     if isinstance(codebook, str) and codebook == NF_ZERO:
         return normal_float_zero_codebook(bits, device)
@@ -195,8 +197,9 @@ def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False,
     """``2**bits`` increasing levels in [-1, 1], ends at -1 and +1, fitted to ``weight``.
 
     Args:
-        weight: floating-point ``[out, in]``, finite (the values are not checked here); a
-            weight of more than :data:`MAX_FIT_WEIGHTS` elements is fitted on evenly spaced rows.
+        weight: floating-point ``[out, in]``, finite (the values are not checked here), not on
+            the meta device; a weight of more than :data:`MAX_FIT_WEIGHTS` elements is fitted on
+            evenly spaced rows.
         bits: index width, 2..5.
         scale_search: fit for the scales the block scale search picks (alternating, see the
             module docstring) instead of the round-up ones.
@@ -209,6 +212,10 @@ def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False,
     """
     fmt.check_bits(bits)
     fmt.check_weight(weight, finite=False)  # 2-D floating point; the values are the caller's to check
+    if weight.device.type == "meta":
+        raise ValueError("weight is on the meta device: fitting levels needs its values")
+    fmt.check_bool("scale_search", scale_search)
+    fmt.check_bool("zero", zero)
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be a positive int, got {iterations!r}")
     w = weight.detach()
@@ -232,7 +239,9 @@ def fit_codebook(weight: torch.Tensor, bits: int, *, scale_search: bool = False,
         # blocks get mass 0, which adds nothing to the sums below
         live = scale > 0
         values = (blocks / torch.where(live, scale, 1.0)).clamp_(-1.0, 1.0)
-        mass = (scale.square() * (live & valid)).expand_as(blocks)
+        # the mass is the block scale squared over the tensor scale's (a power of two: the same
+        # fit, exactly), so it neither overflows nor underflows float32 for large or tiny weights
+        mass = ((scale / ts.reshape(())).square() * (live & valid)).expand_as(blocks)
         # The sums run on the CPU, in a fixed order: a GPU's scatter and index adds are atomics in
         # any order, which would make the levels differ in their last bits from run to run and
         # from the CPU's (the elementwise work above is exact on every device).

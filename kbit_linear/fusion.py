@@ -110,11 +110,20 @@ class FusedKbitLinear(nn.Module):
     columns are. Its tensors are not in state dicts: the parts'
     :class:`KbitLinearSlice` modules save and load their own pieces of them.
 
-    Build it with :func:`fuse_projections`; calling it returns the whole fused product.
+    Build it with :func:`fuse_projections`; calling it returns the whole fused product. Built
+    directly, ``parts`` must be two or more layers that :func:`fuse_projections` would fuse
+    (else a ``ValueError`` says why).
     """
 
     def __init__(self, parts: Sequence[KbitLinear]) -> None:
         super().__init__()
+        if not isinstance(parts, (list, tuple)):
+            raise TypeError(f"parts must be a list of KbitLinear layers, got {type(parts).__name__}")
+        if len(parts) < 2:
+            raise ValueError(f"parts must hold two or more KbitLinear layers, got {len(parts)}")
+        why = _parts_incompatibility([f"parts[{i}]" for i in range(len(parts))], parts)
+        if why is not None:  # a differing codebook or scale would silently be replaced by the first part's
+            raise ValueError(f"parts cannot share one GEMM: {why}")
         first = parts[0]
         self.in_features = first.in_features
         self.bits = first.bits
@@ -248,6 +257,10 @@ class KbitLinearSlice(nn.Module):
 
     def __init__(self, fused: FusedKbitLinear, index: int) -> None:
         super().__init__()
+        if not isinstance(fused, FusedKbitLinear):
+            raise TypeError(f"fused must be a FusedKbitLinear, got {type(fused).__name__}")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(fused.widths):
+            raise ValueError(f"index must be an int in [0, {len(fused.widths)}) (a part of the fused module), got {index!r}")
         self.__dict__["_fused"] = fused  # a reference, not a child: the parent owns the fused module
         self.index = index
         self.train(fused.training)
@@ -378,6 +391,12 @@ def _incompatibility(parent_name: str, parent: nn.Module, names: Sequence[str], 
         return "already fused"
     if is_cross_attention(parent_name, parent):
         return "cross-attention: its query and key/value projections read different inputs"
+    return _parts_incompatibility(names, parts, parent)
+
+
+def _parts_incompatibility(names: Sequence[str], parts: Sequence[nn.Module], parent: nn.Module | None = None) -> str | None:
+    """Why the modules ``parts`` (called ``names``) cannot be one :class:`FusedKbitLinear`, or
+    ``None``; with ``parent``, also whether it has room for it."""
     for name, p in zip(names, parts):
         if type(p) is not KbitLinear:
             return f"{name} is a {type(p).__name__}, not a KbitLinear"
@@ -386,7 +405,7 @@ def _incompatibility(parent_name: str, parent: nn.Module, names: Sequence[str], 
     if any(p.weight.device.type == "meta" for p in parts):
         return "its tensors are on the meta device"
     first = parts[0]
-    if hasattr(parent, _fused_name(names)):
+    if parent is not None and hasattr(parent, _fused_name(names)):
         return f"the parent already has an attribute {_fused_name(names)!r}"
     for name, p in zip(names[1:], parts[1:]):  # shapes and widths first: they explain the rest
         if p.in_features != first.in_features:
@@ -420,6 +439,8 @@ def _check_groups(groups: Any) -> tuple[tuple[str, ...], ...]:
             raise TypeError(f"each entry of groups must be a tuple of module names, got {g!r}")
         if len(g) < 2 or len(set(g)) != len(g):
             raise ValueError(f"each entry of groups must name at least two distinct modules, got {g!r}")
+        if any(not n or "." in n for n in g):  # a dotted path never matches a child: nothing would be fused
+            raise ValueError(f"each entry of groups must hold child names (no dots, not empty), such as 'q_proj', got {g!r}")
         out.append(tuple(g))
     return tuple(out)
 
@@ -503,6 +524,8 @@ def kbit_layers(model: nn.Module, remove_duplicate: bool = True) -> Iterator[tup
     model's own, and a standalone copy of each fused part (for metadata and checksums). A layer
     used under several names comes once, or, with ``remove_duplicate=False``, under every name
     (as a state dict lists it)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     for name, module in model.named_modules(remove_duplicate=remove_duplicate):
         if isinstance(module, KbitLinear):
             yield name, module

@@ -153,3 +153,33 @@ def test_target_bpw_shares_one_width_for_a_reused_layer_and_rejects_bad_combinat
         meta = nn.Sequential(nn.Linear(64, 64))
     with pytest.raises(ValueError, match="meta"):
         quantize_model(meta, target_bpw=3.5, skip=None, progress=False)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        # a NaN error used to be skipped silently (no gain compares greater than it): that layer stayed narrow
+        (lambda: allocation.allocate_bits({"a": {2: float("nan"), 3: 0.1, 4: 0.01, 5: 0.001}, "b": _convex_errors(1)},
+                                          {"a": 10, "b": 10}, 3.0), ValueError, r"errors\['a'\]"),
+        (lambda: allocation.allocate_bits({"a": {2: "x", 3: 0.1, 4: 0.01, 5: 0.001}}, {"a": 10}, 3.0), ValueError,
+         r"errors\['a'\]"),
+        (lambda: allocation.allocate_bits({"a": _convex_errors(1)}, {"a": True}, 3.0), ValueError, "sizes"),
+        (lambda: allocation.allocate_bits([("a", _convex_errors(1))], {"a": 10}, 3.0), TypeError, "errors"),
+        (lambda: allocation.allocate_bits({"a": _convex_errors(1)}, None, 3.0), TypeError, "sizes"),
+        (lambda: allocation.relative_errors(torch.empty(8, 64, device="meta")), ValueError, "meta"),
+        (lambda: allocation.relative_errors([[1.0] * 64]), TypeError, "weight"),
+        # a repeated name used to replace the first layer's entry: its weights left the budget
+        (lambda: allocation.plan_layer_bits([("a", torch.randn(8, 64)), ("a", torch.randn(8, 640))], 3.0, progress=False),
+         ValueError, "twice"),
+        (lambda: allocation.plan_layer_bits(
+            [("a", torch.randn(8, 64))], 3.0, progress=False,
+            experts=[("a", {"gate_up_proj": torch.randn(2, 16, 64), "down_proj": torch.randn(2, 64, 8)})]), ValueError, "twice"),
+        (lambda: allocation.plan_layer_bits({"a": torch.randn(8, 64)}, 3.0, progress=False), TypeError, "layers"),
+        (lambda: allocation.plan_layer_bits([torch.randn(8, 64)], 3.0, progress=False), TypeError, "layers"),
+        (lambda: allocation.plan_layer_bits([("a", torch.randn(8, 64))], 3.0, hadamard=1, progress=False), TypeError,
+         "hadamard"),
+    ],
+)
+def test_allocation_rejects_malformed_errors_sizes_and_layers(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

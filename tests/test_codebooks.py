@@ -207,3 +207,28 @@ def test_fit_on_a_cuda_weight_matches_the_cpu_fit():
     assert torch.equal(gpu.cpu(), cpu)  # the sums run on the CPU: the same levels on every device
     layer = KbitLinear.from_linear(_linear(w).cuda(), 3, "fitted")
     assert layer.codebook.is_cuda and _rel_err(layer, w.cuda()) < 0.05
+
+
+def test_fit_is_the_same_for_weights_scaled_by_a_power_of_two_however_large_or_small():
+    """The fit's mass is relative to the tensor scale: weights of 1e18 used to give NaN levels
+    (the block scale squared overflowed float32) and weights of 1e-22 levels crowded at 0 (it underflowed)."""
+    w = _weight(64, 128, seed=3)
+    for zero in (False, True):
+        ref = codebooks.fit_codebook(w, 3, zero=zero)
+        for s in (2.0 ** -75, 2.0 ** -70, 2.0 ** 60, 2.0 ** 70):
+            assert torch.equal(codebooks.fit_codebook(w * s, 3, zero=zero), ref), (s, zero)
+    assert torch.isfinite(quantize_weight(w * 1e18, 3, "fitted").codebook).all()
+
+
+def test_fit_and_resolve_argument_checks():
+    w = _weight()
+    with pytest.raises(ValueError, match="meta"):
+        codebooks.fit_codebook(torch.empty(4, 64, device="meta"), 3)
+    with pytest.raises(TypeError, match="zero"):
+        codebooks.fit_codebook(w, 3, zero="no")
+    with pytest.raises(TypeError, match="scale_search"):
+        codebooks.fit_codebook(w, 3, scale_search=1)
+    with pytest.raises(TypeError, match="weight"):
+        codebooks.resolve_codebook_option(None, [[0.5] * 64], 3)
+    # a device given as a string, as the other device arguments take it
+    assert torch.equal(codebooks.resolve_codebook_option("fitted", w, 3, device="cpu"), codebooks.fit_codebook(w, 3))

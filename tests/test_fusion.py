@@ -636,3 +636,28 @@ def test_a_width_that_differs_is_the_reason_given() -> None:
     model = _quantized()
     model.layers[0].v_proj = kbit_linear.KbitLinear.from_linear(nn.Linear(256, 192, bias=False), bits=5)
     assert fuse_projections(model).skipped["layers.0.q_proj/k_proj/v_proj"] == "v_proj has bits=5, q_proj 4"
+
+
+def test_fusion_arguments_are_checked() -> None:
+    model = _quantized(layers=1)
+    # a dotted path is never a child's name: it used to fuse nothing, silently
+    with pytest.raises(ValueError, match="child names"):
+        fuse_projections(model, groups=[("layers.0.q_proj", "layers.0.k_proj")])
+    with pytest.raises(ValueError, match="child names"):
+        fuse_projections(model, groups=[("", "q_proj")])
+    attn = model.layers[0]
+    # built directly, parts that cannot share a GEMM are refused, not fused with the first part's levels
+    other = kbit_linear.KbitLinear.from_linear(nn.Linear(256, 192), bits=4, codebook="fitted")
+    with pytest.raises(ValueError, match="different codebooks"):
+        FusedKbitLinear([attn.q_proj, other])
+    with pytest.raises(ValueError, match="in_features"):
+        FusedKbitLinear([attn.q_proj, attn.down_proj])
+    with pytest.raises(ValueError, match="two or more"):
+        FusedKbitLinear([])
+    with pytest.raises(TypeError, match="parts"):
+        FusedKbitLinear(attn.q_proj)
+    fused = FusedKbitLinear([attn.q_proj, attn.k_proj])
+    with pytest.raises(ValueError, match="index"):
+        KbitLinearSlice(fused, 2)
+    with pytest.raises(TypeError, match="model"):
+        list(kbit_layers("model"))
