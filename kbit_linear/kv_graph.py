@@ -303,11 +303,6 @@ class KbitDecodeGraph:
         if eos and vocab is not None and pad >= vocab:  # a finished row feeds the pad token to the embedding
             raise ValueError(f"pad_token_id (the first eos_token_id unless given) must be below the input embedding's "
                              f"{vocab} tokens, got {pad}")
-        # one host read: a token outside the embedding fails deep in the model (on CUDA, a device-side assert)
-        low, high = (int(v) for v in first.aminmax())
-        if low < 0 or (vocab is not None and high >= vocab):
-            raise ValueError(f"first must hold token ids in [0, {vocab if vocab is not None else 'vocab'}), "
-                             f"got {low if low < 0 else high}")
         devices = {layer.device for layer in self.cache.layers}
         if self.use_graph and (len(devices) != 1 or next(iter(devices)).type != "cuda"):
             # one graph records one device's stream: a model split over GPUs cannot be captured whole
@@ -315,6 +310,11 @@ class KbitDecodeGraph:
                              "use_graph=False runs the same steps eagerly")
         if first.device not in devices:
             raise ValueError(f"first must be on the cache's device, got {first.device}")
+        # one host read (first is on the cache's device by now): a token outside the embedding fails deep in the model (on CUDA, a device-side assert)
+        low, high = (int(v) for v in first.aminmax())
+        if low < 0 or (vocab is not None and high >= vocab):
+            raise ValueError(f"first must hold token ids in [0, {vocab if vocab is not None else 'vocab'}), "
+                             f"got {low if low < 0 else high}")
         # kernels and the capture run on the current device's stream: make it the cache's device
         with torch.cuda.device(first.device) if first.device.type == "cuda" else contextlib.nullcontext(), self._compiled():
             eos_ids = None if eos is None else torch.tensor(eos, dtype=torch.int64, device=first.device)
