@@ -157,37 +157,27 @@ def _gemm_jvp(op, ctx, x_t, qs_t, qh_t, scale_t, mins_t, qtype_t, out_features_t
     return _GEMM(x_t, qs, qh, scale, mins, ctx.qtype, ctx.out_features, bias_t)
 
 
-class _GGUFGemm(torch.autograd.Function):
-    """The autograd of ``gguf_gemm`` (see :func:`kbit_linear._ops.register_function_autograd`):
-    gradients and tangents reach ``x`` and the bias; the GGUF weight is frozen."""
+def _register_gemm_autograd(name: str, op) -> None:
+    """Make an autograd.Function for the GGUF product ``name`` (``op``) its Autograd kernel (see
+    :func:`kbit_linear._ops.register_function_autograd`): gradients and tangents reach ``x`` and the
+    bias; the GGUF weight is frozen. ``gguf_gemm_a8``'s 8-bit activation rounding is passed straight
+    through, gradient and tangent alike."""
 
-    @staticmethod
-    def forward(x, qs, qh, scale, mins, qtype, out_features, bias):
-        return _ops.call_below_autograd(_GEMM, x, qs, qh, scale, mins, qtype, out_features, bias)
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(x, qs, qh, scale, mins, qtype, out_features, bias):
+            return _ops.call_below_autograd(op, x, qs, qh, scale, mins, qtype, out_features, bias)
 
-    setup_context = staticmethod(_gemm_setup_context)
-    backward = staticmethod(_gemm_backward)
+        setup_context = staticmethod(_gemm_setup_context)
+        backward = staticmethod(_gemm_backward)
 
-    @staticmethod
-    def jvp(ctx, *tangents):
-        return _gemm_jvp("gguf_gemm", ctx, *tangents)
+        @staticmethod
+        def jvp(ctx, *tangents):
+            return _gemm_jvp(name, ctx, *tangents)
 
-
-class _GGUFGemmA8(torch.autograd.Function):
-    """The autograd of ``gguf_gemm_a8``: that of ``gguf_gemm``, the 8-bit activation rounding
-    passed straight through (gradient and tangent alike)."""
-
-    @staticmethod
-    def forward(x, qs, qh, scale, mins, qtype, out_features, bias):
-        return _ops.call_below_autograd(_GEMM_A8, x, qs, qh, scale, mins, qtype, out_features, bias)
-
-    setup_context = staticmethod(_gemm_setup_context)
-    backward = staticmethod(_gemm_backward)
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        return _gemm_jvp("gguf_gemm_a8", ctx, *tangents)
+    Function.__name__ = Function.__qualname__ = f"_{name}_autograd"
+    _ops.register_function_autograd(f"{_NS}::{name}", Function)
 
 
-_ops.register_function_autograd(f"{_NS}::gguf_gemm", _GGUFGemm)
-_ops.register_function_autograd(f"{_NS}::gguf_gemm_a8", _GGUFGemmA8)
+_register_gemm_autograd("gguf_gemm", _GEMM)
+_register_gemm_autograd("gguf_gemm_a8", _GEMM_A8)
