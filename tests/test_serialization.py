@@ -28,6 +28,7 @@ from kbit_linear.serialization import (
     verify_sha256,
     verify_tensor_type,
 )
+from safetensors_headers import edit_tensor_entry
 
 
 def _mlp(seed: int = 0) -> nn.Module:
@@ -73,18 +74,6 @@ def _forge(path, tensors: dict[str, torch.Tensor], header: dict[str, str]) -> No
         header[ser._KEY_TENSOR_TYPES] = json.dumps({k: [dtype, list(shape)] for k, (dtype, shape) in types.items()})
     header[ser._KEY_HEADER_SHA256] = ser._header_digest(header)
     safetensors.torch.save_file(tensors, str(path), metadata=header)
-
-
-def _edit_tensor_entry(path, name: str, **changes) -> None:
-    """Rewrite one tensor's entry (``dtype``, ``shape``) in the raw safetensors JSON header of
-    ``path``, leaving the tensor bytes and the kbit header metadata as they are."""
-    data = path.read_bytes()
-    n = int.from_bytes(data[:8], "little")
-    entries = json.loads(data[8 : 8 + n])
-    entries[name].update(changes)
-    raw = json.dumps(entries, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
-    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
 
 
 # ---------------------------------------------------------------------------------------
@@ -237,7 +226,7 @@ def test_flipped_tensor_byte_fails_the_checksum(saved):
 def test_a_relabelled_dense_tensor_is_refused(tmp_path, bits, dtype, name, changes, recorded):
     model = _quantized_mlp(bits=bits).to(dtype)
     path = save_quantized(model, tmp_path / "m.safetensors")
-    _edit_tensor_entry(path, name, **changes)
+    edit_tensor_entry(path, name, **changes)
     _, header = _read(path)
     assert parse_header(header, str(path), verify_digest=True).sha256  # the kbit metadata is intact
     edited = load_quantized(path, verify_checksums=False).tensors[name]  # unchecked, the edit goes through

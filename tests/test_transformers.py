@@ -30,6 +30,7 @@ from kbit_linear.integrations.transformers import QUANT_METHOD, KbitConfig, Kbit
 from kbit_linear.linear import KbitLinear  # noqa: E402
 from kbit_linear.patch import quantize_model, replace_module  # noqa: E402
 from kbit_linear.serialization import CheckpointError, load_into, parse_header, save_quantized  # noqa: E402
+from safetensors_headers import edit_tensor_entry  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 LINEARS_PER_BLOCK = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -651,18 +652,6 @@ def _file_holding(folder: Path, name: str) -> Path:
     return folder / "model.safetensors"
 
 
-def _edit_tensor_entry(file: Path, name: str, **changes: Any) -> None:
-    """Rewrite one tensor's entry (``dtype``, ``shape``) in the raw safetensors JSON header of
-    ``file``, leaving the tensor bytes and the kbit header metadata as they are."""
-    data = file.read_bytes()
-    n = int.from_bytes(data[:8], "little")
-    entries = json.loads(data[8 : 8 + n])
-    entries[name].update(changes)
-    raw = json.dumps(entries, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
-    file.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
-
-
 @pytest.mark.parametrize("folder", ["saved_dir", "sharded_dir"])
 def test_every_file_records_the_dtype_and_shape_of_every_tensor_it_holds(request, folder):
     from safetensors import safe_open
@@ -701,7 +690,7 @@ def test_a_relabelled_dense_tensor_is_refused(request, tmp_path, folder, name, c
     file = _file_holding(path, name)
     with safe_open(str(file), "pt") as f:
         meta = f.metadata()
-    _edit_tensor_entry(file, name, **changes)
+    edit_tensor_entry(file, name, **changes)
     with safe_open(str(file), "pt") as f:
         assert f.metadata() == meta  # the kbit metadata is intact
     assert _stored_types(file)[name] != _stored_types(_file_holding(request.getfixturevalue(folder), name))[name]
@@ -747,7 +736,7 @@ def test_dense_experts_split_by_save_pretrained_are_recorded_under_both_names(tm
         assert (split in _stored_types(out / "model.safetensors")) == original
         assert torch.equal(_logits(_load(out), ids), _logits(q, ids))
     file = tmp_path / "original_True" / "model.safetensors"
-    _edit_tensor_entry(file, split, shape=[64, 40])
+    edit_tensor_entry(file, split, shape=[64, 40])
     with pytest.raises(CheckpointError, match=re.escape(f"tensor '{split}' is F32 [64, 40] in the file but F32 [40, 64]")):
         _load(tmp_path / "original_True")
 
