@@ -9,7 +9,8 @@
 //                    the cache keeps the result between decode steps.
 //   kbit_kv_decode   grid (split, kv head x row chunk, batch row): a block takes the key blocks
 //                    [split * kbps, (split + 1) * kbps) of its row; a key block's entries are
-//                    taken 16 at a time per bucket (a tile); its 4 warps take every 4th key
+//                    taken per bucket a tile at a time (16 entries; kMaxTile = 32 gives tiles
+//                    of up to 32 below 8 bits); its 4 warps take every 4th key
 //                    block whole or, for short splits, every 4th tile of each key block (Cursor),
 //                    streamed through a per-warp ring of cp.async stages. It writes the split's
 //                    unnormalized output, max and sum (flash-decoding) and, for the mass, the
@@ -29,7 +30,8 @@
 //
 // Query rows: a kv head serves G query heads and Q queries, rows r = j * Q + i (head h*G + j,
 // query i), 8 rows per block (one n8 fragment; row chunks for G*Q > 8). Tokens are the M side of
-// both tensor-core products (fp16 operands, fp32 accumulators; lane = 4g + t):
+// both tensor-core products (fp16 operands, fp32 accumulators; lane = 4g + t), 16 tokens a
+// fragment, one or two fragments a tile; the products below are per fragment:
 //
 //   logits^T [16 tokens x 8 rows] += K [16 tokens x 16 ch] * Q'^T [16 ch x 8 rows]   (D/16 steps)
 //        A: key codes, lane (g, t) decodes tokens g and g+8, its quarter of the channels (chunk t)
@@ -56,7 +58,13 @@ namespace kbit {
 namespace kv {
 
 constexpr int kTiers = 4;    // widths 2, 3, 4, 8 in this order
-constexpr int kTile = 16;    // bucket entries per warp step (one m16 fragment)
+constexpr int kFrag = 16;    // tokens per m16 fragment
+// Bucket entries per tile at most, 16 or 32. With 32, tiles below 8 bits take up to two fragments
+// (the softmax, transpose, copy issue and walk step then run once per 32 tokens): 1.07-1.10x at
+// 4 bits and batch 8, but 0.85-0.92x with 2- and 3-bit buckets and at batch 1 (H200,
+// bench/results/kv-attention-kernel.md), so 16.
+constexpr int kMaxTile = 16;
+static_assert(kMaxTile == 16 || kMaxTile == 32, "tiles of one or two fragments");
 constexpr int kWarps = 4;    // warps per decode block
 constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 8;     // query rows per block (one n8 fragment)
@@ -64,40 +72,65 @@ constexpr int kGroup = 64;   // channels per value scale group (and 8-bit key sc
 // tiles in flight per warp (its ring of copy stages); head_dim 256 takes two so that a block
 // fits an sm_80 block's shared memory
 __host__ __device__ constexpr int stages_for(int) { return 2; }
-constexpr int kMaxSplitBlocks = 256;  // key blocks per split at most (the host splits finer)
+constexpr int kMaxSplitBlocks = 128;  // key blocks per split at most (the host splits finer)
 constexpr u32 kMagic = 0x64006400u;  // fp16 1024 in both halves: 0x6400 | c == 1024 + c
 
 __host__ __device__ constexpr int tier_bits(int tier) { return tier == 3 ? 8 : tier + 2; }
+// Entries of a tile at most: 8-bit rows are twice a 4-bit row, so a 16-entry 8-bit tile and a
+// 32-entry tile below 8 bits take about the same stage bytes.
+__host__ __device__ constexpr int tile_entries(int tier) { return tier == 3 ? kFrag : kMaxTile; }
+__host__ __device__ constexpr int round16(int n) { return (n + 15) / 16 * 16; }
+__host__ __device__ constexpr int max4(int a, int b, int c, int d) { return (a > b ? a : b) > (c > d ? c : d) ? (a > b ? a : b) : (c > d ? c : d); }
 
-// One stage of a warp's copy ring: a tile of 16 entries of one bucket, rows padded so that the
-// value reads of the four token slots fall in distinct banks, and for the first tile of a key
-// block that has lower widths, that block's key range and minimum.
+// One stage of a warp's copy ring: a tile of one bucket's entries (key rows, value rows, value
+// scales, zeros or 8-bit key scales, positions), and for the first tile of a key block that has
+// lower widths, that block's key range and minimum. Row strides per width:
+//   key rows    D * bits / 8 bytes, + 16 where a lane's chunk is 32 bytes or more (the k16 reads
+//               of two tokens' chunks then fall in distinct banks);
+//   value rows  D * bits / 8 rounded up to 64, + 16: the four token slots 2t (+1, +8, +9) that
+//               a value read takes start 8 banks apart.
+//
+//   | K [entries][krow] | V [entries][vrow] | ... to KV | VSCALE | VZERO or KSCALE | POS | RANGE | MIN |
 template <int D>
 struct Stage {
     static constexpr int GROUPS = D / kGroup;
-    static constexpr int ROW = D + 16;                             // bytes per entry (an 8-bit row + 16)
-    static constexpr int K = 0;                                    // u8 [kTile][ROW]
-    static constexpr int V = K + kTile * ROW;                      // u8 [kTile][ROW]
-    static constexpr int VSCALE = V + kTile * ROW;                 // u16 [kTile][GROUPS]
-    static constexpr int VZERO = VSCALE + kTile * GROUPS * 2;      // u16 [kTile][GROUPS]
-    static constexpr int KSCALE = VZERO + kTile * GROUPS * 2;      // u16 [kTile][GROUPS] (8-bit keys)
-    static constexpr int POS = KSCALE + kTile * GROUPS * 2;        // int [kTile]
-    static constexpr int RANGE = (POS + kTile * 4 + 15) / 16 * 16;  // u16 [D]
-    static constexpr int MIN = RANGE + D * 2;                      // u16 [D]
-    static constexpr int BYTES = (MIN + D * 2 + 15) / 16 * 16;
+    __host__ __device__ static constexpr int krow(int tier) {
+        return D * tier_bits(tier) / 8 + (D * tier_bits(tier) / 32 >= 32 ? 16 : 0);
+    }
+    __host__ __device__ static constexpr int vrow(int tier) { return (D * tier_bits(tier) / 8 + 63) / 64 * 64 + 16; }
+    __host__ __device__ static constexpr int v_at(int tier) { return round16(tile_entries(tier) * krow(tier)); }  // V's offset
+    __host__ __device__ static constexpr int kv_end(int tier) { return v_at(tier) + tile_entries(tier) * vrow(tier); }
+    static constexpr int K = 0;                                              // u8 [entries][krow]
+    static constexpr int KV = round16(max4(kv_end(0), kv_end(1), kv_end(2), kv_end(3)));
+    static constexpr int VSCALE = KV;                                        // u16 [kMaxTile][GROUPS]
+    static constexpr int VZERO = VSCALE + kMaxTile * GROUPS * 2;             // u16 [kMaxTile][GROUPS] (below 8 bits)
+    static constexpr int KSCALE = VZERO;                                     // u16 [kFrag][GROUPS] (8-bit keys, in VZERO's place)
+    static constexpr int POS = VZERO + kMaxTile * GROUPS * 2;                // int [kMaxTile]
+    static constexpr int RANGE = round16(POS + kMaxTile * 4);                // u16 [D]
+    static constexpr int MIN = RANGE + D * 2;                                // u16 [D]
+    static constexpr int BYTES = round16(MIN + D * 2);
 };
+
+// The probability transpose tile of a warp, u16 [GROUPS][kRows][kMaxTile]: entry (row, slot) at
+// word (slot / 2) ^ swizzle(row) of its row, so that the writes (four rows 2t + rr at once) and
+// the reads (rows g at words t, t + 4, ...) fall in distinct banks: rows of 32 entries (16 words)
+// meet in the banks every 2 rows, rows of 16 entries every 4.
+KBIT_DEVICE int pt_index(int row, int slot) {
+    const int swizzle = kMaxTile == 32 ? 4 * ((row >> 1) & 3) : 4 * ((row >> 2) & 1);
+    return row * kMaxTile + 2 * ((slot >> 1) ^ swizzle) + (slot & 1);
+}
 
 // Shared memory of the decode block: query rows (fp32), the B fragments of q (shared by the
 // warps), each warp's probability transpose tile, the warps' row maxima/sums, the bucket
 // offsets of the split's key blocks, and each warp's ring of stages_for(D) copy stages (reused for the
-// warps' partial outputs once every tile is done).
+// warps' partial outputs once every tile is done). At head_dim 128, 4 blocks fill an SM's 228 KiB.
 template <int D>
 struct Smem {
     static constexpr int KSTEPS = D / 16;
     static constexpr int Q_ROWS = 0;                                  // float [kRows][D]
     static constexpr int Q_FRAG = Q_ROWS + kRows * D * 4;             // uint2 [KSTEPS][32]
-    static constexpr int PT = Q_FRAG + KSTEPS * 32 * 8;               // u16 [kWarps][D/64][kRows][kTile]
-    static constexpr int ML = PT + kWarps * (D / kGroup) * kRows * kTile * 2;  // float [kWarps][kRows][2]
+    static constexpr int PT = Q_FRAG + KSTEPS * 32 * 8;               // u16 [kWarps][D/64][kRows][kMaxTile]
+    static constexpr int ML = PT + kWarps * (D / kGroup) * kRows * kMaxTile * 2;  // float [kWarps][kRows][2]
     static constexpr int OFFS = ML + kWarps * kRows * 2 * 4;          // int4 [kMaxSplitBlocks + 1]
     static constexpr int RING = OFFS + (kMaxSplitBlocks + 1) * 16;    // kWarps x stages_for(D) stages
     static constexpr int OUT = RING;                                  // float [kWarps][kRows][D], after the ring's last use
@@ -326,100 +359,154 @@ struct RowInfo {
     int qi[2], limit[2];
     u16* logits[2];  // fp16 logits (log2 units) of the row, for the mass
     const float* bias[2];
+    bool has_bias;  // bias given (the same for the whole grid)
 };
 
-// One tile of 16 entries [e0, e0 + 16) (valid below e_end) of bucket TIER, from its stage:
+// Lane (g, t)'s value codes of fragment f: channels 8g..8g+7 of each group, token slots 2t, 2t+1,
+// 2t+8, 2t+9 of the fragment.
+template <int D, int BITS, int VROW>
+KBIT_DEVICE void load_values(u32 (&vw)[4][D / kGroup][(BITS + 3) / 4], const u8* vbase, int f) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const int slot = kFrag * f + 8 * (u / 2) + 2 * t + (u % 2);
+#pragma unroll
+        for (int grp = 0; grp < D / kGroup; ++grp)
+            load_bytes<BITS, BITS>(vw[u][grp], vbase + slot * VROW + grp * (kGroup * BITS / 8) + g * BITS, true);
+    }
+}
+
+// A tile holds NF 16-token fragments f (slots 16 f ..) of bucket TIER, entries [e0, e0 + 16 NF)
+// (valid below e_end), in its stage; per fragment
 //   logits^T [16 tokens x 8 rows] = K [16 tokens x 16 ch] * Q'^T [16 ch x 8 rows]   (per k16 step)
 //   out^T    [16 ch x 8 rows]    += V^T [16 ch x 16 tokens] * P'^T [16 tokens x 8 rows]
-// The probabilities come out of the first product as (token, row) and go into the second as
-// (token pair, row): a per-warp shared-memory transpose (pt), times each token's value scale.
-template <int D, int TIER>
-KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stage, const uint2 (&bq)[D / 16], float qmin0, float qmin1,
-                             u16* pt, int e0, int e_end) {
+// in three steps: tile_logits<TIER, NF> (the key codes' product), tile_softmax (every width:
+// the online softmax, once per tile, and the probabilities' transpose through the warp's pt,
+// times each token's value scale) and tile_values<TIER, NF> (the value codes' product). Only the
+// two products are compiled per width and fragment count, the softmax once (the loop's code is
+// smaller; measured as fast as one whole function per width, not faster).
+constexpr int kMaxFrags = kMaxTile / kFrag;
+
+// Per-tile softmax inputs: x[f][token g / g+8][row 2t / 2t+1] in log2 units (-inf where
+// excluded), and each token's position.
+struct TileLogits {
+    float x[kMaxFrags][2][2];
+    int pos[kMaxFrags][2];
+};
+
+template <int D, int TIER, int NF>
+KBIT_DEVICE void tile_logits(const RowInfo& ri, const u8* stage, const uint2 (&bq)[D / 16], float qmin0, float qmin1, int e0, int e_end,
+                             TileLogits& tl) {
     using ST = Stage<D>;
     constexpr int BITS = tier_bits(TIER);
+    static_assert(NF >= 1 && NF * kFrag <= tile_entries(TIER), "fragments of a tile");
     constexpr int KSTEPS = D / 16;
     constexpr int GROUPS = D / kGroup;
     constexpr int CHUNK = D * BITS / 32;  // lane t's quarter of a key row
     constexpr int CHUNK_WORDS = (CHUNK + 3) / 4;
-    constexpr int VBYTES = BITS;          // 8 channels of one token
+    constexpr int KROW = ST::krow(TIER);
+    constexpr int KALIGN = (KROW % 16 == 0 && CHUNK % 16 == 0) ? 16 : CHUNK;
+    constexpr float kInvLevels = BITS == 8 ? 1.f : kTinyScale / (float)((1 << BITS) - 1);
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-
-    // ---- keys: chunk t of tokens g and g+8 ----
-    u32 kw[2][CHUNK_WORDS], kscale[2] = {0u, 0u};
+    const bool has_bias = ri.has_bias;
+    float (&x)[kMaxFrags][2][2] = tl.x;
+    int (&pos)[kMaxFrags][2] = tl.pos;
+    bool valid[NF][2];
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        const int slot = g + 8 * hf;
-        load_bytes<CHUNK, (CHUNK % 16 == 0 ? 16 : CHUNK)>(kw[hf], stage + ST::K + slot * ST::ROW + t * CHUNK, true);
-        if constexpr (BITS == 8) {
-            const u16 sc = reinterpret_cast<const u16*>(stage + ST::KSCALE)[slot * GROUPS + (t * D / 4) / kGroup];
-            kscale[hf] = (u32)sc | ((u32)sc << 16);
-        }
-    }
-    // ---- values: channels 8g..8g+7 of each group, token slots 2t, 2t+1, 2t+8, 2t+9 ----
-    u32 vw[4][GROUPS][(VBYTES + 3) / 4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-        const int slot = 8 * (u / 2) + 2 * t + (u % 2);
-#pragma unroll
-        for (int grp = 0; grp < GROUPS; ++grp)
-            load_bytes<VBYTES, VBYTES>(vw[u][grp], stage + ST::V + slot * ST::ROW + grp * (kGroup * BITS / 8) + g * VBYTES, true);
-    }
-    const int pos[2] = {reinterpret_cast<const int*>(stage + ST::POS)[g], reinterpret_cast<const int*>(stage + ST::POS)[g + 8]};
-    const bool valid[2] = {e0 + g < e_end, e0 + g + 8 < e_end};
-
-    // ---- logits ----
-    // (token g: rows 2t, 2t+1), (token g+8: rows 2t, 2t+1); even and odd k16 steps accumulate apart
-    // (two independent chains of products)
-    float c2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int j = 0; j < KSTEPS; ++j) {
-        u32 a[4];
+    for (int f = 0; f < NF; ++f) {
+        // keys: chunk t of tokens g and g+8 of the fragment
+        u32 kw[2][CHUNK_WORDS], kscale[2] = {0u, 0u};
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            u32 lo = 0, hi = 0;
-            group_words<BITS>(kw[hf], j / 2, lo, hi);
-            u32 p0 = group_pair<BITS>(lo, hi, 2 * (j % 2));
-            u32 p1 = group_pair<BITS>(lo, hi, 2 * (j % 2) + 1);
+            const int slot = kFrag * f + g + 8 * hf;
+            load_bytes<CHUNK, KALIGN>(kw[hf], stage + ST::K + slot * KROW + t * CHUNK, true);
             if constexpr (BITS == 8) {
-                p0 = mul2<KBIT_F16>(p0, kscale[hf]);
-                p1 = mul2<KBIT_F16>(p1, kscale[hf]);
+                const u16 sc = reinterpret_cast<const u16*>(stage + ST::KSCALE)[slot * GROUPS + (t * D / 4) / kGroup];
+                kscale[hf] = (u32)sc | ((u32)sc << 16);
             }
-            a[hf] = p0;      // a0 / a1: tokens g / g+8, k 2t, 2t+1
-            a[2 + hf] = p1;  // a2 / a3: k 2t+8, 2t+9
+            pos[f][hf] = reinterpret_cast<const int*>(stage + ST::POS)[slot];
+            valid[f][hf] = e0 + slot < e_end;
         }
-        mma_16816<KBIT_F16>(c2[j % 2], a, bq[j].x, bq[j].y);
-    }
-    const float c[4] = {c2[0][0] + c2[1][0], c2[0][1] + c2[1][1], c2[0][2] + c2[1][2], c2[0][3] + c2[1][3]};
-    constexpr float kInvLevels = BITS == 8 ? 1.f : kTinyScale / (float)((1 << BITS) - 1);
-    float x[2][2];  // [token g / g+8][row 2t / 2t+1]
-    const bool has_bias = ri.bias[0] != nullptr;  // the same for the whole grid
+        // even and odd k16 steps accumulate apart (two independent chains of products)
+        float c2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
+        for (int j = 0; j < KSTEPS; ++j) {
+            u32 a[4];
 #pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            const float v = BITS == 8 ? c[2 * hf + rr] : c[2 * hf + rr] * kInvLevels + (rr ? qmin1 : qmin0);
-            // past the bucket, or (no mask given) after the query's position: excluded
-            x[hf][rr] = valid[hf] && (has_bias || pos[hf] <= ri.limit[rr]) ? v : KBIT_NEG_INF;
+            for (int hf = 0; hf < 2; ++hf) {
+                u32 lo = 0, hi = 0;
+                group_words<BITS>(kw[hf], j / 2, lo, hi);
+                u32 p0 = group_pair<BITS>(lo, hi, 2 * (j % 2));
+                u32 p1 = group_pair<BITS>(lo, hi, 2 * (j % 2) + 1);
+                if constexpr (BITS == 8) {
+                    p0 = mul2<KBIT_F16>(p0, kscale[hf]);
+                    p1 = mul2<KBIT_F16>(p1, kscale[hf]);
+                }
+                a[hf] = p0;      // a0 / a1: tokens g / g+8, k 2t, 2t+1
+                a[2 + hf] = p1;  // a2 / a3: k 2t+8, 2t+9
+            }
+            mma_16816<KBIT_F16>(c2[j % 2], a, bq[j].x, bq[j].y);
         }
-    if (has_bias) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-            for (int rr = 0; rr < 2; ++rr)
-                if (valid[hf]) x[hf][rr] += ri.bias[rr][pos[hf]] * 1.4426950408889634f;
+            for (int rr = 0; rr < 2; ++rr) {
+                const float c = c2[0][2 * hf + rr] + c2[1][2 * hf + rr];
+                const float v = BITS == 8 ? c : c * kInvLevels + (rr ? qmin1 : qmin0);
+                // past the bucket, or (no mask given) after the query's position: excluded
+                x[f][hf][rr] = valid[f][hf] && (has_bias || pos[f][hf] <= ri.limit[rr]) ? v : KBIT_NEG_INF;
+            }
     }
-    float tmax[2];
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        tmax[rr] = fmaxf(x[0][rr], x[1][rr]);
-        if (ri.logits[rr] != nullptr) {
+    for (int f = NF; f < kMaxFrags; ++f)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            x[f][hf][0] = x[f][hf][1] = KBIT_NEG_INF;
+            pos[f][hf] = 0;
+        }
+}
+
+// Every width's middle step of a tile of `nf` fragments holding `count` entries of the bucket:
+// the bias, the logits for the mass, the online softmax (rows 2t, 2t+1; the tile's tokens are
+// spread over g), and P'^T per group into pt[grp][row][slot] = p * value scale * 2^pexp;
+// `zeros`: the values have zero points (below 8 bits), whose probability-weighted sums go to st.zs.
+template <int D>
+KBIT_DEVICE void tile_softmax(const RowInfo& ri, WarpState<D>& st, const u8* stage, u16* pt, TileLogits& tl, int nf, int count, bool zeros) {
+    using ST = Stage<D>;
+    constexpr int GROUPS = D / kGroup;
+    constexpr int NF = kMaxFrags;  // loops run over every fragment; those past nf are excluded
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const bool has_bias = ri.has_bias;
+    float (&x)[kMaxFrags][2][2] = tl.x;
+    const int (&pos)[kMaxFrags][2] = tl.pos;
+    bool valid[NF][2];
+#pragma unroll
+    for (int f = 0; f < NF; ++f)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) valid[f][hf] = kFrag * f + g + 8 * hf < count;
+    if (has_bias) {
+#pragma unroll
+        for (int f = 0; f < NF; ++f)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf)
-                if (valid[hf]) ri.logits[rr][pos[hf]] = f32_to_bits<KBIT_F16>(x[hf][rr]);
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr)
+                    if (valid[f][hf]) x[f][hf][rr] += ri.bias[rr][pos[f][hf]] * 1.4426950408889634f;
+    }
+    float tmax[2] = {KBIT_NEG_INF, KBIT_NEG_INF};
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+#pragma unroll
+        for (int f = 0; f < NF; ++f) {
+            tmax[rr] = fmaxf(tmax[rr], fmaxf(x[f][0][rr], x[f][1][rr]));
+            if (ri.logits[rr] != nullptr) {
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf)
+                    if (valid[f][hf]) ri.logits[rr][pos[f][hf]] = f32_to_bits<KBIT_F16>(x[f][hf][rr]);
+            }
         }
     }
-    // ---- online softmax (rows 2t, 2t+1; the tile's 16 tokens are spread over g) ----
+    // ---- online softmax (rows 2t, 2t+1; the tile's tokens are spread over g) ----
     float alpha[2];
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
@@ -430,9 +517,15 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
         const float m_new = fmaxf(st.m[rr], mx);
         const float safe = m_new == KBIT_NEG_INF ? 0.f : m_new;
         alpha[rr] = fast_exp2(st.m[rr] - safe);
-        x[0][rr] = fast_exp2(x[0][rr] - safe);
-        x[1][rr] = fast_exp2(x[1][rr] - safe);
-        st.l[rr] = st.l[rr] * alpha[rr] + x[0][rr] + x[1][rr];
+        float sum = 0.f;
+#pragma unroll
+        for (int f = 0; f < NF; ++f)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                x[f][hf][rr] = fast_exp2(x[f][hf][rr] - safe);
+                sum += x[f][hf][rr];
+            }
+        st.l[rr] = st.l[rr] * alpha[rr] + sum;
         st.m[rr] = m_new;
     }
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the running max moved
@@ -449,91 +542,117 @@ KBIT_DEVICE void attend_tile(const RowInfo& ri, WarpState<D>& st, const u8* stag
             }
         }
     }
-    // ---- P'^T per group through shared memory: pt[grp][row][token] = p * value scale * 2^pexp ----
+    // ---- P'^T per group through shared memory: pt[grp][row][slot] = p * value scale * 2^pexp ----
     const u16* vsc = reinterpret_cast<const u16*>(stage + ST::VSCALE);
     const u16* vze = reinterpret_cast<const u16*>(stage + ST::VZERO);
 #pragma unroll
     for (int grp = 0; grp < GROUPS; ++grp) {
-        u16* ptg = pt + grp * kRows * kTile;
-        const float sc[2] = {half_lo(vsc[g * GROUPS + grp]), half_lo(vsc[(g + 8) * GROUPS + grp])};  // zero past the bucket
-        float mx = fmaxf(fabsf(sc[0]), fabsf(sc[1]));
+        u16* ptg = pt + grp * kRows * kMaxTile;
+        float sc[NF][2];  // zero past the bucket
+        float mx = 0.f;
+#pragma unroll
+        for (int f = 0; f < NF; ++f)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                sc[f][hf] = f < nf ? half_lo(vsc[(kFrag * f + g + 8 * hf) * GROUPS + grp]) : 0.f;
+                mx = fmaxf(mx, fabsf(sc[f][hf]));
+            }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
         if (mx > 0.f) {
             const int e = min(scale_exponent(mx), 100);
             if (e < st.pexp[grp]) {  // a larger scale than before: bring the sums down to the new exponent
-                const float f = pow2f(e - st.pexp[grp]);
+                const float fdown = pow2f(e - st.pexp[grp]);
 #pragma unroll
                 for (int i = 0; i < 4; ++i)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) st.acc[grp][i][c] *= f;
+                    for (int c = 0; c < 4; ++c) st.acc[grp][i][c] *= fdown;
                 st.pexp[grp] = e;
             }
         }
         const float up = pow2f(st.pexp[grp]);
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int slot = g + 8 * hf;
+        for (int f = 0; f < NF; ++f) {
+            if (f >= nf) break;
 #pragma unroll
-            for (int rr = 0; rr < 2; ++rr) ptg[(2 * t + rr) * kTile + slot] = f32_to_bits<KBIT_F16>(x[hf][rr] * (sc[hf] * up));
-            if constexpr (BITS < 8) {
-                const float z = half_lo(vze[slot * GROUPS + grp]);
-                st.zs[0][grp] += x[hf][0] * z;
-                st.zs[1][grp] += x[hf][1] * z;
+            for (int hf = 0; hf < 2; ++hf) {
+                const int slot = kFrag * f + g + 8 * hf;
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr) ptg[pt_index(2 * t + rr, slot)] = f32_to_bits<KBIT_F16>(x[f][hf][rr] * (sc[f][hf] * up));
+                if (zeros) {
+                    const float z = half_lo(vze[slot * GROUPS + grp]);
+                    st.zs[0][grp] += x[f][hf][0] * z;
+                    st.zs[1][grp] += x[f][hf][1] * z;
+                }
             }
         }
     }
     __syncwarp();
+}
+
+template <int D, int TIER, int NF>
+KBIT_DEVICE void tile_values(WarpState<D>& st, const u8* stage, const u16* pt) {
+    using ST = Stage<D>;
+    constexpr int BITS = tier_bits(TIER);
+    constexpr int GROUPS = D / kGroup;
+    constexpr int VROW = ST::vrow(TIER);
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u8* vbase = stage + ST::v_at(TIER);
+    // ---- out^T += V^T P'^T, per fragment and group ----
 #pragma unroll
-    for (int grp = 0; grp < GROUPS; ++grp) {
-        const u16* ptg = pt + grp * kRows * kTile + g * kTile;
-        const u32 b0 = *reinterpret_cast<const u32*>(ptg + 2 * t);      // row g, tokens 2t, 2t+1
-        const u32 b1 = *reinterpret_cast<const u32*>(ptg + 2 * t + 8);  // row g, tokens 2t+8, 2t+9
-        // codes of the 4 token slots as nibble words (BITS < 8) or biased bytes (8)
-        u32 lo[4], hi[4];
+    for (int f = 0; f < NF; ++f) {
+        u32 vw[4][GROUPS][(BITS + 3) / 4];
+        load_values<D, BITS, VROW>(vw, vbase, f);
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            hi[u] = 0;
-            group_words<BITS>(vw[u][grp], 0, lo[u], hi[u]);
-        }
+        for (int grp = 0; grp < GROUPS; ++grp) {
+            const u16* ptg = pt + grp * kRows * kMaxTile;
+            const u32 b0 = *reinterpret_cast<const u32*>(ptg + pt_index(g, kFrag * f + 2 * t));      // row g, tokens 2t, 2t+1
+            const u32 b1 = *reinterpret_cast<const u32*>(ptg + pt_index(g, kFrag * f + 2 * t + 8));  // row g, tokens 2t+8, 2t+9
+            // codes of the 4 token slots as nibble words (BITS < 8) or biased bytes (8)
+            u32 lo[4], hi[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {  // m16 fragment i: channels 8g + 2i (rows g) and 8g + 2i + 1 (rows g+8)
-            u32 a[4];
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {      // token pair: slots (0, 1) -> a0/a1, (2, 3) -> a2/a3
-#pragma unroll
-                for (int cc = 0; cc < 2; ++cc) {  // channel 2i + cc
-                    const int ch = 2 * i + cc;
-                    const u32 xa = lo[2 * k], ya = lo[2 * k + 1];
-                    u32 r;
-                    // value channel ch enters as code * 2^(4 (ch % 2) - 24) for every width (exact:
-                    // fp16 subnormals): 4 bits keep nibble 1 of a half in place (no shift), nibbles
-                    // 2, 3 shift by 8; the other widths are scaled to match; the epilogue divides
-                    if constexpr (BITS == 8) {
-                        const u32 xs = ch < 4 ? xa : hi[2 * k], ys = ch < 4 ? ya : hi[2 * k + 1];
-                        const u32 sel = (u32)(ch % 4) | ((u32)(4 + ch % 4) << 8);
-                        r = mul2<KBIT_F16>(hsub2(and_or(prmt(xs, ys, sel), 0x00ff00ffu, kMagic), 0x64806480u), pow2_pair(4 * (ch % 2) - 24));
-                    } else if constexpr (BITS == 4) {
-                        const u32 sel = (u32)(2 * (ch / 4)) | ((u32)(2 * (ch / 4) + 1) << 4) | ((u32)(4 + 2 * (ch / 4)) << 8) |
-                                        ((u32)(5 + 2 * (ch / 4)) << 12);
-                        const u32 z = prmt(xa, ya, sel);
-                        r = ((ch % 4) < 2 ? z : z >> 8) & (0x000f000fu << (4 * (ch % 2)));
-                    } else {
-                        constexpr int SH = BITS == 2 ? 2 : 3;
-                        const u32 sel = BITS == 2 ? (u32)(2 * (ch / 4)) | ((u32)(4 + 2 * (ch / 4)) << 8)
-                                                  : (u32)(2 * (ch / 4)) | ((u32)(2 * (ch / 4) + 1) << 4) | ((u32)(4 + 2 * (ch / 4)) << 8) |
-                                                        ((u32)(5 + 2 * (ch / 4)) << 12);
-                        r = (prmt(xa, ya, sel) >> (SH * (ch % 4))) & (BITS == 2 ? 0x00030003u : 0x00070007u);
-                        if (ch % 2) r = mul2<KBIT_F16>(r, pow2_pair(4));
-                    }
-                    a[2 * k + cc] = r;  // a0 (ch 2i, tokens 2t..), a1 (ch 2i+1), a2/a3 tokens 2t+8..
-                }
+            for (int u = 0; u < 4; ++u) {
+                hi[u] = 0;
+                group_words<BITS>(vw[u][grp], 0, lo[u], hi[u]);
             }
-            mma_16816<KBIT_F16>(st.acc[grp][i], a, b0, b1);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {  // m16 fragment i: channels 8g + 2i (rows g) and 8g + 2i + 1 (rows g+8)
+                u32 a[4];
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {      // token pair: slots (0, 1) -> a0/a1, (2, 3) -> a2/a3
+#pragma unroll
+                    for (int cc = 0; cc < 2; ++cc) {  // channel 2i + cc
+                        const int ch = 2 * i + cc;
+                        const u32 xa = lo[2 * k], ya = lo[2 * k + 1];
+                        u32 r;
+                        // value channel ch enters as code * 2^(4 (ch % 2) - 24) for every width (exact:
+                        // fp16 subnormals): 4 bits keep nibble 1 of a half in place (no shift), nibbles
+                        // 2, 3 shift by 8; the other widths are scaled to match; the epilogue divides
+                        if constexpr (BITS == 8) {
+                            const u32 xs = ch < 4 ? xa : hi[2 * k], ys = ch < 4 ? ya : hi[2 * k + 1];
+                            const u32 sel = (u32)(ch % 4) | ((u32)(4 + ch % 4) << 8);
+                            r = mul2<KBIT_F16>(hsub2(and_or(prmt(xs, ys, sel), 0x00ff00ffu, kMagic), 0x64806480u), pow2_pair(4 * (ch % 2) - 24));
+                        } else if constexpr (BITS == 4) {
+                            const u32 sel = (u32)(2 * (ch / 4)) | ((u32)(2 * (ch / 4) + 1) << 4) | ((u32)(4 + 2 * (ch / 4)) << 8) |
+                                            ((u32)(5 + 2 * (ch / 4)) << 12);
+                            const u32 z = prmt(xa, ya, sel);
+                            r = ((ch % 4) < 2 ? z : z >> 8) & (0x000f000fu << (4 * (ch % 2)));
+                        } else {
+                            constexpr int SH = BITS == 2 ? 2 : 3;
+                            const u32 sel = BITS == 2 ? (u32)(2 * (ch / 4)) | ((u32)(4 + 2 * (ch / 4)) << 8)
+                                                      : (u32)(2 * (ch / 4)) | ((u32)(2 * (ch / 4) + 1) << 4) | ((u32)(4 + 2 * (ch / 4)) << 8) |
+                                                            ((u32)(5 + 2 * (ch / 4)) << 12);
+                            r = (prmt(xa, ya, sel) >> (SH * (ch % 4))) & (BITS == 2 ? 0x00030003u : 0x00070007u);
+                            if (ch % 2) r = mul2<KBIT_F16>(r, pow2_pair(4));
+                        }
+                        a[2 * k + cc] = r;  // a0 (ch 2i, tokens 2t..), a1 (ch 2i+1), a2/a3 tokens 2t+8..
+                    }
+                }
+                mma_16816<KBIT_F16>(st.acc[grp][i], a, b0, b1);
+            }
         }
     }
-    __syncwarp();  // pt is rewritten by the next tile
 }
 
 }  // namespace kv
@@ -545,7 +664,7 @@ namespace kv {
 // ---------------------------------------------------------------------------------------
 // The copy ring. A warp walks its tiles (Cursor: whole key blocks split*kbps + warp, + kWarps,
 // ..., or its share of every key block's tiles; within a key block the entries of bucket 2, 3,
-// 4 then 8, 16 at a time) twice with two cursors: the copy cursor
+// 4 then 8, tile_entries at a time) twice with two cursors: the copy cursor
 // runs stages_for(D) - 1 tiles ahead, putting each tile's bytes into the next stage with cp.async
 // (entries past the bucket are zero-filled), one commit group per tile; the compute cursor waits
 // for its tile's group, and the warp meets at __syncwarp before a stage is refilled.
@@ -567,34 +686,36 @@ KBIT_DEVICE void copy_piece(void* dst, const void* src, bool ok) {
 
 __host__ __device__ constexpr int piece_bytes(int n) { return n % 16 == 0 ? 16 : n % 8 == 0 ? 8 : n % 4 == 0 ? 4 : 2; }
 
-// Rows of `row_bytes` of the tile's entries [e0, e0 + kTile) (valid below e_end; src row r at
-// base + (e * H + h) * row_bytes) into dst rows of `dst_stride` bytes, split over the warp.
-template <int ROW_BYTES>
-KBIT_DEVICE void copy_rows(u8* dst, int dst_stride, const u8* base, int H, int h, int e0, int e_end, int lane) {
+// Rows of `ROW_BYTES` of the tile's NT entries [e0, e0 + NT) (valid below e_end; src row r at
+// base + (e * H + h) * ROW_BYTES) into dst rows of `DST_STRIDE` bytes, split over the warp.
+template <int NT, int ROW_BYTES, int DST_STRIDE>
+KBIT_DEVICE void copy_rows(u8* dst, const u8* base, int H, int h, int e0, int e_end, int lane) {
     constexpr int P = piece_bytes(ROW_BYTES), PER_ROW = ROW_BYTES / P;
+    const u8* src0 = base + ((size_t)e0 * H + h) * ROW_BYTES;  // entry e0's row; entry e0 + r is r * H rows on
+    const int src_stride = H * ROW_BYTES;
 #pragma unroll
-    for (int i = lane; i < kTile * PER_ROW; i += 32) {
+    for (int i = lane; i < NT * PER_ROW; i += 32) {
         const int r = i / PER_ROW, off = (i % PER_ROW) * P;
         const bool ok = e0 + r < e_end;
-        copy_piece<P>(dst + r * dst_stride + off, base + ((size_t)(ok ? e0 + r : e0) * H + h) * ROW_BYTES + off, ok);
+        copy_piece<P>(dst + r * DST_STRIDE + off, src0 + (ok ? r * src_stride : 0) + off, ok);
     }
 }
 
-// The copy of one tile of bucket TIER into `stage` (and, for the first lower-width tile of a key
-// block, the block's key range and minimum).
-template <int D, int TIER>
+// The copy of one tile of NF fragments of bucket TIER into `stage` (and, for the first
+// lower-width tile of a key block, the block's key range and minimum).
+template <int D, int TIER, int NF>
 KBIT_DEVICE void copy_tile(const Problem& pr, u8* stage, int e0, int e_end, int kb, bool with_range, int lane) {
     using ST = Stage<D>;
-    constexpr int BITS = tier_bits(TIER), GROUPS = D / kGroup;
-    copy_rows<D * BITS / 8>(stage + ST::K, ST::ROW, pr.k[TIER], pr.H, pr.h, e0, e_end, lane);
-    copy_rows<D * BITS / 8>(stage + ST::V, ST::ROW, pr.v[TIER], pr.H, pr.h, e0, e_end, lane);
-    copy_rows<GROUPS * 2>(stage + ST::VSCALE, GROUPS * 2, reinterpret_cast<const u8*>(pr.v_scale[TIER]), pr.H, pr.h, e0, e_end, lane);
+    constexpr int BITS = tier_bits(TIER), GROUPS = D / kGroup, NT = NF * kFrag;
+    copy_rows<NT, D * BITS / 8, ST::krow(TIER)>(stage + ST::K, pr.k[TIER], pr.H, pr.h, e0, e_end, lane);
+    copy_rows<NT, D * BITS / 8, ST::vrow(TIER)>(stage + ST::v_at(TIER), pr.v[TIER], pr.H, pr.h, e0, e_end, lane);
+    copy_rows<NT, GROUPS * 2, GROUPS * 2>(stage + ST::VSCALE, reinterpret_cast<const u8*>(pr.v_scale[TIER]), pr.H, pr.h, e0, e_end, lane);
     if constexpr (BITS < 8) {
-        copy_rows<GROUPS * 2>(stage + ST::VZERO, GROUPS * 2, reinterpret_cast<const u8*>(pr.v_zero[TIER]), pr.H, pr.h, e0, e_end, lane);
+        copy_rows<NT, GROUPS * 2, GROUPS * 2>(stage + ST::VZERO, reinterpret_cast<const u8*>(pr.v_zero[TIER]), pr.H, pr.h, e0, e_end, lane);
     } else {
-        copy_rows<GROUPS * 2>(stage + ST::KSCALE, GROUPS * 2, reinterpret_cast<const u8*>(pr.k_scale8), pr.H, pr.h, e0, e_end, lane);
+        copy_rows<NT, GROUPS * 2, GROUPS * 2>(stage + ST::KSCALE, reinterpret_cast<const u8*>(pr.k_scale8), pr.H, pr.h, e0, e_end, lane);
     }
-    if (lane < kTile) {
+    if (lane < NT) {
         const bool ok = e0 + lane < e_end;
         copy_piece<4>(stage + ST::POS + 4 * lane, pr.pos[TIER] + (ok ? e0 + lane : e0), ok);
     }
@@ -607,15 +728,15 @@ KBIT_DEVICE void copy_tile(const Problem& pr, u8* stage, int e0, int e_end, int 
 
 // A walk over a warp's tiles. `offs` holds the split's bucket offsets per key block (int4 of
 // the four buckets' first entries; the next key block's are its ends). A key block's tiles are
-// numbered across its buckets in width order (2, 3, 4, 8 bits; 16 entries each, the last of a
-// bucket partial). The two ways to share a split among the warps:
+// numbered across its buckets in width order (2, 3, 4, 8 bits; tile_entries(tier) entries each,
+// the last of a bucket partial). The two ways to share a split among the warps:
 //   SPLIT_TILES false  warp w takes key blocks w, w + 4, ... and every tile of each;
 //   SPLIT_TILES true   every warp takes every key block and its tiles w, w + 4, ... (for splits
 //                      of few key blocks, where whole blocks would leave warps idle).
 template <bool SPLIT_TILES>
 struct Cursor {
     static constexpr int kKbStep = SPLIT_TILES ? 1 : kWarps;
-    int kb, kb_end, k, tier, e, end;  // key block, its tile k: bucket `tier`, entries [e, min(e + 16, end))
+    int kb, kb_end, k, tier, e, end;  // key block, its tile k: bucket `tier`, entries [e, min(e + tile_entries(tier), end))
     bool low_seen;  // a lower-width tile of this key block was already produced
     bool first;     // the current tile is this walk's first lower-width one in the key block
     bool done;
@@ -630,9 +751,9 @@ struct Cursor {
         for (tier = 0; tier < kTiers; ++tier) {
             e = beg_of(offs, kb - kb0, tier);
             end = beg_of(offs, kb - kb0 + 1, tier);
-            const int n = (end - e + kTile - 1) / kTile;
+            const int n = (end - e + tile_entries(tier) - 1) / tile_entries(tier);
             if (rest < n) {
-                e += rest * kTile;
+                e += rest * tile_entries(tier);
                 return true;
             }
             rest -= n;
@@ -665,6 +786,9 @@ struct Cursor {
         first = !done && tier < 3 && !low_seen;
         if (first) low_seen = true;
     }
+    // The current tile's instance, 2 tier + fragments - 1: two fragments where the tile has more
+    // than 16 entries (below 8 bits), else one (a tile is never longer than the bucket's rest).
+    KBIT_DEVICE int kind() const { return 2 * tier + (tile_entries(tier) > kFrag && end - e > kFrag ? 1 : 0); }
     KBIT_DEVICE int phase_of(int warp) const { return SPLIT_TILES ? warp : 0; }
     KBIT_DEVICE void start(const int4* offs, int kb0, int kb_last, int warp) {
         kb = kb0 + (SPLIT_TILES ? 0 : warp);
@@ -682,7 +806,7 @@ struct Cursor {
     }
     KBIT_DEVICE void next(const int4* offs, int kb0, int warp) {
         if constexpr (SPLIT_TILES) k += kWarps;
-        else e += kTile;
+        else e += tile_entries(tier);
         settle(offs, kb0, phase_of(warp));
     }
 };
@@ -690,11 +814,14 @@ struct Cursor {
 template <int D, bool SPLIT_TILES>
 KBIT_DEVICE void copy_at(const Problem& pr, const Cursor<SPLIT_TILES>& c, u8* stage, int lane) {
     if (c.done) return;
-    switch (c.tier) {
-        case 0: copy_tile<D, 0>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
-        case 1: copy_tile<D, 1>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
-        case 2: copy_tile<D, 2>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
-        default: copy_tile<D, 3>(pr, stage, c.e, c.end, c.kb, false, lane); break;
+    switch (c.kind()) {
+        case 0: copy_tile<D, 0, 1>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
+        case 1: copy_tile<D, 0, kMaxFrags>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
+        case 2: copy_tile<D, 1, 1>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
+        case 3: copy_tile<D, 1, kMaxFrags>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
+        case 4: copy_tile<D, 2, 1>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
+        case 5: copy_tile<D, 2, kMaxFrags>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
+        default: copy_tile<D, 3, 1>(pr, stage, c.e, c.end, c.kb, false, lane); break;
     }
 }
 
@@ -719,13 +846,16 @@ KBIT_DEVICE uint2 times_range(uint2 qf, int lane, int j, const u16* range) {
 }
 
 // q . min for lane (g, t)'s rows 2t and 2t+1: the lanes of t split the channels (lane g takes
-// [g D/8, (g+1) D/8)) and sum over g.
+// the pairs 16 k + 2 g, k = 0 .. D/16 - 1) and sum over g. The lanes of odd t start 16 channels
+// on: rows 2t lie 1 KiB apart (the same banks), so each read of 32 lanes meets at most two
+// addresses in a bank.
 template <int D>
 KBIT_DEVICE void q_dot_min(const float* qrows, int lane, const u16* kmin, float& m0, float& m1) {
     const int g = lane >> 2, t = lane & 3;
     float a = 0.f, b = 0.f;
 #pragma unroll
-    for (int c = g * (D / 8); c < (g + 1) * (D / 8); c += 2) {
+    for (int k = 0; k < D / 16; ++k) {
+        const int c = (16 * (k + (t & 1)) + 2 * g) & (D - 1);
         const u32 mm = *reinterpret_cast<const u32*>(kmin + c);
         const float lo = half_lo(mm), hi = half_lo(mm >> 16);
         a += qrows[(2 * t) * D + c] * lo + qrows[(2 * t) * D + c + 1] * hi;
@@ -773,7 +903,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     const int rows = G * Q, chunks = (rows + kRows - 1) / kRows;
     const int split = blockIdx.x, h = blockIdx.y / chunks, b = blockIdx.z;
     const int row0 = (blockIdx.y % chunks) * kRows, nrows = min(kRows, rows - row0);
-    u16* pt = reinterpret_cast<u16*>(smem + SM::PT) + warp * GROUPS * kRows * kTile;
+    u16* pt = reinterpret_cast<u16*>(smem + SM::PT) + warp * GROUPS * kRows * kMaxTile;
 
     Problem pr;
     pr.k[0] = k2; pr.k[1] = k3; pr.k[2] = k4; pr.k[3] = k8;
@@ -842,6 +972,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         ri.logits[rr] = logits != nullptr && ri.ok[rr] ? logits + (R0 + r) * ld : nullptr;
         ri.bias[rr] = bias != nullptr ? bias + ((size_t)b * Q + ri.qi[rr]) * ld : nullptr;
     }
+    ri.has_bias = bias != nullptr;
 
     // ---- each warp's tiles through its copy ring ----
     const int kb0 = split * kbps, kb_end = min(nblk, kb0 + kbps);
@@ -849,21 +980,18 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     Cursor<SPLIT_TILES> copy, comp;
     copy.start(offs, kb0, kb_end, warp);
     comp = copy;
-#pragma unroll
-    for (int i = 0; i < stages_for(D) - 1; ++i) {
-        copy_at<D>(pr, copy, ring + i * Stage<D>::BYTES, lane);
-        cp_async_commit();
-        if (!copy.done) copy.next(offs, kb0, warp);
-    }
     float qmin0 = 0.f, qmin1 = 0.f;
     uint2 bq[KSTEPS];  // the B fragments of the current tile: Q' of its key block, or q (8-bit keys)
     bool bq_is_q = false;
 #pragma unroll
     for (int j = 0; j < KSTEPS; ++j) bq[j] = make_uint2(0u, 0u);
-    for (int i = 0; !comp.done; ++i) {
+    // one call site for the copies (the first stages_for(D) - 1 iterations only copy): the copy's
+    // instances are compiled once
+    for (int i = 1 - stages_for(D); !comp.done; ++i) {
         copy_at<D>(pr, copy, ring + ((i + stages_for(D) - 1) % stages_for(D)) * Stage<D>::BYTES, lane);
         cp_async_commit();
         if (!copy.done) copy.next(offs, kb0, warp);
+        if (i < 0) continue;
         cp_async_wait<stages_for(D) - 1>();
         __syncwarp();
         const u8* stage = ring + (i % stages_for(D)) * Stage<D>::BYTES;
@@ -878,13 +1006,29 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
             for (int j = 0; j < KSTEPS; ++j) bq[j] = qfrag[j * 32 + lane];
             bq_is_q = true;
         }
-        switch (comp.tier) {
-            case 0: attend_tile<D, 0>(ri, st, stage, bq, qmin0, qmin1, pt, comp.e, comp.end); break;
-            case 1: attend_tile<D, 1>(ri, st, stage, bq, qmin0, qmin1, pt, comp.e, comp.end); break;
-            case 2: attend_tile<D, 2>(ri, st, stage, bq, qmin0, qmin1, pt, comp.e, comp.end); break;
-            default: attend_tile<D, 3>(ri, st, stage, bq, 0.f, 0.f, pt, comp.e, comp.end); break;
+        const int kind = comp.kind();
+        TileLogits tl;
+        switch (kind) {
+            case 0: tile_logits<D, 0, 1>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl); break;
+            case 1: tile_logits<D, 0, kMaxFrags>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl); break;
+            case 2: tile_logits<D, 1, 1>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl); break;
+            case 3: tile_logits<D, 1, kMaxFrags>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl); break;
+            case 4: tile_logits<D, 2, 1>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl); break;
+            case 5: tile_logits<D, 2, kMaxFrags>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl); break;
+            default: tile_logits<D, 3, 1>(ri, stage, bq, 0.f, 0.f, comp.e, comp.end, tl); break;
         }
-        __syncwarp();  // every lane is done with the stage before it is refilled
+        const int nf = 1 + (kind & 1);
+        tile_softmax<D>(ri, st, stage, pt, tl, nf, min(comp.end - comp.e, nf * kFrag), kind < 6);
+        switch (kind) {
+            case 0: tile_values<D, 0, 1>(st, stage, pt); break;
+            case 1: tile_values<D, 0, kMaxFrags>(st, stage, pt); break;
+            case 2: tile_values<D, 1, 1>(st, stage, pt); break;
+            case 3: tile_values<D, 1, kMaxFrags>(st, stage, pt); break;
+            case 4: tile_values<D, 2, 1>(st, stage, pt); break;
+            case 5: tile_values<D, 2, kMaxFrags>(st, stage, pt); break;
+            default: tile_values<D, 3, 1>(st, stage, pt); break;
+        }
+        __syncwarp();  // every lane is done with the stage (and pt) before they are refilled
         comp.next(offs, kb0, warp);
     }
     cp_async_wait<0>();

@@ -29,8 +29,9 @@ _DT = DTYPE_CODES
 _ROWS = 8  # query rows per decode block (one n8 fragment)
 _WARPS = 4  # warps per decode block
 _STAGES = 2  # tiles in flight per warp (stages_for in the kernel)
-_TILE = 16  # bucket entries per tile
-MAX_SPLIT_KEY_BLOCKS = 256
+_FRAG = 16  # tokens per tensor-core fragment
+_MAX_TILE = 16  # bucket entries per tile at most (kMaxTile; tile_entries: at most 16 at 8 bits)
+MAX_SPLIT_KEY_BLOCKS = 128
 """Key blocks one decode block takes at most (kMaxSplitBlocks): longer contexts get more splits."""
 _OFFSET_THREADS = 1024
 _COMBINE_THREADS = 128
@@ -53,18 +54,26 @@ def _round16(n: int) -> int:
 
 
 def stage_bytes(head_dim: int) -> int:
-    """Bytes of one copy stage of the decode kernel (``Stage<D>::BYTES``): a tile's key and value
-    rows (padded to head_dim + 16 bytes), value scales, zeros, 8-bit key scales, positions, and
-    a key block's range and minimum."""
+    """Bytes of one copy stage of the decode kernel (``Stage<D>::BYTES``): the largest of the
+    widths' tiles of key and value rows (their strides as in the kernel), value scales, zeros or
+    8-bit key scales, positions, and a key block's range and minimum."""
     groups = head_dim // 64
-    pos = 2 * _TILE * (head_dim + 16) + 3 * _TILE * groups * 2
-    return _round16(_round16(pos + _TILE * 4) + 4 * head_dim)
+
+    def rows_end(bits: int) -> int:
+        entries = _FRAG if bits == 8 else _MAX_TILE
+        row = head_dim * bits // 8
+        krow = row + (16 if head_dim * bits // 32 >= 32 else 0)
+        vrow = (row + 63) // 64 * 64 + 16
+        return _round16(entries * krow) + entries * vrow
+
+    kv = _round16(max(rows_end(bits) for bits in TIERS))
+    return _round16(_round16(kv + 2 * _MAX_TILE * groups * 2 + _MAX_TILE * 4) + 4 * head_dim)
 
 
 def decode_smem_bytes(head_dim: int) -> int:
     """Dynamic shared memory of one decode block (``Smem<D>::BYTES`` in the kernel)."""
     ksteps, groups = head_dim // 16, head_dim // 64
-    ring_at = _ROWS * head_dim * 4 + ksteps * 32 * 8 + _WARPS * groups * _ROWS * _TILE * 2
+    ring_at = _ROWS * head_dim * 4 + ksteps * 32 * 8 + _WARPS * groups * _ROWS * _MAX_TILE * 2
     ring_at += _WARPS * _ROWS * 2 * 4 + (MAX_SPLIT_KEY_BLOCKS + 1) * 16
     return ring_at + max(_WARPS * _STAGES * stage_bytes(head_dim), _WARPS * _ROWS * head_dim * 4)  # ring, then the warps' outputs
 
