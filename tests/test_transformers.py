@@ -717,6 +717,28 @@ def test_a_checkpoint_saved_without_tensor_types_still_loads(request, tmp_path, 
     assert torch.equal(_logits(_load(path), ids), _logits(_load(saved), ids))
 
 
+def test_a_relabelled_quantized_tensor_of_an_older_checkpoint_is_refused_by_dtype_name(saved_dir, tmp_path):
+    """Headers without the tensor_types record: the quantized tensors are still checked against the
+    placeholders' dtypes, both named as safetensors names them."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "older"
+    shutil.copytree(saved_dir, path)
+    (weights,) = path.glob("*.safetensors")
+    with safe_open(str(weights), "pt") as f:
+        meta = dict(f.metadata())
+    del meta["kbit_linear.tensor_types"]
+    save_file(load_file(str(weights)), str(weights), metadata=meta)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    dtype, shape = _stored_types(weights)[name]
+    relabel = {"I32": "F32", "U8": "I8", "I8": "U8", "F32": "I32"}[dtype]  # same bytes per element
+    edit_tensor_entry(weights, name, dtype=relabel)
+    message = f"tensor '{name}' is {relabel} {list(shape)} in the checkpoint, expected {dtype} {list(shape)}"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        _load(path)
+
+
 def test_dense_experts_split_by_save_pretrained_are_recorded_under_both_names(tmp_path):
     """save_pretrained writes dense experts as the checkpoint's per-expert matrices (its default) or
     as the model's merged tensors (save_original_format=False): both load, and a relabelled per-expert

@@ -125,8 +125,6 @@ __all__ = ["QUANT_METHOD", "KbitConfig", "KbitHfQuantizer", "KbitQuantize", "reg
 QUANT_METHOD = "kbit"
 """The ``quant_method`` written to ``config.json``."""
 
-# safetensors dtype names of the quantized tensors (anything else is reported by its raw name)
-_SAFETENSORS_DTYPES = {"I32": torch.int32, "U8": torch.uint8, "I8": torch.int8, "F32": torch.float32}
 # attribute names of a KbitExperts's quantized tensors
 _EXPERTS_TENSORS = tuple(proj + suffix for proj in PROJECTIONS for suffix in TENSOR_SUFFIXES.values())
 
@@ -431,17 +429,19 @@ class KbitQuantize(ConversionOps):
 # ---------------------------------------------------------------------------------------
 
 
-def _check_header_tensor(shapes: dict[str, tuple[torch.dtype | str, tuple[int, ...]]], key: str, expected: torch.Tensor,
+def _check_header_tensor(shapes: dict[str, tuple[str, tuple[int, ...]]], key: str, expected: torch.Tensor,
                          what: str, where: str) -> None:
     """A quantized tensor named in a checkpoint header: present, with ``expected``'s dtype and
-    shape (``what`` names the module it belongs to in the message)."""
+    shape (``what`` names the module it belongs to in the message). ``shapes`` holds the files'
+    per-tensor headers: dtypes as safetensors names them, compared through :func:`tensor_type`."""
     if key not in shapes:
         raise CheckpointError(f"{where}: tensor {key!r} is missing from the checkpoint")
     dtype, shape = shapes[key]
-    if dtype != expected.dtype or shape != tuple(expected.shape):
+    want_dtype, want_shape = tensor_type(expected)
+    if dtype != want_dtype or shape != want_shape:
         raise CheckpointError(
             f"{where}: tensor {key!r} is {dtype} {list(shape)} in the checkpoint, expected "
-            f"{expected.dtype} {list(expected.shape)} for {what}"
+            f"{want_dtype} {list(want_shape)} for {what}"
         )
 
 
@@ -563,7 +563,7 @@ class KbitHfQuantizer(HfQuantizer):
         experts: dict[str, dict[str, Any]] = {}
         sums: dict[str, str] = {}
         types: dict[str, tuple[str, tuple[int, ...]]] | None = None
-        shapes: dict[str, tuple[torch.dtype | str, tuple[int, ...]]] = {}
+        shapes: dict[str, tuple[str, tuple[int, ...]]] = {}  # every file's per-tensor header: dtype name, shape
         recorded: list[tuple[str, dict[str, Any], dict[str, Any]]] = []  # (file, its tensors' dtypes and shapes, its record)
         for path in checkpoint_files:
             path = str(path)
@@ -584,7 +584,7 @@ class KbitHfQuantizer(HfQuantizer):
                                       "build the model and call kbit_linear.load_into(model, path)")
             if parsed.tensor_types is not None:  # (absent from the files of older writers)
                 recorded.append((path, stored, parsed.tensor_types))
-            shapes.update((key, (_SAFETENSORS_DTYPES.get(raw, raw), shape)) for key, (raw, shape) in stored.items())
+            shapes.update(stored)
             layers.update(parsed.layers)
             experts.update(parsed.experts)
             sums.update(parsed.sha256)
@@ -619,7 +619,7 @@ class KbitHfQuantizer(HfQuantizer):
 
     @staticmethod
     def _check_experts_headers(model: nn.Module, experts: dict[str, Any],
-                               shapes: dict[str, tuple[torch.dtype | str, tuple[int, ...]]], where: str) -> None:
+                               shapes: dict[str, tuple[str, tuple[int, ...]]], where: str) -> None:
         """The experts part of :meth:`_check_headers`: every KbitExperts placeholder is listed with
         its shapes, every tensor is there with the placeholder's dtype and shape, nothing else is listed."""
         placeholders = {n: m for n, m in model.named_modules() if isinstance(m, KbitExperts)}
