@@ -48,7 +48,7 @@ from torch import nn
 
 from . import format as fmt
 from . import weight_layout
-from .linear import STATE_DTYPES, KbitLinear, _check_state_dtypes
+from .linear import STATE_DTYPES, KbitLinear, _apply_keeping_format, _cast_dtype, _check_state_dtypes
 
 __all__ = ["DEFAULT_GROUPS", "FusedKbitLinear", "FusionSummary", "KbitLinearSlice", "fuse_projections", "is_cross_attention",
            "kbit_layers", "unfuse_projections"]
@@ -127,6 +127,7 @@ class FusedKbitLinear(nn.Module):
         first = parts[0]
         self.in_features = first.in_features
         self.bits = first.bits
+        self.part_compute_dtypes: tuple[torch.dtype, ...] = tuple(p.compute_dtype for p in parts)  # given back by unfusing
         offsets, start = [], 0
         for p in parts:
             offsets.append(start)
@@ -233,7 +234,8 @@ class FusedKbitLinear(nn.Module):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FusedKbitLinear":
         self.drop_pending()  # a pending product on the old device is no use
-        return KbitLinear._apply(self, fn, recurse)  # float32 buffers kept, the device's weight layout
+        self.part_compute_dtypes = tuple(_cast_dtype(fn, d, self.weight.device) for d in self.part_compute_dtypes)
+        return _apply_keeping_format(self, fn, recurse)
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         pass  # the slices save the parts
@@ -313,7 +315,7 @@ class KbitLinearSlice(nn.Module):
         """A standalone ``KbitLinear`` equal to this part (its own copies of the tensors)."""
         t = self.part_tensors()
         layer = KbitLinear(self.in_features, self.out_features, bias=t["bias"] is not None, bits=self.bits, device="meta",
-                           hadamard=t["hadamard_signs"] is not None)
+                           dtype=self.fused.part_compute_dtypes[self.index], hadamard=t["hadamard_signs"] is not None)
         layer.weight = nn.Parameter(weight_layout.device_form(t["weight"], self.bits), requires_grad=False)
         for name in ("absmax", "codebook", "tensor_scale", "hadamard_signs"):
             if t[name] is not None:

@@ -84,6 +84,22 @@ def _apply_keeping_float32(module: nn.Module, names: Iterable[str], fn: Callable
     return module
 
 
+def _cast_dtype(fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype an ``nn.Module._apply`` function ``fn`` gives a floating tensor of ``dtype`` on
+    ``device``: what a module cast does to a dense weight (an empty probe, so no data moves)."""
+    probe = fn(torch.empty(0, dtype=dtype, device=device))
+    return probe.dtype if isinstance(probe, torch.Tensor) and probe.is_floating_point() else dtype
+
+
+def _apply_keeping_format(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool) -> nn.Module:
+    """``nn.Module._apply`` for a module holding a kbit ``weight`` of ``module.bits``: the format's
+    float32 buffers stay float32 and the weight takes the new device's layout
+    (:mod:`kbit_linear.weight_layout`)."""
+    _apply_keeping_float32(module, _FLOAT32_BUFFERS, fn, recurse)
+    weight_layout.adopt(module.weight, module.bits)
+    return module
+
+
 def _check_state_dtypes(state_dict: dict[str, Any], prefix: str, expected: dict[str, torch.dtype],
                         error_msgs: list[str], what: str) -> bool:
     """Append an error naming the key for every entry of ``expected`` whose tensor in
@@ -142,8 +158,8 @@ class KbitLinear(nn.Module):
         codebook: float ``[2**bits]``, strictly increasing, in [-1, 1] (default: the
             normal-float codebook of ``bits``).
         device: where the tensors live (``"meta"`` allocates nothing).
-        dtype: dtype of the bias (default: ``torch.get_default_dtype()``); the quantized
-            tensors have fixed dtypes.
+        dtype: dtype of the bias and :attr:`compute_dtype` (default: ``torch.get_default_dtype()``);
+            the quantized tensors have fixed dtypes.
         hadamard: whether the stored weight is Hadamard-rotated (allocates ``hadamard_signs``,
             all +1 until loaded or set by :meth:`from_linear`).
     """
@@ -151,6 +167,12 @@ class KbitLinear(nn.Module):
     in_features: int
     out_features: int
     bits: int
+    compute_dtype: torch.dtype
+    """The floating dtype of the dense layer this one stands for (its weight's, for a layer made by
+    :meth:`from_linear`; else the constructor's ``dtype``). Module casts (``.to(dtype)``, ``.half()``)
+    change it as they change a dense layer's weight. Nothing in the forward reads it (the output
+    has the input's dtype); it is the dtype of a dense copy when no bias or input says otherwise
+    (a PEFT merge). Not saved in state dicts."""
 
     def __init__(
         self,
@@ -172,6 +194,7 @@ class KbitLinear(nn.Module):
         fmt.check_bool("bias", bias)
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        self.compute_dtype = torch.get_default_dtype() if dtype is None else dtype
         self.weight = nn.Parameter(torch.zeros(packed_shape, dtype=torch.int32, device=device), requires_grad=False)
         self.register_buffer("absmax", torch.zeros(absmax_shape, dtype=torch.uint8, device=device))
         self.register_buffer("codebook", fmt.resolve_codebook(codebook, bits, self.weight.device))
@@ -247,7 +270,8 @@ class KbitLinear(nn.Module):
             name=f"linear.weight ({linear.out_features}x{linear.in_features})",
         )
         # Built on meta (allocates nothing), then given the real tensors.
-        layer = cls(linear.in_features, linear.out_features, bias=False, bits=bits, device="meta", hadamard=hadamard)
+        layer = cls(linear.in_features, linear.out_features, bias=False, bits=bits, device="meta", dtype=linear.weight.dtype,
+                    hadamard=hadamard)
         if hadamard:
             layer.hadamard_signs = signs
         layer.weight = nn.Parameter(weight_layout.device_form(q.packed, bits), requires_grad=False)
@@ -314,9 +338,8 @@ class KbitLinear(nn.Module):
     # -----------------------------------------------------------------------------------
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "KbitLinear":
-        _apply_keeping_float32(self, _FLOAT32_BUFFERS, fn, recurse)
-        weight_layout.adopt(self.weight, self.bits)  # the new device's layout (kbit_linear.weight_layout)
-        return self
+        self.compute_dtype = _cast_dtype(fn, self.compute_dtype, self.weight.device)
+        return _apply_keeping_format(self, fn, recurse)
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)

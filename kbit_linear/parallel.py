@@ -104,7 +104,8 @@ def slice_linear(layer: KbitLinear | nn.Linear, rows: tuple[int, int] | None = N
                     f"(kbit_linear.hadamard.hadamard_block) must be {block} too")
             signs = layer.hadamard_signs[c0:c1].clone()
         q = fmt.slice_weight(layer.kbit_weight(), rows, cols)
-        new = KbitLinear(q.in_features, q.out_features, bias=False, bits=q.bits, device="meta", hadamard=signs is not None)
+        new = KbitLinear(q.in_features, q.out_features, bias=False, bits=q.bits, device="meta", dtype=layer.compute_dtype,
+                         hadamard=signs is not None)
         new.weight = nn.Parameter(q.packed, requires_grad=False)
         new.absmax, new.codebook, new.tensor_scale = q.absmax, q.codebook, q.tensor_scale
         if signs is not None:

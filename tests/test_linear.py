@@ -268,3 +268,33 @@ def test_hadamard_rotate_returns_contiguous_as_its_fake_kernel_says():
     torch.library.opcheck(torch.ops.kbit_linear.hadamard_rotate.default, (x, signs))
     with pytest.raises(TypeError, match="x must be a floating-point tensor"):
         _ops.hadamard_rotate([[1.0] * 64], signs)
+
+
+# ---------------------------------------------------------------------------------------
+# compute_dtype: the dtype of the dense layer a KbitLinear stands for
+# ---------------------------------------------------------------------------------------
+
+
+def test_compute_dtype_is_the_dense_layers_and_follows_module_casts():
+    torch.manual_seed(0)
+    assert KbitLinear(64, 32, bias=False).compute_dtype == torch.get_default_dtype()
+    assert KbitLinear(64, 32, bias=False, device="meta", dtype=torch.float16).compute_dtype == torch.float16
+    layer = KbitLinear.from_linear(nn.Linear(64, 32, bias=False).to(torch.bfloat16), bits=4)
+    assert layer.compute_dtype == torch.bfloat16 and layer.bias is None
+    packed = layer.weight.detach().clone()
+    assert layer.half().compute_dtype == torch.float16
+    assert layer.to("cpu").compute_dtype == torch.float16  # a move alone keeps it
+    assert layer.float().compute_dtype == torch.float32
+    assert layer.to(torch.bfloat16).compute_dtype == torch.bfloat16
+    assert torch.equal(layer.weight, packed) and layer.codebook.dtype == torch.float32  # the format is untouched
+
+
+def test_compute_dtype_survives_unfusing_and_slicing():
+    from kbit_linear.fusion import FusedKbitLinear, KbitLinearSlice
+    from kbit_linear.parallel import slice_linear
+
+    torch.manual_seed(0)
+    parts = [KbitLinear.from_linear(nn.Linear(64, 48, bias=False).to(dt), bits=4) for dt in (torch.bfloat16, torch.float16)]
+    fused = FusedKbitLinear(parts)
+    assert [KbitLinearSlice(fused, i).as_kbit_linear().compute_dtype for i in range(2)] == [torch.bfloat16, torch.float16]
+    assert slice_linear(parts[0], rows=(0, 16)).compute_dtype == torch.bfloat16

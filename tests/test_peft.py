@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -177,6 +179,23 @@ def test_a_bias_free_bfloat16_model_merges_in_bfloat16():
         merged = model.merge_and_unload()
         assert merged.up_proj.weight.dtype == merged.down_proj.weight.dtype == torch.bfloat16
         torch.testing.assert_close(merged(x), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_merge_with_no_forward_before_it_gives_the_models_dtype():
+    # the common flow: load (or quantize) a bfloat16 model, add or load an adapter, merge_and_unload
+    # at once. With no forward to tell the input dtype, a bias-free layer was merged in the
+    # adapter's float32, and the merged bfloat16 model failed with a dtype mismatch.
+    torch.manual_seed(0)
+    base = _Block().to(torch.bfloat16)
+    base.down_proj.bias = None
+    kbit_linear.quantize_model(base, bits=4, skip=["head"], progress=False)
+    model = _trained(_lora(base))
+    ref_model = copy.deepcopy(model)
+    merged = model.merge_and_unload()  # no forward on this model before
+    assert merged.up_proj.weight.dtype == merged.down_proj.weight.dtype == torch.bfloat16
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x), ref_model(x), rtol=2e-2, atol=2e-2)
 
 
 def test_fan_in_fan_out_is_turned_off_as_for_nn_linear():

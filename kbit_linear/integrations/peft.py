@@ -23,7 +23,8 @@ the quantized weight stays frozen and no dense copy of it outlives a call).
 Merging (``merge_and_unload``, ``merge_adapter``): the quantized weight cannot absorb a
 low-rank update, so merging replaces the layer's base by a dense ``nn.Linear`` holding the
 dequantized weight plus the update (in the dtype of the kbit layer's bias; where there is none,
-in the dtype of the inputs of the layer's last forward, else in the adapter's dtype).
+in the dtype of the inputs of the layer's last forward, else in the layer's ``compute_dtype``: the
+dtype of the dense layer it was made from, or of the model's last cast).
 ``merge_and_unload`` therefore returns a dense model; quantize it again with
 :func:`kbit_linear.quantize_model` to store it in kbit. ``unmerge`` puts the original kbit layer
 back, bit for bit. What needs the dense base weight is refused with a ValueError: DoRA
@@ -121,7 +122,7 @@ class KbitLoraLinear(_PeftLoraLinear):
         base = self.get_base_layer()
         if isinstance(base, KbitLinear):
             self._quantized_base = base
-            self.base_layer = _dense_copy(base, self._input_dtype or self.lora_A[adapter_names[0]].weight.dtype)
+            self.base_layer = _dense_copy(base, self._input_dtype or base.compute_dtype)
         super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
 
     def unmerge(self) -> None:
