@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -248,6 +249,21 @@ def test_all_linear_for_a_second_adapter_names_the_layers_not_their_parts():
         assert config.target_modules == {"up_proj", "down_proj", "head"}
     model.add_adapter("b", config)
     assert all("b" in model.base_model.model.get_submodule(n).lora_A for n in ("up_proj", "down_proj", "head"))
+
+
+def test_an_adapter_saved_with_a_base_weight_initialisation_is_refused_with_the_way_out(tmp_path):
+    # a PiSSA adapter trained on the dense model, saved as is: loading it would run PiSSA again on the base
+    model = _trained(_lora(_model()))
+    model.save_pretrained(tmp_path)
+    config_file = tmp_path / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["init_lora_weights"] = "pissa_niter_4"
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"init_lora_weights='pissa_niter_4'.*init_lora_weights=True.*path_initial_model"):
+        load_adapter(_model(), tmp_path)
+    config["init_lora_weights"] = True  # what PEFT's own PiSSA example saves
+    config_file.write_text(json.dumps(config))
+    assert isinstance(load_adapter(_model(), tmp_path).base_model.model.down_proj, KbitLoraLinear)
 
 
 def test_load_adapter_reads_the_config_from_the_subfolder(tmp_path):

@@ -97,7 +97,7 @@ class KbitLoraLinear(_PeftLoraLinear):
             raise ValueError("KaSA (kasa_config) is not supported on kbit layers (it decomposes and truncates the dense "
                              "base weight); use plain LoRA (kasa_config=None)")
         init = option("init_lora_weights", True)
-        if isinstance(init, str) and (init.lower().startswith(_BASE_WEIGHT_INITS_PREFIX) or init.lower() in _BASE_WEIGHT_INITS):
+        if isinstance(init, str) and _reads_base_weight(init):
             raise ValueError(f"init_lora_weights={init!r} is not supported on kbit layers (it reads or rewrites the dense "
                              "base weight); use True, 'gaussian' or 'eva', or initialise on the dense model and "
                              "quantize afterwards")
@@ -135,6 +135,11 @@ class KbitLoraLinear(_PeftLoraLinear):
 
 _BASE_WEIGHT_INITS = ("olora", "mica", "loftq", "orthogonal")  # init_lora_weights that need the dense base weight
 _BASE_WEIGHT_INITS_PREFIX = ("pissa", "corda")  # and those with variants ("pissa_niter_4")
+
+
+def _reads_base_weight(init: str) -> bool:
+    """Whether the LoRA initialisation ``init_lora_weights=init`` reads or rewrites the dense base weight."""
+    return init.lower().startswith(_BASE_WEIGHT_INITS_PREFIX) or init.lower() in _BASE_WEIGHT_INITS
 
 
 def _dense_copy(layer: KbitLinear, fallback_dtype: torch.dtype) -> nn.Linear:
@@ -231,6 +236,14 @@ def load_adapter(model: nn.Module, adapter: str | os.PathLike[str], adapter_name
     config = peft.PeftConfig.from_pretrained(adapter, **hub)
     if not isinstance(config, peft.LoraConfig):
         raise ValueError(f"{adapter} holds a {type(config).__name__}; kbit layers take LoRA adapters")
+    init = config.init_lora_weights
+    if isinstance(init, str) and _reads_base_weight(init):
+        # PEFT would run the initialisation again on the base weights before loading the saved
+        # adapter over it; its own examples set the saved config to True first
+        raise ValueError(f"{adapter}: the adapter's config has init_lora_weights={init!r}, which would run that "
+                         "initialisation again on the (kbit) base weights; save it with init_lora_weights=True "
+                         "(set in its adapter_config.json, on a base that already holds the residual weights) or "
+                         "converted to plain LoRA (save_pretrained(..., path_initial_model_for_weight_conversion=...))")
     params = inspect.signature(peft.PeftModel.from_pretrained).parameters
     if "config" not in params:  # pragma: no cover - every PEFT this supports has it
         raise RuntimeError("this PEFT version's PeftModel.from_pretrained takes no config")
