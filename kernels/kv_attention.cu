@@ -60,24 +60,24 @@ namespace kv {
 constexpr int kTiers = 4;    // widths 2, 3, 4, 8 in this order
 constexpr int kFrag = 16;    // tokens per m16 fragment
 // Bucket entries per tile at most, 16 or 32. With 32, tiles below 8 bits take up to two fragments
-// (the softmax, transpose, copy issue and walk step then run once per 32 tokens): 1.07-1.10x at
-// 4 bits and batch 8, but 0.85-0.92x with 2- and 3-bit buckets and at batch 1 (H200,
-// bench/results/kv-attention-kernel.md), so 16.
+// (the softmax, transpose, copy issue and walk step then run once per 32 tokens): 1.04-1.10x at
+// 4 bits with batch 8 from 32k tokens or at 128k, 0.85-0.92x otherwise (H200,
+// bench/results/kv-attention-kernel.md), and it spills registers at head_dim 128, so 16.
 constexpr int kMaxTile = 16;
 static_assert(kMaxTile == 16 || kMaxTile == 32, "tiles of one or two fragments");
 constexpr int kWarps = 4;    // warps per decode block
 constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 8;     // query rows per block (one n8 fragment)
 constexpr int kGroup = 64;   // channels per value scale group (and 8-bit key scale group)
-// tiles in flight per warp (its ring of copy stages); head_dim 256 takes two so that a block
-// fits an sm_80 block's shared memory
+// tiles in flight per warp (its ring of copy stages): two for every head_dim (more would not fit
+// head_dim 256 in an sm_80 block's shared memory)
 __host__ __device__ constexpr int stages_for(int) { return 2; }
 constexpr int kMaxSplitBlocks = 128;  // key blocks per split at most (the host splits finer)
 constexpr u32 kMagic = 0x64006400u;  // fp16 1024 in both halves: 0x6400 | c == 1024 + c
 
 __host__ __device__ constexpr int tier_bits(int tier) { return tier == 3 ? 8 : tier + 2; }
-// Entries of a tile at most: 8-bit rows are twice a 4-bit row, so a 16-entry 8-bit tile and a
-// 32-entry tile below 8 bits take about the same stage bytes.
+// Entries of a tile at most: 8-bit rows are twice a 4-bit row, so at head_dim 128 and 256 a
+// 16-entry 8-bit tile and a 32-entry tile below 8 bits take about the same stage bytes.
 __host__ __device__ constexpr int tile_entries(int tier) { return tier == 3 ? kFrag : kMaxTile; }
 __host__ __device__ constexpr int round16(int n) { return (n + 15) / 16 * 16; }
 __host__ __device__ constexpr int max4(int a, int b, int c, int d) { return (a > b ? a : b) > (c > d ? c : d) ? (a > b ? a : b) : (c > d ? c : d); }
@@ -85,8 +85,8 @@ __host__ __device__ constexpr int max4(int a, int b, int c, int d) { return (a >
 // One stage of a warp's copy ring: a tile of one bucket's entries (key rows, value rows, value
 // scales, zeros or 8-bit key scales, positions), and for the first tile of a key block that has
 // lower widths, that block's key range and minimum. Row strides per width:
-//   key rows    D * bits / 8 bytes, + 16 where a lane's chunk is 32 bytes or more (the k16 reads
-//               of two tokens' chunks then fall in distinct banks);
+//   key rows    D * bits / 8 bytes, + 16 where a lane's chunk is 32 bytes or more (spreads the
+//               k16 reads of two tokens' chunks over the banks: conflict-free at head_dim 128);
 //   value rows  D * bits / 8 rounded up to 64, + 16: the four token slots 2t (+1, +8, +9) that
 //               a value read takes start 8 banks apart.
 //
@@ -123,7 +123,7 @@ KBIT_DEVICE int pt_index(int row, int slot) {
 // Shared memory of the decode block: query rows (fp32), the B fragments of q (shared by the
 // warps), each warp's probability transpose tile, the warps' row maxima/sums, the bucket
 // offsets of the split's key blocks, and each warp's ring of stages_for(D) copy stages (reused for the
-// warps' partial outputs once every tile is done). At head_dim 128, 4 blocks fill an SM's 228 KiB.
+// warps' partial outputs once every tile is done). At head_dim 128, 4 blocks fit in an SM's 228 KiB.
 template <int D>
 struct Smem {
     static constexpr int KSTEPS = D / 16;
@@ -847,8 +847,8 @@ KBIT_DEVICE uint2 times_range(uint2 qf, int lane, int j, const u16* range) {
 
 // q . min for lane (g, t)'s rows 2t and 2t+1: the lanes of t split the channels (lane g takes
 // the pairs 16 k + 2 g, k = 0 .. D/16 - 1) and sum over g. The lanes of odd t start 16 channels
-// on: rows 2t lie 1 KiB apart (the same banks), so each read of 32 lanes meets at most two
-// addresses in a bank.
+// on: rows 2t lie 8 D bytes apart, a multiple of 128 (the same banks), so each read of 32 lanes
+// meets at most two addresses in a bank.
 template <int D>
 KBIT_DEVICE void q_dot_min(const float* qrows, int lane, const u16* kmin, float& m0, float& m1) {
     const int g = lane >> 2, t = lane & 3;
