@@ -80,6 +80,18 @@ def _check_not_meta(weight: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} is on the meta device: measuring its error needs real weights")
 
 
+def _unit_scaled(w: torch.Tensor) -> torch.Tensor:
+    """``w`` times the power of two that brings its largest magnitude into [0.5, 1): the relative
+    errors are the same (the format's tensor scale is a power of two, so quantizing commutes with
+    the factor), and the squared sums neither overflow (|w| ~ 1e20) nor underflow (|w| ~ 1e-25)
+    in float32. A zero or non-finite ``w`` is returned as it is."""
+    amax = w.abs().max()
+    if not bool(torch.isfinite(amax)) or float(amax) == 0.0:
+        return w
+    _, exponent = torch.frexp(amax)
+    return torch.ldexp(w, -exponent.to(torch.int32))
+
+
 def relative_errors(weight: torch.Tensor, *, codebook: str | None = None, scale_search: bool = False,
                     hadamard_signs: torch.Tensor | None = None, bit_choices: Sequence[int] = BIT_CHOICES,
                     name: str = "weight") -> dict[int, float]:
@@ -97,6 +109,7 @@ def relative_errors(weight: torch.Tensor, *, codebook: str | None = None, scale_
         w = weight.detach().to(torch.float32)
         if hadamard_signs is not None:
             w = hd.rotate(w, hadamard_signs.to(w.device))
+        w = _unit_scaled(w)
         norm = float(w.square().sum())
         out = {}
         for bits in bit_choices:
@@ -118,14 +131,20 @@ def experts_relative_errors(weight: torch.Tensor, *, codebook: str | None = None
     _check_not_meta(weight, name)
     with torch.no_grad():
         e, n, k = weight.shape
-        norm = sum(float(weight[i].detach().to(torch.float32).square().sum()) for i in range(e))
+        # one power of two for every expert (see _unit_scaled), applied expert by expert
+        amax = max(float(weight[i].detach().abs().max()) for i in range(e))
+        shift = -math.frexp(amax)[1] if math.isfinite(amax) and amax > 0 else 0
+
+        def expert(i: int) -> torch.Tensor:
+            return torch.ldexp(weight[i].detach().to(torch.float32), torch.tensor(shift, dtype=torch.int32))
+
+        norm = sum(float(expert(i).square().sum()) for i in range(e))
         out = {}
         for bits in bit_choices:
             cb = codebooks.resolve_codebook_option(codebook, weight.detach().reshape(e * n, k), bits, scale_search=scale_search)
             err = 0.0
             for i in range(e):
-                err += squared_error(weight[i].detach().to(torch.float32), bits, cb, scale_search=scale_search,
-                                     name=f"{name}[expert {i}]")
+                err += squared_error(expert(i), bits, cb, scale_search=scale_search, name=f"{name}[expert {i}]")
             out[bits] = err / norm if norm > 0 else 0.0
     return out
 

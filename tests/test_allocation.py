@@ -94,6 +94,22 @@ def test_relative_errors_fall_with_the_width_and_match_the_layer():
     assert rotated[3] == pytest.approx(want, rel=1e-4)
 
 
+@pytest.mark.parametrize("codebook", [None, "fitted"])
+@pytest.mark.parametrize("exponent", [66, -83], ids=["1e20", "1e-25"])
+def test_relative_errors_do_not_depend_on_the_weights_scale(codebook, exponent):
+    # the relative error is scale-free; the squared sums overflowed float32 near 1e20 (NaN) and
+    # underflowed near 1e-25 (every width reported error 0)
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 64, generator=g)
+    want = allocation.relative_errors(w, codebook=codebook, bit_choices=(2, 4))
+    scaled = allocation.relative_errors(torch.ldexp(w, torch.tensor(exponent)), codebook=codebook, bit_choices=(2, 4))
+    assert scaled == pytest.approx(want, rel=1e-5) and all(v > 0 for v in scaled.values())
+    e = torch.randn(3, 32, 64, generator=g)
+    want = allocation.experts_relative_errors(e, codebook=codebook, bit_choices=(2, 4))
+    scaled = allocation.experts_relative_errors(torch.ldexp(e, torch.tensor(exponent)), codebook=codebook, bit_choices=(2, 4))
+    assert scaled == pytest.approx(want, rel=1e-5) and all(v > 0 for v in scaled.values())
+
+
 def _linear(w: torch.Tensor) -> nn.Linear:
     lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
     with torch.no_grad():
