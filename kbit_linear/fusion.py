@@ -231,6 +231,9 @@ class FusedKbitLinear(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._eager = _ThreadPending()
+        if "part_compute_dtypes" not in self.__dict__:  # pickled before the attribute existed
+            dtype = self.bias.dtype if self.bias is not None else torch.get_default_dtype()
+            self.part_compute_dtypes = (dtype,) * len(self.widths)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FusedKbitLinear":
         self.drop_pending()  # a pending product on the old device is no use

@@ -337,6 +337,11 @@ class KbitLinear(nn.Module):
     # nn.Module plumbing
     # -----------------------------------------------------------------------------------
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "compute_dtype" not in self.__dict__:  # pickled before the attribute existed
+            self.compute_dtype = self.bias.dtype if self.bias is not None else torch.get_default_dtype()
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "KbitLinear":
         self.compute_dtype = _cast_dtype(fn, self.compute_dtype, self.weight.device)
         return _apply_keeping_format(self, fn, recurse)

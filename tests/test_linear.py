@@ -298,3 +298,13 @@ def test_compute_dtype_survives_unfusing_and_slicing():
     fused = FusedKbitLinear(parts)
     assert [KbitLinearSlice(fused, i).as_kbit_linear().compute_dtype for i in range(2)] == [torch.bfloat16, torch.float16]
     assert slice_linear(parts[0], rows=(0, 16)).compute_dtype == torch.bfloat16
+
+
+def test_a_layer_pickled_before_compute_dtype_existed_gets_one_on_load():
+    layer = KbitLinear(64, 32, bias=True, dtype=torch.float16)
+    state = dict(layer.__dict__)
+    del state["compute_dtype"]
+    old = KbitLinear.__new__(KbitLinear)
+    old.__setstate__(state)
+    assert old.compute_dtype == torch.float16  # the bias's
+    assert old.to(torch.bfloat16).compute_dtype == torch.bfloat16
