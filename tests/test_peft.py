@@ -166,14 +166,19 @@ def test_merging_an_adapter_that_skips_a_layer_leaves_that_layer_alone():
         torch.testing.assert_close(model(x), ref)
 
 
-def test_a_bias_free_bfloat16_model_merges_in_bfloat16():
-    # the adapter is float32 (PEFT upcasts it): the merged copy of a layer without a bias was float32,
-    # and the merged bfloat16 model failed with a dtype mismatch
+def _bias_free_bfloat16_lora() -> "peft.PeftModel":
+    """A bfloat16 block whose down_proj has no bias, quantized, with a trained adapter."""
     torch.manual_seed(0)
     base = _Block().to(torch.bfloat16)
     base.down_proj.bias = None
     kbit_linear.quantize_model(base, bits=4, skip=["head"], progress=False)
-    model = _trained(_lora(base))
+    return _trained(_lora(base))
+
+
+def test_a_bias_free_bfloat16_model_merges_in_bfloat16():
+    # the adapter is float32 (PEFT upcasts it): the merged copy of a layer without a bias was float32,
+    # and the merged bfloat16 model failed with a dtype mismatch
+    model = _bias_free_bfloat16_lora()
     x = torch.randn(3, 96, dtype=torch.bfloat16)
     with torch.no_grad():
         ref = model(x)
@@ -186,11 +191,7 @@ def test_merge_with_no_forward_before_it_gives_the_models_dtype():
     # the common flow: load (or quantize) a bfloat16 model, add or load an adapter, merge_and_unload
     # at once. With no forward to tell the input dtype, a bias-free layer was merged in the
     # adapter's float32, and the merged bfloat16 model failed with a dtype mismatch.
-    torch.manual_seed(0)
-    base = _Block().to(torch.bfloat16)
-    base.down_proj.bias = None
-    kbit_linear.quantize_model(base, bits=4, skip=["head"], progress=False)
-    model = _trained(_lora(base))
+    model = _bias_free_bfloat16_lora()
     ref_model = copy.deepcopy(model)
     merged = model.merge_and_unload()  # no forward on this model before
     assert merged.up_proj.weight.dtype == merged.down_proj.weight.dtype == torch.bfloat16
