@@ -80,18 +80,6 @@ def _check_not_meta(weight: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} is on the meta device: measuring its error needs real weights")
 
 
-def _unit_scaled(w: torch.Tensor) -> torch.Tensor:
-    """``w`` times the power of two that brings its largest magnitude into [0.5, 1): the relative
-    errors are the same (the format's tensor scale is a power of two, so quantizing commutes with
-    the factor), and the squared sums neither overflow (|w| ~ 1e20) nor underflow (|w| ~ 1e-25)
-    in float32. A zero or non-finite ``w`` is returned as it is."""
-    amax = w.abs().max()
-    if not bool(torch.isfinite(amax)) or float(amax) == 0.0:
-        return w
-    _, exponent = torch.frexp(amax)
-    return torch.ldexp(w, -exponent.to(torch.int32))
-
-
 def relative_errors(weight: torch.Tensor, *, codebook: str | None = None, scale_search: bool = False,
                     hadamard_signs: torch.Tensor | None = None, bit_choices: Sequence[int] = BIT_CHOICES,
                     name: str = "weight") -> dict[int, float]:
@@ -109,7 +97,9 @@ def relative_errors(weight: torch.Tensor, *, codebook: str | None = None, scale_
         w = weight.detach().to(torch.float32)
         if hadamard_signs is not None:
             w = hd.rotate(w, hadamard_signs.to(w.device))
-        w = _unit_scaled(w)
+        # over the format's power-of-two tensor scale: the same ratios (quantizing commutes with
+        # the factor), and the float32 squared sums neither overflow (|w| ~ 1e20) nor underflow (~1e-25)
+        w = w / fmt.compute_tensor_scale(w)
         norm = float(w.square().sum())
         out = {}
         for bits in bit_choices:
@@ -131,12 +121,12 @@ def experts_relative_errors(weight: torch.Tensor, *, codebook: str | None = None
     _check_not_meta(weight, name)
     with torch.no_grad():
         e, n, k = weight.shape
-        # one power of two for every expert (see _unit_scaled), applied expert by expert
-        amax = max(float(weight[i].detach().abs().max()) for i in range(e))
-        shift = -math.frexp(amax)[1] if math.isfinite(amax) and amax > 0 else 0
+        # one power-of-two tensor scale for all the experts, as in relative_errors (from each expert's
+        # max, so that no temporary of the whole stack is made), applied expert by expert
+        scale = fmt.compute_tensor_scale(torch.stack([weight[i].detach().abs().amax() for i in range(e)]))
 
         def expert(i: int) -> torch.Tensor:
-            return torch.ldexp(weight[i].detach().to(torch.float32), torch.tensor(shift, dtype=torch.int32))
+            return weight[i].detach().to(torch.float32) / scale
 
         norm = sum(float(expert(i).square().sum()) for i in range(e))
         out = {}
