@@ -444,3 +444,49 @@ def compose_one_token(x, top_k_index, top_k_weights, gate_up_packed, gate_up_abs
 
 
 torch.library.impl(f"{_NS}::experts_one_token", "default")(experts_one_token_composed)
+
+
+# ---------------------------------------------------------------------------------------
+# autograd of the expert products: none. The ops below refuse a gradient or tangent loudly
+# (an op without an Autograd kernel gave a zero tangent under torch.func.jvp, without a word);
+# KbitExperts itself runs its reference, which is differentiable, whenever one is asked for.
+# ---------------------------------------------------------------------------------------
+
+
+def _refusal(op: str, what: str) -> str:
+    return (f"{what} through kbit_linear::{op}: the grouped expert ops are not differentiable; call KbitExperts "
+            "(its forward switches to the differentiable reference when gradients or tangents are needed)")
+
+
+def _register_not_differentiable(name: str) -> None:
+    """Give the op ``name`` an Autograd kernel that raises ``NotImplementedError`` naming it when
+    an input requires a gradient or carries a forward-mode tangent (inputs without either pass)."""
+    op = getattr(torch.ops.kbit_linear, name).default
+
+    class NotDifferentiable(torch.autograd.Function):
+        @staticmethod
+        def forward(*args):
+            return _ops.call_below_autograd(op, *args)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.set_materialize_grads(False)  # an input without a tangent reaches jvp as None
+            if any(ctx.needs_input_grad):
+                raise NotImplementedError(_refusal(name, "gradients"))
+
+        @staticmethod
+        def backward(ctx, *grads):  # (setup_context refused every call that could get here)
+            raise NotImplementedError(_refusal(name, "gradients"))
+
+        @staticmethod
+        def jvp(ctx, *tangents):
+            if any(t is not None for t in tangents):
+                raise NotImplementedError(_refusal(name, "forward-mode AD"))
+            return None
+
+    NotDifferentiable.__name__ = NotDifferentiable.__qualname__ = f"_{name}_not_differentiable"
+    _ops.register_function_autograd(f"{_NS}::{name}", NotDifferentiable)
+
+
+for _name in ("grouped_gemm", "grouped_swiglu", "experts_one_token"):
+    _register_not_differentiable(_name)

@@ -543,7 +543,9 @@ class KbitExperts(nn.Module):
                          max_rows: int) -> torch.Tensor:
         """The forward with two grouped launches and the routing on the device (see :meth:`forward`)."""
         tokens, top_k = top_k_index.shape
-        if tokens == 1 and _is_silu(self.act_fn):  # a decode step of batch 1: one op, two kernels, no routing step
+        # A decode step of batch 1: one op, two kernels, no routing step. Not when the routing
+        # weights need a gradient (router training): only combine_experts below carries one.
+        if tokens == 1 and _is_silu(self.act_fn) and not (torch.is_grad_enabled() and top_k_weights.requires_grad):
             return torch.ops.kbit_linear.experts_one_token(hidden_states, top_k_index, top_k_weights,
                                                            *self.projection_tensors("gate_up_proj"),
                                                            *self.projection_tensors("down_proj"), self.bits,

@@ -1081,6 +1081,38 @@ def test_grouped_swiglu_reference_is_silu_gate_times_up():
         torch.ops.kbit_linear.grouped_swiglu(*args, k.intermediate_dim + 100, 4)
 
 
+def test_expert_products_refuse_gradients_and_tangents_by_name():
+    """The grouped expert ops have no autograd: asked for a gradient or a tangent they raise,
+    naming the op (a zero tangent under torch.func.jvp went unnoticed before); without either
+    they run, under a forward-mode level too."""
+    k = KbitExperts.from_experts(_dense_experts(), bits=4)
+    x = torch.randn(7, k.hidden_dim, generator=torch.Generator().manual_seed(4))
+    groups = torch.tensor([[1, 4], [0, 3], [3, 4]], dtype=torch.int32)
+    gate_up, down = k.projection_tensors("gate_up_proj"), k.projection_tensors("down_proj")
+    index = torch.tensor([[1, 4]])
+    weights = torch.tensor([[0.75, 0.25]])
+    calls = {
+        "grouped_gemm": lambda x: torch.ops.kbit_linear.grouped_gemm(x, *gate_up, groups, 4, 2 * k.intermediate_dim, 4),
+        "grouped_swiglu": lambda x: torch.ops.kbit_linear.grouped_swiglu(x, *gate_up, groups, 4, k.intermediate_dim, 4),
+        "experts_one_token": lambda x: torch.ops.kbit_linear.experts_one_token(x[:1], index, weights, *gate_up, *down, 4,
+                                                                               k.intermediate_dim),
+    }
+    for name, call in calls.items():
+        want = call(x)
+        with pytest.raises(NotImplementedError, match=f"gradients through kbit_linear::{name}"):
+            call(x.clone().requires_grad_(True))
+        with pytest.raises(NotImplementedError, match=f"forward-mode AD through kbit_linear::{name}"):
+            torch.func.jvp(call, (x,), (torch.ones_like(x),))
+        with torch.autograd.forward_ad.dual_level():
+            torch.testing.assert_close(call(x), want, rtol=0, atol=0)
+        with torch.no_grad():
+            torch.testing.assert_close(call(x.clone().requires_grad_(True)), want, rtol=0, atol=0)
+    # the module itself stays differentiable in both modes (it runs its reference then)
+    out, tangent = torch.func.jvp(lambda x: k(x, torch.tensor([[1, 4]] * 7), torch.full((7, 2), 0.5)), (x,),
+                                  (torch.ones_like(x),))
+    assert tangent.abs().sum() > 0
+
+
 def test_grouped_op_reference_checks_its_groups():
     k = KbitExperts.from_experts(_dense_experts(), bits=4)
     args = (torch.randn(4, k.hidden_dim), *k.projection_tensors("gate_up_proj"))
@@ -1157,11 +1189,12 @@ def test_cuda_forward_matches_the_cpu_reference(dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("tokens", [2, 40])
+@pytest.mark.parametrize("tokens", [1, 2, 40])
 def test_cuda_router_gradients_through_frozen_grouped_experts(tokens):
     """Activations without a gradient and routing weights with one (router training in front of
-    frozen experts): the grouped GPU path runs and the routing weights' gradient matches the
-    CPU reference module's."""
+    frozen experts): the grouped GPU path runs (for one token too, where the one-token op, which
+    has no gradient, steps aside) and the routing weights' gradient matches the CPU reference
+    module's."""
     _needs_cuda_kernels()
     k = KbitExperts.from_experts(_dense_experts(), bits=4)
     gpu = copy.deepcopy(k).cuda()
