@@ -111,9 +111,25 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
     Returns:
         uint8 ``[..., D * bits / 8]``.
+
+    Raises:
+        TypeError: ``codes`` is not an integer tensor.
+        ValueError: ``bits`` is not 2, 3 or 4, the last axis is not a multiple of 8, or a code is
+            outside ``[0, 2**bits)`` (it would spill into its neighbours' bits).
     """
     if bits not in (2, 3, 4):
         raise ValueError(f"bits must be 2, 3 or 4 to pack, got {bits!r}")
+    if not isinstance(codes, torch.Tensor) or codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise TypeError(f"codes must be an integer tensor, got {getattr(codes, 'dtype', type(codes).__name__)}")
+    if codes.numel():
+        lo, hi = int(codes.min()), int(codes.max())
+        if lo < 0 or hi >= 1 << bits:
+            raise ValueError(f"codes must lie in [0, {1 << bits}) at {bits} bits, got values from {lo} to {hi}")
+    return _pack_codes(codes, bits)
+
+
+def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack_codes` of codes known to be in range (the quantizer's, clamped): no read on the host."""
     d = codes.shape[-1]
     if d % 8:
         raise ValueError(f"the last axis must be a multiple of 8, got {d}")
@@ -277,7 +293,7 @@ def _quantize_parts(k: torch.Tensor, v: torch.Tensor, bits: int, k_min: torch.Te
         step = k_range.float() / (2**bits - 1)
         kq = torch.where(step > 0, (k - k_min.float()) / torch.where(step > 0, step, torch.ones_like(step)), torch.zeros_like(k))
         kq = kq.round().clamp(0, 2**bits - 1).to(torch.int64)
-    return {"k": pack_codes(kq, bits), "v": pack_codes(vq, bits), "k_scale": None, "v_scale": vs, "v_zero": vz}
+    return {"k": _pack_codes(kq, bits), "v": _pack_codes(vq, bits), "k_scale": None, "v_scale": vs, "v_zero": vz}
 
 
 def _append(a: KVBucket, b: KVBucket) -> KVBucket:
@@ -401,14 +417,43 @@ def quantize_tokens(k: torch.Tensor, v: torch.Tensor, bits: int, rows: torch.Ten
 
     Returns:
         A :class:`KVBucket`.
+
+    Raises:
+        ValueError: ``bits`` is not a tier; ``k`` and ``v`` are not float ``[n, H, D]`` of one shape
+            (``D`` a multiple of 32); ``rows`` or ``pos`` is not ``[n]``; ``batch`` is not a positive
+            int; a row is outside ``[0, batch)`` or a position negative; the key ranges are missing below
+            8 bits or do not cover a token's key block.
     """
     _check_bits(bits)
+    _check_positive_int("batch", batch, 1)
+    _check_positive_int("block_size", block_size, 1)
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
+            raise ValueError(f"{name} must be a float tensor [n, H, D], got {getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    if v.shape != k.shape:
+        raise ValueError(f"k and v must have one shape [n, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    channel_group(k.shape[-1])  # D a positive multiple of 32
+    for name, t in (("rows", rows), ("pos", pos)):
+        if not isinstance(t, torch.Tensor) or t.shape != (k.shape[0],) or t.is_floating_point():
+            raise ValueError(f"{name} must be an integer tensor [n] with n = {k.shape[0]} (k's tokens), got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if k.shape[0]:
+        row_lo, row_hi, pos_lo = torch.stack([rows.min(), rows.max(), pos.min()]).tolist()  # one read on the host
+        if row_lo < 0 or row_hi >= batch:
+            raise ValueError(f"rows must lie in [0, batch = {batch}), got values from {row_lo} to {row_hi}")
+        if pos_lo < 0:
+            raise ValueError(f"pos must be >= 0, got {pos_lo}")
     order = torch.argsort(rows.to(torch.int64) * (1 << 32) + pos.to(torch.int64), stable=True)
     k, v, rows, pos = k[order].float(), v[order].float(), rows[order].to(torch.int64), pos[order].to(torch.int64)
     k_min = k_rng = None
     if bits < 8:
         if k_block_min is None or k_block_range is None:
             raise ValueError(f"keys at {bits} bits need k_block_min and k_block_range")
+        for name, t in (("k_block_min", k_block_min), ("k_block_range", k_block_range)):
+            if t.dim() != 4 or t.shape[0] != batch or t.shape[2:] != k.shape[1:]:
+                raise ValueError(f"{name} must be [batch = {batch}, key blocks, H, D] = [{batch}, *, {k.shape[1]}, "
+                                 f"{k.shape[2]}], got {tuple(t.shape)}")
         blk = pos // block_size
         if k.shape[0] and int(blk.max()) >= k_block_min.shape[1]:
             raise ValueError("a token's key block has no range yet")

@@ -53,6 +53,45 @@ def test_pack_layout() -> None:
     assert pack_codes(codes, 3).tolist() == [word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF]
 
 
+def test_pack_refuses_codes_it_cannot_hold() -> None:
+    """A code outside [0, 2**bits) would spill into its neighbours' bits: refused, as are float codes."""
+    ok = torch.tensor([0, 1, 2, 3, 15, 4, 5, 6])
+    assert unpack_codes(pack_codes(ok, 4), 4).tolist() == ok.tolist()
+    with pytest.raises(ValueError, match=r"codes must lie in \[0, 16\) at 4 bits, got values from 0 to 16"):
+        pack_codes(torch.tensor([0, 1, 2, 3, 16, 4, 5, 6]), 4)
+    with pytest.raises(ValueError, match="codes must lie in .* from -1 to 3"):
+        pack_codes(torch.tensor([0, 1, 2, 3, -1, 0, 1, 2]), 2)
+    with pytest.raises(TypeError, match="codes must be an integer tensor"):
+        pack_codes(ok.float(), 4)
+    assert pack_codes(torch.zeros(2, 0, dtype=torch.int64), 3).shape == (2, 0)
+
+
+def test_quantize_tokens_names_a_bad_argument() -> None:
+    g = torch.Generator().manual_seed(0)
+    n, h, d, block = 8, 2, 64, 4
+    k, v = torch.randn(n, h, d, generator=g), torch.randn(n, h, d, generator=g)
+    rows, pos = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    mn, rng = key_block_ranges(torch.stack([k[:4], k[4:]]).reshape(2, 1, block, h, d))
+    assert quantize_tokens(k, v, 4, rows, pos, 2, mn, rng, block).row_start.tolist() == [0, 4, 8]
+    bad = {
+        "rows must lie in": dict(rows=rows + 1),
+        "pos must be >= 0": dict(pos=pos - 1),
+        "rows must be an integer tensor": dict(rows=rows[:5]),
+        "pos must be an integer tensor": dict(pos=pos.float()),
+        "k and v must have one shape": dict(v=v[:, :1]),
+        "v must be a float tensor": dict(v=v[0]),
+        "batch must be an int >= 1": dict(batch=0),
+        "head_dim must be a positive multiple of 32": dict(k=k[..., :48], v=v[..., :48]),
+        r"k_block_min must be \[batch = 2": dict(mn=mn[:1]),
+        "k_block_range must be": dict(rng=rng[..., :32]),
+        "need k_block_min and k_block_range": dict(mn=None),
+    }
+    for match, edit in bad.items():
+        a = dict(k=k, v=v, rows=rows, pos=pos, batch=2, mn=mn, rng=rng) | edit
+        with pytest.raises(ValueError, match=match):
+            quantize_tokens(a["k"], a["v"], 4, a["rows"], a["pos"], a["batch"], a["mn"], a["rng"], block)
+
+
 @pytest.mark.parametrize("bits", TIERS)
 def test_quantize_error_bound(bits: int) -> None:
     g = torch.Generator().manual_seed(0)
