@@ -45,6 +45,7 @@ the reference as the default implementation); the CUDA backend registers its ker
 from __future__ import annotations
 
 import torch
+from torch._functorch.utils import enable_single_level_autograd_function
 
 from collections.abc import Callable
 
@@ -448,22 +449,27 @@ torch.library.impl(f"{_NS}::experts_one_token", "default")(experts_one_token_com
 
 # ---------------------------------------------------------------------------------------
 # autograd of the expert products: none. The ops below refuse a gradient or tangent loudly
-# (an op without an Autograd kernel gave a zero tangent under torch.func.jvp, without a word);
-# KbitExperts itself runs its reference, which is differentiable, whenever one is asked for.
+# (an op without an Autograd kernel gave a zero tangent under torch.func.jvp, without a word).
+# KbitExperts runs its differentiable reference when its input needs either; when only the
+# routing weights need a gradient it stays on these ops, and combine_experts carries it.
 # ---------------------------------------------------------------------------------------
 
 
 def _refusal(op: str, what: str) -> str:
     return (f"{what} through kbit_linear::{op}: the grouped expert ops are not differentiable; call KbitExperts "
-            "(its forward switches to the differentiable reference when gradients or tangents are needed)")
+            "(its forward runs its differentiable reference when its input needs a gradient or tangent)")
 
 
 def _register_not_differentiable(name: str) -> None:
     """Give the op ``name`` an Autograd kernel that raises ``NotImplementedError`` naming it when
-    an input requires a gradient or carries a forward-mode tangent (inputs without either pass)."""
+    an input needs a gradient (grad mode on and an input requiring grad) or carries a
+    forward-mode tangent; other calls, under a forward-mode level too, run the op."""
+    qualname = f"{_NS}::{name}"
     op = getattr(torch.ops.kbit_linear, name).default
 
     class NotDifferentiable(torch.autograd.Function):
+        """Applied only under a forward-mode level with no gradient needed: its jvp refuses a tangent."""
+
         @staticmethod
         def forward(*args):
             return _ops.call_below_autograd(op, *args)
@@ -471,11 +477,9 @@ def _register_not_differentiable(name: str) -> None:
         @staticmethod
         def setup_context(ctx, inputs, output):
             ctx.set_materialize_grads(False)  # an input without a tangent reaches jvp as None
-            if any(ctx.needs_input_grad):
-                raise NotImplementedError(_refusal(name, "gradients"))
 
         @staticmethod
-        def backward(ctx, *grads):  # (setup_context refused every call that could get here)
+        def backward(ctx, *grads):  # (never recorded: the kernel refuses calls that need a gradient)
             raise NotImplementedError(_refusal(name, "gradients"))
 
         @staticmethod
@@ -484,8 +488,20 @@ def _register_not_differentiable(name: str) -> None:
                 raise NotImplementedError(_refusal(name, "forward-mode AD"))
             return None
 
-    NotDifferentiable.__name__ = NotDifferentiable.__qualname__ = f"_{name}_not_differentiable"
-    _ops.register_function_autograd(f"{_NS}::{name}", NotDifferentiable)
+    apply = super(torch.autograd.Function, NotDifferentiable).apply  # the C++ apply (see _ops.register_function_autograd)
+
+    def autograd_kernel(*args):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            raise NotImplementedError(_refusal(name, "gradients"))
+        if _ops.forward_ad_active():
+            if torch._C._are_functorch_transforms_active():
+                with enable_single_level_autograd_function():  # (functorch asserts it for such a Function)
+                    return apply(*args)
+            return apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    torch.library.impl(qualname, "Autograd")(autograd_kernel)
 
 
 for _name in ("grouped_gemm", "grouped_swiglu", "experts_one_token"):

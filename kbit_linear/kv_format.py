@@ -47,6 +47,7 @@ Bytes per token and KV head at ``D = 128`` (keys and values together, scales inc
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 
 import torch
@@ -90,10 +91,11 @@ def channel_group(head_dim: int) -> int:
 
 
 def _check_positive_int(name: str, value: object, low: int) -> int:
-    """Return ``value`` if it is an int ``>= low``, else raise a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    """Return ``value`` as an int if it is an integer ``>= low`` (a Python or NumPy integer, not a
+    bool), else raise a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
+    return int(value)
 
 
 def _check_bits(bits: int) -> None:
@@ -121,7 +123,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError(f"bits must be 2, 3 or 4 to pack, got {bits!r}")
     if not isinstance(codes, torch.Tensor) or codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
         raise TypeError(f"codes must be an integer tensor, got {getattr(codes, 'dtype', type(codes).__name__)}")
-    if codes.numel():
+    # (values are read on the host: not for meta tensors or while tracing, which have none to read)
+    if codes.numel() and codes.device.type != "meta" and not torch.compiler.is_compiling():
         lo, hi = int(codes.min()), int(codes.max())
         if lo < 0 or hi >= 1 << bits:
             raise ValueError(f"codes must lie in [0, {1 << bits}) at {bits} bits, got values from {lo} to {hi}")
@@ -425,8 +428,8 @@ def quantize_tokens(k: torch.Tensor, v: torch.Tensor, bits: int, rows: torch.Ten
             8 bits or do not cover a token's key block.
     """
     _check_bits(bits)
-    _check_positive_int("batch", batch, 1)
-    _check_positive_int("block_size", block_size, 1)
+    batch = _check_positive_int("batch", batch, 1)
+    block_size = _check_positive_int("block_size", block_size, 1)
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
             raise ValueError(f"{name} must be a float tensor [n, H, D], got {getattr(t, 'dtype', type(t).__name__)} "
@@ -435,11 +438,13 @@ def quantize_tokens(k: torch.Tensor, v: torch.Tensor, bits: int, rows: torch.Ten
         raise ValueError(f"k and v must have one shape [n, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     channel_group(k.shape[-1])  # D a positive multiple of 32
     for name, t in (("rows", rows), ("pos", pos)):
-        if not isinstance(t, torch.Tensor) or t.shape != (k.shape[0],) or t.is_floating_point():
+        if (not isinstance(t, torch.Tensor) or t.shape != (k.shape[0],) or t.is_floating_point() or t.is_complex()
+                or t.dtype in (torch.bool, torch.uint64, torch.uint32, torch.uint16)):
             raise ValueError(f"{name} must be an integer tensor [n] with n = {k.shape[0]} (k's tokens), got "
                              f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    row_lo = row_hi = pos_lo = pos_hi = 0
     if k.shape[0]:
-        row_lo, row_hi, pos_lo = torch.stack([rows.min(), rows.max(), pos.min()]).tolist()  # one read on the host
+        row_lo, row_hi, pos_lo, pos_hi = torch.stack([rows.min(), rows.max(), pos.min(), pos.max()]).tolist()  # one host read
         if row_lo < 0 or row_hi >= batch:
             raise ValueError(f"rows must lie in [0, batch = {batch}), got values from {row_lo} to {row_hi}")
         if pos_lo < 0:
@@ -451,11 +456,11 @@ def quantize_tokens(k: torch.Tensor, v: torch.Tensor, bits: int, rows: torch.Ten
         if k_block_min is None or k_block_range is None:
             raise ValueError(f"keys at {bits} bits need k_block_min and k_block_range")
         for name, t in (("k_block_min", k_block_min), ("k_block_range", k_block_range)):
-            if t.dim() != 4 or t.shape[0] != batch or t.shape[2:] != k.shape[1:]:
-                raise ValueError(f"{name} must be [batch = {batch}, key blocks, H, D] = [{batch}, *, {k.shape[1]}, "
-                                 f"{k.shape[2]}], got {tuple(t.shape)}")
+            if t.dim() != 4 or t.shape[0] < batch or t.shape[2:] != k.shape[1:]:
+                raise ValueError(f"{name} must be [batch = {batch} rows (or more), key blocks, H, D] = [{batch}, *, "
+                                 f"{k.shape[1]}, {k.shape[2]}], got {tuple(t.shape)}")
         blk = pos // block_size
-        if k.shape[0] and int(blk.max()) >= k_block_min.shape[1]:
+        if k.shape[0] and pos_hi // block_size >= k_block_min.shape[1]:
             raise ValueError("a token's key block has no range yet")
         k_min, k_rng = k_block_min[rows, blk], k_block_range[rows, blk]
     parts = _quantize_parts(k, v, bits, k_min, k_rng)

@@ -1105,8 +1105,13 @@ def test_expert_products_refuse_gradients_and_tangents_by_name():
             torch.func.jvp(call, (x,), (torch.ones_like(x),))
         with torch.autograd.forward_ad.dual_level():
             torch.testing.assert_close(call(x), want, rtol=0, atol=0)
+            with torch.no_grad():  # requires_grad without grad mode asks for nothing
+                torch.testing.assert_close(call(x.clone().requires_grad_(True)), want, rtol=0, atol=0)
         with torch.no_grad():
             torch.testing.assert_close(call(x.clone().requires_grad_(True)), want, rtol=0, atol=0)
+        with pytest.raises(Exception, match=f"gradients through kbit_linear::{name}"):  # (compile wraps the error)
+            torch.compile(call, backend="aot_eager", fullgraph=True)(x.clone().requires_grad_(True))
+        torch.testing.assert_close(torch.compile(call, backend="aot_eager", fullgraph=True)(x), want, rtol=0, atol=0)
     # the module itself stays differentiable in both modes (it runs its reference then)
     out, tangent = torch.func.jvp(lambda x: k(x, torch.tensor([[1, 4]] * 7), torch.full((7, 2), 0.5)), (x,),
                                   (torch.ones_like(x),))

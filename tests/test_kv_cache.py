@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,7 @@ def test_pack_refuses_codes_it_cannot_hold() -> None:
     with pytest.raises(TypeError, match="codes must be an integer tensor"):
         pack_codes(ok.float(), 4)
     assert pack_codes(torch.zeros(2, 0, dtype=torch.int64), 3).shape == (2, 0)
+    assert pack_codes(torch.zeros(2, 16, dtype=torch.int64, device="meta"), 3).shape == (2, 6)  # nothing to read there
 
 
 def test_quantize_tokens_names_a_bad_argument() -> None:
@@ -73,6 +75,9 @@ def test_quantize_tokens_names_a_bad_argument() -> None:
     rows, pos = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
     mn, rng = key_block_ranges(torch.stack([k[:4], k[4:]]).reshape(2, 1, block, h, d))
     assert quantize_tokens(k, v, 4, rows, pos, 2, mn, rng, block).row_start.tolist() == [0, 4, 8]
+    # NumPy integers count as ints; key ranges of more rows than the batch cover it
+    wide = quantize_tokens(k, v, 4, rows.int(), pos, np.int64(2), torch.cat([mn, mn]), torch.cat([rng, rng]), np.int64(block))
+    assert wide.row_start.tolist() == [0, 4, 8]
     bad = {
         "rows must lie in": dict(rows=rows + 1),
         "pos must be >= 0": dict(pos=pos - 1),
@@ -82,7 +87,8 @@ def test_quantize_tokens_names_a_bad_argument() -> None:
         "v must be a float tensor": dict(v=v[0]),
         "batch must be an int >= 1": dict(batch=0),
         "head_dim must be a positive multiple of 32": dict(k=k[..., :48], v=v[..., :48]),
-        r"k_block_min must be \[batch = 2": dict(mn=mn[:1]),
+        r"k_block_min must be \[batch = 2 rows": dict(mn=mn[:1]),
+        "rows must be an integer tensor": dict(rows=rows.bool()),
         "k_block_range must be": dict(rng=rng[..., :32]),
         "need k_block_min and k_block_range": dict(mn=None),
     }
