@@ -60,7 +60,7 @@ from . import _ops  # the op schemas and the gemm entry point
 from . import codebooks
 from . import format as fmt
 from . import weight_layout
-from .linear import _apply_keeping_float32, _check_features, _check_state_dtypes
+from .linear import _apply_keeping_float32, _check_features, _check_layout, _check_state_dtypes, _check_state_values, _record_layout
 from .quantizer import KbitTensors, quantize_weight
 
 __all__ = [
@@ -659,11 +659,17 @@ class KbitExperts(nn.Module):
             weight_layout.adopt(getattr(self, proj), self.bits)
         return self
 
+    def _layout(self) -> dict[str, int]:
+        """The logical shape a state dict of this module records (:func:`kbit_linear.linear._record_layout`)."""
+        return {"bits": self.bits, "num_experts": self.num_experts, "hidden_dim": self.hidden_dim,
+                "intermediate_dim": self.intermediate_dim}
+
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for proj in PROJECTIONS:  # state dicts and checkpoints hold planes
             if prefix + proj in destination:
                 destination[prefix + proj] = weight_layout.storage_form(destination[prefix + proj])
+        _record_layout(destination, prefix, self._layout())
 
     def _load_from_state_dict(
         self,
@@ -679,7 +685,12 @@ class KbitExperts(nn.Module):
         for proj in PROJECTIONS:
             expected.update({proj: torch.int32, proj + "_absmax": torch.uint8})
             expected.update({proj + "_codebook": torch.float32, proj + "_tensor_scale": torch.float32})
+        if not _check_layout(local_metadata, prefix, self._layout(), error_msgs, "KbitExperts"):
+            return
         if not _check_state_dtypes(state_dict, prefix, expected, error_msgs, f"a {self.bits}-bit KbitExperts"):
+            return
+        # each projection's levels and per-expert tensor scales, as a KbitLinear's
+        if not all([_check_state_values(state_dict, f"{prefix}{proj}_", self.bits, error_msgs) for proj in PROJECTIONS]):
             return
         self._views.clear()
         # The state dict holds planes: take them in planes, then move to the device's layout.

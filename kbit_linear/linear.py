@@ -139,6 +139,33 @@ def _check_state_values(state_dict: dict[str, Any], prefix: str, bits: int, erro
     return ok
 
 
+_LAYOUT_KEY = "kbit_linear"  # the state dict metadata entry of a module's logical shape
+
+
+def _record_layout(destination: dict[str, Any], prefix: str, layout: dict[str, int]) -> None:
+    """Note a module's logical shape in the state dict's metadata, next to its version: the stored
+    tensors are padded to whole tiles, so their shapes alone let a state dict of another layer
+    shape load without an error (and the padding then stands in for real rows). State dicts
+    without metadata (read from a checkpoint file) are left as they are: the loaders check those."""
+    metadata = getattr(destination, "_metadata", None)
+    if metadata is not None:
+        metadata.setdefault(prefix[:-1], {})[_LAYOUT_KEY] = dict(layout)
+
+
+def _check_layout(local_metadata: dict[str, Any], prefix: str, layout: dict[str, int], error_msgs: list[str],
+                  what: str) -> bool:
+    """Append an error naming the module if the state dict records another logical shape for it
+    (:func:`_record_layout`); ``False`` if it does."""
+    recorded = local_metadata.get(_LAYOUT_KEY)
+    if recorded is None or recorded == layout:
+        return True
+    def show(d: dict[str, int]) -> str:
+        return ", ".join(f"{k}={v}" for k, v in d.items())
+    error_msgs.append(f"size mismatch for {prefix[:-1] or 'the module'}: the state dict is of a {what} with {show(recorded)}, "
+                      f"this one has {show(layout)}")
+    return False
+
+
 class KbitLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` stored as ``bits``-bit codebook indices and E4M4 block scales.
 
@@ -346,10 +373,15 @@ class KbitLinear(nn.Module):
         self.compute_dtype = _cast_dtype(fn, self.compute_dtype, self.weight.device)
         return _apply_keeping_format(self, fn, recurse)
 
+    def _layout(self) -> dict[str, int]:
+        """The logical shape a state dict of this layer records (:func:`_record_layout`)."""
+        return {"bits": self.bits, "out_features": self.out_features, "in_features": self.in_features}
+
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if prefix + "weight" in destination:  # state dicts and checkpoints hold planes
             destination[prefix + "weight"] = weight_layout.storage_form(destination[prefix + "weight"])
+        _record_layout(destination, prefix, self._layout())
 
     def _load_from_state_dict(
         self,
@@ -361,6 +393,8 @@ class KbitLinear(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
+        if not _check_layout(local_metadata, prefix, self._layout(), error_msgs, "kbit layer"):
+            return
         if not _check_state_dtypes(state_dict, prefix, STATE_DTYPES, error_msgs, f"a {self.bits}-bit KbitLinear"):
             return
         if not _check_state_values(state_dict, prefix, self.bits, error_msgs):

@@ -306,6 +306,27 @@ def test_load_state_dict_refuses_wrong_dtypes_and_shapes():
         k.load_state_dict({**sd, "down_proj_absmax": sd["down_proj_absmax"][:-1]})
 
 
+def test_load_state_dict_refuses_another_shape_and_values_experts_cannot_hold():
+    """An intermediate size that pads to the same tiles stores alike: the state dict's record of the
+    module's shape refuses it. Levels out of order and tensor scales that are not powers of two are
+    refused by name, as for a KbitLinear."""
+    dense = _dense_experts()
+    k = KbitExperts.from_experts(dense, bits=4)
+    narrow = KbitExperts(k.num_experts, k.hidden_dim, k.intermediate_dim - 8, bits=4)
+    sd = k.state_dict()
+    assert {n: tuple(v.shape) for n, v in sd.items()} == {n: tuple(v.shape) for n, v in narrow.state_dict().items()}
+    with pytest.raises(RuntimeError, match=f"size mismatch for the module: the state dict is of a KbitExperts .*"
+                                           f"intermediate_dim={k.intermediate_dim}, this one has .*intermediate_dim={k.intermediate_dim - 8}"):
+        narrow.load_state_dict(sd)
+    with pytest.raises(RuntimeError, match="gate_up_proj_codebook"):
+        k.load_state_dict({**sd, "gate_up_proj_codebook": sd["gate_up_proj_codebook"].flip(0)})
+    with pytest.raises(RuntimeError, match="down_proj_tensor_scale must be a positive finite power of two"):
+        k.load_state_dict({**sd, "down_proj_tensor_scale": sd["down_proj_tensor_scale"] * 3})
+    twin = KbitExperts(k.num_experts, k.hidden_dim, k.intermediate_dim, bits=4)
+    twin.load_state_dict(sd)
+    assert all(torch.equal(twin.dequantize()[p], w) for p, w in k.dequantize().items())
+
+
 # ---------------------------------------------------------------------------------------
 # which modules qualify
 # ---------------------------------------------------------------------------------------

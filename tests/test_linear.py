@@ -167,6 +167,26 @@ def test_load_state_dict_rejects_wrong_dtype_and_shape():
         KbitLinear(100, 33, bits=3).load_state_dict(sd)
 
 
+@pytest.mark.parametrize("src, dst", [((48, 96), (96, 96)), ((128, 64), (100, 40)), ((100, 40), (128, 64))], ids=str)
+def test_load_state_dict_refuses_another_layer_shape_with_the_same_tiles(src, dst, tmp_path):
+    """Stored tensors are padded to whole 128 x 64 tiles, so layers of these (out, in) shapes store
+    alike: the state dict records each layer's shape and load_state_dict refuses another one (the
+    padding would stand in for real rows). Saved with torch.save, the record travels along."""
+    model = nn.Sequential(KbitLinear.from_linear(_linear(*src, bias=False), bits=4))  # (a bias would tell the shapes apart)
+    target = nn.Sequential(KbitLinear(dst[1], dst[0], bias=False, bits=4))
+    sd = model.state_dict()
+    assert {k: tuple(v.shape) for k, v in sd.items()} == {k: tuple(v.shape) for k, v in target.state_dict().items()}
+    want = f"size mismatch for 0: the state dict is of a kbit layer with bits=4, out_features={src[0]}, in_features={src[1]}"
+    with pytest.raises(RuntimeError, match=want):
+        target.load_state_dict(sd)
+    torch.save(sd, tmp_path / "sd.pt")
+    with pytest.raises(RuntimeError, match="size mismatch for 0"):
+        target.load_state_dict(torch.load(tmp_path / "sd.pt"))
+    same = nn.Sequential(KbitLinear(src[1], src[0], bias=False, bits=4))
+    same.load_state_dict(sd)
+    assert torch.equal(same[0].dequantize(), model[0].dequantize())
+
+
 def test_fresh_module_is_all_zero_weight():
     layer = KbitLinear(100, 33, bias=True, bits=2, dtype=torch.float32)
     with torch.no_grad():
