@@ -34,6 +34,7 @@ dense with the reason in the summary.
 from __future__ import annotations
 
 import re
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -100,6 +101,7 @@ class QuantizationSummary:
         routers: with ``fuse=True``: the MoE routers switched to one kernel, and the router-like
             modules left alone with the reason (:class:`kbit_linear.router.RouterFusionSummary`);
             else ``None``.
+        unmatched_skip: the caller's skip rules that matched no module (a warning was given).
     """
 
     bits: int
@@ -116,6 +118,7 @@ class QuantizationSummary:
     mean_layer_bits: float = 0.0
     fusion: FusionSummary | None = None
     routers: RouterFusionSummary | None = None
+    unmatched_skip: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         width = f"{self.bits} bits"
@@ -134,6 +137,8 @@ class QuantizationSummary:
                 f"  experts ({len(self.experts)} modules): {self.experts_bytes_before:,} -> {self.experts_bytes_after:,} bytes"
             )
         lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped.items()]
+        if self.unmatched_skip:
+            lines.append(f"  skip rules matching no module (nothing kept dense by them): {self.unmatched_skip}")
         if self.fusion is not None:
             lines += ["  " + line for line in str(self.fusion).splitlines()]
         if self.routers is not None and (self.routers.fused or self.routers.skipped):
@@ -382,6 +387,24 @@ def convertible_experts(model: nn.Module, skip: Iterable[SkipRule] | str | None 
     return names, skipped
 
 
+def unmatched_skip_rules(model: nn.Module, rules: Iterable[SkipRule]) -> list[SkipRule]:
+    """The rules of ``rules`` that match no module name of ``model`` (:func:`matches_skip`): a
+    misspelled name (``"o_prj"``) keeps nothing dense, so callers warn about these."""
+    names = [name for name, _ in model.named_modules() if name]
+    return [rule for rule in rules if not any(matches_skip(name, (rule,)) for name in names)]
+
+
+def warn_unmatched_skip_rules(model: nn.Module, rules: Iterable[SkipRule], argument: str) -> list[SkipRule]:
+    """Warn (``UserWarning``, naming ``argument``) about the rules that match no module of
+    ``model``, and return them."""
+    unmatched = unmatched_skip_rules(model, rules)
+    if unmatched:
+        shown = [rule.pattern if isinstance(rule, re.Pattern) else rule for rule in unmatched]
+        warnings.warn(f"{argument} entries {shown} match no module of this {type(model).__name__}: they keep nothing "
+                      "dense (a misspelled name?)", UserWarning, stacklevel=3)
+    return unmatched
+
+
 def convertible_layers(model: nn.Module, skip: Iterable[SkipRule] | str | None = ()) -> tuple[list[str], dict[str, str]]:
     """Which ``nn.Linear`` layers of ``model`` a swap converts, and why the others stay.
 
@@ -413,10 +436,14 @@ def convertible_layers(model: nn.Module, skip: Iterable[SkipRule] | str | None =
     return names, skipped
 
 
+DEFAULT_SKIP: tuple[str, ...] = ("lm_head",)
+"""``quantize_model``'s default skip rules (the output head stays dense, as bitsandbytes and torchao keep it)."""
+
+
 def quantize_model(
     model: nn.Module,
     bits: int = 4,
-    skip: Iterable[SkipRule] | str | None = ("lm_head",),
+    skip: Iterable[SkipRule] | str | None = DEFAULT_SKIP,
     codebook: torch.Tensor | str | None = codebooks.DEFAULT,
     progress: bool = True,
     scale_search: bool = False,
@@ -517,6 +544,8 @@ def quantize_model(
     codebook = codebooks.resolve_default(codebook, hadamard, calibrated=calibration is not None)
     hadamard_search = check_hadamard_search(hadamard_search, hadamard=hadamard, fuse=fuse)
     rules = check_skip_rules(skip)
+    # rules the caller wrote: a misspelled one would quantize what it meant to keep
+    unmatched = warn_unmatched_skip_rules(model, rules, "skip") if skip is not DEFAULT_SKIP else []
     if target_bpw is not None:
         target_bpw = allocation.check_target_bpw(target_bpw)
         allocation.check_codebook_for_widths(codebook)
@@ -535,6 +564,7 @@ def quantize_model(
         batches = calibration.batches()  # tokenize before the first layer is touched
 
     summary = QuantizationSummary(bits=bits, bytes_before=module_bytes(model))
+    summary.unmatched_skip = [rule.pattern if isinstance(rule, re.Pattern) else rule for rule in unmatched]
     # Names, not modules: a dense layer must be unreferenced once swapped out.
     to_convert, summary.skipped = convertible_layers(model, rules)
     experts_to_convert, experts_skipped = convertible_experts(model, rules)
@@ -638,7 +668,21 @@ def quantize_model(
         summary.fusion = fuse_projections(model)
         summary.routers = fuse_routers(model)
     summary.bytes_after = module_bytes(model)
+    if (summary.converted or summary.experts) and callable(getattr(model, "save_pretrained", None)) \
+            and getattr(model, "hf_quantizer", None) is None:
+        # transformers' save_pretrained would write a config without quantization_config, whose
+        # checkpoint neither from_pretrained nor load_into can read back: refuse it, by name.
+        model.save_pretrained = _refuse_save_pretrained
     return summary
+
+
+def _refuse_save_pretrained(*args: object, **kwargs: object) -> None:
+    raise ValueError(
+        "a model quantized with quantize_model cannot be saved with save_pretrained: its config.json has no "
+        "quantization_config, so from_pretrained would find kbit tensors it cannot read. Save it with "
+        "kbit_linear.save_quantized(model, 'model.safetensors') and load it into a model of the same config with "
+        "kbit_linear.load_into(model, 'model.safetensors'), or quantize at load with from_pretrained(..., "
+        "quantization_config=kbit_linear.KbitConfig(...)), whose save_pretrained writes a checkpoint that reloads")
 
 
 def sibling_groups(names: Iterable[str], layer_bits: dict[str, int], bits: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import re
+import warnings
 import weakref
 
 import pytest
@@ -155,11 +156,31 @@ def test_a_linear_reused_at_two_places_becomes_one_kbit_layer():
 def test_skip_rules(skip, skipped):
     model = _llama(tied=False)
     rules = list(skip) if isinstance(skip, list) else skip
-    summary = quantize_model(model, bits=2, skip=rules, progress=False)
+    if skipped:
+        summary = quantize_model(model, bits=2, skip=rules, progress=False)
+    else:  # a rule that matches no module is warned about
+        with pytest.warns(UserWarning, match=r"skip entries \['proj'\] match no module"):
+            summary = quantize_model(model, bits=2, skip=rules, progress=False)
     assert set(summary.skipped) == skipped  # user rules replace the default ("lm_head",)
     assert set(summary.converted) == set(_block_names()) - skipped | {"lm_head"}
     for name in skipped:
         assert type(model.get_submodule(name)) is nn.Linear
+
+
+def test_skip_rules_that_match_no_module_are_warned_about_and_summarized():
+    """A misspelled rule keeps nothing dense: warned about by name and listed in the summary; the
+    rules that match stay silent, and so does the default rule on a model without an lm_head."""
+    model = _llama(tied=False)
+    with pytest.warns(UserWarning, match=r"skip entries \['o_prj', 'nothing.*here'\] match no module"):
+        summary = quantize_model(model, bits=4, skip=["lm_head", "o_prj", re.compile(r"nothing\.here")], progress=False)
+    assert summary.unmatched_skip == ["o_prj", r"nothing\.here"]
+    assert "skip rules matching no module" in str(summary) and "'o_prj'" in str(summary)
+    assert type(model.model.layers[0].self_attn.o_proj) is KbitLinear
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        headless = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+        assert quantize_model(headless, bits=4, progress=False).unmatched_skip == []  # the default ("lm_head",)
+        assert quantize_model(_llama(tied=False), bits=4, skip=["mlp", "re:self_attn"], progress=False).unmatched_skip == []
 
 
 def test_matches_skip_boundaries():

@@ -115,6 +115,26 @@ def sharded_dir(tmp_path_factory, untied_dir) -> Path:
 # ---------------------------------------------------------------------------------------
 
 
+
+def test_save_pretrained_after_quantize_model_is_refused_with_the_way_out(tmp_path):
+    """quantize_model leaves config.json without quantization_config: transformers' save_pretrained
+    would write a checkpoint nothing reads back, so it is refused by name; save_quantized works."""
+    model = _tiny_llama(tied=False, seed=3)
+    quantize_model(model, bits=4, progress=False)
+    with pytest.raises(ValueError, match="cannot be saved with save_pretrained.*save_quantized.*load_into.*KbitConfig"):
+        model.save_pretrained(tmp_path / "q")
+    assert not (tmp_path / "q").exists()
+    save_quantized(model, tmp_path / "m.safetensors")
+    fresh = _tiny_llama(tied=False, seed=4)
+    quantize_model(fresh, bits=4, progress=False)
+    load_into(fresh, tmp_path / "m.safetensors")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+    untouched = _tiny_llama(tied=False, seed=3)  # nothing converted: its own save_pretrained stays
+    quantize_model(untouched, bits=4, skip=["re:.*"], progress=False)
+    untouched.save_pretrained(tmp_path / "dense")
+
 def test_config_round_trips_through_json():
     cb = fmt.create_normal_float_codebook(3) * 0.5
     cfg = KbitConfig(bits=3, skip_modules=["mlp", "re:layers\\.0\\."], codebook=cb)
@@ -417,6 +437,12 @@ def test_untied_lm_head_and_user_skips_keep_default_skips(untied_dir):
     assert q.lm_head.weight is not q.model.embed_tokens.weight
     for i in range(N_LAYERS):
         assert type(q.get_submodule(f"model.layers.{i}.mlp.up_proj")) is nn.Linear
+
+
+def test_skip_modules_that_match_no_module_are_warned_about(untied_dir):
+    with pytest.warns(UserWarning, match=r"skip_modules entries \['o_prj'\] match no module"):
+        q = _load(untied_dir, quantization_config=KbitConfig(bits=4, skip_modules=["o_prj", "mlp"]))
+    assert type(q.model.layers[0].self_attn.o_proj) is KbitLinear and type(q.model.layers[0].mlp.up_proj) is nn.Linear
 
 
 def test_quantized_model_generates(dense_dir):

@@ -86,6 +86,7 @@ from ..patch import (
     replace_module,
     shared_quantization,
     sibling_groups,
+    warn_unmatched_skip_rules,
 )
 from ..quantizer import check_hadamard_search, group_quantization, hadamard_signs_for, quantize_weight
 from ..serialization import (
@@ -526,6 +527,7 @@ class KbitHfQuantizer(HfQuantizer):
             model, config.skip_modules, getattr(model, "_keep_in_fp32_modules", None), add_default_skips=True
         )
         rules = [rule for rule in self.modules_to_not_convert if rule]
+        warn_unmatched_skip_rules(model, config.skip_modules or (), "skip_modules")  # (transformers' own skips may not apply)
         names, _ = convertible_layers(model, rules)
         experts, _ = convertible_experts(model, rules)
         # a layer reused under several names is swapped once, under the name transformers loads
