@@ -484,8 +484,10 @@ class KbitKVLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (a negative count, as transformers passes it).
 
-        Demotions already made stay made; key block ranges of blocks left incomplete are kept, so
-        tokens written there again are clamped to that range if they are later demoted.
+        Demotions already made stay made. The key block ranges of blocks that lose every position
+        are dropped (tokens written there again get a range of their own when the block completes);
+        the range of a block left incomplete is kept, so tokens written there again are clamped to
+        it if they are later demoted.
         """
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
@@ -497,6 +499,8 @@ class KbitKVLayer(CacheLayerMixin):
             idx = torch.nonzero(bk.pos < keep).reshape(-1)
             self.buckets[t] = _select(bk, idx, bk.rows()[idx], self.batch)
         self.tier, self.mass, self.seen = self.tier[:, :keep], self.mass[:, :keep], self.seen[:, :keep]
+        ranged = -(-keep // self.block_size)  # blocks that keep a position
+        self.k_block_min, self.k_block_range = self.k_block_min[:, :ranged], self.k_block_range[:, :ranged]
         self.seq_len = keep
         self._alloc_len = min(self._alloc_len, keep - self.block_size)  # a decode step allocates no later than before
 

@@ -396,6 +396,52 @@ def test_after_a_crop_decode_steps_allocate_at_once_then_every_block_size_tokens
     assert calls == [keep, keep + 16, keep + 32], calls
 
 
+def test_a_crop_drops_the_key_ranges_of_blocks_it_empties() -> None:
+    """Keys written again after a crop into whole key blocks it removed get ranges of their own:
+    a cache cropped back to 80 tokens then fed 100 keys ten times larger holds them as a fresh
+    cache fed the same 180 tokens does (before, the removed blocks' ranges were kept and the new
+    keys were clamped to them)."""
+    g = torch.Generator().manual_seed(0)
+    heads, d = 2, 32
+    k1, v1 = torch.randn(1, heads, 140, d, generator=g), torch.randn(1, heads, 140, d, generator=g)
+    k2, v2 = torch.randn(1, heads, 100, d, generator=g) * 10, torch.randn(1, heads, 100, d, generator=g)
+    queries = torch.randn(240, 1, 4, 1, d, generator=g)
+
+    def feed(layer: KbitKVLayer, k: torch.Tensor, v: torch.Tensor, step: int) -> None:
+        layer.update(k, v)
+        layer.attend(queries[step].expand(1, 4, k.shape[2], d), None, d**-0.5)
+
+    def layer_fed(first: int) -> KbitKVLayer:
+        layer = KbitKVLayer(4, window=8, sink_tokens=2, block_size=16, hysteresis=0.1)
+        feed(layer, k1[:, :, :64], v1[:, :, :64], 0)
+        for t in range(64, first):
+            feed(layer, k1[:, :, t : t + 1], v1[:, :, t : t + 1], t)
+        return layer
+
+    cropped, fresh = layer_fed(140), layer_fed(80)
+    cropped.crop(-60)
+    assert cropped.seq_len == 80 and cropped.k_block_min.shape[1] == 5
+    for layer in (cropped, fresh):
+        for t in range(100):
+            feed(layer, k2[:, :, t : t + 1], v2[:, :, t : t + 1], 140 + t)
+    truth = torch.cat([k1[:, :, :80], k2], 2)
+    errors = [float((layer.dequantize()[0] - truth).abs()[:, :, 80:].max()) for layer in (cropped, fresh)]
+    assert cropped.tier[0, 80:].lt(8).any()  # keys of the new blocks were demoted
+    assert errors[0] == pytest.approx(errors[1], rel=1e-6) and errors[1] < 10
+
+
+def test_a_crop_inside_a_block_keeps_its_range() -> None:
+    layer = KbitKVLayer(4, window=4, sink_tokens=1, block_size=16, hysteresis=0.1)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(70):
+        _feed(layer, 1, g)
+    assert layer.k_block_min.shape[1] == 4
+    layer.crop(-30)  # 40 tokens: blocks 0, 1 whole, block 2 in part
+    assert layer.seq_len == 40 and layer.k_block_min.shape[1] == 3
+    layer.crop(-8)  # 32: on a block boundary
+    assert layer.k_block_min.shape[1] == 2
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_tier_mass_and_seen_grow_in_place_and_new_columns_start_clean(batch: int) -> None:
     # decode steps widen views of spare-column buffers (no copy); after a crop, a batch edit or an
