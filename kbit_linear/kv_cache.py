@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 import math
 import numbers
 from collections.abc import Iterator, Mapping
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
@@ -900,6 +901,7 @@ class KbitKVCache(Cache):
             runs a decode step moves no tensor) instead of :class:`KbitKVLayer`. Default False.
 
     Raises:
+        TypeError: ``config`` is not a transformers ``PretrainedConfig`` (a model's ``.config`` is).
         ValueError: a bad argument or a model the cache cannot serve, naming which.
     """
 
@@ -907,6 +909,9 @@ class KbitKVCache(Cache):
                  hysteresis: float = 0.1, prefill_interval: int = PREFILL_INTERVAL,
                  allocation_fraction: float = ALLOCATION_FRACTION, mass_interval: int = MASS_INTERVAL,
                  replayable: bool = False) -> None:
+        if not isinstance(config, PretrainedConfig):
+            hint = " (pass model.config)" if isinstance(getattr(config, "config", None), PretrainedConfig) else ""
+            raise TypeError(f"config must be a transformers PretrainedConfig{hint}, got {type(config).__name__}")
         if isinstance(kv_bits, bool) or not isinstance(kv_bits, numbers.Real) or not TIERS[0] <= float(kv_bits) <= TIERS[-1]:
             raise ValueError(f"kv_bits must be a number in [{TIERS[0]}, {TIERS[-1]}] (the target average width over the widths {TIERS}), got {kv_bits!r}")
         _check_positive_int("window", window, 0)
@@ -954,6 +959,9 @@ class KbitKVCache(Cache):
         """``Cache.update``, kept out of ``torch.compile``: a compiled decoder layer breaks its graph
         here, so that the layers' host state (lengths, stores, the allocator) runs eagerly. (The
         frame that calls it specialises the layer index it passes: one variant per layer.)"""
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx {layer_idx}: this KbitKVCache has {len(self.layers)} layers, from the config it was "
+                             "built with; build it from the model's own config (KbitKVCache(model.config))")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
@@ -1063,8 +1071,22 @@ def kbit_kv_attention(module: torch.nn.Module, query: torch.Tensor, key, value, 
             raise ValueError(f"this model's attention passes {name}=..., which KbitKVCache's attention does not implement")
     if dropout and module.training:
         raise ValueError("KbitKVCache attention has no dropout; call model.eval() (dropout > 0 in training mode)")
+    if kwargs.get("output_attentions", False) and not _warned_no_weights:
+        _warn_no_attention_weights()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return _attend(key.layer, query, attention_mask, scale), None
+
+
+_warned_no_weights = False
+
+
+def _warn_no_attention_weights() -> None:
+    """Warn once that ``output_attentions=True`` gets no weights from this attention (as
+    transformers' SDPA attention warns): the fused kernel never forms the probability matrix."""
+    global _warned_no_weights
+    _warned_no_weights = True
+    warnings.warn("output_attentions=True: KbitKVCache's attention computes no attention weights (the outputs' attentions "
+                  "stay empty); generate with another cache to inspect them", UserWarning, stacklevel=3)
 
 
 @torch.compiler.disable

@@ -147,6 +147,8 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: uint8 ``[..., D * bits / 8]`` -> int64 ``[..., D]``."""
     if bits not in (2, 3, 4):
         raise ValueError(f"bits must be 2, 3 or 4 to unpack, got {bits!r}")
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be a uint8 tensor, got {getattr(packed, 'dtype', type(packed).__name__)}")
     nb = packed.shape[-1]
     if nb % bits:
         raise ValueError(f"the last axis ({nb} bytes) is not a multiple of bits = {bits}")
@@ -200,7 +202,9 @@ class KVBucket(_TensorFields):
 
     @staticmethod
     def empty(bits: int, batch: int, heads: int, head_dim: int, device: torch.device | str = "cpu") -> "KVBucket":
-        """A bucket with no tokens."""
+        """A bucket with no tokens (``bits`` a width of :data:`TIERS`)."""
+        _check_bits(bits)
+        batch = _check_positive_int("batch", batch, 0)
         z = _quantize_parts(torch.zeros(0, heads, head_dim, device=device), torch.zeros(0, heads, head_dim, device=device),
                             bits, None, None)
         return KVBucket(bits, torch.zeros(batch + 1, dtype=torch.int32, device=device),
@@ -472,8 +476,15 @@ def quantize_tokens(k: torch.Tensor, v: torch.Tensor, bits: int, rows: torch.Ten
 
 def dequantize_bucket(bucket: KVBucket, k_block_min: torch.Tensor | None = None,
                       k_block_range: torch.Tensor | None = None, block_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode a bucket: returns (k, v) float32 ``[n, H, D]`` in entry order."""
+    """Decode a bucket: returns (k, v) float32 ``[n, H, D]`` in entry order.
+
+    Raises:
+        ValueError: a bucket below 8 bits with tokens but no key block ranges, or a bad ``block_size``.
+    """
+    block_size = _check_positive_int("block_size", block_size, 1)
     n, h = bucket.pos.shape[0], bucket.k.shape[1]
+    if bucket.bits < 8 and n and (k_block_min is None or k_block_range is None):
+        raise ValueError(f"a {bucket.bits}-bit bucket's keys decode with their key block ranges: pass k_block_min and k_block_range")
     d = bucket.k.shape[-1] if bucket.bits == 8 else bucket.k.shape[-1] * 8 // bucket.bits
     g = channel_group(d)
     if bucket.bits == 8:
@@ -494,6 +505,7 @@ def dequantize_bucket(bucket: KVBucket, k_block_min: torch.Tensor | None = None,
 def bytes_per_token(bits: int, head_dim: int, block_size: int = 64) -> float:
     """Bytes one token of one KV head costs at ``bits`` (keys + values, scales included, no metadata)."""
     _check_bits(bits)
+    block_size = _check_positive_int("block_size", block_size, 1)
     groups = head_dim // channel_group(head_dim)
     payload = 2 * head_dim * bits / 8
     if bits == 8:

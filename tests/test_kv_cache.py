@@ -68,6 +68,25 @@ def test_pack_refuses_codes_it_cannot_hold() -> None:
     assert pack_codes(torch.zeros(2, 16, dtype=torch.int64, device="meta"), 3).shape == (2, 6)  # nothing to read there
 
 
+def test_format_helpers_name_a_bad_argument() -> None:
+    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+        bytes_per_token(4, 128, block_size=0)
+    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+        bytes_per_token(4, 128, block_size=-64)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        KVBucket.empty(5, 1, 2, 64)
+    with pytest.raises(TypeError, match="packed must be a uint8 tensor"):
+        unpack_codes(torch.zeros(4), 4)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(4, 2, 64, generator=g), torch.randn(4, 2, 64, generator=g)
+    rows, pos = torch.zeros(4, dtype=torch.int64), torch.arange(4)
+    mn, rng = key_block_ranges(k.reshape(1, 1, 4, 2, 64))
+    bucket = quantize_tokens(k, v, 4, rows, pos, 1, mn, rng, 4)
+    with pytest.raises(ValueError, match="pass k_block_min and k_block_range"):
+        dequantize_bucket(bucket)
+    assert dequantize_bucket(KVBucket.empty(4, 1, 2, 64))[0].shape == (0, 2, 64)  # no tokens: nothing to decode
+
+
 def test_quantize_tokens_names_a_bad_argument() -> None:
     g = torch.Generator().manual_seed(0)
     n, h, d, block = 8, 2, 64, 4
@@ -640,6 +659,28 @@ def test_bad_models() -> None:
     layer = KbitKVLayer(4, 8, 2, 16, 0.1)
     with pytest.raises(ValueError, match="head_dim"):
         layer.update(torch.randn(1, 1, 3, 40), torch.randn(1, 1, 3, 40))
+
+
+def test_a_config_that_is_not_one_or_does_not_fit_the_model_is_named() -> None:
+    model = _tiny("llama")
+    with pytest.raises(TypeError, match=r"config must be a transformers PretrainedConfig \(pass model.config\), got LlamaForCausalLM"):
+        KbitKVCache(model)
+    for bad in (None, model.config.to_dict()):
+        with pytest.raises(TypeError, match="config must be a transformers PretrainedConfig"):
+            KbitKVCache(bad)
+    KbitKVCache(model.config)  # (switches the model's attention to the cache's)
+    short = KbitKVCache(LlamaConfig(**{**model.config.to_dict(), "num_hidden_layers": 1}))
+    with pytest.raises(ValueError, match=r"layer_idx 1: this KbitKVCache has 1 layers.*KbitKVCache\(model.config\)"):
+        model(torch.tensor([[5, 6, 7]]), past_key_values=short)
+
+
+def test_output_attentions_warns_that_there_are_no_weights(monkeypatch) -> None:
+    from kbit_linear import kv_cache
+    monkeypatch.setattr(kv_cache, "_warned_no_weights", False)
+    model = _tiny("llama")
+    cache = KbitKVCache(model.config, kv_bits=8)
+    with pytest.warns(UserWarning, match="output_attentions=True: KbitKVCache's attention computes no attention weights"):
+        model(torch.tensor([[5, 6, 7]]), past_key_values=cache, output_attentions=True)
 
 
 def test_view_refuses_tensor_use() -> None:
