@@ -22,7 +22,7 @@ from .kv_graph import KbitDecodeGraph
 from .linear import KbitLinear
 from .parallel import shard_for_tensor_parallel
 from .router import fuse_routers, unfuse_routers
-from .patch import QuantizationSummary, quantize_model
+from .patch import QuantizationSummary, dequantize_model, quantize_model
 from .serialization import CheckpointError, load_into, load_quantized, save_quantized
 
 __version__ = "0.1.0"
@@ -41,6 +41,7 @@ __all__ = [
     "QuantizationSummary",
     "create_normal_float_codebook",
     "dequantize",
+    "dequantize_model",
     "fuse_projections",
     "fuse_routers",
     "load_gguf",

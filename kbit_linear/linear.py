@@ -27,8 +27,9 @@ that looks for a module's ``weight`` in ``named_parameters()`` (quantizer helper
 counts, PEFT) finds it. ``model.dtype`` is unaffected (it reads the first floating
 point parameter).
 
-Dtype casts of a whole model (``model.half()``, ``model.to(torch.bfloat16)``) cast the bias and
-leave the quantized tensors bit-identical: ``weight``/``absmax`` are integers, and
+Dtype casts of a whole model (``model.to(torch.bfloat16)``; ``model.half()`` too, except on a
+model loaded through transformers' quantizer plug-in, where transformers refuses ``.half()`` and
+``.to(dtype)`` is the way) cast the bias and leave the quantized tensors bit-identical: ``weight``/``absmax`` are integers, and
 :meth:`KbitLinear._apply` keeps ``codebook``/``tensor_scale`` in float32.
 """
 

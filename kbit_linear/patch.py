@@ -46,8 +46,8 @@ from tqdm.auto import tqdm
 from . import allocation, codebooks
 from . import format as fmt
 from . import hadamard as hd
-from .fusion import DEFAULT_GROUPS, FusionSummary, fuse_projections, is_cross_attention
-from .router import RouterFusionSummary, fuse_routers
+from .fusion import DEFAULT_GROUPS, FusionSummary, fuse_projections, is_cross_attention, unfuse_projections
+from .router import RouterFusionSummary, fuse_routers, unfuse_routers
 from .calibration import Calibration, calibrate_model
 from .experts import PROJECTIONS, KbitExperts, experts_layout_problem, looks_like_experts
 from .linear import KbitLinear
@@ -562,6 +562,13 @@ def quantize_model(
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("calibration needs a model with real weights, not on the meta device")
         batches = calibration.batches()  # tokenize before the first layer is touched
+        embeddings = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+        vocab = getattr(embeddings, "num_embeddings", None)
+        if isinstance(vocab, int) and batches:
+            lo, hi = min(int(b.min()) for b in batches), max(int(b.max()) for b in batches)
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"calibration tokens must be ids in [0, {vocab}) (the model's vocabulary), got values "
+                                 f"from {lo} to {hi}")
 
     summary = QuantizationSummary(bits=bits, bytes_before=module_bytes(model))
     summary.unmatched_skip = [rule.pattern if isinstance(rule, re.Pattern) else rule for rule in unmatched]
@@ -683,6 +690,54 @@ def _refuse_save_pretrained(*args: object, **kwargs: object) -> None:
         "kbit_linear.save_quantized(model, 'model.safetensors') and load it into a model of the same config with "
         "kbit_linear.load_into(model, 'model.safetensors'), or quantize at load with from_pretrained(..., "
         "quantization_config=kbit_linear.KbitConfig(...)), whose save_pretrained writes a checkpoint that reloads")
+
+
+def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Give every kbit layer of ``model`` a dense ``nn.Linear`` back, in place: the inverse of
+    :func:`quantize_model` up to the quantization error (the weight is the layer's dequantized one).
+
+    Fused projections and routers are unfused first. The dense weights are trainable parameters,
+    as a freshly built ``nn.Linear``'s; each bias is kept as it is.
+
+    Args:
+        model: the model.
+        dtype: the dense weights' dtype (default: each layer's ``compute_dtype``, the dtype of the
+            dense layer it stands for).
+
+    Returns:
+        The number of layers restored.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``dtype`` not a floating-point dtype.
+        NotImplementedError: the model holds :class:`KbitExperts` (their dense module class is not
+            kept), before anything is changed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    experts = [name for name, m in model.named_modules() if isinstance(m, KbitExperts)]
+    if experts:
+        raise NotImplementedError(f"dequantize_model: {len(experts)} KbitExperts modules ({experts[0]}, ...) cannot be "
+                                  "turned back into the model's own experts class; reload the dense checkpoint instead")
+    unfuse_routers(model)
+    unfuse_projections(model)
+    dense: dict[int, nn.Linear] = {}  # a layer reused under several names -> one nn.Linear
+    names = [name for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, KbitLinear)]
+    for name in names:
+        layer = model.get_submodule(name)
+        if id(layer) not in dense:
+            to = dtype or layer.compute_dtype
+            linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
+            linear.weight = nn.Parameter(layer.dequantize(to))
+            bias = layer.bias
+            if bias is not None and bias.dtype != to:  # (a dtype asked for: weight and bias agree)
+                bias = nn.Parameter(bias.detach().to(to), requires_grad=bias.requires_grad)
+            linear.bias = bias
+            linear.train(layer.training)
+            dense[id(layer)] = linear
+        replace_module(model, name, dense[id(layer)])
+    return len(names)
 
 
 def sibling_groups(names: Iterable[str], layer_bits: dict[str, int], bits: int,

@@ -252,6 +252,14 @@ def test_block_by_block_run_sees_what_the_full_model_sees():
     assert torch.equal(seen["model.layers.0.self_attn.q_proj"], seen["model.layers.0.self_attn.k_proj"])
 
 
+def test_calibration_tokens_outside_the_vocabulary_are_refused_before_any_layer_changes():
+    model = _llama()
+    tokens = torch.randint(0, 128, (4, 16)) + 1000
+    with pytest.raises(ValueError, match=r"calibration tokens must be ids in \[0, 128\) .* got values from 10"):
+        kbit_linear.quantize_model(model, bits=3, calibration=Calibration(tokens=tokens), progress=False)
+    assert not any(isinstance(m, kbit_linear.KbitLinear) for m in model.modules())
+
+
 def test_quantize_model_with_calibration_converts_every_layer_and_lowers_layer_error():
     model = _llama()
     dense = copy.deepcopy(model)

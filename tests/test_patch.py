@@ -18,6 +18,7 @@ from kbit_linear.patch import (
     QuantizationSummary,
     check_skip_rules,
     convertible_layers,
+    dequantize_model,
     is_convertible,
     kbit_placeholder,
     matches_skip,
@@ -181,6 +182,45 @@ def test_skip_rules_that_match_no_module_are_warned_about_and_summarized():
         headless = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
         assert quantize_model(headless, bits=4, progress=False).unmatched_skip == []  # the default ("lm_head",)
         assert quantize_model(_llama(tied=False), bits=4, skip=["mlp", "re:self_attn"], progress=False).unmatched_skip == []
+
+
+@pytest.mark.parametrize("options", [{}, {"fuse": True, "hadamard": True}], ids=["plain", "fused-hadamard"])
+def test_dequantize_model_gives_dense_layers_with_the_dequantized_weights(options):
+    model = _llama(tied=False)
+    quantize_model(model, bits=3, skip=["lm_head"], progress=False, **options)
+    ids = torch.randint(0, 160, (2, 7), generator=torch.Generator().manual_seed(1))
+    weights = {n: m.dequantize() for n, m in model.named_modules() if isinstance(m, KbitLinear)}
+    with torch.no_grad():
+        before = model(ids).logits
+    restored = dequantize_model(model)
+    assert restored == len(_block_names())
+    assert not any(isinstance(m, KbitLinear) for m in model.modules())
+    for name in _block_names():
+        layer = model.get_submodule(name)
+        assert type(layer) is nn.Linear and layer.weight.requires_grad and layer.weight.dtype == torch.float32
+        if name in weights:
+            assert torch.equal(layer.weight, weights[name])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-5)
+    assert dequantize_model(model) == 0  # nothing left to restore
+
+
+def test_dequantize_model_checks_its_arguments_and_refuses_experts_untouched():
+    model = _llama(tied=False)
+    quantize_model(model, bits=4, progress=False)
+    with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
+        dequantize_model(model, torch.int8)
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        dequantize_model("model")
+    dequantize_model(model, torch.bfloat16)
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    from kbit_linear.experts import KbitExperts
+    holder = nn.Module()
+    holder.linear = KbitLinear.from_linear(nn.Linear(64, 64), bits=4)
+    holder.experts = KbitExperts(2, 64, 64, bits=4)
+    with pytest.raises(NotImplementedError, match="KbitExperts modules \\(experts, ...\\)"):
+        dequantize_model(holder)
+    assert isinstance(holder.linear, KbitLinear)
 
 
 def test_matches_skip_boundaries():

@@ -445,6 +445,21 @@ def test_skip_modules_that_match_no_module_are_warned_about(untied_dir):
     assert type(q.model.layers[0].self_attn.o_proj) is KbitLinear and type(q.model.layers[0].mlp.up_proj) is nn.Linear
 
 
+def test_model_dequantize_gives_a_dense_model_that_saves_and_reloads(untied_dir, tmp_path):
+    q = _load(untied_dir, quantization_config=KbitConfig(bits=4, fuse=True), dtype=torch.bfloat16)
+    weight = q.model.layers[0].self_attn.k_proj.dequantize(torch.bfloat16)
+    q = q.dequantize()
+    assert not _kbit_layers(q) and not hasattr(q.config, "quantization_config")
+    assert torch.equal(q.model.layers[0].self_attn.k_proj.weight, weight)
+    ids = _ids(length=6)
+    with torch.no_grad():
+        out = q(ids).logits
+    q.save_pretrained(tmp_path)
+    dense = _load(str(tmp_path), dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(dense(ids).logits, out)
+
+
 def test_quantized_model_generates(dense_dir):
     q = _load(dense_dir, quantization_config=KbitConfig(bits=4), dtype=torch.float16)
     ids = _ids(length=5)[:1]

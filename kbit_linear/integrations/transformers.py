@@ -80,6 +80,7 @@ from ..patch import (
     check_skip_rules,
     convertible_experts,
     convertible_layers,
+    dequantize_model,
     experts_placeholder,
     is_convertible,
     kbit_placeholder,
@@ -791,6 +792,12 @@ class KbitHfQuantizer(HfQuantizer):
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         """Quantized models save to safetensors and load back without re-quantizing."""
         return True
+
+    def _dequantize(self, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+        """``model.dequantize()``: dense ``nn.Linear`` layers back (:func:`kbit_linear.patch.dequantize_model`),
+        in ``dtype`` (transformers passes the dtype the model was loaded in)."""
+        dequantize_model(model, dtype if isinstance(dtype, torch.dtype) else None)
+        return model
 
     @property
     def is_trainable(self) -> bool:
