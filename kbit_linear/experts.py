@@ -408,6 +408,7 @@ class KbitExperts(nn.Module):
             q = quantize_experts_weight(getattr(module, proj), bits, codebook, scale_search=scale_search, name=proj, device=device)
             new.set_projection(proj, q)
         new.train(module.training)
+        new.keep_dense_outline(module)
         return new
 
     def set_projection(self, proj: str, tensors: KbitTensors) -> None:
@@ -640,6 +641,53 @@ class KbitExperts(nn.Module):
                 [_DEQUANTIZE(*views, self.bits, n, k, dtype) for views in self._expert_views(proj)]
             )
         return out
+
+    def keep_dense_outline(self, module: nn.Module) -> None:
+        """Remember the dense experts module this one replaces, as an outline on the meta device
+        (its class and attributes, no weights; not a submodule, so in no state dict), so that
+        :meth:`to_dense` can give that class back."""
+        outline = module.__class__.__new__(module.__class__)
+        nn.Module.__init__(outline)  # fresh parameter, buffer and hook tables
+        for key, value in module.__dict__.items():
+            if key not in outline.__dict__:
+                outline.__dict__[key] = value
+        for name, p in module.named_parameters(recurse=False):
+            outline._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for name, b in module.named_buffers(recurse=False):
+            outline._buffers[name] = torch.empty_like(b, device="meta")
+        outline._modules.update(module._modules)  # the activation (shared, as this module's act_fn)
+        outline.training = module.training
+        object.__setattr__(self, "_dense_outline", outline)
+
+    def to_dense(self, dtype: torch.dtype | None = None) -> nn.Module:
+        """The dense experts module this one replaced (its own class), holding the dequantized weights.
+
+        Args:
+            dtype: the weights' dtype (default: the dense module's).
+
+        Raises:
+            NotImplementedError: this module was not made from a dense one (:meth:`from_experts`,
+                ``quantize_model`` and the transformers plug-in keep its outline; a module built
+                directly or by ``load_into``'s placeholders does not).
+        """
+        outline = self.__dict__.get("_dense_outline")
+        if outline is None:
+            raise NotImplementedError("this KbitExperts does not know the dense experts class it stands for (built directly, "
+                                      "not from a dense module): use dequantize() for the weights")
+        weights = self.dequantize()
+        dense = outline.__class__.__new__(outline.__class__)
+        nn.Module.__init__(dense)
+        for key, value in outline.__dict__.items():
+            if key not in dense.__dict__:
+                dense.__dict__[key] = value
+        dense._modules.update(outline._modules)
+        for name, p in outline._parameters.items():
+            t = weights[name] if name in weights else torch.zeros(p.shape, device=self.gate_up_proj.device)
+            dense._parameters[name] = nn.Parameter(t.to(dtype or p.dtype), requires_grad=p.requires_grad)
+        for name, b in outline._buffers.items():
+            dense._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=self.gate_up_proj.device)
+        dense.train(self.training)
+        return dense
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}, bits={self.bits}"

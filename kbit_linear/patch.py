@@ -355,6 +355,7 @@ def experts_placeholder(module: nn.Module, bits: int, *, device: torch.device | 
     new = KbitExperts(e, h, two_i // 2, bits=bits, act_fn=module.act_fn,
                       device=module.gate_up_proj.device if device is None else device)
     new.train(module.training)
+    new.keep_dense_outline(module)
     return new
 
 
@@ -697,7 +698,8 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     :func:`quantize_model` up to the quantization error (the weight is the layer's dequantized one).
 
     Fused projections and routers are unfused first. The dense weights are trainable parameters,
-    as a freshly built ``nn.Linear``'s; each bias is kept as it is.
+    as a freshly built ``nn.Linear``'s; each bias is kept as it is. :class:`KbitExperts` become
+    the dense experts modules they replaced (:meth:`KbitExperts.to_dense`).
 
     Args:
         model: the model.
@@ -705,21 +707,22 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> int:
             dense layer it stands for).
 
     Returns:
-        The number of layers restored.
+        The number of layers and experts modules restored.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``dtype`` not a floating-point dtype.
-        NotImplementedError: the model holds :class:`KbitExperts` (their dense module class is not
-            kept), before anything is changed.
+        NotImplementedError: a :class:`KbitExperts` that does not know its dense class (built
+            directly), before anything is changed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
-    experts = [name for name, m in model.named_modules() if isinstance(m, KbitExperts)]
-    if experts:
-        raise NotImplementedError(f"dequantize_model: {len(experts)} KbitExperts modules ({experts[0]}, ...) cannot be "
-                                  "turned back into the model's own experts class; reload the dense checkpoint instead")
+    experts = [name for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, KbitExperts)]
+    unknown = [name for name in experts if model.get_submodule(name).__dict__.get("_dense_outline") is None]
+    if unknown:
+        raise NotImplementedError(f"dequantize_model: KbitExperts modules ({unknown[0]}, ...) built directly do not know the "
+                                  "dense experts class they stand for; nothing was changed")
     unfuse_routers(model)
     unfuse_projections(model)
     dense: dict[int, nn.Linear] = {}  # a layer reused under several names -> one nn.Linear
@@ -737,7 +740,14 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> int:
             linear.train(layer.training)
             dense[id(layer)] = linear
         replace_module(model, name, dense[id(layer)])
-    return len(names)
+    for name in experts:
+        module = model.get_submodule(name)
+        if id(module) not in dense:
+            dense[id(module)] = module.to_dense(dtype)
+        replace_module(model, name, dense[id(module)])
+    if model.__dict__.get("save_pretrained") is _refuse_save_pretrained:  # dense again: transformers' own saves it
+        del model.__dict__["save_pretrained"]
+    return len(names) + len(experts)
 
 
 def sibling_groups(names: Iterable[str], layer_bits: dict[str, int], bits: int,

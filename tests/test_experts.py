@@ -306,6 +306,28 @@ def test_load_state_dict_refuses_wrong_dtypes_and_shapes():
         k.load_state_dict({**sd, "down_proj_absmax": sd["down_proj_absmax"][:-1]})
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dequantize_model_gives_the_experts_class_back(family, tmp_path):
+    from kbit_linear.patch import dequantize_model
+
+    dense = _model(family)
+    cls = type(dense.model.layers[0].mlp.experts)
+    model = copy.deepcopy(dense)
+    quantize_model(model, bits=4, progress=False)
+    ids = _ids()
+    want = _logits(_fake_quantized(dense, model), ids)
+    kbit = {n: m.dequantize() for n, m in model.named_modules() if isinstance(m, KbitExperts)}
+    assert kbit and dequantize_model(model) > len(kbit)
+    for name, weights in kbit.items():
+        experts = model.get_submodule(name)
+        assert type(experts) is cls and experts.gate_up_proj.dtype == torch.float32
+        assert all(torch.equal(getattr(experts, p), w) for p, w in weights.items())
+    torch.testing.assert_close(_logits(model, ids), want, rtol=1e-4, atol=1e-4)
+    model.save_pretrained(tmp_path)  # a dense model again: transformers saves and reloads it
+    reloaded = type(model).from_pretrained(tmp_path)
+    torch.testing.assert_close(_logits(reloaded, ids), _logits(model, ids), rtol=0, atol=0)
+
+
 def test_load_state_dict_refuses_another_shape_and_values_experts_cannot_hold():
     """An intermediate size that pads to the same tiles stores alike: the state dict's record of the
     module's shape refuses it. Levels out of order and tensor scales that are not powers of two are
@@ -671,6 +693,11 @@ def test_from_pretrained_quantizes_experts_saves_and_reloads_bit_identically(fam
     assert torch.equal(_logits(r, ids), logits)
     out = r.generate(ids[:1, :4], max_new_tokens=3, do_sample=False)
     assert out.shape == (1, 7)
+    # reloaded (a pre-quantized checkpoint, placeholders filled): model.dequantize() gives the dense class back
+    dense_class = type(dense.get_submodule(_experts_names(dense)[0]))
+    r = r.dequantize()
+    assert all(type(r.get_submodule(n)) is dense_class for n in _experts_names(dense))
+    torch.testing.assert_close(_logits(r, ids), logits, **FP32)
 
 
 def test_from_pretrained_skip_modules_keep_experts_dense_and_round_trip(dense_dirs, tmp_path):
