@@ -667,8 +667,8 @@ class KbitExperts(nn.Module):
 
         Raises:
             NotImplementedError: this module was not made from a dense one (:meth:`from_experts`,
-                ``quantize_model`` and the transformers plug-in keep its outline; a module built
-                directly or by ``load_into``'s placeholders does not).
+                ``quantize_model``, ``load_into`` and the transformers plug-in keep its outline; a
+                module built directly does not).
         """
         outline = self.__dict__.get("_dense_outline")
         if outline is None:
