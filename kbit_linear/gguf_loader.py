@@ -181,9 +181,17 @@ def _check_args(path: Any, dtype: Any, device: Any, requantize_bits: Any, scale_
     if device is not None:
         if not isinstance(device, (str, torch.device, int)) or isinstance(device, bool):
             raise TypeError(f"device must be a str, torch.device, int or None, got {type(device).__name__}")
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"device {device!r} is not a device torch knows: {e}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():  # fail before the file is read, not after
+            raise ValueError(f"device {str(device)!r}: CUDA is not available here")
     if requantize_bits is not None:
-        fmt.check_bits(requantize_bits)
+        try:
+            fmt.check_bits(requantize_bits)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"requantize_bits: {e}") from None
     fmt.check_bool("scale_search", scale_search)
     fmt.check_bool("progress", progress)
     return path, dtype, device
@@ -347,6 +355,9 @@ def _set_dense(model: nn.Module, hf_name: str, module: nn.Module, leaf: str, val
 
 def _requantize(module: nn.Linear, values: torch.Tensor, bits: int, scale_search: bool, hf_name: str) -> KbitLinear:
     """A ``KbitLinear`` for ``module`` with weight ``values`` (float32); keeps its bias Parameter."""
+    if tuple(values.shape) != (module.out_features, module.in_features):
+        raise ValueError(f"{hf_name}: the file's tensor has shape {tuple(values.shape)}, the model's "
+                         f"{(module.out_features, module.in_features)}")
     src = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
     src.weight = nn.Parameter(values, requires_grad=False)
     src.bias = module.bias
@@ -594,8 +605,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None, device:
         ImportError: the ``gguf`` package is missing.
     """
     path, dtype, device = _check_args(path, dtype, device, requantize_bits, scale_search, progress)
-    if isinstance(activation_bits, bool) or activation_bits not in (8, 16):
-        raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits!r}")
+    if isinstance(activation_bits, bool) or not isinstance(activation_bits, int) or activation_bits not in (8, 16):
+        raise ValueError(f"activation_bits must be the int 8 or 16, got {activation_bits!r}")
     gguf = _import_gguf()
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 

@@ -281,10 +281,14 @@ class KbitLinear(nn.Module):
 
         Raises:
             TypeError: ``linear`` is not an ``nn.Linear`` or its weight is not floating point.
-            ValueError: bad ``bits``/``codebook``, or a weight with NaN/Inf.
+            ValueError: bad ``bits``/``codebook``, a weight with NaN/Inf, or a weight whose shape is not
+                the layer's ``[out_features, in_features]`` (a weight swapped in by hand).
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        if tuple(linear.weight.shape) != (linear.out_features, linear.in_features):
+            raise ValueError(f"linear.weight has shape {tuple(linear.weight.shape)}, the layer's [out_features, in_features] "
+                             f"is ({linear.out_features}, {linear.in_features})")
         fmt.check_bool("hadamard", hadamard)
         hadamard_search = check_hadamard_search(hadamard_search, hadamard=hadamard)
         signs = None

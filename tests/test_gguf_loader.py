@@ -337,6 +337,30 @@ def test_bad_arguments(files):
         load_gguf(files["tied"], progress="yes")
 
 
+def test_more_bad_arguments_are_named(files):
+    with pytest.raises(ValueError, match="requantize_bits: bits must be one of"):
+        load_gguf(files["tied"], requantize_bits=8)
+    for bad in ("foo", -1):
+        with pytest.raises(ValueError, match="is not a device torch knows"):
+            load_gguf(files["tied"], device=bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available here"):
+            load_gguf(files["tied"], device="cuda")
+    with pytest.raises(ValueError, match="activation_bits must be the int 8 or 16, got 16.0"):
+        load_gguf(files["tied"], activation_bits=16.0)
+
+
+@pytest.mark.parametrize("requantize_bits", [4, None])
+def test_a_tensor_of_the_wrong_shape_is_refused_by_name(tmp_path, monkeypatch, requantize_bits):
+    """A file whose tensor does not fit the model's layer is refused whether the layer is
+    requantized (it loaded, with the wrong weight, before) or kept."""
+    monkeypatch.setitem(SHAPES, "attn_v", (HIDDEN, HIDDEN))  # the model's v_proj is (KV_HEADS * HEAD_DIM, HIDDEN)
+    path = write_tiny_llama(tmp_path / "bad.gguf")
+    want = rf"v_proj.weight: the file's tensor has shape \({HIDDEN}, {HIDDEN}\), the model's \({KV_HEADS * HEAD_DIM}, {HIDDEN}\)"
+    with pytest.raises(ValueError, match=want):
+        load_gguf(path, requantize_bits=requantize_bits, progress=False)
+
+
 def test_a_truncated_file_is_named(files, tmp_path):
     data = files["tied"].read_bytes()
     short = tmp_path / "short.gguf"

@@ -187,6 +187,13 @@ def test_load_state_dict_refuses_another_layer_shape_with_the_same_tiles(src, ds
     assert torch.equal(same[0].dequantize(), model[0].dequantize())
 
 
+def test_from_linear_refuses_a_weight_that_is_not_the_layers_shape():
+    lin = nn.Linear(64, 32, bias=False)
+    lin.weight = nn.Parameter(torch.randn(64, 64))  # swapped in by hand: out_features still says 32
+    with pytest.raises(ValueError, match=r"linear.weight has shape \(64, 64\), the layer's \[out_features, in_features\] is \(32, 64\)"):
+        KbitLinear.from_linear(lin, bits=4)
+
+
 def test_fresh_module_is_all_zero_weight():
     layer = KbitLinear(100, 33, bias=True, bits=2, dtype=torch.float32)
     with torch.no_grad():
