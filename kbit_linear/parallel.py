@@ -184,7 +184,8 @@ def shard_plan(model: nn.Module, world_size: int, rank: int, plan: dict[str, str
 
     Raises:
         TypeError: a bad argument, or a style applied to a module type it cannot shard (named).
-        ValueError: an unknown style, a plan that names nothing, or a split that is not even
+        ValueError: an unknown style, a plan that names nothing (a given plan: an entry that names
+            nothing), or a split that is not even
             (out_features / in_features / vocabulary not divisible by ``world_size``, a column
             cut inside a 32-weight block of a KbitLinear or inside a Hadamard-rotated layer's
             rotation block, an attention head cut in two), named. Also ``TypeError`` for an
@@ -197,6 +198,7 @@ def shard_plan(model: nn.Module, world_size: int, rank: int, plan: dict[str, str
             raise TypeError(f"{arg} must be an int, got {type(value).__name__}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got world_size={world_size}, rank={rank}")
+    given = plan is not None  # the caller's own rules: each must name a module (a model's default plan may cover more)
     if plan is None:
         plan = _model_plan(model)
         if not plan:
@@ -217,6 +219,11 @@ def shard_plan(model: nn.Module, world_size: int, rank: int, plan: dict[str, str
         shards.append(_check_split(name, module, parents.get(name), style, world_size, rank))
     if not shards:
         raise ValueError(f"plan names no module of {type(model).__name__}: {sorted(plan)[:5]}")
+    if given:  # a misspelled rule would leave its modules whole while their partners are split
+        keys = [key for key in plan if not key.endswith((".weight", ".bias"))]
+        unmatched = [key for key, (regex, _) in zip(keys, rules) if not any(regex.match(name) for name in modules)]
+        if unmatched:
+            raise ValueError(f"plan entries {unmatched[:5]} name no module of {type(model).__name__}")
     return shards
 
 
@@ -284,6 +291,8 @@ def shard_for_tensor_parallel(model: nn.Module, process_group: Any = None,
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shard_for_tensor_parallel needs torch.distributed initialized (torchrun + init_process_group)")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {type(process_group).__name__}")
     group = process_group if process_group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     shards = shard_plan(model, world, rank, plan)

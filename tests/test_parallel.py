@@ -185,6 +185,15 @@ def test_shard_plan_user_plan_and_replicate() -> None:
         ("model.layers.1.mlp.up_proj", "colwise")]
 
 
+def test_a_given_plan_entry_that_names_no_module_is_refused() -> None:
+    """A misspelled entry would leave q_proj whole while o_proj is split: refused by name."""
+    model = _llama()
+    plan = {"model.layers.*.self_attn.qproj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}
+    with pytest.raises(ValueError, match=r"plan entries \['model.layers.\*.self_attn.qproj'\] name no module"):
+        shard_plan(model, 2, 0, plan)
+    shard_plan(model, 2, 0)  # the model's own plan may cover modules this model lacks
+
+
 def test_shard_plan_refuses_uneven_splits_naming_the_layer() -> None:
     model = _llama()
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj: out_features=128 does not split evenly over 3"):
@@ -254,6 +263,17 @@ def test_shard_for_tensor_parallel_needs_a_process_group() -> None:
         pytest.skip("a process group is already initialized in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         kbit_linear.shard_for_tensor_parallel(_llama())
+
+
+def test_shard_for_tensor_parallel_names_a_bad_process_group() -> None:
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed without a process group in this process")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        with pytest.raises(TypeError, match="process_group must be a torch.distributed ProcessGroup or None, got str"):
+            kbit_linear.shard_for_tensor_parallel(_llama(), process_group="foo")
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------
