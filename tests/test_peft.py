@@ -175,6 +175,20 @@ def _bias_free_bfloat16_lora() -> "peft.PeftModel":
     return _trained(_lora(base))
 
 
+def test_a_merge_that_fails_leaves_the_kbit_layer_in_place():
+    """PEFT refuses to merge a LoRA bias into a bias-free base: the layer keeps its kbit base (a
+    dense copy was left in its place before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False))
+    kbit_linear.quantize_model(model, bits=4, progress=False)
+    peft_model = peft.get_peft_model(model, register_lora_layers(peft.LoraConfig(r=4, target_modules=["0"], lora_bias=True)))
+    layer = peft_model.base_model.model[0]
+    kbit = layer.get_base_layer()
+    with pytest.raises(RuntimeError):
+        peft_model.merge_adapter()
+    assert layer.get_base_layer() is kbit and not layer.merged and layer._quantized_base is None
+
+
 def test_a_bias_free_bfloat16_model_merges_in_bfloat16():
     # the adapter is float32 (PEFT upcasts it): the merged copy of a layer without a bias was float32,
     # and the merged bfloat16 model failed with a dtype mismatch

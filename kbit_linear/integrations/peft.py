@@ -123,7 +123,13 @@ class KbitLoraLinear(_PeftLoraLinear):
         if isinstance(base, KbitLinear):
             self._quantized_base = base
             self.base_layer = _dense_copy(base, self._input_dtype or base.compute_dtype)
-        super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+        try:
+            super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+        except BaseException:
+            if not self.merged and self._quantized_base is not None:  # nothing merged: the kbit layer back, as it was
+                self.base_layer = self._quantized_base
+                self._quantized_base = None
+            raise
 
     def unmerge(self) -> None:
         """Take merged adapters out again; once none is merged, the original kbit layer is back."""
