@@ -80,8 +80,10 @@ train, held_out = sequences(tokenizer)
 print(f"{path}: {train.shape[0]} training and {held_out.shape[0]} held-out sequences of {args.seq} tokens")
 
 model = quantized_model(path)
-model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
-                                        gradient_checkpointing_kwargs={"use_reentrant": False})
+model = prepare_model_for_kbit_training(model)  # freezes the base, casts its float parameters to float32
+# PEFT's helper turns gradient checkpointing on only for the quantization methods it knows: ask for it
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+assert model.is_gradient_checkpointing
 config = register_lora_layers(LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.05, task_type="CAUSAL_LM",
                                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
 model = get_peft_model(model, config)
