@@ -45,7 +45,6 @@ the reference as the default implementation); the CUDA backend registers its ker
 from __future__ import annotations
 
 import torch
-from torch._functorch.utils import enable_single_level_autograd_function
 
 from collections.abc import Callable
 
@@ -468,7 +467,8 @@ def _register_not_differentiable(name: str) -> None:
     op = getattr(torch.ops.kbit_linear, name).default
 
     class NotDifferentiable(torch.autograd.Function):
-        """Applied only under a forward-mode level with no gradient needed: its jvp refuses a tangent."""
+        """Applied only under a forward-mode level with no gradient needed (the kernel refuses
+        the others): its jvp refuses a tangent."""
 
         @staticmethod
         def forward(*args):
@@ -488,20 +488,7 @@ def _register_not_differentiable(name: str) -> None:
                 raise NotImplementedError(_refusal(name, "forward-mode AD"))
             return None
 
-    apply = super(torch.autograd.Function, NotDifferentiable).apply  # the C++ apply (see _ops.register_function_autograd)
-
-    def autograd_kernel(*args):
-        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-            raise NotImplementedError(_refusal(name, "gradients"))
-        if _ops.forward_ad_active():
-            if torch._C._are_functorch_transforms_active():
-                with enable_single_level_autograd_function():  # (functorch asserts it for such a Function)
-                    return apply(*args)
-            return apply(*args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
-
-    torch.library.impl(qualname, "Autograd")(autograd_kernel)
+    _ops.register_function_autograd(qualname, NotDifferentiable, refuse_gradients=_refusal(name, "gradients"))
 
 
 for _name in ("grouped_gemm", "grouped_swiglu", "experts_one_token"):

@@ -272,17 +272,24 @@ def forward_ad_active() -> bool:
     return _fwAD._current_level >= 0  # a module global: no tensor is looked at
 
 
+def needs_gradient(*args: object) -> bool:
+    """Whether reverse mode records a call on ``args``: grad mode on and a tensor among them requires grad."""
+    return torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
+
+
 def differentiating(*args: object) -> bool:
     """Whether an op's Autograd kernel must apply its autograd.Function: reverse mode records
-    (grad mode on and a tensor among ``args`` requires grad) or forward mode is on
-    (:func:`forward_ad_active`)."""
-    return (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)) or forward_ad_active()
+    (:func:`needs_gradient`) or forward mode is on (:func:`forward_ad_active`)."""
+    return needs_gradient(*args) or forward_ad_active()
 
 
-def register_function_autograd(qualname: str, function: type[torch.autograd.Function]) -> None:
+def register_function_autograd(qualname: str, function: type[torch.autograd.Function],
+                               refuse_gradients: str | None = None) -> None:
     """Make ``function`` (whose ``forward`` takes the op's arguments and calls the op through
     :func:`call_below_autograd`) the Autograd kernel of the op ``qualname``, applied while
     :func:`differentiating`; otherwise the kernel calls the op below autograd directly.
+    ``refuse_gradients``: for an op with no backward, the ``NotImplementedError`` message raised
+    when a call needs a gradient (:func:`needs_gradient`), before anything runs.
 
     The kernel runs where autograd meets the op: eager calls (both AD modes, torch.func
     transforms) and AOTAutograd's tracing under torch.compile; the fake kernel is untouched.
@@ -296,6 +303,8 @@ def register_function_autograd(qualname: str, function: type[torch.autograd.Func
 
     def autograd_kernel(*args):
         if differentiating(*args):
+            if refuse_gradients is not None and needs_gradient(*args):
+                raise NotImplementedError(refuse_gradients)
             if torch._C._are_functorch_transforms_active():
                 with enable_single_level_autograd_function():  # (functorch asserts it for such a Function)
                     return apply(*args)

@@ -546,7 +546,7 @@ class KbitExperts(nn.Module):
         tokens, top_k = top_k_index.shape
         # A decode step of batch 1: one op, two kernels, no routing step. Not when the routing
         # weights need a gradient (router training): only combine_experts below carries one.
-        if tokens == 1 and _is_silu(self.act_fn) and not (torch.is_grad_enabled() and top_k_weights.requires_grad):
+        if tokens == 1 and _is_silu(self.act_fn) and not _ops.needs_gradient(top_k_weights):
             return torch.ops.kbit_linear.experts_one_token(hidden_states, top_k_index, top_k_weights,
                                                            *self.projection_tensors("gate_up_proj"),
                                                            *self.projection_tensors("down_proj"), self.bits,
@@ -642,21 +642,28 @@ class KbitExperts(nn.Module):
             )
         return out
 
+    @staticmethod
+    def _shell_of(module: nn.Module) -> nn.Module:
+        """A new module of ``module``'s class with its plain attributes and submodules (shared) and
+        fresh parameter, buffer and hook tables, empty."""
+        shell = module.__class__.__new__(module.__class__)
+        nn.Module.__init__(shell)
+        for key, value in module.__dict__.items():
+            if key not in shell.__dict__:
+                shell.__dict__[key] = value
+        shell._modules.update(module._modules)
+        shell.training = module.training
+        return shell
+
     def keep_dense_outline(self, module: nn.Module) -> None:
         """Remember the dense experts module this one replaces, as an outline on the meta device
         (its class and attributes, no weights; not a submodule, so in no state dict), so that
         :meth:`to_dense` can give that class back."""
-        outline = module.__class__.__new__(module.__class__)
-        nn.Module.__init__(outline)  # fresh parameter, buffer and hook tables
-        for key, value in module.__dict__.items():
-            if key not in outline.__dict__:
-                outline.__dict__[key] = value
+        outline = self._shell_of(module)  # (the activation shared, as this module's act_fn)
         for name, p in module.named_parameters(recurse=False):
             outline._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
         for name, b in module.named_buffers(recurse=False):
             outline._buffers[name] = torch.empty_like(b, device="meta")
-        outline._modules.update(module._modules)  # the activation (shared, as this module's act_fn)
-        outline.training = module.training
         object.__setattr__(self, "_dense_outline", outline)
 
     def to_dense(self, dtype: torch.dtype | None = None) -> nn.Module:
@@ -675,12 +682,7 @@ class KbitExperts(nn.Module):
             raise NotImplementedError("this KbitExperts does not know the dense experts class it stands for (built directly, "
                                       "not from a dense module): use dequantize() for the weights")
         weights = self.dequantize()
-        dense = outline.__class__.__new__(outline.__class__)
-        nn.Module.__init__(dense)
-        for key, value in outline.__dict__.items():
-            if key not in dense.__dict__:
-                dense.__dict__[key] = value
-        dense._modules.update(outline._modules)
+        dense = self._shell_of(outline)
         for name, p in outline._parameters.items():
             t = weights[name] if name in weights else torch.zeros(p.shape, device=self.gate_up_proj.device)
             dense._parameters[name] = nn.Parameter(t.to(dtype or p.dtype), requires_grad=p.requires_grad)

@@ -49,7 +49,7 @@ from torch import nn
 from . import format as fmt
 from . import weight_layout
 from .linear import (STATE_DTYPES, KbitLinear, _apply_keeping_format, _cast_dtype, _check_layout, _check_state_dtypes,
-                     _record_layout)
+                     _linear_layout, _record_layout)
 
 __all__ = ["DEFAULT_GROUPS", "FusedKbitLinear", "FusionSummary", "KbitLinearSlice", "fuse_projections", "is_cross_attention",
            "kbit_layers", "unfuse_projections"]
@@ -333,21 +333,16 @@ class KbitLinearSlice(nn.Module):
         """The dense ``[out_features, in_features]`` weight of this part (as :meth:`KbitLinear.dequantize`)."""
         return self.as_kbit_linear().dequantize(dtype)
 
-    def _layout(self) -> dict[str, int]:
-        """The logical shape a state dict of this part records: a KbitLinear's, so that state dicts
-        move between fused and unfused models (:func:`kbit_linear.linear._record_layout`)."""
-        return {"bits": self.bits, "out_features": self.out_features, "in_features": self.in_features}
-
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         for name, t in self.part_tensors().items():
             if t is not None:
                 destination[prefix + name] = t
-        _record_layout(destination, prefix, self._layout())
+        _record_layout(destination, prefix, _linear_layout(self))
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], strict: bool,
                               missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
         f = self.fused
-        if not _check_layout(local_metadata, prefix, self._layout(), error_msgs, "kbit layer"):
+        if not _check_layout(local_metadata, prefix, _linear_layout(self), error_msgs, "kbit layer"):
             return
         if not _check_state_dtypes(state_dict, prefix, STATE_DTYPES, error_msgs, f"a {self.bits}-bit fused part"):
             return

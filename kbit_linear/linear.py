@@ -153,6 +153,12 @@ def _record_layout(destination: dict[str, Any], prefix: str, layout: dict[str, i
         metadata.setdefault(prefix[:-1], {})[_LAYOUT_KEY] = dict(layout)
 
 
+def _linear_layout(module: nn.Module) -> dict[str, int]:
+    """The logical shape a state dict of a kbit linear layer (a KbitLinear, a fused part) records:
+    the same for both, so that state dicts move between fused and unfused models."""
+    return {"bits": module.bits, "out_features": module.out_features, "in_features": module.in_features}
+
+
 def _check_layout(local_metadata: dict[str, Any], prefix: str, layout: dict[str, int], error_msgs: list[str],
                   what: str) -> bool:
     """Append an error naming the module if the state dict records another logical shape for it
@@ -378,15 +384,11 @@ class KbitLinear(nn.Module):
         self.compute_dtype = _cast_dtype(fn, self.compute_dtype, self.weight.device)
         return _apply_keeping_format(self, fn, recurse)
 
-    def _layout(self) -> dict[str, int]:
-        """The logical shape a state dict of this layer records (:func:`_record_layout`)."""
-        return {"bits": self.bits, "out_features": self.out_features, "in_features": self.in_features}
-
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if prefix + "weight" in destination:  # state dicts and checkpoints hold planes
             destination[prefix + "weight"] = weight_layout.storage_form(destination[prefix + "weight"])
-        _record_layout(destination, prefix, self._layout())
+        _record_layout(destination, prefix, _linear_layout(self))
 
     def _load_from_state_dict(
         self,
@@ -398,7 +400,7 @@ class KbitLinear(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        if not _check_layout(local_metadata, prefix, self._layout(), error_msgs, "kbit layer"):
+        if not _check_layout(local_metadata, prefix, _linear_layout(self), error_msgs, "kbit layer"):
             return
         if not _check_state_dtypes(state_dict, prefix, STATE_DTYPES, error_msgs, f"a {self.bits}-bit KbitLinear"):
             return

@@ -208,20 +208,19 @@ def shard_plan(model: nn.Module, world_size: int, rank: int, plan: dict[str, str
     bad = sorted({style for style in plan.values() if style not in SUPPORTED_STYLES})
     if bad:
         raise ValueError(f"plan: unsupported tensor-parallel styles {bad}; supported: {list(SUPPORTED_STYLES)}")
-    rules = [(_rule_regex(key), style) for key, style in plan.items() if not key.endswith((".weight", ".bias"))]
+    rules = [(key, _rule_regex(key), style) for key, style in plan.items() if not key.endswith((".weight", ".bias"))]
     modules = dict(model.named_modules())
     parents = {name: model.get_submodule(name.rpartition(".")[0]) for name in modules if name}
     shards: list[_Shard] = []
     for name, module in modules.items():
-        style = next((s for regex, s in rules if regex.match(name)), None)
+        style = next((s for _, regex, s in rules if regex.match(name)), None)
         if style is None:
             continue
         shards.append(_check_split(name, module, parents.get(name), style, world_size, rank))
     if not shards:
         raise ValueError(f"plan names no module of {type(model).__name__}: {sorted(plan)[:5]}")
     if given:  # a misspelled rule would leave its modules whole while their partners are split
-        keys = [key for key in plan if not key.endswith((".weight", ".bias"))]
-        unmatched = [key for key, (regex, _) in zip(keys, rules) if not any(regex.match(name) for name in modules)]
+        unmatched = [key for key, regex, _ in rules if not any(regex.match(name) for name in modules)]
         if unmatched:
             raise ValueError(f"plan entries {unmatched[:5]} name no module of {type(model).__name__}")
     return shards

@@ -395,15 +395,14 @@ def unmatched_skip_rules(model: nn.Module, rules: Iterable[SkipRule]) -> list[Sk
     return [rule for rule in rules if not any(matches_skip(name, (rule,)) for name in names)]
 
 
-def warn_unmatched_skip_rules(model: nn.Module, rules: Iterable[SkipRule], argument: str) -> list[SkipRule]:
+def warn_unmatched_skip_rules(model: nn.Module, rules: Iterable[SkipRule], argument: str) -> list[str]:
     """Warn (``UserWarning``, naming ``argument``) about the rules that match no module of
-    ``model``, and return them."""
-    unmatched = unmatched_skip_rules(model, rules)
-    if unmatched:
-        shown = [rule.pattern if isinstance(rule, re.Pattern) else rule for rule in unmatched]
+    ``model``, and return them as written (a compiled regex as its pattern)."""
+    shown = [rule.pattern if isinstance(rule, re.Pattern) else rule for rule in unmatched_skip_rules(model, rules)]
+    if shown:
         warnings.warn(f"{argument} entries {shown} match no module of this {type(model).__name__}: they keep nothing "
                       "dense (a misspelled name?)", UserWarning, stacklevel=3)
-    return unmatched
+    return shown
 
 
 def convertible_layers(model: nn.Module, skip: Iterable[SkipRule] | str | None = ()) -> tuple[list[str], dict[str, str]]:
@@ -572,7 +571,7 @@ def quantize_model(
                                  f"from {lo} to {hi}")
 
     summary = QuantizationSummary(bits=bits, bytes_before=module_bytes(model))
-    summary.unmatched_skip = [rule.pattern if isinstance(rule, re.Pattern) else rule for rule in unmatched]
+    summary.unmatched_skip = unmatched
     # Names, not modules: a dense layer must be unreferenced once swapped out.
     to_convert, summary.skipped = convertible_layers(model, rules)
     experts_to_convert, experts_skipped = convertible_experts(model, rules)
