@@ -90,9 +90,15 @@ def relative_errors(weight: torch.Tensor, *, codebook: str | None = None, scale_
     ``scale_search`` and ``hadamard_signs`` (the rotation is
     orthogonal: the error is measured on the rotated weight, where it is the same). A zero weight
     has error 0 at every width.
+
+    Raises:
+        TypeError / ValueError: a bad ``weight`` (named ``name``), a meta weight, or
+            ``hadamard_signs`` not int8 ``[in_features]`` of +-1.
     """
     fmt.check_weight(weight, name, finite=False)  # the values are checked where it is quantized
     _check_not_meta(weight, name)
+    if hadamard_signs is not None:  # quantize_weight's check, which the rotation here bypasses
+        hd.check_signs(hadamard_signs, weight.shape[1], "hadamard_signs")
     with torch.no_grad():
         w = weight.detach().to(torch.float32)
         if hadamard_signs is not None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -60,6 +61,7 @@ __all__ = [
     "CALIBRATION_MODULES",
     "Calibration",
     "check_damp",
+    "check_lazy_block",
     "check_hessian",
     "default_calibration_text",
     "gptq_quantize_blocks",
@@ -99,16 +101,29 @@ CALIBRATION_MODULES = (
 def default_calibration_text(modules: Sequence[str] = CALIBRATION_MODULES) -> str:
     """Docstrings of Python's standard library: the default calibration text.
 
-    For each module of ``modules`` (found with ``importlib.util.find_spec``, read from its
-    source file, never imported), the module, class and function docstrings in source order,
-    cleaned with ``inspect.cleandoc`` and joined by blank lines. English prose about code, like
-    the evaluation text, but none of it: the evaluation uses ``pydoc_data.topics`` (the language
-    reference's topics), which none of these modules hold. Modules missing from an installation
-    (``tkinter`` on some builds) are skipped, so the text depends on the Python build a little.
+    For each module of ``modules`` (found with ``importlib.util.find_spec`` and read from its
+    source file), the module, class and function docstrings in source order, cleaned with
+    ``inspect.cleandoc`` and joined by blank lines. A top-level module is not imported, but for a
+    dotted name ``find_spec`` imports the parent package (``asyncio``, ``email``, ``http``,
+    ``json``, ``multiprocessing``, ``unittest``, ``urllib``), which may import some of the listed
+    modules with it. English prose about code, like the evaluation text, but none of it: the
+    evaluation uses ``pydoc_data.topics`` (the language reference's topics), which none of these
+    modules hold. Modules missing from an installation (``tkinter`` on some builds) are skipped,
+    so the text depends on the Python build a little.
 
     Returns:
-        The text (about 1.4 MB on CPython 3.11).
+        The text (599,432 characters, about 0.6 MB, on CPython 3.11.7).
+
+    Raises:
+        TypeError: ``modules`` is a string (it would be read character by character) or holds
+            a non-string.
     """
+    if isinstance(modules, str):
+        raise TypeError(f"modules must be a sequence of module names, not a str: use ({modules!r},)")
+    modules = list(modules)
+    for name in modules:
+        if not isinstance(name, str):
+            raise TypeError(f"modules must hold module names (str), got {type(name).__name__}")
     parts: list[str] = []
     for name in modules:
         try:
@@ -149,6 +164,18 @@ def check_damp(damp: Any) -> float:
     return float(damp)
 
 
+def check_lazy_block(lazy_block: Any) -> int:
+    """``lazy_block``: columns per lazy batch update of the GPTQ sweep, a positive multiple of 32.
+
+    Raises:
+        TypeError / ValueError: naming ``lazy_block``.
+    """
+    _check_int("lazy_block", lazy_block, fmt.BLOCK_SIZE)
+    if lazy_block % fmt.BLOCK_SIZE:
+        raise ValueError(f"lazy_block must be a multiple of {fmt.BLOCK_SIZE}, got {lazy_block}")
+    return lazy_block
+
+
 @dataclass
 class Calibration:
     """Calibration data and settings for ``quantize_model(..., calibration=...)``.
@@ -187,9 +214,7 @@ class Calibration:
         _check_int("batch_size", self.batch_size, 1)
         check_damp(self.damp)
         fmt.check_bool("act_order", self.act_order)
-        _check_int("lazy_block", self.lazy_block, fmt.BLOCK_SIZE)
-        if self.lazy_block % fmt.BLOCK_SIZE:
-            raise ValueError(f"lazy_block must be a multiple of {fmt.BLOCK_SIZE}, got {self.lazy_block}")
+        check_lazy_block(self.lazy_block)
         if self.tokens is not None:
             t = self.tokens
             if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
@@ -287,7 +312,8 @@ def gptq_quantize_blocks(
     the format); its error divided by ``U[j, j]`` is subtracted from the later columns times
     ``U[j, j+1:]`` (within a lazy block of ``lazy_block`` columns at once, for the columns after
     it in one matrix product). Input features that were never active (``H[j, j] == 0``) are set
-    to zero first.
+    to zero first, unless none was active (a zero Hessian: the layer saw no input): then every
+    column is rounded to nearest, as with an identity Hessian, with a warning.
 
     With ``H`` a multiple of the identity there is no feedback (``U`` is diagonal) and the result
     is round-to-nearest with the same scale rule.
@@ -320,9 +346,7 @@ def gptq_quantize_blocks(
     fmt.check_bool("scale_search", scale_search)
     damp = check_damp(damp)
     fmt.check_bool("act_order", act_order)
-    _check_int("lazy_block", lazy_block, fmt.BLOCK_SIZE)
-    if lazy_block % fmt.BLOCK_SIZE:
-        raise ValueError(f"lazy_block must be a multiple of {fmt.BLOCK_SIZE}, got {lazy_block}")
+    check_lazy_block(lazy_block)
     device = weight.device
     cb = fmt.resolve_codebook(codebook, bits, device)
     ts = fmt.compute_tensor_scale(weight) if tensor_scale is None else fmt.check_given_tensor_scale(tensor_scale, weight)
@@ -332,10 +356,14 @@ def gptq_quantize_blocks(
     h = hessian.detach().to(device=device, dtype=torch.float32).clone()
     dead = h.diagonal() <= 0
     if bool(dead.all()):
-        h = torch.eye(k, device=device)  # no input at all: every column equally (un)important
+        # No input at all: nothing tells the columns apart, and zeroing them all would erase the
+        # layer; an identity Hessian rounds every column to nearest (no feedback).
+        warnings.warn("the Hessian is zero (the layer saw no input signal on the calibration data): "
+                      "its weight is rounded to nearest", UserWarning, stacklevel=2)
+        h = torch.eye(k, device=device)
     else:
         h[dead, dead] = 1.0
-    w[:, dead] = 0.0
+        w[:, dead] = 0.0  # as GPTQ: an input that is always zero leaves its weights without effect
     order, codes = None, None
     if act_order:
         order = torch.argsort(h.diagonal(), descending=True, stable=True)
@@ -607,6 +635,80 @@ def _hidden_of(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+class _CallCounter:
+    """Forward hooks recording which of ``names`` ran (a set add per call: no tensor is touched)."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
+        self.called: set[str] = set()
+        self._handles = [model.get_submodule(n).register_forward_hook(self._hook(n)) for n in names]
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            self.called.add(name)
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _check_names(model: nn.Module, names: Any) -> list[str]:
+    """``names`` as a list without repeats, each the name of an ``nn.Linear`` of ``model``."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise TypeError(f"names must be a sequence of layer names (e.g. a list), got {type(names).__name__}")
+    names = list(dict.fromkeys(names))
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"names must hold str layer names, got {type(name).__name__}")
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"names: the model has no module {name!r}") from None
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"names: {name!r} is a {type(module).__name__}, not an nn.Linear")
+    return names
+
+
+def _check_batches(batches: Any) -> list[torch.Tensor]:
+    """``batches`` as a non-empty list of 2-D integer tensors."""
+    if isinstance(batches, torch.Tensor):  # iterating it would give 1-D rows, which fail deep in the model
+        raise TypeError("batches must be a list of [batch, seq] token-id tensors, got a single tensor: pass "
+                        "list(tokens.split(batch_size)) (or [tokens])")
+    if isinstance(batches, (str, bytes)) or not isinstance(batches, Iterable):
+        raise TypeError(f"batches must be a list of [batch, seq] token-id tensors, got {type(batches).__name__}")
+    batches = list(batches)
+    if not batches:
+        raise ValueError("calibration needs at least one batch of token ids (batches is empty)")
+    for i, b in enumerate(batches):
+        if not isinstance(b, torch.Tensor) or b.is_floating_point() or b.is_complex() or b.dtype == torch.bool:
+            raise TypeError(f"batches[{i}] must be an integer tensor of token ids, got {getattr(b, 'dtype', type(b).__name__)}")
+        if b.dim() != 2 or b.numel() == 0:
+            raise ValueError(f"batches[{i}] must be a non-empty 2-D [batch, seq] tensor, got shape {tuple(b.shape)}")
+    return batches
+
+
+def _never_called(uncalled: list[str], names: list[str]) -> ValueError:
+    """The error for layers that no calibration pass runs, with the skip rules that would leave them dense."""
+    missing = set(uncalled)
+    called = [n for n in names if n not in missing]
+    rules: list[str] = []  # per layer, its outermost ancestor holding no layer that ran
+    for name in uncalled:
+        parts = name.split(".")
+        for j in range(1, len(parts) + 1):
+            rule = ".".join(parts[:j])
+            if not any(c == rule or c.startswith(rule + ".") for c in called):
+                break
+        if rule not in rules:
+            rules.append(rule)
+    shown = ", ".join(map(repr, uncalled[:5])) + (f" (+{len(uncalled) - 5} more)" if len(uncalled) > 5 else "")
+    return ValueError(
+        f"{len(uncalled)} layer(s) never run by the model on the calibration batches, so they have no Hessian "
+        f"(nothing was quantized): {shown}. Leave them dense with quantize_model's skip option, e.g. "
+        f"skip={rules + ['lm_head']!r} (skip replaces the default ('lm_head',)), or calibrate with inputs that run them")
+
+
 @torch.no_grad()
 def calibrate_model(
     model: nn.Module,
@@ -624,29 +726,53 @@ def calibrate_model(
     time on stored hidden states: one pass to collect the block's Hessians, one with the block
     quantized to make the next block's inputs. The arguments every block receives besides the
     hidden states (attention masks, position embeddings, ...) are captured in one forward pass
-    of the unquantized model at the start. Layers outside the blocks are calibrated last, in
-    one full forward pass. A model without such a list gets one full pass for all its layers.
+    of the unquantized model at the start. That pass also checks, before any ``quantize_layer``
+    call, that every layer of ``names`` runs: each batch goes through the last block, and past
+    it while a layer outside the blocks has not run yet (usually the first batch only).
+    Layers outside the blocks are calibrated last, in one full forward pass. A model without
+    such a list gets one full pass for all its layers.
+
+    The model runs in eval mode (dropout off, so that the Hessians do not depend on the random
+    state); every module's ``training`` flag is restored afterwards, by name (a layer swapped
+    in by ``quantize_layer`` gets the flag of the one it replaced), also on an error.
 
     Args:
-        model: the model, on one device, in eval mode (dropout off).
+        model: the model, on one device.
         names: qualified names of the ``nn.Linear`` layers to quantize.
-        batches: int64 token-id tensors ``[batch, seq]``, each a valid ``model(ids)`` input.
+        batches: a list of integer token-id tensors ``[batch, seq]``, each a valid ``model(ids)``
+            input (not one tensor: split it, e.g. ``list(tokens.split(8))``).
         quantize_layer: called once per name with the layer's float32 Hessian ``[in, in]``.
         progress: show a progress bar (one step per layer).
         desc: the progress bar's title.
 
     Raises:
-        ValueError: no batches, or a layer that never runs on them.
+        TypeError: ``batches`` one tensor, or an item not an integer tensor; ``names`` a str, or
+            naming a module that is not an ``nn.Linear``.
+        ValueError: no batches, an item not 2-D, a name of no module, or layers that never run
+            on the batches (e.g. a vision tower run on token ids; raised before any
+            ``quantize_layer`` call, naming the skip rules that would leave them dense).
     """
-    batches = list(batches)
-    if not batches:
-        raise ValueError("calibration needs at least one batch of token ids")
-    names = list(dict.fromkeys(names))
+    names = _check_names(model, names)
+    batches = _check_batches(batches)
+    training = {name: m.training for name, m in model.named_modules()}
+    bar = tqdm(total=len(names), desc=desc, unit="layer", disable=not progress)
+    try:
+        model.eval()
+        _calibrate(model, names, batches, quantize_layer, bar)
+    finally:
+        bar.close()
+        for name, m in model.named_modules():
+            if name in training:
+                m.training = training[name]
+
+
+def _calibrate(model: nn.Module, names: list[str], batches: list[torch.Tensor],
+               quantize_layer: Callable[[str, torch.Tensor], None], bar: Any) -> None:
+    """:func:`calibrate_model` on checked arguments, the model in eval mode."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     list_name, groups = _blocks(model, names)
     in_blocks = {n for g in groups for n in g}
     rest = [n for n in names if n not in in_blocks]
-    bar = tqdm(total=len(names), desc=desc, unit="layer", disable=not progress)
 
     def quantize_all(layer_names: list[str], acc: HessianAccumulator) -> None:
         for name in layer_names:
@@ -669,12 +795,21 @@ def calibrate_model(
                 if i == first:
                     hidden.append(args[0] if args else kwargs["hidden_states"])
                 inputs[-1][i] = (args[1:] if args else (), {k: v for k, v in kwargs.items() if k != "hidden_states"})
-                if i == last:
-                    raise _Stop
 
             return hook
 
+        rest_set = set(rest)
+
+        def stop(module: nn.Module, args: tuple, output: Any) -> None:
+            # After the last block (run, so that its layers count as called on every batch): the
+            # rest of the model only while a layer outside the blocks has not run yet (the first
+            # batch runs whole where the output head is one; all batches where a layer never runs).
+            if rest_set <= counter.called:
+                raise _Stop
+
+        counter = _CallCounter(model, names)
         handles = [blocks[i].register_forward_pre_hook(capture(i), with_kwargs=True) for i in range(first, last + 1)]
+        handles.append(blocks[last].register_forward_hook(stop))
         try:
             for batch in batches:
                 inputs.append({})
@@ -683,8 +818,12 @@ def calibrate_model(
                 except _Stop:
                     pass
         finally:
+            counter.remove()
             for handle in handles:
                 handle.remove()
+        uncalled = [n for n in names if n not in counter.called]
+        if uncalled:  # before any layer is swapped: a half-quantized model is worse than none
+            raise _never_called(uncalled, names)
 
         for i in range(first, last + 1):
             block = blocks[i]
@@ -705,9 +844,15 @@ def calibrate_model(
         del inputs, hidden
 
     if rest:
-        with HessianAccumulator({n: model.get_submodule(n) for n in rest}) as acc:
-            for batch in batches:
-                acc.new_pass()
-                _call(model, batch, device)
+        counter = _CallCounter(model, [] if groups else rest)  # with blocks, checked by the capture pass
+        try:
+            with HessianAccumulator({n: model.get_submodule(n) for n in rest}) as acc:
+                for batch in batches:
+                    acc.new_pass()
+                    _call(model, batch, device)
+        finally:
+            counter.remove()
+        uncalled = [n for n in rest if n not in counter.called] if not groups else []
+        if uncalled:  # all checked before the first quantize_layer call: nothing is swapped yet
+            raise _never_called(uncalled, names)
         quantize_all(rest, acc)
-    bar.close()

@@ -58,7 +58,10 @@ def cached_matrix(size: int, dtype: torch.dtype, device: torch.device) -> torch.
     key = (size, dtype, torch.device(device))
     m = _MATRICES.get(key)
     if m is None:
-        m = _MATRICES[key] = hadamard_matrix(size, dtype, device)
+        # a normal tensor even when first built under torch.inference_mode(): an inference tensor
+        # in the cache would break every later autograd use of rotate/unrotate
+        with torch.inference_mode(False), torch.no_grad():
+            m = _MATRICES[key] = hadamard_matrix(size, dtype, device)
     return m
 
 
@@ -143,7 +146,15 @@ def unrotate(t: torch.Tensor, signs: torch.Tensor, matrix: torch.Tensor | None =
 
 def rotate_hessian(hessian: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """``R^T A R`` for a symmetric ``[in, in]`` ``A = X^T X``: the Hessian of the rotated inputs
-    ``R^T x``, for calibrated rounding of a rotated weight."""
+    ``R^T x``, for calibrated rounding of a rotated weight.
+
+    Raises:
+        TypeError: ``hessian`` not a floating-point tensor (or bad ``signs``).
+        ValueError: ``hessian`` not 2-D square (or ``signs`` not ``[in]``).
+    """
+    check_rotate_operands(hessian, signs, "hessian")
+    if hessian.dim() != 2 or hessian.shape[0] != hessian.shape[1]:
+        raise ValueError(f"hessian must be a square 2-D [in_features, in_features] tensor, got shape {tuple(hessian.shape)}")
     once = rotate(hessian, signs)  # A R
     # (A R)^T R = R^T A R (A symmetric); the transpose back keeps the layout of A
     return rotate(once.transpose(0, 1).contiguous(), signs).transpose(0, 1)

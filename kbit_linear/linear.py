@@ -44,7 +44,7 @@ from . import _ops  # the op schemas and the gemm entry point (with its eager fa
 from . import format as fmt
 from . import hadamard as hd
 from . import weight_layout
-from .calibration import DEFAULT_ACT_ORDER, DEFAULT_DAMP
+from .calibration import DEFAULT_ACT_ORDER, DEFAULT_DAMP, LAZY_BLOCK
 from .quantizer import check_hadamard_search, hadamard_signs_for, quantize_weight
 
 __all__ = ["KbitLinear"]
@@ -247,7 +247,8 @@ class KbitLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int = 4, codebook: torch.Tensor | str | None = None, *,
                     scale_search: bool = False, hessian: torch.Tensor | None = None,
-                    damp: float = DEFAULT_DAMP, act_order: bool = DEFAULT_ACT_ORDER, hadamard: bool = False,
+                    damp: float = DEFAULT_DAMP, lazy_block: int = LAZY_BLOCK, act_order: bool = DEFAULT_ACT_ORDER,
+                    hadamard: bool = False,
                     hadamard_seed: int = 0, hadamard_search: int = 1,
                     tensor_scale: torch.Tensor | None = None) -> "KbitLinear":
         """Quantize an ``nn.Linear`` into a new ``KbitLinear`` on the same device.
@@ -269,8 +270,8 @@ class KbitLinear(nn.Module):
             scale_search: choose block scales for the least error instead of the round-up
                 absmax (:func:`kbit_linear.quantizer.quantize_weight`).
             hessian: ``X^T X`` ``[in, in]`` of the layer's inputs for calibrated (GPTQ-style)
-                rounding; ``damp`` its damping and ``act_order`` its column order
-                (:mod:`kbit_linear.calibration`).
+                rounding; ``damp`` its damping, ``lazy_block`` its columns per lazy batch update
+                and ``act_order`` its column order (:mod:`kbit_linear.calibration`).
             hadamard: quantize the weight rotated by a randomized Hadamard transform
                 (:mod:`kbit_linear.hadamard`; the layer rotates its inputs to match). Better
                 accuracy at K = 2 and 3 for a rotation of the input per call.
@@ -303,8 +304,8 @@ class KbitLinear(nn.Module):
                                        candidates=hadamard_search,
                                        name=f"linear.weight ({linear.out_features}x{linear.in_features})")
         q = quantize_weight(
-            linear.weight, bits, codebook, scale_search=scale_search, hessian=hessian, damp=damp, act_order=act_order,
-            hadamard_signs=signs, tensor_scale=tensor_scale,
+            linear.weight, bits, codebook, scale_search=scale_search, hessian=hessian, damp=damp, lazy_block=lazy_block,
+            act_order=act_order, hadamard_signs=signs, tensor_scale=tensor_scale,
             name=f"linear.weight ({linear.out_features}x{linear.in_features})",
         )
         # Built on meta (allocates nothing), then given the real tensors.

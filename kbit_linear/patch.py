@@ -635,8 +635,8 @@ def quantize_model(
                                              tensor_scale=shared_scale, **rotation)
             else:
                 new = KbitLinear.from_linear(src, bits=width, codebook=levels, scale_search=scale_search, tensor_scale=shared_scale,
-                                             hessian=hessian, damp=calibration.damp, act_order=calibration.act_order,
-                                             **rotation)
+                                             hessian=hessian, damp=calibration.damp, lazy_block=calibration.lazy_block,
+                                             act_order=calibration.act_order, **rotation)
         except (TypeError, ValueError) as e:
             raise ValueError(f"cannot quantize layer {name!r} ({linear.out_features}x{linear.in_features}): {e}") from e
         new.train(linear.training)

@@ -57,6 +57,7 @@ def quantize_weight(
     scale_search: bool = False,
     hessian: torch.Tensor | None = None,
     damp: float = calibration.DEFAULT_DAMP,
+    lazy_block: int = calibration.LAZY_BLOCK,
     act_order: bool = calibration.DEFAULT_ACT_ORDER,
     hadamard_signs: torch.Tensor | None = None,
     tensor_scale: torch.Tensor | None = None,
@@ -83,7 +84,10 @@ def quantize_weight(
         hessian: float ``[in_features, in_features]`` ``X^T X`` of the layer's inputs: round with
             GPTQ-style error feedback (:func:`kbit_linear.calibration.gptq_quantize_blocks`, in
             PyTorch on the weight's device) instead of to nearest; same stored format.
-        damp: the Hessian's damping (fraction of its mean diagonal), with ``hessian`` only.
+        damp: the Hessian's damping (fraction of its mean diagonal) in (0, 1), used with
+            ``hessian`` only (checked always).
+        lazy_block: with ``hessian``: columns per lazy batch update of the sweep, a positive
+            multiple of 32 (checked always).
         act_order: with ``hessian``: sweep the columns by descending Hessian diagonal, block
             scales chosen up front (:func:`kbit_linear.calibration.gptq_quantize_blocks`).
         hadamard_signs: int8 ``[in_features]`` of +-1: quantize ``W R`` instead of ``W``, the
@@ -105,7 +109,8 @@ def quantize_weight(
             a floating-point tensor.
         ValueError: ``bits`` not in 2..5; ``weight`` not 2-D, empty or not finite; ``codebook``
             another string than ``"fitted"``, of the wrong size, not strictly increasing, or
-            outside [-1, 1]; ``hadamard_signs`` not
+            outside [-1, 1]; ``damp`` not in (0, 1); ``lazy_block`` not a positive multiple of
+            32; ``hadamard_signs`` not
             int8 ``[in_features]`` of +-1; ``tensor_scale`` not one positive power of two that
             holds the weight (TypeError: not a floating-point tensor). Every message names the argument.
     """
@@ -113,6 +118,9 @@ def quantize_weight(
     fmt.check_weight(weight, name=name)
     fmt.check_bool("scale_search", scale_search)
     fmt.check_bool("act_order", act_order)
+    # checked without a hessian too: a bad value must not pass silently until one is given
+    damp = calibration.check_damp(damp)
+    calibration.check_lazy_block(lazy_block)
     if hadamard_signs is not None:
         hadamard.check_signs(hadamard_signs, weight.shape[1], "hadamard_signs")
     with torch.no_grad():
@@ -127,7 +135,8 @@ def quantize_weight(
         ts = fmt.compute_tensor_scale(w) if tensor_scale is None else fmt.check_given_tensor_scale(tensor_scale, w, name)
         if hessian is not None and w.device.type != "meta":
             packed_flat, absmax_flat, _ = calibration.gptq_quantize_blocks(
-                w, hessian, bits, cb, ts, scale_search=scale_search, damp=damp, act_order=act_order)
+                w, hessian, bits, cb, ts, scale_search=scale_search, damp=damp, lazy_block=lazy_block,
+                act_order=act_order)
         elif scale_search and w.device.type != "meta":
             absmax_flat = fmt.search_block_codes(w, cb, ts)
             packed_flat = fmt.quantize_with_codes(w, bits, cb, ts, absmax_flat)
@@ -234,8 +243,11 @@ def group_quantization(weights: Sequence[torch.Tensor], bits: int, codebook: tor
     ``[2**bits]`` and ``[1]`` on ``device`` (default: the first weight's).
 
     Raises:
-        ValueError / TypeError: no weights, weights of different in_features, a bad ``codebook``.
+        ValueError / TypeError: ``weights`` not a list or tuple of 2-D tensors (TypeError), no
+            weights, weights of different in_features, a bad ``codebook``.
     """
+    if isinstance(weights, torch.Tensor) or not isinstance(weights, Sequence):  # a stacked tensor is not a group
+        raise TypeError(f"weights must be a list or tuple of [out, in] tensors, got {type(weights).__name__}")
     if not weights:
         raise ValueError("weights must hold at least one weight")
     fmt.check_bits(bits)

@@ -68,6 +68,13 @@ def test_allocate_bits_budget_edges_and_sizes():
         (lambda: allocation.allocate_bits({"a": [0.5, 0.1]}, {"a": 10}, 3.0), ValueError, r"errors\['a'\]"),
         (lambda: allocation.plan_layer_bits([("a", torch.randn(64))], 3.0, hadamard=True, progress=False), ValueError,
          "2-D"),
+        # sign values: zeros rotated the weight to zero (error 0 at every width), 2s scaled it
+        (lambda: allocation.relative_errors(torch.randn(16, 64), hadamard_signs=torch.zeros(64, dtype=torch.int8)),
+         ValueError, "hadamard_signs must hold only"),
+        (lambda: allocation.relative_errors(torch.randn(16, 64), hadamard_signs=torch.full((64,), 2, dtype=torch.int8)),
+         ValueError, "hadamard_signs must hold only"),
+        (lambda: allocation.relative_errors(torch.randn(16, 64), hadamard_signs=torch.ones(32, dtype=torch.int8)),
+         ValueError, "hadamard_signs must have shape"),
     ],
 )
 def test_allocation_rejects_bad_arguments(call, error, match):

@@ -339,3 +339,181 @@ def test_a_model_without_blocks_is_calibrated_in_one_pass():
     model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
     summary = kbit_linear.quantize_model(model, bits=4, skip=(), calibration=torch.randint(0, 50, (4, 8)), progress=False)
     assert summary.converted == ["1", "3"]
+
+
+def test_a_zero_hessian_rounds_to_nearest_with_a_warning():
+    # no input signal at all: the columns are not told apart, but the weight must not be erased
+    torch.manual_seed(7)
+    w = torch.randn(16, 64)
+    for act_order in (False, True):
+        with pytest.warns(UserWarning, match="no input signal"):
+            zero = gptq_quantize_blocks(w, torch.zeros(64, 64), 4, act_order=act_order)
+        rtn = gptq_quantize_blocks(w, torch.eye(64), 4, act_order=act_order)
+        assert all(torch.equal(a, b) for a, b in zip(zero, rtn))
+        assert float(_dequantized(*zero, 4, 64).abs().max()) > 0
+
+
+# ---------------------------------------------------------------------------------------
+# the driver's contract: eval mode, checked arguments, every layer run before any changes
+# ---------------------------------------------------------------------------------------
+
+
+def test_calibration_runs_in_eval_mode_and_restores_the_training_flags():
+    # a model built from a config is in train mode: dropout made the Hessians random
+    tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    weights = []
+    for seed in (1, 2):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.3)
+        model = transformers.LlamaForCausalLM(cfg)
+        model.model.norm.eval()  # one module already in eval mode: it stays so
+        torch.manual_seed(seed)
+        kbit_linear.quantize_model(model, bits=3, calibration=Calibration(tokens=tokens, batch_size=2), progress=False)
+        layer = model.model.layers[1].mlp.down_proj
+        assert isinstance(layer, kbit_linear.KbitLinear) and layer.training  # the swapped-in layer: the old one's flag
+        assert not model.model.norm.training
+        assert all(m.training for n, m in model.named_modules() if n != "model.norm")
+        weights.append(layer.weight.clone())
+    assert torch.equal(weights[0], weights[1])
+
+
+def test_training_flags_are_restored_when_calibration_fails():
+    model = _llama().train()
+    with pytest.raises(RuntimeError, match="boom"):
+        calibrate_model(model, ["model.layers.0.mlp.up_proj"], [torch.randint(0, 128, (2, 8))],
+                        lambda n, h: (_ for _ in ()).throw(RuntimeError("boom")), progress=False)
+    assert all(m.training for m in model.modules())
+
+
+class _Net(nn.Module):
+    """Two blocks and a head; ``extra`` layers (in block 1 and outside the blocks) run only on a
+    batch whose first token is 0 (as a routed expert), and ``unused`` never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(nn.ModuleDict({"fc": nn.Linear(32, 32), "extra": nn.Linear(32, 32)}) for _ in range(2))
+        self.head = nn.Linear(32, 50)
+        self.head_extra = nn.Linear(32, 32)
+        self.unused = nn.Linear(32, 32)
+        for i, block in enumerate(self.layers):
+            block.forward = self._block(block, i)
+
+    @staticmethod
+    def _block(block: nn.ModuleDict, i: int):
+        def forward(x: torch.Tensor, extra: bool = False) -> torch.Tensor:
+            x = x + torch.relu(block["fc"](x))
+            return x + block["extra"](x) if extra and i == 1 else x
+
+        return forward
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        extra = bool(ids[0, 0] == 0)
+        x = self.embed(ids)
+        for block in self.layers:
+            x = block(x, extra=extra)
+        return self.head(self.head_extra(x) if extra else x)
+
+
+def test_layers_that_run_on_some_batch_only_are_calibrated():
+    torch.manual_seed(0)
+    model = _Net().eval()
+    names = ["layers.0.fc", "layers.1.fc", "layers.1.extra", "head_extra", "head"]
+    first = torch.randint(1, 50, (2, 8))
+    second = torch.randint(1, 50, (2, 8))
+    second[0, 0] = 0  # the extra layers run on this batch only
+    seen = []
+    calibrate_model(model, names, [first, second], lambda n, h: seen.append(n), progress=False)
+    assert sorted(seen) == sorted(names)
+
+
+def test_layers_that_never_run_are_named_before_any_layer_changes():
+    # e.g. a vision tower under token ids: it used to fail after the blocks were quantized
+    torch.manual_seed(0)
+    model = _Net().eval()
+    seen = []
+    with pytest.raises(ValueError, match=r"1 layer\(s\) never run .*'unused'.*skip=\['unused', 'lm_head'\]"):
+        calibrate_model(model, ["layers.0.fc", "layers.1.fc", "head", "unused"], [torch.randint(1, 50, (2, 8))],
+                        lambda n, h: seen.append(n), progress=False)
+    assert seen == []
+    # a layer inside a block, and a model without blocks (one pass over all layers)
+    with pytest.raises(ValueError, match=r"'layers.1.extra'.*skip=\['layers.1.extra', 'lm_head'\]"):
+        calibrate_model(model, ["layers.0.fc", "layers.1.fc", "layers.1.extra"], [torch.randint(1, 50, (2, 8))],
+                        lambda n, h: seen.append(n), progress=False)
+    with pytest.raises(ValueError, match="'unused'"):
+        calibrate_model(model, ["head", "unused"], [torch.randint(1, 50, (2, 8))], lambda n, h: seen.append(n),
+                        progress=False)
+    assert seen == []
+    # through quantize_model: the model is left as it was, and the suggested skip rule works
+    llama = _llama()
+    llama.model.vision = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))  # never called by forward
+    tokens = torch.randint(0, 128, (4, 16))
+    with pytest.raises(ValueError, match=r"2 layer\(s\) never run .*'model.vision.0', 'model.vision.2'.*"
+                                         r"skip=\['model.vision', 'lm_head'\]"):
+        kbit_linear.quantize_model(llama, bits=3, calibration=Calibration(tokens=tokens, batch_size=2), progress=False)
+    assert not any(isinstance(m, kbit_linear.KbitLinear) for m in llama.modules())
+    summary = kbit_linear.quantize_model(llama, bits=3, skip=["model.vision", "lm_head"],
+                                         calibration=Calibration(tokens=tokens, batch_size=2), progress=False)
+    assert len(summary.converted) == 21
+
+
+@pytest.mark.parametrize(
+    "names, batches, error, match",
+    [
+        (["model.layers.0.mlp.up_proj"], torch.randint(0, 128, (4, 12)), TypeError,
+         r"batches must be a list of \[batch, seq\] token-id tensors, got a single tensor"),
+        (["model.layers.0.mlp.up_proj"], [torch.randint(0, 128, (4, 12)).float()], TypeError, r"batches\[0\] must be an integer"),
+        (["model.layers.0.mlp.up_proj"], [torch.randint(0, 128, (12,))], ValueError, r"batches\[0\] must be a non-empty 2-D"),
+        (["model.layers.0.mlp.up_proj"], [], ValueError, "at least one batch"),
+        ("lm_head", None, TypeError, "names must be a sequence of layer names"),
+        (["model.layers.0.nope"], None, ValueError, "names: the model has no module 'model.layers.0.nope'"),
+        (["model.layers.0.mlp"], None, TypeError, "names: 'model.layers.0.mlp' is a LlamaMLP, not an nn.Linear"),
+        ([3], None, TypeError, "names must hold str"),
+    ],
+    ids=["one-tensor", "float", "1-d", "empty", "names-str", "missing", "not-linear", "not-str"],
+)
+def test_calibrate_model_refuses_bad_arguments_by_name(names, batches, error, match):
+    model = _llama()
+    batches = [torch.randint(0, 128, (2, 8))] if batches is None else batches
+    seen = []
+    with pytest.raises(error, match=match):
+        calibrate_model(model, names, batches, lambda n, h: seen.append(n), progress=False)
+    assert seen == []
+
+
+def test_default_text_refuses_a_single_module_name():
+    with pytest.raises(TypeError, match="modules must be a sequence of module names, not a str"):
+        default_calibration_text("json")  # read as the modules "j", "s", "o", "n": an empty text
+    with pytest.raises(TypeError, match="modules must hold"):
+        default_calibration_text([b"json"])
+    assert default_calibration_text(["json.decoder"])
+
+
+def test_lazy_block_reaches_the_quantizer(monkeypatch):
+    from kbit_linear import calibration
+    from kbit_linear.quantizer import quantize_weight
+
+    seen = []
+    original = calibration.gptq_quantize_blocks
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("lazy_block"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(calibration, "gptq_quantize_blocks", spy)
+    tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    for lazy in (32, 128):
+        seen.clear()
+        kbit_linear.quantize_model(_llama(), bits=3, calibration=Calibration(tokens=tokens, batch_size=2, lazy_block=lazy),
+                                   progress=False)
+        assert set(seen) == {lazy} and len(seen) == 21
+    torch.manual_seed(6)
+    w, x = torch.randn(16, 128), _correlated_inputs(256, 128, seed=6)
+    seen.clear()
+    linear = nn.Linear(128, 16, bias=False)
+    kbit_linear.KbitLinear.from_linear(linear, 3, hessian=x.T @ x, lazy_block=64)
+    quantize_weight(w, 3, hessian=x.T @ x, lazy_block=96)
+    assert seen == [64, 96]
+    with pytest.raises(ValueError, match="lazy_block must be a multiple of 32"):
+        kbit_linear.KbitLinear.from_linear(linear, 3, hessian=x.T @ x, lazy_block=48)

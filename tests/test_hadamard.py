@@ -292,3 +292,22 @@ def test_bad_operands_are_named() -> None:
         hd.hadamard_matrix(4, torch.int32)
     with pytest.raises(ValueError, match="seed must fit in 64 bits"):
         hd.random_signs(64, 2**64)
+    with pytest.raises(ValueError, match="hessian must be a square 2-D"):
+        hd.rotate_hessian(torch.randn(64), signs)  # failed with an IndexError
+    with pytest.raises(ValueError, match="hessian must be a square 2-D"):
+        hd.rotate_hessian(torch.randn(32, 64), signs)
+    with pytest.raises(ValueError, match="hessian must be a square 2-D"):
+        hd.rotate_hessian(torch.randn(2, 64, 64), signs)
+    with pytest.raises(TypeError, match="hessian must be a floating-point"):
+        hd.rotate_hessian(torch.eye(64, dtype=torch.int64), signs)
+
+
+def test_a_matrix_first_built_in_inference_mode_serves_autograd_later(monkeypatch) -> None:
+    monkeypatch.setattr(hd, "_MATRICES", {})  # the first use of (64, float32, cpu) is the one below
+    signs = hd.random_signs(64, 3)
+    with torch.inference_mode():
+        hd.rotate(torch.randn(2, 64), signs)  # e.g. an evaluation or generate run first
+    assert not hd.cached_matrix(64, torch.float32, torch.device("cpu")).is_inference()
+    x = torch.randn(2, 64, requires_grad=True)
+    hd.unrotate(hd.rotate(x, signs), signs).sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(2, 64))  # R R^T = I

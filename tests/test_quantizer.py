@@ -64,9 +64,16 @@ def test_meta_weight_gives_meta_tensors_of_the_tiled_shapes():
         (dict(weight=torch.randn(32)), ValueError, "weight must be 2-D"),
         (dict(weight=torch.randn(0, 32)), ValueError, "weight must not be empty"),
         (dict(weight=[[1.0]]), TypeError, "weight must be a torch.Tensor"),
+        # checked without a hessian too, not only where it is used
+        (dict(damp=5), ValueError, r"damp must be in \(0, 1\)"),
+        (dict(damp="0.01"), TypeError, "damp"),
+        (dict(lazy_block=48), ValueError, "lazy_block must be a multiple of 32"),
+        (dict(lazy_block=0), ValueError, "lazy_block"),
+        (dict(hessian=torch.eye(32), damp=0.0), ValueError, "damp"),
     ],
     ids=["bits-6", "bits-float", "bits-bool", "cb-descending", "cb-range", "cb-size", "cb-list", "cb-int",
-         "nan", "inf", "int-weight", "1-d", "empty", "list"],
+         "nan", "inf", "int-weight", "1-d", "empty", "list", "damp-no-hessian", "damp-str", "lazy-block-48",
+         "lazy-block-0", "damp-with-hessian"],
 )
 def test_bad_arguments_raise_naming_the_argument(kwargs, error, match):
     args = dict(weight=torch.randn(4, 32), bits=2)
@@ -263,3 +270,11 @@ def test_group_quantization_checks_the_signs():
         group_quantization([torch.randn(32, 64)], 4, hadamard_signs=torch.ones(1, dtype=torch.int8))
     with pytest.raises(ValueError, match="hadamard_signs must hold only"):
         group_quantization([torch.randn(32, 64)], 4, hadamard_signs=torch.full((64,), 10, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("weights", [torch.randn(2, 4, 32), torch.randn(4, 32), {"a": torch.randn(4, 32)}],
+                         ids=["3-d-tensor", "2-d-tensor", "dict"])
+def test_group_quantization_wants_a_list_of_weights(weights):
+    # a stacked tensor used to fail deep inside (the truth value of a tensor), a dict passed its keys
+    with pytest.raises(TypeError, match="weights must be a list or tuple"):
+        group_quantization(weights, 3)
