@@ -39,7 +39,8 @@
 //   out^T    [16 ch x 8 rows]    += V^T [16 ch x 16 tokens] * P'^T [16 tokens x 8 rows]
 //        A: value codes, lane (g, t) decodes tokens 2t, 2t+1, 2t+8, 2t+9 at channels 8g.. of a
 //            64-channel group; one product per (group, pair of channels)
-//        B: the probabilities times each token's value scale, transposed through shared memory
+//        B: the probabilities times each token's value scale: the logits' C fragments, packed to
+//            fp16 and transposed in registers (movmatrix: an 8 x 8 fp16 transpose across the warp)
 //
 // Keys below 8 bits decode as min + code * range / levels with one (min, range) per (row, key
 // block, head, channel): q . k = (Q' . code) / levels + q . min, so the product runs on the raw
@@ -111,17 +112,8 @@ struct Stage {
     static constexpr int BYTES = round16(MIN + D * 2);
 };
 
-// The probability transpose tile of a warp, u16 [GROUPS][kRows][kMaxTile]: entry (row, slot) at
-// word (slot / 2) ^ swizzle(row) of its row, so that the writes (four rows 2t + rr at once) and
-// the reads (rows g at words t, t + 4, ...) fall in distinct banks: rows of 32 entries (16 words)
-// meet in the banks every 2 rows, rows of 16 entries every 4.
-KBIT_DEVICE int pt_index(int row, int slot) {
-    const int swizzle = kMaxTile == 32 ? 4 * ((row >> 1) & 3) : 4 * ((row >> 2) & 1);
-    return row * kMaxTile + 2 * ((slot >> 1) ^ swizzle) + (slot & 1);
-}
-
 // Shared memory of the decode block: query rows (fp32), the B fragments of q (shared by the
-// warps), each warp's probability transpose tile, the warps' row maxima/sums, the bucket
+// warps), the warps' row maxima/sums, the bucket
 // offsets of the split's key blocks, and each warp's ring of stages_for(D) copy stages (reused for the
 // warps' partial outputs once every tile is done). At head_dim 128, 4 blocks fit in an SM's 228 KiB.
 template <int D>
@@ -129,8 +121,7 @@ struct Smem {
     static constexpr int KSTEPS = D / 16;
     static constexpr int Q_ROWS = 0;                                  // float [kRows][D]
     static constexpr int Q_FRAG = Q_ROWS + kRows * D * 4;             // uint2 [KSTEPS][32]
-    static constexpr int PT = Q_FRAG + KSTEPS * 32 * 8;               // u16 [kWarps][D/64][kRows][kMaxTile]
-    static constexpr int ML = PT + kWarps * (D / kGroup) * kRows * kMaxTile * 2;  // float [kWarps][kRows][2]
+    static constexpr int ML = Q_FRAG + KSTEPS * 32 * 8;               // float [kWarps][kRows][2]
     static constexpr int OFFS = ML + kWarps * kRows * 2 * 4;          // int4 [kMaxSplitBlocks + 1]
     static constexpr int RING = OFFS + (kMaxSplitBlocks + 1) * 16;    // kWarps x stages_for(D) stages
     static constexpr int OUT = RING;                                  // float [kWarps][kRows][D], after the ring's last use
@@ -147,6 +138,13 @@ KBIT_DEVICE u32 hsub2(u32 a, u32 b) {
 KBIT_DEVICE u32 f16x2(float lo, float hi) {
     u32 d;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+// The transpose of an 8 x 8 fp16 matrix held as the m8n8 fragment (lane 4 r + c/2: row r,
+// columns c, c+1), in the same fragment layout.
+KBIT_DEVICE u32 transpose8x8(u32 a) {
+    u32 d;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
     return d;
 }
 KBIT_DEVICE float half_lo(u32 h) { return bits_to_f32<KBIT_F16>((u16)(h & 0xffffu)); }
@@ -221,16 +219,17 @@ KBIT_DEVICE void group_words(const u32* w, int i, u32& lo, u32& hi) {
 
 // Pair (s, s+4) of a group as fp16x2 values, exact: below 8 bits the codes' bits themselves,
 // which as fp16 are the subnormals code * 2^-24 (no conversion instruction at all; products and
-// sums stay exact in the fp32 accumulators, which are scaled by 2^24 once); 8 bits: the signed
-// codes as normal values.
+// sums stay exact in the fp32 accumulators, which are scaled by 2^24 once), the odd pairs at bits
+// 4.. (code * 2^-20: Q' of the odd pairs is divided by 16 to match, kOddPairScale), so that 4 bits
+// take pairs 0 and 1 in place and 2 and 3 after one shift; 8 bits: the signed codes as normal values.
 template <int BITS>
 KBIT_DEVICE u32 group_pair(u32 lo, u32 hi, int s) {
     if constexpr (BITS == 4) {
-        return (lo >> (4 * s)) & 0x000f000fu;
+        return (s < 2 ? lo : lo >> 8) & (0x000f000fu << (4 * (s % 2)));
     } else if constexpr (BITS == 2) {
-        return (lo >> (2 * s)) & 0x00030003u;
+        return (s % 2 ? ((2 * s) > 4 ? lo >> (2 * s - 4) : lo << (4 - 2 * s)) : lo >> (2 * s)) & (0x00030003u << (4 * (s % 2)));
     } else if constexpr (BITS == 3) {
-        return (lo >> (3 * s)) & 0x00070007u;
+        return (s % 2 ? ((3 * s) > 4 ? lo >> (3 * s - 4) : lo << (4 - 3 * s)) : lo >> (3 * s)) & (0x00070007u << (4 * (s % 2)));
     } else {
         // byte s of lo and byte s of hi, each 128 + code
         const u32 x = prmt(lo, hi, (u32)s | ((u32)(s + 4) << 8));  // byte 0 <- lo.s, byte 2 <- hi.s
@@ -330,6 +329,7 @@ struct Problem {
     const u16* k_min;         // [B, NB, H, D]
     const u16* k_range;
     int H, NB, b, h;
+    bool need_pos;  // positions are read (a bias, several queries or the mass); else every entry is visible
 };
 
 // Per lane, the softmax state of its two query rows 2t, 2t+1 (the same in the 8 lanes of t) and
@@ -345,12 +345,20 @@ struct WarpState {
     int pexp[GROUPS];     // P' of group grp is p * scale * 2^pexp (and acc with it), see scale_exponent
 };
 
-// The power of two that keeps a tile's P' = p * scale (p <= 1) in fp16's normal range: the
-// largest scale of the tile times 2^e stays below 2^15. Without it a small p times a small
-// scale (say 1e-5 * 1e-3) would underflow fp16 and drop out of the sum.
+// The running max of a row (the reference of p = 2^(logit - m)) moves only when a tile's max
+// exceeds it by more than kLazyBits (log2 units): most tiles then skip rescaling the sums, and
+// p <= 2^kLazyBits.
+constexpr int kLazyBits = 8;
+
+// The power of two that keeps a tile's P' = p * scale (p <= 2^kLazyBits) in fp16's range: the
+// largest scale of the tile times 2^e stays below 2^(15 - kLazyBits). Without it a small p times
+// a small scale (say 1e-5 * 1e-3) would underflow fp16 and drop out of the sum.
 KBIT_DEVICE int scale_exponent(float max_scale) {
-    return 14 - ((__float_as_int(max_scale) >> 23) - 127);  // max_scale * 2^e in [2^14, 2^15)
+    return 14 - kLazyBits - ((__float_as_int(max_scale) >> 23) - 127);  // max_scale * 2^e in [2^(14-L), 2^(15-L))
 }
+// The bits of the smallest scale that needs an exponent below e (non-negative floats order as
+// their bits): a tile whose largest scale is below it keeps e.
+KBIT_DEVICE u32 scale_limit_bits(int e) { return (u32)(127 + 15 - kLazyBits - e) << 23; }
 KBIT_DEVICE float pow2f(int e) { return __int_as_float((127 + e) << 23); }  // -126 <= e <= 127
 
 // Where this lane's two rows go: valid, query index, causal limit, logits row.
@@ -360,6 +368,7 @@ struct RowInfo {
     u16* logits[2];  // fp16 logits (log2 units) of the row, for the mass
     const float* bias[2];
     bool has_bias;  // bias given (the same for the whole grid)
+    bool need_pos;  // the positions are read (else pos = 0: one query and no bias see every entry)
 };
 
 // Lane (g, t)'s value codes of fragment f: channels 8g..8g+7 of each group, token slots 2t, 2t+1,
@@ -381,7 +390,7 @@ KBIT_DEVICE void load_values(u32 (&vw)[4][D / kGroup][(BITS + 3) / 4], const u8*
 //   logits^T [16 tokens x 8 rows] = K [16 tokens x 16 ch] * Q'^T [16 ch x 8 rows]   (per k16 step)
 //   out^T    [16 ch x 8 rows]    += V^T [16 ch x 16 tokens] * P'^T [16 tokens x 8 rows]
 // in three steps: tile_logits<TIER, NF> (the key codes' product), tile_softmax (every width:
-// the online softmax, once per tile, and the probabilities' transpose through the warp's pt,
+// the online softmax, once per tile, and the probabilities' transpose in registers,
 // times each token's value scale) and tile_values<TIER, NF> (the value codes' product). Only the
 // two products are compiled per width and fragment count, the softmax once (the loop's code is
 // smaller; measured as fast as one whole function per width, not faster).
@@ -424,7 +433,7 @@ KBIT_DEVICE void tile_logits(const RowInfo& ri, const u8* stage, const uint2 (&b
                 const u16 sc = reinterpret_cast<const u16*>(stage + ST::KSCALE)[slot * GROUPS + (t * D / 4) / kGroup];
                 kscale[hf] = (u32)sc | ((u32)sc << 16);
             }
-            pos[f][hf] = reinterpret_cast<const int*>(stage + ST::POS)[slot];
+            pos[f][hf] = ri.need_pos ? reinterpret_cast<const int*>(stage + ST::POS)[slot] : 0;
             valid[f][hf] = e0 + slot < e_end;
         }
         // even and odd k16 steps accumulate apart (two independent chains of products)
@@ -468,10 +477,11 @@ KBIT_DEVICE void tile_logits(const RowInfo& ri, const u8* stage, const uint2 (&b
 
 // Every width's middle step of a tile of `nf` fragments holding `count` entries of the bucket:
 // the bias, the logits for the mass, the online softmax (rows 2t, 2t+1; the tile's tokens are
-// spread over g), and P'^T per group into pt[grp][row][slot] = p * value scale * 2^pexp;
+// spread over g), and P'^T per group as the value product's B fragments pb[f][grp] (row g, tokens
+// 2t, 2t+1 / 2t+8, 2t+9 of fragment f) = p * value scale * 2^pexp;
 // `zeros`: the values have zero points (below 8 bits), whose probability-weighted sums go to st.zs.
 template <int D>
-KBIT_DEVICE void tile_softmax(const RowInfo& ri, WarpState<D>& st, const u8* stage, u16* pt, TileLogits& tl, int nf, int count, bool zeros) {
+KBIT_DEVICE void tile_softmax(const RowInfo& ri, WarpState<D>& st, const u8* stage, uint2 (&pb)[kMaxFrags][D / kGroup], TileLogits& tl, int nf, int count, bool zeros) {
     using ST = Stage<D>;
     constexpr int GROUPS = D / kGroup;
     constexpr int NF = kMaxFrags;  // loops run over every fragment; those past nf are excluded
@@ -514,9 +524,10 @@ KBIT_DEVICE void tile_softmax(const RowInfo& ri, WarpState<D>& st, const u8* sta
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-        const float m_new = fmaxf(st.m[rr], mx);
+        const bool move = mx > st.m[rr] + (float)kLazyBits;  // -inf + L = -inf: the first finite max moves
+        const float m_new = move ? mx : st.m[rr];
         const float safe = m_new == KBIT_NEG_INF ? 0.f : m_new;
-        alpha[rr] = fast_exp2(st.m[rr] - safe);
+        alpha[rr] = move ? fast_exp2(st.m[rr] - safe) : 1.f;
         float sum = 0.f;
 #pragma unroll
         for (int f = 0; f < NF; ++f)
@@ -542,57 +553,53 @@ KBIT_DEVICE void tile_softmax(const RowInfo& ri, WarpState<D>& st, const u8* sta
             }
         }
     }
-    // ---- P'^T per group through shared memory: pt[grp][row][slot] = p * value scale * 2^pexp ----
+    // ---- P'^T per group, transposed in registers: pb[f][grp] = B fragment (row g, tokens 2t.. / 2t+8..) ----
     const u16* vsc = reinterpret_cast<const u16*>(stage + ST::VSCALE);
     const u16* vze = reinterpret_cast<const u16*>(stage + ST::VZERO);
 #pragma unroll
     for (int grp = 0; grp < GROUPS; ++grp) {
-        u16* ptg = pt + grp * kRows * kMaxTile;
-        float sc[NF][2];  // zero past the bucket
-        float mx = 0.f;
+        float sc[NF][2];  // zero past the bucket (scales are >= 0)
+        u32 mx = 0u;
 #pragma unroll
         for (int f = 0; f < NF; ++f)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 sc[f][hf] = f < nf ? half_lo(vsc[(kFrag * f + g + 8 * hf) * GROUPS + grp]) : 0.f;
-                mx = fmaxf(mx, fabsf(sc[f][hf]));
+                mx = max(mx, __float_as_uint(sc[f][hf]) & 0x7fffffffu);
             }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-        if (mx > 0.f) {
-            const int e = min(scale_exponent(mx), 100);
-            if (e < st.pexp[grp]) {  // a larger scale than before: bring the sums down to the new exponent
-                const float fdown = pow2f(e - st.pexp[grp]);
+        mx = __reduce_max_sync(0xffffffffu, mx);  // non-negative floats order as their bits
+        if (mx >= scale_limit_bits(st.pexp[grp])) {  // a larger scale than before: bring the sums down to a lower exponent
+            const int e = scale_exponent(__uint_as_float(mx));  // < st.pexp[grp]
+            const float fdown = pow2f(e - st.pexp[grp]);
 #pragma unroll
-                for (int i = 0; i < 4; ++i)
+            for (int i = 0; i < 4; ++i)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) st.acc[grp][i][c] *= fdown;
-                st.pexp[grp] = e;
-            }
+                for (int c = 0; c < 4; ++c) st.acc[grp][i][c] *= fdown;
+            st.pexp[grp] = e;
         }
         const float up = pow2f(st.pexp[grp]);
 #pragma unroll
         for (int f = 0; f < NF; ++f) {
             if (f >= nf) break;
+            u32 m8[2];  // [token g (+8) of the fragment][rows 2t, 2t+1]
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int slot = kFrag * f + g + 8 * hf;
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr) ptg[pt_index(2 * t + rr, slot)] = f32_to_bits<KBIT_F16>(x[f][hf][rr] * (sc[f][hf] * up));
+                const float s = sc[f][hf] * up;
+                m8[hf] = f16x2(x[f][hf][0] * s, x[f][hf][1] * s);
                 if (zeros) {
                     const float z = half_lo(vze[slot * GROUPS + grp]);
                     st.zs[0][grp] += x[f][hf][0] * z;
                     st.zs[1][grp] += x[f][hf][1] * z;
                 }
             }
+            pb[f][grp] = make_uint2(transpose8x8(m8[0]), transpose8x8(m8[1]));
         }
     }
-    __syncwarp();
 }
 
 template <int D, int TIER, int NF>
-KBIT_DEVICE void tile_values(WarpState<D>& st, const u8* stage, const u16* pt) {
+KBIT_DEVICE void tile_values(WarpState<D>& st, const u8* stage, const uint2 (&pb)[kMaxFrags][D / kGroup]) {
     using ST = Stage<D>;
     constexpr int BITS = tier_bits(TIER);
     constexpr int GROUPS = D / kGroup;
@@ -606,9 +613,7 @@ KBIT_DEVICE void tile_values(WarpState<D>& st, const u8* stage, const u16* pt) {
         load_values<D, BITS, VROW>(vw, vbase, f);
 #pragma unroll
         for (int grp = 0; grp < GROUPS; ++grp) {
-            const u16* ptg = pt + grp * kRows * kMaxTile;
-            const u32 b0 = *reinterpret_cast<const u32*>(ptg + pt_index(g, kFrag * f + 2 * t));      // row g, tokens 2t, 2t+1
-            const u32 b1 = *reinterpret_cast<const u32*>(ptg + pt_index(g, kFrag * f + 2 * t + 8));  // row g, tokens 2t+8, 2t+9
+            const u32 b0 = pb[f][grp].x, b1 = pb[f][grp].y;  // row g, tokens 2t, 2t+1 / 2t+8, 2t+9
             // codes of the 4 token slots as nibble words (BITS < 8) or biased bytes (8)
             u32 lo[4], hi[4];
 #pragma unroll
@@ -664,10 +669,11 @@ namespace kv {
 // ---------------------------------------------------------------------------------------
 // The copy ring. A warp walks its tiles (Cursor: whole key blocks split*kbps + warp, + kWarps,
 // ..., or its share of every key block's tiles; within a key block the entries of bucket 2, 3,
-// 4 then 8, tile_entries at a time) twice with two cursors: the copy cursor
-// runs stages_for(D) - 1 tiles ahead, putting each tile's bytes into the next stage with cp.async
-// (entries past the bucket are zero-filled), one commit group per tile; the compute cursor waits
-// for its tile's group, and the warp meets at __syncwarp before a stage is refilled.
+// 4 then 8, tile_entries at a time) once: the cursor runs one tile ahead of the computation,
+// putting each tile's bytes into the other stage with cp.async (entries past the bucket are
+// zero-filled), one commit group per tile; the computation takes the cursor's previous position
+// (a copy of it, not a second walk), waits for its tile's group, and the warp meets at __syncwarp
+// before a stage is refilled.
 // ---------------------------------------------------------------------------------------
 
 // `N` bytes global -> shared, asynchronously (N = 16, 8, 4) or, for N = 2 (the scales of
@@ -715,7 +721,7 @@ KBIT_DEVICE void copy_tile(const Problem& pr, u8* stage, int e0, int e_end, int 
     } else {
         copy_rows<NT, GROUPS * 2, GROUPS * 2>(stage + ST::KSCALE, reinterpret_cast<const u8*>(pr.k_scale8), pr.H, pr.h, e0, e_end, lane);
     }
-    if (lane < NT) {
+    if (pr.need_pos && lane < NT) {
         const bool ok = e0 + lane < e_end;
         copy_piece<4>(stage + ST::POS + 4 * lane, pr.pos[TIER] + (ok ? e0 + lane : e0), ok);
     }
@@ -742,8 +748,7 @@ struct Cursor {
     bool done;
 
     KBIT_DEVICE static int beg_of(const int4* offs, int i, int t) {
-        const int4 o = offs[i];
-        return t == 0 ? o.x : t == 1 ? o.y : t == 2 ? o.z : o.w;
+        return reinterpret_cast<const int*>(offs)[4 * i + t];
     }
     // Places tile k of key block kb; false when the block has no tile k.
     KBIT_DEVICE bool locate(const int4* offs, int kb0) {
@@ -842,7 +847,9 @@ KBIT_DEVICE uint2 times_range(uint2 qf, int lane, int j, const u16* range) {
     const int t = lane & 3;
     const int cb = t * (D / 4) + 8 * (j / 2) + 2 * (j % 2);
     const u32 lo = *reinterpret_cast<const u32*>(range + cb), hi = *reinterpret_cast<const u32*>(range + cb + 4);
-    return make_uint2(mul2<KBIT_F16>(qf.x, prmt(lo, hi, 0x5410u)), mul2<KBIT_F16>(qf.y, prmt(lo, hi, 0x7632u)));
+    // b1 multiplies the odd pairs, which group_pair gives 16 times their codes
+    return make_uint2(mul2<KBIT_F16>(qf.x, prmt(lo, hi, 0x5410u)),
+                      mul2<KBIT_F16>(mul2<KBIT_F16>(qf.y, prmt(lo, hi, 0x7632u)), pow2_pair(-4)));
 }
 
 // q . min for lane (g, t)'s rows 2t and 2t+1: the lanes of t split the channels (lane g takes
@@ -903,7 +910,6 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     const int rows = G * Q, chunks = (rows + kRows - 1) / kRows;
     const int split = blockIdx.x, h = blockIdx.y / chunks, b = blockIdx.z;
     const int row0 = (blockIdx.y % chunks) * kRows, nrows = min(kRows, rows - row0);
-    u16* pt = reinterpret_cast<u16*>(smem + SM::PT) + warp * GROUPS * kRows * kMaxTile;
 
     Problem pr;
     pr.k[0] = k2; pr.k[1] = k3; pr.k[2] = k4; pr.k[3] = k8;
@@ -967,34 +973,37 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     for (int rr = 0; rr < 2; ++rr) {
         const int r = 2 * t + rr, rg = row0 + r;
         ri.ok[rr] = r < nrows;
-        ri.qi[rr] = rg % Q;
+        ri.qi[rr] = Q == 1 ? 0 : rg % Q;  // (a division otherwise)
         ri.limit[rr] = S - Q + ri.qi[rr];
         ri.logits[rr] = logits != nullptr && ri.ok[rr] ? logits + (R0 + r) * ld : nullptr;
         ri.bias[rr] = bias != nullptr ? bias + ((size_t)b * Q + ri.qi[rr]) * ld : nullptr;
     }
     ri.has_bias = bias != nullptr;
+    ri.need_pos = pr.need_pos = bias != nullptr || Q > 1 || logits != nullptr;
 
     // ---- each warp's tiles through its copy ring ----
     const int kb0 = split * kbps, kb_end = min(nblk, kb0 + kbps);
     u8* ring = smem + SM::RING + warp * stages_for(D) * Stage<D>::BYTES;
+    // Two stages: the tile computed in an iteration is the one the copy cursor stood on at its
+    // start (comp), while the copy cursor moves on and fetches the next tile into the other stage.
+    static_assert(stages_for(D) == 2, "the computed tile is the copy cursor's previous one");
     Cursor<SPLIT_TILES> copy, comp;
     copy.start(offs, kb0, kb_end, warp);
-    comp = copy;
     float qmin0 = 0.f, qmin1 = 0.f;
     uint2 bq[KSTEPS];  // the B fragments of the current tile: Q' of its key block, or q (8-bit keys)
     bool bq_is_q = false;
 #pragma unroll
     for (int j = 0; j < KSTEPS; ++j) bq[j] = make_uint2(0u, 0u);
-    // one call site for the copies (the first stages_for(D) - 1 iterations only copy): the copy's
-    // instances are compiled once
-    for (int i = 1 - stages_for(D); !comp.done; ++i) {
-        copy_at<D>(pr, copy, ring + ((i + stages_for(D) - 1) % stages_for(D)) * Stage<D>::BYTES, lane);
+    // one call site for the copies (the first iteration only copies): the copy's instances are
+    // compiled once. Iteration i computes the tile in stage i % 2 (comp) while the next one is fetched
+    // into the other stage.
+    for (int i = -1;; ++i) {
+        copy_at<D>(pr, copy, ring + ((i + 1) & 1) * Stage<D>::BYTES, lane);
         cp_async_commit();
-        if (!copy.done) copy.next(offs, kb0, warp);
-        if (i < 0) continue;
-        cp_async_wait<stages_for(D) - 1>();
+        if (i >= 0) {
+        cp_async_wait<1>();
         __syncwarp();
-        const u8* stage = ring + (i % stages_for(D)) * Stage<D>::BYTES;
+        const u8* stage = ring + (i & 1) * Stage<D>::BYTES;
         if (comp.first) {  // Q' of the key block (lower widths only exist in blocks with a range)
             const u16* range = reinterpret_cast<const u16*>(stage + Stage<D>::RANGE);
 #pragma unroll
@@ -1018,18 +1027,22 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
             default: tile_logits<D, 3, 1>(ri, stage, bq, 0.f, 0.f, comp.e, comp.end, tl); break;
         }
         const int nf = 1 + (kind & 1);
-        tile_softmax<D>(ri, st, stage, pt, tl, nf, min(comp.end - comp.e, nf * kFrag), kind < 6);
+        uint2 pb[kMaxFrags][GROUPS];
+        tile_softmax<D>(ri, st, stage, pb, tl, nf, min(comp.end - comp.e, nf * kFrag), kind < 6);
         switch (kind) {
-            case 0: tile_values<D, 0, 1>(st, stage, pt); break;
-            case 1: tile_values<D, 0, kMaxFrags>(st, stage, pt); break;
-            case 2: tile_values<D, 1, 1>(st, stage, pt); break;
-            case 3: tile_values<D, 1, kMaxFrags>(st, stage, pt); break;
-            case 4: tile_values<D, 2, 1>(st, stage, pt); break;
-            case 5: tile_values<D, 2, kMaxFrags>(st, stage, pt); break;
-            default: tile_values<D, 3, 1>(st, stage, pt); break;
+            case 0: tile_values<D, 0, 1>(st, stage, pb); break;
+            case 1: tile_values<D, 0, kMaxFrags>(st, stage, pb); break;
+            case 2: tile_values<D, 1, 1>(st, stage, pb); break;
+            case 3: tile_values<D, 1, kMaxFrags>(st, stage, pb); break;
+            case 4: tile_values<D, 2, 1>(st, stage, pb); break;
+            case 5: tile_values<D, 2, kMaxFrags>(st, stage, pb); break;
+            default: tile_values<D, 3, 1>(st, stage, pb); break;
         }
-        __syncwarp();  // every lane is done with the stage (and pt) before they are refilled
-        comp.next(offs, kb0, warp);
+        __syncwarp();  // every lane is done with the stage before it is refilled
+        }
+        if (copy.done) break;
+        comp = copy;
+        copy.next(offs, kb0, warp);
     }
     cp_async_wait<0>();
     allow_dependent_launch();

@@ -345,9 +345,12 @@ def test_in_place_attention_matches_the_reference(case, dtype: torch.dtype, reco
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-2
     err = (out.float().cpu() - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-6)
     assert err < tol, float(err)
-    # the plain call at the live length: the same tiles, the splits cut elsewhere
+    # the plain call at the live length: the same tiles, the splits cut elsewhere (so each split's
+    # running max, the reference its probabilities are rounded against, moves elsewhere too): equal
+    # to about an output rounding, which for bf16 is up to 2^-7 relative
     plain, _ = kkv.kv_decode_attention_cuda(q.cuda(), cb, kmin.cuda(), krange.cuda(), block, length, tier.cuda(), None, scaling)
-    torch.testing.assert_close(out.float(), plain.float(), rtol=2e-3, atol=2e-3 * plain.float().abs().max().item())
+    close = 8e-3 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(out.float(), plain.float(), rtol=close, atol=close * plain.float().abs().max().item())
     if not record:
         assert torch.equal(mass, mass0) and torch.equal(seen, seen0)
         return
