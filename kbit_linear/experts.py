@@ -60,7 +60,8 @@ from . import _ops  # the op schemas and the gemm entry point
 from . import codebooks
 from . import format as fmt
 from . import weight_layout
-from .linear import _apply_keeping_float32, _check_features, _check_layout, _check_state_dtypes, _check_state_values, _record_layout
+from .linear import (_apply_keeping_float32, _cast_dtype, _check_features, _check_layout, _check_state_dtypes,
+                     _check_state_values, _record_layout)
 from .quantizer import KbitTensors, quantize_weight
 
 __all__ = [
@@ -151,13 +152,31 @@ def _is_silu(act_fn: Any) -> bool:
     return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ in ("SiLUActivation", "SiLU")
 
 
+def _check_module(module: Any, name: str = "module") -> None:
+    """A named TypeError for a non-module (not an AttributeError from deep inside)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{name} must be an nn.Module, got {type(module).__name__}")
+
+
+def _check_dtype(dtype: Any) -> torch.dtype:
+    """``dtype`` if it is a floating-point ``torch.dtype`` (a string or an int dtype would fail
+    later with an unrelated message)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    return dtype
+
+
 def looks_like_experts(module: nn.Module) -> bool:
     """``True`` for a module that holds experts as 3-D weights: a class named ``*Expert*`` with a
     floating-point 3-D parameter of its own, or one with 3-D ``gate_up_proj``/``down_proj``.
 
     These are the modules a model patch reports on (converted, or left dense with a reason); an
     experts container of ``nn.Linear`` layers is not one (its layers are swapped one by one).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
     """
+    _check_module(module)
     own = dict(module.named_parameters(recurse=False))
     if any(own.get(p) is not None and own[p].dim() == 3 for p in PROJECTIONS):
         return True
@@ -193,7 +212,11 @@ def experts_layout_problem(module: nn.Module) -> str | None:
     transformers 5.23: Mixtral, Qwen2-MoE, Qwen3-MoE (and Qwen3-Next, Qwen3-VL-MoE), OLMoE,
     DeepSeek-V2/V3, GLM-4-MoE, Granite-MoE, Jamba, PhiMoE and others generated from the same code.
     Anything else is left dense: quantizing a layout whose math differs would be silently wrong.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
     """
+    _check_module(module)
     if isinstance(module, KbitExperts):
         return "already a KbitExperts"
     cls = type(module)
@@ -415,11 +438,14 @@ class KbitExperts(nn.Module):
         """Replace the stored tensors of ``proj`` by ``tensors`` (as :func:`quantize_experts_weight` returns).
 
         Raises:
-            ValueError / TypeError: a tensor of the wrong dtype or shape, a codebook that is not
-                ``format.validate_codebook``'s (NaN, out of [-1, 1], not increasing), or tensors
-                not on one device (this projection's four and the other projection's), named.
+            ValueError / TypeError: ``tensors`` not a ``KbitTensors``, a tensor of the wrong dtype
+                or shape, a codebook that is not ``format.validate_codebook``'s (NaN, out of
+                [-1, 1], not increasing), or tensors not on one device (this projection's four
+                and the other projection's), named.
         """
         n, k = self.projection_shape(proj)
+        if not isinstance(tensors, KbitTensors):  # fields are read by name below
+            raise TypeError(f"tensors must be a KbitTensors (packed, absmax, codebook, tensor_scale), got {type(tensors).__name__}")
         packed_shape, absmax_shape = fmt.tiled_shapes(n, k, self.bits)
         want = {
             "packed": (torch.int32, (self.num_experts, *packed_shape)),
@@ -630,10 +656,11 @@ class KbitExperts(nn.Module):
 
         Returns:
             ``{"gate_up_proj": [E, 2I, H], "down_proj": [E, H, I]}`` on the module's device.
+
+        Raises:
+            TypeError: ``dtype`` is not a floating-point ``torch.dtype``.
         """
-        dtype = torch.float32 if dtype is None else dtype
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        dtype = _check_dtype(torch.float32 if dtype is None else dtype)
         out = {}
         for proj in PROJECTIONS:
             n, k = self.projection_shape(proj)
@@ -670,13 +697,17 @@ class KbitExperts(nn.Module):
         """The dense experts module this one replaced (its own class), holding the dequantized weights.
 
         Args:
-            dtype: the weights' dtype (default: the dense module's).
+            dtype: the weights' dtype (default: the dense module's, following the casts this
+                module went through since: ``.to(torch.bfloat16)``, ``.half()``, ...).
 
         Raises:
+            TypeError: ``dtype`` is not ``None`` or a floating-point ``torch.dtype``.
             NotImplementedError: this module was not made from a dense one (:meth:`from_experts`,
                 ``quantize_model``, ``load_into`` and the transformers plug-in keep its outline; a
                 module built directly does not).
         """
+        if dtype is not None:
+            _check_dtype(dtype)
         outline = self.__dict__.get("_dense_outline")
         if outline is None:
             raise NotImplementedError("this KbitExperts does not know the dense experts class it stands for (built directly, "
@@ -704,10 +735,30 @@ class KbitExperts(nn.Module):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "KbitExperts":
         self._views.clear()  # views of the old tensors would keep them alive
+        self._cast_outline(fn)  # (probed on the current device, before the tensors move)
         _apply_keeping_float32(self, _FLOAT32_BUFFERS, fn, recurse)
         for proj in PROJECTIONS:  # the new device's layout (kbit_linear.weight_layout)
             weight_layout.adopt(getattr(self, proj), self.bits)
         return self
+
+    def _cast_outline(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Give the dense outline's floating tensors the dtype ``fn`` gives a dense module's, as
+        KbitLinear's ``compute_dtype`` follows a cast: after ``.to(torch.bfloat16)``,
+        :meth:`to_dense` gives bfloat16 experts (the outline is on meta and not a submodule, so
+        ``nn.Module._apply`` never reaches it)."""
+        outline = self.__dict__.get("_dense_outline")
+        if outline is None:
+            return
+        device = self.gate_up_proj.device
+        for table in (outline._parameters, outline._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_floating_point():
+                    continue
+                dtype = _cast_dtype(fn, t.dtype, device)
+                if dtype == t.dtype:
+                    continue
+                new = torch.empty(t.shape, dtype=dtype, device="meta")
+                table[name] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
 
     def _layout(self) -> dict[str, int]:
         """The logical shape a state dict of this module records (:func:`kbit_linear.linear._record_layout`)."""

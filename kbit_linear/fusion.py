@@ -67,7 +67,15 @@ _CROSS_ATTENTION_NAMES = ("encoder_attn", "encoder_decoder_attention")
 def is_cross_attention(name: str, module: nn.Module) -> bool:
     """Whether the module called ``name`` is cross-attention, whose query and key/value
     projections read different inputs (never fused): its ``is_cross_attention`` flag, or "cross"
-    in its name's last component or its class name, or a name of :data:`_CROSS_ATTENTION_NAMES`."""
+    in its name's last component or its class name, or a name of :data:`_CROSS_ATTENTION_NAMES`.
+
+    Raises:
+        TypeError: ``name`` is not a string or ``module`` not an ``nn.Module``.
+    """
+    if not isinstance(name, str):  # (a named error, not an AttributeError on rpartition)
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     last = name.rpartition(".")[2].lower()
     return (bool(getattr(module, "is_cross_attention", False)) or "cross" in last or "cross" in type(module).__name__.lower()
             or last in _CROSS_ATTENTION_NAMES)

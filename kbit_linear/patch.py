@@ -224,8 +224,19 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
     return (t.device, t.untyped_storage().data_ptr())
 
 
+def _check_model(model: object, name: str = "model") -> None:
+    """A named TypeError for a non-module argument (not an AttributeError from deep inside)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{name} must be an nn.Module, got {type(model).__name__}")
+
+
 def module_bytes(model: nn.Module) -> int:
-    """Bytes of all parameters and buffers of ``model``, shared tensors counted once (meta included)."""
+    """Bytes of all parameters and buffers of ``model``, shared tensors counted once (meta included).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    _check_model(model)
     seen: set = set()
     total = 0
     for t in (*model.parameters(), *model.buffers()):
@@ -298,11 +309,24 @@ def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
         name: a qualified module name as in ``root.named_modules()`` (not ``""``: the root
             itself cannot be replaced in place).
         new: the module to put there.
+
+    Raises:
+        TypeError: ``root`` or ``new`` is not an ``nn.Module``.
+        ValueError: ``name`` is empty or names no existing submodule (a misspelled name would
+            otherwise add a new attribute and leave the intended module in place).
     """
-    if not name:
-        raise ValueError("cannot replace the root module in place; give the name of a submodule")
+    _check_model(root, "root")
+    _check_model(new, "new")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"cannot replace the root module in place; give the name of a submodule, got {name!r}")
     parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
+    try:
+        parent = root.get_submodule(parent_name) if parent_name else root
+    except AttributeError as e:
+        raise ValueError(f"replace_module: {name!r} is not a submodule of this {type(root).__name__} ({e})") from None
+    if child not in parent._modules:
+        raise ValueError(f"replace_module: {name!r} is not a submodule of this {type(root).__name__} "
+                         f"({type(parent).__name__} has no submodule {child!r})")
     setattr(parent, child, new)
 
 
@@ -321,7 +345,12 @@ def kbit_placeholder(
         bias: whether it has a bias (default: as ``linear``).
         device: where its tensors live (default: ``linear.weight``'s device).
         hadamard: whether it holds a Hadamard-rotated weight (a ``hadamard_signs`` buffer).
+
+    Raises:
+        TypeError: ``linear`` is not an ``nn.Linear``.
     """
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
     ref = linear.bias if linear.bias is not None else linear.weight
     layer = KbitLinear(
         linear.in_features,
@@ -371,7 +400,11 @@ def convertible_experts(model: nn.Module, skip: Iterable[SkipRule] | str | None 
         reused under several names appears under each), and name -> reason for every module
         that holds experts as 3-D weights (:func:`kbit_linear.experts.looks_like_experts`) and
         is left dense (skip rule, or a layout ``KbitExperts`` does not implement).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or bad skip rules.
     """
+    _check_model(model)
     rules = check_skip_rules(skip)
     names: list[str] = []
     skipped: dict[str, str] = {}
@@ -417,7 +450,11 @@ def convertible_layers(model: nn.Module, skip: Iterable[SkipRule] | str | None =
         module reused under several names appears under each), and name -> reason for every
         ``nn.Linear`` or subclass left alone (skip rule, tied weight, :func:`is_convertible`,
         unsupported weight).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or bad skip rules.
     """
+    _check_model(model)
     rules = check_skip_rules(skip)
     linears = {name: m for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear)}
     tied = _tied_linears(model, linears)
@@ -532,7 +569,8 @@ def quantize_model(
     Raises:
         TypeError / ValueError: bad arguments.
         ValueError: a layer that should be converted cannot be quantized (e.g. NaN/Inf
-            weights); the message names the layer. Layers converted before it stay converted.
+            weights); the message names the layer. Layers converted before it stay converted,
+            and ``save_pretrained`` refuses the half-converted model as it does a quantized one.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -647,40 +685,49 @@ def quantize_model(
         summary.converted_bytes_after += sum(t.numel() * t.element_size() for t in (*new.parameters(), *new.buffers()))
 
     width = f"{summary.mean_layer_bits:.2f} bits mean" if layer_bits else f"{bits} bits"
-    if calibration is None:
-        for name in tqdm(to_convert, desc=f"kbit quantize ({width})", unit="layer", disable=not progress):
-            convert(name)
-    else:
-        calibrate_model(model, to_convert, batches, convert, progress=progress, desc=f"kbit calibrate ({width})")
+    try:
+        if calibration is None:
+            for name in tqdm(to_convert, desc=f"kbit quantize ({width})", unit="layer", disable=not progress):
+                convert(name)
+        else:
+            calibrate_model(model, to_convert, batches, convert, progress=progress, desc=f"kbit calibrate ({width})")
 
-    converted_experts: dict[int, KbitExperts] = {}
-    for name in tqdm(experts_to_convert, desc=f"kbit quantize experts ({width})", unit="module",
-                     disable=not progress or not experts_to_convert):
-        module = model.get_submodule(name)
-        if id(module) not in converted_experts:
-            try:
-                new = KbitExperts.from_experts(module, bits=layer_bits.get(name, bits), codebook=codebook, scale_search=scale_search,
-                                               device=target)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"cannot quantize experts {name!r}: {e}") from e
-            converted_experts[id(module)] = new
-            summary.experts_bytes_before += sum(t.numel() * t.element_size() for t in module.parameters(recurse=False))
-            summary.experts_bytes_after += sum(t.numel() * t.element_size() for t in (*new.parameters(), *new.buffers()))
-            del new
-        replace_module(model, name, converted_experts[id(module)])
-        summary.experts.append(name)
-        del module
+        converted_experts: dict[int, KbitExperts] = {}
+        for name in tqdm(experts_to_convert, desc=f"kbit quantize experts ({width})", unit="module",
+                         disable=not progress or not experts_to_convert):
+            module = model.get_submodule(name)
+            if id(module) not in converted_experts:
+                try:
+                    new = KbitExperts.from_experts(module, bits=layer_bits.get(name, bits), codebook=codebook,
+                                                   scale_search=scale_search, device=target)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"cannot quantize experts {name!r}: {e}") from e
+                converted_experts[id(module)] = new
+                summary.experts_bytes_before += sum(t.numel() * t.element_size() for t in module.parameters(recurse=False))
+                summary.experts_bytes_after += sum(t.numel() * t.element_size() for t in (*new.parameters(), *new.buffers()))
+                del new
+            replace_module(model, name, converted_experts[id(module)])
+            summary.experts.append(name)
+            del module
 
-    if fuse:
-        summary.fusion = fuse_projections(model)
-        summary.routers = fuse_routers(model)
+        if fuse:
+            summary.fusion = fuse_projections(model)
+            summary.routers = fuse_routers(model)
+    finally:
+        # Also when a layer fails midway: the layers before it are swapped already, and a
+        # checkpoint saved by transformers would not load back.
+        if summary.converted or summary.experts:
+            _guard_save_pretrained(model)
     summary.bytes_after = module_bytes(model)
-    if (summary.converted or summary.experts) and callable(getattr(model, "save_pretrained", None)) \
-            and getattr(model, "hf_quantizer", None) is None:
-        # transformers' save_pretrained would write a config without quantization_config, whose
-        # checkpoint neither from_pretrained nor load_into can read back: refuse it, by name.
-        model.save_pretrained = _refuse_save_pretrained
     return summary
+
+
+def _guard_save_pretrained(model: nn.Module) -> None:
+    """Make a transformers model's ``save_pretrained`` refuse (by name) a model holding kbit
+    modules that was not loaded through the plug-in: it would write a config without
+    quantization_config, whose checkpoint neither from_pretrained nor load_into can read back."""
+    if callable(getattr(model, "save_pretrained", None)) and getattr(model, "hf_quantizer", None) is None:
+        model.save_pretrained = _refuse_save_pretrained
 
 
 def _refuse_save_pretrained(*args: object, **kwargs: object) -> None:

@@ -238,6 +238,9 @@ def unfuse_routers(model: nn.Module) -> int:
 
     Returns:
         The number of routers restored.
+
+    Raises:
+        TypeError: ``model`` is not a module.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -247,4 +250,6 @@ def unfuse_routers(model: nn.Module) -> int:
             module.__class__ = _original_class(type(module))
             del module.router_normalize, module.router_scores_float
             restored += 1
+    if restored and "kbit_router_fusion" in model.__dict__:  # what a fused load reported no longer holds
+        del model.kbit_router_fusion
     return restored

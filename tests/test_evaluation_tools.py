@@ -23,7 +23,9 @@ from kbit_linear.tools.evaluation import (
     evaluate_embeddings,
     perplexity_text,
     sentence_embeddings,
+    stored_bits_per_weight,
 )
+from moe_configs import tiny_moe_config
 
 
 def _tiny_llama(seed: int = 0) -> nn.Module:
@@ -31,6 +33,15 @@ def _tiny_llama(seed: int = 0) -> nn.Module:
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _tiny_moe(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(tiny_moe_config("qwen3_moe")).eval()
+
+
+def _experts(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if n.endswith("mlp.experts")}
 
 
 def _tiny_bert(seed: int = 0) -> nn.Module:
@@ -90,6 +101,37 @@ def test_apply_rtn_rounds_the_layers_quantize_model_would_convert():
     assert torch.equal(model.lm_head.weight, head)
     w = model.get_submodule(names[0]).weight
     torch.testing.assert_close(fake_quantize_rtn(w, 3, 32), w)  # rounding again changes nothing
+
+
+def test_apply_rtn_rounds_the_experts_expert_by_expert():
+    model = _tiny_moe()
+    experts = _experts(model)
+    before = {n: {p: getattr(m, p).clone() for p in ("gate_up_proj", "down_proj")} for n, m in experts.items()}
+    names = apply_rtn(model, 3, 32)
+    assert set(experts) <= set(names)
+    for name, module in experts.items():
+        for proj, w in before[name].items():
+            want = torch.stack([fake_quantize_rtn(w[e], 3, 32) for e in range(w.shape[0])])
+            assert torch.equal(getattr(module, proj), want) and not torch.equal(want, w)
+    skipped = _tiny_moe()
+    kept = {n: m.down_proj.clone() for n, m in _experts(skipped).items()}
+    assert not set(kept) & set(apply_rtn(skipped, 3, 32, skip=["lm_head", "experts"]))
+    assert all(torch.equal(m.down_proj, kept[n]) for n, m in _experts(skipped).items())
+
+
+def test_stored_bits_per_weight_counts_the_experts():
+    import kbit_linear
+
+    model = _tiny_moe()
+    assert stored_bits_per_weight(model) is None
+    summary = kbit_linear.quantize_model(model, bits=4, skip=["lm_head", "self_attn", "gate"], progress=False)
+    assert not summary.converted and len(summary.experts) == 2  # experts only
+    weights = summary.experts_bytes_before // 4  # float32 dense experts
+    assert stored_bits_per_weight(model) == pytest.approx(8 * summary.experts_bytes_after / weights)
+    full = _tiny_moe()
+    s = kbit_linear.quantize_model(full, bits=4, progress=False)
+    both = 8 * (s.converted_bytes_after + s.experts_bytes_after) / ((s.converted_bytes_before + s.experts_bytes_before) // 4)
+    assert stored_bits_per_weight(full) == pytest.approx(both, rel=0.05)  # (biases aside: the model has none)
 
 
 # ---------------------------------------------------------------------------------------
@@ -158,6 +200,20 @@ def test_apply_gptq_rounds_every_convertible_layer_of_a_small_model():
         w = model.get_submodule(name).weight
         assert not torch.equal(w, before[name])
         assert all(w[r, g * 32:(g + 1) * 32].unique().numel() <= 16 for r in range(0, w.shape[0], 7) for g in range(w.shape[1] // 32))
+
+
+def test_apply_gptq_rounds_the_experts_data_free():
+    from kbit_linear.calibration import Calibration
+
+    model = _tiny_moe()
+    experts = _experts(model)
+    before = {n: m.gate_up_proj.clone() for n, m in experts.items()}
+    names = apply_gptq(model, 4, 32, Calibration(tokens=torch.randint(0, 96, (2, 16))), progress=False)
+    assert names[-len(experts):] == list(experts)
+    for name, module in experts.items():
+        w = before[name]
+        torch.testing.assert_close(module.gate_up_proj, torch.stack([fake_quantize_rtn(w[e], 4, 32) for e in range(w.shape[0])]),
+                                   rtol=0, atol=0)
 
 
 def test_a_model_agrees_with_itself_and_top1_drops_when_it_changes():

@@ -328,6 +328,67 @@ def test_dequantize_model_gives_the_experts_class_back(family, tmp_path):
     torch.testing.assert_close(_logits(reloaded, ids), _logits(model, ids), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+def test_dequantize_model_after_a_dtype_cast_gives_experts_in_that_dtype(impl):
+    from kbit_linear.patch import dequantize_model
+
+    model = _model("mixtral")
+    model.set_experts_implementation(impl)
+    quantize_model(model, bits=4, progress=False)
+    model.to(torch.bfloat16)  # the experts' dense dtype follows the cast, as KbitLinear's compute_dtype
+    experts = model.model.layers[0].mlp.experts
+    assert experts.to_dense().gate_up_proj.dtype == torch.bfloat16
+    assert experts.gate_up_proj_codebook.dtype == torch.float32  # the format's buffers stay float32
+    dequantize_model(model)
+    for name in _experts_names(model):
+        dense = model.get_submodule(name)
+        assert {p.dtype for p in dense.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        assert model(_ids()).logits.dtype == torch.bfloat16  # eager experts: no dtype mismatch
+
+
+def test_the_dense_outline_follows_half_and_float_round_trips():
+    k = KbitExperts.from_experts(_dense_experts(), bits=4)
+    k.half()
+    assert k.to_dense().down_proj.dtype == torch.float16
+    k.float()
+    assert k.to_dense().down_proj.dtype == torch.float32
+    k.to("cpu")  # a device move keeps the dtype
+    assert k.to_dense().down_proj.dtype == torch.float32
+    assert k.to_dense(torch.float64).down_proj.dtype == torch.float64  # an explicit dtype wins
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", torch.int8, 16], ids=repr)
+def test_to_dense_checks_its_dtype(dtype):
+    k = KbitExperts.from_experts(_dense_experts(), bits=4)
+    with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
+        k.to_dense(dtype)
+
+
+def _bad_input_cases() -> dict[str, callable]:
+    from kbit_linear.fusion import is_cross_attention
+    from kbit_linear.patch import convertible_layers, kbit_placeholder, module_bytes
+
+    return {
+        "experts_layout_problem": (lambda: experts_layout_problem(None), "module must be an nn.Module"),
+        "looks_like_experts": (lambda: looks_like_experts(None), "module must be an nn.Module"),
+        "set_projection": (lambda: KbitExperts(2, 64, 32).set_projection("down_proj", (1, 2)), "tensors must be a KbitTensors"),
+        "convertible_layers": (lambda: convertible_layers(None), "model must be an nn.Module"),
+        "convertible_experts": (lambda: convertible_experts(None), "model must be an nn.Module"),
+        "module_bytes": (lambda: module_bytes(None), "model must be an nn.Module"),
+        "kbit_placeholder": (lambda: kbit_placeholder(None, 4), "linear must be an nn.Linear"),
+        "is_cross_attention": (lambda: is_cross_attention(None, None), "name must be a str"),
+        "is_cross_attention-module": (lambda: is_cross_attention("attn", None), "module must be an nn.Module"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_input_cases()))
+def test_bad_inputs_raise_a_named_type_error(case):
+    call, match = _bad_input_cases()[case]
+    with pytest.raises(TypeError, match=match):
+        call()
+
+
 def test_load_state_dict_refuses_another_shape_and_values_experts_cannot_hold():
     """An intermediate size that pads to the same tiles stores alike: the state dict's record of the
     module's shape refuses it. Levels out of order and tensor scales that are not powers of two are

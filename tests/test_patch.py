@@ -380,6 +380,37 @@ def test_replace_module_and_placeholders():
         replace_module(model, "", meta)
 
 
+def test_replace_module_refuses_a_name_that_is_no_submodule():
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 2))
+    before = dict(model.named_modules())
+    for name in ("0.1", "0.linear", "2", "nope.0"):  # a misspelled child, a missing parent
+        with pytest.raises(ValueError, match=re.escape(repr(name))):
+            replace_module(model, name, nn.Identity())
+    assert dict(model.named_modules()) == before  # nothing added or replaced
+    with pytest.raises(TypeError, match="new must be an nn.Module"):
+        replace_module(model, "1", "identity")
+    with pytest.raises(TypeError, match="root must be an nn.Module"):
+        replace_module(None, "1", nn.Identity())
+
+
+def test_a_quantize_model_that_fails_midway_still_guards_save_pretrained(tmp_path):
+    model = _llama(tied=False)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="cannot quantize layer 'model.layers.1.self_attn.o_proj'"):
+        quantize_model(model, bits=4, progress=False)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, KbitLinear)  # layers before it are swapped
+    with pytest.raises(ValueError, match="cannot be saved with save_pretrained"):
+        model.save_pretrained(tmp_path)
+    assert not any(tmp_path.iterdir())
+    failed_first = _llama(tied=False)  # nothing swapped: transformers' own save_pretrained stays
+    with torch.no_grad():
+        failed_first.model.layers[0].self_attn.q_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="cannot quantize layer"):
+        quantize_model(failed_first, bits=4, progress=False)
+    assert "save_pretrained" not in failed_first.__dict__
+
+
 def test_check_skip_rules_names_the_argument():
     assert check_skip_rules(None) == () and check_skip_rules("lm_head") == ("lm_head",)
     with pytest.raises(TypeError, match="skip_modules entries"):

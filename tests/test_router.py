@@ -249,6 +249,12 @@ def test_quantize_model_and_from_pretrained_with_fuse_fuse_the_routers(tmp_path)
     assert all(isinstance(m, FusedTopKRouter) for m in _routers(loaded).values())
     with torch.no_grad():
         assert torch.isfinite(loaded(ids).logits).all()
+    loaded.dequantize()  # the routers are restored: the report of what was fused goes with them
+    assert not hasattr(loaded, "kbit_router_fusion") and not hasattr(loaded, "kbit_fusion")
+    assert not any(isinstance(m, FusedTopKRouter) for m in loaded.modules())
+    kbit_linear.fuse_routers(model)
+    model.kbit_router_fusion = summary.routers  # as a fused load records it
+    assert kbit_linear.unfuse_routers(model) == 2 and not hasattr(model, "kbit_router_fusion")
 
 
 @pytest.mark.parametrize("normalize,scores_float", [(True, False), (True, True), (False, False)])

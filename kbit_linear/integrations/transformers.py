@@ -795,8 +795,11 @@ class KbitHfQuantizer(HfQuantizer):
 
     def _dequantize(self, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
         """``model.dequantize()``: dense ``nn.Linear`` layers back (:func:`kbit_linear.patch.dequantize_model`),
-        in ``dtype`` (transformers passes the dtype the model was loaded in)."""
+        in ``dtype`` (transformers passes the dtype the model was loaded in). The fusion reports of a
+        ``fuse=True`` load (``kbit_fusion``, ``kbit_router_fusion``) go with the kbit modules."""
         dequantize_model(model, dtype if isinstance(dtype, torch.dtype) else None)
+        for report in ("kbit_fusion", "kbit_router_fusion"):  # (also when nothing was fused: the model is dense now)
+            model.__dict__.pop(report, None)
         return model
 
     @property

@@ -17,6 +17,11 @@ calibration data and block-by-block pass as this project's calibrated rounding
 zero taken from the error-updated weights when the sweep reaches the group (AutoGPTQ without
 ``desc_act``); or activation order (``act_order=True``: descending ``H[j, j]``, every group's grid
 taken from the weights as given before the sweep, AutoGPTQ's ``desc_act`` with ``static_groups``).
+
+Mixture-of-experts models: the experts modules :func:`kbit_linear.quantize_model` converts
+(:func:`kbit_linear.patch.convertible_experts`) are rounded expert by expert, each expert's
+``[out, in]`` matrix of ``gate_up_proj`` and ``down_proj`` on the RTN grid; by :func:`apply_gptq`
+too (data-free, as ``quantize_model`` with ``calibration`` leaves the experts data-free).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from torch import nn
 
 from .. import format as fmt
 from ..calibration import DEFAULT_DAMP, Calibration, calibrate_model, check_damp, check_hessian, damped_inverse_cholesky
-from ..patch import SkipRule, convertible_layers
+from ..experts import PROJECTIONS
+from ..patch import SkipRule, convertible_experts, convertible_layers
 
 __all__ = ["fake_quantize_rtn", "rtn_bits_per_weight", "apply_rtn", "fake_quantize_gptq", "apply_gptq"]
 
@@ -91,9 +97,25 @@ def rtn_bits_per_weight(bits: int, group_size: int) -> float:
     return bits + 32 / group_size
 
 
+def _round_experts(model: nn.Module, names: list[str], bits: int, group_size: int) -> None:
+    """RTN-round, in place, each expert's matrix of both projections of the experts modules ``names``
+    (``[E, out, in]``: one expert at a time, so one expert's temporaries at a time)."""
+    done: set[int] = set()
+    for name in names:
+        module = model.get_submodule(name)
+        if id(module) in done:  # reused under several names: rounded once
+            continue
+        done.add(id(module))
+        for proj in PROJECTIONS:
+            w = getattr(module, proj)
+            for e in range(w.shape[0]):
+                w[e].copy_(fake_quantize_rtn(w[e], bits, group_size))
+
+
 @torch.no_grad()
 def apply_rtn(model: nn.Module, bits: int, group_size: int, skip: Iterable[SkipRule] | str | None = ("lm_head",)) -> list[str]:
-    """Fake-quantize, in place, the layers that :func:`kbit_linear.quantize_model` would convert.
+    """Fake-quantize, in place, the layers and MoE experts modules that :func:`kbit_linear.quantize_model`
+    would convert (experts expert by expert).
 
     Args:
         model: any module.
@@ -102,14 +124,16 @@ def apply_rtn(model: nn.Module, bits: int, group_size: int, skip: Iterable[SkipR
         skip: skip rules as in :func:`kbit_linear.quantize_model` (tied weights are skipped too).
 
     Returns:
-        The names of the rounded layers.
+        The names of the rounded layers, then of the rounded experts modules.
     """
     _check(bits, group_size)
     names, _ = convertible_layers(model, skip)
+    experts, _ = convertible_experts(model, skip)
     for name in names:
         linear = model.get_submodule(name)
         linear.weight.copy_(fake_quantize_rtn(linear.weight, bits, group_size))
-    return names
+    _round_experts(model, experts, bits, group_size)
+    return names + experts
 
 
 def fake_quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int,
@@ -182,18 +206,21 @@ def apply_gptq(model: nn.Module, bits: int, group_size: int, calibration: Calibr
     """GPTQ-round, in place, the layers that :func:`kbit_linear.quantize_model` would convert,
     block by block on ``calibration``'s data (:func:`kbit_linear.calibration.calibrate_model`),
     in activation order if ``act_order`` (default: ``calibration.act_order``, as the calibrated
-    kbit rows use it).
+    kbit rows use it). MoE experts modules that ``quantize_model`` converts are RTN-rounded after
+    the pass, expert by expert (data-free, as ``quantize_model`` with ``calibration`` leaves them).
 
     Returns:
-        The names of the rounded layers.
+        The names of the rounded layers, then of the rounded experts modules.
     """
     _check(bits, group_size)
     order = calibration.act_order if act_order is None else fmt.check_bool("act_order", act_order)
     names, _ = convertible_layers(model, skip)
+    experts, _ = convertible_experts(model, skip)
 
     def quantize_layer(name: str, hessian: torch.Tensor) -> None:
         linear = model.get_submodule(name)
         linear.weight.copy_(fake_quantize_gptq(linear.weight, hessian, bits, group_size, act_order=order))
 
     calibrate_model(model, names, calibration.batches(), quantize_layer, progress=progress, desc="GPTQ baseline")
-    return names
+    _round_experts(model, experts, bits, group_size)  # after the pass: dense experts during it, as quantize_model's
+    return names + experts

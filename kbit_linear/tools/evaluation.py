@@ -202,15 +202,19 @@ def evaluate(model: nn.Module, windows: torch.Tensor, reference: nn.Module | lis
 
 
 def stored_bits_per_weight(model: nn.Module) -> float | None:
-    """Bits stored per weight over the model's quantized layers, everything counted.
+    """Bits stored per weight over the model's quantized layers and experts, everything counted.
 
     Counts the planes, the E4M4 scales, the codebook, the tensor scale and the Hadamard signs
     (where present) of every :class:`~kbit_linear.KbitLinear` (padding to the 64 x 128 tiles
-    included), divided by the layers' true ``in_features * out_features``. Biases are not counted.
+    included), and the same tensors of both projections of every
+    :class:`~kbit_linear.experts.KbitExperts`, divided by the true weight count
+    (``in_features * out_features`` per layer, ``E * 3 * H * I`` per experts module). Biases are
+    not counted.
 
     Returns:
-        The ratio, or ``None`` when the model has no quantized layer.
+        The ratio, or ``None`` when the model has no quantized layer or experts module.
     """
+    from ..experts import PROJECTIONS, TENSOR_SUFFIXES, KbitExperts
     from ..fusion import kbit_layers
 
     if not isinstance(model, nn.Module):
@@ -220,6 +224,14 @@ def stored_bits_per_weight(model: nn.Module) -> float | None:
         tensors = (module.weight, module.absmax, module.codebook, module.tensor_scale, module.hadamard_signs)
         stored += sum(t.numel() * t.element_size() for t in tensors if t is not None)
         weights += module.in_features * module.out_features
+    # On MoE models most weights are in the experts (modules() yields a shared one once).
+    for module in model.modules():
+        if isinstance(module, KbitExperts):
+            for proj in PROJECTIONS:
+                t_all = (getattr(module, proj + suffix) for suffix in TENSOR_SUFFIXES.values())
+                stored += sum(t.numel() * t.element_size() for t in t_all)
+                n, k = module.projection_shape(proj)
+                weights += module.num_experts * n * k
     return 8 * stored / weights if weights else None
 
 
