@@ -272,9 +272,19 @@ def forward_ad_active() -> bool:
     return _fwAD._current_level >= 0  # a module global: no tensor is looked at
 
 
+def _requires_grad(arg: object) -> bool:
+    """A tensor that requires grad, or a list / tuple holding one."""
+    if isinstance(arg, torch.Tensor):
+        return arg.requires_grad
+    return isinstance(arg, (list, tuple)) and any(_requires_grad(a) for a in arg)
+
+
 def needs_gradient(*args: object) -> bool:
-    """Whether reverse mode records a call on ``args``: grad mode on and a tensor among them requires grad."""
-    return torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
+    """Whether reverse mode records a call on ``args``: grad mode on and a tensor among them
+    (or in a list among them) requires grad. Plain Python, so that torch.compile traces it inside
+    a module's forward (``torch._C._any_requires_grad`` is opaque to it: a graph break, an error
+    under ``fullgraph``)."""
+    return torch.is_grad_enabled() and any(_requires_grad(a) for a in args)
 
 
 def differentiating(*args: object) -> bool:

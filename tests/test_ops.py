@@ -170,3 +170,20 @@ def test_eager_registrations_check_their_arguments():
             register("tpu", lambda *a: None)
     with pytest.raises(ValueError, match="device_type must be 'cuda'"):
         _ops.register_eager_dequantize("cpu", lambda *a: None)  # the eager autograd path is CUDA's only
+
+
+def test_needs_gradient_traces_under_compile():
+    """KbitExperts' forward asks needs_gradient inside torch.compile(fullgraph=True): it must be
+    plain Python to dynamo (torch._C._any_requires_grad was a graph break, an error under fullgraph)."""
+    from kbit_linear import _ops
+
+    def f(w: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+        return w * 3 if _ops.needs_gradient(w, ws, 2) else w * 2
+
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    plain = torch.ones(3)
+    assert torch.equal(compiled(plain, [plain]), plain * 2)
+    assert torch.equal(compiled(torch.ones(3, requires_grad=True), [plain]).detach(), plain * 3)
+    assert torch.equal(compiled(plain, [torch.ones(3, requires_grad=True)]), plain * 3)
+    with torch.no_grad():
+        assert torch.equal(compiled(torch.ones(3, requires_grad=True), [plain]), plain * 2)

@@ -72,8 +72,8 @@ def stage_bytes(head_dim: int) -> int:
 
 def decode_smem_bytes(head_dim: int) -> int:
     """Dynamic shared memory of one decode block (``Smem<D>::BYTES`` in the kernel)."""
-    ksteps, groups = head_dim // 16, head_dim // 64
-    ring_at = _ROWS * head_dim * 4 + ksteps * 32 * 8 + _WARPS * groups * _ROWS * _MAX_TILE * 2
+    ksteps = head_dim // 16
+    ring_at = _ROWS * head_dim * 4 + ksteps * 32 * 8
     ring_at += _WARPS * _ROWS * 2 * 4 + (MAX_SPLIT_KEY_BLOCKS + 1) * 16
     return ring_at + max(_WARPS * _STAGES * stage_bytes(head_dim), _WARPS * _ROWS * head_dim * 4)  # ring, then the warps' outputs
 
