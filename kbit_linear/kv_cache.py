@@ -49,6 +49,7 @@ from .kv_format import (
     KVStore8,
     _check_positive_int,
     accumulate_mass,
+    attended_positions,
     causal_visible,
     channel_group,
     dequantize_bucket,
@@ -629,7 +630,7 @@ class KbitKVLayer(CacheLayerMixin):
             raise ValueError(f"query of shape {tuple(query.shape)} does not fit the cache ({self.heads} KV heads of {self.head_dim})")
         s = self.seq_len
         dev = query.device
-        self._note_first_valid(attention_mask, b, s, dev)
+        self._note_first_valid(attention_mask, b, q, s, dev)
         if q <= DECODE_MAX_QUERIES:
             return self._decode(query, attention_mask, scaling)
         bias = mask_bias(attention_mask, b, q, s, dev)
@@ -644,20 +645,22 @@ class KbitKVLayer(CacheLayerMixin):
         self.seen += torch.isfinite(bias[:, -o:]).sum(1).float() * hq
         return out
 
-    def _note_first_valid(self, attention_mask: torch.Tensor | None, b: int, s: int, dev: torch.device) -> None:
+    def _note_first_valid(self, attention_mask: torch.Tensor | None, b: int, q: int, s: int, dev: torch.device) -> None:
         """``first_valid`` from the first attention call (0 for every row without a mask), then, for a
         row whose positions were all padding so far (left padding longer than a prompt's first
         chunk), from the first masked call that shows one of its positions. One host read per
-        masked call while such a row is left, none after."""
+        masked call while such a row is left, none after. A position counts as shown when any of
+        the call's queries may attend it: on a sliding-window layer the last query's window starts
+        later than the row's first unpadded position, which the query at that position sees."""
         if self.first_valid is None:
             self.first_valid = torch.zeros(b, dtype=torch.int64, device=dev)
             self._first_valid_known = torch.full((b,), attention_mask is None, dtype=torch.bool, device=dev)
             self._rows_pending = attention_mask is not None
         if attention_mask is None or not self._rows_pending:
             return
-        seen_last = torch.isfinite(mask_bias(attention_mask[:, :, -1:], b, 1, s, dev)[:, 0, :])
-        found = seen_last.any(1) & ~self._first_valid_known
-        self.first_valid = torch.where(found, seen_last.to(torch.int8).argmax(1).to(torch.int64), self.first_valid)
+        shown = attended_positions(attention_mask, b, q, s, dev)
+        found = shown.any(1) & ~self._first_valid_known
+        self.first_valid = torch.where(found, shown.to(torch.int8).argmax(1).to(torch.int64), self.first_valid)
         self._first_valid_known |= found
         self._rows_pending = not bool(self._first_valid_known.all())
 

@@ -67,6 +67,7 @@ __all__ = [
     "bytes_per_token",
     "bucket_attention",
     "mask_bias",
+    "attended_positions",
     "visible_queries",
     "causal_visible",
     "accumulate_mass",
@@ -528,19 +529,44 @@ def mask_bias(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int,
         qi = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
         allowed = torch.arange(kv_len, device=device).unsqueeze(0) <= qi
         return torch.where(allowed, 0.0, -math.inf).expand(batch, q_len, kv_len)
+    m = _mask_rows(mask, batch, q_len, kv_len)
+    if device is not None:
+        m = m.to(device)
+    if m.dtype == torch.bool:
+        m = torch.where(m, 0.0, -math.inf).to(torch.float32)
+    else:
+        m = torch.where(_masked(m), -math.inf, m.float())
+    return m.expand(batch, q_len, kv_len)
+
+
+def _mask_rows(mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
+    """The checked mask's last ``q_len`` query rows over the last ``kv_len`` positions, head 0:
+    ``[B or 1, q_len, kv_len]``, in its own dtype."""
     if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[-2] < q_len or mask.shape[-1] < kv_len:
         raise ValueError(f"attention_mask of shape {tuple(mask.shape)} does not cover batch {batch}, {q_len} queries "
                          f"and {kv_len} cached positions ([batch or 1, heads, >= queries, >= positions])")
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(f"attention_mask must be bool (True: attend) or a floating-point bias, got {mask.dtype}")
-    m = mask[:, 0, -q_len:, -kv_len:]
-    if device is not None:
-        m = m.to(device)
-    if m.dtype == torch.bool:
-        m = torch.where(m, 0.0, -math.inf).to(torch.float32)
-    else:  # a bias: its dtype's lowest value (transformers' masked entries) or near it is masked, as -inf
-        m = torch.where(m <= torch.finfo(m.dtype).min / 2, -math.inf, m.float())
-    return m.expand(batch, q_len, kv_len)
+    return mask[:, 0, -q_len:, -kv_len:]
+
+
+def _masked(bias: torch.Tensor) -> torch.Tensor:
+    """The masked entries of a floating-point mask: its dtype's lowest value (transformers' masked
+    entries) or near it."""
+    return bias <= torch.finfo(bias.dtype).min / 2
+
+
+def attended_positions(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+    """bool ``[B, kv_len]``: the positions that at least one of the ``q_len`` queries may attend
+    (the mask as in :func:`mask_bias`; ``None``: every position), without a float32 copy of the
+    mask."""
+    if mask is None:
+        return torch.ones(batch, kv_len, dtype=torch.bool, device=device)
+    m = _mask_rows(mask, batch, q_len, kv_len)
+    allowed = m if m.dtype == torch.bool else ~_masked(m)
+    out = allowed.any(1).expand(batch, kv_len)
+    return out.to(device) if device is not None else out
 
 
 def visible_queries(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int,

@@ -794,3 +794,19 @@ def test_first_valid_of_a_row_whose_first_prompt_chunk_is_all_padding() -> None:
     for a, b in zip(whole.layers, chunked.layers):
         assert a.first_valid.tolist() == b.first_valid.tolist() == [0, 20]
         assert not b._rows_pending
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral"])
+def test_first_valid_on_sliding_window_layers_is_the_first_unpadded_position(kind: str) -> None:
+    """A sliding-window layer's mask hides the positions before the window: the sinks still start at
+    a row's first unpadded position, not at the window's start (which would keep the wrong tokens at
+    8 bits), as on the full-attention layers."""
+    model = _tiny(kind)
+    ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 60, dtype=torch.long)
+    mask[1, :20] = 0
+    cache = KbitKVCache(model.config, kv_bits=4)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    for layer in cache.layers:
+        assert layer.first_valid.tolist() == [0, 20]
