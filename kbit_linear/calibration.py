@@ -60,6 +60,7 @@ __all__ = [
     "SWEEP_CUDA_GRAPHS",
     "CALIBRATION_MODULES",
     "Calibration",
+    "check_calibration_model",
     "check_damp",
     "check_lazy_block",
     "check_hessian",
@@ -709,6 +710,28 @@ def _never_called(uncalled: list[str], names: list[str]) -> ValueError:
         f"skip={rules + ['lm_head']!r} (skip replaces the default ('lm_head',)), or calibrate with inputs that run them")
 
 
+def check_calibration_model(model: Any) -> None:
+    """Refuse, up front, a model that calibration cannot run: not an ``nn.Module``, or an
+    encoder-decoder model (``config.is_encoder_decoder``, e.g. T5, BART), whose forward needs
+    decoder inputs besides ``input_ids`` (it would fail inside transformers during the capture
+    pass).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: ``model`` is an encoder-decoder model.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False) is True:
+        data_free = "data-free quantization (quantize_model without calibration) works for them"
+        raise ValueError(
+            f"model: calibration does not support encoder-decoder models ({type(model).__name__} has "
+            f"config.is_encoder_decoder=True and needs decoder inputs besides input_ids); it supports "
+            f"decoder-only and encoder-only models that run on input_ids alone. Nothing was changed; "
+            f"{data_free}")
+
+
 @torch.no_grad()
 def calibrate_model(
     model: nn.Module,
@@ -746,14 +769,19 @@ def calibrate_model(
         desc: the progress bar's title.
 
     Raises:
-        TypeError: ``batches`` one tensor, or an item not an integer tensor; ``names`` a str, or
-            naming a module that is not an ``nn.Linear``.
-        ValueError: no batches, an item not 2-D, a name of no module, or layers that never run
+        TypeError: ``model`` not an ``nn.Module``; ``batches`` one tensor, or an item not an
+            integer tensor; ``names`` a str, or naming a module that is not an ``nn.Linear``;
+            ``quantize_layer`` not callable.
+        ValueError: an encoder-decoder ``model`` (``config.is_encoder_decoder``: it needs decoder
+            inputs; :func:`check_calibration_model`), no batches, an item not 2-D, a name of no module, or layers that never run
             on the batches (e.g. a vision tower run on token ids; raised before any
             ``quantize_layer`` call, naming the skip rules that would leave them dense).
     """
+    check_calibration_model(model)
     names = _check_names(model, names)
     batches = _check_batches(batches)
+    if not callable(quantize_layer):
+        raise TypeError(f"quantize_layer must be callable (name, hessian), got {type(quantize_layer).__name__}")
     training = {name: m.training for name, m in model.named_modules()}
     bar = tqdm(total=len(names), desc=desc, unit="layer", disable=not progress)
     try:

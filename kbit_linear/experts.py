@@ -130,13 +130,18 @@ def route_tokens(top_k_index: torch.Tensor, num_experts: int) -> ExpertRouting:
 
     Args:
         top_k_index: integer ``[T, top_k]``, expert ids in ``[0, num_experts]``; ``num_experts``
-            marks a slot that goes to no expert (transformers' convention). Not checked here
-            (the caller validates once).
+            marks a slot that goes to no expert (transformers' convention). Its values are not
+            checked here (the caller validates once; that needs a host sync), its type and shape are.
         num_experts: E.
 
     Returns:
         :class:`ExpertRouting` on ``top_k_index``'s device.
     """
+    if not isinstance(top_k_index, torch.Tensor) or top_k_index.dim() != 2 or top_k_index.is_floating_point():
+        raise TypeError(f"top_k_index must be an integer [tokens, top_k] tensor, got "
+                        f"{type(top_k_index).__name__ if not isinstance(top_k_index, torch.Tensor) else tuple(top_k_index.shape)}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     counts, offsets, perm = _grouped_ops.route_slots(top_k_index, num_experts)
     return ExpertRouting(counts, offsets, perm)
 
@@ -295,7 +300,7 @@ def quantize_experts_weight(
         raise ValueError(f"{name} must be a non-empty 3-D [experts, out_features, in_features] tensor, got shape {tuple(weight.shape)}")
     fmt.check_bits(bits)
     e, n, k = weight.shape
-    device = weight.device if device is None else torch.device(device)
+    device = weight.device if device is None else fmt.check_device(device)
     # one set of levels for all the experts ("fitted": on all of them, a sample of rows)
     cb = codebooks.resolve_codebook_option(codebook, weight.detach().reshape(e * n, k), bits, scale_search=scale_search,
                                            device=device)
@@ -360,6 +365,7 @@ class KbitExperts(nn.Module):
         self.hidden_dim = _check_features("hidden_dim", hidden_dim)
         self.intermediate_dim = _check_features("intermediate_dim", intermediate_dim)
         self.bits = fmt.check_bits(bits)
+        device = fmt.check_device(device)
         if act_fn is None:
             act_fn = nn.SiLU()
         if not callable(act_fn):

@@ -101,6 +101,32 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+def check_device(device: object, name: str = "device") -> torch.device | None:
+    """``device`` as a ``torch.device`` (``None`` stays ``None``), checked before anything is touched.
+
+    Accepts what ``torch.device`` accepts (a ``torch.device``, a str such as ``"cpu"`` or
+    ``"cuda:0"``, an int CUDA ordinal). Raises a TypeError for another type, a ValueError for a
+    string torch cannot parse or a CUDA device where CUDA is not available (not a RuntimeError
+    from torch halfway through).
+    """
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device, int)) or isinstance(device, bool):
+        raise TypeError(f"{name} must be a torch.device, a str, an int or None, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        if isinstance(device, int) and device >= 0:  # an ordinal of the current accelerator
+            raise ValueError(f"{name} {device!r}: no CUDA (or other accelerator) device is available here ({e})") from None
+        raise ValueError(f"{name} {device!r} is not a device torch knows: {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name} {str(dev)!r}: CUDA is not available here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name} {str(dev)!r}: there are only {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
 def check_weight(weight: torch.Tensor, name: str = "weight", *, finite: bool = True) -> None:
     """Raise unless ``weight`` is a non-empty 2-D floating-point tensor (and, with ``finite``, has no NaN/Inf).
 

@@ -178,15 +178,7 @@ def _check_args(path: Any, dtype: Any, device: Any, requantize_bits: Any, scale_
         dtype = torch.get_default_dtype()
     elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
-    if device is not None:
-        if not isinstance(device, (str, torch.device, int)) or isinstance(device, bool):
-            raise TypeError(f"device must be a str, torch.device, int or None, got {type(device).__name__}")
-        try:
-            device = torch.device(device)
-        except (RuntimeError, ValueError) as e:
-            raise ValueError(f"device {device!r} is not a device torch knows: {e}") from None
-        if device.type == "cuda" and not torch.cuda.is_available():  # fail before the file is read, not after
-            raise ValueError(f"device {str(device)!r}: CUDA is not available here")
+    device = fmt.check_device(device)  # fail before the file is read, not after
     if requantize_bits is not None:
         try:
             fmt.check_bits(requantize_bits)

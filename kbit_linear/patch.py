@@ -48,7 +48,7 @@ from . import format as fmt
 from . import hadamard as hd
 from .fusion import DEFAULT_GROUPS, FusionSummary, fuse_projections, is_cross_attention, unfuse_projections
 from .router import RouterFusionSummary, fuse_routers, unfuse_routers
-from .calibration import Calibration, calibrate_model
+from .calibration import Calibration, calibrate_model, check_calibration_model
 from .experts import PROJECTIONS, KbitExperts, experts_layout_problem, looks_like_experts
 from .linear import KbitLinear
 from .quantizer import GroupShared, check_hadamard_search, group_quantization
@@ -169,9 +169,12 @@ def matches_skip(name: str, rules: Iterable[SkipRule]) -> SkipRule | None:
         The matching rule, or ``None``.
 
     Raises:
+        TypeError: ``name`` is not a str.
         TypeError / ValueError: bad rules (:func:`check_skip_rules`: one bare rule is taken as one
             rule, not iterated character by character).
     """
+    if not isinstance(name, str):  # (None would match no rule and pass silently)
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
     for rule in check_skip_rules(rules, "rules"):
         if isinstance(rule, re.Pattern):
             if rule.search(name):
@@ -351,6 +354,7 @@ def kbit_placeholder(
     """
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+    device = fmt.check_device(device)
     ref = linear.bias if linear.bias is not None else linear.weight
     layer = KbitLinear(
         linear.in_features,
@@ -380,6 +384,7 @@ def experts_placeholder(module: nn.Module, bits: int, *, device: torch.device | 
     problem = experts_layout_problem(module)
     if problem is not None:
         raise ValueError(f"module cannot be replaced by kbit experts: {problem}")
+    device = fmt.check_device(device)
     e, two_i, h = module.gate_up_proj.shape
     new = KbitExperts(e, h, two_i // 2, bits=bits, act_fn=module.act_fn,
                       device=module.gate_up_proj.device if device is None else device)
@@ -509,7 +514,8 @@ def quantize_model(
             dotted-name components such as ``"lm_head"``, ``"model.layers.0"``, ``"mlp"``, or
             a ``"re:"``-prefixed string / compiled regex searched in the name). Default
             ``("lm_head",)``; the given rules replace the default. ``None`` or ``()``
-            converts every convertible layer.
+            converts every convertible layer. The model's ``_keep_in_fp32_modules`` (T5's
+            ``wo``) always stay dense, as transformers' quantizers keep them.
         codebook: float ``[2**bits]`` shared by every layer (each layer stores its own
             copy); ``None``: the normal-float codebook; ``"fitted"``: levels fitted to each
             weight (:mod:`kbit_linear.codebooks`; an experts projection: one set for all its
@@ -589,7 +595,7 @@ def quantize_model(
         allocation.check_codebook_for_widths(codebook)
     # fail before the first layer is touched, not halfway through the model
     codebook = codebooks.check_codebook_option(codebook, bits)
-    target = torch.device(device) if device is not None else None
+    target = fmt.check_device(device)
     if isinstance(calibration, torch.Tensor):
         calibration = Calibration(tokens=calibration)
     if calibration is not None:
@@ -597,6 +603,7 @@ def quantize_model(
             raise TypeError(f"calibration must be a Calibration, a tensor of token ids or None, got {type(calibration).__name__}")
         if target is not None:
             raise ValueError("calibration runs the model where it is: move the model first instead of passing device")
+        check_calibration_model(model)  # an encoder-decoder model would fail inside transformers
         if any(p.device.type == "meta" for p in model.parameters()):
             raise ValueError("calibration needs a model with real weights, not on the meta device")
         batches = calibration.batches()  # tokenize before the first layer is touched
@@ -610,10 +617,16 @@ def quantize_model(
 
     summary = QuantizationSummary(bits=bits, bytes_before=module_bytes(model))
     summary.unmatched_skip = unmatched
+    # The modules the model keeps in float32 stay dense, as transformers' quantizers and this
+    # package's plug-in keep them (T5 casts ``wo``'s input to that layer's weight dtype).
+    keep = [m for m in (getattr(model, "_keep_in_fp32_modules", None) or ()) if isinstance(m, str) and m]
     # Names, not modules: a dense layer must be unreferenced once swapped out.
-    to_convert, summary.skipped = convertible_layers(model, rules)
-    experts_to_convert, experts_skipped = convertible_experts(model, rules)
+    to_convert, summary.skipped = convertible_layers(model, (*rules, *keep))
+    experts_to_convert, experts_skipped = convertible_experts(model, (*rules, *keep))
     summary.skipped.update(experts_skipped)
+    for name in summary.skipped:
+        if keep and matches_skip(name, rules) is None and matches_skip(name, keep) is not None:
+            summary.skipped[name] = "kept in float32 by the model (_keep_in_fp32_modules)"
 
     converted: dict[int, KbitLinear] = {}  # a Linear reused under several names -> one KbitLinear
     layer_bits: dict[str, int] = {}
@@ -801,8 +814,24 @@ def sibling_groups(names: Iterable[str], layer_bits: dict[str, int], bits: int,
     """layer name -> its group of sibling projections (:data:`kbit_linear.fusion.DEFAULT_GROUPS`,
     full names), for the groups whose layers are all in ``names`` and have one width
     (``layer_bits``, else ``bits``), and, given ``model``, whose parent is not cross-attention
-    (:func:`kbit_linear.fusion.is_cross_attention`: never fused, so never quantized together)."""
+    (:func:`kbit_linear.fusion.is_cross_attention`: never fused, so never quantized together).
+
+    Raises:
+        TypeError: ``names`` not an iterable of str (one str is refused, not taken character by
+            character), ``layer_bits`` not a dict, ``model`` neither an ``nn.Module`` nor ``None``.
+        TypeError / ValueError: ``bits`` not an int in 2..5.
+    """
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise TypeError(f"names must be an iterable of layer names (str), got {type(names).__name__}")
     todo = set(names)
+    bad = next((n for n in todo if not isinstance(n, str)), None)
+    if bad is not None:
+        raise TypeError(f"names must hold str layer names, got {type(bad).__name__}")
+    if not isinstance(layer_bits, dict):
+        raise TypeError(f"layer_bits must be a dict of layer name -> bits, got {type(layer_bits).__name__}")
+    fmt.check_bits(bits)
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")
     out: dict[str, tuple[str, ...]] = {}
     for name in todo:
         parent, _, child = name.rpartition(".")

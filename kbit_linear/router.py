@@ -61,7 +61,13 @@ class FusedTopKRouter(nn.Module):
         """``(router_logits [T, E], scores [T, top_k], index int64 [T, top_k])`` for ``hidden_states [..., H]``.
 
         Hidden states of another dtype than the weight, or autocast, take the original forward
-        (whatever casts it makes are its own)."""
+        (whatever casts it makes are its own).
+
+        Raises:
+            TypeError: ``hidden_states`` is not a tensor.
+        """
+        if not isinstance(hidden_states, torch.Tensor):  # (not an AttributeError on .dtype)
+            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
         if hidden_states.dtype != self.weight.dtype or torch.is_autocast_enabled(hidden_states.device.type):
             return _original_class(type(self)).forward(self, hidden_states)
         x = hidden_states.reshape(-1, self.weight.shape[1])
@@ -144,7 +150,13 @@ def router_options(module: nn.Module) -> tuple[bool, bool] | str:
     tuple of three tensors: logits equal to ``F.linear``'s, the chosen experts' probabilities equal
     to the reference's (up to float32 rounding of the renormalisation) and the scores' dtype that
     the options name.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` (a reason string is for a module that is
+            not such a router, not for a wrong argument).
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     why = _router_parts(module)
     if why is not None:
         return why

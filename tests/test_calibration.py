@@ -517,3 +517,50 @@ def test_lazy_block_reaches_the_quantizer(monkeypatch):
     assert seen == [64, 96]
     with pytest.raises(ValueError, match="lazy_block must be a multiple of 32"):
         kbit_linear.KbitLinear.from_linear(linear, 3, hessian=x.T @ x, lazy_block=48)
+
+
+def _tiny_t5(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.T5Config(vocab_size=96, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                                num_heads=4, decoder_start_token_id=0)
+    return transformers.T5ForConditionalGeneration(cfg).eval()
+
+
+@pytest.mark.parametrize("via", ["quantize_model", "calibrate_model"])
+def test_calibration_refuses_encoder_decoder_models_up_front(via):
+    # (it used to fail inside transformers' T5 forward, "You must specify exactly one of input_ids or inputs_embeds")
+    model = _tiny_t5()
+    seen = []
+    with pytest.raises(ValueError, match=r"model: calibration does not support encoder-decoder models.*decoder-only "
+                                         r"and encoder-only.*data-free quantization"):
+        if via == "quantize_model":
+            kbit_linear.quantize_model(model, calibration=torch.randint(0, 96, (2, 16)), progress=False)
+        else:
+            calibrate_model(model, ["encoder.block.0.layer.0.SelfAttention.q"], [torch.randint(0, 96, (2, 8))],
+                            lambda n, h: seen.append(n), progress=False)
+    assert seen == [] and all(type(m) is not kbit_linear.KbitLinear for m in model.modules())  # nothing was touched
+
+
+def test_encoder_decoder_model_quantizes_data_free_as_the_message_says():
+    model = _tiny_t5()
+    ids = torch.randint(0, 96, (2, 8))
+    with torch.no_grad():
+        ref = model(input_ids=ids, decoder_input_ids=ids).logits
+    summary = kbit_linear.quantize_model(model, progress=False)  # (T5's _keep_in_fp32_modules stay dense)
+    assert summary.converted
+    with torch.no_grad():
+        out = model(input_ids=ids, decoder_input_ids=ids).logits
+    assert float((out - ref).norm() / ref.norm()) < 0.5
+
+
+@pytest.mark.parametrize(
+    "model, quantize_layer, error, match",
+    [(None, "ok", TypeError, "model must be an nn.Module, got NoneType"),
+     ("llama", None, TypeError, "quantize_layer must be callable")],
+    ids=["model-none", "quantize-layer-none"],
+)
+def test_calibrate_model_refuses_a_bad_model_or_callback_by_name(model, quantize_layer, error, match):
+    model = _llama() if model == "llama" else model
+    callback = (lambda n, h: None) if quantize_layer == "ok" else quantize_layer
+    with pytest.raises(error, match=match):
+        calibrate_model(model, ["model.layers.0.mlp.up_proj"], [torch.randint(0, 128, (2, 8))], callback, progress=False)

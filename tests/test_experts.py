@@ -1376,3 +1376,16 @@ def test_quantize_model_target_bpw_gives_experts_modules_a_width():
     meta.model.layers[0].mlp.experts.to("meta")
     with pytest.raises(ValueError, match="meta"):
         quantize_model(meta, target_bpw=3.5, progress=False)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: route_tokens([[0, 1]], 4), TypeError, "top_k_index"),
+    (lambda: route_tokens(torch.zeros(3, 2), 4), TypeError, "top_k_index"),
+    (lambda: route_tokens(torch.zeros(3, 2, dtype=torch.long), 0), ValueError, "num_experts"),
+    (lambda: KbitExperts(2, 64, 64, 4, device="nope"), ValueError, "device"),
+    (lambda: KbitExperts(2, 64, 64, 4, device=3.5), TypeError, "device"),
+])
+def test_routing_and_device_arguments_are_named(call, error, match) -> None:
+    """A bad routing tensor or device names the argument (not an AttributeError or torch's own error)."""
+    with pytest.raises(error, match=match):
+        call()

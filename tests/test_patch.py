@@ -25,6 +25,7 @@ from kbit_linear.patch import (
     module_bytes,
     quantize_model,
     replace_module,
+    sibling_groups,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -423,3 +424,84 @@ def test_matches_skip_takes_one_bare_rule_as_a_rule():
     assert matches_skip("model.layers.0.mlp.up_proj", "mlp") == "mlp"
     assert matches_skip("model.layers.0.mlp.up_proj", re.compile(r"mlp\.up")).pattern == r"mlp\.up"
     assert matches_skip("a.b", "b.c") is None
+
+
+_NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where CUDA is not available")
+
+
+@pytest.mark.parametrize(
+    "device, error, match",
+    [
+        ("nope", ValueError, r"device 'nope' is not a device torch knows"),
+        (3.0, TypeError, r"device must be a torch.device, a str, an int or None, got float"),
+        (True, TypeError, r"device must be a torch.device, a str, an int or None, got bool"),
+        pytest.param("cuda", ValueError, r"device 'cuda': CUDA is not available here", marks=_NO_CUDA),
+        pytest.param(torch.device("cuda", 0), ValueError, r"device 'cuda:0': CUDA is not available here", marks=_NO_CUDA),
+    ],
+    ids=["unknown-str", "float", "bool", "cuda-str", "cuda-device"],
+)
+def test_quantize_model_checks_device_up_front(device, error, match):
+    model = _llama(tied=False)
+    with pytest.raises(error, match=match):
+        quantize_model(model, device=device, progress=False)
+    assert all(type(m) is not KbitLinear for m in model.modules())  # nothing was touched
+    with pytest.raises(error, match=match):
+        kbit_placeholder(nn.Linear(64, 64), 4, device=device)
+
+
+def test_quantize_model_still_takes_what_torch_device_takes():
+    model = _llama(tied=False)
+    summary = quantize_model(model, device=torch.device("cpu"), progress=False)
+    assert summary.converted and model.model.layers[0].mlp.up_proj.weight.device.type == "cpu"
+    assert kbit_placeholder(nn.Linear(64, 64), 4, device="meta").weight.device.type == "meta"
+
+
+def test_matches_skip_names_a_non_str_name():
+    with pytest.raises(TypeError, match="name must be a str, got NoneType"):
+        matches_skip(None, ["x"])
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ((None, {}, 4), TypeError, "names must be an iterable of layer names"),
+        (("model.layers.0.self_attn.q_proj", {}, 4), TypeError, "names must be an iterable of layer names"),
+        (([3], {}, 4), TypeError, "names must hold str layer names"),
+        ((["a.q_proj"], None, 4), TypeError, "layer_bits must be a dict"),
+        ((["a.q_proj"], {}, 4.0), TypeError, "bits must be an int"),
+        ((["a.q_proj"], {}, 7), ValueError, "bits must be one of"),
+        ((["a.q_proj"], {}, 4, "model"), TypeError, "model must be an nn.Module or None"),
+    ],
+    ids=["names-none", "names-str", "names-int", "layer-bits-none", "bits-float", "bits-7", "model-str"],
+)
+def test_sibling_groups_names_a_bad_argument(args, error, match):
+    with pytest.raises(error, match=match):
+        sibling_groups(*args)
+
+
+def test_sibling_groups_still_groups_siblings():
+    names = [f"m.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    groups = sibling_groups(names, {}, 4)
+    assert groups == {n: ("m.q_proj", "m.k_proj", "m.v_proj") for n in names[:3]}
+
+
+def test_the_models_fp32_modules_stay_dense() -> None:
+    """A model's ``_keep_in_fp32_modules`` stay dense (T5 casts ``wo``'s input to that layer's
+    weight dtype: quantized, the next forward failed), reported as such in the summary."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = T5Config(vocab_size=64, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_decoder_layers=1, num_heads=4,
+                   decoder_start_token_id=0, pad_token_id=0)
+    model = T5ForConditionalGeneration(cfg).eval()
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=ids, decoder_input_ids=ids[:, :5]).logits
+    summary = quantize_model(model, bits=4, progress=False)
+    wo = [n for n, m in model.named_modules() if n.endswith(".wo")]
+    assert wo and all(type(model.get_submodule(n)) is nn.Linear for n in wo)
+    assert all(summary.skipped[n] == "kept in float32 by the model (_keep_in_fp32_modules)" for n in wo)
+    assert any(isinstance(m, KbitLinear) for m in model.modules())
+    with torch.no_grad():
+        out = model(input_ids=ids, decoder_input_ids=ids[:, :5]).logits
+    assert (out - ref).abs().max() / ref.abs().max() < 0.3

@@ -326,3 +326,17 @@ def test_other_dtypes_and_autocast_take_the_original_forward():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = gate(x)
     assert got[0].dtype == torch.bfloat16
+
+
+def test_router_options_refuses_a_non_module_by_name():
+    # (it returned a reason string for None, as for a module that is no router)
+    with pytest.raises(TypeError, match="module must be an nn.Module, got NoneType"):
+        router_options(None)
+
+
+def test_fused_router_names_non_tensor_hidden_states():
+    model = _model("qwen3_moe", True)
+    kbit_linear.fuse_routers(model)
+    router = next(m for m in model.modules() if isinstance(m, FusedTopKRouter))
+    with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor, got list"):
+        router([[0.0] * router.weight.shape[1]])
