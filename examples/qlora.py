@@ -82,8 +82,12 @@ print(f"{path}: {train.shape[0]} training and {held_out.shape[0]} held-out seque
 model = quantized_model(path)
 model = prepare_model_for_kbit_training(model)  # freezes the base, casts its float parameters to float32
 # PEFT's helper turns gradient checkpointing on only for the quantization methods it knows: ask for it
-model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-assert model.is_gradient_checkpointing
+if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24 renamed it (the old names warn)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    assert model.is_activation_checkpointing
+else:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert model.is_gradient_checkpointing
 config = register_lora_layers(LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.05, task_type="CAUSAL_LM",
                                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
 model = get_peft_model(model, config)
