@@ -61,7 +61,7 @@ from . import codebooks
 from . import format as fmt
 from . import weight_layout
 from .linear import (_apply_keeping_float32, _cast_dtype, _check_features, _check_layout, _check_state_dtypes,
-                     _check_state_values, _record_layout)
+                     _check_state_values, _record_layout, _refuse_integer_casts)
 from .quantizer import KbitTensors, quantize_weight
 
 __all__ = [
@@ -740,6 +740,7 @@ class KbitExperts(nn.Module):
         return {**state, "_views": {}}  # views are rebuilt on use; never pickled or copied
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "KbitExperts":
+        _refuse_integer_casts(self, fn)
         self._views.clear()  # views of the old tensors would keep them alive
         self._cast_outline(fn)  # (probed on the current device, before the tensors move)
         _apply_keeping_float32(self, _FLOAT32_BUFFERS, fn, recurse)

@@ -49,7 +49,7 @@ from torch import nn
 from . import format as fmt
 from . import weight_layout
 from .linear import (STATE_DTYPES, KbitLinear, _apply_keeping_format, _cast_dtype, _check_layout, _check_state_dtypes,
-                     _linear_layout, _record_layout)
+                     _linear_layout, _record_layout, _refuse_integer_casts)
 
 __all__ = ["DEFAULT_GROUPS", "FusedKbitLinear", "FusionSummary", "KbitLinearSlice", "fuse_projections", "is_cross_attention",
            "kbit_layers", "unfuse_projections"]
@@ -245,6 +245,7 @@ class FusedKbitLinear(nn.Module):
             self.part_compute_dtypes = (dtype,) * len(self.widths)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FusedKbitLinear":
+        _refuse_integer_casts(self, fn)
         self.drop_pending()  # a pending product on the old device is no use
         self.part_compute_dtypes = tuple(_cast_dtype(fn, d, self.weight.device) for d in self.part_compute_dtypes)
         return _apply_keeping_format(self, fn, recurse)

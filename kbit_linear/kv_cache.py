@@ -489,7 +489,8 @@ class KbitKVLayer(CacheLayerMixin):
         Demotions already made stay made. The key block ranges of blocks that lose every position
         are dropped (tokens written there again get a range of their own when the block completes);
         the range of a block left incomplete is kept, so tokens written there again are clamped to
-        it if they are later demoted.
+        it if they are later demoted. A row cropped back to padding only (or an emptied cache)
+        finds its first unpadded position, where its sinks start, again from the next masks.
         """
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
@@ -505,6 +506,15 @@ class KbitKVLayer(CacheLayerMixin):
         self.k_block_min, self.k_block_range = self.k_block_min[:, :ranged], self.k_block_range[:, :ranged]
         self.seq_len = keep
         self._alloc_len = min(self._alloc_len, keep - self.block_size)  # a decode step allocates no later than before
+        # A row whose first unpadded position went with the crop has shown none yet: its sinks
+        # start where the next call's mask shows one (an emptied cache starts over, as a fresh one).
+        if keep == 0:
+            self.first_valid = None
+        elif self.first_valid is not None:
+            lost = self.first_valid >= keep
+            self._first_valid_known &= ~lost
+            self.first_valid = torch.where(lost, 0, self.first_valid)
+            self._rows_pending = not bool(self._first_valid_known.all())
 
     # ---- storage ------------------------------------------------------------------------------
 

@@ -85,6 +85,20 @@ def _apply_keeping_float32(module: nn.Module, names: Iterable[str], fn: Callable
     return module
 
 
+def _refuse_integer_casts(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Raise before an ``nn.Module._apply`` function that would change an integer tensor's dtype.
+
+    ``Module.type(dtype)`` casts integer tensors too: the packed planes and block scales would be
+    lost for good, and the error would come only at the next forward. ``Module.to(dtype)`` and
+    ``.half()`` leave them alone. (An empty probe on the module's device: no data moves.)
+    """
+    device = next((t.device for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))), torch.device("cpu"))
+    probe = fn(torch.empty(0, dtype=torch.int32, device=device))
+    if isinstance(probe, torch.Tensor) and probe.dtype != torch.int32:
+        raise TypeError(f"{type(module).__name__} cannot cast its packed integer tensors to {probe.dtype} "
+                        f"(Module.type): use .to(dtype), which sets the compute dtype and keeps the format")
+
+
 def _cast_dtype(fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype an ``nn.Module._apply`` function ``fn`` gives a floating tensor of ``dtype`` on
     ``device``: what a module cast does to a dense weight (an empty probe, so no data moves)."""
@@ -183,6 +197,10 @@ class KbitLinear(nn.Module):
     The constructor allocates zero-filled tensors of the right shapes (a zero ``absmax`` is an
     all-zero weight), so a layer can be built on the meta device and filled by
     ``load_state_dict``; use :meth:`from_linear` to quantize an existing ``nn.Linear``.
+    ``load_state_dict`` checks the layer shape that a state dict records in its metadata
+    (``state_dict()`` and ``torch.save`` keep it); a plain dict without it is checked only by
+    the padded tensor shapes, which two layers of different sizes can share: load checkpoint
+    files with the package's loaders, which check the recorded shapes.
 
     Args:
         in_features: K, any positive int (the tiles are padded).
@@ -328,11 +346,16 @@ class KbitLinear(nn.Module):
         """``x @ W^T + bias``.
 
         Args:
-            x: float32/float16/bfloat16 ``[..., in_features]`` on the layer's device.
+            x: float32/float16/bfloat16 ``[..., in_features]`` on the layer's device (float64
+                is accepted and computed in float32).
 
         Returns:
-            ``[..., out_features]`` in ``x``'s dtype.
+            ``[..., out_features]`` in ``x``'s dtype. Under ``torch.autocast`` too: the layer
+            computes in ``x``'s dtype, where ``nn.Linear`` would compute (and return) the
+            autocast dtype; cast ``x`` first for that.
         """
+        if not isinstance(x, torch.Tensor):  # (an AttributeError on .dim() otherwise)
+            raise TypeError(f"x must be a floating-point torch.Tensor, got {type(x).__name__}")
         # The gemm op only knows in_features up to the 64-wide tile padding, so it would
         # accept a slightly too wide x and read the padding: one int compare refuses it.
         if x.dim() == 0 or x.shape[-1] != self.in_features:
@@ -345,7 +368,9 @@ class KbitLinear(nn.Module):
         """The dense weight this layer represents.
 
         Args:
-            dtype: result dtype (default float32, which holds every dequantized value exactly).
+            dtype: result dtype (default float32, which holds every dequantized value exactly;
+                a Hadamard-rotated layer's weight is rotated back in float32, so it is exact to
+                float32 rounding only, in any dtype).
 
         Returns:
             ``[out_features, in_features]`` on the layer's device.
@@ -382,6 +407,7 @@ class KbitLinear(nn.Module):
             self.compute_dtype = self.bias.dtype if self.bias is not None else torch.get_default_dtype()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "KbitLinear":
+        _refuse_integer_casts(self, fn)
         self.compute_dtype = _cast_dtype(fn, self.compute_dtype, self.weight.device)
         return _apply_keeping_format(self, fn, recurse)
 

@@ -1389,3 +1389,12 @@ def test_routing_and_device_arguments_are_named(call, error, match) -> None:
     """A bad routing tensor or device names the argument (not an AttributeError or torch's own error)."""
     with pytest.raises(error, match=match):
         call()
+
+
+def test_module_type_cast_of_experts_is_refused() -> None:
+    """As for KbitLinear: ``Module.type(dtype)`` would cast the packed integer planes."""
+    experts = KbitExperts(2, 64, 64, 4)
+    packed = experts.gate_up_proj.clone()
+    with pytest.raises(TypeError, match="cannot cast its packed integer tensors"):
+        experts.type(torch.bfloat16)
+    assert experts.gate_up_proj.dtype == torch.int32 and torch.equal(experts.gate_up_proj, packed)

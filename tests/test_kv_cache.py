@@ -810,3 +810,34 @@ def test_first_valid_on_sliding_window_layers_is_the_first_unpadded_position(kin
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     for layer in cache.layers:
         assert layer.first_valid.tolist() == [0, 20]
+
+
+def test_crop_forgets_the_first_valid_positions_it_removes() -> None:
+    """An emptied cache finds each row's first unpadded position (where its sinks start) again, as a
+    fresh one does, and a partial crop back into a row's padding marks that row as not yet seen;
+    the cropped cache then gives the fresh cache's logits."""
+    model = _tiny("llama")
+    g = torch.Generator().manual_seed(4)
+    ids, ids2 = torch.randint(3, 128, (2, 40), generator=g), torch.randint(3, 128, (2, 40), generator=g)
+    mask, mask2 = torch.ones(2, 40, dtype=torch.long), torch.ones(2, 40, dtype=torch.long)
+    mask[1, :20] = 0
+    mask2[0, :12] = 0
+    kw = dict(kv_bits=3, window=4, block_size=8, sink_tokens=4)
+    fresh, cropped = KbitKVCache(model.config, **kw), KbitKVCache(model.config, **kw)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cropped, use_cache=True)
+        assert cropped.layers[0].first_valid.tolist() == [0, 20]
+        cropped.crop(-30)  # row 1 keeps positions 0..9: padding only
+        assert cropped.layers[0].first_valid.tolist() == [0, 0] and cropped.layers[0]._rows_pending
+        cropped.crop(-cropped.get_seq_length())
+        a = model(ids2, attention_mask=mask2, past_key_values=fresh, use_cache=True).logits
+        b = model(ids2, attention_mask=mask2, past_key_values=cropped, use_cache=True).logits
+        for _ in range(12):  # past the first allocation, where the sinks matter
+            nxt = torch.randint(3, 128, (2, 1), generator=g)
+            mask2 = torch.cat([mask2, torch.ones(2, 1, dtype=torch.long)], 1)
+            a = model(nxt, attention_mask=mask2, past_key_values=fresh, use_cache=True).logits
+            b = model(nxt, attention_mask=mask2, past_key_values=cropped, use_cache=True).logits
+    for x, y in zip(fresh.layers, cropped.layers):
+        assert x.first_valid.tolist() == y.first_valid.tolist() == [12, 0]
+        assert torch.equal(x.tier, y.tier)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)

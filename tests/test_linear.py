@@ -335,3 +335,27 @@ def test_a_layer_pickled_before_compute_dtype_existed_gets_one_on_load():
     old.__setstate__(state)
     assert old.compute_dtype == torch.float16  # the bias's
     assert old.to(torch.bfloat16).compute_dtype == torch.bfloat16
+
+
+def test_module_type_casts_are_refused_before_they_destroy_the_packed_weight() -> None:
+    """``Module.type(dtype)`` casts integer tensors too (``.to(dtype)`` does not): the packed
+    planes and block scales would be lost for good, so it raises and the layer is untouched."""
+    lin = nn.Linear(96, 64)
+    layer = KbitLinear.from_linear(lin, bits=4)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    x = torch.randn(3, 96)
+    y = layer(x)
+    with pytest.raises(TypeError, match=r"cannot cast its packed integer tensors.*\.to\(dtype\)"):
+        layer.type(torch.float16)
+    assert layer.compute_dtype == torch.float32
+    after = layer.state_dict()
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    assert torch.equal(layer(x), y)
+    assert layer.to(torch.float16).compute_dtype == torch.float16  # .to(dtype) still sets the compute dtype
+
+
+@pytest.mark.parametrize("x", [[0.0] * 64, None, 3.0])
+def test_a_non_tensor_input_is_named(x) -> None:
+    layer = KbitLinear(64, 32, bits=4)
+    with pytest.raises(TypeError, match="x must be a floating-point torch.Tensor"):
+        layer(x)
