@@ -72,7 +72,8 @@ def gguf_gemm_reference(x, qs, qh, scale, mins, qtype, out_features, bias):
     """The spec: :func:`kbit_linear.gguf_format.matmul`."""
     check_gemm_args(x, qs, qh, scale, mins, qtype, out_features, bias)
     weight = gf.GGUFWeight(qs, qh, scale, mins, qtype, out_features, x.shape[1])
-    return gf.matmul(x, weight, None if bias is None else bias.to(x.dtype))
+    with torch.autocast(x.device.type, enabled=False):  # the output in x's dtype, as the schema says, under autocast too
+        return gf.matmul(x, weight, None if bias is None else bias.to(x.dtype))
 
 
 torch.library.impl(f"{_NS}::gguf_gemm", "default")(gguf_gemm_reference)  # not as a decorator: torch 2.11 binds its result (None) to the name
@@ -87,7 +88,8 @@ def _(x, qs, qh, scale, mins, qtype, out_features, bias):
 def gguf_gemm_a8_reference(x, qs, qh, scale, mins, qtype, out_features, bias):
     """The spec: :func:`kbit_linear.gguf_format.matmul_a8`."""
     check_gemm_args(x, qs, qh, scale, mins, qtype, out_features, bias)
-    return gf.matmul_a8(x, gf.GGUFWeight(qs, qh, scale, mins, qtype, out_features, x.shape[1]), bias)
+    with torch.autocast(x.device.type, enabled=False):  # (as gguf_gemm_reference)
+        return gf.matmul_a8(x, gf.GGUFWeight(qs, qh, scale, mins, qtype, out_features, x.shape[1]), bias)
 
 
 torch.library.impl(f"{_NS}::gguf_gemm_a8", "default")(gguf_gemm_a8_reference)  # not as a decorator: torch 2.11 binds its result (None) to the name

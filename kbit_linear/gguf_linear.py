@@ -277,11 +277,15 @@ class GGUFLinear(_GGUFArrays):
         """``x @ W^T + bias``.
 
         Args:
-            x: float32/float16/bfloat16 ``[..., in_features]`` on the layer's device.
+            x: float32/float16/bfloat16 (or float64) ``[..., in_features]`` on the layer's device.
 
         Returns:
-            ``[..., out_features]`` in ``x``'s dtype.
+            ``[..., out_features]`` in ``x``'s dtype. Under ``torch.autocast`` too: the layer
+            computes in ``x``'s dtype, where ``nn.Linear`` would compute (and return) the
+            autocast dtype; cast ``x`` first for that.
         """
+        if not isinstance(x, torch.Tensor):  # (an AttributeError on .dim() otherwise)
+            raise TypeError(f"x must be a floating-point torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x's last dimension must be in_features={self.in_features}, got shape {tuple(x.shape)}")
         gemm = _GEMM if self._activation_bits == 16 else _GEMM_A8
@@ -358,6 +362,8 @@ class GGUFEmbedding(_GGUFArrays):
         self.num_embeddings = _check_dim("num_embeddings", num_embeddings)
         self.embedding_dim = _check_dim("embedding_dim", embedding_dim)
         self.qtype = gf.block_type(qtype).name
+        if embedding_dim % gf.BLOCK:  # (the weight's check would name in_features)
+            raise ValueError(f"embedding_dim={embedding_dim} is not a multiple of the GGUF block size {gf.BLOCK}")
         self.padding_idx = self._check_padding_idx(padding_idx, num_embeddings)
         self.dtype = torch.get_default_dtype() if dtype is None else _check_float_dtype("dtype", dtype)
         _register_arrays(self, _zero_weight(self.qtype, num_embeddings, embedding_dim, device))

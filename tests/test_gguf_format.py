@@ -464,3 +464,25 @@ def test_public_functions_name_a_weight_that_is_not_a_gguf_weight_and_a_bad_bias
     for fn in (gf.matmul, gf.matmul_a8):
         with pytest.raises(ValueError, match=r"bias must be a floating-point \[8\]"):
             fn(torch.randn(2, 64), weight, torch.zeros(9))
+
+
+@pytest.mark.parametrize("activation_bits", [16, 8])
+def test_gguf_linear_under_autocast_returns_x_dtype_as_its_fake_kernel_says(activation_bits: int) -> None:
+    """The reference ran F.linear with CPU autocast on, so eager gave bf16 where the fake kernel
+    (torch.compile) and the docstring give x's dtype."""
+    torch.manual_seed(0)
+    weight, _ = _weight("Q4_0", 16, 64)
+    layer = GGUFLinear.from_weight(weight)
+    layer.activation_bits = activation_bits
+    x = torch.randn(3, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, layer(x))
+
+
+def test_gguf_layers_name_bad_inputs() -> None:
+    with pytest.raises(TypeError, match="x must be a floating-point torch.Tensor"):
+        GGUFLinear(64, 16, "Q8_0")([0.0] * 64)
+    with pytest.raises(ValueError, match="embedding_dim=40 is not a multiple"):
+        GGUFEmbedding(8, 40, "Q4_0")
