@@ -201,6 +201,8 @@ class FusedKbitLinear(nn.Module):
         """Part ``index``'s output for ``x``: its columns of the fused product, computed here unless
         the product of this very tensor (unchanged, same grad mode) is pending and the part has
         not taken its columns yet."""
+        if not isinstance(x, torch.Tensor):  # (the pending-product key would raise an AttributeError)
+            raise TypeError(f"x must be a floating-point torch.Tensor, got {type(x).__name__}")
         off = self.offsets[index]
         st = self._state()
         if not st.in_parent_call:  # called from elsewhere: nothing to share with
@@ -367,6 +369,9 @@ class KbitLinearSlice(nn.Module):
                                   f"the fused part {prefix[:-1]!r} has {tuple(have.shape)}")
         if error_msgs:
             return
+        # A tensor this part does not have (a bias, a rotation's signs) is unexpected and never taken:
+        # written into the fused tensors it would change the part's output without its knowing.
+        given = {name: t if mine[name] is not None else None for name, t in given.items()}
         # The parts of one fused module share these: a different one cannot be taken in place.
         for name in ("codebook", "tensor_scale", "hadamard_signs"):
             t = given[name]

@@ -661,3 +661,53 @@ def test_fusion_arguments_are_checked() -> None:
         KbitLinearSlice(fused, 2)
     with pytest.raises(TypeError, match="model"):
         list(kbit_layers("model"))
+
+
+class _QKV(nn.Module):
+    """q/k/v siblings, k without a bias (Whisper-style) when ``bias_k`` is false."""
+
+    def __init__(self, bias: bool, bias_k: bool = False, as_list: bool = False) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(64, 64, bias=bias)
+        self.k_proj = nn.Linear(64, 64, bias=bias and bias_k)
+        self.v_proj = nn.Linear(64, 64, bias=bias)
+        self.as_list = as_list
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.as_list:
+            return self.q_proj(x.tolist())
+        return self.q_proj(x) + self.k_proj(x) + self.v_proj(x)
+
+
+@pytest.mark.parametrize("bias, extra, strict", [
+    (True, "k_proj.bias", False), (False, "k_proj.bias", False),
+    (True, "q_proj.hadamard_signs", False), (True, "q_proj.hadamard_signs", True),
+])
+def test_a_part_never_takes_a_tensor_it_does_not_have(bias: bool, extra: str, strict: bool) -> None:
+    """A state dict holding a bias for a part without one (or signs for an unrotated group) is
+    unexpected for a fused part exactly as for a KbitLinear: ignored without strict, refused with
+    it. A fused part used to write that bias into the fused GEMM's columns, or crash."""
+    torch.manual_seed(0)
+    fused = _QKV(bias)
+    kbit_linear.quantize_model(fused, bits=4, fuse=True, progress=False)
+    apart = copy.deepcopy(fused)
+    kbit_linear.unfuse_projections(apart)
+    sd = fused.state_dict()
+    sd[extra] = torch.ones(64) if extra.endswith("bias") else torch.ones(64, dtype=torch.int8)
+    x = torch.randn(2, 64)
+    if strict:
+        for m in (apart, fused):
+            with pytest.raises(RuntimeError, match=f'Unexpected key.*"{extra}"'):
+                m.load_state_dict(sd, strict=True)
+    else:
+        for m in (apart, fused):
+            assert extra in m.load_state_dict(sd, strict=False).unexpected_keys
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), apart(x))
+
+
+def test_a_part_names_a_non_tensor_input_inside_its_parents_call() -> None:
+    model = _QKV(True, as_list=True)
+    kbit_linear.quantize_model(model, bits=4, fuse=True, progress=False)
+    with pytest.raises(TypeError, match="x must be a floating-point torch.Tensor"):
+        model(torch.randn(2, 64))
