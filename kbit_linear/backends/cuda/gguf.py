@@ -111,7 +111,8 @@ def gguf_gemm_cuda(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor | None, s
         return torch.empty((0, out_features), dtype=x.dtype, device=x.device)
     if x.dtype not in (torch.float16, torch.bfloat16) or m > tuning.GGUF_GEMV_MAX_M:
         w = gguf_dequantize_cuda(qs, qh, scale, mins, qtype, out_features, k, x.dtype)
-        return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+        with torch.autocast("cuda", enabled=False):  # the output in x's dtype, as the schema says, under autocast too
+            return F.linear(x, w, None if bias is None else bias.to(x.dtype))
     out = torch.empty((m, out_features), dtype=x.dtype, device=x.device)
     qs, qh, scale, mins = _arrays(qs, qh, scale, mins)
     b = None if bias is None else aligned16(bias.to(x.dtype))
