@@ -177,8 +177,7 @@ def _(packed_flat, absmax_flat, bits):
 
 def check_dequantize_dtype(dtype: torch.dtype) -> None:
     """``dequantize``'s output dtype: a floating-point one (an integer dtype would truncate the values)."""
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    fmt.check_float_dtype(dtype)
 
 
 @torch.library.register_fake(f"{_NS}::dequantize")

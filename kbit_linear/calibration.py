@@ -720,8 +720,7 @@ def check_calibration_model(model: Any) -> None:
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: ``model`` is an encoder-decoder model.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    fmt.check_module(model, "model")
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False) is True:
         data_free = "data-free quantization (quantize_model without calibration) works for them"

@@ -157,20 +157,6 @@ def _is_silu(act_fn: Any) -> bool:
     return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ in ("SiLUActivation", "SiLU")
 
 
-def _check_module(module: Any, name: str = "module") -> None:
-    """A named TypeError for a non-module (not an AttributeError from deep inside)."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{name} must be an nn.Module, got {type(module).__name__}")
-
-
-def _check_dtype(dtype: Any) -> torch.dtype:
-    """``dtype`` if it is a floating-point ``torch.dtype`` (a string or an int dtype would fail
-    later with an unrelated message)."""
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-    return dtype
-
-
 def looks_like_experts(module: nn.Module) -> bool:
     """``True`` for a module that holds experts as 3-D weights: a class named ``*Expert*`` with a
     floating-point 3-D parameter of its own, or one with 3-D ``gate_up_proj``/``down_proj``.
@@ -181,7 +167,7 @@ def looks_like_experts(module: nn.Module) -> bool:
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
     """
-    _check_module(module)
+    fmt.check_module(module)
     own = dict(module.named_parameters(recurse=False))
     if any(own.get(p) is not None and own[p].dim() == 3 for p in PROJECTIONS):
         return True
@@ -221,7 +207,7 @@ def experts_layout_problem(module: nn.Module) -> str | None:
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
     """
-    _check_module(module)
+    fmt.check_module(module)
     if isinstance(module, KbitExperts):
         return "already a KbitExperts"
     cls = type(module)
@@ -425,8 +411,7 @@ class KbitExperts(nn.Module):
             ValueError: a layout :class:`KbitExperts` does not implement (the reason is in the
                 message), bad ``bits``/``codebook``, or NaN/Inf weights (naming the expert).
         """
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        fmt.check_module(module, "module")
         problem = experts_layout_problem(module)
         if problem is not None:
             raise ValueError(f"module cannot be quantized as kbit experts: {problem}")
@@ -666,7 +651,7 @@ class KbitExperts(nn.Module):
         Raises:
             TypeError: ``dtype`` is not a floating-point ``torch.dtype``.
         """
-        dtype = _check_dtype(torch.float32 if dtype is None else dtype)
+        dtype = fmt.check_float_dtype(torch.float32 if dtype is None else dtype)
         out = {}
         for proj in PROJECTIONS:
             n, k = self.projection_shape(proj)
@@ -713,7 +698,7 @@ class KbitExperts(nn.Module):
                 module built directly does not).
         """
         if dtype is not None:
-            _check_dtype(dtype)
+            fmt.check_float_dtype(dtype)
         outline = self.__dict__.get("_dense_outline")
         if outline is None:
             raise NotImplementedError("this KbitExperts does not know the dense experts class it stands for (built directly, "

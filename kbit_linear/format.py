@@ -101,6 +101,21 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+def check_module(value: object, name: str = "module") -> None:
+    """Raise a ``TypeError`` naming ``name`` unless ``value`` is an ``nn.Module`` (not an
+    AttributeError from deep inside)."""
+    if not isinstance(value, torch.nn.Module):
+        raise TypeError(f"{name} must be an nn.Module, got {type(value).__name__}")
+
+
+def check_float_dtype(dtype: object, name: str = "dtype") -> torch.dtype:
+    """Return ``dtype`` if it is a floating-point ``torch.dtype``, else raise a ``TypeError`` naming
+    ``name`` (a string or an integer dtype would fail later with an unrelated message)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point torch.dtype, got {dtype!r}")
+    return dtype
+
+
 def check_device(device: object, name: str = "device") -> torch.device | None:
     """``device`` as a ``torch.device`` (``None`` stays ``None``), checked before anything is touched.
 

@@ -74,8 +74,7 @@ def is_cross_attention(name: str, module: nn.Module) -> bool:
     """
     if not isinstance(name, str):  # (a named error, not an AttributeError on rpartition)
         raise TypeError(f"name must be a str, got {type(name).__name__}")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    fmt.check_module(module, "module")
     last = name.rpartition(".")[2].lower()
     return (bool(getattr(module, "is_cross_attention", False)) or "cross" in last or "cross" in type(module).__name__.lower()
             or last in _CROSS_ATTENTION_NAMES)
@@ -493,8 +492,7 @@ def fuse_projections(model: nn.Module, groups: Sequence[Sequence[str]] = DEFAULT
     Raises:
         TypeError / ValueError: ``model`` is not a module, or ``groups`` is malformed.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    fmt.check_module(model, "model")
     groups = _check_groups(groups)
     summary = FusionSummary()
     for parent_name, parent in list(model.named_modules()):
@@ -524,8 +522,7 @@ def unfuse_projections(model: nn.Module) -> int:
     Returns:
         The number of layers restored.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    fmt.check_module(model, "model")
     restored = 0
     for _, parent in list(model.named_modules()):
         for name, child in list(parent._modules.items()):
@@ -547,8 +544,7 @@ def kbit_layers(model: nn.Module, remove_duplicate: bool = True) -> Iterator[tup
     model's own, and a standalone copy of each fused part (for metadata and checksums). A layer
     used under several names comes once, or, with ``remove_duplicate=False``, under every name
     (as a state dict lists it)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    fmt.check_module(model, "model")
     for name, module in model.named_modules(remove_duplicate=remove_duplicate):
         if isinstance(module, KbitLinear):
             yield name, module

@@ -92,13 +92,6 @@ def _check_dim(name: str, value: Any) -> int:
     return value
 
 
-def _check_float_dtype(name: str, dtype: Any) -> torch.dtype:
-    """``dtype`` if it is a floating-point torch.dtype, else a TypeError naming ``name``."""
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"{name} must be a floating-point torch.dtype, got {dtype!r}")
-    return dtype
-
-
 def _check_weight(weight: Any) -> gf.GGUFWeight:
     """``weight`` if it is a consistent ``GGUFWeight``, else a TypeError/ValueError."""
     if not isinstance(weight, gf.GGUFWeight):
@@ -224,7 +217,7 @@ class GGUFLinear(_GGUFArrays):
         self.activation_bits = activation_bits
         fmt.check_bool("bias", bias)
         if dtype is not None:
-            _check_float_dtype("dtype", dtype)
+            fmt.check_float_dtype(dtype)
         _register_arrays(self, _zero_weight(self.qtype, out_features, in_features, device))
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
@@ -306,7 +299,7 @@ class GGUFLinear(_GGUFArrays):
         Returns:
             ``[out_features, in_features]`` on the layer's device.
         """
-        dtype = _check_float_dtype("dtype", torch.float32 if dtype is None else dtype)
+        dtype = fmt.check_float_dtype(torch.float32 if dtype is None else dtype)
         return _DEQUANTIZE(self.qs, self.qh, self.scale, self.mins, self.qtype, self.out_features, self.in_features, dtype)
 
     def extra_repr(self) -> str:
@@ -365,7 +358,7 @@ class GGUFEmbedding(_GGUFArrays):
         if embedding_dim % gf.BLOCK:  # (the weight's check would name in_features)
             raise ValueError(f"embedding_dim={embedding_dim} is not a multiple of the GGUF block size {gf.BLOCK}")
         self.padding_idx = self._check_padding_idx(padding_idx, num_embeddings)
-        self.dtype = torch.get_default_dtype() if dtype is None else _check_float_dtype("dtype", dtype)
+        self.dtype = torch.get_default_dtype() if dtype is None else fmt.check_float_dtype(dtype)
         _register_arrays(self, _zero_weight(self.qtype, num_embeddings, embedding_dim, device))
         self.register_buffer("embed_scale", self._check_embed_scale(embed_scale, device), persistent=False)
 
@@ -446,7 +439,7 @@ class GGUFEmbedding(_GGUFArrays):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense table ``[num_embeddings, embedding_dim]`` (default float32)."""
-        dtype = _check_float_dtype("dtype", torch.float32 if dtype is None else dtype)
+        dtype = fmt.check_float_dtype(torch.float32 if dtype is None else dtype)
         return _DEQUANTIZE(self.qs, self.qh, self.scale, self.mins, self.qtype, self.num_embeddings, self.embedding_dim, dtype)
 
     def extra_repr(self) -> str:

@@ -244,8 +244,8 @@ class KbitLinear(nn.Module):
         packed_shape, absmax_shape = fmt.tiled_shapes(out_features, in_features, bits)
         self.bits = bits
         fmt.check_bool("bias", bias)
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        if dtype is not None:
+            fmt.check_float_dtype(dtype)
         self.compute_dtype = torch.get_default_dtype() if dtype is None else dtype
         self.weight = nn.Parameter(torch.zeros(packed_shape, dtype=torch.int32, device=device), requires_grad=False)
         self.register_buffer("absmax", torch.zeros(absmax_shape, dtype=torch.uint8, device=device))
@@ -375,9 +375,7 @@ class KbitLinear(nn.Module):
         Returns:
             ``[out_features, in_features]`` on the layer's device.
         """
-        dtype = torch.float32 if dtype is None else dtype
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        dtype = fmt.check_float_dtype(torch.float32 if dtype is None else dtype)
         if self.hadamard_signs is not None:  # the stored W R, rotated back in float32
             stored = _DEQUANTIZE(self.weight, self.absmax, self.codebook, self.tensor_scale, self.bits, self.out_features,
                                  self.in_features, torch.float32)

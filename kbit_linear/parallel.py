@@ -191,8 +191,7 @@ def shard_plan(model: nn.Module, world_size: int, rank: int, plan: dict[str, str
             rotation block, an attention head cut in two), named. Also ``TypeError`` for an
             embedding subclass under ``embedding_rowwise`` (its own forward would be lost).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    fmt.check_module(model, "model")
     for arg, value in (("world_size", world_size), ("rank", rank)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{arg} must be an int, got {type(value).__name__}")

@@ -227,19 +227,13 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
     return (t.device, t.untyped_storage().data_ptr())
 
 
-def _check_model(model: object, name: str = "model") -> None:
-    """A named TypeError for a non-module argument (not an AttributeError from deep inside)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{name} must be an nn.Module, got {type(model).__name__}")
-
-
 def module_bytes(model: nn.Module) -> int:
     """Bytes of all parameters and buffers of ``model``, shared tensors counted once (meta included).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
     """
-    _check_model(model)
+    fmt.check_module(model, "model")
     seen: set = set()
     total = 0
     for t in (*model.parameters(), *model.buffers()):
@@ -318,8 +312,8 @@ def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
         ValueError: ``name`` is empty or names no existing submodule (a misspelled name would
             otherwise add a new attribute and leave the intended module in place).
     """
-    _check_model(root, "root")
-    _check_model(new, "new")
+    fmt.check_module(root, "root")
+    fmt.check_module(new, "new")
     if not isinstance(name, str) or not name:
         raise ValueError(f"cannot replace the root module in place; give the name of a submodule, got {name!r}")
     parent_name, _, child = name.rpartition(".")
@@ -409,7 +403,7 @@ def convertible_experts(model: nn.Module, skip: Iterable[SkipRule] | str | None 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or bad skip rules.
     """
-    _check_model(model)
+    fmt.check_module(model, "model")
     rules = check_skip_rules(skip)
     names: list[str] = []
     skipped: dict[str, str] = {}
@@ -459,7 +453,7 @@ def convertible_layers(model: nn.Module, skip: Iterable[SkipRule] | str | None =
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or bad skip rules.
     """
-    _check_model(model)
+    fmt.check_module(model, "model")
     rules = check_skip_rules(skip)
     linears = {name: m for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear)}
     tied = _tied_linears(model, linears)
@@ -578,8 +572,7 @@ def quantize_model(
             weights); the message names the layer. Layers converted before it stay converted,
             and ``save_pretrained`` refuses the half-converted model as it does a quantized one.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    fmt.check_module(model, "model")
     if isinstance(model, nn.Linear):
         raise TypeError("model is a bare nn.Linear, which cannot be replaced in place; use KbitLinear.from_linear(model, bits)")
     fmt.check_bits(bits)
@@ -773,8 +766,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> int:
         NotImplementedError: a :class:`KbitExperts` that does not know its dense class (built
             directly), before anything is changed.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    fmt.check_module(model, "model")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
     experts = [name for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, KbitExperts)]

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _router_ops
+from . import format as fmt
 
 __all__ = ["FusedTopKRouter", "RouterFusionSummary", "fuse_routers", "unfuse_routers", "router_options"]
 
@@ -155,8 +156,7 @@ def router_options(module: nn.Module) -> tuple[bool, bool] | str:
         TypeError: ``module`` is not an ``nn.Module`` (a reason string is for a module that is
             not such a router, not for a wrong argument).
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    fmt.check_module(module, "module")
     why = _router_parts(module)
     if why is not None:
         return why
@@ -226,8 +226,7 @@ def fuse_routers(model: nn.Module) -> RouterFusionSummary:
     Raises:
         TypeError: ``model`` is not a module.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    fmt.check_module(model, "model")
     summary = RouterFusionSummary()
     for name, module in model.named_modules():
         if "router" not in type(module).__name__.lower():
@@ -254,8 +253,7 @@ def unfuse_routers(model: nn.Module) -> int:
     Raises:
         TypeError: ``model`` is not a module.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    fmt.check_module(model, "model")
     restored = 0
     for module in model.modules():
         if isinstance(module, FusedTopKRouter):

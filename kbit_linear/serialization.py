@@ -1117,8 +1117,7 @@ def load_into(
     Raises:
         CheckpointError: invalid file, or a layer/key that does not match the model.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    fmt.check_module(model, "model")
     ckpt = load_quantized(path, device=device or "cpu", verify_checksums=verify_checksums)
     where = ckpt.path
     for prefix, meta in ckpt.layers.items():
