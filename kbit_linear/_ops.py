@@ -280,10 +280,14 @@ def _requires_grad(arg: object) -> bool:
 
 def needs_gradient(*args: object) -> bool:
     """Whether reverse mode records a call on ``args``: grad mode on and a tensor among them
-    (or in a list among them) requires grad. Plain Python, so that torch.compile traces it inside
-    a module's forward (``torch._C._any_requires_grad`` is opaque to it: a graph break, an error
-    under ``fullgraph``)."""
-    return torch.is_grad_enabled() and any(_requires_grad(a) for a in args)
+    (or in a list among them) requires grad. Under torch.compile in plain Python, which it traces
+    inside a module's forward (``torch._C._any_requires_grad`` is opaque to it: a graph break, an
+    error under ``fullgraph``); eager, in that one C call (every op call's Autograd kernel asks)."""
+    if not torch.is_grad_enabled():
+        return False
+    if torch.compiler.is_compiling():
+        return any(_requires_grad(a) for a in args)
+    return torch._C._any_requires_grad(*args)
 
 
 def differentiating(*args: object) -> bool:
