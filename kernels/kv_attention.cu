@@ -840,41 +840,108 @@ KBIT_DEVICE uint2 b_fragment(const float* qrows, int lane, int j) {
     return make_uint2(f16x2(q0[0], q0[4]), f16x2(q0[1], q0[5]));
 }
 
-// Q' = q * range as lane (g, t)'s B fragment of k16 step j, from q's (`qf`): the range's pairs
-// (cb, cb+4) and (cb+1, cb+5) multiply q's in fp16.
+// A key block's operands for lane (g, t), in one pass over its k16 steps j:
+//   bq[j]         Q' = q * range as the B fragment of step j (q's pairs times the range's pairs
+//                 (cb, cb+4) and (cb+1, cb+5) in fp16; the odd pairs, which group_pair gives 16
+//                 times their codes, divided by 16);
+//   qmin0, qmin1  q . min for rows 2t and 2t+1, from one tensor-core product with the minimum
+//                 in every token row of A (each row of C is then q . min) and q as B.
 template <int D>
-KBIT_DEVICE uint2 times_range(uint2 qf, int lane, int j, const u16* range) {
+KBIT_DEVICE void key_block_operands(const uint2* qfrag, const u16* range, const u16* kmin, int lane, uint2 (&bq)[D / 16],
+                                    float& qmin0, float& qmin1) {
     const int t = lane & 3;
-    const int cb = t * (D / 4) + 8 * (j / 2) + 2 * (j % 2);
-    const u32 lo = *reinterpret_cast<const u32*>(range + cb), hi = *reinterpret_cast<const u32*>(range + cb + 4);
-    // b1 multiplies the odd pairs, which group_pair gives 16 times their codes
-    return make_uint2(mul2<KBIT_F16>(qf.x, prmt(lo, hi, 0x5410u)),
-                      mul2<KBIT_F16>(mul2<KBIT_F16>(qf.y, prmt(lo, hi, 0x7632u)), pow2_pair(-4)));
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) {
+        const uint2 qf = qfrag[j * 32 + lane];
+        const int cb = t * (D / 4) + 8 * (j / 2) + 2 * (j % 2);
+        const u32 rlo = *reinterpret_cast<const u32*>(range + cb), rhi = *reinterpret_cast<const u32*>(range + cb + 4);
+        const u32 mlo = *reinterpret_cast<const u32*>(kmin + cb), mhi = *reinterpret_cast<const u32*>(kmin + cb + 4);
+        bq[j] = make_uint2(mul2<KBIT_F16>(qf.x, prmt(rlo, rhi, 0x5410u)),
+                           mul2<KBIT_F16>(mul2<KBIT_F16>(qf.y, prmt(rlo, rhi, 0x7632u)), pow2_pair(-4)));
+        const u32 m_even = prmt(mlo, mhi, 0x5410u), m_odd = prmt(mlo, mhi, 0x7632u);  // k 2t, 2t+1 / 2t+8, 2t+9
+        const u32 a[4] = {m_even, m_even, m_odd, m_odd};
+        mma_16816<KBIT_F16>(c, a, qf.x, qf.y);
+    }
+    qmin0 = c[0];
+    qmin1 = c[1];
 }
 
-// q . min for lane (g, t)'s rows 2t and 2t+1: the lanes of t split the channels (lane g takes
-// the pairs 16 k + 2 g, k = 0 .. D/16 - 1) and sum over g. The lanes of odd t start 16 channels
-// on: rows 2t lie 8 D bytes apart, a multiple of 128 (the same banks), so each read of 32 lanes
-// meets at most two addresses in a bank.
-template <int D>
-KBIT_DEVICE void q_dot_min(const float* qrows, int lane, const u16* kmin, float& m0, float& m1) {
-    const int g = lane >> 2, t = lane & 3;
-    float a = 0.f, b = 0.f;
+// The merge of the splits (flash-decoding) of the query rows R0 .. R0 + nrows - 1, by every one
+// of the block's `nthreads` threads: out[b][i][hq][c] (transformers' layout) = sum_s 2^(m_s - M)
+// acc_s[c] / L and ml[R] = (M, L), from part_acc [R][splits][D] and part_ml [R][splits][2].
+// Shared memory: factor [nrows][splits] floats, total [nrows], partial [nthreads]. The splits'
+// partials are read through L2 (__ldcg): other blocks of the running grid may have written them.
+// Thread (part, item) sums the splits part, part + parts, ... of one row's four channels, so a
+// thread's loads are independent (one latency, not one per split); the parts are summed after.
+// Not inlined: inlined into the decode kernel, which sits at its register cap, it made the main
+// loop spill on sm_80.
+template <int DT>
+__device__ __noinline__ void merge_rows(const float* part_acc, const float* part_ml, void* out, float* ml, size_t R0, int nrows, int Hq, int Q,
+                            int D, int splits, float* factor, float2* total, float4* partial, int nthreads) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int r = warp; r < nrows; r += nthreads / 32) {
+        const size_t R = R0 + r;
+        float mx = KBIT_NEG_INF;
+        for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldcg(part_ml + (R * splits + s) * 2));
 #pragma unroll
-    for (int k = 0; k < D / 16; ++k) {
-        const int c = (16 * (k + (t & 1)) + 2 * g) & (D - 1);
-        const u32 mm = *reinterpret_cast<const u32*>(kmin + c);
-        const float lo = half_lo(mm), hi = half_lo(mm >> 16);
-        a += qrows[(2 * t) * D + c] * lo + qrows[(2 * t) * D + c + 1] * hi;
-        b += qrows[(2 * t + 1) * D + c] * lo + qrows[(2 * t + 1) * D + c + 1] * hi;
-    }
+        for (int d = 16; d; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+        const float safe = mx == KBIT_NEG_INF ? 0.f : mx;
+        float sum = 0.f;
+        for (int s = lane; s < splits; s += 32) {
+            const float f = exp2f(__ldcg(part_ml + (R * splits + s) * 2) - safe);
+            factor[r * splits + s] = f;
+            sum += f * __ldcg(part_ml + (R * splits + s) * 2 + 1);
+        }
 #pragma unroll
-    for (int d = 4; d < 32; d <<= 1) {
-        a += __shfl_xor_sync(0xffffffffu, a, d);
-        b += __shfl_xor_sync(0xffffffffu, b, d);
+        for (int d = 16; d; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+        if (lane == 0) {
+            total[r] = make_float2(mx, sum);
+            ml[R * 2] = mx;
+            ml[R * 2 + 1] = sum;
+        }
     }
-    m0 = a;
-    m1 = b;
+    __syncthreads();
+    const int d4 = D / 4, items = nrows * d4;
+    const int parts = items >= nthreads ? 1 : nthreads / items;
+    // item (r, c): channels 4c .. 4c + 3 of row r, over the splits part, part + parts, ...
+    auto partial_sum = [&](int item, int part) {
+        const int r = item / d4;
+        const float4* src = reinterpret_cast<const float4*>(part_acc + (R0 + r) * splits * D) + item % d4;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+        for (int s = part; s < splits; s += parts) {
+            const float4 v = __ldcg(src + (size_t)s * d4);
+            const float f = factor[r * splits + s];
+            acc.x += f * v.x; acc.y += f * v.y; acc.z += f * v.z; acc.w += f * v.w;
+        }
+        return acc;
+    };
+    auto store = [&](int item, float4 sum) {
+        const int r = item / d4;
+        const size_t R = R0 + r;
+        const float inv = total[r].y > 0.f ? 1.f / total[r].y : 0.f;
+        const size_t b = R / ((size_t)Hq * Q), rem = R % ((size_t)Hq * Q), hq = rem / Q, qi = rem % Q;
+        const size_t o = ((b * Q + qi) * Hq + hq) * D + 4 * (item % d4);
+        store_elem<DT>(out, o, sum.x * inv);
+        store_elem<DT>(out, o + 1, sum.y * inv);
+        store_elem<DT>(out, o + 2, sum.z * inv);
+        store_elem<DT>(out, o + 3, sum.w * inv);
+    };
+    if (parts == 1) {
+        for (int item = tid; item < items; item += nthreads) store(item, partial_sum(item, 0));
+        return;
+    }
+    if (tid < items * parts) partial[tid] = partial_sum(tid % items, tid / items);
+    __syncthreads();
+    if (tid < items) {
+        float4 sum = partial[tid];
+        for (int p = 1; p < parts; ++p) {
+            const float4 x = partial[p * items + tid];
+            sum.x += x.x; sum.y += x.y; sum.z += x.z; sum.w += x.w;
+        }
+        store(tid, sum);
+    }
 }
 
 }  // namespace kv
@@ -887,6 +954,10 @@ KBIT_DEVICE void q_dot_min(const float* qrows, int lane, const u16* kmin, float&
 // relative to its max; part_ml [R][splits][2] the max and sum (log2 units).
 // In-place mode (live_len != nullptr): S and nblk come from *live_len; logits and bias rows are
 // ld apart; logits are written only on a recording call (calls, interval).
+// merge_ticket != nullptr: the block of each (batch row, kv head, row chunk) that finishes last
+// merges the splits into out and ml_out (kbit_kv_combine's results) itself; merge_ticket holds
+// one int per (batch row, kv head, row chunk), zero at launch and left zero. Its shared memory
+// (the ring's) must hold merge_smem_bytes(splits).
 // ---------------------------------------------------------------------------------------
 template <int D, int DT, bool SPLIT_TILES>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 4 : 1)
@@ -896,7 +967,8 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
                const int* p8, const u16* k_min, const u16* k_range, const int* __restrict__ rel, const int* rs2, const int* rs3, const int* rs4,
                const int* rs8, int C, int bs, const float* bias,
                u16* logits, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int G, int Q, int S, int NB,
-               int nblk, int kbps, int splits, float scale_log2, const int* live_len, int ld, const int* calls, int interval) {
+               int nblk, int kbps, int splits, float scale_log2, const int* live_len, int ld, const int* calls, int interval,
+               int* merge_ticket, void* out, float* ml_out) {
     using SM = Smem<D>;
     constexpr int KSTEPS = D / 16;
     constexpr int GROUPS = D / kGroup;
@@ -926,21 +998,17 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         nblk = (S + bs - 1) / bs;
         if (calls != nullptr && (*calls - 1) % interval != 0) logits = nullptr;  // not a recording call
     }
-    // the block's query rows, times scale * log2(e) (rows past nrows are zero)
     const int Hq = H * G;
     // a kv head's rows are contiguous in q ([B][Hq][Q][D]; row r = j * Q + i is head h*G + j,
     // query i), in the outputs and in the logits: the block's row r is global row R0 + r
     const size_t R0 = ((size_t)b * Hq + (size_t)h * G) * Q + row0;
-    {
-        constexpr int PER = kRows * D / kThreads;  // elements per thread; every load issued before the first store
-        float x[PER];
+    // q's loads and the offsets' loads are all issued before the first store
+    constexpr int PER = kRows * D / kThreads;  // query elements per thread
+    float x[PER];
 #pragma unroll
-        for (int k = 0; k < PER; ++k) {
-            const int i = tid + k * kThreads, r = i / D;
-            x[k] = r < nrows ? load_elem<DT>(q, R0 * D + i) : 0.f;
-        }
-#pragma unroll
-        for (int k = 0; k < PER; ++k) qrows[tid + k * kThreads] = x[k] * scale_log2;
+    for (int k = 0; k < PER; ++k) {
+        const int i = tid + k * kThreads, r = i / D;
+        x[k] = r < nrows ? load_elem<DT>(q, R0 * D + i) : 0.f;
     }
     // the split's bucket offsets (key blocks kb0 .. kb0 + kbps, ends included): row start + rel
     int4* offs = reinterpret_cast<int4*>(smem + SM::OFFS);
@@ -951,8 +1019,9 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         if (kb > C) o.w += min(kb * bs, S) - C * bs;  // past C every position is 8-bit
         offs[i] = make_int4(rs2[b] + o.x, rs3[b] + o.y, rs4[b] + o.z, rs8[b] + o.w);
     }
-    __syncthreads();
-    for (int i = tid; i < KSTEPS * 32; i += kThreads) qfrag[i] = b_fragment<D>(qrows, i % 32, i / 32);
+    // the block's query rows, times scale * log2(e) (rows past nrows are zero)
+#pragma unroll
+    for (int k = 0; k < PER; ++k) qrows[tid + k * kThreads] = x[k] * scale_log2;
     __syncthreads();
 
     WarpState<D> st;
@@ -994,21 +1063,22 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     bool bq_is_q = false;
 #pragma unroll
     for (int j = 0; j < KSTEPS; ++j) bq[j] = make_uint2(0u, 0u);
-    // one call site for the copies (the first iteration only copies): the copy's instances are
-    // compiled once. Iteration i computes the tile in stage i % 2 (comp) while the next one is fetched
-    // into the other stage.
+    // one call site for the copies (the first iteration only copies, then makes q's B fragments
+    // while that copy is in flight): the copy's instances are compiled once. Iteration i computes
+    // the tile in stage i % 2 (comp) while the next one is fetched into the other stage.
     for (int i = -1;; ++i) {
         copy_at<D>(pr, copy, ring + ((i + 1) & 1) * Stage<D>::BYTES, lane);
         cp_async_commit();
-        if (i >= 0) {
+        if (i < 0) {  // every thread of the block runs this iteration
+            for (int k = tid; k < KSTEPS * 32; k += kThreads) qfrag[k] = b_fragment<D>(qrows, k % 32, k / 32);
+            __syncthreads();
+        } else {
         cp_async_wait<1>();
         __syncwarp();
         const u8* stage = ring + (i & 1) * Stage<D>::BYTES;
         if (comp.first) {  // Q' of the key block (lower widths only exist in blocks with a range)
             const u16* range = reinterpret_cast<const u16*>(stage + Stage<D>::RANGE);
-#pragma unroll
-            for (int j = 0; j < KSTEPS; ++j) bq[j] = times_range<D>(qfrag[j * 32 + lane], lane, j, range);
-            q_dot_min<D>(qrows, lane, reinterpret_cast<const u16*>(stage + Stage<D>::MIN), qmin0, qmin1);
+            key_block_operands<D>(qfrag, range, reinterpret_cast<const u16*>(stage + Stage<D>::MIN), lane, bq, qmin0, qmin1);
             bq_is_q = false;
         } else if (comp.tier == 3 && !bq_is_q) {  // 8-bit keys multiply q itself
 #pragma unroll
@@ -1099,12 +1169,35 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         part_ml[((R0 + tid) * splits + split) * 2] = mx;
         part_ml[((R0 + tid) * splits + split) * 2 + 1] = sum;
     }
+    if (merge_ticket == nullptr) return;
+    // The last-block ticket (as kernels/kv_append.cu): every thread's partials are stored before
+    // thread 0 fences and counts; the last block fences again before it reads the others'.
+    int* is_last = reinterpret_cast<int*>(smem + SM::ML);  // the warps' maxima and sums are read
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        int* ticket = merge_ticket + (size_t)blockIdx.z * gridDim.y + blockIdx.y;
+        *is_last = atomicAdd(ticket, 1) == splits - 1;
+        if (*is_last) {
+            *ticket = 0;  // every block of the group has counted
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    if (!*is_last) return;
+    float* factor = reinterpret_cast<float*>(smem + SM::RING);
+    float4* partial = reinterpret_cast<float4*>(smem + SM::RING + round16(kRows * splits * 4));
+    float2* total = reinterpret_cast<float2*>(partial + kThreads);
+    merge_rows<DT>(part_acc, part_ml, out, ml_out, R0, nrows, Hq, Q, D, splits, factor, total, partial, kThreads);
 }
 
+// Shared memory the decode kernel's merge of `splits` splits takes (in its ring's place).
+__host__ __device__ constexpr int merge_smem_bytes(int splits) { return round16(kRows * splits * 4) + kThreads * 16 + kRows * 8; }
+
 // ---------------------------------------------------------------------------------------
-// kbit_kv_combine<DT>: grid (R), 128 threads, splits * 4 bytes of shared memory rounded up to 16
-// (the compiler may read the factors four at a time).
-// out[b][i][hq][c] (transformers' layout) = sum_s 2^(m_s - M) acc_s[c] / L; ml[R] = (M, L).
+// kbit_kv_combine<DT>: grid (R), 128 threads, splits * 4 bytes of shared memory rounded up to 16.
+// The merge of one query row's splits (merge_rows), for launches whose decode kernel does not
+// merge them itself.
 // ---------------------------------------------------------------------------------------
 constexpr int kCombineThreads = 128;
 
@@ -1112,69 +1205,12 @@ template <int DT>
 __global__ void __launch_bounds__(kCombineThreads)
 kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml, void* __restrict__ out,
                 float* __restrict__ ml, int Hq, int Q, int D, int splits) {
-    extern __shared__ float4 factor4[];  // [splits] floats, 16-byte aligned and padded
-    float* factor = reinterpret_cast<float*>(factor4);
-    __shared__ float total[2];
-    const size_t R = blockIdx.x;
-    const int tid = threadIdx.x;
+    extern __shared__ float4 factor4[];  // [splits] floats
+    __shared__ float4 partial[kCombineThreads];
+    __shared__ float2 total[1];
     grid_dependency_wait();
-    if (tid < 32) {
-        float mx = KBIT_NEG_INF;
-        for (int s = tid; s < splits; s += 32) mx = fmaxf(mx, part_ml[(R * splits + s) * 2]);
-#pragma unroll
-        for (int d = 16; d; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-        const float safe = mx == KBIT_NEG_INF ? 0.f : mx;
-        float sum = 0.f;
-        for (int s = tid; s < splits; s += 32) {
-            const float f = exp2f(part_ml[(R * splits + s) * 2] - safe);
-            factor[s] = f;
-            sum += f * part_ml[(R * splits + s) * 2 + 1];
-        }
-#pragma unroll
-        for (int d = 16; d; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
-        if (tid == 0) {
-            total[0] = mx;
-            total[1] = sum;
-            ml[R * 2] = mx;
-            ml[R * 2 + 1] = sum;
-        }
-    }
-    __syncthreads();
-    // thread (part, c4): channels 4 c4 .. 4 c4 + 3 over the splits part, part + kParts, ...; the
-    // loads of a thread are independent (one latency, not one per split), the parts summed after
-    constexpr int kParts = 4;
-    __shared__ float4 partial[kParts][kCombineThreads / kParts];
-    const int part = tid / (kCombineThreads / kParts), c4 = tid % (kCombineThreads / kParts);
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int c0 = 0; c0 < D / 4; c0 += kCombineThreads / kParts) {
-        const int c = c0 + c4;
-        if (c < D / 4) {
-#pragma unroll 8
-            for (int s = part; s < splits; s += kParts) {
-                const float4 v = reinterpret_cast<const float4*>(part_acc + (R * splits + s) * D)[c];
-                const float f = factor[s];
-                acc.x += f * v.x; acc.y += f * v.y; acc.z += f * v.z; acc.w += f * v.w;
-            }
-        }
-        partial[part][c4] = acc;
-        __syncthreads();
-        if (part == 0 && c < D / 4) {
-            const float inv = total[1] > 0.f ? 1.f / total[1] : 0.f;
-            const size_t b = R / ((size_t)Hq * Q), rem = R % ((size_t)Hq * Q), hq = rem / Q, qi = rem % Q;
-            const size_t o = ((b * Q + qi) * Hq + hq) * D + 4 * c;
-            float4 sum = partial[0][c4];
-#pragma unroll
-            for (int p = 1; p < kParts; ++p) {
-                sum.x += partial[p][c4].x; sum.y += partial[p][c4].y; sum.z += partial[p][c4].z; sum.w += partial[p][c4].w;
-            }
-            store_elem<DT>(out, o, sum.x * inv);
-            store_elem<DT>(out, o + 1, sum.y * inv);
-            store_elem<DT>(out, o + 2, sum.z * inv);
-            store_elem<DT>(out, o + 3, sum.w * inv);
-        }
-        __syncthreads();
-        acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    merge_rows<DT>(part_acc, part_ml, out, ml, blockIdx.x, 1, Hq, Q, D, splits, reinterpret_cast<float*>(factor4), total, partial,
+                   kCombineThreads);
 }
 
 // ---------------------------------------------------------------------------------------
