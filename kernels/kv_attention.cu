@@ -850,7 +850,7 @@ template <int D>
 KBIT_DEVICE void key_block_operands(const uint2* qfrag, const u16* range, const u16* kmin, int lane, uint2 (&bq)[D / 16],
                                     float& qmin0, float& qmin1) {
     const int t = lane & 3;
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // even and odd steps: two chains of products
 #pragma unroll
     for (int j = 0; j < D / 16; ++j) {
         const uint2 qf = qfrag[j * 32 + lane];
@@ -861,87 +861,10 @@ KBIT_DEVICE void key_block_operands(const uint2* qfrag, const u16* range, const 
                            mul2<KBIT_F16>(mul2<KBIT_F16>(qf.y, prmt(rlo, rhi, 0x7632u)), pow2_pair(-4)));
         const u32 m_even = prmt(mlo, mhi, 0x5410u), m_odd = prmt(mlo, mhi, 0x7632u);  // k 2t, 2t+1 / 2t+8, 2t+9
         const u32 a[4] = {m_even, m_even, m_odd, m_odd};
-        mma_16816<KBIT_F16>(c, a, qf.x, qf.y);
+        mma_16816<KBIT_F16>(c[j % 2], a, qf.x, qf.y);
     }
-    qmin0 = c[0];
-    qmin1 = c[1];
-}
-
-// The merge of the splits (flash-decoding) of the query rows R0 .. R0 + nrows - 1, by every one
-// of the block's `nthreads` threads: out[b][i][hq][c] (transformers' layout) = sum_s 2^(m_s - M)
-// acc_s[c] / L and ml[R] = (M, L), from part_acc [R][splits][D] and part_ml [R][splits][2].
-// Shared memory: factor [nrows][splits] floats, total [nrows], partial [nthreads]. The splits'
-// partials are read through L2 (__ldcg): other blocks of the running grid may have written them.
-// Thread (part, item) sums the splits part, part + parts, ... of one row's four channels, so a
-// thread's loads are independent (one latency, not one per split); the parts are summed after.
-// Not inlined: inlined into the decode kernel, which sits at its register cap, it made the main
-// loop spill on sm_80.
-template <int DT>
-__device__ __noinline__ void merge_rows(const float* part_acc, const float* part_ml, void* out, float* ml, size_t R0, int nrows, int Hq, int Q,
-                            int D, int splits, float* factor, float2* total, float4* partial, int nthreads) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    for (int r = warp; r < nrows; r += nthreads / 32) {
-        const size_t R = R0 + r;
-        float mx = KBIT_NEG_INF;
-        for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldcg(part_ml + (R * splits + s) * 2));
-#pragma unroll
-        for (int d = 16; d; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-        const float safe = mx == KBIT_NEG_INF ? 0.f : mx;
-        float sum = 0.f;
-        for (int s = lane; s < splits; s += 32) {
-            const float f = exp2f(__ldcg(part_ml + (R * splits + s) * 2) - safe);
-            factor[r * splits + s] = f;
-            sum += f * __ldcg(part_ml + (R * splits + s) * 2 + 1);
-        }
-#pragma unroll
-        for (int d = 16; d; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
-        if (lane == 0) {
-            total[r] = make_float2(mx, sum);
-            ml[R * 2] = mx;
-            ml[R * 2 + 1] = sum;
-        }
-    }
-    __syncthreads();
-    const int d4 = D / 4, items = nrows * d4;
-    const int parts = items >= nthreads ? 1 : nthreads / items;
-    // item (r, c): channels 4c .. 4c + 3 of row r, over the splits part, part + parts, ...
-    auto partial_sum = [&](int item, int part) {
-        const int r = item / d4;
-        const float4* src = reinterpret_cast<const float4*>(part_acc + (R0 + r) * splits * D) + item % d4;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-        for (int s = part; s < splits; s += parts) {
-            const float4 v = __ldcg(src + (size_t)s * d4);
-            const float f = factor[r * splits + s];
-            acc.x += f * v.x; acc.y += f * v.y; acc.z += f * v.z; acc.w += f * v.w;
-        }
-        return acc;
-    };
-    auto store = [&](int item, float4 sum) {
-        const int r = item / d4;
-        const size_t R = R0 + r;
-        const float inv = total[r].y > 0.f ? 1.f / total[r].y : 0.f;
-        const size_t b = R / ((size_t)Hq * Q), rem = R % ((size_t)Hq * Q), hq = rem / Q, qi = rem % Q;
-        const size_t o = ((b * Q + qi) * Hq + hq) * D + 4 * (item % d4);
-        store_elem<DT>(out, o, sum.x * inv);
-        store_elem<DT>(out, o + 1, sum.y * inv);
-        store_elem<DT>(out, o + 2, sum.z * inv);
-        store_elem<DT>(out, o + 3, sum.w * inv);
-    };
-    if (parts == 1) {
-        for (int item = tid; item < items; item += nthreads) store(item, partial_sum(item, 0));
-        return;
-    }
-    if (tid < items * parts) partial[tid] = partial_sum(tid % items, tid / items);
-    __syncthreads();
-    if (tid < items) {
-        float4 sum = partial[tid];
-        for (int p = 1; p < parts; ++p) {
-            const float4 x = partial[p * items + tid];
-            sum.x += x.x; sum.y += x.y; sum.z += x.z; sum.w += x.w;
-        }
-        store(tid, sum);
-    }
+    qmin0 = c[0][0] + c[1][0];
+    qmin1 = c[0][1] + c[1][1];
 }
 
 }  // namespace kv
@@ -954,10 +877,6 @@ __device__ __noinline__ void merge_rows(const float* part_acc, const float* part
 // relative to its max; part_ml [R][splits][2] the max and sum (log2 units).
 // In-place mode (live_len != nullptr): S and nblk come from *live_len; logits and bias rows are
 // ld apart; logits are written only on a recording call (calls, interval).
-// merge_ticket != nullptr: the block of each (batch row, kv head, row chunk) that finishes last
-// merges the splits into out and ml_out (kbit_kv_combine's results) itself; merge_ticket holds
-// one int per (batch row, kv head, row chunk), zero at launch and left zero. Its shared memory
-// (the ring's) must hold merge_smem_bytes(splits).
 // ---------------------------------------------------------------------------------------
 template <int D, int DT, bool SPLIT_TILES>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 4 : 1)
@@ -967,8 +886,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
                const int* p8, const u16* k_min, const u16* k_range, const int* __restrict__ rel, const int* rs2, const int* rs3, const int* rs4,
                const int* rs8, int C, int bs, const float* bias,
                u16* logits, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int G, int Q, int S, int NB,
-               int nblk, int kbps, int splits, float scale_log2, const int* live_len, int ld, const int* calls, int interval,
-               int* merge_ticket, void* out, float* ml_out) {
+               int nblk, int kbps, int splits, float scale_log2, const int* live_len, int ld, const int* calls, int interval) {
     using SM = Smem<D>;
     constexpr int KSTEPS = D / 16;
     constexpr int GROUPS = D / kGroup;
@@ -1169,35 +1087,12 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         part_ml[((R0 + tid) * splits + split) * 2] = mx;
         part_ml[((R0 + tid) * splits + split) * 2 + 1] = sum;
     }
-    if (merge_ticket == nullptr) return;
-    // The last-block ticket (as kernels/kv_append.cu): every thread's partials are stored before
-    // thread 0 fences and counts; the last block fences again before it reads the others'.
-    int* is_last = reinterpret_cast<int*>(smem + SM::ML);  // the warps' maxima and sums are read
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-        int* ticket = merge_ticket + (size_t)blockIdx.z * gridDim.y + blockIdx.y;
-        *is_last = atomicAdd(ticket, 1) == splits - 1;
-        if (*is_last) {
-            *ticket = 0;  // every block of the group has counted
-            __threadfence();
-        }
-    }
-    __syncthreads();
-    if (!*is_last) return;
-    float* factor = reinterpret_cast<float*>(smem + SM::RING);
-    float4* partial = reinterpret_cast<float4*>(smem + SM::RING + round16(kRows * splits * 4));
-    float2* total = reinterpret_cast<float2*>(partial + kThreads);
-    merge_rows<DT>(part_acc, part_ml, out, ml_out, R0, nrows, Hq, Q, D, splits, factor, total, partial, kThreads);
 }
 
-// Shared memory the decode kernel's merge of `splits` splits takes (in its ring's place).
-__host__ __device__ constexpr int merge_smem_bytes(int splits) { return round16(kRows * splits * 4) + kThreads * 16 + kRows * 8; }
-
 // ---------------------------------------------------------------------------------------
-// kbit_kv_combine<DT>: grid (R), 128 threads, splits * 4 bytes of shared memory rounded up to 16.
-// The merge of one query row's splits (merge_rows), for launches whose decode kernel does not
-// merge them itself.
+// kbit_kv_combine<DT>: grid (R), 128 threads, splits * 4 bytes of shared memory rounded up to 16
+// (the compiler may read the factors four at a time).
+// out[b][i][hq][c] (transformers' layout) = sum_s 2^(m_s - M) acc_s[c] / L; ml[R] = (M, L).
 // ---------------------------------------------------------------------------------------
 constexpr int kCombineThreads = 128;
 
@@ -1205,12 +1100,69 @@ template <int DT>
 __global__ void __launch_bounds__(kCombineThreads)
 kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml, void* __restrict__ out,
                 float* __restrict__ ml, int Hq, int Q, int D, int splits) {
-    extern __shared__ float4 factor4[];  // [splits] floats
-    __shared__ float4 partial[kCombineThreads];
-    __shared__ float2 total[1];
+    extern __shared__ float4 factor4[];  // [splits] floats, 16-byte aligned and padded
+    float* factor = reinterpret_cast<float*>(factor4);
+    __shared__ float total[2];
+    const size_t R = blockIdx.x;
+    const int tid = threadIdx.x;
     grid_dependency_wait();
-    merge_rows<DT>(part_acc, part_ml, out, ml, blockIdx.x, 1, Hq, Q, D, splits, reinterpret_cast<float*>(factor4), total, partial,
-                   kCombineThreads);
+    if (tid < 32) {
+        float mx = KBIT_NEG_INF;
+        for (int s = tid; s < splits; s += 32) mx = fmaxf(mx, part_ml[(R * splits + s) * 2]);
+#pragma unroll
+        for (int d = 16; d; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+        const float safe = mx == KBIT_NEG_INF ? 0.f : mx;
+        float sum = 0.f;
+        for (int s = tid; s < splits; s += 32) {
+            const float f = exp2f(part_ml[(R * splits + s) * 2] - safe);
+            factor[s] = f;
+            sum += f * part_ml[(R * splits + s) * 2 + 1];
+        }
+#pragma unroll
+        for (int d = 16; d; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+        if (tid == 0) {
+            total[0] = mx;
+            total[1] = sum;
+            ml[R * 2] = mx;
+            ml[R * 2 + 1] = sum;
+        }
+    }
+    __syncthreads();
+    // thread (part, c4): channels 4 c4 .. 4 c4 + 3 over the splits part, part + kParts, ...; the
+    // loads of a thread are independent (one latency, not one per split), the parts summed after
+    constexpr int kParts = 4;
+    __shared__ float4 partial[kParts][kCombineThreads / kParts];
+    const int part = tid / (kCombineThreads / kParts), c4 = tid % (kCombineThreads / kParts);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c0 = 0; c0 < D / 4; c0 += kCombineThreads / kParts) {
+        const int c = c0 + c4;
+        if (c < D / 4) {
+#pragma unroll 8
+            for (int s = part; s < splits; s += kParts) {
+                const float4 v = reinterpret_cast<const float4*>(part_acc + (R * splits + s) * D)[c];
+                const float f = factor[s];
+                acc.x += f * v.x; acc.y += f * v.y; acc.z += f * v.z; acc.w += f * v.w;
+            }
+        }
+        partial[part][c4] = acc;
+        __syncthreads();
+        if (part == 0 && c < D / 4) {
+            const float inv = total[1] > 0.f ? 1.f / total[1] : 0.f;
+            const size_t b = R / ((size_t)Hq * Q), rem = R % ((size_t)Hq * Q), hq = rem / Q, qi = rem % Q;
+            const size_t o = ((b * Q + qi) * Hq + hq) * D + 4 * c;
+            float4 sum = partial[0][c4];
+#pragma unroll
+            for (int p = 1; p < kParts; ++p) {
+                sum.x += partial[p][c4].x; sum.y += partial[p][c4].y; sum.z += partial[p][c4].z; sum.w += partial[p][c4].w;
+            }
+            store_elem<DT>(out, o, sum.x * inv);
+            store_elem<DT>(out, o + 1, sum.y * inv);
+            store_elem<DT>(out, o + 2, sum.z * inv);
+            store_elem<DT>(out, o + 3, sum.w * inv);
+        }
+        __syncthreads();
+        acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
 }
 
 // ---------------------------------------------------------------------------------------

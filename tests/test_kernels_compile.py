@@ -189,8 +189,6 @@ def test_host_shared_memory_sizes_match_the_kernels(tmp_path):
         "decode.cu": [f'printf("decode {b} {mt} {c.warps} {c.k_warps} {c.row_groups} %d\\n", '
                       f'kbit_decode::DecodeSmem<{b}, {mt}, {c.warps}, {c.k_warps}, {c.row_groups}>::kBytes);' for b, mt, c in configs],
         "kv_attention.cu": [f'printf("kv {d} %d\\n", kbit::kv::Smem<{d}>::BYTES);' for d in kkv.HEAD_DIMS]
-        + [f'printf("kv ring {d} %d\\n", kbit::kv::Smem<{d}>::BYTES - kbit::kv::Smem<{d}>::RING);' for d in kkv.HEAD_DIMS]
-        + [f'printf("kv merge {n} %d\\n", merge_smem_bytes({n}));' for n in (1, 7, 16, 33)]
         + ['printf("kv mass threads %d\\n", kMassThreads);', 'printf("kv combine threads %d\\n", kCombineThreads);'],
         "quantize.cu": ['printf("dequantize items %d\\n", kDequantItems);'],
         "router.cu": ['printf("router threads %d\\n", kbit::router::kThreads);'],
@@ -218,11 +216,6 @@ def test_host_shared_memory_sizes_match_the_kernels(tmp_path):
             assert khopper.smem_bytes(b, bt) <= limit, f"sm90 bits={b} BT={bt} needs more than an sm_90 block has"
     for d in kkv.HEAD_DIMS:
         assert kkv.decode_smem_bytes(d) == kernel[("kv", str(d))], f"kv_attention head_dim={d}"
-        # the decode kernel merges the splits in its ring's place only where they fit there
-        for n in range(1, kkv.tuning.KV_MERGE_IN_DECODE_MAX_SPLITS + 1):
-            assert not kkv.merges_in_decode(n, d) or kkv.merge_smem_bytes(n) <= kernel[("kv", "ring", str(d))], (d, n)
-    for n in (1, 7, 16, 33):
-        assert kkv.merge_smem_bytes(n) == kernel[("kv", "merge", str(n))], f"kv merge splits={n}"
     # launch facts the host copies: the block sizes of the mass, combine and router kernels
     assert kkv._MASS_THREADS == kernel[("kv", "mass", "threads")]
     assert kkv._COMBINE_THREADS == kernel[("kv", "combine", "threads")]

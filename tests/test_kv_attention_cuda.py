@@ -121,30 +121,6 @@ def test_single_width_and_no_mass(probs, walk: str) -> None:
     assert (out.float().cpu() - ref).abs().max() < 1e-2 * ref.abs().max()
 
 
-@pytest.mark.parametrize("case", [(1, 8, 32, 128, 2100, 64, 1), (3, 2, 6, 64, 901, 16, 2), (2, 1, 24, 256, 700, 32, 1)],
-                         ids=lambda c: "b{}-h{}-hq{}-d{}-s{}-bs{}-q{}".format(*c))
-def test_merge_in_the_decode_kernel_and_by_the_combine_kernel(case, walk: str, monkeypatch) -> None:
-    # the same splits merged by each head's last decode block and by the combine kernel: both
-    # match the reference, outputs and mass (the mass kernel reads the merge's max and sum); the
-    # two give the same floats up to the order of their sums
-    batch, heads, hq, d, length, block, q_len = case
-    buckets, kmin, krange, tier = random_cache(batch, heads, d, length, block, zlib.crc32(repr(case).encode()))
-    q = torch.randn(batch, hq, q_len, d, generator=torch.Generator().manual_seed(2)).half()
-    ref, ref_mass = bucket_attention(q.float(), buckets, kmin, krange, block, length, None, d**-0.5)
-    args = (q.cuda(), _cuda(buckets), kmin.cuda(), krange.cuda(), block, length, tier.cuda(), None, d**-0.5)
-    got = {}
-    for merge, most in (("decode", 10**6), ("combine", 0)):
-        monkeypatch.setattr(kkv.tuning, "KV_MERGE_IN_DECODE_MAX_SPLITS", most)
-        _poison(batch * hq * q_len * length * 4)
-        for _ in range(3):  # the decode kernel leaves its tickets at zero for the next call
-            out, mass = kkv.kv_decode_attention_cuda(*args)
-            assert not torch.isnan(out).any() and not torch.isnan(mass).any()
-            assert (out.float().cpu() - ref).abs().max() < 1e-2 * ref.abs().max(), merge
-            torch.testing.assert_close(mass.cpu(), ref_mass, atol=2e-3 * hq * q_len, rtol=2e-2)
-        got[merge] = out.float()
-    torch.testing.assert_close(got["decode"], got["combine"], atol=1e-5 * got["combine"].abs().max().item(), rtol=1e-3)
-
-
 def test_workspace_keeps_offsets_and_appended_8bit_tokens_need_no_recount() -> None:
     # offsets kept in the workspace stay right when 8-bit tokens are appended past the key blocks
     batch, heads, hq, d, block = 2, 2, 8, 128, 32

@@ -1,9 +1,8 @@
 """The fused decode-attention kernels over the mixed-precision KV cache (``kernels/kv_attention.cu``).
 
 Registered as the CUDA implementation of :func:`kbit_linear._kv_ops.decode_attention`. Per call:
-the attention over all buckets, split along the context (one launch; where there are few splits,
-the last block of each head merges them), the merge of the splits (one launch, for many splits)
-and, when the mass is asked for, each position's attention mass (one). Where each
+the attention over all buckets, split along the context (one launch), the merge of the splits
+(one) and, when the mass is asked for, each position's attention mass (one). Where each
 bucket's entries of every key block start is counted by a fourth kernel only when the widths
 changed: the caller's ``workspace`` keeps it between steps. Head sizes 64, 128 and 256 with
 fp16, bf16 or fp32 queries take the kernels; anything else returns ``None`` (the reference runs).
@@ -17,10 +16,10 @@ import torch
 
 from ... import _kv_ops
 from ...kv_format import TIERS, KVBucket, KVStore8, mask_bias
-from . import loader, tuning, workspace as scratch
+from . import loader, tuning
 from .tensors import DTYPE_CODES, aligned16
 
-__all__ = ["HEAD_DIMS", "MAX_SPLIT_KEY_BLOCKS", "stage_bytes", "resident_blocks_per_sm", "kv_attention_instances", "decode_smem_bytes", "merge_smem_bytes", "merges_in_decode", "combine_smem_bytes", "kv_decode_attention_cuda",
+__all__ = ["HEAD_DIMS", "MAX_SPLIT_KEY_BLOCKS", "stage_bytes", "resident_blocks_per_sm", "kv_attention_instances", "decode_smem_bytes", "combine_smem_bytes", "kv_decode_attention_cuda",
            "kv_decode_attention_in_place_cuda"]
 
 _SOURCE = "kv_attention.cu"
@@ -45,7 +44,7 @@ _DECODE_ARGS = loader.ArgPack(
     "q:p k2:p v2:p vs2:p vz2:p p2:p k3:p v3:p vs3:p vz3:p p3:p k4:p v4:p vs4:p vz4:p p4:p k8:p v8:p ks8:p vs8:p p8:p "
     "k_min:p k_range:p rel:p rs2:p rs3:p rs4:p rs8:p C:i bs:i bias:p logits:p part_acc:p part_ml:p H:i G:i Q:i S:i NB:i nblk:i "
     "kbps:i splits:i "
-    "scale_log2:f live_len:p ld:i calls:p interval:i merge_ticket:p out:p ml_out:p")
+    "scale_log2:f live_len:p ld:i calls:p interval:i")
 _COMBINE_ARGS = loader.ArgPack("kbit_kv_combine", "part_acc:p part_ml:p out:p ml:p Hq:i Q:i D:i splits:i")
 _MASS_ARGS = loader.ArgPack("kbit_kv_mass", "logits:p ml:p mass:p rows:i S:i ld:i live_len:p seen:p heads:i Q:i calls:p interval:i")
 
@@ -77,20 +76,6 @@ def decode_smem_bytes(head_dim: int) -> int:
     ring_at = _ROWS * head_dim * 4 + ksteps * 32 * 8
     ring_at += _WARPS * _ROWS * 2 * 4 + (MAX_SPLIT_KEY_BLOCKS + 1) * 16
     return ring_at + max(_WARPS * _STAGES * stage_bytes(head_dim), _WARPS * _ROWS * head_dim * 4)  # ring, then the warps' outputs
-
-
-def merge_smem_bytes(splits: int) -> int:
-    """Shared memory the decode kernel's own merge of ``splits`` splits takes in its ring's place
-    (``merge_smem_bytes`` in the kernel): a factor per row and split, a float4 per thread, a
-    total per row."""
-    return _round16(_ROWS * splits * 4) + 32 * _WARPS * 16 + _ROWS * 8
-
-
-def merges_in_decode(splits: int, head_dim: int) -> bool:
-    """Whether the decode kernel merges the splits itself (no combine launch): few splits
-    (tuning.KV_MERGE_IN_DECODE_MAX_SPLITS), whose merge fits in the ring's shared memory."""
-    ring = max(_WARPS * _STAGES * stage_bytes(head_dim), _WARPS * _ROWS * head_dim * 4)
-    return splits <= tuning.KV_MERGE_IN_DECODE_MAX_SPLITS and merge_smem_bytes(splits) <= ring
 
 
 def combine_smem_bytes(splits: int) -> int:
@@ -213,13 +198,6 @@ def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Ten
 
     kmin = a(k_block_min) if nb else None
     krange = a(k_block_range) if nb else None
-    out = torch.empty((b, q_len, hq, d), dtype=query.dtype, device=dev)
-    ml = torch.empty((b * hq * q_len, 2), dtype=torch.float32, device=dev)
-    merged = merges_in_decode(splits, d)
-    ticket = 0
-    if merged:  # one counter per (batch row, kv head, row chunk), left zero by the kernel
-        index = loader._device_index(dev)
-        _, ticket = scratch.zeroed_scratch("kv_merge", index, loader._current_raw_stream(index), 0, b * h * chunks)
     kern = loader.get_kernel(_SOURCE, f"kbit_kv_decode<{d}, {_DT[query.dtype]}, {str(split_tiles).lower()}>", dev)
     loader.launch(kern, (splits, h * chunks, b), 32 * _WARPS, _DECODE_ARGS.Values(
         q=aligned16(query), k2=a(t[2].k), v2=a(t[2].v), vs2=a(t[2].v_scale), vz2=a(t[2].v_zero), p2=a(t[2].pos),
@@ -229,10 +207,11 @@ def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Ten
         k_min=kmin, k_range=krange, rel=rel, rs2=rs[0], rs3=rs[1], rs4=rs[2], rs8=rs[3], C=nb, bs=block_size, bias=bias, logits=logits, part_acc=part_acc, part_ml=part_ml,
         H=h, G=g, Q=q_len, S=kv_len, NB=nb, nblk=nblk, kbps=kbps, splits=splits, scale_log2=float(scaling) * _LOG2E,
         live_len=None if in_place is None else in_place["len"], ld=ld, calls=None if in_place is None else in_place["calls"],
-        interval=1 if in_place is None else in_place["interval"], merge_ticket=ticket, out=out, ml_out=ml),
+        interval=1 if in_place is None else in_place["interval"]),
         decode_smem_bytes(d), dev, pack=_DECODE_ARGS)
-    if merged:
-        return out, ml, logits
+
+    out = torch.empty((b, q_len, hq, d), dtype=query.dtype, device=dev)
+    ml = torch.empty((b * hq * q_len, 2), dtype=torch.float32, device=dev)
     kern = loader.get_kernel(_SOURCE, f"kbit_kv_combine<{_DT[query.dtype]}>", dev)
     # One short block per query row; it waits for the decode kernel before any memory access,
     # and the decode kernel lets it start once its tiles are done.

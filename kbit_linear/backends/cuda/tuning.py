@@ -38,7 +38,6 @@ __all__ = [
     "GGUF_GEMV_LAUNCH",
     "KV_DECODE_MIN_KEY_BLOCKS",
     "KV_DECODE_SPLIT_TILES_IDLE_SHARE",
-    "KV_MERGE_IN_DECODE_MAX_SPLITS",
     "ROUTER_MAX_TOKENS",
     "DecodeConfig",
     "DECODE_CONFIGS",
@@ -518,10 +517,6 @@ KV_DECODE_MIN_KEY_BLOCKS = 4
 # 1k tokens whole 18.4 / shared 15.6 (32 vs 128 blocks); 4k whole 20.5 / shared 23.1 (128 vs
 # 512 blocks: each warp then forms Q' for every key block and each block pays the prologue).
 KV_DECODE_SPLIT_TILES_IDLE_SHARE = 0.5
-# Splits up to which the decode kernel's last block of each head merges them (no combine
-# launch). The merge then runs in one block per head instead of one per query row, so many
-# splits are better served by the separate combine kernel's wider grid.
-KV_MERGE_IN_DECODE_MAX_SPLITS = 16
 
 
 # ---------------------------------------------------------------------------------------
