@@ -1,0 +1,87 @@
+"""How many decode tiles a cache's widths cost: the allocator's layouts against uniform widths.
+
+The KV decode kernel takes each key block's entries of one width ``_MAX_TILE`` (16) at a time,
+so a key block costs ``sum over widths of ceil(count / 16)`` tiles: 4 for 64 tokens of one
+width, 5 for 63 at 4 bits and one at 3. This replays the allocator alone (``allocate_tiers``,
+as ``KbitKVLayer.reallocate`` calls it: the sinks, the recent window and the open key block at 8
+bits and counted against the budget) over a growing context, one allocation every key block
+from ``--start`` tokens on, with one random importance per token, drawn once (a running mean
+of the attention mass changes slowly), and counts the tiles of the final widths against the
+smallest count the same context could have (the same sinks, window and open key block at 8 bits,
+every other token at one width). CPU only; it times nothing.
+
+    python3 scripts/kv_tile_count.py --context 8192 --kv-bits 4 3.5 3 2.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kbit_linear.backends.cuda.kv_attention import _MAX_TILE  # noqa: E402
+from kbit_linear.kv_cache import allocate_tiers  # noqa: E402
+from kbit_linear.kv_format import TIERS  # noqa: E402
+
+
+def tiles(tier: torch.Tensor, block: int) -> int:
+    """Decode tiles of one row's widths ``tier`` (int ``[s]``): per key block and width, ceil(count / tile)."""
+    s = tier.numel()
+    n = (s + block - 1) // block
+    blk = torch.arange(s) // block
+    counts = torch.zeros(n, TIERS[-1] + 1, dtype=torch.int64).index_put_((blk, tier.long()), torch.ones(s, dtype=torch.int64),
+                                                                        accumulate=True)
+    return int(((counts + _MAX_TILE - 1) // _MAX_TILE).sum())
+
+
+def replay(context: int, kv_bits: float, start: int, block: int, window: int, sinks: int, seed: int) -> torch.Tensor:
+    """One row's widths after allocations every ``block`` tokens from ``start`` to ``context``."""
+    g = torch.Generator().manual_seed(seed)
+    importance = torch.rand(context, generator=g)
+    tier = torch.full((context,), 8, dtype=torch.int8)
+    for s in range(start, context + 1, block):
+        p = torch.arange(s)
+        movable = (p >= sinks) & (p < s - window) & (p < s // block * block)
+        idx = torch.nonzero(movable).reshape(-1)
+        if idx.numel() == 0:
+            continue
+        budget = kv_bits * s - float(tier[:s].sum() - tier[idx].sum())
+        tier[idx] = allocate_tiers(tier[idx], importance[idx], budget)
+    return tier
+
+
+def uniform(context: int, block: int, window: int, sinks: int) -> torch.Tensor:
+    """The fewest-tiles layout of a context: the 8-bit tokens of ``replay`` (sinks, window, open
+    key block) and every other token at one width."""
+    p = torch.arange(context)
+    fixed = (p < sinks) | (p >= context - window) | (p >= context // block * block)
+    return torch.where(fixed, 8, TIERS[0]).to(torch.int8)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--kv-bits", type=float, nargs="+", default=[4.0, 3.5, 3.0, 2.5])
+    ap.add_argument("--start", type=int, default=1024, help="tokens at the first allocation (the prompt)")
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(f"| kv_bits | tiles after one allocation at {args.context} | after allocations every {args.block} from {args.start} | "
+          f"fewest (one width below 8 bits) | tokens per width (the latter) |")
+    print("|---|---|---|---|---|")
+    for bits in args.kv_bits:
+        once = replay(args.context, bits, args.context, args.block, args.window, args.sinks, args.seed)
+        grown = replay(args.context, bits, args.start, args.block, args.window, args.sinks, args.seed)
+        fewest = tiles(uniform(args.context, args.block, args.window, args.sinks), args.block)
+        widths = ", ".join(f"{t}: {int((grown == t).sum())}" for t in TIERS)
+        print(f"| {bits:g} | {tiles(once, args.block)} | {tiles(grown, args.block)} | {fewest} | {widths} |")
+
+
+if __name__ == "__main__":
+    main()
