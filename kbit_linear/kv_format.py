@@ -53,6 +53,7 @@ from dataclasses import dataclass, fields
 import torch
 
 __all__ = [
+    "TILE_ENTRIES",
     "TIERS",
     "KVBucket",
     "KVStore8",
@@ -75,6 +76,11 @@ __all__ = [
 
 TIERS: tuple[int, ...] = (2, 3, 4, 8)
 """The widths a token can be stored at, lowest first."""
+
+TILE_ENTRIES = 16
+"""Entries of one width and key block that the decode kernel takes at a time (one tile): a key
+block's tokens at a width cost ``ceil(count / TILE_ENTRIES)`` tiles of equal cost. The cache's
+``allocate_by_tile`` moves tokens in groups of this many (:func:`kbit_linear.kv_cache.tile_importance`)."""
 
 _FP16_MAX = 65504.0
 _INV_127 = 1 / 127  # 8-bit scales multiply by fp32(1/127): torch's CUDA division by a Python scalar does, its CPU one does not

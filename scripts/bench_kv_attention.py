@@ -7,9 +7,10 @@ what transformers' ``"sdpa"`` attention runs) on a bf16 cache, the fused kbit ke
 kernel the cache's allocator uses) on caches whose widths give an average of 8 (uniform int8:
 the seed's baseline), 4, 3.5 and 2.5 bits (the 64 most recent tokens and 4 sinks at 8 bits, the
 rest split between the two widths around the average at random positions) and ``4-alloc``: an
-average of 4 bits as the cache's allocator sets it (``allocate_tiers`` on random importance; the
-8-bit window and sinks count against the budget, so about 1-2 % of the other tokens go to 3
-bits), all in one run:
+average of 4 bits as the cache's allocator sets it from 8 bits (``allocate_tiers`` on random
+importance; the 8-bit window and sinks count against the budget, so about 1-2 % of the other
+tokens go to 3 bits, spread over most key blocks), and ``4-tiles``: the same with
+``allocate_by_tile`` (those tokens in whole tiles of a key block), all in one run:
 CUDA-graph replay of many calls, cache copies rotated past L2, median of repeats
 (``_bench_common.time_calls``). Bytes per token count payload, scales and metadata; the
 roofline is those bytes read at the device-to-device copy rate (read + write bytes per second)
@@ -38,15 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402  (needs the path above; puts the repository on the path)
 
 from kbit_linear.backends.cuda import kv_attention as kkv  # noqa: E402
-from kbit_linear.kv_cache import MASS_INTERVAL, allocate_tiers  # noqa: E402
+from kbit_linear.kv_cache import MASS_INTERVAL, allocate_tiers, tile_importance  # noqa: E402
 from kbit_linear.kv_format import TIERS, KVBucket, key_block_ranges, quantize_tokens  # noqa: E402
 
 HQ, H, D = 32, 8, 128
 BLOCK, WINDOW, SINKS = 64, 64, 4
 CONTEXTS = [4096, 32768, 131072]
 BATCHES = [1, 8]
-MIXES = {"int8": (8, 8), "4": (4, 8), "3.5": (3, 4), "2.5": (2, 3), "4-alloc": (3, 4)}  # average -> (lower, upper width)
-ALLOCATED = {"4-alloc": 4.0}  # mixes whose widths the allocator sets, -> kv_bits
+MIXES = {"int8": (8, 8), "4": (4, 8), "3.5": (3, 4), "2.5": (2, 3), "4-alloc": (3, 4), "4-tiles": (3, 4)}  # average -> (lower, upper width)
+ALLOCATED = {"4-alloc": (4.0, False), "4-tiles": (4.0, True)}  # mixes whose widths the allocator sets -> (kv_bits, allocate_by_tile)
 
 
 def _tiers(batch: int, s: int, avg: float, lo: int, hi: int, g: torch.Generator) -> torch.Tensor:
@@ -61,10 +62,10 @@ def _tiers(batch: int, s: int, avg: float, lo: int, hi: int, g: torch.Generator)
     return tier
 
 
-def _allocated_tiers(batch: int, s: int, kv_bits: float, g: torch.Generator) -> torch.Tensor:
-    """Widths per position as ``KbitKVCache.reallocate`` sets them from 8 bits for ``kv_bits``,
-    with random importance: the window, the sinks and the open key block stay at 8 bits and
-    count against the budget."""
+def _allocated_tiers(batch: int, s: int, kv_bits: float, by_tile: bool, g: torch.Generator) -> torch.Tensor:
+    """Widths per position as ``KbitKVLayer.reallocate`` sets them from 8 bits for ``kv_bits``
+    (``by_tile``: with ``allocate_by_tile``), with random importance: the window, the sinks and
+    the open key block stay at 8 bits and count against the budget."""
     tier = _tiers(batch, s, 8.0, 8, 8, g)
     movable = torch.ones(s, dtype=torch.bool)
     movable[:SINKS] = False
@@ -73,7 +74,10 @@ def _allocated_tiers(batch: int, s: int, kv_bits: float, g: torch.Generator) -> 
     idx = torch.nonzero(movable).reshape(-1)
     for b in range(batch):
         fixed_bits = float(tier[b].sum() - tier[b, idx].sum())
-        tier[b, idx] = allocate_tiers(tier[b, idx], torch.rand(idx.numel(), generator=g), kv_bits * s - fixed_bits)
+        imp = torch.rand(idx.numel(), generator=g)
+        if by_tile:
+            imp = tile_importance(imp, tier[b, idx], idx // BLOCK)
+        tier[b, idx] = allocate_tiers(tier[b, idx], imp, kv_bits * s - fixed_bits)
     return tier
 
 
@@ -82,7 +86,7 @@ def _cache(batch: int, s: int, mix: str, dev: torch.device, seed: int) -> dict[s
     g = torch.Generator().manual_seed(seed)
     lo, hi = MIXES[mix]
     if mix in ALLOCATED:
-        tier = _allocated_tiers(batch, s, ALLOCATED[mix], g).to(dev)
+        tier = _allocated_tiers(batch, s, *ALLOCATED[mix], g).to(dev)
     else:
         tier = _tiers(batch, s, float(mix) if mix != "int8" else 8.0, lo, hi, g).to(dev)
     nb = s // BLOCK
@@ -216,7 +220,7 @@ def _plot(payload: dict[str, Any], path: str) -> None:
             continue
         ctx = [r["context"] for r in rs]
         axes[0].plot(ctx, [r["sdpa_bf16_us"] for r in rs], marker=marker, color="black", label=f"SDPA bf16, batch {batch}")
-        for m, color in zip(MIXES, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")):
+        for m, color in zip(MIXES, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")):
             if f"kbit_{m}_us" in rs[0]:
                 axes[0].plot(ctx, [r[f"kbit_{m}_us"] for r in rs], marker=marker, color=color, label=f"kbit {m} bits, batch {batch}")
                 if batch == rs[0]["batch"]:

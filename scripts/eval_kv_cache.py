@@ -28,13 +28,16 @@ from kbit_linear.tools.evaluation import token_windows
 from kbit_linear.tools.models import resolve_model
 
 
-def settings(config, mass_intervals: tuple[int, ...] = (MASS_INTERVAL,)) -> list[tuple[str, callable]]:
+def settings(config, mass_intervals: tuple[int, ...] = (MASS_INTERVAL,), by_tile: tuple[bool, ...] = (False,)) -> list[tuple[str, callable]]:
     """(label, cache factory) pairs to compare against the dense cache; the kbit settings once per
-    ``mass_interval`` (labelled with it when it is not the library's default)."""
+    ``mass_interval`` (labelled with it when it is not the library's default) and per
+    ``allocate_by_tile`` value in ``by_tile`` (labelled when True)."""
     out = []
     for m in mass_intervals:
         tag = "" if m == MASS_INTERVAL else f", mass_interval {m}"
-        out += [(f"kbit avg {b} bits{tag}", lambda b=b, m=m: KbitKVCache(config, kv_bits=b, mass_interval=m)) for b in (8, 4, 3, 2.5)]
+        for t in by_tile:
+            out += [(f"kbit avg {b} bits{tag}{', by tile' if t else ''}",
+                     lambda b=b, m=m, t=t: KbitKVCache(config, kv_bits=b, mass_interval=m, allocate_by_tile=t)) for b in (8, 4, 3, 2.5)]
         out.append((f"kbit uniform 2 bits{tag}", lambda m=m: KbitKVCache(config, kv_bits=2, window=0, sink_tokens=0, mass_interval=m)))
     for backend, package in (("quanto", "optimum.quanto"), ("hqq", "hqq")):
         try:
@@ -81,6 +84,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="run only the settings whose label contains this text")
     ap.add_argument("--mass-interval", type=int, nargs="+", default=[MASS_INTERVAL],
                     help="KbitKVCache's mass_interval, each kbit setting once per value (default: the library's)")
+    ap.add_argument("--by-tile", action="store_true", help="the average-width settings also with allocate_by_tile=True")
     args = ap.parse_args()
     path = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
@@ -91,7 +95,7 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print("| cache | KL vs dense cache (nats/token) | mean stored bits | bytes vs bf16 | s |")
     print("|---|---|---|---|---|")
-    for label, make in settings(model.config, tuple(args.mass_interval)):
+    for label, make in settings(model.config, tuple(args.mass_interval), (False, True) if args.by_tile else (False,)):
         if args.only is not None and args.only not in label:
             continue
         start = time.perf_counter()

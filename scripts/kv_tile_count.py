@@ -1,4 +1,4 @@
-"""How many decode tiles a cache's widths cost: the allocator's layouts against uniform widths.
+"""How many decode tiles a cache's widths cost: the allocator's layouts, ranked by token or by tile.
 
 The KV decode kernel takes each key block's entries of one width ``_MAX_TILE`` (16) at a time,
 so a key block costs ``sum over widths of ceil(count / 16)`` tiles: 4 for 64 tokens of one
@@ -6,7 +6,8 @@ width, 5 for 63 at 4 bits and one at 3. This replays the allocator alone (``allo
 as ``KbitKVLayer.reallocate`` calls it: the sinks, the recent window and the open key block at 8
 bits and counted against the budget) over a growing context, one allocation every key block
 from ``--start`` tokens on, with one random importance per token, drawn once (a running mean
-of the attention mass changes slowly), and counts the tiles of the final widths against the
+of the attention mass changes slowly): ranked token by token, and ranked by groups of a key
+block's tokens (``tile_importance``, what the cache does). It counts the tiles of the final widths against the
 smallest count the same context could have (the same sinks, window and open key block at 8 bits,
 every other token at one width). CPU only; it times nothing.
 
@@ -24,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kbit_linear.backends.cuda.kv_attention import _MAX_TILE  # noqa: E402
-from kbit_linear.kv_cache import allocate_tiers  # noqa: E402
+from kbit_linear.kv_cache import allocate_tiers, tile_importance  # noqa: E402
 from kbit_linear.kv_format import TIERS  # noqa: E402
 
 
@@ -38,8 +39,9 @@ def tiles(tier: torch.Tensor, block: int) -> int:
     return int(((counts + _MAX_TILE - 1) // _MAX_TILE).sum())
 
 
-def replay(context: int, kv_bits: float, start: int, block: int, window: int, sinks: int, seed: int) -> torch.Tensor:
-    """One row's widths after allocations every ``block`` tokens from ``start`` to ``context``."""
+def replay(context: int, kv_bits: float, start: int, block: int, window: int, sinks: int, seed: int, by_tile: bool) -> torch.Tensor:
+    """One row's widths after allocations every ``block`` tokens from ``start`` to ``context``,
+    the tokens ranked by their own importance or (``by_tile``) their group's."""
     g = torch.Generator().manual_seed(seed)
     importance = torch.rand(context, generator=g)
     tier = torch.full((context,), 8, dtype=torch.int8)
@@ -50,7 +52,8 @@ def replay(context: int, kv_bits: float, start: int, block: int, window: int, si
         if idx.numel() == 0:
             continue
         budget = kv_bits * s - float(tier[:s].sum() - tier[idx].sum())
-        tier[idx] = allocate_tiers(tier[idx], importance[idx], budget)
+        imp = tile_importance(importance[idx], tier[idx], idx // block, _MAX_TILE) if by_tile else importance[idx]
+        tier[idx] = allocate_tiers(tier[idx], imp, budget)
     return tier
 
 
@@ -72,16 +75,17 @@ def main() -> None:
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    print(f"| kv_bits | tiles after one allocation at {args.context} | after allocations every {args.block} from {args.start} | "
-          f"fewest (one width below 8 bits) | tokens per width (the latter) |")
-    print("|---|---|---|---|---|")
+    print(f"| kv_bits | ranked | tiles after one allocation at {args.context} | after allocations every {args.block} from "
+          f"{args.start} | fewest (one width below 8 bits) | tokens per width (the latter) |")
+    print("|---|---|---|---|---|---|")
+    fewest = tiles(uniform(args.context, args.block, args.window, args.sinks), args.block)
     for bits in args.kv_bits:
-        once = replay(args.context, bits, args.context, args.block, args.window, args.sinks, args.seed)
-        grown = replay(args.context, bits, args.start, args.block, args.window, args.sinks, args.seed)
-        fewest = tiles(uniform(args.context, args.block, args.window, args.sinks), args.block)
-        widths = ", ".join(f"{t}: {int((grown == t).sum())}" for t in TIERS)
-        print(f"| {bits:g} | {tiles(once, args.block)} | {tiles(grown, args.block)} | {fewest} | {widths} |")
-
+        for by_tile in (False, True):
+            once = replay(args.context, bits, args.context, args.block, args.window, args.sinks, args.seed, by_tile)
+            grown = replay(args.context, bits, args.start, args.block, args.window, args.sinks, args.seed, by_tile)
+            widths = ", ".join(f"{t}: {int((grown == t).sum())}" for t in TIERS)
+            print(f"| {bits:g} | {'by tile' if by_tile else 'by token'} | {tiles(once, args.block)} | {tiles(grown, args.block)} | "
+                  f"{fewest} | {widths} |")
 
 if __name__ == "__main__":
     main()

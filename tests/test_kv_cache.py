@@ -22,7 +22,7 @@ from transformers import (
 )
 
 import kbit_linear
-from kbit_linear.kv_cache import KbitKVCache, KbitKVLayer, KbitKVView, allocate_tiers, _ideal_widths
+from kbit_linear.kv_cache import KbitKVCache, KbitKVLayer, KbitKVView, allocate_tiers, tile_importance, _ideal_widths
 from kbit_linear.kv_format import (
     TIERS,
     KVBucket,
@@ -305,6 +305,97 @@ def test_allocator_hysteresis() -> None:
     far = allocate_tiers(cur, torch.tensor([1.0, 0.99, 0.98, 0.97, 0.96, 0.5, 0.5, 0.4, 0.3, 0.2]), 5 * 4 + 5 * 3,
                          hysteresis=0.05)
     assert far.tolist() == [4] * 5 + [3] * 5  # no spare budget: the cutoff holds
+
+
+def _tiles(tier: torch.Tensor, block: torch.Tensor, tile: int = 16) -> int:
+    """Decode tiles of widths ``tier`` whose tokens lie in key blocks ``block``: per key block and width, ceil(count / tile)."""
+    counts = torch.zeros(int(block.max()) + 1, TIERS[-1] + 1, dtype=torch.int64)
+    counts.index_put_((block.long(), tier.long()), torch.ones(tier.numel(), dtype=torch.int64), accumulate=True)
+    return int(((counts + tile - 1) // tile).sum())
+
+
+def test_tile_importance_groups_a_key_blocks_least_important_tokens() -> None:
+    g = torch.Generator().manual_seed(4)
+    block = torch.arange(200) // 64  # blocks of 64, 64, 64 and 8 tokens
+    imp = torch.rand(200, generator=g)
+    cur = torch.full((200,), 8)
+    cur[[5, 70, 71]] = 3  # tokens already lower go first in their block, whatever their importance
+    imp[[5, 70, 71]] = 2.0
+    score = tile_importance(imp, cur, block)
+    assert score.dtype == torch.float64 and torch.equal(score, tile_importance(imp.clone(), cur.clone(), block.clone()))
+    for kb in range(4):
+        members = torch.nonzero(block == kb).reshape(-1)
+        key = cur[members] * 10 + imp[members].double()  # current width first, then importance
+        ranked = members[torch.argsort(key, stable=True)]
+        for g0 in range(0, ranked.numel(), 16):
+            grp = ranked[g0:g0 + 16]
+            mean = imp[grp].double().mean()
+            # one group, one score (up to the in-group tie-break), in the group's own order
+            assert torch.allclose(score[grp], mean.expand(grp.numel()), rtol=2e-8, atol=0)
+            assert (score[grp][1:] > score[grp][:-1]).all()
+    # the groups of all blocks are adjacent in the allocator's order (most important first)
+    order = torch.argsort(-score, stable=True)
+    grp_id = torch.zeros(200, dtype=torch.int64)
+    for i, x in enumerate(sorted(set(score.round(decimals=6).tolist()))):
+        grp_id[score.round(decimals=6) == x] = i
+    changes = int((grp_id[order][1:] != grp_id[order][:-1]).sum())
+    assert changes == len(set(grp_id.tolist())) - 1
+    with pytest.raises(ValueError, match="one length"):
+        tile_importance(imp, cur[:10], block)
+    with pytest.raises(ValueError, match="tile"):
+        tile_importance(imp, cur, block, tile=0)
+    assert tile_importance(torch.empty(0), torch.empty(0), torch.empty(0)).numel() == 0
+
+
+@pytest.mark.parametrize("avg", [3.97, 3.5, 2.6])
+def test_allocating_by_tiles_leaves_whole_tiles_at_each_width(avg: float) -> None:
+    # a budget a little under 4 bits (8-bit window and sinks charged to it) puts a few tokens at 3
+    # bits: ranked token by token they land in most key blocks, by tiles in whole tiles
+    g = torch.Generator().manual_seed(5)
+    block = torch.arange(64 * 40) // 64
+    imp = torch.rand(block.numel(), generator=g)
+    cur = torch.full((block.numel(),), 8)
+    budget = avg * block.numel()
+    by_token = allocate_tiers(cur, imp, budget)
+    by_tile = allocate_tiers(cur, tile_importance(imp, cur, block), budget)
+    for got in (by_token, by_tile):
+        assert got.to(torch.int64).sum() <= budget and got.to(torch.int64).sum() >= budget - 8
+    fewest = 40 * 4 + (1 if avg < 4 and avg % 1 else 0)  # one key block may split at a step's budget boundary
+    assert _tiles(by_tile, block) <= fewest + 1
+    assert _tiles(by_token, block) > fewest + 10  # what the grouping removes
+    # the tokens that went lower are the least important of their blocks
+    for kb in range(40):
+        members = torch.nonzero(block == kb).reshape(-1)
+        w = by_tile[members]
+        if w.min() < w.max():
+            assert imp[members][w == w.min()].max() <= imp[members][w == w.max()].min()
+
+
+@pytest.mark.parametrize("by_tile", [True, False])
+def test_a_layers_allocations_keep_key_blocks_in_whole_tiles(by_tile: bool) -> None:
+    # a 4-bit layer (key blocks of 64, as by default) through a prompt and decode steps with
+    # allocations between them: allocating by tile, its lower widths come in whole tiles of a key
+    # block, but for at most one split group per allocation; token by token (the default), not
+    g = torch.Generator().manual_seed(6)
+    layer = KbitKVLayer(4, window=64, sink_tokens=4, block_size=64, hysteresis=0.1, allocate_by_tile=by_tile)
+    _feed_layer = lambda q: (layer.update(torch.randn(1, 2, q, 32, generator=g), torch.randn(1, 2, q, 32, generator=g)),
+                             layer.attend(torch.randn(1, 4, q, 32, generator=g), None, 32**-0.5))
+    _feed_layer(1000)
+    calls = _record_allocations(layer)
+    for _ in range(200):
+        _feed_layer(1)
+    assert len(calls) >= 3
+    done = layer.k_block_min.shape[1] * 64
+    tier = layer.tier[0, :done]
+    block = torch.arange(done) // 64
+    assert set(tier[4:].tolist()) >= {3, 4}  # the 8-bit window and sinks pushed some tokens to 3 bits
+    counts = torch.zeros(done // 64, TIERS[-1] + 1, dtype=torch.int64).index_put_(
+        (block, tier.long()), torch.ones(done, dtype=torch.int64), accumulate=True)
+    split = int(((counts[1:, 3] % 16) != 0).sum())  # block 0 holds the sinks
+    if by_tile:
+        assert split <= len(calls) + 1, counts[:, 3].tolist()
+    else:
+        assert split > len(calls) + 5, counts[:, 3].tolist()
 
 
 def test_cache_runs_deterministically_and_changes_tiers_mid_run() -> None:
@@ -629,6 +720,13 @@ def test_model_forward_accepts_cache() -> None:
     torch.testing.assert_close(out.logits, ref, atol=0.05, rtol=0)
 
 
+def test_allocate_by_tile_reaches_every_layer() -> None:
+    config = LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=3)
+    for replayable in (False, True):
+        assert all(layer.allocate_by_tile for layer in KbitKVCache(config, allocate_by_tile=True, replayable=replayable).layers)
+        assert not any(layer.allocate_by_tile for layer in KbitKVCache(config, replayable=replayable).layers)
+
+
 # ---- bad inputs ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad", [1, 9, 1.5, True, "4", None])
@@ -640,7 +738,7 @@ def test_bad_kv_bits(bad) -> None:
 @pytest.mark.parametrize("name,value", [("window", -1), ("sink_tokens", 1.5), ("block_size", 0), ("hysteresis", 1.0),
                                         ("prefill_interval", 0), ("allocation_fraction", 0),
                                         ("allocation_fraction", 1.5), ("allocation_fraction", True), ("mass_interval", 0),
-                                        ("mass_interval", 2.0)])
+                                        ("mass_interval", 2.0), ("allocate_by_tile", 1), ("allocate_by_tile", "yes")])
 def test_bad_keywords(name: str, value) -> None:
     with pytest.raises(ValueError, match=name):
         KbitKVCache(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1), **{name: value})

@@ -15,7 +15,7 @@ import math
 import torch
 
 from ... import _kv_ops
-from ...kv_format import TIERS, KVBucket, KVStore8, mask_bias
+from ...kv_format import TIERS, TILE_ENTRIES, KVBucket, KVStore8, mask_bias
 from . import loader, tuning
 from .tensors import DTYPE_CODES, aligned16
 
@@ -30,7 +30,7 @@ _ROWS = 8  # query rows per decode block (one n8 fragment)
 _WARPS = 4  # warps per decode block
 _STAGES = 2  # tiles in flight per warp (stages_for in the kernel)
 _FRAG = 16  # tokens per tensor-core fragment
-_MAX_TILE = 16  # bucket entries per tile at most (kMaxTile; tile_entries: at most 16 at 8 bits)
+_MAX_TILE = TILE_ENTRIES  # bucket entries per tile at most (kMaxTile; tile_entries: at most 16 at 8 bits)
 MAX_SPLIT_KEY_BLOCKS = 128
 """Key blocks one decode block takes at most (kMaxSplitBlocks): longer contexts get more splits."""
 _OFFSET_THREADS = 1024
