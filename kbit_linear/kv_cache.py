@@ -977,9 +977,9 @@ class KbitKVCache(Cache):
             the few tokens a budget puts one width lower land in most key blocks, and each such
             block costs the kernel a fifth, almost empty tile (10-26 % more tiles at 32k tokens,
             ``scripts/kv_tile_count.py``); in groups, a cache has as few tiles as at one width. The
-            groups are coarser: on SmolLM2 (2080 tokens) KL rose from 0.0043 to 0.0052 at
-            ``kv_bits=4`` and from 0.045 to 0.055 at 3 (``bench/results/kv-cache-accuracy.md``).
-            Default False.
+            groups are coarser: on SmolLM2 at ``kv_bits=4`` KL rose by 19 % at 2080 tokens
+            (0.0043 to 0.0052) and by 3.6 % at 8032 tokens (0.0076 to 0.0078), where fewer tokens
+            go lower (``bench/results/kv-cache-accuracy.md``). Default False.
 
     Raises:
         TypeError: ``config`` is not a transformers ``PretrainedConfig`` (a model's ``.config`` is).
