@@ -63,7 +63,7 @@ from .kv_format import (
 )
 
 __all__ = ["ALLOCATION_FRACTION", "ATTENTION_NAME", "MASS_INTERVAL", "PREFILL_INTERVAL", "KbitKVCache", "KbitKVLayer", "KbitKVView",
-           "ReplayableKVLayer", "allocate_tiers", "tile_importance", "kbit_kv_attention", "kbit_kv_mask"]
+           "ReplayableKVLayer", "allocate_row", "allocate_tiers", "tile_importance", "kbit_kv_attention", "kbit_kv_mask"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +137,7 @@ def tile_importance(importance: torch.Tensor, current: torch.Tensor, key_block: 
     if not (importance.shape == current.shape == key_block.shape == (m,)):
         raise ValueError(f"importance, current and key_block must be 1-D of one length, got {tuple(importance.shape)}, "
                          f"{tuple(current.shape)} and {tuple(key_block.shape)}")
-    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
-        raise ValueError(f"tile must be a positive int, got {tile!r}")
+    tile = _check_positive_int("tile", tile, 1)
     imp = importance.to(torch.float64)
     if m == 0:
         return imp
@@ -229,6 +228,35 @@ def allocate_tiers(current: torch.Tensor, importance: torch.Tensor, budget: floa
     walk_new, slack = _spend_in_order(walk_cur, walk_new, slack)
     new[order] = walk_new
     return new.to(device, torch.int8)
+
+
+def allocate_row(tier: torch.Tensor, importance: torch.Tensor, movable: torch.Tensor, kv_bits: float, block_size: int,
+                 hysteresis: float = 0.1, by_tile: bool = False) -> torch.Tensor:
+    """The new widths of one row's movable positions, as :meth:`KbitKVLayer.reallocate` sets them.
+
+    The budget is ``kv_bits`` bits per position of the row less the bits of the positions that
+    do not move (the window, the sinks, the open key block, at their widths); ``by_tile`` ranks
+    the positions by :func:`tile_importance` (the key block of position ``p`` is ``p //
+    block_size``), else by their own importance; then :func:`allocate_tiers`.
+
+    Args:
+        tier: int ``[S]``, the row's widths now (its length is the row's).
+        importance: float ``[S]``, each position's importance.
+        movable: int64 ``[m]``, the positions the allocator may move.
+        kv_bits: target average width over the row.
+        block_size: positions per key block.
+        hysteresis: as in :func:`allocate_tiers`.
+        by_tile: rank groups of a key block's tokens (``KbitKVCache``'s ``allocate_by_tile``).
+
+    Returns:
+        int8 ``[m]``: the widths of ``movable``.
+    """
+    current = tier[movable]
+    fixed_bits = float(tier.to(torch.float64).sum() - current.to(torch.float64).sum())
+    rank = importance[movable]
+    if by_tile:
+        rank = tile_importance(rank, current, movable // block_size)
+    return allocate_tiers(current, rank, kv_bits * tier.numel() - fixed_bits, hysteresis)
 
 
 def _take_in_order(cost: torch.Tensor, allowed: torch.Tensor, slack: float) -> tuple[torch.Tensor, float]:
@@ -650,11 +678,8 @@ class KbitKVLayer(CacheLayerMixin):
             idx = torch.nonzero(movable[b]).reshape(-1)
             if idx.numel() == 0:
                 continue
-            fixed_bits = float(self.tier[b].to(torch.float64).sum() - self.tier[b, idx].to(torch.float64).sum())
-            rank = imp[b, idx]
-            if self.allocate_by_tile:
-                rank = tile_importance(rank, self.tier[b, idx], idx // self.block_size)
-            new_tier[b, idx] = allocate_tiers(self.tier[b, idx], rank, self.kv_bits * s - fixed_bits, self.hysteresis)
+            new_tier[b, idx] = allocate_row(self.tier[b], imp[b], idx, self.kv_bits, self.block_size, self.hysteresis,
+                                            self.allocate_by_tile)
         self._move(new_tier)
 
     def _move(self, new_tier: torch.Tensor) -> None:

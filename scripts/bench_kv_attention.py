@@ -7,7 +7,7 @@ what transformers' ``"sdpa"`` attention runs) on a bf16 cache, the fused kbit ke
 kernel the cache's allocator uses) on caches whose widths give an average of 8 (uniform int8:
 the seed's baseline), 4, 3.5 and 2.5 bits (the 64 most recent tokens and 4 sinks at 8 bits, the
 rest split between the two widths around the average at random positions) and ``4-alloc``: an
-average of 4 bits as the cache's allocator sets it from 8 bits (``allocate_tiers`` on random
+average of 4 bits as the cache's allocator sets it from 8 bits (``allocate_row`` on random
 importance; the 8-bit window and sinks count against the budget, so about 1-2 % of the other
 tokens go to 3 bits, spread over most key blocks), and ``4-tiles``: the same with
 ``allocate_by_tile`` (those tokens in whole tiles of a key block), all in one run:
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402  (needs the path above; puts the repository on the path)
 
 from kbit_linear.backends.cuda import kv_attention as kkv  # noqa: E402
-from kbit_linear.kv_cache import MASS_INTERVAL, allocate_tiers, tile_importance  # noqa: E402
+from kbit_linear.kv_cache import MASS_INTERVAL, allocate_row  # noqa: E402
 from kbit_linear.kv_format import TIERS, KVBucket, key_block_ranges, quantize_tokens  # noqa: E402
 
 HQ, H, D = 32, 8, 128
@@ -73,11 +73,9 @@ def _allocated_tiers(batch: int, s: int, kv_bits: float, by_tile: bool, g: torch
     movable[(s // BLOCK) * BLOCK:] = False
     idx = torch.nonzero(movable).reshape(-1)
     for b in range(batch):
-        fixed_bits = float(tier[b].sum() - tier[b, idx].sum())
-        imp = torch.rand(idx.numel(), generator=g)
-        if by_tile:
-            imp = tile_importance(imp, tier[b, idx], idx // BLOCK)
-        tier[b, idx] = allocate_tiers(tier[b, idx], imp, kv_bits * s - fixed_bits)
+        importance = torch.zeros(s)
+        importance[idx] = torch.rand(idx.numel(), generator=g)
+        tier[b, idx] = allocate_row(tier[b], importance, idx, kv_bits, BLOCK, by_tile=by_tile)
     return tier
 
 

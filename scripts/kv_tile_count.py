@@ -1,13 +1,13 @@
 """How many decode tiles a cache's widths cost: the allocator's layouts, ranked by token or by tile.
 
-The KV decode kernel takes each key block's entries of one width ``_MAX_TILE`` (16) at a time,
+The KV decode kernel takes each key block's entries of one width ``TILE_ENTRIES`` (16) at a time,
 so a key block costs ``sum over widths of ceil(count / 16)`` tiles: 4 for 64 tokens of one
-width, 5 for 63 at 4 bits and one at 3. This replays the allocator alone (``allocate_tiers``,
+width, 5 for 63 at 4 bits and one at 3. This replays the allocator alone (``allocate_row``,
 as ``KbitKVLayer.reallocate`` calls it: the sinks, the recent window and the open key block at 8
 bits and counted against the budget) over a growing context, one allocation every key block
 from ``--start`` tokens on, with one random importance per token, drawn once (a running mean
-of the attention mass changes slowly): ranked token by token, and ranked by groups of a key
-block's tokens (``tile_importance``, what the cache does). It counts the tiles of the final widths against the
+of the attention mass changes slowly): ranked token by token (the cache's default), and ranked
+by groups of a key block's tokens (``allocate_by_tile``). It counts the tiles of the final widths against the
 smallest count the same context could have (the same sinks, window and open key block at 8 bits,
 every other token at one width). CPU only; it times nothing.
 
@@ -24,9 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kbit_linear.backends.cuda.kv_attention import _MAX_TILE  # noqa: E402
-from kbit_linear.kv_cache import allocate_tiers, tile_importance  # noqa: E402
-from kbit_linear.kv_format import TIERS  # noqa: E402
+from kbit_linear.kv_cache import allocate_row  # noqa: E402
+from kbit_linear.kv_format import TIERS, TILE_ENTRIES  # noqa: E402
 
 
 def tiles(tier: torch.Tensor, block: int) -> int:
@@ -36,7 +35,7 @@ def tiles(tier: torch.Tensor, block: int) -> int:
     blk = torch.arange(s) // block
     counts = torch.zeros(n, TIERS[-1] + 1, dtype=torch.int64).index_put_((blk, tier.long()), torch.ones(s, dtype=torch.int64),
                                                                         accumulate=True)
-    return int(((counts + _MAX_TILE - 1) // _MAX_TILE).sum())
+    return int(((counts + TILE_ENTRIES - 1) // TILE_ENTRIES).sum())
 
 
 def replay(context: int, kv_bits: float, start: int, block: int, window: int, sinks: int, seed: int, by_tile: bool) -> torch.Tensor:
@@ -51,9 +50,7 @@ def replay(context: int, kv_bits: float, start: int, block: int, window: int, si
         idx = torch.nonzero(movable).reshape(-1)
         if idx.numel() == 0:
             continue
-        budget = kv_bits * s - float(tier[:s].sum() - tier[idx].sum())
-        imp = tile_importance(importance[idx], tier[idx], idx // block, _MAX_TILE) if by_tile else importance[idx]
-        tier[idx] = allocate_tiers(tier[idx], imp, budget)
+        tier[idx] = allocate_row(tier[:s], importance[:s], idx, kv_bits, block, by_tile=by_tile)
     return tier
 
 

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 import kbit_linear
-from kbit_linear.kv_cache import KbitKVCache, KbitKVLayer, KbitKVView, allocate_tiers, tile_importance, _ideal_widths
+from kbit_linear.kv_cache import KbitKVCache, KbitKVLayer, KbitKVView, allocate_row, allocate_tiers, tile_importance, _ideal_widths
 from kbit_linear.kv_format import (
     TIERS,
     KVBucket,
@@ -369,6 +369,18 @@ def test_allocating_by_tiles_leaves_whole_tiles_at_each_width(avg: float) -> Non
         w = by_tile[members]
         if w.min() < w.max():
             assert imp[members][w == w.min()].max() <= imp[members][w == w.max()].min()
+
+
+def test_allocate_row_charges_the_positions_that_stay_to_the_budget() -> None:
+    g = torch.Generator().manual_seed(7)
+    tier = torch.full((300,), 8, dtype=torch.int8)
+    tier[:40] = torch.tensor(TIERS)[torch.randint(0, 4, (40,), generator=g)]
+    imp = torch.rand(300, generator=g)
+    idx = torch.arange(20, 256)  # the rest stays: 20 first positions and the last 44
+    budget = 3.5 * 300 - float(tier.sum() - tier[idx].sum())
+    assert torch.equal(allocate_row(tier, imp, idx, 3.5, 64), allocate_tiers(tier[idx], imp[idx], budget))
+    grouped = tile_importance(imp[idx], tier[idx], idx // 64)
+    assert torch.equal(allocate_row(tier, imp, idx, 3.5, 64, 0.2, by_tile=True), allocate_tiers(tier[idx], grouped, budget, 0.2))
 
 
 @pytest.mark.parametrize("by_tile", [True, False])
