@@ -1105,7 +1105,21 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
     __shared__ float total[2];
     const size_t R = blockIdx.x;
     const int tid = threadIdx.x;
+    // thread (part, c4): channels 4 c4 .. 4 c4 + 3 over the splits part, part + kParts, ...; the
+    // loads of a thread are independent (one latency, not one per split), the parts summed after.
+    // The first kEarly splits of a thread's first channels are loaded before the splits' factors
+    // are known, so that their latency overlaps that of the max and sum.
+    constexpr int kParts = 4, kEarly = 8;
+    __shared__ float4 partial[kParts][kCombineThreads / kParts];
+    const int part = tid / (kCombineThreads / kParts), c4 = tid % (kCombineThreads / kParts);
     grid_dependency_wait();
+    float4 early[kEarly];
+#pragma unroll
+    for (int k = 0; k < kEarly; ++k) {
+        const int s = part + k * kParts;
+        early[k] = s < splits && c4 < D / 4 ? reinterpret_cast<const float4*>(part_acc + (R * splits + s) * D)[c4]
+                                            : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     if (tid < 32) {
         float mx = KBIT_NEG_INF;
         for (int s = tid; s < splits; s += 32) mx = fmaxf(mx, part_ml[(R * splits + s) * 2]);
@@ -1128,17 +1142,18 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
         }
     }
     __syncthreads();
-    // thread (part, c4): channels 4 c4 .. 4 c4 + 3 over the splits part, part + kParts, ...; the
-    // loads of a thread are independent (one latency, not one per split), the parts summed after
-    constexpr int kParts = 4;
-    __shared__ float4 partial[kParts][kCombineThreads / kParts];
-    const int part = tid / (kCombineThreads / kParts), c4 = tid % (kCombineThreads / kParts);
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int k = 0; k < kEarly; ++k) {
+        const int s = part + k * kParts;
+        const float f = s < splits ? factor[s] : 0.f;
+        acc.x += f * early[k].x; acc.y += f * early[k].y; acc.z += f * early[k].z; acc.w += f * early[k].w;
+    }
     for (int c0 = 0; c0 < D / 4; c0 += kCombineThreads / kParts) {
         const int c = c0 + c4;
         if (c < D / 4) {
 #pragma unroll 8
-            for (int s = part; s < splits; s += kParts) {
+            for (int s = part + (c0 == 0 ? kEarly * kParts : 0); s < splits; s += kParts) {
                 const float4 v = reinterpret_cast<const float4*>(part_acc + (R * splits + s) * D)[c];
                 const float f = factor[s];
                 acc.x += f * v.x; acc.y += f * v.y; acc.z += f * v.z; acc.w += f * v.w;
@@ -1185,6 +1200,12 @@ kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float
         if ((*calls - 1) % interval != 0) return;  // not a recording call: the logits were not written
         S = *live_len;
     }
+    // the first kEarly rows' logits are loaded before the rows' max and sum are known, so that
+    // their latency overlaps that of the sums (every valid row wrote every position's logit)
+    constexpr int kEarly = 32;
+    u16 early[kEarly];
+#pragma unroll
+    for (int r = 0; r < kEarly; ++r) early[r] = r < rows && p < S ? logits[((size_t)b * rows + r) * ld + p] : (u16)0;
     for (int r = threadIdx.x; r < rows; r += kMassThreads) {
         const float mx = ml[((size_t)b * rows + r) * 2], sum = ml[((size_t)b * rows + r) * 2 + 1];
         row_ml[2 * r] = mx == KBIT_NEG_INF ? 0.f : mx;
@@ -1192,11 +1213,17 @@ kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float
     }
     __syncthreads();
     if (p >= S) return;
+    // a row without mass (inv = 0) is skipped by the select, not by a branch, so that the
+    // unrolled loads are all in flight at once
     float acc = 0.f;
-    // every valid row wrote every position's logit; a row without mass (inv = 0) is skipped by
-    // the select, not by a branch, so that the unrolled loads are all in flight at once
+#pragma unroll
+    for (int r = 0; r < kEarly; ++r) {
+        const int rc = r < rows ? r : 0;  // row_ml holds `rows` rows
+        const float inv = r < rows ? row_ml[2 * rc + 1] : 0.f;
+        acc += inv > 0.f ? fast_exp2(bits_to_f32<KBIT_F16>(early[r]) - row_ml[2 * rc]) * inv : 0.f;
+    }
 #pragma unroll 16
-    for (int r = 0; r < rows; ++r) {
+    for (int r = kEarly; r < rows; ++r) {
         const float inv = row_ml[2 * r + 1];
         const float x = bits_to_f32<KBIT_F16>(logits[((size_t)b * rows + r) * ld + p]);
         acc += inv > 0.f ? fast_exp2(x - row_ml[2 * r]) * inv : 0.f;

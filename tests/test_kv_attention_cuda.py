@@ -80,6 +80,7 @@ CASES = [  # batch, kv heads, query heads, head_dim, length, block, q_len
     (1, 1, 8, 256, 129, 16, 3),     # 24 rows: two row chunks
     (2, 4, 32, 128, 1000, 64, 1),   # Llama-3-8B's heads
     (1, 8, 32, 128, 4099, 64, 1),   # many splits
+    (1, 4, 32, 128, 300, 64, 3),    # 96 query rows per batch row (the mass kernel's rows past its first 32)
 ]
 
 
