@@ -1200,12 +1200,6 @@ kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float
         if ((*calls - 1) % interval != 0) return;  // not a recording call: the logits were not written
         S = *live_len;
     }
-    // the first kEarly rows' logits are loaded before the rows' max and sum are known, so that
-    // their latency overlaps that of the sums (every valid row wrote every position's logit)
-    constexpr int kEarly = 32;
-    u16 early[kEarly];
-#pragma unroll
-    for (int r = 0; r < kEarly; ++r) early[r] = r < rows && p < S ? logits[((size_t)b * rows + r) * ld + p] : (u16)0;
     for (int r = threadIdx.x; r < rows; r += kMassThreads) {
         const float mx = ml[((size_t)b * rows + r) * 2], sum = ml[((size_t)b * rows + r) * 2 + 1];
         row_ml[2 * r] = mx == KBIT_NEG_INF ? 0.f : mx;
@@ -1213,17 +1207,11 @@ kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float
     }
     __syncthreads();
     if (p >= S) return;
-    // a row without mass (inv = 0) is skipped by the select, not by a branch, so that the
-    // unrolled loads are all in flight at once
     float acc = 0.f;
-#pragma unroll
-    for (int r = 0; r < kEarly; ++r) {
-        const int rc = r < rows ? r : 0;  // row_ml holds `rows` rows
-        const float inv = r < rows ? row_ml[2 * rc + 1] : 0.f;
-        acc += inv > 0.f ? fast_exp2(bits_to_f32<KBIT_F16>(early[r]) - row_ml[2 * rc]) * inv : 0.f;
-    }
+    // every valid row wrote every position's logit; a row without mass (inv = 0) is skipped by
+    // the select, not by a branch, so that the unrolled loads are all in flight at once
 #pragma unroll 16
-    for (int r = kEarly; r < rows; ++r) {
+    for (int r = 0; r < rows; ++r) {
         const float inv = row_ml[2 * r + 1];
         const float x = bits_to_f32<KBIT_F16>(logits[((size_t)b * rows + r) * ld + p]);
         acc += inv > 0.f ? fast_exp2(x - row_ml[2 * r]) * inv : 0.f;
