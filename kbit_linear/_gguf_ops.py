@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import _ops  # register_function_autograd and the forward-mode AD helpers
+from . import format as fmt
 from . import gguf_format as gf
 
 _NS = "kbit_linear"
@@ -99,8 +100,7 @@ def check_dequantize_args(qs: torch.Tensor, qh: torch.Tensor | None, scale: torc
                           out_features: int, in_features: int, dtype: torch.dtype) -> None:
     """Metadata checks of ``gguf_dequantize``."""
     gf.check_weight(qs, qh, scale, mins, qtype, out_features, in_features)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    fmt.check_float_dtype(dtype)
 
 
 @torch.library.register_fake(f"{_NS}::gguf_dequantize")

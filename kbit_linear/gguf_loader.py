@@ -174,10 +174,7 @@ def _check_args(path: Any, dtype: Any, device: Any, requantize_bits: Any, scale_
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"path {str(path)!r} is not a GGUF file (no such file)")
-    if dtype is None:
-        dtype = torch.get_default_dtype()
-    elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    dtype = torch.get_default_dtype() if dtype is None else fmt.check_float_dtype(dtype)
     device = fmt.check_device(device)  # fail before the file is read, not after
     if requantize_bits is not None:
         try:

@@ -767,8 +767,8 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> int:
             directly), before anything is changed.
     """
     fmt.check_module(model, "model")
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    if dtype is not None:
+        fmt.check_float_dtype(dtype)
     experts = [name for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, KbitExperts)]
     unknown = [name for name in experts if model.get_submodule(name).__dict__.get("_dense_outline") is None]
     if unknown:
