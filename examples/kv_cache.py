@@ -9,12 +9,12 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import kbit_linear
+from kbit_linear.kv_cache import cache_keyword
 from kbit_linear.tools.models import resolve_model
 
 
@@ -37,8 +37,7 @@ def main() -> None:
                                      tokenize=False, add_generation_prompt=True)
     inputs = tok(prompt, return_tensors="pt")
     kw = dict(max_new_tokens=args.new_tokens, do_sample=False)
-    # transformers 5.24 renamed the cache keyword past_key_values to cache (the old name warns, then goes)
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_kw = cache_keyword(model)  # "cache" from transformers 5.24, "past_key_values" before
     dense = model.generate(**inputs, **{cache_kw: DynamicCache(config=model.config)}, **kw)
     # window/block smaller than the defaults so that a short chat already moves tokens below 8 bits
     cache = kbit_linear.KbitKVCache(model.config, kv_bits=args.kv_bits, window=16, block_size=16)

@@ -11,8 +11,9 @@ that allocation, or
 ``prefill_interval`` tokens while a prompt arrives in chunks longer than ``block_size`` (each
 allocation is a pass over every cached token). Allocating, the tokens
 outside the recent window and the sinks, in complete key blocks, get widths from their
-importance (or, with ``allocate_by_tile``, in groups of a key block's 16 least important
-tokens, the next 16, ...: the decode kernel's tiles, :func:`tile_importance`); a token only
+importance (or, by default from :data:`TILE_ALLOCATION_FROM` positions on, in groups of a key
+block's 16 least important tokens, the next 16, ...: the decode kernel's tiles,
+:func:`tile_importance`); a token only
 ever moves down, re-coded from its decoded values. Then ``update()``
 stores the new tokens at 8 bits and returns a :class:`KbitKVView` in place of the key and value
 tensors. The model's attention, ``"kbit_kv"``, sees that view and runs
@@ -29,6 +30,7 @@ state that a replayed CUDA graph needs.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import warnings
 import math
@@ -62,7 +64,7 @@ from .kv_format import (
     visible_queries,
 )
 
-__all__ = ["ALLOCATION_FRACTION", "ATTENTION_NAME", "MASS_INTERVAL", "PREFILL_INTERVAL", "KbitKVCache", "KbitKVLayer", "KbitKVView",
+__all__ = ["ALLOCATION_FRACTION", "ATTENTION_NAME", "MASS_INTERVAL", "PREFILL_INTERVAL", "TILE_ALLOCATION_FROM", "KbitKVCache", "cache_keyword", "KbitKVLayer", "KbitKVView",
            "ReplayableKVLayer", "allocate_row", "allocate_tiers", "tile_importance", "kbit_kv_attention", "kbit_kv_mask"]
 
 logger = logging.getLogger(__name__)
@@ -102,10 +104,31 @@ is the mean over the recorded steps, and the KL against the dense cache did not 
 (SmolLM2-135M, 512-token prompt, 192 decode steps: 0.00527 -> 0.00524 at 4 bits, 0.17419 both
 at 2.5; ``kv-cache-accuracy.md``)."""
 
+TILE_ALLOCATION_FROM = 4096
+"""Row length (positions) from which ``allocate_by_tile=None``, the default, ranks groups of a key
+block's tokens (:func:`tile_importance`) instead of single tokens.
+
+Ranked token by token, the few tokens a budget puts one width lower land in most key blocks, and
+each such block costs the decode kernel a fifth, almost empty tile: attention at ``kv_bits=4`` ran
+1.02-1.14x slower than with whole tiles (H200, ``bench_kv_attention.py``, the ``4-alloc`` and
+``4-tiles`` columns of ``kv-attention-h200.md``). Groups are coarser, and cost more where more
+of the row moves (the window and sinks weigh more in short rows): KL against the dense cache on
+SmolLM2 at ``kv_bits=4`` rose by 19 % at 2080 tokens, 3.0 % at 4032 and 3.6 % at 8032
+(``kv-cache-accuracy.md``). From 4096 positions on, the speed is worth those 3-4 %."""
+
 _PREFILL_OBSERVED = 32  # prefill scores importance from its last 32 queries (SnapKV-style), not all of them
 _COLUMN_FILL = {"tier": 8, "mass": 0.0, "seen": 0.0}  # the per-token columns and what a new token holds in each
 _COLUMN_ALIGN = 16  # a replayable layer's column buffers are a multiple of 16 wide (16-byte aligned int8 tier rows)
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword under which ``model``'s forward (and ``generate``) takes a cache:
+    ``"cache"`` from transformers 5.24, which renamed it (the old name warns there and goes in
+    5.40), ``"past_key_values"`` before. Pass a :class:`KbitKVCache` as ``**{cache_keyword(model): cache}``."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def tile_importance(importance: torch.Tensor, current: torch.Tensor, key_block: torch.Tensor, tile: int = TILE_ENTRIES) -> torch.Tensor:
@@ -131,16 +154,18 @@ def tile_importance(importance: torch.Tensor, current: torch.Tensor, key_block: 
         tile: tokens per group.
 
     Returns:
-        float64 ``[m]``.
+        float64 ``[m]`` on ``importance``'s device (computed on the host, as :func:`allocate_tiers`
+        works: a GPU's ``index_add_`` sums floats in no fixed order, and the allocator must give
+        the same widths for the same inputs).
     """
     m = importance.numel()
     if not (importance.shape == current.shape == key_block.shape == (m,)):
         raise ValueError(f"importance, current and key_block must be 1-D of one length, got {tuple(importance.shape)}, "
                          f"{tuple(current.shape)} and {tuple(key_block.shape)}")
     tile = _check_positive_int("tile", tile, 1)
-    imp = importance.to(torch.float64)
+    imp = importance.to("cpu", torch.float64)
     if m == 0:
-        return imp
+        return imp.to(importance.device)
     cur, blk = current.to(imp.device, torch.int64), key_block.to(imp.device, torch.int64)
     order = torch.argsort(imp, stable=True)  # least important first, ties to the earlier token
     order = order[torch.argsort(cur[order], stable=True)]
@@ -157,7 +182,7 @@ def tile_importance(importance: torch.Tensor, current: torch.Tensor, key_block: 
     mean = torch.zeros(n, dtype=torch.float64, device=imp.device).index_add_(0, group, imp) / size
     in_group = torch.empty_like(imp)
     in_group[order] = (rank % tile).to(torch.float64)
-    return mean[group] * (1 + 1e-9 * in_group)
+    return (mean[group] * (1 + 1e-9 * in_group)).to(importance.device)
 
 
 def _ideal_widths(importance: torch.Tensor, budget: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -391,7 +416,7 @@ class KbitKVLayer(CacheLayerMixin):
 
     def __init__(self, kv_bits: float, window: int, sink_tokens: int, block_size: int, hysteresis: float,
                  prefill_interval: int = PREFILL_INTERVAL, allocation_fraction: float = ALLOCATION_FRACTION,
-                 mass_interval: int = MASS_INTERVAL, allocate_by_tile: bool = False) -> None:
+                 mass_interval: int = MASS_INTERVAL, allocate_by_tile: bool | None = None) -> None:
         super().__init__()
         self.allocate_by_tile = allocate_by_tile
         self.kv_bits, self.window, self.sink_tokens = float(kv_bits), window, sink_tokens
@@ -674,12 +699,13 @@ class KbitKVLayer(CacheLayerMixin):
         movable = ~sink & (p < s - self.window).unsqueeze(0) & (p < self.k_block_min.shape[1] * self.block_size).unsqueeze(0)
         new_tier = self.tier.clone()
         imp = self.importance()
+        by_tile = s >= TILE_ALLOCATION_FROM if self.allocate_by_tile is None else self.allocate_by_tile
         for b in range(self.batch):
             idx = torch.nonzero(movable[b]).reshape(-1)
             if idx.numel() == 0:
                 continue
             new_tier[b, idx] = allocate_row(self.tier[b], imp[b], idx, self.kv_bits, self.block_size, self.hysteresis,
-                                            self.allocate_by_tile)
+                                            by_tile)
         self._move(new_tier)
 
     def _move(self, new_tier: torch.Tensor) -> None:
@@ -997,17 +1023,16 @@ class KbitKVCache(Cache):
             has importance 0. Default :data:`MASS_INTERVAL`.
         replayable: layers of :class:`ReplayableKVLayer` (same results; between two allocator
             runs a decode step moves no tensor) instead of :class:`KbitKVLayer`. Default False.
-        allocate_by_tile: the allocator moves tokens in groups of a key block's 16 (the decode
-            kernel's tiles; :func:`tile_importance`) instead of one by one. Ranked token by token,
-            the few tokens a budget puts one width lower land in most key blocks, and each such
-            block costs the kernel a fifth, almost empty tile (10-26 % more tiles at 32k tokens,
-            ``scripts/kv_tile_count.py``); in groups, a cache has as few tiles as at one width. The
-            groups are coarser: on SmolLM2 at ``kv_bits=4`` KL rose by 19 % at 2080 tokens
-            (0.0043 to 0.0052) and by 3.6 % at 8032 tokens (0.0076 to 0.0078), where fewer tokens
-            go lower (``bench/results/kv-cache-accuracy.md``). Decode attention at ``kv_bits=4``
-            then runs as fast as at one width: 1.02-1.14x faster than token by token on an H200
-            (``bench/results/kv-attention-h200.md``), most at long contexts and large batches.
-            Default False (accuracy first).
+        allocate_by_tile: True: the allocator moves tokens in groups of a key block's 16 (the
+            decode kernel's tiles; :func:`tile_importance`); False: one by one. Ranked token by
+            token, the few tokens a budget puts one width lower land in most key blocks, and each
+            such block costs the kernel a fifth, almost empty tile (10-26 % more tiles at 32k
+            tokens, ``scripts/kv_tile_count.py``); in groups, a cache has as few tiles as at one
+            width, and decode attention at ``kv_bits=4`` ran 1.02-1.14x faster (H200,
+            ``bench/results/kv-attention-h200.md``). The groups are coarser: on SmolLM2 at
+            ``kv_bits=4`` KL rose by 19 % at 2080 tokens, 3.0 % at 4032 and 3.6 % at 8032
+            (``bench/results/kv-cache-accuracy.md``). Default None: by tile in rows of at least
+            :data:`TILE_ALLOCATION_FROM` positions, token by token in shorter ones.
 
     Raises:
         TypeError: ``config`` is not a transformers ``PretrainedConfig`` (a model's ``.config`` is).
@@ -1017,7 +1042,7 @@ class KbitKVCache(Cache):
     def __init__(self, config, kv_bits: float = 4, *, window: int = 64, sink_tokens: int = 4, block_size: int = 64,
                  hysteresis: float = 0.1, prefill_interval: int = PREFILL_INTERVAL,
                  allocation_fraction: float = ALLOCATION_FRACTION, mass_interval: int = MASS_INTERVAL,
-                 replayable: bool = False, allocate_by_tile: bool = False) -> None:
+                 replayable: bool = False, allocate_by_tile: bool | None = None) -> None:
         if not isinstance(config, PretrainedConfig):
             hint = " (pass model.config)" if isinstance(getattr(config, "config", None), PretrainedConfig) else ""
             raise TypeError(f"config must be a transformers PretrainedConfig{hint}, got {type(config).__name__}")
@@ -1035,8 +1060,8 @@ class KbitKVCache(Cache):
             raise ValueError(f"allocation_fraction must be a number in (0, 1], got {allocation_fraction!r}")
         if not isinstance(replayable, bool):
             raise ValueError(f"replayable must be a bool, got {replayable!r}")
-        if not isinstance(allocate_by_tile, bool):
-            raise ValueError(f"allocate_by_tile must be a bool, got {allocate_by_tile!r}")
+        if allocate_by_tile is not None and not isinstance(allocate_by_tile, bool):
+            raise ValueError(f"allocate_by_tile must be a bool or None, got {allocate_by_tile!r}")
         text = config.get_text_config(decoder=True)
         layer_types, _ = get_layer_types_and_kwargs(text)
         bad = sorted(set(layer_types) - set(_SUPPORTED_LAYERS))

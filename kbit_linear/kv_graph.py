@@ -42,7 +42,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .kv_cache import KbitKVCache
+from .kv_cache import KbitKVCache, cache_keyword
 from .kv_format import _check_positive_int
 
 __all__ = ["KbitDecodeGraph"]
@@ -207,8 +207,7 @@ class KbitDecodeGraph:
         self.model, self.cache, self.use_graph = model, cache, use_graph
         decoder = getattr(model, "model", model)
         self._takes_cache_position = "cache_position" in inspect.signature(decoder.forward).parameters
-        # transformers 5.24 renamed past_key_values to cache (the old name warns, then goes in 5.40)
-        self._cache_keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_keyword = cache_keyword(model)
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
         self._graph: torch.cuda.CUDAGraph | None = None

@@ -59,6 +59,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402  (needs the path above)
 
+from kbit_linear.kv_cache import cache_keyword  # noqa: E402  (the repository is on the path after _bench_common)
+
 MODELS = ["bf16", "kbit2", "kbit3", "kbit4", "kbit5", "kbit4-fused", "kbit4-fused-head", "bnb-nf4"]
 QUICK_MODELS = ["bf16", "kbit4"]
 SKIP = ["lm_head"]
@@ -284,10 +286,11 @@ def profile_eager_step(model: nn.Module, prompt: torch.Tensor, rows: int = 8) ->
     out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
     nxt = out.logits[:, -1:].argmax(-1)
     cache = out.past_key_values
-    model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)  # warm
+    kw = cache_keyword(model)
+    model(input_ids=nxt, **{kw: cache}, use_cache=True, logits_to_keep=1)  # warm
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=nxt, **{kw: cache}, use_cache=True, logits_to_keep=1)
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
 
@@ -411,10 +414,11 @@ def run_compiled(
     batch, plen = prompt.shape
     dev = prompt.device
     use_cpos = _forward_kwargs(model)
+    cache_kw = cache_keyword(model)
 
     def forward(ids: torch.Tensor, pos: torch.Tensor, cpos: torch.Tensor, cache: Any, **kw: Any) -> torch.Tensor:
         extra = {"cache_position": cpos} if use_cpos else {}
-        out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra, **kw)
+        out = model(input_ids=ids, position_ids=pos, **{cache_kw: cache}, use_cache=True, logits_to_keep=1, **extra, **kw)
         return out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
 
     def prefill(cache: Any) -> torch.Tensor:

@@ -42,12 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402
 import bench_generate as bg  # noqa: E402
 
+from kbit_linear.kv_cache import cache_keyword  # noqa: E402  (the repository is on the path after _bench_common)
+
 
 def _prefill(model: Any, ids: torch.Tensor, cache: Any, chunk: int) -> torch.Tensor:
     logits = None
     with torch.no_grad():
         for i in range(0, ids.shape[1], chunk):
-            logits = model(input_ids=ids[:, i:i + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = model(input_ids=ids[:, i:i + chunk], **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1).logits
     return logits[:, -1]
 
 
@@ -55,11 +57,12 @@ def _decode(model: Any, cache: Any, first: torch.Tensor, steps: int) -> list[flo
     """Wall seconds of each greedy decode step (synchronized)."""
     nxt = first.argmax(-1, keepdim=True)
     times = []
+    kw = cache_keyword(model)
     with torch.no_grad():
         for _ in range(steps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            logits = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = model(input_ids=nxt, **{kw: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
             nxt = logits.argmax(-1, keepdim=True)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)

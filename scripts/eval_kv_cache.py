@@ -23,20 +23,24 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache
 
 from kbit_linear import KbitKVCache
-from kbit_linear.kv_cache import MASS_INTERVAL
+from kbit_linear.kv_cache import MASS_INTERVAL, cache_keyword
 from kbit_linear.tools.evaluation import token_windows
 from kbit_linear.tools.models import resolve_model
 
 
-def settings(config, mass_intervals: tuple[int, ...] = (MASS_INTERVAL,), by_tile: tuple[bool, ...] = (False,)) -> list[tuple[str, callable]]:
+_ALLOCATION_LABEL = {None: "", True: ", by tile", False: ", by token"}
+
+
+def settings(config, mass_intervals: tuple[int, ...] = (MASS_INTERVAL,), by_tile: tuple[bool | None, ...] = (None,)) -> list[tuple[str, callable]]:
     """(label, cache factory) pairs to compare against the dense cache; the kbit settings once per
     ``mass_interval`` (labelled with it when it is not the library's default) and per
-    ``allocate_by_tile`` value in ``by_tile`` (labelled when True)."""
+    ``allocate_by_tile`` value in ``by_tile`` (None, the default, unlabelled; True "by tile";
+    False "by token")."""
     out = []
     for m in mass_intervals:
         tag = "" if m == MASS_INTERVAL else f", mass_interval {m}"
         for t in by_tile:
-            out += [(f"kbit avg {b} bits{tag}{', by tile' if t else ''}",
+            out += [(f"kbit avg {b} bits{tag}{_ALLOCATION_LABEL[t]}",
                      lambda b=b, m=m, t=t: KbitKVCache(config, kv_bits=b, mass_interval=m, allocate_by_tile=t)) for b in (8, 4, 3, 2.5)]
         out.append((f"kbit uniform 2 bits{tag}", lambda m=m: KbitKVCache(config, kv_bits=2, window=0, sink_tokens=0, mass_interval=m)))
     for backend, package in (("quanto", "optimum.quanto"), ("hqq", "hqq")):
@@ -63,14 +67,15 @@ def quantized_cache_bits(cache: QuantizedCache) -> float:
 def decode_kl(model, ids: torch.Tensor, prefill: int, make_cache) -> tuple[float, object]:
     """Mean KL over teacher-forced decode steps of the cache from ``make_cache`` vs DynamicCache."""
     caches = [DynamicCache(config=model.config), make_cache()]
+    kw = cache_keyword(model)
     kls = []
     with torch.inference_mode():
-        logits = [model(ids[:, :prefill], past_key_values=c).logits[:, -1] for c in caches]
+        logits = [model(ids[:, :prefill], **{kw: c}).logits[:, -1] for c in caches]
         for t in range(prefill, ids.shape[1]):  # logits predict token t
             p, q = (F.log_softmax(x.float(), -1) for x in logits)
             kls.append(float((p.exp() * (p - q)).sum(-1).mean()))
             if t + 1 < ids.shape[1]:  # the last step's logits are never scored
-                logits = [model(ids[:, t:t + 1], past_key_values=c).logits[:, -1] for c in caches]
+                logits = [model(ids[:, t:t + 1], **{kw: c}).logits[:, -1] for c in caches]
     return sum(kls) / len(kls), caches[1]
 
 
@@ -84,7 +89,8 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="run only the settings whose label contains this text")
     ap.add_argument("--mass-interval", type=int, nargs="+", default=[MASS_INTERVAL],
                     help="KbitKVCache's mass_interval, each kbit setting once per value (default: the library's)")
-    ap.add_argument("--by-tile", action="store_true", help="the average-width settings also with allocate_by_tile=True")
+    ap.add_argument("--by-tile", action="store_true",
+                    help="the average-width settings with allocate_by_tile=False and True instead of the default (None)")
     args = ap.parse_args()
     path = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
@@ -95,7 +101,7 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print("| cache | KL vs dense cache (nats/token) | mean stored bits | bytes vs bf16 | s |")
     print("|---|---|---|---|---|")
-    for label, make in settings(model.config, tuple(args.mass_interval), (False, True) if args.by_tile else (False,)):
+    for label, make in settings(model.config, tuple(args.mass_interval), (False, True) if args.by_tile else (None,)):
         if args.only is not None and args.only not in label:
             continue
         start = time.perf_counter()

@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402
 import bench_generate as bg  # noqa: E402
 
+from kbit_linear.kv_cache import cache_keyword  # noqa: E402  (the repository is on the path after _bench_common)
+
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the arguments, prefill twice, print the timed run's seconds and profile."""
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         cache = kbit_linear.KbitKVCache(model.config, kv_bits=args.kv_bits, **extra)
         with torch.no_grad():
             for i in range(0, args.context, args.chunk):
-                model(input_ids=ids[:, i:i + args.chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(input_ids=ids[:, i:i + args.chunk], **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
         torch.cuda.synchronize()
         return cache
 
@@ -89,7 +91,7 @@ def decode(model: Any, cache: Any, token: torch.Tensor, args: argparse.Namespace
             t0 = time.perf_counter()
             if i:  # the first step re-codes the prompt tokens stored since the last allocation: timed apart
                 prof.enable()
-            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=token, **{cache_keyword(model): cache}, use_cache=True).logits
             token = logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             prof.disable()

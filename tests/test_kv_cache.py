@@ -4,6 +4,7 @@ generation with tiny random Llama / Qwen / Mistral / Gemma-3 models."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from transformers import (
 )
 
 import kbit_linear
+from kbit_linear import kv_cache
 from kbit_linear.kv_cache import KbitKVCache, KbitKVLayer, KbitKVView, allocate_row, allocate_tiers, tile_importance, _ideal_widths
 from kbit_linear.kv_format import (
     TIERS,
@@ -383,11 +385,29 @@ def test_allocate_row_charges_the_positions_that_stay_to_the_budget() -> None:
     assert torch.equal(allocate_row(tier, imp, idx, 3.5, 64, 0.2, by_tile=True), allocate_tiers(tier[idx], grouped, budget, 0.2))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tile_ranking_on_a_gpu_gives_the_hosts_widths() -> None:
+    # a cache on a GPU allocates from GPU tensors: the same groups, scores and widths as on the host
+    g = torch.Generator().manual_seed(11)
+    n = 5000
+    tier = torch.full((n,), 4, dtype=torch.int8)
+    tier[torch.rand(n, generator=g) < 0.05] = 3
+    tier[-64:] = 8
+    imp = torch.rand(n, generator=g) ** 4  # many near-equal small scores
+    idx = torch.arange(4, n - 64)
+    scores = tile_importance(imp[idx], tier[idx], idx // 64)
+    on_gpu = tile_importance(imp[idx].cuda(), tier[idx].cuda(), (idx // 64).cuda())
+    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), scores)
+    widths = allocate_row(tier, imp, idx, 3.9, 64, by_tile=True)
+    assert torch.equal(allocate_row(tier.cuda(), imp.cuda(), idx.cuda(), 3.9, 64, by_tile=True).cpu(), widths)
+
+
 @pytest.mark.parametrize("by_tile", [True, False])
 def test_a_layers_allocations_keep_key_blocks_in_whole_tiles(by_tile: bool) -> None:
     # a 4-bit layer (key blocks of 64, as by default) through a prompt and decode steps with
     # allocations between them: allocating by tile, its lower widths come in whole tiles of a key
-    # block, but for at most one split group per allocation; token by token (the default), not
+    # block, but for at most one split group per allocation; token by token (the default in rows this short), not
     g = torch.Generator().manual_seed(6)
     layer = KbitKVLayer(4, window=64, sink_tokens=4, block_size=64, hysteresis=0.1, allocate_by_tile=by_tile)
     _feed_layer = lambda q: (layer.update(torch.randn(1, 2, q, 32, generator=g), torch.randn(1, 2, q, 32, generator=g)),
@@ -735,8 +755,41 @@ def test_model_forward_accepts_cache() -> None:
 def test_allocate_by_tile_reaches_every_layer() -> None:
     config = LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=3)
     for replayable in (False, True):
-        assert all(layer.allocate_by_tile for layer in KbitKVCache(config, allocate_by_tile=True, replayable=replayable).layers)
-        assert not any(layer.allocate_by_tile for layer in KbitKVCache(config, replayable=replayable).layers)
+        for value in (True, False, None):
+            layers = KbitKVCache(config, allocate_by_tile=value, replayable=replayable).layers
+            assert all(layer.allocate_by_tile is value for layer in layers)
+        assert all(layer.allocate_by_tile is None for layer in KbitKVCache(config, replayable=replayable).layers)
+
+
+def test_by_default_rows_from_tile_allocation_from_positions_allocate_by_tile(monkeypatch) -> None:
+    # allocate_by_tile=None: token by token while the row is shorter than TILE_ALLOCATION_FROM
+    # positions, by tile from then on (the threshold lowered so that a short run crosses it)
+    monkeypatch.setattr(kv_cache, "TILE_ALLOCATION_FROM", 1100)
+    seen: list[tuple[int, bool]] = []
+    original = kv_cache.allocate_row
+    monkeypatch.setattr(kv_cache, "allocate_row", lambda tier, imp, idx, *a: (seen.append((tier.numel(), a[-1])), original(tier, imp, idx, *a))[1])
+    layer = KbitKVLayer(4, window=64, sink_tokens=4, block_size=64, hysteresis=0.1)
+    g = torch.Generator().manual_seed(7)
+    _feed(layer, 1000, g)
+    for _ in range(200):
+        _feed(layer, 1, g)
+    assert any(n < 1100 for n, _ in seen) and any(n >= 1100 for n, _ in seen), seen
+    assert all(by_tile == (n >= 1100) for n, by_tile in seen), seen
+
+
+def test_cache_keyword_names_the_forward_argument_that_takes_the_cache() -> None:
+    import inspect
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_hidden_layers=1,
+                                         vocab_size=100)).eval()
+    kw = kv_cache.cache_keyword(model)
+    assert kw in ("cache", "past_key_values") and kw in inspect.signature(model.forward).parameters
+    cache = KbitKVCache(model.config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the current name: no deprecation warning
+        model(torch.tensor([[1, 2, 3]]), **{kw: cache})
+    assert cache.get_seq_length() == 3
+    with pytest.raises(TypeError, match="model"):
+        kv_cache.cache_keyword("model")
 
 
 # ---- bad inputs ----------------------------------------------------------------------------------
@@ -750,7 +803,8 @@ def test_bad_kv_bits(bad) -> None:
 @pytest.mark.parametrize("name,value", [("window", -1), ("sink_tokens", 1.5), ("block_size", 0), ("hysteresis", 1.0),
                                         ("prefill_interval", 0), ("allocation_fraction", 0),
                                         ("allocation_fraction", 1.5), ("allocation_fraction", True), ("mass_interval", 0),
-                                        ("mass_interval", 2.0), ("allocate_by_tile", 1), ("allocate_by_tile", "yes")])
+                                        ("mass_interval", 2.0), ("allocate_by_tile", 1), ("allocate_by_tile", "yes"),
+                                        ("allocate_by_tile", 0)])
 def test_bad_keywords(name: str, value) -> None:
     with pytest.raises(ValueError, match=name):
         KbitKVCache(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1), **{name: value})
