@@ -7,10 +7,11 @@ what transformers' ``"sdpa"`` attention runs) on a bf16 cache, the fused kbit ke
 kernel the cache's allocator uses) on caches whose widths give an average of 8 (uniform int8:
 the seed's baseline), 4, 3.5 and 2.5 bits (the 64 most recent tokens and 4 sinks at 8 bits, the
 rest split between the two widths around the average at random positions) and ``4-alloc``: an
-average of 4 bits as the cache's allocator sets it from 8 bits (``allocate_row`` on random
-importance; the 8-bit window and sinks count against the budget, so about 1-2 % of the other
-tokens go to 3 bits, spread over most key blocks), and ``4-tiles``: the same with
-``allocate_by_tile`` (those tokens in whole tiles of a key block), all in one run:
+average of 4 bits as the cache's allocator sets it from 8 bits ranking token by token
+(``allocate_row`` on random importance, ``allocate_by_tile=False``; the 8-bit window and sinks
+count against the budget, so about 1-2 % of the other tokens go to 3 bits, spread over most key
+blocks), and ``4-tiles``: the same ranking by tile (those tokens in whole tiles of a key block;
+the cache's default from ``kv_cache.TILE_ALLOCATION_FROM`` positions on), all in one run:
 CUDA-graph replay of many calls, cache copies rotated past L2, median of repeats
 (``_bench_common.time_calls``). Bytes per token count payload, scales and metadata; the
 roofline is those bytes read at the device-to-device copy rate (read + write bytes per second)
