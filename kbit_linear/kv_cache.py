@@ -64,8 +64,9 @@ from .kv_format import (
     visible_queries,
 )
 
-__all__ = ["ALLOCATION_FRACTION", "ATTENTION_NAME", "MASS_INTERVAL", "PREFILL_INTERVAL", "TILE_ALLOCATION_FROM", "KbitKVCache", "cache_keyword", "KbitKVLayer", "KbitKVView",
-           "ReplayableKVLayer", "allocate_row", "allocate_tiers", "tile_importance", "kbit_kv_attention", "kbit_kv_mask"]
+__all__ = ["ALLOCATION_FRACTION", "ATTENTION_NAME", "MASS_INTERVAL", "PREFILL_INTERVAL", "TILE_ALLOCATION_FROM", "KbitKVCache",
+           "KbitKVLayer", "KbitKVView", "ReplayableKVLayer", "allocate_row", "allocate_tiers", "cache_keyword", "tile_importance",
+           "kbit_kv_attention", "kbit_kv_mask"]
 
 logger = logging.getLogger(__name__)
 
