@@ -20,6 +20,8 @@ import zlib
 
 import torch
 
+from . import format as fmt
+
 __all__ = ["MAX_BLOCK", "cached_matrix", "layer_seed", "hadamard_block", "hadamard_matrix", "random_signs", "check_signs",
            "check_rotate_operands", "keeps_blocks", "rotate", "unrotate", "rotate_hessian"]
 
@@ -41,8 +43,7 @@ def hadamard_matrix(size: int, dtype: torch.dtype = torch.float32, device: torch
     """The orthonormal Walsh-Hadamard matrix ``[size, size]`` (Sylvester order, symmetric), ``size`` a power of two."""
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or size & (size - 1):
         raise ValueError(f"size must be a positive power of two, got {size!r}")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")  # entries are +-1/sqrt(size)
+    fmt.check_float_dtype(dtype)  # entries are +-1/sqrt(size)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < size:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)

@@ -115,7 +115,9 @@ each such block costs the decode kernel a fifth, almost empty tile: attention at
 ``4-tiles`` columns of ``kv-attention-h200.md``). Groups are coarser, and cost more where more
 of the row moves (the window and sinks weigh more in short rows): KL against the dense cache on
 SmolLM2 at ``kv_bits=4`` rose by 19 % at 2080 tokens, 3.0 % at 4032 and 3.6 % at 8032
-(``kv-cache-accuracy.md``). From 4096 positions on, the speed is worth those 3-4 %."""
+(``kv-cache-accuracy.md``). From 4096 positions on, the speed is worth those 3-4 %. A row that
+grows past the threshold keeps the widths set before it (widths never rise), so its first key
+blocks may keep a partial tile each."""
 
 _PREFILL_OBSERVED = 32  # prefill scores importance from its last 32 queries (SnapKV-style), not all of them
 _COLUMN_FILL = {"tier": 8, "mass": 0.0, "seen": 0.0}  # the per-token columns and what a new token holds in each
@@ -129,7 +131,10 @@ def cache_keyword(model: torch.nn.Module) -> str:
     5.40), ``"past_key_values"`` before. Pass a :class:`KbitKVCache` as ``**{cache_keyword(model): cache}``."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper forwards (*args, **kwargs)
+    if callable(getattr(inner, "get_base_model", None)):  # so does a peft model
+        inner = inner.get_base_model()
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
 
 def tile_importance(importance: torch.Tensor, current: torch.Tensor, key_block: torch.Tensor, tile: int = TILE_ENTRIES) -> torch.Tensor:
@@ -279,7 +284,7 @@ def allocate_row(tier: torch.Tensor, importance: torch.Tensor, movable: torch.Te
     """
     current = tier[movable]
     fixed_bits = float(tier.to(torch.float64).sum() - current.to(torch.float64).sum())
-    rank = importance[movable]
+    rank = importance[movable].cpu()  # allocate_tiers works on the host
     if by_tile:
         rank = tile_importance(rank, current, movable // block_size)
     return allocate_tiers(current, rank, kv_bits * tier.numel() - fixed_bits, hysteresis)
@@ -987,8 +992,8 @@ def _range_ignoring_nan(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 class KbitKVCache(Cache):
     """A transformers cache that keeps each token's K/V at 2, 3, 4 or 8 bits to meet an average width.
 
-    Pass it as ``past_key_values=`` (``cache=`` from transformers 5.24, which renamed the argument)
-    to ``model.generate`` or ``model(...)``. Constructing it with a model's config switches that
+    Pass it as ``past_key_values=`` (``cache=`` from transformers 5.24, which renamed the argument;
+    :func:`cache_keyword` names the one a model takes) to ``model.generate`` or ``model(...)``. Constructing it with a model's config switches that
     config's attention implementation to ``"kbit_kv"`` (registered by ``import kbit_linear``):
     attention over this cache then reads its buckets, and any other cache still runs through SDPA.
 

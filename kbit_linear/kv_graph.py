@@ -155,7 +155,7 @@ class KbitDecodeGraph:
     Example::
 
         cache = KbitKVCache(model.config, kv_bits=4, replayable=True)
-        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=prompt, **{cache_keyword(model): cache}, use_cache=True).logits[:, -1]
         decoder = KbitDecodeGraph(model, cache)
         tokens = decoder.generate(logits.argmax(-1, keepdim=True), 256, eos_token_id=tokenizer.eos_token_id)
         # or sampled (torch's default generator: torch.manual_seed makes it repeatable)

@@ -86,12 +86,13 @@ def decode(model: Any, cache: Any, token: torch.Tensor, args: argparse.Namespace
     """Profile ``args.decode`` greedy single-token steps on the prefilled ``cache``; print ms per step."""
     steps: list[float] = []
     prof = cProfile.Profile()
+    kw = cache_keyword(model)
     with torch.no_grad():
         for i in range(args.decode):
             t0 = time.perf_counter()
             if i:  # the first step re-codes the prompt tokens stored since the last allocation: timed apart
                 prof.enable()
-            logits = model(input_ids=token, **{cache_keyword(model): cache}, use_cache=True).logits
+            logits = model(input_ids=token, **{kw: cache}, use_cache=True).logits
             token = logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             prof.disable()

@@ -81,6 +81,8 @@ CASES = [  # batch, kv heads, query heads, head_dim, length, block, q_len
     (2, 4, 32, 128, 1000, 64, 1),   # Llama-3-8B's heads
     (1, 8, 32, 128, 4099, 64, 1),   # many splits
     (1, 4, 32, 128, 300, 64, 3),    # 96 query rows per batch row (the mass kernel's rows past its first 32)
+    (1, 2, 8, 256, 4099, 16, 1),    # over 32 splits at head_dim 256 (the combine's two channel chunks)
+    (1, 2, 8, 64, 4099, 16, 1),     # and at head_dim 64 (half the combine's threads without channels)
 ]
 
 

@@ -763,8 +763,9 @@ def test_allocate_by_tile_reaches_every_layer() -> None:
 
 def test_by_default_rows_from_tile_allocation_from_positions_allocate_by_tile(monkeypatch) -> None:
     # allocate_by_tile=None: token by token while the row is shorter than TILE_ALLOCATION_FROM
-    # positions, by tile from then on (the threshold lowered so that a short run crosses it)
-    monkeypatch.setattr(kv_cache, "TILE_ALLOCATION_FROM", 1100)
+    # positions, by tile from then on (the threshold lowered to one of this run's allocation points,
+    # 1000 + 64 k, so that a short run crosses it and an off-by-one shows)
+    monkeypatch.setattr(kv_cache, "TILE_ALLOCATION_FROM", 1128)
     seen: list[tuple[int, bool]] = []
     original = kv_cache.allocate_row
     monkeypatch.setattr(kv_cache, "allocate_row", lambda tier, imp, idx, *a: (seen.append((tier.numel(), a[-1])), original(tier, imp, idx, *a))[1])
@@ -773,8 +774,8 @@ def test_by_default_rows_from_tile_allocation_from_positions_allocate_by_tile(mo
     _feed(layer, 1000, g)
     for _ in range(200):
         _feed(layer, 1, g)
-    assert any(n < 1100 for n, _ in seen) and any(n >= 1100 for n, _ in seen), seen
-    assert all(by_tile == (n >= 1100) for n, by_tile in seen), seen
+    assert 1128 in [n for n, _ in seen] and any(n < 1128 for n, _ in seen), seen
+    assert all(by_tile == (n >= 1128) for n, by_tile in seen), seen
 
 
 def test_cache_keyword_names_the_forward_argument_that_takes_the_cache() -> None:
@@ -788,6 +789,7 @@ def test_cache_keyword_names_the_forward_argument_that_takes_the_cache() -> None
         warnings.simplefilter("error", FutureWarning)  # the current name: no deprecation warning
         model(torch.tensor([[1, 2, 3]]), **{kw: cache})
     assert cache.get_seq_length() == 3
+    assert kv_cache.cache_keyword(torch.compile(model)) == kw  # through torch.compile's wrapper
     with pytest.raises(TypeError, match="model"):
         kv_cache.cache_keyword("model")
 

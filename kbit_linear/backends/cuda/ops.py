@@ -576,8 +576,7 @@ def dequantize_cuda(packed: torch.Tensor, absmax: torch.Tensor, codebook: torch.
     if not (k_pad - _TILE_K < in_features <= k_pad):
         raise ValueError(f"in_features={in_features} does not match tiles padded to {k_pad}")
     _ops.check_codebook_args(codebook, tensor_scale, bits, packed.device)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    fmt.check_float_dtype(dtype)
     return dequantize_checked_cuda(packed, absmax, codebook, tensor_scale, bits, out_features, in_features, dtype)
 
 
