@@ -818,7 +818,8 @@ def _calibrate(model: nn.Module, names: list[str], batches: list[torch.Tensor],
 
         def capture(i: int) -> Callable[..., None]:
             def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-                kwargs = {k: (None if k in ("past_key_values", "past_key_value") else v) for k, v in kwargs.items()}
+                # no cache goes into the replays (transformers 5.24 renamed past_key_values to cache)
+                kwargs = {k: (None if k in ("past_key_values", "past_key_value", "cache") else v) for k, v in kwargs.items()}
                 if i == first:
                     hidden.append(args[0] if args else kwargs["hidden_states"])
                 inputs[-1][i] = (args[1:] if args else (), {k: v for k, v in kwargs.items() if k != "hidden_states"})
