@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kbit_linear import _kv_ops
+from kbit_linear.kv_cache import cache_keyword
 from kbit_linear.backends.cuda import kv_attention as kkv
 from kbit_linear.kv_format import (TIERS, KVBucket, KVStore8, bucket_attention, causal_visible, dequantize_bucket, key_block_ranges,
                                    quantize_tokens)
@@ -226,7 +227,7 @@ def test_generation_on_gpu_checks_every_call_against_the_reference(monkeypatch) 
     am = torch.ones_like(ids)
     am[1, :6] = 0  # left padding
     cache = KbitKVCache(model.config, kv_bits=3, window=8, sink_tokens=2, block_size=16)
-    model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    model.generate(ids, attention_mask=am, **{cache_keyword(model): cache}, max_new_tokens=40, do_sample=False, pad_token_id=0)
     assert len(calls) >= 2 * 39
     assert len(set(calls)) > 5 and sum(1 for n in calls[-1] if n) >= 3, calls[-1]  # widths changed, several buckets
     assert any(reused) and not all(reused)  # kept between steps, recomputed after widths changed

@@ -24,7 +24,7 @@ from transformers import (
 
 import kbit_linear
 from kbit_linear import kv_cache
-from kbit_linear.kv_cache import KbitKVCache, KbitKVLayer, KbitKVView, allocate_row, allocate_tiers, tile_importance, _ideal_widths
+from kbit_linear.kv_cache import KbitKVCache, KbitKVLayer, KbitKVView, allocate_row, allocate_tiers, cache_keyword, tile_importance, _ideal_widths
 from kbit_linear.kv_format import (
     TIERS,
     KVBucket,
@@ -689,9 +689,9 @@ def test_generate_8bit_matches_dynamic_cache(kind: str) -> None:
     am[1, :4] = 0  # left padding
     kw = dict(attention_mask=am, max_new_tokens=12, do_sample=False, pad_token_id=0, output_scores=True,
               return_dict_in_generate=True)
-    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
+    ref = model.generate(ids, **{cache_keyword(model): DynamicCache(config=model.config)}, **kw)
     cache = KbitKVCache(model.config, kv_bits=8, window=4, block_size=8)
-    out = model.generate(ids, past_key_values=cache, **kw)
+    out = model.generate(ids, **{cache_keyword(model): cache}, **kw)
     assert model.config._attn_implementation == "kbit_kv"
     assert cache.get_seq_length() == 41 and cache.nbytes > 0
     # same tokens, except where a random model's top two logits tie within the int8 error (then
@@ -709,8 +709,8 @@ def test_beam_search_8bit_matches_dynamic_cache() -> None:
     model = _tiny("llama")
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(1))
     kw = dict(max_new_tokens=6, do_sample=False, num_beams=3, pad_token_id=0)
-    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
-    out = model.generate(ids, past_key_values=KbitKVCache(model.config, kv_bits=8, window=4, block_size=8), **kw)
+    ref = model.generate(ids, **{cache_keyword(model): DynamicCache(config=model.config)}, **kw)
+    out = model.generate(ids, **{cache_keyword(model): KbitKVCache(model.config, kv_bits=8, window=4, block_size=8)}, **kw)
     assert torch.equal(out, ref)
 
 
@@ -720,11 +720,11 @@ def _kl_decode(model, kv_bits: float, steps: int = 24) -> float:
     caches = [DynamicCache(config=model.config), KbitKVCache(model.config, kv_bits=kv_bits, window=8, sink_tokens=2, block_size=16)]
     kls = []
     with torch.no_grad():
-        logits = [model(ids[:, :64], past_key_values=c).logits[:, -1] for c in caches]
+        logits = [model(ids[:, :64], **{cache_keyword(model): c}).logits[:, -1] for c in caches]
         for t in range(64, 64 + steps):
             p, q = (F.log_softmax(x.float(), -1) for x in logits)
             kls.append(float((p.exp() * (p - q)).sum()))
-            logits = [model(ids[:, t:t + 1], past_key_values=c).logits[:, -1] for c in caches]
+            logits = [model(ids[:, t:t + 1], **{cache_keyword(model): c}).logits[:, -1] for c in caches]
     if kv_bits < 8:
         assert caches[1].tier_counts()[8] < caches[1].get_seq_length() * 2  # tokens below 8 bits were used
     return sum(kls) / len(kls)
@@ -743,12 +743,13 @@ def test_model_forward_accepts_cache() -> None:
     model = _tiny("qwen3")
     cache = KbitKVCache(model.config, kv_bits=4)
     ids = torch.randint(3, 128, (2, 9))
-    out = model(ids, past_key_values=cache, use_cache=True)
-    assert out.past_key_values is cache and cache.get_seq_length() == 9
-    out2 = model(ids[:, :1], past_key_values=cache)
+    out = model(ids, **{cache_keyword(model): cache}, use_cache=True)
+    returned = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers 5.24 renamed the field
+    assert returned is cache and cache.get_seq_length() == 9
+    out2 = model(ids[:, :1], **{cache_keyword(model): cache})
     assert torch.isfinite(out2.logits).all()
     # the same model still runs with other caches (SDPA)
-    ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    ref = model(ids, **{cache_keyword(model): DynamicCache(config=model.config)}).logits
     torch.testing.assert_close(out.logits, ref, atol=0.05, rtol=0)
 
 
@@ -837,7 +838,7 @@ def test_a_config_that_is_not_one_or_does_not_fit_the_model_is_named() -> None:
     KbitKVCache(model.config)  # (switches the model's attention to the cache's)
     short = KbitKVCache(LlamaConfig(**{**model.config.to_dict(), "num_hidden_layers": 1}))
     with pytest.raises(ValueError, match=r"layer_idx 1: this KbitKVCache has 1 layers.*KbitKVCache\(model.config\)"):
-        model(torch.tensor([[5, 6, 7]]), past_key_values=short)
+        model(torch.tensor([[5, 6, 7]]), **{cache_keyword(model): short})
 
 
 def test_output_attentions_warns_that_there_are_no_weights(monkeypatch) -> None:
@@ -846,7 +847,7 @@ def test_output_attentions_warns_that_there_are_no_weights(monkeypatch) -> None:
     model = _tiny("llama")
     cache = KbitKVCache(model.config, kv_bits=8)
     with pytest.warns(UserWarning, match="output_attentions=True: KbitKVCache's attention computes no attention weights"):
-        model(torch.tensor([[5, 6, 7]]), past_key_values=cache, output_attentions=True)
+        model(torch.tensor([[5, 6, 7]]), **{cache_keyword(model): cache}, output_attentions=True)
 
 
 def test_view_refuses_tensor_use() -> None:
@@ -954,9 +955,9 @@ def test_first_valid_of_a_row_whose_first_prompt_chunk_is_all_padding() -> None:
     mask[1, :20] = 0
     whole, chunked = KbitKVCache(model.config, kv_bits=4), KbitKVCache(model.config, kv_bits=4)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=whole, use_cache=True)
+        model(ids, attention_mask=mask, **{cache_keyword(model): whole}, use_cache=True)
         for i in range(0, 40, 8):
-            model(ids[:, i:i + 8], attention_mask=mask[:, :i + 8], past_key_values=chunked, use_cache=True)
+            model(ids[:, i:i + 8], attention_mask=mask[:, :i + 8], **{cache_keyword(model): chunked}, use_cache=True)
     for a, b in zip(whole.layers, chunked.layers):
         assert a.first_valid.tolist() == b.first_valid.tolist() == [0, 20]
         assert not b._rows_pending
@@ -973,7 +974,7 @@ def test_first_valid_on_sliding_window_layers_is_the_first_unpadded_position(kin
     mask[1, :20] = 0
     cache = KbitKVCache(model.config, kv_bits=4)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(ids, attention_mask=mask, **{cache_keyword(model): cache}, use_cache=True)
     for layer in cache.layers:
         assert layer.first_valid.tolist() == [0, 20]
 
@@ -991,18 +992,18 @@ def test_crop_forgets_the_first_valid_positions_it_removes() -> None:
     kw = dict(kv_bits=3, window=4, block_size=8, sink_tokens=4)
     fresh, cropped = KbitKVCache(model.config, **kw), KbitKVCache(model.config, **kw)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cropped, use_cache=True)
+        model(ids, attention_mask=mask, **{cache_keyword(model): cropped}, use_cache=True)
         assert cropped.layers[0].first_valid.tolist() == [0, 20]
         cropped.crop(-30)  # row 1 keeps positions 0..9: padding only
         assert cropped.layers[0].first_valid.tolist() == [0, 0] and cropped.layers[0]._rows_pending
         cropped.crop(-cropped.get_seq_length())
-        a = model(ids2, attention_mask=mask2, past_key_values=fresh, use_cache=True).logits
-        b = model(ids2, attention_mask=mask2, past_key_values=cropped, use_cache=True).logits
+        a = model(ids2, attention_mask=mask2, **{cache_keyword(model): fresh}, use_cache=True).logits
+        b = model(ids2, attention_mask=mask2, **{cache_keyword(model): cropped}, use_cache=True).logits
         for _ in range(12):  # past the first allocation, where the sinks matter
             nxt = torch.randint(3, 128, (2, 1), generator=g)
             mask2 = torch.cat([mask2, torch.ones(2, 1, dtype=torch.long)], 1)
-            a = model(nxt, attention_mask=mask2, past_key_values=fresh, use_cache=True).logits
-            b = model(nxt, attention_mask=mask2, past_key_values=cropped, use_cache=True).logits
+            a = model(nxt, attention_mask=mask2, **{cache_keyword(model): fresh}, use_cache=True).logits
+            b = model(nxt, attention_mask=mask2, **{cache_keyword(model): cropped}, use_cache=True).logits
     for x, y in zip(fresh.layers, cropped.layers):
         assert x.first_valid.tolist() == y.first_valid.tolist() == [12, 0]
         assert torch.equal(x.tier, y.tier)

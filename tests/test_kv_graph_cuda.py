@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kbit_linear import KbitDecodeGraph, KbitKVCache
+from kbit_linear.kv_cache import cache_keyword
 from kbit_linear.kv_format import TIERS
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -24,7 +25,7 @@ def _model(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> LlamaFo
 def _run(model, use_graph: bool, prompt: torch.Tensor, steps: int, **decoder_kw):
     cache = KbitKVCache(model.config, kv_bits=3, window=8, sink_tokens=2, block_size=16, mass_interval=2, replayable=True)
     with torch.no_grad():
-        first = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        first = model(prompt, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
     decoder = KbitDecodeGraph(model, cache, use_graph=use_graph, **decoder_kw)
     head = decoder.generate(first, steps - 40)
     tail = decoder.generate(head[:, -1:], 40)  # a second call captures into the same memory pool
@@ -97,7 +98,7 @@ def _decode(model, prompt: torch.Tensor, steps: int, use_graph: bool, **kw) -> t
     """One ``generate`` call on a fresh replayable cache holding ``prompt``: ``first`` and the tokens."""
     cache = KbitKVCache(model.config, kv_bits=3, window=8, sink_tokens=2, block_size=16, mass_interval=2, replayable=True)
     with torch.no_grad():
-        first = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        first = model(prompt, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
     decoder = KbitDecodeGraph(model, cache, use_graph=use_graph)
     return torch.cat([first, decoder.generate(first, steps, **kw)], 1), decoder
 

@@ -14,6 +14,7 @@ from transformers.generation.logits_process import (
 )
 
 from kbit_linear import KbitDecodeGraph, KbitKVCache
+from kbit_linear.kv_cache import cache_keyword
 from test_kv_cache import _tiny
 from test_kv_replayable import _caches
 
@@ -33,7 +34,7 @@ def prompt() -> torch.Tensor:
 def _prefill(model, cache: KbitKVCache, prompt: torch.Tensor) -> torch.Tensor:
     """The prompt into ``cache``; its greedy next token ``[B, 1]``."""
     with torch.no_grad():
-        return model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        return model(prompt, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
 
 
 def _decode(model, prompt: torch.Tensor, steps: int = STEPS, **kw) -> torch.Tensor:
@@ -54,7 +55,7 @@ def _reference(model, prompt: torch.Tensor, steps: int, eos: list[int] | None = 
     out, logits = [], []
     with torch.no_grad():
         for i in range(steps):
-            step = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            step = model(ids, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
             logits.append(step)
             ids = step.argmax(-1, keepdim=True) if fed is None else fed[:, i:i + 1]
             if eos is not None:

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig
 
 from kbit_linear import _kv_ops
-from kbit_linear.kv_cache import KbitKVCache, KbitKVLayer, ReplayableKVLayer
+from kbit_linear.kv_cache import KbitKVCache, KbitKVLayer, ReplayableKVLayer, cache_keyword
 from kbit_linear.kv_format import (
     TIERS,
     KVBucket,
@@ -331,7 +331,7 @@ def test_model_decode_crop_and_batch_edits_equal_the_default_cache() -> None:
     am[1, :4] = 0  # left padding
     with torch.no_grad():
         def forward(lo: int, hi: int) -> None:
-            outs = [model(ids[:, lo:hi], attention_mask=am[:, :hi], past_key_values=c).logits for c in caches]
+            outs = [model(ids[:, lo:hi], attention_mask=am[:, :hi], **{cache_keyword(model): c}).logits for c in caches]
             assert torch.equal(outs[0], outs[1])
             _assert_same_caches(*caches)
 
@@ -357,7 +357,7 @@ def test_beam_search_equals_the_default_cache() -> None:
     kw = dict(max_new_tokens=24, do_sample=False, num_beams=3, pad_token_id=0, output_scores=True,
               return_dict_in_generate=True)
     caches = _caches(model)
-    outs = [model.generate(ids, past_key_values=c, **kw) for c in caches]
+    outs = [model.generate(ids, **{cache_keyword(model): c}, **kw) for c in caches]
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert all(torch.equal(x, y) for x, y in zip(outs[0].scores, outs[1].scores))
     _assert_same_caches(*caches)
@@ -441,7 +441,7 @@ def _greedy(model, cache: KbitKVCache, first: torch.Tensor, steps: int) -> torch
     ids, out = first, []
     with torch.no_grad():
         for _ in range(steps):
-            ids = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            ids = model(ids, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
             out.append(ids)
     return torch.cat(out, 1)
 
@@ -456,7 +456,7 @@ def test_decode_graph_schedule_equals_plain_decoding(kind: str) -> None:
     plain, replayable = _caches(model)
     prompt = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        firsts = [model(prompt, past_key_values=c, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        firsts = [model(prompt, **{cache_keyword(model): c}, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
                   for c in (plain, replayable)]
     assert torch.equal(*firsts)
     runs = _record_allocations(replayable.layers[0])
@@ -474,10 +474,10 @@ def test_a_frozen_step_that_does_not_fit_the_epoch_is_refused() -> None:
     model = _tiny("llama")
     _, cache = _caches(model)
     with torch.no_grad():
-        model(torch.randint(3, 128, (1, 30)), past_key_values=cache, use_cache=True)  # a prompt: no decode store open
+        model(torch.randint(3, 128, (1, 30)), **{cache_keyword(model): cache}, use_cache=True)  # a prompt: no decode store open
         assert cache.replayable_steps(1) == 0
         with pytest.raises(RuntimeError, match="must fit the open epoch"), cache.capturing():
-            model(torch.randint(3, 128, (1, 1)), past_key_values=cache, use_cache=True)
+            model(torch.randint(3, 128, (1, 1)), **{cache_keyword(model): cache}, use_cache=True)
 
 
 def test_capturing_and_advance_need_a_replayable_cache() -> None:
@@ -499,7 +499,7 @@ def test_capturing_and_advance_need_a_replayable_cache() -> None:
     with pytest.raises(ValueError, match="no tokens"):
         KbitDecodeGraph(model, replayable)
     with torch.no_grad():
-        model(torch.randint(3, 128, (2, 12)), past_key_values=replayable, use_cache=True)
+        model(torch.randint(3, 128, (2, 12)), **{cache_keyword(model): replayable}, use_cache=True)
     decoder = KbitDecodeGraph(model, replayable, use_graph=False)
     with pytest.raises(ValueError, match="first"):
         decoder.generate(torch.zeros(1, 1, dtype=torch.int64), 3)
@@ -519,7 +519,7 @@ def test_decode_graph_refuses_sliding_window_layers(kind: str) -> None:
     model = _tiny(kind)
     _, cache = _caches(model)
     with torch.no_grad():
-        model(torch.randint(3, 128, (1, 12)), past_key_values=cache, use_cache=True)
+        model(torch.randint(3, 128, (1, 12)), **{cache_keyword(model): cache}, use_cache=True)
     with pytest.raises(ValueError, match="sliding-window"):
         KbitDecodeGraph(model, cache, use_graph=False)
 
@@ -532,7 +532,7 @@ def test_decode_graph_refuses_a_padded_prompt() -> None:
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :3] = 0  # left padding
     with torch.no_grad():
-        model(torch.randint(3, 128, (2, 12)), attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(torch.randint(3, 128, (2, 12)), attention_mask=mask, **{cache_keyword(model): cache}, use_cache=True)
     with pytest.raises(ValueError, match="left-padded"):
         KbitDecodeGraph(model, cache, use_graph=False)
 
@@ -594,7 +594,7 @@ def test_compiled_layers_run_compiled_in_every_layer_and_decode_the_same_tokens(
         for on in (False, True):
             _, cache = _caches(model)
             with torch.no_grad():
-                first = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+                first = model(prompt, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
             decoder = KbitDecodeGraph(model, cache, use_graph=False, compile_layers=on, compile_options={"backend": backend})
             head = decoder.generate(first, 4)
             frames, calls[0] = compiled[0], 0
@@ -617,7 +617,7 @@ def test_compile_layers_names_bad_arguments() -> None:
     model = _tiny("llama")
     _, cache = _caches(model)
     with torch.no_grad():
-        model(torch.randint(3, 128, (1, 12)), past_key_values=cache, use_cache=True)
+        model(torch.randint(3, 128, (1, 12)), **{cache_keyword(model): cache}, use_cache=True)
     with pytest.raises(TypeError, match="compile_layers"):
         KbitDecodeGraph(model, cache, compile_layers=1)
     with pytest.raises(TypeError, match="compile_options"):
@@ -640,7 +640,7 @@ def test_a_replay_that_did_not_move_the_device_length_is_refused() -> None:
     model = _tiny("llama")
     _, cache = _caches(model)
     with torch.no_grad():
-        model(torch.randint(3, 128, (1, 12)), past_key_values=cache, use_cache=True)
+        model(torch.randint(3, 128, (1, 12)), **{cache_keyword(model): cache}, use_cache=True)
     with pytest.raises(RuntimeError, match="did not run on replay"):
         KbitDecodeGraph(model, cache, use_graph=False)._check_first_replay()  # the device length is the host's
 
@@ -651,7 +651,7 @@ def test_a_layer_the_user_compiled_gets_its_compiled_state_back() -> None:
     model = _tiny("llama")
     _, cache = _caches(model)
     with torch.no_grad():
-        first = model(torch.randint(3, 128, (1, 12)), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        first = model(torch.randint(3, 128, (1, 12)), **{cache_keyword(model): cache}, use_cache=True).logits[:, -1:].argmax(-1)
     model.model.layers[0].compile(backend="eager")
     users = model.model.layers[0]._compiled_call_impl
     decoder = KbitDecodeGraph(model, cache, use_graph=False, compile_layers=True, compile_options={"backend": "eager"})
@@ -670,7 +670,7 @@ def test_an_interrupted_epoch_leaves_the_cache_usable(monkeypatch: pytest.Monkey
     plain, cache = _caches(model)
     prompt = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        first = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        first = model(prompt, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
     decoder = KbitDecodeGraph(model, cache, use_graph=False)
     real_step, calls = decoder._step, [0]
 
@@ -699,6 +699,6 @@ def test_decode_graph_refuses_a_row_with_no_valid_position_yet() -> None:
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1] = 0  # row 1: padding only, so far
     with torch.no_grad():
-        model(torch.randint(3, 128, (2, 8)), attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(torch.randint(3, 128, (2, 8)), attention_mask=mask, **{cache_keyword(model): cache}, use_cache=True)
     with pytest.raises(ValueError, match="left-padded"):
         KbitDecodeGraph(model, cache, use_graph=False)
