@@ -65,8 +65,8 @@ from .kv_format import (
 )
 
 __all__ = ["ALLOCATION_FRACTION", "ATTENTION_NAME", "MASS_INTERVAL", "PREFILL_INTERVAL", "TILE_ALLOCATION_FROM", "KbitKVCache",
-           "KbitKVLayer", "KbitKVView", "ReplayableKVLayer", "allocate_row", "allocate_tiers", "cache_keyword", "tile_importance",
-           "kbit_kv_attention", "kbit_kv_mask"]
+           "KbitKVLayer", "KbitKVView", "ReplayableKVLayer", "allocate_row", "allocate_tiers", "cache_keyword", "movable_positions",
+           "tile_importance", "kbit_kv_attention", "kbit_kv_mask"]
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +259,16 @@ def allocate_tiers(current: torch.Tensor, importance: torch.Tensor, budget: floa
     walk_new, slack = _spend_in_order(walk_cur, walk_new, slack)
     new[order] = walk_new
     return new.to(device, torch.int8)
+
+
+def movable_positions(length: int, window: int, sink_tokens: int, ranged: int, first_valid: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, length]``: the positions the allocator may move in rows of ``length`` cached
+    positions. The rest stay at 8 bits: each row's ``sink_tokens`` sinks from its first valid
+    position (``first_valid``, int ``[B]``), the last ``window`` positions, and those from
+    ``ranged`` on (the key blocks without a key range yet: the open one)."""
+    p = torch.arange(length, device=first_valid.device)
+    sink = (p >= first_valid.unsqueeze(1)) & (p < (first_valid + sink_tokens).unsqueeze(1))
+    return ~sink & (p < length - window) & (p < ranged)
 
 
 def allocate_row(tier: torch.Tensor, importance: torch.Tensor, movable: torch.Tensor, kv_bits: float, block_size: int,
@@ -699,10 +709,8 @@ class KbitKVLayer(CacheLayerMixin):
             return
         self._range_new_blocks()
         s = self.seq_len
-        p = torch.arange(s, device=self.device)
         fv = self.first_valid if self.first_valid is not None else torch.zeros(self.batch, dtype=torch.int64, device=self.device)
-        sink = (p.unsqueeze(0) >= fv.unsqueeze(1)) & (p.unsqueeze(0) < (fv + self.sink_tokens).unsqueeze(1))
-        movable = ~sink & (p < s - self.window).unsqueeze(0) & (p < self.k_block_min.shape[1] * self.block_size).unsqueeze(0)
+        movable = movable_positions(s, self.window, self.sink_tokens, self.k_block_min.shape[1] * self.block_size, fv)
         new_tier = self.tier.clone()
         imp = self.importance()
         by_tile = s >= TILE_ALLOCATION_FROM if self.allocate_by_tile is None else self.allocate_by_tile
@@ -993,8 +1001,8 @@ class KbitKVCache(Cache):
     """A transformers cache that keeps each token's K/V at 2, 3, 4 or 8 bits to meet an average width.
 
     Pass it as ``past_key_values=`` (``cache=`` from transformers 5.24, which renamed the argument;
-    :func:`cache_keyword` names the one a model takes) to ``model.generate`` or ``model(...)``. Constructing it with a model's config switches that
-    config's attention implementation to ``"kbit_kv"`` (registered by ``import kbit_linear``):
+    :func:`cache_keyword` names the one a model takes) to ``model.generate`` or ``model(...)``.
+    Constructing it with a model's config switches that config's attention implementation to ``"kbit_kv"`` (registered by ``import kbit_linear``):
     attention over this cache then reads its buckets, and any other cache still runs through SDPA.
 
     Args:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402  (needs the path above; puts the repository on the path)
 
 from kbit_linear.backends.cuda import kv_attention as kkv  # noqa: E402
-from kbit_linear.kv_cache import MASS_INTERVAL, allocate_row  # noqa: E402
+from kbit_linear.kv_cache import MASS_INTERVAL, allocate_row, movable_positions  # noqa: E402
 from kbit_linear.kv_format import TIERS, KVBucket, key_block_ranges, quantize_tokens  # noqa: E402
 
 HQ, H, D = 32, 8, 128
@@ -68,11 +68,7 @@ def _allocated_tiers(batch: int, s: int, kv_bits: float, by_tile: bool, g: torch
     (``by_tile``: with ``allocate_by_tile``), with random importance: the window, the sinks and
     the open key block stay at 8 bits and count against the budget."""
     tier = _tiers(batch, s, 8.0, 8, 8, g)
-    movable = torch.ones(s, dtype=torch.bool)
-    movable[:SINKS] = False
-    movable[max(0, s - WINDOW):] = False
-    movable[(s // BLOCK) * BLOCK:] = False
-    idx = torch.nonzero(movable).reshape(-1)
+    idx = torch.nonzero(movable_positions(s, WINDOW, SINKS, s // BLOCK * BLOCK, torch.zeros(1, dtype=torch.int64))[0]).reshape(-1)
     for b in range(batch):
         importance = torch.zeros(s)
         importance[idx] = torch.rand(idx.numel(), generator=g)

@@ -6,8 +6,9 @@ width, 5 for 63 at 4 bits and one at 3. This replays the allocator alone (``allo
 as ``KbitKVLayer.reallocate`` calls it: the sinks, the recent window and the open key block at 8
 bits and counted against the budget) over a growing context, one allocation every key block
 from ``--start`` tokens on, with one random importance per token, drawn once (a running mean
-of the attention mass changes slowly): ranked token by token (the cache's default), and ranked
-by groups of a key block's tokens (``allocate_by_tile``). It counts the tiles of the final widths against the
+of the attention mass changes slowly): ranked token by token (``allocate_by_tile=False``), and
+ranked by groups of a key block's tokens (``allocate_by_tile=True``; the cache's default decides
+by the row's length, ``kv_cache.TILE_ALLOCATION_FROM``). It counts the tiles of the final widths against the
 smallest count the same context could have (the same sinks, window and open key block at 8 bits,
 every other token at one width). CPU only; it times nothing.
 
@@ -24,8 +25,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kbit_linear.kv_cache import allocate_row  # noqa: E402
+from kbit_linear.kv_cache import allocate_row, movable_positions  # noqa: E402
 from kbit_linear.kv_format import TIERS, TILE_ENTRIES  # noqa: E402
+
+
+def _movable(length: int, block: int, window: int, sinks: int) -> torch.Tensor:
+    """bool ``[length]``: the positions one row's allocator may move (sinks from position 0, every complete key block ranged)."""
+    return movable_positions(length, window, sinks, length // block * block, torch.zeros(1, dtype=torch.int64))[0]
 
 
 def tiles(tier: torch.Tensor, block: int) -> int:
@@ -45,9 +51,7 @@ def replay(context: int, kv_bits: float, start: int, block: int, window: int, si
     importance = torch.rand(context, generator=g)
     tier = torch.full((context,), 8, dtype=torch.int8)
     for s in range(start, context + 1, block):
-        p = torch.arange(s)
-        movable = (p >= sinks) & (p < s - window) & (p < s // block * block)
-        idx = torch.nonzero(movable).reshape(-1)
+        idx = torch.nonzero(_movable(s, block, window, sinks)).reshape(-1)
         if idx.numel() == 0:
             continue
         tier[idx] = allocate_row(tier[:s], importance[:s], idx, kv_bits, block, by_tile=by_tile)
@@ -57,9 +61,7 @@ def replay(context: int, kv_bits: float, start: int, block: int, window: int, si
 def uniform(context: int, block: int, window: int, sinks: int) -> torch.Tensor:
     """The fewest-tiles layout of a context: the 8-bit tokens of ``replay`` (sinks, window, open
     key block) and every other token at one width."""
-    p = torch.arange(context)
-    fixed = (p < sinks) | (p >= context - window) | (p >= context // block * block)
-    return torch.where(fixed, 8, TIERS[0]).to(torch.int8)
+    return torch.where(_movable(context, block, window, sinks), TIERS[0], 8).to(torch.int8)
 
 
 def main() -> None:

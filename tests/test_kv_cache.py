@@ -410,12 +410,10 @@ def test_a_layers_allocations_keep_key_blocks_in_whole_tiles(by_tile: bool) -> N
     # block, but for at most one split group per allocation; token by token (the default in rows this short), not
     g = torch.Generator().manual_seed(6)
     layer = KbitKVLayer(4, window=64, sink_tokens=4, block_size=64, hysteresis=0.1, allocate_by_tile=by_tile)
-    _feed_layer = lambda q: (layer.update(torch.randn(1, 2, q, 32, generator=g), torch.randn(1, 2, q, 32, generator=g)),
-                             layer.attend(torch.randn(1, 4, q, 32, generator=g), None, 32**-0.5))
-    _feed_layer(1000)
+    _feed(layer, 1000, g)
     calls = _record_allocations(layer)
     for _ in range(200):
-        _feed_layer(1)
+        _feed(layer, 1, g)
     assert len(calls) >= 3
     done = layer.k_block_min.shape[1] * 64
     tier = layer.tier[0, :done]
