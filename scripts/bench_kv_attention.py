@@ -5,8 +5,8 @@ each context length and batch: SDPA (``F.scaled_dot_product_attention(..., enabl
 what transformers' ``"sdpa"`` attention runs) on a bf16 cache, the fused kbit kernels
 (``kbit_linear.backends.cuda.kv_attention``: offsets + attention + combine, and the mass
 kernel the cache's allocator uses) on caches whose widths give an average of 8 (uniform int8:
-the seed's baseline), 4, 3.5 and 2.5 bits (the 64 most recent tokens and 4 sinks at 8 bits, the
-rest split between the two widths around the average at random positions) and ``4-alloc``: an
+the seed's baseline), 4, 3.5 and 2.5 bits (the 64 most recent tokens and 4 sinks at 8 bits, each
+rounded to whole tiles as the cache does (``kv_cache.movable_positions``), the rest split between the two widths around the average at random positions) and ``4-alloc``: an
 average of 4 bits as the cache's allocator sets it from 8 bits ranking token by token
 (``allocate_row`` on random importance, ``allocate_by_tile=False``; the 8-bit window and sinks
 count against the budget, so about 1-2 % of the other tokens go to 3 bits, spread over most key
@@ -41,7 +41,7 @@ import _bench_common as bc  # noqa: E402  (needs the path above; puts the reposi
 
 from kbit_linear.backends.cuda import kv_attention as kkv  # noqa: E402
 from kbit_linear.kv_cache import MASS_INTERVAL, allocate_row, movable_positions  # noqa: E402
-from kbit_linear.kv_format import TIERS, KVBucket, key_block_ranges, quantize_tokens  # noqa: E402
+from kbit_linear.kv_format import TILE_ENTRIES, TIERS, KVBucket, key_block_ranges, quantize_tokens  # noqa: E402
 
 HQ, H, D = 32, 8, 128
 BLOCK, WINDOW, SINKS = 64, 64, 4
@@ -57,10 +57,13 @@ def _tiers(batch: int, s: int, avg: float, lo: int, hi: int, g: torch.Generator)
     if hi != lo:
         frac = (avg - lo) / (hi - lo) if avg < hi else 0.0
         tier[torch.rand(batch, s, generator=g) < frac] = hi
-    tier[:, :SINKS] = 8
-    tier[:, max(0, s - WINDOW):] = 8
-    tier[:, (s // BLOCK) * BLOCK:] = 8  # the open key block stays at 8 bits
+    tier[~_movable(s).expand(batch, s)] = 8  # the sinks, the window and the open key block
     return tier
+
+
+def _movable(s: int) -> torch.Tensor:
+    """bool ``[1, s]``: the positions the allocator may move in a row of ``s`` (no padding)."""
+    return movable_positions(s, WINDOW, SINKS, s // BLOCK * BLOCK, torch.zeros(1, dtype=torch.int64), BLOCK)
 
 
 def _allocated_tiers(batch: int, s: int, kv_bits: float, by_tile: bool, g: torch.Generator) -> torch.Tensor:
@@ -68,7 +71,7 @@ def _allocated_tiers(batch: int, s: int, kv_bits: float, by_tile: bool, g: torch
     (``by_tile``: with ``allocate_by_tile``), with random importance: the window, the sinks and
     the open key block stay at 8 bits and count against the budget."""
     tier = _tiers(batch, s, 8.0, 8, 8, g)
-    idx = torch.nonzero(movable_positions(s, WINDOW, SINKS, s // BLOCK * BLOCK, torch.zeros(1, dtype=torch.int64))[0]).reshape(-1)
+    idx = torch.nonzero(_movable(s)[0]).reshape(-1)
     for b in range(batch):
         importance = torch.zeros(s)
         importance[idx] = torch.rand(idx.numel(), generator=g)
@@ -180,7 +183,7 @@ def _markdown(payload: dict[str, Any]) -> str:
     lines = ["# Decode attention over the quantized KV cache vs SDPA on bf16", ""]
     lines += bc.env_lines(env) + [f"- copy bandwidth measured in the same run: {payload['copy_gbps']:.0f} GB/s (read + write)",
                                   f"- shape: {HQ} query heads, {H} KV heads, head_dim {D}, one query per row; key blocks of "
-                                  f"{BLOCK}, {WINDOW} recent tokens and {SINKS} sinks at 8 bits", ""]
+                                  f"{BLOCK}, {WINDOW} recent tokens and {SINKS} sinks at 8 bits (whole tiles of {TILE_ENTRIES})", ""]
     headers = ["context", "batch", "SDPA bf16 us"]
     for m in mixes:
         headers += [f"{m} bits us (no mass)", "x SDPA", f"x SDPA, mass 1 step in {MASS_INTERVAL}", "roofline us",

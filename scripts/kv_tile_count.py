@@ -31,7 +31,7 @@ from kbit_linear.kv_format import TIERS, TILE_ENTRIES  # noqa: E402
 
 def _movable(length: int, block: int, window: int, sinks: int) -> torch.Tensor:
     """bool ``[length]``: the positions one row's allocator may move (sinks from position 0, every complete key block ranged)."""
-    return movable_positions(length, window, sinks, length // block * block, torch.zeros(1, dtype=torch.int64))[0]
+    return movable_positions(length, window, sinks, length // block * block, torch.zeros(1, dtype=torch.int64), block)[0]
 
 
 def tiles(tier: torch.Tensor, block: int) -> int:

@@ -235,6 +235,13 @@ def test_kv_decode_split_plan_covers_every_key_block_once():
         assert split_tiles or kbps >= tuning.KV_DECODE_MIN_KEY_BLOCKS
     # 1k tokens, batch 1, 8 KV heads: whole key blocks would give 32 blocks; shared tiles give 128
     assert kkv._splits(16, 8, 4, 132) == (1, 16, True)
-    # 4k tokens: 16 splits of 4 key blocks, one per warp (128 blocks); 32k, batch 8: whole waves
-    assert kkv._splits(64, 8, 4, 132) == (4, 16, False)
+    # 2k and 4k tokens: whole key blocks would leave SMs idle (64 and 128 blocks): shared tiles in
+    # about two blocks per SM (256 blocks); head_dim 256 (one resident block): whole key blocks
+    # already give one block per SM, so shared tiles would only add work
+    assert kkv._splits(32, 8, 4, 132) == (1, 32, True)
+    assert kkv._splits(64, 8, 4, 132) == (2, 32, True)
+    assert kkv._splits(64, 8, 1, 132) == (4, 16, False)
+    assert kkv._splits(32, 8, 1, 132) == (2, 16, True)
+    # 8k tokens: 32 splits of 4 key blocks, one per warp (256 blocks); 32k, batch 8: whole waves
+    assert kkv._splits(128, 8, 4, 132) == (4, 32, False)
     assert kkv._splits(512, 64, 4, 132) == (64, 8, False)

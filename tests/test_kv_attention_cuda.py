@@ -67,9 +67,16 @@ def _padding_mask(batch: int, q_len: int, length: int, pad: list[int]) -> torch.
 @pytest.fixture(params=["whole-key-blocks", "split-tiles"])
 def walk(request, monkeypatch) -> str:
     """Both ways the decode block's warps share a split (the host picks one by the split's size):
-    whole key blocks per warp, or every key block's tiles shared among the warps."""
-    idle = 1.0 if request.param == "whole-key-blocks" else -1e9  # never / always share tiles
-    monkeypatch.setattr(kkv.tuning, "KV_DECODE_SPLIT_TILES_IDLE_SHARE", idle)
+    whole key blocks per warp, or every key block's tiles shared among the warps. The planner's
+    split sizes stay; only the walk is forced (whole key blocks in splits of fewer than 4 leave
+    warps without a key block, also a case to cover)."""
+    plan = kkv._splits
+
+    def forced(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> tuple[int, int, bool]:
+        kbps, splits, _ = plan(key_blocks, row_heads, resident, sm_count)
+        return kbps, splits, request.param == "split-tiles"
+
+    monkeypatch.setattr(kkv, "_splits", forced)
     return request.param
 
 

@@ -106,16 +106,18 @@ def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> tu
     runs mostly empty, with at most MAX_SPLIT_KEY_BLOCKS key blocks a split. Each warp takes whole
     key blocks, at least KV_DECODE_MIN_KEY_BLOCKS a split (one per warp), unless that leaves more
     than KV_DECODE_SPLIT_TILES_IDLE_SHARE of the SMs without a block (short contexts): then the
-    warps of a block share each key block's tiles and a split may be a single key block."""
+    warps of a block share each key block's tiles, with splits of as few key blocks as give
+    KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM blocks per SM (at most ``resident``)."""
     wave = resident * sm_count
     waves = max(1, math.ceil(row_heads * math.ceil(key_blocks / MAX_SPLIT_KEY_BLOCKS) / wave))
     want = max(1, waves * wave // max(1, row_heads))  # splits per row and head
-    kbps = min(MAX_SPLIT_KEY_BLOCKS, math.ceil(key_blocks / want))
-    whole = min(MAX_SPLIT_KEY_BLOCKS, max(tuning.KV_DECODE_MIN_KEY_BLOCKS, kbps))
-    split_tiles = row_heads * math.ceil(key_blocks / whole) < sm_count * (1 - tuning.KV_DECODE_SPLIT_TILES_IDLE_SHARE)
-    if not split_tiles:
-        kbps = whole
-    return kbps, max(1, math.ceil(key_blocks / kbps)), split_tiles
+    whole = min(MAX_SPLIT_KEY_BLOCKS, max(tuning.KV_DECODE_MIN_KEY_BLOCKS, math.ceil(key_blocks / want)))
+    per_row = max(1, math.ceil(min(resident, tuning.KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM) * sm_count / max(1, row_heads)))
+    shared = min(MAX_SPLIT_KEY_BLOCKS, math.ceil(key_blocks / per_row))
+    idle = row_heads * math.ceil(key_blocks / whole) < sm_count * (1 - tuning.KV_DECODE_SPLIT_TILES_IDLE_SHARE)
+    if not idle or shared >= whole:  # shared tiles only for more blocks than whole key blocks give
+        return whole, math.ceil(key_blocks / whole), False
+    return shared, max(1, math.ceil(key_blocks / shared)), True
 
 
 def _relative_offsets(tier: torch.Tensor, complete: int, block_size: int, kv_len: int, workspace: dict | None) -> torch.Tensor:

@@ -37,6 +37,7 @@ __all__ = [
     "GGUF_GEMV_MAX_M",
     "GGUF_GEMV_LAUNCH",
     "KV_DECODE_MIN_KEY_BLOCKS",
+    "KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM",
     "KV_DECODE_SPLIT_TILES_IDLE_SHARE",
     "ROUTER_MAX_TOKENS",
     "DecodeConfig",
@@ -512,11 +513,16 @@ GGUF_GEMV_LAUNCH: dict[int, tuple[int, int]] = {1: (8, 2), 2: (8, 1), 4: (8, 2),
 # 2x slower: each warp then forms Q' for every key block.)
 KV_DECODE_MIN_KEY_BLOCKS = 4
 # Where whole key blocks per warp would leave more than this share of the SMs without a block,
-# the block's warps share each key block's tiles instead (and a split may be one key block).
-# H100, 4-bit cache, Llama-3-8B heads, batch 1, call us (2026-11-23, .../kv-attention-kernel.md):
-# 1k tokens whole 18.4 / shared 15.6 (32 vs 128 blocks); 4k whole 20.5 / shared 23.1 (128 vs
-# 512 blocks: each warp then forms Q' for every key block and each block pays the prologue).
-KV_DECODE_SPLIT_TILES_IDLE_SHARE = 0.5
+# the block's warps share each key block's tiles instead (and a split may be one key block), in
+# splits sized for KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM blocks per SM: two warps per scheduler hide
+# each other's prologue, while four would each form Q' for every key block and pay a prologue
+# for one or two tiles. H200, 4-bit cache, Llama-3-8B heads, batch 1, call us without the mass,
+# the sinks and window in whole tiles (2026-12-01, .../kv-attention-kernel.md), (key blocks a
+# split, shared or whole): 4k tokens (2, shared) 10.4, (1, shared) 11.2, (4, whole) 11.3; 8k
+# (4, whole) 13.0, (2, shared) 14.2; 2k (2026-12-01, sinks not in whole tiles) (1, shared) 9.8,
+# (4, whole) 11.8. H100, 2026-11-23: 1k tokens whole 18.4 / shared 15.6 (32 vs 128 blocks).
+KV_DECODE_SPLIT_TILES_IDLE_SHARE = 0.0
+KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM = 2
 
 
 # ---------------------------------------------------------------------------------------
