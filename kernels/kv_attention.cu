@@ -737,8 +737,10 @@ KBIT_DEVICE void copy_tile(const Problem& pr, u8* stage, int e0, int e_end, int 
 // numbered across its buckets in width order (2, 3, 4, 8 bits; tile_entries(tier) entries each,
 // the last of a bucket partial). The two ways to share a split among the warps:
 //   SPLIT_TILES false  warp w takes key blocks w, w + 4, ... and every tile of each;
-//   SPLIT_TILES true   every warp takes every key block and its tiles w, w + 4, ... (for splits
-//                      of few key blocks, where whole blocks would leave warps idle).
+//   SPLIT_TILES true   every warp takes every key block and its tiles k = w - kb, + 4, ... (mod 4:
+//                      a key block of 5 tiles gives its fifth to a different warp than the
+//                      next block does), for splits of few key blocks, where whole blocks would
+//                      leave warps idle.
 template <bool SPLIT_TILES>
 struct Cursor {
     static constexpr int kKbStep = SPLIT_TILES ? 1 : kWarps;
@@ -765,23 +767,25 @@ struct Cursor {
         }
         return false;
     }
+    // The first tile of key block kb that warp `warp` takes (whole key blocks: all of them).
+    KBIT_DEVICE static int first_tile(int warp, int kb) { return SPLIT_TILES ? (warp - kb) & (kWarps - 1) : 0; }
     // Moves to the next key block of the walk (done past the split's last).
-    KBIT_DEVICE void next_block(int phase) {
+    KBIT_DEVICE void next_block(int warp) {
         kb += kKbStep;
-        k = phase;
+        k = first_tile(warp, kb);
         tier = 0;
         low_seen = false;
         done = kb >= kb_end;
     }
     // From the current position on, the first tile that exists. Whole key blocks step through
     // the buckets one tile at a time; split tiles place tile k directly.
-    KBIT_DEVICE void settle(const int4* offs, int kb0, int phase) {
+    KBIT_DEVICE void settle(const int4* offs, int kb0, int warp) {
         if constexpr (SPLIT_TILES) {
-            while (!done && !locate(offs, kb0)) next_block(phase);
+            while (!done && !locate(offs, kb0)) next_block(warp);
         } else {
             while (!done && e >= end) {
                 if (++tier == kTiers) {
-                    next_block(phase);
+                    next_block(warp);
                     if (done) break;
                 }
                 e = beg_of(offs, kb - kb0, tier);
@@ -794,11 +798,10 @@ struct Cursor {
     // The current tile's instance, 2 tier + fragments - 1: two fragments where the tile has more
     // than 16 entries (below 8 bits), else one (a tile is never longer than the bucket's rest).
     KBIT_DEVICE int kind() const { return 2 * tier + (tile_entries(tier) > kFrag && end - e > kFrag ? 1 : 0); }
-    KBIT_DEVICE int phase_of(int warp) const { return SPLIT_TILES ? warp : 0; }
     KBIT_DEVICE void start(const int4* offs, int kb0, int kb_last, int warp) {
         kb = kb0 + (SPLIT_TILES ? 0 : warp);
         kb_end = kb_last;
-        k = phase_of(warp);
+        k = first_tile(warp, kb);
         tier = 0;
         low_seen = false;
         done = kb >= kb_end;
@@ -807,12 +810,12 @@ struct Cursor {
             e = beg_of(offs, kb - kb0, 0);
             end = beg_of(offs, kb - kb0 + 1, 0);
         }
-        settle(offs, kb0, k);
+        settle(offs, kb0, warp);
     }
     KBIT_DEVICE void next(const int4* offs, int kb0, int warp) {
         if constexpr (SPLIT_TILES) k += kWarps;
         else e += tile_entries(tier);
-        settle(offs, kb0, phase_of(warp));
+        settle(offs, kb0, warp);
     }
 };
 
