@@ -15,8 +15,10 @@
 //                    streamed through a per-warp ring of cp.async stages. It writes the split's
 //                    unnormalized output, max and sum (flash-decoding) and, for the mass, the
 //                    logits (fp16).
-//   kbit_kv_combine  merges the splits into the output.
-//   kbit_kv_mass     each position's attention mass (the allocator's signal) from the logits.
+//   kbit_kv_combine  merges the splits into the output; for short grids its launch also takes
+//                    the mass (blocks past the query rows', each forming its rows' max and sum).
+//   kbit_kv_mass     each position's attention mass (the allocator's signal) from the logits,
+//                    for larger grids.
 //
 // In-place mode (a replayable cache: the launches of a decode step are the same every step, so a
 // CUDA graph can replay them): the live length comes from the device (`live_len`, read after the
@@ -1093,21 +1095,122 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
 }
 
 // ---------------------------------------------------------------------------------------
-// kbit_kv_combine<DT>: grid (R), 128 threads, splits * 4 bytes of shared memory rounded up to 16
-// (the compiler may read the factors four at a time).
-// out[b][i][hq][c] (transformers' layout) = sum_s 2^(m_s - M) acc_s[c] / L; ml[R] = (M, L).
+// The splits' max M and sum L of NR query rows R0, R0 + step, ... (the first `valid` of them;
+// the others get -inf and 0): lanes take the splits lane, lane + 32, ..., then a butterfly over
+// the warp, every lane ends with both. `factor` (NR == 1 only; may be null) takes each split's
+// 2^(m_s - M). The combine and the mass blocks both call it, so they get M and L to the bit
+// (a row's arithmetic is the same whatever NR: rows are interleaved, never mixed).
+// ---------------------------------------------------------------------------------------
+template <int NR>
+KBIT_DEVICE void splits_max_sum(const float* __restrict__ part_ml, size_t R0, int step, int valid, int splits, int lane,
+                                float* factor, float (&mx)[NR], float (&sum)[NR]) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        mx[i] = KBIT_NEG_INF;
+        sum[i] = 0.f;
+    }
+    for (int s = lane; s < splits; s += 32)
+#pragma unroll
+        for (int i = 0; i < NR; ++i)
+            if (i < valid) mx[i] = fmaxf(mx[i], part_ml[((R0 + (size_t)i * step) * splits + s) * 2]);
+#pragma unroll
+    for (int d = 16; d; d >>= 1)
+#pragma unroll
+        for (int i = 0; i < NR; ++i) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
+    for (int s = lane; s < splits; s += 32)
+#pragma unroll
+        for (int i = 0; i < NR; ++i) {
+            if (i >= valid) continue;
+            const size_t at = ((R0 + (size_t)i * step) * splits + s) * 2;
+            const float f = exp2f(part_ml[at] - (mx[i] == KBIT_NEG_INF ? 0.f : mx[i]));
+            if (NR == 1 && factor != nullptr) factor[s] = f;
+            sum[i] += f * part_ml[at + 1];
+        }
+#pragma unroll
+    for (int d = 16; d; d >>= 1)
+#pragma unroll
+        for (int i = 0; i < NR; ++i) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], d);
+}
+
+// ---------------------------------------------------------------------------------------
+// The mass of position p of batch row b (kbit_kv_mass's and the combine's mass blocks' work):
+// sum over the row's `rows` query rows of 2^(logit - M) / L, from row_ml[r] = (M or 0 for -inf,
+// 1 / L or 0 for L = 0) in shared memory. logits rows are ld apart.
+// mass[b][p] = that sum (live_len == nullptr; rows of mass S apart). In place, on a recording call
+// only (the caller checks): mass[b][p] += that sum and seen[b][p] += heads * (the Q causal queries
+// that see p) for p < S = *live_len, rows of mass and seen ld apart: the same float adds as
+// adding the step's mass into the running sums afterwards.
+// ---------------------------------------------------------------------------------------
+KBIT_DEVICE void position_mass(const u16* __restrict__ logits, const float* row_ml, float* __restrict__ mass, float* __restrict__ seen,
+                               bool in_place, int b, int p, int rows, int S, int ld, int heads, int Q) {
+    float acc = 0.f;
+    // every valid row wrote every position's logit; a row without mass (inv = 0) is skipped by
+    // the select, not by a branch, so that the unrolled loads are all in flight at once
+#pragma unroll 16
+    for (int r = 0; r < rows; ++r) {
+        const float inv = row_ml[2 * r + 1];
+        const float x = bits_to_f32<KBIT_F16>(logits[((size_t)b * rows + r) * ld + p]);
+        acc += inv > 0.f ? fast_exp2(x - row_ml[2 * r]) * inv : 0.f;
+    }
+    if (!in_place) {
+        mass[(size_t)b * S + p] = acc;
+        return;
+    }
+    const int late = max(p - (S - Q), 0);  // the queries before position p's own cannot see it
+    mass[(size_t)b * ld + p] += acc;
+    seen[(size_t)b * ld + p] += (float)(heads * max(Q - late, 0));
+}
+
+// ---------------------------------------------------------------------------------------
+// kbit_kv_combine<DT>: grid (R + B * mass_chunks), 128 threads; shared memory: the larger of
+// splits * 4 bytes rounded up to 16 (the compiler may read the factors four at a time) and,
+// with mass blocks, rows * 8 bytes.
+// Blocks 0 .. R-1, one per query row: out[b][i][hq][c] (transformers' layout) = sum_s 2^(m_s -
+// M) acc_s[c] / L; ml[R] = (M, L).
+// Blocks R + b * mass_chunks + k (mass_chunks > 0: the mass in the same launch, for short grids
+// where a launch of its own would cost more than the work): positions k * 128 .. of batch row b,
+// as kbit_kv_mass, with each row's M and L formed again from the splits (position_mass; in place
+// only on a recording call).
 // ---------------------------------------------------------------------------------------
 constexpr int kCombineThreads = 128;
+constexpr int kMassRowsAtOnce = 8;  // a mass block's warp forms M and L of this many rows at a time
 
 template <int DT>
 __global__ void __launch_bounds__(kCombineThreads)
 kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml, void* __restrict__ out,
-                float* __restrict__ ml, int Hq, int Q, int D, int splits) {
-    extern __shared__ float4 factor4[];  // [splits] floats, 16-byte aligned and padded
-    float* factor = reinterpret_cast<float*>(factor4);
+                float* __restrict__ ml, int Hq, int Q, int D, int splits, int R_count, const u16* __restrict__ logits,
+                float* __restrict__ mass, int rows, int S, int ld, const int* live_len, float* __restrict__ seen, int heads,
+                const int* calls, int interval, int mass_chunks) {
+    extern __shared__ float4 smem_f4[];  // the splits' factors, or a mass block's rows' (M, 1 / L)
+    float* factor = reinterpret_cast<float*>(smem_f4);
     __shared__ float total[2];
     const size_t R = blockIdx.x;
     const int tid = threadIdx.x;
+    grid_dependency_wait();
+    if (blockIdx.x >= R_count) {  // a mass block
+        const int b = (blockIdx.x - R_count) / mass_chunks, p = (blockIdx.x - R_count) % mass_chunks * kCombineThreads + tid;
+        const bool in_place = live_len != nullptr;
+        if (in_place) {
+            if ((*calls - 1) % interval != 0) return;  // not a recording call: the logits were not written
+            S = *live_len;
+        }
+        float* row_ml = factor;
+        const int lane = tid & 31, warp = tid >> 5, warps = kCombineThreads / 32;
+        for (int r0 = warp; r0 < rows; r0 += warps * kMassRowsAtOnce) {
+            float mx[kMassRowsAtOnce], sum[kMassRowsAtOnce];
+            const int valid = (rows - r0 + warps - 1) / warps;
+            splits_max_sum<kMassRowsAtOnce>(part_ml, (size_t)b * rows + r0, warps, valid, splits, lane, nullptr, mx, sum);
+#pragma unroll
+            for (int i = 0; i < kMassRowsAtOnce; ++i)
+                if (lane == 0 && i < valid) {
+                    row_ml[2 * (r0 + i * warps)] = mx[i] == KBIT_NEG_INF ? 0.f : mx[i];
+                    row_ml[2 * (r0 + i * warps) + 1] = sum[i] > 0.f ? 1.f / sum[i] : 0.f;
+                }
+        }
+        __syncthreads();
+        if (p < S) position_mass(logits, row_ml, mass, seen, in_place, b, p, rows, S, ld, heads, Q);
+        return;
+    }
     // thread (part, c4): channels 4 c4 .. 4 c4 + 3 over the splits part, part + kParts, ...; the
     // loads of a thread are independent (one latency, not one per split), the parts summed after.
     // The first kEarly splits of a thread's first channels are loaded before the splits' factors
@@ -1115,7 +1218,6 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
     constexpr int kParts = 4, kEarly = 8;
     __shared__ float4 partial[kParts][kCombineThreads / kParts];
     const int part = tid / (kCombineThreads / kParts), c4 = tid % (kCombineThreads / kParts);
-    grid_dependency_wait();
     float4 early[kEarly];
 #pragma unroll
     for (int k = 0; k < kEarly; ++k) {
@@ -1124,24 +1226,13 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
                                             : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     if (tid < 32) {
-        float mx = KBIT_NEG_INF;
-        for (int s = tid; s < splits; s += 32) mx = fmaxf(mx, part_ml[(R * splits + s) * 2]);
-#pragma unroll
-        for (int d = 16; d; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-        const float safe = mx == KBIT_NEG_INF ? 0.f : mx;
-        float sum = 0.f;
-        for (int s = tid; s < splits; s += 32) {
-            const float f = exp2f(part_ml[(R * splits + s) * 2] - safe);
-            factor[s] = f;
-            sum += f * part_ml[(R * splits + s) * 2 + 1];
-        }
-#pragma unroll
-        for (int d = 16; d; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+        float mx[1], sum[1];
+        splits_max_sum<1>(part_ml, R, 1, 1, splits, tid, factor, mx, sum);
         if (tid == 0) {
-            total[0] = mx;
-            total[1] = sum;
-            ml[R * 2] = mx;
-            ml[R * 2 + 1] = sum;
+            total[0] = mx[0];
+            total[1] = sum[0];
+            ml[R * 2] = mx[0];
+            ml[R * 2 + 1] = sum[0];
         }
     }
     __syncthreads();
@@ -1185,11 +1276,8 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
 
 // ---------------------------------------------------------------------------------------
 // kbit_kv_mass: grid (ceil(S / 128), B) (in place: ceil(ld / 128)), 128 threads, rows * 8 bytes
-// of shared memory. logits rows are ld apart.
-// mass[b][p] = sum over the row's Hq * Q query rows of 2^(logit - M) / L (rows with L = 0 add 0).
-// In place (live_len != nullptr), on a recording call only: mass[b][p] += that sum and seen[b][p]
-// += heads * (the Q causal queries that see p) for p < *live_len, rows of mass and seen ld apart:
-// the same float adds as adding the step's mass into the running sums afterwards.
+// of shared memory: position_mass from the combine's ml, for grids too large for the combine's
+// mass blocks (each of which forms its rows' M and L again from the splits).
 // ---------------------------------------------------------------------------------------
 constexpr int kMassThreads = 128;  // small blocks: short contexts still spread over many SMs
 
@@ -1209,21 +1297,5 @@ kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float
         row_ml[2 * r + 1] = sum > 0.f ? 1.f / sum : 0.f;
     }
     __syncthreads();
-    if (p >= S) return;
-    float acc = 0.f;
-    // every valid row wrote every position's logit; a row without mass (inv = 0) is skipped by
-    // the select, not by a branch, so that the unrolled loads are all in flight at once
-#pragma unroll 16
-    for (int r = 0; r < rows; ++r) {
-        const float inv = row_ml[2 * r + 1];
-        const float x = bits_to_f32<KBIT_F16>(logits[((size_t)b * rows + r) * ld + p]);
-        acc += inv > 0.f ? fast_exp2(x - row_ml[2 * r]) * inv : 0.f;
-    }
-    if (live_len == nullptr) {
-        mass[(size_t)b * S + p] = acc;
-        return;
-    }
-    const int late = max(p - (S - Q), 0);  // the queries before position p's own cannot see it
-    mass[(size_t)b * ld + p] += acc;
-    seen[(size_t)b * ld + p] += (float)(heads * max(Q - late, 0));
+    if (p < S) position_mass(logits, row_ml, mass, seen, live_len != nullptr, b, p, rows, S, ld, heads, Q);
 }

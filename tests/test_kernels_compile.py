@@ -244,4 +244,6 @@ def test_kv_decode_split_plan_covers_every_key_block_once():
     assert kkv._splits(32, 8, 1, 132) == (2, 16, True)
     # 8k tokens: 32 splits of 4 key blocks, one per warp (256 blocks); 32k, batch 8: whole waves
     assert kkv._splits(128, 8, 4, 132) == (4, 32, False)
+    # the mass in the combine's launch: while the grid, mass blocks included, fits one block per SM
+    assert kkv._mass_in_combine(132, 132) and not kkv._mass_in_combine(133, 132)
     assert kkv._splits(512, 64, 4, 132) == (64, 8, False)

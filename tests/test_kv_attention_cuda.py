@@ -373,6 +373,36 @@ def test_in_place_attention_matches_the_reference(case, dtype: torch.dtype, reco
     assert torch.equal(seen, want_seen)
 
 
+@pytest.mark.parametrize("case", [(3, 2, 4, 128, 333, 64, 2, 100), (1, 4, 32, 128, 300, 64, 3, 20), (1, 8, 32, 128, 4099, 64, 1, 700)],
+                         ids=["padding-q2", "96-rows", "65-splits"])
+def test_the_mass_in_the_combine_launch_equals_the_mass_kernels(case, monkeypatch) -> None:
+    """Short grids take the mass in the combine's launch, each mass block forming its rows' max
+    and sum again from the splits; larger grids launch the mass kernel on the combine's. Both give
+    the same output, mass and seen sums to the bit: plain (with padding), and in place on a
+    recording and a non-recording call."""
+    batch, heads, hq, d, length, block, q_len, room = case
+    seed = zlib.crc32(repr(case).encode())
+    buckets, cb, store, kmin, krange, tier, tier_buf, q, mass0, seen0, ld = _in_place_problem(case, torch.float16, seed)
+    mask = _padding_mask(batch, q_len, length, [0, 5, 17][:batch]).cuda()
+    live = torch.tensor([length], dtype=torch.int32, device="cuda")
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(kkv.tuning, "KV_MASS_IN_COMBINE_MAX_BLOCKS_PER_SM", 10**6 if fused else 0)
+        _poison(batch * hq * q_len * max(ld, d) * 4)
+        out, mass = kkv.kv_decode_attention_cuda(q.cuda(), cb, kmin.cuda(), krange.cuda(), block, length, tier.cuda(), mask,
+                                                 d**-0.5)
+        runs = [out, mass]
+        for count in (1, 2):  # interval 2: (calls - 1) % 2 == 0 records
+            m, sn = mass0.clone(), seen0.clone()
+            calls = torch.tensor([count], dtype=torch.int32, device="cuda")
+            runs += [kkv.kv_decode_attention_in_place_cuda(q.cuda(), cb[:3], store, kmin.cuda(), krange.cuda(), block, length + room,
+                                                           live, tier_buf, d**-0.5, m, sn, calls, 2, {}), m, sn]
+        got[fused] = runs
+    for i, (a, b) in enumerate(zip(got[True], got[False])):
+        assert not torch.isnan(a).any() and torch.equal(a, b), i
+    assert not torch.equal(got[True][3], mass0) and torch.equal(got[True][6], mass0)  # recorded on call 1 only
+
+
 def test_in_place_attention_replays_in_a_cuda_graph_at_the_device_length() -> None:
     """One in-place call captured once, replayed after the device length and call counter change:
     each replay equals an eager call at that length (the kernels read both on the device)."""

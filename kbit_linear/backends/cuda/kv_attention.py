@@ -45,7 +45,8 @@ _DECODE_ARGS = loader.ArgPack(
     "k_min:p k_range:p rel:p rs2:p rs3:p rs4:p rs8:p C:i bs:i bias:p logits:p part_acc:p part_ml:p H:i G:i Q:i S:i NB:i nblk:i "
     "kbps:i splits:i "
     "scale_log2:f live_len:p ld:i calls:p interval:i")
-_COMBINE_ARGS = loader.ArgPack("kbit_kv_combine", "part_acc:p part_ml:p out:p ml:p Hq:i Q:i D:i splits:i")
+_COMBINE_ARGS = loader.ArgPack("kbit_kv_combine", "part_acc:p part_ml:p out:p ml:p Hq:i Q:i D:i splits:i R_count:i logits:p mass:p "
+                               "rows:i S:i ld:i live_len:p seen:p heads:i calls:p interval:i mass_chunks:i")
 _MASS_ARGS = loader.ArgPack("kbit_kv_mass", "logits:p ml:p mass:p rows:i S:i ld:i live_len:p seen:p heads:i Q:i calls:p interval:i")
 
 
@@ -78,10 +79,19 @@ def decode_smem_bytes(head_dim: int) -> int:
     return ring_at + max(_WARPS * _STAGES * stage_bytes(head_dim), _WARPS * _ROWS * head_dim * 4)  # ring, then the warps' outputs
 
 
-def combine_smem_bytes(splits: int) -> int:
+def combine_smem_bytes(splits: int, mass_rows: int = 0) -> int:
     """Dynamic shared memory of the combine kernel: one float per split, rounded up to 16 bytes
-    (its loop over the splits may read the factors four at a time)."""
-    return (splits + 3) // 4 * 16
+    (its loop over the splits may read the factors four at a time), or where it has mass blocks
+    for ``mass_rows`` query rows per batch row and that is more, 8 bytes per row."""
+    return max((splits + 3) // 4 * 16, 8 * mass_rows)
+
+
+def _mass_in_combine(grid: int, sm_count: int) -> bool:
+    """Whether the combine launch (``grid`` blocks, its mass blocks included) also takes the mass:
+    where the grid fits one block per SM (short contexts at small batch), a launch of its own
+    costs more than the mass; larger grids read the combine's M and L instead of forming them
+    again in every block (:data:`tuning.KV_MASS_IN_COMBINE_MAX_BLOCKS_PER_SM`)."""
+    return grid <= tuning.KV_MASS_IN_COMBINE_MAX_BLOCKS_PER_SM * sm_count
 
 
 def kv_attention_instances() -> list[str]:
@@ -164,15 +174,16 @@ def _check_problem(query: torch.Tensor, buckets: list[KVBucket], tier: torch.Ten
 
 
 def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Tensor | None, k_block_range: torch.Tensor | None,
-            block_size: int, kv_len: int, tier: torch.Tensor, bias: torch.Tensor | None, scaling: float, need_mass: bool,
-            workspace: dict | None, in_place: dict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """The decode and combine launches: ``(out, ml, logits)`` (``logits`` None without the mass),
-    or None where the GPU lacks the shared memory.
+            block_size: int, kv_len: int, tier: torch.Tensor, bias: torch.Tensor | None, scaling: float, mass: torch.Tensor | None,
+            workspace: dict | None, in_place: dict | None, seen: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The decode, combine and (``mass`` given) mass launches: the output, or None where the GPU
+    lacks the shared memory.
 
-    ``kv_len`` plans the grid (the splits) and sizes the logits. ``in_place`` (None: the plain
-    call): the live length, call counter and record interval on the device (``len``, ``calls``,
-    ``interval``) and the logits' and bias' row stride ``ld`` >= ``kv_len``; ``buckets[-1]``
-    is then a store seen as rows of its capacity (:func:`_store_rows`).
+    ``kv_len`` plans the grid (the splits) and sizes the logits. ``mass``: float ``[B, kv_len]``
+    to write the mass into, or in place ``[B, ld]`` to add it to, with ``seen``. ``in_place``
+    (None: the plain call): the live length, call counter and record interval on the device
+    (``len``, ``calls``, ``interval``) and the logits' and bias' row stride ``ld`` >= ``kv_len``;
+    ``buckets[-1]`` is then a store seen as rows of its capacity (:func:`_store_rows`).
     """
     b, hq, q_len, d = query.shape
     h = buckets[0].k.shape[1]
@@ -190,7 +201,7 @@ def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Ten
 
     rel = _relative_offsets(tier, nb, block_size, kv_len, workspace)
     rs = [aligned16(bk.row_start) for bk in buckets]
-    logits = torch.empty((b, hq, q_len, ld), dtype=torch.float16, device=dev) if need_mass else None  # log2 units
+    logits = torch.empty((b, hq, q_len, ld), dtype=torch.float16, device=dev) if mass is not None else None  # log2 units
     part_acc = torch.empty((b * hq * q_len, splits, d), dtype=torch.float32, device=dev)
     part_ml = torch.empty((b * hq * q_len, splits, 2), dtype=torch.float32, device=dev)
     t = {bk.bits: bk for bk in buckets}
@@ -215,14 +226,32 @@ def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Ten
     out = torch.empty((b, q_len, hq, d), dtype=query.dtype, device=dev)
     ml = torch.empty((b * hq * q_len, 2), dtype=torch.float32, device=dev)
     kern = loader.get_kernel(_SOURCE, f"kbit_kv_combine<{_DT[query.dtype]}>", dev)
-    # One short block per query row; it waits for the decode kernel before any memory access,
-    # and the decode kernel lets it start once its tiles are done.
-    combine_grid = b * hq * q_len
-    _COMBINE_ARGS.launch(kern, combine_grid, combine_smem_bytes(splits), loader._current_raw_stream(kern.device_index),
+    # One short block per query row, and for a short grid the mass blocks too; they wait for the
+    # decode kernel before any memory access, and the decode kernel lets them start once its
+    # tiles are done.
+    combine_rows = b * hq * q_len
+    mass_chunks = math.ceil(ld / _COMBINE_THREADS) if mass is not None else 0  # a mass block's positions: one per thread
+    if mass_chunks and not _mass_in_combine(combine_rows + b * mass_chunks, props.sm_count):
+        mass_chunks = 0
+    grid = combine_rows + b * mass_chunks
+    live = None if in_place is None else in_place["len"]
+    _COMBINE_ARGS.launch(kern, grid, combine_smem_bytes(splits, hq * q_len if mass_chunks else 0),
+                         loader._current_raw_stream(kern.device_index),
                          _COMBINE_ARGS.Values(part_acc=part_acc.data_ptr(), part_ml=part_ml.data_ptr(), out=out.data_ptr(),
-                                              ml=ml.data_ptr(), Hq=hq, Q=q_len, D=d, splits=splits),
-                         threads=_COMBINE_THREADS, programmatic=loader.short_grid_may_overlap(combine_grid, props.sm_count))
-    return out, ml, logits
+                                              ml=ml.data_ptr(), Hq=hq, Q=q_len, D=d, splits=splits, R_count=combine_rows,
+                                              logits=_ptr(logits), mass=_ptr(mass), rows=hq * q_len, S=kv_len, ld=ld,
+                                              live_len=_ptr(live), seen=_ptr(seen), heads=hq,
+                                              calls=_ptr(None if in_place is None else in_place["calls"]),
+                                              interval=1 if in_place is None else in_place["interval"], mass_chunks=mass_chunks),
+                         threads=_COMBINE_THREADS, programmatic=loader.short_grid_may_overlap(grid, props.sm_count))
+    if mass is not None and not mass_chunks:
+        _launch_mass(logits, ml, mass, hq * q_len, kv_len, ld, in_place, seen, hq, q_len)
+    return out
+
+
+def _ptr(x: torch.Tensor | None) -> int:
+    """A tensor's address for a fast launch (0 for None)."""
+    return 0 if x is None else x.data_ptr()
 
 
 def _launch_mass(logits: torch.Tensor, ml: torch.Tensor, mass: torch.Tensor, rows: int, kv_len: int, ld: int,
@@ -253,14 +282,10 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
     bias = None
     if attention_mask is not None:
         bias = aligned16(mask_bias(attention_mask, b, q_len, kv_len, query.device))
-    got = _attend(query, buckets, k_block_min, k_block_range, block_size, kv_len, tier, bias, scaling, need_mass, workspace, None)
-    if got is None:
+    mass = torch.empty((b, kv_len), dtype=torch.float32, device=query.device) if need_mass else None
+    out = _attend(query, buckets, k_block_min, k_block_range, block_size, kv_len, tier, bias, scaling, mass, workspace, None)
+    if out is None:
         return None
-    out, ml, logits = got
-    if not need_mass:
-        return out, None
-    mass = torch.empty((b, kv_len), dtype=torch.float32, device=query.device)
-    _launch_mass(logits, ml, mass, hq * q_len, kv_len, kv_len, None, None, 0, q_len)
     return out, mass
 
 
@@ -292,14 +317,9 @@ def kv_decode_attention_in_place_cuda(query: torch.Tensor, buckets: list[KVBucke
     full = list(buckets) + [_store_rows(store, workspace)]
     if planned_len == 0 or not _check_problem(query, full, tier, ld):
         return None
-    b, hq, q_len, _ = query.shape
     in_place = {"len": length, "calls": calls, "interval": mass_interval, "ld": ld}
-    got = _attend(query, full, k_block_min, k_block_range, block_size, planned_len, tier, None, scaling, True, workspace, in_place)
-    if got is None:
-        return None
-    out, ml, logits = got
-    _launch_mass(logits, ml, mass, hq * q_len, planned_len, ld, in_place, seen, hq, q_len)
-    return out
+    return _attend(query, full, k_block_min, k_block_range, block_size, planned_len, tier, None, scaling, mass, workspace, in_place,
+                   seen)
 
 
 _kv_ops.register_decode_attention("cuda", kv_decode_attention_cuda)

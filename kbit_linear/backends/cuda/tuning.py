@@ -39,6 +39,7 @@ __all__ = [
     "KV_DECODE_MIN_KEY_BLOCKS",
     "KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM",
     "KV_DECODE_SPLIT_TILES_IDLE_SHARE",
+    "KV_MASS_IN_COMBINE_MAX_BLOCKS_PER_SM",
     "ROUTER_MAX_TOKENS",
     "DecodeConfig",
     "DECODE_CONFIGS",
@@ -523,6 +524,11 @@ KV_DECODE_MIN_KEY_BLOCKS = 4
 # (4, whole) 11.8. H100, 2026-11-23: 1k tokens whole 18.4 / shared 15.6 (32 vs 128 blocks).
 KV_DECODE_SPLIT_TILES_IDLE_SHARE = 0.0
 KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM = 2
+# The combine launch also takes the allocator's mass where its grid, mass blocks included, has at
+# most this many blocks per SM (short contexts at small batch): the mass kernel's own launch
+# costs more there than its work, while each mass block forms its rows' max and sum again from
+# the splits. At one block per SM the grid also stays within loader.short_grid_may_overlap.
+KV_MASS_IN_COMBINE_MAX_BLOCKS_PER_SM = 1
 
 
 # ---------------------------------------------------------------------------------------
