@@ -261,44 +261,47 @@ def allocate_tiers(current: torch.Tensor, importance: torch.Tensor, budget: floa
     return new.to(device, torch.int8)
 
 
-def _tile_boundary(pos: torch.Tensor, block_size: int, up: bool) -> torch.Tensor:
-    """``pos`` (int64) moved to a tile boundary of its key block, down or (``up``) up: a key
-    block's tiles are TILE_ENTRIES positions from its start, and its end is a boundary too."""
-    start = pos.div(block_size, rounding_mode="floor") * block_size
-    off = pos - start
-    tiles = -(-off // TILE_ENTRIES) if up else off // TILE_ENTRIES
-    return start + torch.clamp(tiles * TILE_ENTRIES, max=block_size)
+def _tile_start(pos: int, block_size: int) -> int:
+    """The tile boundary at or before position ``pos`` in its key block (tiles of TILE_ENTRIES
+    positions from the block's start)."""
+    start = pos // block_size * block_size
+    return start + (pos - start) // TILE_ENTRIES * TILE_ENTRIES
 
 
-def sink_positions(positions: torch.Tensor, sink_tokens: int, first_valid: torch.Tensor, block_size: int) -> torch.Tensor:
-    """bool ``[B, n]``: which of ``positions`` (int ``[n]``) are sinks in each row: from the row's
-    first valid position (``first_valid``, int ``[B]``) for ``sink_tokens`` positions, the end
-    rounded up to a tile boundary (:func:`_tile_boundary`). The decode kernel reads a key block's
-    8-bit tokens a tile at a time, so the rounding makes them whole tiles at no cost in time (4
-    sinks alone would add a fifth tile to the first key block: 1.03x a decode call at 4k tokens
-    and batch 1, H200, ``bench/results/kv-attention-kernel.md``)."""
+def sink_positions(positions: torch.Tensor, sink_tokens: int, first_valid: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, n]``: which of ``positions`` (int ``[n]``) are sinks in each row: the
+    ``sink_tokens`` positions from the row's first valid position (``first_valid``, int ``[B]``).
+
+    Unlike the window's start (:func:`movable_positions`), the sinks' end is not rounded to a
+    tile: 4 sinks give the first key block a fifth tile (1.03x a decode call at 4k tokens and batch
+    1 when rounded, H200), but rounding to 16 sinks holds 12 more tokens at 8 bits against the
+    budget, and the allocator pushes others down for them: KL on SmolLM2 +32 % at 4 bits and +70 %
+    at 3 bits over 544 tokens, +29 % at 3 bits over 2080 (``bench/results/kv-cache-accuracy.md``)."""
     sink_tokens = _check_positive_int("sink_tokens", sink_tokens, 0)
-    block_size = _check_positive_int("block_size", block_size, 1)
     fv = first_valid.to(torch.int64)
-    end = _tile_boundary(fv + sink_tokens, block_size, up=True) if sink_tokens else fv
     p = positions.to(fv.device).unsqueeze(0)
-    return (p >= fv.unsqueeze(1)) & (p < end.unsqueeze(1))
+    return (p >= fv.unsqueeze(1)) & (p < (fv + sink_tokens).unsqueeze(1))
 
 
 def movable_positions(length: int, window: int, sink_tokens: int, ranged: int, first_valid: torch.Tensor,
                       block_size: int) -> torch.Tensor:
     """bool ``[B, length]``: the positions the allocator may move in rows of ``length`` cached
     positions. The rest stay at 8 bits: each row's sinks (:func:`sink_positions`), the last
-    ``window`` positions with the window's start rounded down to a tile boundary (whole tiles,
-    as the sinks), and those from ``ranged`` on (the key blocks without a key range yet: the open
-    one). ``block_size`` is the key blocks' length."""
+    ``window`` positions with the window's start rounded down to a tile boundary of its key block
+    (``block_size`` positions), and those from ``ranged`` on (the key blocks without a key range
+    yet: the open one).
+
+    The decode kernel reads a key block's tokens of one width a tile at a time, so a window that
+    starts mid-tile costs its key block a fifth tile; rounded, at most 15 more recent tokens stay
+    at 8 bits (1.04x a decode call at 4136 tokens and batch 1, H200; no KL change measured on
+    SmolLM2, where allocations run at multiples of the key block)."""
     for name, v in (("length", length), ("window", window), ("ranged", ranged)):
         _check_positive_int(name, v, 0)
+    block_size = _check_positive_int("block_size", block_size, 1)
     p = torch.arange(length, device=first_valid.device)
-    kept = sink_positions(p, sink_tokens, first_valid, block_size) | (p >= ranged)
+    kept = sink_positions(p, sink_tokens, first_valid) | (p >= ranged)
     if window:
-        start = _tile_boundary(torch.tensor(length - window, dtype=torch.int64), block_size, up=False)
-        kept |= p >= start.to(p.device)
+        kept |= p >= _tile_start(length - window, block_size)
     return ~kept
 
 
@@ -726,7 +729,7 @@ class KbitKVLayer(CacheLayerMixin):
         dense[rows, pos - lo] = k
         # sinks would stretch the range with their outliers; they never leave 8 bits
         fv = self.first_valid if self.first_valid is not None else torch.zeros(self.batch, dtype=torch.int64, device=self.device)
-        sink = sink_positions(torch.arange(lo, hi, device=self.device), self.sink_tokens, fv, self.block_size)
+        sink = sink_positions(torch.arange(lo, hi, device=self.device), self.sink_tokens, fv)
         blocks = dense.reshape(self.batch, n_complete - n_done, self.block_size, self.heads, self.head_dim)
         sink = sink.reshape(self.batch, n_complete - n_done, self.block_size, 1, 1)
         mn, rng = _range_ignoring_nan(blocks.masked_fill(sink, float("nan")))
@@ -1047,8 +1050,7 @@ class KbitKVCache(Cache):
         window: the most recent tokens kept at 8 bits (the window's start rounded down to a tile
             of :data:`~kbit_linear.kv_format.TILE_ENTRIES` positions in its key block, see
             :func:`movable_positions`).
-        sink_tokens: the first tokens (after left padding) kept at 8 bits (their end rounded up
-            to a tile boundary, see :func:`sink_positions`).
+        sink_tokens: the first tokens (after left padding) kept at 8 bits.
         block_size: positions per key block (one per-channel key range each); the allocator also
             runs every ``block_size`` tokens, or more rarely at long context (``allocation_fraction``).
         prefill_interval: while a prompt arrives in chunks of more than ``block_size`` tokens,

@@ -5,8 +5,9 @@ each context length and batch: SDPA (``F.scaled_dot_product_attention(..., enabl
 what transformers' ``"sdpa"`` attention runs) on a bf16 cache, the fused kbit kernels
 (``kbit_linear.backends.cuda.kv_attention``: offsets + attention + combine, and the mass
 kernel the cache's allocator uses) on caches whose widths give an average of 8 (uniform int8:
-the seed's baseline), 4, 3.5 and 2.5 bits (the 64 most recent tokens and 4 sinks at 8 bits, each
-rounded to whole tiles as the cache does (``kv_cache.movable_positions``), the rest split between the two widths around the average at random positions) and ``4-alloc``: an
+the seed's baseline), 4, 3.5 and 2.5 bits (the 64 most recent tokens and 4 sinks at 8 bits, the
+window's start rounded down to a tile as the cache does: ``kv_cache.movable_positions``; the rest
+split between the two widths around the average at random positions) and ``4-alloc``: an
 average of 4 bits as the cache's allocator sets it from 8 bits ranking token by token
 (``allocate_row`` on random importance, ``allocate_by_tile=False``; the 8-bit window and sinks
 count against the budget, so about 1-2 % of the other tokens go to 3 bits, spread over most key
@@ -41,7 +42,7 @@ import _bench_common as bc  # noqa: E402  (needs the path above; puts the reposi
 
 from kbit_linear.backends.cuda import kv_attention as kkv  # noqa: E402
 from kbit_linear.kv_cache import MASS_INTERVAL, allocate_row, movable_positions  # noqa: E402
-from kbit_linear.kv_format import TILE_ENTRIES, TIERS, KVBucket, key_block_ranges, quantize_tokens  # noqa: E402
+from kbit_linear.kv_format import TIERS, KVBucket, key_block_ranges, quantize_tokens  # noqa: E402
 
 HQ, H, D = 32, 8, 128
 BLOCK, WINDOW, SINKS = 64, 64, 4
@@ -183,7 +184,7 @@ def _markdown(payload: dict[str, Any]) -> str:
     lines = ["# Decode attention over the quantized KV cache vs SDPA on bf16", ""]
     lines += bc.env_lines(env) + [f"- copy bandwidth measured in the same run: {payload['copy_gbps']:.0f} GB/s (read + write)",
                                   f"- shape: {HQ} query heads, {H} KV heads, head_dim {D}, one query per row; key blocks of "
-                                  f"{BLOCK}, {WINDOW} recent tokens and {SINKS} sinks at 8 bits (whole tiles of {TILE_ENTRIES})", ""]
+                                  f"{BLOCK}, {WINDOW} recent tokens (from a tile boundary) and {SINKS} sinks at 8 bits", ""]
     headers = ["context", "batch", "SDPA bf16 us"]
     for m in mixes:
         headers += [f"{m} bits us (no mass)", "x SDPA", f"x SDPA, mass 1 step in {MASS_INTERVAL}", "roofline us",

@@ -172,7 +172,7 @@ def _filled_layer(batch: int, heads: int, d: int, length: int, kv_bits: float, s
                          ids=["mha-d32", "gqa3-d64-b3", "gqa4-d96"])
 def test_bucket_attention_matches_sdpa(q_len: int, batch: int, heads: int, hq: int, d: int, length: int) -> None:
     pad = [0, 5, 11][:batch]
-    layer, _ = _filled_layer(batch, heads, d, length, kv_bits=5, pad=pad, hq=hq)
+    layer, _ = _filled_layer(batch, heads, d, length, kv_bits=4, pad=pad, hq=hq)
     counts = {t: layer.buckets[t].num_tokens for t in TIERS}
     assert sum(1 for n in counts.values() if n) >= 3, counts  # several buckets filled
     g = torch.Generator().manual_seed(1)
@@ -428,32 +428,36 @@ def test_a_layers_allocations_keep_key_blocks_in_whole_tiles(by_tile: bool) -> N
         assert split > len(calls) + 5, counts[:, 3].tolist()
 
 
-def test_sinks_and_window_end_on_tile_boundaries() -> None:
-    # the sinks' end rounds up and the window's start down to a tile boundary of their key block
-    # (tiles of 16 from the block's start; the block's end is one), so that they fill whole tiles
-    fv = torch.tensor([0, 5, 60, 14])
-    sink = kv_cache.sink_positions(torch.arange(200), 4, fv, 64)
-    for row, (lo, hi) in enumerate([(0, 16), (5, 16), (60, 64), (14, 32)]):
-        assert torch.equal(torch.nonzero(sink[row]).reshape(-1), torch.arange(lo, hi)), row
-    odd = kv_cache.sink_positions(torch.arange(100), 4, torch.tensor([30]), 40)  # blocks of 40: 34 -> 40, not 48
-    assert torch.equal(torch.nonzero(odd[0]).reshape(-1), torch.arange(30, 40))
-    assert not kv_cache.sink_positions(torch.arange(100), 0, fv, 64).any()
+def test_the_window_starts_on_a_tile_boundary_and_the_sinks_where_asked() -> None:
+    # the window's start rounds down to a tile boundary of its key block (tiles of 16 from the
+    # block's start); the sinks are exactly sink_tokens from each row's first valid position
+    fv = torch.tensor([0, 5, 60])
+    sink = kv_cache.sink_positions(torch.arange(200), 4, fv)
+    for row, lo in enumerate([0, 5, 60]):
+        assert torch.equal(torch.nonzero(sink[row]).reshape(-1), torch.arange(lo, lo + 4)), row
+    assert not kv_cache.sink_positions(torch.arange(100), 0, fv).any()
     zero = torch.zeros(1, dtype=torch.int64)
     kept = ~kv_cache.movable_positions(4136, 64, 4, 4096, zero, 64)[0]  # window from 4072 -> 4064
-    assert torch.equal(torch.nonzero(kept).reshape(-1), torch.cat([torch.arange(16), torch.arange(4064, 4136)]))
+    assert torch.equal(torch.nonzero(kept).reshape(-1), torch.cat([torch.arange(4), torch.arange(4064, 4136)]))
+    kept = ~kv_cache.movable_positions(4096, 64, 4, 4096, zero, 64)[0]  # already on a boundary: as asked
+    assert torch.equal(torch.nonzero(kept).reshape(-1), torch.cat([torch.arange(4), torch.arange(4032, 4096)]))
+    kept = ~kv_cache.movable_positions(140, 30, 0, 120, zero, 40)[0]  # blocks of 40: 110 -> 80 + 16 = 96, not 96 + 16
+    assert torch.equal(torch.nonzero(kept).reshape(-1), torch.arange(96, 140))
     kept = ~kv_cache.movable_positions(4136, 0, 0, 4096, zero, 64)[0]  # no window, no sinks: the open block only
     assert torch.equal(torch.nonzero(kept).reshape(-1), torch.arange(4096, 4136))
     with pytest.raises(ValueError, match="block_size"):
-        kv_cache.sink_positions(torch.arange(10), 4, fv, 0)
+        kv_cache.movable_positions(100, 8, 4, 64, zero, 0)
     with pytest.raises(ValueError, match="window"):
         kv_cache.movable_positions(100, -1, 4, 64, zero, 64)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        kv_cache.sink_positions(torch.arange(10), -1, fv)
 
 
 @pytest.mark.parametrize("length", [4096, 4136, 4100])
-def test_a_by_tile_allocation_leaves_every_key_block_whole_tiles(length: int) -> None:
-    # with the sinks and the window in whole tiles, a by-tile allocation costs each complete key
-    # block its 64 / 16 = 4 tiles (4 sinks alone would add a fifth to the first block, a window
-    # starting mid-tile one to the block it starts in)
+def test_a_by_tile_allocation_leaves_key_blocks_whole_tiles_at_the_windows_edge(length: int) -> None:
+    # with the window's start on a tile boundary, a by-tile allocation costs each complete key
+    # block its 64 / 16 = 4 tiles but the first, which holds the 4 sinks' tile too (a window
+    # starting mid-tile would add a fifth to the block it starts in)
     g = torch.Generator().manual_seed(length)
     ranged = length // 64 * 64
     tier = torch.full((length,), 8, dtype=torch.int8)
@@ -462,8 +466,8 @@ def test_a_by_tile_allocation_leaves_every_key_block_whole_tiles(length: int) ->
     assert set(tier.tolist()) >= {3, 4, 8}
     counts = torch.zeros(ranged // 64, TIERS[-1] + 1, dtype=torch.int64).index_put_(
         (torch.arange(ranged) // 64, tier[:ranged].long()), torch.ones(ranged, dtype=torch.int64), accumulate=True)
-    tiles = (counts + 15) // 16
-    assert int(tiles.sum(1).max()) == 4, tiles.sum(1).tolist()
+    tiles = ((counts + 15) // 16).sum(1)
+    assert int(tiles[0]) == 5 and int(tiles[1:].max()) == 4, tiles.tolist()
 
 
 def test_cache_runs_deterministically_and_changes_tiers_mid_run() -> None:
@@ -485,8 +489,8 @@ def test_cache_runs_deterministically_and_changes_tiers_mid_run() -> None:
     sizes = torch.tensor([t for t in TIERS]).double()
     avg = (torch.tensor(history[-1]).double() * sizes).sum() / layer.seq_len
     # over target only by the window (8, its start rounded down to a tile: up to 15 more), the
-    # sinks (2, rounded up to a tile of 16) and the open block
-    assert avg <= 3 + 8 * ((8 + 15) + 16 + 16) / layer.seq_len
+    # sinks and the open block
+    assert avg <= 3 + 8 * ((8 + 15) + 2 + 16) / layer.seq_len
 
 
 def _record_allocations(layer: KbitKVLayer) -> list[int]:

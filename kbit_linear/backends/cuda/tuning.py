@@ -517,17 +517,21 @@ KV_DECODE_MIN_KEY_BLOCKS = 4
 # the block's warps share each key block's tiles instead (and a split may be one key block), in
 # splits sized for KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM blocks per SM: two warps per scheduler hide
 # each other's prologue, while four would each form Q' for every key block and pay a prologue
-# for one or two tiles. H200, 4-bit cache, Llama-3-8B heads, batch 1, call us without the mass,
-# the sinks and window in whole tiles (2026-12-01, .../kv-attention-kernel.md), (key blocks a
-# split, shared or whole): 4k tokens (2, shared) 10.4, (1, shared) 11.2, (4, whole) 11.3; 8k
-# (4, whole) 13.0, (2, shared) 14.2; 2k (2026-12-01, sinks not in whole tiles) (1, shared) 9.8,
-# (4, whole) 11.8. H100, 2026-11-23: 1k tokens whole 18.4 / shared 15.6 (32 vs 128 blocks).
+# for one or two tiles. H200, 4-bit cache, Llama-3-8B heads, batch 1, call us without the mass
+# (2026-12-01, .../kv-attention-kernel.md), (key blocks a split, shared or whole), with the sinks
+# in a whole tile (no longer so): 4k tokens (2, shared) 10.4, (1, shared) 11.2, (4, whole) 11.3;
+# 8k (4, whole) 13.0, (2, shared) 14.2; sinks as now: 2k (1, shared) 9.8, (4, whole) 11.8; the
+# shared tiles rotating among the warps (a key block's fifth tile to another warp than the next
+# block's): 2.5 bits at 3k and 4k 1.04x and 1.02x over whole key blocks (0.96x and 0.95x before
+# the rotation). H100, 2026-11-23: 1k tokens whole 18.4 / shared 15.6 (32 vs 128 blocks).
 KV_DECODE_SPLIT_TILES_IDLE_SHARE = 0.0
 KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM = 2
 # The combine launch also takes the allocator's mass where its grid, mass blocks included, has at
 # most this many blocks per SM (short contexts at small batch): the mass kernel's own launch
 # costs more there than its work, while each mass block forms its rows' max and sum again from
 # the splits. At one block per SM the grid also stays within loader.short_grid_may_overlap.
+# H200, 4-bit cache, batch 1 (2026-12-01): calls with the mass 12.46 against 13.97 us at 4k
+# tokens, a step's mean (the mass on one step in 4) 1.02-1.03x at 2k-8k tokens.
 KV_MASS_IN_COMBINE_MAX_BLOCKS_PER_SM = 1
 
 
