@@ -741,8 +741,8 @@ KBIT_DEVICE void copy_tile(const Problem& pr, u8* stage, int e0, int e_end, int 
 //   SPLIT_TILES false  warp w takes key blocks w, w + 4, ... and every tile of each;
 //   SPLIT_TILES true   every warp takes every key block and its tiles k = w - kb, + 4, ... (mod 4:
 //                      a key block of 5 tiles gives its fifth to a different warp than the
-//                      next block does), for splits of few key blocks, where whole blocks would
-//                      leave warps idle.
+//                      next block does), for short contexts, where whole key blocks would
+//                      leave SMs idle (the host's plan).
 template <bool SPLIT_TILES>
 struct Cursor {
     static constexpr int kKbStep = SPLIT_TILES ? 1 : kWarps;

@@ -236,8 +236,8 @@ def test_kv_decode_split_plan_covers_every_key_block_once():
     # 1k tokens, batch 1, 8 KV heads: whole key blocks would give 32 blocks; shared tiles give 128
     assert kkv._splits(16, 8, 4, 132) == (1, 16, True)
     # 2k and 4k tokens: whole key blocks would leave SMs idle (64 and 128 blocks): shared tiles in
-    # about two blocks per SM (256 blocks); head_dim 256 (one resident block): whole key blocks
-    # already give one block per SM, so shared tiles would only add work
+    # about two blocks per SM (256 blocks); head_dim 256 (one resident block): shared tiles
+    # would take splits of 4 key blocks too, the same 128 blocks, so whole key blocks
     assert kkv._splits(32, 8, 4, 132) == (1, 32, True)
     assert kkv._splits(64, 8, 4, 132) == (2, 32, True)
     assert kkv._splits(64, 8, 1, 132) == (4, 16, False)

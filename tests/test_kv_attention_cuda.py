@@ -66,7 +66,8 @@ def _padding_mask(batch: int, q_len: int, length: int, pad: list[int]) -> torch.
 
 @pytest.fixture(params=["whole-key-blocks", "split-tiles"])
 def walk(request, monkeypatch) -> str:
-    """Both ways the decode block's warps share a split (the host picks one by the split's size):
+    """Both ways the decode block's warps share a split (the host picks one by how many SMs whole
+    key blocks would fill, ``kkv._splits``):
     whole key blocks per warp, or every key block's tiles shared among the warps. The planner's
     split sizes stay; only the walk is forced (whole key blocks in splits of fewer than 4 leave
     warps without a key block, also a case to cover)."""
@@ -234,7 +235,8 @@ def test_generation_on_gpu_checks_every_call_against_the_reference(monkeypatch) 
     am = torch.ones_like(ids)
     am[1, :6] = 0  # left padding
     # 4.5 bits: with the 8-bit window (8 tokens, its start rounded down to a tile: up to 23) and
-    # the sinks, 110 tokens still hold every width (at 3 bits all movable ones would sit at 2)
+    # the sinks, 110 tokens still hold several widths (all four in a CPU replay; at 3 bits every
+    # movable token would sit at 2)
     cache = KbitKVCache(model.config, kv_bits=4.5, window=8, sink_tokens=2, block_size=16)
     model.generate(ids, attention_mask=am, **{cache_keyword(model): cache}, max_new_tokens=40, do_sample=False, pad_token_id=0)
     assert len(calls) >= 2 * 39

@@ -485,7 +485,7 @@ def test_cache_runs_deterministically_and_changes_tiers_mid_run() -> None:
         layer.attend(torch.randn(1, 4, n, 32, generator=g), None, 32**-0.5)
         history.append(tuple(layer.buckets[t].num_tokens for t in TIERS))
     assert history[0] == (0, 0, 0, 30)
-    assert len(set(history)) > 3 and any(b[3] < a[3] for a, b in zip(history, history[1:]))  # tokens left 8 bits
+    assert len(set(history)) > 3 and history[-1][3] < 30  # tokens left 8 bits during decoding
     sizes = torch.tensor([t for t in TIERS]).double()
     avg = (torch.tensor(history[-1]).double() * sizes).sum() / layer.seq_len
     # over target only by the window (8, its start rounded down to a tile: up to 15 more), the

@@ -2,7 +2,8 @@
 
 Registered as the CUDA implementation of :func:`kbit_linear._kv_ops.decode_attention`. Per call:
 the attention over all buckets, split along the context (one launch), the merge of the splits
-(one) and, when the mass is asked for, each position's attention mass (one). Where each
+(one) and, when the mass is asked for, each position's attention mass (in the merge's launch
+for short grids, else one more). Where each
 bucket's entries of every key block start is counted by a fourth kernel only when the widths
 changed: the caller's ``workspace`` keeps it between steps. Head sizes 64, 128 and 256 with
 fp16, bf16 or fp32 queries take the kernels; anything else returns ``None`` (the reference runs).
@@ -115,9 +116,10 @@ def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> tu
     (``row_heads`` x splits blocks) fills whole waves of resident blocks, so that no last wave
     runs mostly empty, with at most MAX_SPLIT_KEY_BLOCKS key blocks a split. Each warp takes whole
     key blocks, at least KV_DECODE_MIN_KEY_BLOCKS a split (one per warp), unless that leaves more
-    than KV_DECODE_SPLIT_TILES_IDLE_SHARE of the SMs without a block (short contexts): then the
-    warps of a block share each key block's tiles, with splits of as few key blocks as give
-    KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM blocks per SM (at most ``resident``)."""
+    than KV_DECODE_SPLIT_TILES_IDLE_SHARE of the SMs without a block (short contexts) and
+    smaller splits are possible: then the warps of a block share each key block's tiles, with
+    splits of as few key blocks as give KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM blocks per SM (at
+    most ``resident``). Only the whole-key-block plan fills whole waves."""
     wave = resident * sm_count
     waves = max(1, math.ceil(row_heads * math.ceil(key_blocks / MAX_SPLIT_KEY_BLOCKS) / wave))
     want = max(1, waves * wave // max(1, row_heads))  # splits per row and head
@@ -125,7 +127,7 @@ def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> tu
     per_row = max(1, math.ceil(min(resident, tuning.KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM) * sm_count / max(1, row_heads)))
     shared = min(MAX_SPLIT_KEY_BLOCKS, math.ceil(key_blocks / per_row))
     idle = row_heads * math.ceil(key_blocks / whole) < sm_count * (1 - tuning.KV_DECODE_SPLIT_TILES_IDLE_SHARE)
-    if not idle or shared >= whole:  # shared tiles only for more blocks than whole key blocks give
+    if not idle or shared >= whole:  # shared tiles only in smaller splits than whole key blocks'
         return whole, math.ceil(key_blocks / whole), False
     return shared, max(1, math.ceil(key_blocks / shared)), True
 
