@@ -65,7 +65,7 @@ from .kv_format import (
 )
 
 __all__ = ["ALLOCATION_FRACTION", "ATTENTION_NAME", "MASS_INTERVAL", "PREFILL_INTERVAL", "TILE_ALLOCATION_FROM", "KbitKVCache",
-           "KbitKVLayer", "KbitKVView", "ReplayableKVLayer", "allocate_row", "allocate_tiers", "cache_keyword", "movable_positions", "sink_positions",
+           "KbitKVLayer", "KbitKVView", "ReplayableKVLayer", "allocate_row", "allocate_tiers", "cache_keyword", "movable_positions", "output_cache", "sink_positions",
            "tile_importance", "kbit_kv_attention", "kbit_kv_mask"]
 
 logger = logging.getLogger(__name__)
@@ -135,6 +135,17 @@ def cache_keyword(model: torch.nn.Module) -> str:
     if callable(getattr(inner, "get_base_model", None)):  # so does a peft model
         inner = inner.get_base_model()
     return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+
+
+def output_cache(output: Any) -> Any:
+    """The cache a model's output returns (None where it returns none): ``output.cache`` from
+    transformers 5.24, which renamed the field as it did the argument (:func:`cache_keyword`),
+    ``output.past_key_values`` before (on 5.24 a deprecated alias)."""
+    if hasattr(output, "cache"):
+        return output.cache
+    if hasattr(output, "past_key_values"):
+        return output.past_key_values
+    raise TypeError(f"output must be a model output with a cache field, got {type(output).__name__}")
 
 
 def tile_importance(importance: torch.Tensor, current: torch.Tensor, key_block: torch.Tensor, tile: int = TILE_ENTRIES) -> torch.Tensor:

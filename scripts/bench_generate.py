@@ -59,7 +59,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as bc  # noqa: E402  (needs the path above)
 
-from kbit_linear.kv_cache import cache_keyword  # noqa: E402  (the repository is on the path after _bench_common)
+from kbit_linear.kv_cache import cache_keyword, output_cache  # noqa: E402  (the repository is on the path after _bench_common)
 
 MODELS = ["bf16", "kbit2", "kbit3", "kbit4", "kbit5", "kbit4-fused", "kbit4-fused-head", "bnb-nf4"]
 QUICK_MODELS = ["bf16", "kbit4"]
@@ -285,7 +285,7 @@ def profile_eager_step(model: nn.Module, prompt: torch.Tensor, rows: int = 8) ->
 
     out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
     nxt = out.logits[:, -1:].argmax(-1)
-    cache = out.past_key_values
+    cache = output_cache(out)
     kw = cache_keyword(model)
     model(input_ids=nxt, **{kw: cache}, use_cache=True, logits_to_keep=1)  # warm
     torch.cuda.synchronize()

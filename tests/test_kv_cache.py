@@ -786,8 +786,9 @@ def test_model_forward_accepts_cache() -> None:
     cache = KbitKVCache(model.config, kv_bits=4)
     ids = torch.randint(3, 128, (2, 9))
     out = model(ids, **{cache_keyword(model): cache}, use_cache=True)
-    returned = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers 5.24 renamed the field
-    assert returned is cache and cache.get_seq_length() == 9
+    assert kv_cache.output_cache(out) is cache and cache.get_seq_length() == 9
+    with pytest.raises(TypeError, match="output"):
+        kv_cache.output_cache(out.logits)
     out2 = model(ids[:, :1], **{cache_keyword(model): cache})
     assert torch.isfinite(out2.logits).all()
     # the same model still runs with other caches (SDPA)
