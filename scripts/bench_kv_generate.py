@@ -47,9 +47,10 @@ from kbit_linear.kv_cache import cache_keyword  # noqa: E402  (the repository is
 
 def _prefill(model: Any, ids: torch.Tensor, cache: Any, chunk: int) -> torch.Tensor:
     logits = None
+    kw = cache_keyword(model)
     with torch.no_grad():
         for i in range(0, ids.shape[1], chunk):
-            logits = model(input_ids=ids[:, i:i + chunk], **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1).logits
+            logits = model(input_ids=ids[:, i:i + chunk], **{kw: cache}, use_cache=True, logits_to_keep=1).logits
     return logits[:, -1]
 
 

@@ -60,12 +60,14 @@ def main(argv: list[str] | None = None) -> None:
     model = bg.build_variant("kbit4", config, dev, {})
     ids = torch.randint(0, config.vocab_size, (1, args.context), device=dev, generator=torch.Generator(device=dev).manual_seed(0))
 
+    kw = cache_keyword(model)  # once, outside the timed prefill
+
     def prefill() -> Any:
         extra = {} if args.prefill_interval is None else {"prefill_interval": args.prefill_interval}
         cache = kbit_linear.KbitKVCache(model.config, kv_bits=args.kv_bits, **extra)
         with torch.no_grad():
             for i in range(0, args.context, args.chunk):
-                model(input_ids=ids[:, i:i + args.chunk], **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
+                model(input_ids=ids[:, i:i + args.chunk], **{kw: cache}, use_cache=True, logits_to_keep=1)
         torch.cuda.synchronize()
         return cache
 

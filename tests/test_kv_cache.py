@@ -309,11 +309,16 @@ def test_allocator_hysteresis() -> None:
     assert far.tolist() == [4] * 5 + [3] * 5  # no spare budget: the cutoff holds
 
 
+def _width_counts(tier: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """int64 ``[key blocks, 9]``: how many tokens of each width (column = bits) each key block holds,
+    for widths ``tier`` whose tokens lie in key blocks ``block``."""
+    counts = torch.zeros(int(block.max()) + 1, TIERS[-1] + 1, dtype=torch.int64)
+    return counts.index_put_((block.long(), tier.long()), torch.ones(tier.numel(), dtype=torch.int64), accumulate=True)
+
+
 def _tiles(tier: torch.Tensor, block: torch.Tensor, tile: int = 16) -> int:
     """Decode tiles of widths ``tier`` whose tokens lie in key blocks ``block``: per key block and width, ceil(count / tile)."""
-    counts = torch.zeros(int(block.max()) + 1, TIERS[-1] + 1, dtype=torch.int64)
-    counts.index_put_((block.long(), tier.long()), torch.ones(tier.numel(), dtype=torch.int64), accumulate=True)
-    return int(((counts + tile - 1) // tile).sum())
+    return int(((_width_counts(tier, block) + tile - 1) // tile).sum())
 
 
 def test_tile_importance_groups_a_key_blocks_least_important_tokens() -> None:
@@ -419,8 +424,7 @@ def test_a_layers_allocations_keep_key_blocks_in_whole_tiles(by_tile: bool) -> N
     tier = layer.tier[0, :done]
     block = torch.arange(done) // 64
     assert set(tier[4:].tolist()) >= {3, 4}  # the 8-bit window and sinks pushed some tokens to 3 bits
-    counts = torch.zeros(done // 64, TIERS[-1] + 1, dtype=torch.int64).index_put_(
-        (block, tier.long()), torch.ones(done, dtype=torch.int64), accumulate=True)
+    counts = _width_counts(tier, block)
     split = int(((counts[1:, 3] % 16) != 0).sum())  # block 0 holds the sinks
     if by_tile:
         assert split <= len(calls) + 1, counts[:, 3].tolist()
@@ -464,9 +468,7 @@ def test_a_by_tile_allocation_leaves_key_blocks_whole_tiles_at_the_windows_edge(
     idx = torch.nonzero(kv_cache.movable_positions(length, 64, 4, ranged, torch.zeros(1, dtype=torch.int64), 64)[0]).reshape(-1)
     tier[idx] = allocate_row(tier, torch.rand(length, generator=g), idx, 4.0, 64, by_tile=True)
     assert set(tier.tolist()) >= {3, 4, 8}
-    counts = torch.zeros(ranged // 64, TIERS[-1] + 1, dtype=torch.int64).index_put_(
-        (torch.arange(ranged) // 64, tier[:ranged].long()), torch.ones(ranged, dtype=torch.int64), accumulate=True)
-    tiles = ((counts + 15) // 16).sum(1)
+    tiles = ((_width_counts(tier[:ranged], torch.arange(ranged) // 64) + 15) // 16).sum(1)
     assert int(tiles[0]) == 5 and int(tiles[1:].max()) == 4, tiles.tolist()
 
 
@@ -762,11 +764,12 @@ def _kl_decode(model, kv_bits: float, steps: int = 24) -> float:
     caches = [DynamicCache(config=model.config), KbitKVCache(model.config, kv_bits=kv_bits, window=8, sink_tokens=2, block_size=16)]
     kls = []
     with torch.no_grad():
-        logits = [model(ids[:, :64], **{cache_keyword(model): c}).logits[:, -1] for c in caches]
+        kw = cache_keyword(model)
+        logits = [model(ids[:, :64], **{kw: c}).logits[:, -1] for c in caches]
         for t in range(64, 64 + steps):
             p, q = (F.log_softmax(x.float(), -1) for x in logits)
             kls.append(float((p.exp() * (p - q)).sum()))
-            logits = [model(ids[:, t:t + 1], **{cache_keyword(model): c}).logits[:, -1] for c in caches]
+            logits = [model(ids[:, t:t + 1], **{kw: c}).logits[:, -1] for c in caches]
     if kv_bits < 8:
         assert caches[1].tier_counts()[8] < caches[1].get_seq_length() * 2  # tokens below 8 bits were used
     return sum(kls) / len(kls)
