@@ -8,7 +8,9 @@
 //                    that have ranges (later positions are all 8-bit). Only when widths change:
 //                    the cache keeps the result between decode steps.
 //   kbit_kv_decode   grid (split, kv head x row chunk, batch row): a block takes the key blocks
-//                    [split * kbps, (split + 1) * kbps) of its row; a key block's entries are
+//                    [split * kbps - shift, (split + 1) * kbps - shift) of its row (the first
+//                    split `shift` short: its key block 0 holds the sinks' extra 8-bit tile, so
+//                    the block that has it gets fewer others); a key block's entries are
 //                    taken per bucket a tile at a time (16 entries; kMaxTile = 32 gives tiles
 //                    of up to 32 below 8 bits); its 4 warps take every 4th key
 //                    block whole or, for short splits, every 4th tile of each key block (Cursor),
@@ -157,6 +159,9 @@ KBIT_DEVICE float fast_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+// In place, whether this decode step records the mass: the device call counter, advanced before
+// the attention, says so every `interval` calls; without a counter (a plain call) always.
+KBIT_DEVICE bool recording_call(const int* calls, int interval) { return calls == nullptr || (*calls - 1) % interval == 0; }
 
 
 // `n` bytes at p (n a multiple of 2 or 3-byte pieces are read bytewise), zero-extended into
@@ -669,7 +674,7 @@ namespace kbit {
 namespace kv {
 
 // ---------------------------------------------------------------------------------------
-// The copy ring. A warp walks its tiles (Cursor: whole key blocks split*kbps + warp, + kWarps,
+// The copy ring. A warp walks its tiles (Cursor: whole key blocks kb0 + warp, + kWarps,
 // ..., or its share of every key block's tiles; within a key block the entries of bucket 2, 3,
 // 4 then 8, tile_entries at a time) once: the cursor runs one tile ahead of the computation,
 // putting each tile's bytes into the other stage with cp.async (entries past the bucket are
@@ -877,7 +882,8 @@ KBIT_DEVICE void key_block_operands(const uint2* qfrag, const u16* range, const 
 
 // ---------------------------------------------------------------------------------------
 // kbit_kv_decode<D, DT, SPLIT_TILES>: grid (splits, H * row chunks, B), kThreads threads,
-// Smem<D>::BYTES; SPLIT_TILES: how the warps share the split (Cursor).
+// Smem<D>::BYTES; SPLIT_TILES: how the warps share the split (Cursor). Split s takes the key
+// blocks [max(s * kbps - shift, 0), min((s + 1) * kbps - shift, nblk)), 0 <= shift < kbps.
 // part_acc [R][splits][D] (R = (b * Hq + hq) * Q + i) holds the split's output times its sum,
 // relative to its max; part_ml [R][splits][2] the max and sum (log2 units).
 // In-place mode (live_len != nullptr): S and nblk come from *live_len; logits and bias rows are
@@ -891,7 +897,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
                const int* p8, const u16* k_min, const u16* k_range, const int* __restrict__ rel, const int* rs2, const int* rs3, const int* rs4,
                const int* rs8, int C, int bs, const float* bias,
                u16* logits, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int G, int Q, int S, int NB,
-               int nblk, int kbps, int splits, float scale_log2, const int* live_len, int ld, const int* calls, int interval) {
+               int nblk, int kbps, int shift, int splits, float scale_log2, const int* live_len, int ld, const int* calls, int interval) {
     using SM = Smem<D>;
     constexpr int KSTEPS = D / 16;
     constexpr int GROUPS = D / kGroup;
@@ -919,8 +925,9 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     if (live_len != nullptr) {  // in place: the length the append left on the device
         S = *live_len;
         nblk = (S + bs - 1) / bs;
-        if (calls != nullptr && (*calls - 1) % interval != 0) logits = nullptr;  // not a recording call
+        if (!recording_call(calls, interval)) logits = nullptr;
     }
+    const int kb0 = max(split * kbps - shift, 0), kb_end = min(nblk, (split + 1) * kbps - shift);
     const int Hq = H * G;
     // a kv head's rows are contiguous in q ([B][Hq][Q][D]; row r = j * Q + i is head h*G + j,
     // query i), in the outputs and in the logits: the block's row r is global row R0 + r
@@ -933,10 +940,10 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         const int i = tid + k * kThreads, r = i / D;
         x[k] = r < nrows ? load_elem<DT>(q, R0 * D + i) : 0.f;
     }
-    // the split's bucket offsets (key blocks kb0 .. kb0 + kbps, ends included): row start + rel
+    // the split's bucket offsets (key blocks kb0 .. kb_end, ends included): row start + rel
     int4* offs = reinterpret_cast<int4*>(smem + SM::OFFS);
-    for (int i = tid; i <= kbps && split * kbps + i <= nblk; i += kThreads) {
-        const int kb = split * kbps + i;
+    for (int i = tid; kb0 + i <= kb_end; i += kThreads) {
+        const int kb = kb0 + i;
         const int4* r = reinterpret_cast<const int4*>(rel) + (size_t)b * (C + 1);
         int4 o = r[min(kb, C)];
         if (kb > C) o.w += min(kb * bs, S) - C * bs;  // past C every position is 8-bit
@@ -974,7 +981,6 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     ri.need_pos = pr.need_pos = bias != nullptr || Q > 1 || logits != nullptr;
 
     // ---- each warp's tiles through its copy ring ----
-    const int kb0 = split * kbps, kb_end = min(nblk, kb0 + kbps);
     u8* ring = smem + SM::RING + warp * stages_for(D) * Stage<D>::BYTES;
     // Two stages: the tile computed in an iteration is the one the copy cursor stood on at its
     // start (comp), while the copy cursor moves on and fetches the next tile into the other stage.
@@ -1141,6 +1147,12 @@ KBIT_DEVICE void splits_max_sum(const float* __restrict__ part_ml, size_t R0, in
 // that see p) for p < S = *live_len, rows of mass and seen ld apart: the same float adds as
 // adding the step's mass into the running sums afterwards.
 // ---------------------------------------------------------------------------------------
+// Row r's (M, L) as position_mass reads them: (M, or 0 for a row without tokens; 1 / L, or 0).
+KBIT_DEVICE void put_row_ml(float* row_ml, int r, float mx, float sum) {
+    row_ml[2 * r] = mx == KBIT_NEG_INF ? 0.f : mx;
+    row_ml[2 * r + 1] = sum > 0.f ? 1.f / sum : 0.f;
+}
+
 KBIT_DEVICE void position_mass(const u16* __restrict__ logits, const float* row_ml, float* __restrict__ mass, float* __restrict__ seen,
                                bool in_place, int b, int p, int rows, int S, int ld, int heads, int Q) {
     float acc = 0.f;
@@ -1175,6 +1187,32 @@ KBIT_DEVICE void position_mass(const u16* __restrict__ logits, const float* row_
 constexpr int kCombineThreads = 128;
 constexpr int kMassRowsAtOnce = 8;  // a mass block's warp forms M and L of this many rows at a time
 
+// A mass block of the combine's launch: positions chunk * 128 .. of batch row b. Its rows' M and L
+// are formed again from the splits into row_ml (shared, rows * 8 bytes). Out of line (noinline):
+// inlined, its code made the combine's own blocks 1-2 % slower (H200, 2026-12-01).
+__device__ __noinline__ void combine_mass_block(const float* __restrict__ part_ml, const u16* __restrict__ logits,
+                                                float* __restrict__ mass, float* __restrict__ seen, float* row_ml, int rows,
+                                                int splits, int S, int ld, const int* live_len, int heads, int Q,
+                                                const int* calls, int interval, int b, int chunk, int tid) {
+    const bool in_place = live_len != nullptr;
+    if (in_place) {
+        if (!recording_call(calls, interval)) return;  // the logits were not written
+        S = *live_len;
+    }
+    const int lane = tid & 31, warp = tid >> 5, warps = kCombineThreads / 32;
+    for (int r0 = warp; r0 < rows; r0 += warps * kMassRowsAtOnce) {
+        float mx[kMassRowsAtOnce], sum[kMassRowsAtOnce];
+        const int valid = (rows - r0 + warps - 1) / warps;
+        splits_max_sum<kMassRowsAtOnce>(part_ml, (size_t)b * rows + r0, warps, valid, splits, lane, nullptr, mx, sum);
+#pragma unroll
+        for (int i = 0; i < kMassRowsAtOnce; ++i)
+            if (lane == 0 && i < valid) put_row_ml(row_ml, r0 + i * warps, mx[i], sum[i]);
+    }
+    __syncthreads();
+    const int p = chunk * kCombineThreads + tid;
+    if (p < S) position_mass(logits, row_ml, mass, seen, in_place, b, p, rows, S, ld, heads, Q);
+}
+
 template <int DT>
 __global__ void __launch_bounds__(kCombineThreads)
 kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml, void* __restrict__ out,
@@ -1188,27 +1226,8 @@ kbit_kv_combine(const float* __restrict__ part_acc, const float* __restrict__ pa
     const int tid = threadIdx.x;
     grid_dependency_wait();
     if (blockIdx.x >= R_count) {  // a mass block
-        const int b = (blockIdx.x - R_count) / mass_chunks, p = (blockIdx.x - R_count) % mass_chunks * kCombineThreads + tid;
-        const bool in_place = live_len != nullptr;
-        if (in_place) {
-            if ((*calls - 1) % interval != 0) return;  // not a recording call: the logits were not written
-            S = *live_len;
-        }
-        float* row_ml = factor;
-        const int lane = tid & 31, warp = tid >> 5, warps = kCombineThreads / 32;
-        for (int r0 = warp; r0 < rows; r0 += warps * kMassRowsAtOnce) {
-            float mx[kMassRowsAtOnce], sum[kMassRowsAtOnce];
-            const int valid = (rows - r0 + warps - 1) / warps;
-            splits_max_sum<kMassRowsAtOnce>(part_ml, (size_t)b * rows + r0, warps, valid, splits, lane, nullptr, mx, sum);
-#pragma unroll
-            for (int i = 0; i < kMassRowsAtOnce; ++i)
-                if (lane == 0 && i < valid) {
-                    row_ml[2 * (r0 + i * warps)] = mx[i] == KBIT_NEG_INF ? 0.f : mx[i];
-                    row_ml[2 * (r0 + i * warps) + 1] = sum[i] > 0.f ? 1.f / sum[i] : 0.f;
-                }
-        }
-        __syncthreads();
-        if (p < S) position_mass(logits, row_ml, mass, seen, in_place, b, p, rows, S, ld, heads, Q);
+        combine_mass_block(part_ml, logits, mass, seen, factor, rows, splits, S, ld, live_len, heads, Q, calls, interval,
+                           (blockIdx.x - R_count) / mass_chunks, (blockIdx.x - R_count) % mass_chunks, tid);
         return;
     }
     // thread (part, c4): channels 4 c4 .. 4 c4 + 3 over the splits part, part + kParts, ...; the
@@ -1288,14 +1307,11 @@ kbit_kv_mass(const u16* __restrict__ logits, const float* __restrict__ ml, float
     const int b = blockIdx.y, p = blockIdx.x * kMassThreads + threadIdx.x;
     grid_dependency_wait();
     if (live_len != nullptr) {
-        if ((*calls - 1) % interval != 0) return;  // not a recording call: the logits were not written
+        if (!recording_call(calls, interval)) return;  // the logits were not written
         S = *live_len;
     }
-    for (int r = threadIdx.x; r < rows; r += kMassThreads) {
-        const float mx = ml[((size_t)b * rows + r) * 2], sum = ml[((size_t)b * rows + r) * 2 + 1];
-        row_ml[2 * r] = mx == KBIT_NEG_INF ? 0.f : mx;
-        row_ml[2 * r + 1] = sum > 0.f ? 1.f / sum : 0.f;
-    }
+    for (int r = threadIdx.x; r < rows; r += kMassThreads)
+        put_row_ml(row_ml, r, ml[((size_t)b * rows + r) * 2], ml[((size_t)b * rows + r) * 2 + 1]);
     __syncthreads();
     if (p < S) position_mass(logits, row_ml, mass, seen, live_len != nullptr, b, p, rows, S, ld, heads, Q);
 }

@@ -58,7 +58,7 @@ def main() -> None:
                 kkv.resident_blocks_per_sm = lambda d, shared, r=r: r
                 for c in caches:
                     c["workspace"].clear()
-                row[f"r{r}_plan"] = kkv._splits(-(-s // bk.BLOCK), batch * bk.H, r, sms)  # (key blocks a split, splits, tiles shared)
+                row[f"r{r}_plan"] = list(kkv._splits(-(-s // bk.BLOCK), batch * bk.H, r, sms))  # kkv.SplitPlan's fields
                 for mass in (False, True):
                     row[f"r{r}_{'mass' if mass else 'nomass'}"] = bc.time_calls(
                         lambda i: kkv.kv_decode_attention_cuda(q, caches[i]["buckets"], caches[i]["kmin"], caches[i]["krange"], bk.BLOCK, s,

@@ -229,21 +229,35 @@ def test_host_shared_memory_sizes_match_the_kernels(tmp_path):
 def test_kv_decode_split_plan_covers_every_key_block_once():
     # An H100 (132 SMs) holding 4 decode blocks of head_dim 128 per SM.
     for key_blocks, row_heads in [(1, 1), (5, 3), (64, 8), (64, 64), (512, 8), (512, 64), (2048, 8), (2048, 64), (9999, 7)]:
-        kbps, splits, split_tiles = kkv._splits(key_blocks, row_heads, 4, 132)
-        assert 1 <= kbps <= kkv.MAX_SPLIT_KEY_BLOCKS
-        assert (splits - 1) * kbps < key_blocks <= splits * kbps  # no empty split, none left out
+        kbps, splits, split_tiles, shift = kkv._splits(key_blocks, row_heads, 4, 132)
+        assert 1 <= kbps <= kkv.MAX_SPLIT_KEY_BLOCKS and 0 <= shift < kbps
+        # split s takes [max(s kbps - shift, 0), (s + 1) kbps - shift): no empty split, none left out
+        assert (splits - 1) * kbps - shift < key_blocks <= splits * kbps - shift
         assert split_tiles or kbps >= tuning.KV_DECODE_MIN_KEY_BLOCKS
     # 1k tokens, batch 1, 8 KV heads: whole key blocks would give 32 blocks; shared tiles give 128
-    assert kkv._splits(16, 8, 4, 132) == (1, 16, True)
+    assert kkv._splits(16, 8, 4, 132) == (1, 16, True, 0)
     # 2k and 4k tokens: whole key blocks would leave SMs idle (64 and 128 blocks): shared tiles in
     # about two blocks per SM (256 blocks); head_dim 256 (one resident block): shared tiles
     # would take splits of 4 key blocks too, the same 128 blocks, so whole key blocks
-    assert kkv._splits(32, 8, 4, 132) == (1, 32, True)
-    assert kkv._splits(64, 8, 4, 132) == (2, 32, True)
-    assert kkv._splits(64, 8, 1, 132) == (4, 16, False)
-    assert kkv._splits(32, 8, 1, 132) == (2, 16, True)
+    assert kkv._splits(32, 8, 4, 132) == (1, 32, True, 0)
+    assert kkv._splits(64, 8, 1, 132) == (4, 16, False, 0)
     # 8k tokens: 32 splits of 4 key blocks, one per warp (256 blocks); 32k, batch 8: whole waves
-    assert kkv._splits(128, 8, 4, 132) == (4, 32, False)
+    assert kkv._splits(128, 8, 4, 132) == (4, 32, False, 0)
+    assert kkv._splits(512, 64, 4, 132) == (64, 8, False, 0)
     # the mass in the combine's launch: while the grid, mass blocks included, fits one block per SM
     assert kkv._mass_in_combine(132, 132) and not kkv._mass_in_combine(133, 132)
-    assert kkv._splits(512, 64, 4, 132) == (64, 8, False)
+
+
+def test_kv_decode_first_split_is_short_where_the_grid_has_room():
+    # 4k tokens, batch 1: splits of 2 key blocks with shared tiles; the first takes key block 0
+    # alone (its 5 tiles: at most 2 a warp, as in every other split), 33 splits in 264 blocks
+    assert kkv._splits(64, 8, 4, 132) == (2, 33, True, 1)
+    assert kkv._splits(32, 8, 1, 132) == (2, 17, True, 1)
+    # 32k and 128k tokens, batch 1: whole key blocks, 2 and 8 a warp; the first split one a warp
+    assert kkv._splits(512, 8, 4, 132) == (8, 65, False, 4)
+    assert kkv._splits(2048, 8, 4, 132) == (32, 65, False, 4)
+    # no room for another split in the wave (32k, batch 8), or no share to take off (one key
+    # block a split; 4 whole key blocks, one a warp): no shift
+    assert kkv._splits(512, 64, 4, 132).shift == 0
+    assert kkv._splits(16, 8, 4, 132).shift == 0
+    assert kkv._splits(128, 8, 4, 132).shift == 0

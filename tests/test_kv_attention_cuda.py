@@ -13,6 +13,7 @@ mid-run) against the reference.
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import pytest
@@ -69,13 +70,17 @@ def walk(request, monkeypatch) -> str:
     """Both ways the decode block's warps share a split (the host picks one by how many SMs whole
     key blocks would fill, ``kkv._splits``):
     whole key blocks per warp, or every key block's tiles shared among the warps. The planner's
-    split sizes stay; only the walk is forced (whole key blocks in splits of fewer than 4 leave
-    warps without a key block, also a case to cover)."""
+    split sizes stay; the walk is forced (whole key blocks in splits of fewer than 4 leave warps
+    without a key block, also a case to cover), and so is a short first split wherever a split
+    has more than one key block: about half a split with whole key blocks, all but one key block
+    with shared tiles (the planner's own shifts are covered where this fixture is not used)."""
     plan = kkv._splits
 
-    def forced(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> tuple[int, int, bool]:
-        kbps, splits, _ = plan(key_blocks, row_heads, resident, sm_count)
-        return kbps, splits, request.param == "split-tiles"
+    def forced(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> kkv.SplitPlan:
+        kbps = plan(key_blocks, row_heads, resident, sm_count).key_blocks
+        shared = request.param == "split-tiles"
+        shift = kbps - 1 if shared else kbps // 2
+        return kkv.SplitPlan(kbps, math.ceil((key_blocks + shift) / kbps), shared, shift)
 
     monkeypatch.setattr(kkv, "_splits", forced)
     return request.param

@@ -12,6 +12,7 @@ fp16, bf16 or fp32 queries take the kernels; anything else returns ``None`` (the
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -20,7 +21,7 @@ from ...kv_format import TIERS, TILE_ENTRIES, KVBucket, KVStore8, mask_bias
 from . import loader, tuning
 from .tensors import DTYPE_CODES, aligned16
 
-__all__ = ["HEAD_DIMS", "MAX_SPLIT_KEY_BLOCKS", "stage_bytes", "resident_blocks_per_sm", "kv_attention_instances", "decode_smem_bytes", "combine_smem_bytes", "kv_decode_attention_cuda",
+__all__ = ["HEAD_DIMS", "MAX_SPLIT_KEY_BLOCKS", "SplitPlan", "stage_bytes", "resident_blocks_per_sm", "kv_attention_instances", "decode_smem_bytes", "combine_smem_bytes", "kv_decode_attention_cuda",
            "kv_decode_attention_in_place_cuda"]
 
 _SOURCE = "kv_attention.cu"
@@ -44,7 +45,7 @@ _DECODE_ARGS = loader.ArgPack(
     "kbit_kv_decode",
     "q:p k2:p v2:p vs2:p vz2:p p2:p k3:p v3:p vs3:p vz3:p p3:p k4:p v4:p vs4:p vz4:p p4:p k8:p v8:p ks8:p vs8:p p8:p "
     "k_min:p k_range:p rel:p rs2:p rs3:p rs4:p rs8:p C:i bs:i bias:p logits:p part_acc:p part_ml:p H:i G:i Q:i S:i NB:i nblk:i "
-    "kbps:i splits:i "
+    "kbps:i shift:i splits:i "
     "scale_log2:f live_len:p ld:i calls:p interval:i")
 _COMBINE_ARGS = loader.ArgPack("kbit_kv_combine", "part_acc:p part_ml:p out:p ml:p Hq:i Q:i D:i splits:i R_count:i logits:p mass:p "
                                "rows:i S:i ld:i live_len:p seen:p heads:i calls:p interval:i mass_chunks:i")
@@ -111,15 +112,42 @@ def resident_blocks_per_sm(head_dim: int, shared_per_sm: int) -> int:
     return max(1, min(by_registers, shared_per_sm // (decode_smem_bytes(head_dim) + 1024)))
 
 
-def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> tuple[int, int, bool]:
-    """(key blocks per split, splits, whether the warps split each key block's tiles): the grid
-    (``row_heads`` x splits blocks) fills whole waves of resident blocks, so that no last wave
-    runs mostly empty, with at most MAX_SPLIT_KEY_BLOCKS key blocks a split. Each warp takes whole
-    key blocks, at least KV_DECODE_MIN_KEY_BLOCKS a split (one per warp), unless that leaves more
-    than KV_DECODE_SPLIT_TILES_IDLE_SHARE of the SMs without a block (short contexts) and
-    smaller splits are possible: then the warps of a block share each key block's tiles, with
-    splits of as few key blocks as give KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM blocks per SM (at
-    most ``resident``). Only the whole-key-block plan fills whole waves."""
+class SplitPlan(NamedTuple):
+    """How the decode grid cuts a row's key blocks (``_splits``)."""
+
+    key_blocks: int
+    """Key blocks a split takes (the first split ``shift`` fewer)."""
+    splits: int
+    """Splits per row and KV head."""
+    shared_tiles: bool
+    """Whether the warps of a block share each key block's tiles (else each takes whole key blocks)."""
+    shift: int = 0
+    """How many key blocks short the first split is (0 <= shift < key_blocks)."""
+
+
+def _first_split_shift(key_blocks: int, per_split: int, shared_tiles: bool, max_splits: int) -> int:
+    """How many key blocks short the first split is. Key block 0 holds the sinks: 8-bit tokens
+    beside lower widths, one tile more than the other key blocks. Where each warp takes only a
+    few tiles, that tile lengthens its block, the last one the grid waits for, by a large share;
+    a first split short by the tiles of one warp's share (shared tiles: one key block; whole key
+    blocks: one per warp) gives the warp with the sinks' tile no more tiles than the others. Only
+    while the grid keeps within ``max_splits`` per row and head (no extra wave)."""
+    shift = 1 if shared_tiles else tuning.KV_DECODE_MIN_KEY_BLOCKS
+    if per_split < shift + (1 if shared_tiles else tuning.KV_DECODE_MIN_KEY_BLOCKS):
+        return 0  # the first split would lose its only share
+    return shift if math.ceil((key_blocks + shift) / per_split) <= max_splits else 0
+
+
+def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> SplitPlan:
+    """The decode grid's plan: the grid (``row_heads`` x splits blocks) fills whole waves of
+    resident blocks, so that no last wave runs mostly empty, with at most MAX_SPLIT_KEY_BLOCKS key
+    blocks a split. Each warp takes whole key blocks, at least KV_DECODE_MIN_KEY_BLOCKS a split
+    (one per warp), unless that leaves more than KV_DECODE_SPLIT_TILES_IDLE_SHARE of the SMs
+    without a block (short contexts) and smaller splits are possible: then the warps of a block
+    share each key block's tiles, with splits of as few key blocks as give
+    KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM blocks per SM (at most ``resident``). Only the
+    whole-key-block plan fills whole waves. The first split is shorter where that fits
+    (``_first_split_shift``)."""
     wave = resident * sm_count
     waves = max(1, math.ceil(row_heads * math.ceil(key_blocks / MAX_SPLIT_KEY_BLOCKS) / wave))
     want = max(1, waves * wave // max(1, row_heads))  # splits per row and head
@@ -128,8 +156,11 @@ def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> tu
     shared = min(MAX_SPLIT_KEY_BLOCKS, math.ceil(key_blocks / per_row))
     idle = row_heads * math.ceil(key_blocks / whole) < sm_count * (1 - tuning.KV_DECODE_SPLIT_TILES_IDLE_SHARE)
     if not idle or shared >= whole:  # shared tiles only in smaller splits than whole key blocks'
-        return whole, math.ceil(key_blocks / whole), False
-    return shared, max(1, math.ceil(key_blocks / shared)), True
+        per_split, shared_tiles, max_splits = whole, False, want
+    else:
+        per_split, shared_tiles, max_splits = shared, True, per_row
+    shift = _first_split_shift(key_blocks, per_split, shared_tiles, max(max_splits, math.ceil(key_blocks / per_split)))
+    return SplitPlan(per_split, max(1, math.ceil((key_blocks + shift) / per_split)), shared_tiles, shift)
 
 
 def _relative_offsets(tier: torch.Tensor, complete: int, block_size: int, kv_len: int, workspace: dict | None) -> torch.Tensor:
@@ -198,7 +229,7 @@ def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Ten
     props = loader.device_properties(dev)
     if decode_smem_bytes(d) > props.max_shared_per_block:
         return None  # head_dim 256 on GPUs with less than ~100 KiB of shared memory per block
-    kbps, splits, split_tiles = _splits(nblk, b * h * chunks, resident_blocks_per_sm(d, props.shared_per_sm), props.sm_count)
+    kbps, splits, split_tiles, shift = _splits(nblk, b * h * chunks, resident_blocks_per_sm(d, props.shared_per_sm), props.sm_count)
     ld = kv_len if in_place is None else in_place["ld"]
 
     rel = _relative_offsets(tier, nb, block_size, kv_len, workspace)
@@ -220,7 +251,7 @@ def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Ten
         k4=a(t[4].k), v4=a(t[4].v), vs4=a(t[4].v_scale), vz4=a(t[4].v_zero), p4=a(t[4].pos),
         k8=a(t[8].k), v8=a(t[8].v), ks8=a(t[8].k_scale), vs8=a(t[8].v_scale), p8=a(t[8].pos),
         k_min=kmin, k_range=krange, rel=rel, rs2=rs[0], rs3=rs[1], rs4=rs[2], rs8=rs[3], C=nb, bs=block_size, bias=bias, logits=logits, part_acc=part_acc, part_ml=part_ml,
-        H=h, G=g, Q=q_len, S=kv_len, NB=nb, nblk=nblk, kbps=kbps, splits=splits, scale_log2=float(scaling) * _LOG2E,
+        H=h, G=g, Q=q_len, S=kv_len, NB=nb, nblk=nblk, kbps=kbps, shift=shift, splits=splits, scale_log2=float(scaling) * _LOG2E,
         live_len=None if in_place is None else in_place["len"], ld=ld, calls=None if in_place is None else in_place["calls"],
         interval=1 if in_place is None else in_place["interval"]),
         decode_smem_bytes(d), dev, pack=_DECODE_ARGS)
