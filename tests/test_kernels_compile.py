@@ -253,9 +253,10 @@ def test_kv_decode_first_split_is_short_where_the_grid_has_room():
     # alone (its 5 tiles: at most 2 a warp, as in every other split), 33 splits in 264 blocks
     assert kkv._splits(64, 8, 4, 132) == (2, 33, True, 1)
     assert kkv._splits(32, 8, 1, 132) == (2, 17, True, 1)
-    # 32k and 128k tokens, batch 1: whole key blocks, 2 and 8 a warp; the first split one a warp
+    # 32k tokens, batch 1: whole key blocks, 2 a warp; the first split one a warp. 128k: 8 a warp,
+    # where one tile more is too small a share to pay for another split
     assert kkv._splits(512, 8, 4, 132) == (8, 65, False, 4)
-    assert kkv._splits(2048, 8, 4, 132) == (32, 65, False, 4)
+    assert kkv._splits(2048, 8, 4, 132) == (32, 64, False, 0)
     # no room for another split in the wave (32k, batch 8), or no share to take off (one key
     # block a split; 4 whole key blocks, one a warp): no shift
     assert kkv._splits(512, 64, 4, 132).shift == 0

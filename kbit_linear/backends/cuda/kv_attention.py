@@ -131,7 +131,10 @@ def _first_split_shift(key_blocks: int, per_split: int, shared_tiles: bool, max_
     few tiles, that tile lengthens its block, the last one the grid waits for, by a large share;
     a first split short by the tiles of one warp's share (shared tiles: one key block; whole key
     blocks: one per warp) gives the warp with the sinks' tile no more tiles than the others. Only
-    while the grid keeps within ``max_splits`` per row and head (no extra wave)."""
+    while the grid keeps within ``max_splits`` per row and head (no extra wave), and for splits
+    of at most KV_DECODE_SHORT_FIRST_SPLIT_MAX_KEY_BLOCKS (longer ones gain nothing)."""
+    if per_split > tuning.KV_DECODE_SHORT_FIRST_SPLIT_MAX_KEY_BLOCKS:
+        return 0
     shift = 1 if shared_tiles else tuning.KV_DECODE_MIN_KEY_BLOCKS
     if per_split < shift + (1 if shared_tiles else tuning.KV_DECODE_MIN_KEY_BLOCKS):
         return 0  # the first split would lose its only share

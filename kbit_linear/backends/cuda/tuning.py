@@ -40,6 +40,7 @@ __all__ = [
     "KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM",
     "KV_DECODE_SPLIT_TILES_IDLE_SHARE",
     "KV_MASS_IN_COMBINE_MAX_BLOCKS_PER_SM",
+    "KV_DECODE_SHORT_FIRST_SPLIT_MAX_KEY_BLOCKS",
     "ROUTER_MAX_TOKENS",
     "DecodeConfig",
     "DECODE_CONFIGS",
@@ -533,6 +534,13 @@ KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM = 2
 # H200, 4-bit cache, batch 1 (2026-12-01): calls with the mass 12.46 against 13.97 us at 4k
 # tokens, a step's mean (the mass on one step in 4) 1.02-1.03x at 2k-8k tokens.
 KV_MASS_IN_COMBINE_MAX_BLOCKS_PER_SM = 1
+# The first split of a row is made short (kv_attention._first_split_shift) only for splits of at
+# most this many key blocks: then a warp takes about that many tiles (4 a key block), and key
+# block 0's extra tile (the sinks at 8 bits) lengthens the block the grid waits for by an eighth
+# or more. H200, batch 1, a step's mean, short first split against none, same run (2026-12-01):
+# 4k tokens (2 a split) 4 bits 1.06x, by token 1.07x, 2.5 bits 1.02x; 32k (8 a split) 4 bits
+# 1.02x, others 0.99-1.01x; 128k (32 a split) 0.99x at every mix.
+KV_DECODE_SHORT_FIRST_SPLIT_MAX_KEY_BLOCKS = 8
 
 
 # ---------------------------------------------------------------------------------------
