@@ -193,6 +193,12 @@ def _relative_offsets(tier: torch.Tensor, complete: int, block_size: int, kv_len
     return rel
 
 
+def _fits_shared_memory(head_dim: int, device: torch.device) -> bool:
+    """Whether a decode block of ``head_dim`` fits the GPU's shared memory per block (not head_dim
+    256 on GPUs with less than ~100 KiB a block)."""
+    return decode_smem_bytes(head_dim) <= loader.device_properties(device).max_shared_per_block
+
+
 def _check_problem(query: torch.Tensor, buckets: list[KVBucket], tier: torch.Tensor, columns: int) -> bool:
     """Whether the kernels take ``query`` (a head size and dtype with instances, one bucket per
     width); raises ValueError for buckets, heads or a tier (int8 ``[B, columns]``) that do not fit."""
@@ -230,8 +236,8 @@ def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Ten
     nblk = math.ceil(kv_len / block_size)
     nb = 0 if k_block_min is None else k_block_min.shape[1]
     props = loader.device_properties(dev)
-    if decode_smem_bytes(d) > props.max_shared_per_block:
-        return None  # head_dim 256 on GPUs with less than ~100 KiB of shared memory per block
+    if not _fits_shared_memory(d, dev):
+        return None
     kbps, splits, split_tiles, shift = _splits(nblk, b * h * chunks, resident_blocks_per_sm(d, props.shared_per_sm), props.sm_count)
     ld = kv_len if in_place is None else in_place["ld"]
 
@@ -312,7 +318,7 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
 
     Lower widths must lie in the first ``k_block_min.shape[1]`` key blocks only (what the cache
     guarantees: later positions are 8-bit)."""
-    if kv_len == 0 or not _check_problem(query, buckets, tier, kv_len):
+    if kv_len == 0 or not _check_problem(query, buckets, tier, kv_len) or not _fits_shared_memory(query.shape[-1], query.device):
         return None
     b, hq, q_len, _ = query.shape
     bias = None
