@@ -4,9 +4,9 @@ Input: the CSV that ``ncu --section SourceCounters --section WarpStateStats --pa
 --print-source sass --csv <app>`` prints for one profiled launch (one row per SASS instruction
 with its executed count, stall samples and memory counters). Output: where the executed
 instructions and the stall samples go, by opcode, by how many times an instruction ran (a proxy
-for the code region: once per block, per warp, per loop trip), by stall reason, and the
-instructions with the most shared-memory bank-conflict wavefronts, global excess sectors and
-stall samples.
+for the code region: once per block, per warp, per loop trip), by stall reason (overall and per
+region), and the instructions with the most shared-memory bank-conflict wavefronts, global excess
+sectors and stall samples.
 
     ncu -k regex:kbit_kv_decode --launch-skip 3 --launch-count 1 --section SourceCounters \\
         --section WarpStateStats --page source --print-source sass --csv \\
@@ -87,6 +87,17 @@ def summarize(rows: list[dict[str, str]], top: int) -> None:
         share = sum(_number(r[k]) for r in rows) / samples
         if share >= 0.01:
             print(f"  {k[6:]:18s} {100 * share:6.1f}%")
+
+    # The stall reasons of each region (runs class) with a large share of the samples: e.g. whether
+    # the once-per-warp prologue waits on memory, on barriers or on instruction fetch (no_instruction).
+    print("\nstall reasons by runs per instruction (classes with >= 5 % of the samples; top 4 reasons)")
+    for runs in sorted(by_runs):
+        if run_samples[runs] < 0.05 * samples:
+            continue
+        members = [r for r in rows if _number(r[EXECUTED]) > 0 and 2 ** round(math.log2(_number(r[EXECUTED]))) == runs]
+        shares = {k[6:]: sum(_number(r[k]) for r in members) / run_samples[runs] for k in reasons}
+        best = sorted(shares.items(), key=lambda kv: -kv[1])[:4]
+        print(f"  ~{runs:8d}  " + ", ".join(f"{name} {100 * share:.0f}%" for name, share in best))
 
     def table(title: str, key: str, extra: str, labels: tuple[str, str]) -> None:
         print(f"\n{title}")
