@@ -8,9 +8,9 @@
 //                    that have ranges (later positions are all 8-bit). Only when widths change:
 //                    the cache keeps the result between decode steps.
 //   kbit_kv_decode   grid (split, kv head x row chunk, batch row): a block takes the key blocks
-//                    [split * kbps - shift, (split + 1) * kbps - shift) of its row (the first
-//                    split `shift` short: its key block 0 holds the sinks' extra 8-bit tile, so
-//                    the block that has it gets fewer others); a key block's entries are
+//                    [split * kbps - shift, (split + 1) * kbps - shift) of its row, clamped to
+//                    [0, nblk) (the first split `shift` short: its key block 0 holds the sinks'
+//                    extra 8-bit tile, so the block that has it gets fewer others); a key block's entries are
 //                    taken per bucket a tile at a time (16 entries; kMaxTile = 32 gives tiles
 //                    of up to 32 below 8 bits); its 4 warps take every 4th key
 //                    block whole or, for short splits, every 4th tile of each key block (Cursor),

@@ -5,7 +5,8 @@
 This times the decode attention (4-bit cache, Llama-3-8B attention shape, with and without the
 mass) with the planner told 1, 2, 3, 4 or 8 blocks per SM instead (8: two waves), beside SDPA on a
 bf16 cache, with ``bench_kv_attention.py``'s caches and timing (CUDA-graph replay, caches rotated
-past L2). The kernel's occupancy is the same in every row; only the number of splits changes.
+past L2). The kernel's occupancy is the same in every row; only the number of splits (and whether the first
+split is short) changes.
 
     python3 scripts/sweep_kv_splits.py --json bench/results/kv-splits-h200.json
 """

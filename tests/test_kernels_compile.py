@@ -8,6 +8,8 @@ resource report (registers, spills, stack) is printed as a table. Skipped when n
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import re
 import shutil
@@ -228,9 +230,12 @@ def test_host_shared_memory_sizes_match_the_kernels(tmp_path):
 
 def test_kv_decode_split_plan_covers_every_key_block_once():
     # An H100 (132 SMs) holding 4 decode blocks of head_dim 128 per SM.
-    for key_blocks, row_heads in [(1, 1), (5, 3), (64, 8), (64, 64), (512, 8), (512, 64), (2048, 8), (2048, 64), (9999, 7)]:
-        kbps, splits, split_tiles, shift = kkv._splits(key_blocks, row_heads, 4, 132)
+    for key_blocks, row_heads, resident in itertools.product([1, 5, 31, 64, 65, 512, 2048, 9999], [1, 3, 8, 64], [1, 2, 4]):
+        kbps, splits, split_tiles, shift = kkv._splits(key_blocks, row_heads, resident, 132)
         assert 1 <= kbps <= kkv.MAX_SPLIT_KEY_BLOCKS and 0 <= shift < kbps
+        # a short first split never adds a wave
+        wave = resident * 132
+        assert math.ceil(row_heads * splits / wave) == math.ceil(row_heads * math.ceil(key_blocks / kbps) / wave)
         # split s takes [max(s kbps - shift, 0), (s + 1) kbps - shift): no empty split, none left out
         assert (splits - 1) * kbps - shift < key_blocks <= splits * kbps - shift
         assert split_tiles or kbps >= tuning.KV_DECODE_MIN_KEY_BLOCKS
@@ -252,7 +257,10 @@ def test_kv_decode_first_split_is_short_where_the_grid_has_room():
     # 4k tokens, batch 1: splits of 2 key blocks with shared tiles; the first takes key block 0
     # alone (its 5 tiles: at most 2 a warp, as in every other split), 33 splits in 264 blocks
     assert kkv._splits(64, 8, 4, 132) == (2, 33, True, 1)
-    assert kkv._splits(32, 8, 1, 132) == (2, 17, True, 1)
+    # not where the split it adds would start another wave (head_dim 256, one block per SM: 2k
+    # tokens in 128 blocks of 132), nor where the cache has no width below 8 bits (no sinks' tile)
+    assert kkv._splits(32, 8, 1, 132) == (2, 16, True, 0)
+    assert kkv._splits(64, 8, 4, 132, sinks_tile=False) == (2, 32, True, 0)
     # 32k tokens, batch 1: whole key blocks, 2 a warp; the first split one a warp. 128k: 8 a warp,
     # where one tile more is too small a share to pay for another split
     assert kkv._splits(512, 8, 4, 132) == (8, 65, False, 4)

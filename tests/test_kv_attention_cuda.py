@@ -73,11 +73,12 @@ def walk(request, monkeypatch) -> str:
     split sizes stay; the walk is forced (whole key blocks in splits of fewer than 4 leave warps
     without a key block, also a case to cover), and so is a short first split wherever a split
     has more than one key block: about half a split with whole key blocks, all but one key block
-    with shared tiles (the planner's own shifts are covered where this fixture is not used)."""
+    with shared tiles. The kernel reads only the split's range, so these shifts cover the
+    planner's own (one key block a warp: 32k tokens at batch 1, too long for these cases)."""
     plan = kkv._splits
 
-    def forced(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> kkv.SplitPlan:
-        kbps = plan(key_blocks, row_heads, resident, sm_count).key_blocks
+    def forced(key_blocks: int, row_heads: int, resident: int, sm_count: int, sinks_tile: bool = True) -> kkv.SplitPlan:
+        kbps = plan(key_blocks, row_heads, resident, sm_count, sinks_tile).key_blocks
         shared = request.param == "split-tiles"
         shift = kbps - 1 if shared else kbps // 2
         return kkv.SplitPlan(kbps, math.ceil((key_blocks + shift) / kbps), shared, shift)

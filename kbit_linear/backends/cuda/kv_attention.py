@@ -125,23 +125,26 @@ class SplitPlan(NamedTuple):
     """How many key blocks short the first split is (0 <= shift < key_blocks)."""
 
 
-def _first_split_shift(key_blocks: int, per_split: int, shared_tiles: bool, max_splits: int) -> int:
+def _first_split_shift(key_blocks: int, per_split: int, shared_tiles: bool, row_heads: int, wave: int) -> int:
     """How many key blocks short the first split is. Key block 0 holds the sinks: 8-bit tokens
     beside lower widths, one tile more than the other key blocks. Where each warp takes only a
     few tiles, that tile lengthens its block, the last one the grid waits for, by a large share;
     a first split short by the tiles of one warp's share (shared tiles: one key block; whole key
     blocks: one per warp) gives the warp with the sinks' tile no more tiles than the others. Only
-    while the grid keeps within ``max_splits`` per row and head (no extra wave), and for splits
-    of at most KV_DECODE_SHORT_FIRST_SPLIT_MAX_KEY_BLOCKS (longer ones gain nothing)."""
+    where the split it adds keeps the grid (``row_heads`` x splits blocks) in as many waves of
+    ``wave`` blocks, and for splits of at most KV_DECODE_SHORT_FIRST_SPLIT_MAX_KEY_BLOCKS (longer
+    ones gain nothing)."""
     if per_split > tuning.KV_DECODE_SHORT_FIRST_SPLIT_MAX_KEY_BLOCKS:
         return 0
     shift = 1 if shared_tiles else tuning.KV_DECODE_MIN_KEY_BLOCKS
     if per_split < shift + (1 if shared_tiles else tuning.KV_DECODE_MIN_KEY_BLOCKS):
         return 0  # the first split would lose its only share
-    return shift if math.ceil((key_blocks + shift) / per_split) <= max_splits else 0
+    splits = math.ceil(key_blocks / per_split)
+    longer = math.ceil((key_blocks + shift) / per_split)
+    return shift if math.ceil(row_heads * longer / wave) <= math.ceil(row_heads * splits / wave) else 0
 
 
-def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> SplitPlan:
+def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int, sinks_tile: bool = True) -> SplitPlan:
     """The decode grid's plan: the grid (``row_heads`` x splits blocks) fills whole waves of
     resident blocks, so that no last wave runs mostly empty, with at most MAX_SPLIT_KEY_BLOCKS key
     blocks a split. Each warp takes whole key blocks, at least KV_DECODE_MIN_KEY_BLOCKS a split
@@ -149,8 +152,9 @@ def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> Sp
     without a block (short contexts) and smaller splits are possible: then the warps of a block
     share each key block's tiles, with splits of as few key blocks as give
     KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM blocks per SM (at most ``resident``). Only the
-    whole-key-block plan fills whole waves. The first split is shorter where that fits
-    (``_first_split_shift``)."""
+    whole-key-block plan fills whole waves. With ``sinks_tile`` (the cache holds tokens below 8
+    bits, so key block 0's 8-bit sinks take a tile of their own) the first split is shorter where
+    that fits (``_first_split_shift``)."""
     wave = resident * sm_count
     waves = max(1, math.ceil(row_heads * math.ceil(key_blocks / MAX_SPLIT_KEY_BLOCKS) / wave))
     want = max(1, waves * wave // max(1, row_heads))  # splits per row and head
@@ -158,11 +162,9 @@ def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int) -> Sp
     per_row = max(1, math.ceil(min(resident, tuning.KV_DECODE_SPLIT_TILES_BLOCKS_PER_SM) * sm_count / max(1, row_heads)))
     shared = min(MAX_SPLIT_KEY_BLOCKS, math.ceil(key_blocks / per_row))
     idle = row_heads * math.ceil(key_blocks / whole) < sm_count * (1 - tuning.KV_DECODE_SPLIT_TILES_IDLE_SHARE)
-    if not idle or shared >= whole:  # shared tiles only in smaller splits than whole key blocks'
-        per_split, shared_tiles, max_splits = whole, False, want
-    else:
-        per_split, shared_tiles, max_splits = shared, True, per_row
-    shift = _first_split_shift(key_blocks, per_split, shared_tiles, max(max_splits, math.ceil(key_blocks / per_split)))
+    shared_tiles = idle and shared < whole  # shared tiles only in smaller splits than whole key blocks'
+    per_split = shared if shared_tiles else whole
+    shift = _first_split_shift(key_blocks, per_split, shared_tiles, max(1, row_heads), wave) if sinks_tile else 0
     return SplitPlan(per_split, max(1, math.ceil((key_blocks + shift) / per_split)), shared_tiles, shift)
 
 
@@ -238,7 +240,8 @@ def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Ten
     props = loader.device_properties(dev)
     if not _fits_shared_memory(d, dev):
         return None
-    kbps, splits, split_tiles, shift = _splits(nblk, b * h * chunks, resident_blocks_per_sm(d, props.shared_per_sm), props.sm_count)
+    kbps, splits, split_tiles, shift = _splits(nblk, b * h * chunks, resident_blocks_per_sm(d, props.shared_per_sm), props.sm_count,
+                                               sinks_tile=any(bk.num_tokens > 0 for bk in buckets[:-1]))
     ld = kv_len if in_place is None else in_place["ld"]
 
     rel = _relative_offsets(tier, nb, block_size, kv_len, workspace)
