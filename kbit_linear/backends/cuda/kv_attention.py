@@ -136,8 +136,8 @@ def _first_split_shift(key_blocks: int, per_split: int, shared_tiles: bool, row_
     ones gain nothing)."""
     if per_split > tuning.KV_DECODE_SHORT_FIRST_SPLIT_MAX_KEY_BLOCKS:
         return 0
-    shift = 1 if shared_tiles else tuning.KV_DECODE_MIN_KEY_BLOCKS
-    if per_split < shift + (1 if shared_tiles else tuning.KV_DECODE_MIN_KEY_BLOCKS):
+    shift = 1 if shared_tiles else tuning.KV_DECODE_MIN_KEY_BLOCKS  # one warp's share
+    if per_split < 2 * shift:
         return 0  # the first split would lose its only share
     splits = math.ceil(key_blocks / per_split)
     longer = math.ceil((key_blocks + shift) / per_split)
@@ -203,7 +203,8 @@ def _fits_shared_memory(head_dim: int, device: torch.device) -> bool:
 
 def _check_problem(query: torch.Tensor, buckets: list[KVBucket], tier: torch.Tensor, columns: int) -> bool:
     """Whether the kernels take ``query`` (a head size and dtype with instances, one bucket per
-    width); raises ValueError for buckets, heads or a tier (int8 ``[B, columns]``) that do not fit."""
+    width, a decode block that fits the GPU's shared memory); raises ValueError for buckets, heads
+    or a tier (int8 ``[B, columns]``) that do not fit."""
     b, hq, _, d = query.shape
     if d not in HEAD_DIMS or query.dtype not in _DT or len(buckets) != len(TIERS):
         return False
@@ -214,14 +215,14 @@ def _check_problem(query: torch.Tensor, buckets: list[KVBucket], tier: torch.Ten
         raise ValueError(f"query heads ({hq}) must be a multiple of the cache's KV heads ({h})")
     if tier.shape != (b, columns) or tier.dtype != torch.int8:
         raise ValueError(f"tier must be int8 [{b}, {columns}], got {tier.dtype} {tuple(tier.shape)}")
-    return True
+    return _fits_shared_memory(d, query.device)
 
 
 def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Tensor | None, k_block_range: torch.Tensor | None,
             block_size: int, kv_len: int, tier: torch.Tensor, bias: torch.Tensor | None, scaling: float, mass: torch.Tensor | None,
-            workspace: dict | None, in_place: dict | None, seen: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The decode, combine and (``mass`` given) mass launches: the output, or None where the GPU
-    lacks the shared memory.
+            workspace: dict | None, in_place: dict | None, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode, combine and (``mass`` given) mass launches of a problem :func:`_check_problem`
+    took: the output.
 
     ``kv_len`` plans the grid (the splits) and sizes the logits. ``mass``: float ``[B, kv_len]``
     to write the mass into, or in place ``[B, ld]`` to add it to, with ``seen``. ``in_place``
@@ -238,8 +239,6 @@ def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Ten
     nblk = math.ceil(kv_len / block_size)
     nb = 0 if k_block_min is None else k_block_min.shape[1]
     props = loader.device_properties(dev)
-    if not _fits_shared_memory(d, dev):
-        return None
     kbps, splits, split_tiles, shift = _splits(nblk, b * h * chunks, resident_blocks_per_sm(d, props.shared_per_sm), props.sm_count,
                                                sinks_tile=any(bk.num_tokens > 0 for bk in buckets[:-1]))
     ld = kv_len if in_place is None else in_place["ld"]
@@ -321,17 +320,14 @@ def kv_decode_attention_cuda(query: torch.Tensor, buckets: list[KVBucket], k_blo
 
     Lower widths must lie in the first ``k_block_min.shape[1]`` key blocks only (what the cache
     guarantees: later positions are 8-bit)."""
-    if kv_len == 0 or not _check_problem(query, buckets, tier, kv_len) or not _fits_shared_memory(query.shape[-1], query.device):
+    if kv_len == 0 or not _check_problem(query, buckets, tier, kv_len):
         return None
     b, hq, q_len, _ = query.shape
     bias = None
     if attention_mask is not None:
         bias = aligned16(mask_bias(attention_mask, b, q_len, kv_len, query.device))
     mass = torch.empty((b, kv_len), dtype=torch.float32, device=query.device) if need_mass else None
-    out = _attend(query, buckets, k_block_min, k_block_range, block_size, kv_len, tier, bias, scaling, mass, workspace, None)
-    if out is None:
-        return None
-    return out, mass
+    return _attend(query, buckets, k_block_min, k_block_range, block_size, kv_len, tier, bias, scaling, mass, workspace, None), mass
 
 
 def _store_rows(store: KVStore8, workspace: dict | None) -> KVBucket:
