@@ -87,40 +87,52 @@ __host__ __device__ constexpr int tile_entries(int tier) { return tier == 3 ? kF
 __host__ __device__ constexpr int round16(int n) { return (n + 15) / 16 * 16; }
 __host__ __device__ constexpr int max4(int a, int b, int c, int d) { return (a > b ? a : b) > (c > d ? c : d) ? (a > b ? a : b) : (c > d ? c : d); }
 
+// Heads of a decode block: one, or (PAIR: a kv head's rows fit half the n8 fragment, G * Q <= 4)
+// two adjacent kv heads, whose rows take the fragment's halves: rows 0-3 head h, 4-7 head h + 1.
+// The two heads' rows of an entry lie side by side in every array ([n, H, ...]), so a tile copies
+// them as one row, and one tile's softmax, walk and copy issue serve both heads.
+__host__ __device__ constexpr int block_heads(bool pair) { return pair ? 2 : 1; }
+constexpr int kHeadRows = kRows / 2;  // rows per head of a PAIR block
+// Heads a tile of bucket `tier` holds: 8-bit tiles one (their rows are twice a 4-bit row; the
+// walk gives each head of a PAIR block its own 8-bit tile), lower widths the block's heads.
+__host__ __device__ constexpr int tile_heads(bool pair, int tier) { return pair && tier != 3 ? 2 : 1; }
+
 // One stage of a warp's copy ring: a tile of one bucket's entries (key rows, value rows, value
 // scales, zeros or 8-bit key scales, positions), and for the first tile of a key block that has
-// lower widths, that block's key range and minimum. Row strides per width:
-//   key rows    D * bits / 8 bytes, + 16 where a lane's chunk is 32 bytes or more (spreads the
-//               k16 reads of two tokens' chunks over the banks: conflict-free at head_dim 128);
-//   value rows  D * bits / 8 rounded up to 64, + 16: the four token slots 2t (+1, +8, +9) that
-//               a value read takes start 8 banks apart.
+// lower widths, that block's key range and minimum (every head of the block). A row holds the
+// tile's heads side by side (HT = tile_heads). Row strides per width:
+//   key rows    HT * D * bits / 8 bytes, + 16 where a lane's chunk is 32 bytes or more (spreads
+//               the k16 reads of two tokens' chunks over the banks: conflict-free at head_dim 128);
+//   value rows  HT * D * bits / 8 rounded up to 64, + 16: the four token slots 2t (+1, +8, +9)
+//               that a value read takes start 8 banks apart.
 //
 //   | K [entries][krow] | V [entries][vrow] | ... to KV | VSCALE | VZERO or KSCALE | POS | RANGE | MIN |
-template <int D>
+template <int D, bool PAIR>
 struct Stage {
     static constexpr int GROUPS = D / kGroup;
+    static constexpr int HEADS = block_heads(PAIR);
     __host__ __device__ static constexpr int krow(int tier) {
-        return D * tier_bits(tier) / 8 + (D * tier_bits(tier) / 32 >= 32 ? 16 : 0);
+        return tile_heads(PAIR, tier) * D * tier_bits(tier) / 8 + (D * tier_bits(tier) / 32 >= 32 ? 16 : 0);
     }
-    __host__ __device__ static constexpr int vrow(int tier) { return (D * tier_bits(tier) / 8 + 63) / 64 * 64 + 16; }
+    __host__ __device__ static constexpr int vrow(int tier) { return (tile_heads(PAIR, tier) * D * tier_bits(tier) / 8 + 63) / 64 * 64 + 16; }
     __host__ __device__ static constexpr int v_at(int tier) { return round16(tile_entries(tier) * krow(tier)); }  // V's offset
     __host__ __device__ static constexpr int kv_end(int tier) { return v_at(tier) + tile_entries(tier) * vrow(tier); }
     static constexpr int K = 0;                                              // u8 [entries][krow]
     static constexpr int KV = round16(max4(kv_end(0), kv_end(1), kv_end(2), kv_end(3)));
-    static constexpr int VSCALE = KV;                                        // u16 [kMaxTile][GROUPS]
-    static constexpr int VZERO = VSCALE + kMaxTile * GROUPS * 2;             // u16 [kMaxTile][GROUPS] (below 8 bits)
+    static constexpr int VSCALE = KV;                                        // u16 [kMaxTile][HEADS][GROUPS]
+    static constexpr int VZERO = VSCALE + kMaxTile * HEADS * GROUPS * 2;     // u16 [kMaxTile][HEADS][GROUPS] (below 8 bits)
     static constexpr int KSCALE = VZERO;                                     // u16 [kFrag][GROUPS] (8-bit keys, in VZERO's place)
-    static constexpr int POS = VZERO + kMaxTile * GROUPS * 2;                // int [kMaxTile]
-    static constexpr int RANGE = round16(POS + kMaxTile * 4);                // u16 [D]
-    static constexpr int MIN = RANGE + D * 2;                                // u16 [D]
-    static constexpr int BYTES = round16(MIN + D * 2);
+    static constexpr int POS = VZERO + kMaxTile * HEADS * GROUPS * 2;        // int [kMaxTile]
+    static constexpr int RANGE = round16(POS + kMaxTile * 4);                // u16 [HEADS][D]
+    static constexpr int MIN = RANGE + HEADS * D * 2;                        // u16 [HEADS][D]
+    static constexpr int BYTES = round16(MIN + HEADS * D * 2);
 };
 
 // Shared memory of the decode block: query rows (fp32), the B fragments of q (shared by the
 // warps), the warps' row maxima/sums, the bucket
 // offsets of the split's key blocks, and each warp's ring of stages_for(D) copy stages (reused for the
 // warps' partial outputs once every tile is done). At head_dim 128, 4 blocks fit in an SM's 228 KiB.
-template <int D>
+template <int D, bool PAIR>
 struct Smem {
     static constexpr int KSTEPS = D / 16;
     static constexpr int Q_ROWS = 0;                                  // float [kRows][D]
@@ -129,7 +141,7 @@ struct Smem {
     static constexpr int OFFS = ML + kWarps * kRows * 2 * 4;          // int4 [kMaxSplitBlocks + 1]
     static constexpr int RING = OFFS + (kMaxSplitBlocks + 1) * 16;    // kWarps x stages_for(D) stages
     static constexpr int OUT = RING;                                  // float [kWarps][kRows][D], after the ring's last use
-    static constexpr int RING_BYTES = kWarps * stages_for(D) * Stage<D>::BYTES;
+    static constexpr int RING_BYTES = kWarps * stages_for(D) * Stage<D, PAIR>::BYTES;
     static constexpr int OUT_BYTES = kWarps * kRows * D * 4;
     static constexpr int BYTES = RING + (RING_BYTES > OUT_BYTES ? RING_BYTES : OUT_BYTES);
 };
@@ -410,58 +422,75 @@ struct TileLogits {
     int pos[kMaxFrags][2];
 };
 
-template <int D, int TIER, int NF>
+// PAIR: a tile of lower widths holds both heads; its product runs over both heads' channels with
+// each head's B columns (rows g of head g / 4) zero in the other head's steps, so one C fragment
+// holds the logits of both heads' rows. An 8-bit tile holds head hh8 only: the other head's rows
+// are excluded (-inf).
+template <int D, int TIER, int NF, bool PAIR>
 KBIT_DEVICE void tile_logits(const RowInfo& ri, const u8* stage, const uint2 (&bq)[D / 16], float qmin0, float qmin1, int e0, int e_end,
-                             TileLogits& tl) {
-    using ST = Stage<D>;
+                             TileLogits& tl, int hh8) {
+    using ST = Stage<D, PAIR>;
     constexpr int BITS = tier_bits(TIER);
     static_assert(NF >= 1 && NF * kFrag <= tile_entries(TIER), "fragments of a tile");
     constexpr int KSTEPS = D / 16;
     constexpr int GROUPS = D / kGroup;
-    constexpr int CHUNK = D * BITS / 32;  // lane t's quarter of a key row
+    constexpr int HT = tile_heads(PAIR, TIER);
+    constexpr int HEAD_BYTES = D * BITS / 8;  // one head's part of a key row
+    constexpr int CHUNK = D * BITS / 32;  // lane t's quarter of a head's key row
     constexpr int CHUNK_WORDS = (CHUNK + 3) / 4;
     constexpr int KROW = ST::krow(TIER);
-    constexpr int KALIGN = (KROW % 16 == 0 && CHUNK % 16 == 0) ? 16 : CHUNK;
+    constexpr int KALIGN = (KROW % 16 == 0 && CHUNK % 16 == 0 && HEAD_BYTES % 16 == 0) ? 16 : CHUNK;
     constexpr float kInvLevels = BITS == 8 ? 1.f : kTinyScale / (float)((1 << BITS) - 1);
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const bool has_bias = ri.has_bias;
     float (&x)[kMaxFrags][2][2] = tl.x;
     int (&pos)[kMaxFrags][2] = tl.pos;
     bool valid[NF][2];
+    const int b_head = g / kHeadRows, c_head = 2 * t / kHeadRows;  // PAIR: the head of B column g, of C rows 2t, 2t+1
+    const bool rows_here = !PAIR || HT == 2 || c_head == hh8;       // this lane's rows have keys in the tile
 #pragma unroll
     for (int f = 0; f < NF; ++f) {
-        // keys: chunk t of tokens g and g+8 of the fragment
-        u32 kw[2][CHUNK_WORDS], kscale[2] = {0u, 0u};
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             const int slot = kFrag * f + g + 8 * hf;
-            load_bytes<CHUNK, KALIGN>(kw[hf], stage + ST::K + slot * KROW + t * CHUNK, true);
-            if constexpr (BITS == 8) {
-                const u16 sc = reinterpret_cast<const u16*>(stage + ST::KSCALE)[slot * GROUPS + (t * D / 4) / kGroup];
-                kscale[hf] = (u32)sc | ((u32)sc << 16);
-            }
             pos[f][hf] = ri.need_pos ? reinterpret_cast<const int*>(stage + ST::POS)[slot] : 0;
             valid[f][hf] = e0 + slot < e_end;
         }
         // even and odd k16 steps accumulate apart (two independent chains of products)
         float c2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-        for (int j = 0; j < KSTEPS; ++j) {
-            u32 a[4];
+        for (int hh = 0; hh < HT; ++hh) {
+            // B columns of the other head are zero in this head's steps (PAIR)
+            const u32 keep = !PAIR || b_head == (HT == 2 ? hh : hh8) ? ~0u : 0u;
+            // keys: chunk t of head hh's part of tokens g and g+8 of the fragment
+            u32 kw[2][CHUNK_WORDS], kscale[2] = {0u, 0u};
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                u32 lo = 0, hi = 0;
-                group_words<BITS>(kw[hf], j / 2, lo, hi);
-                u32 p0 = group_pair<BITS>(lo, hi, 2 * (j % 2));
-                u32 p1 = group_pair<BITS>(lo, hi, 2 * (j % 2) + 1);
+                const int slot = kFrag * f + g + 8 * hf;
+                load_bytes<CHUNK, KALIGN>(kw[hf], stage + ST::K + slot * KROW + hh * HEAD_BYTES + t * CHUNK, true);
                 if constexpr (BITS == 8) {
-                    p0 = mul2<KBIT_F16>(p0, kscale[hf]);
-                    p1 = mul2<KBIT_F16>(p1, kscale[hf]);
+                    const u16 sc = reinterpret_cast<const u16*>(stage + ST::KSCALE)[slot * GROUPS + (t * D / 4) / kGroup];
+                    kscale[hf] = (u32)sc | ((u32)sc << 16);
                 }
-                a[hf] = p0;      // a0 / a1: tokens g / g+8, k 2t, 2t+1
-                a[2 + hf] = p1;  // a2 / a3: k 2t+8, 2t+9
             }
-            mma_16816<KBIT_F16>(c2[j % 2], a, bq[j].x, bq[j].y);
+#pragma unroll
+            for (int j = 0; j < KSTEPS; ++j) {
+                u32 a[4];
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    u32 lo = 0, hi = 0;
+                    group_words<BITS>(kw[hf], j / 2, lo, hi);
+                    u32 p0 = group_pair<BITS>(lo, hi, 2 * (j % 2));
+                    u32 p1 = group_pair<BITS>(lo, hi, 2 * (j % 2) + 1);
+                    if constexpr (BITS == 8) {
+                        p0 = mul2<KBIT_F16>(p0, kscale[hf]);
+                        p1 = mul2<KBIT_F16>(p1, kscale[hf]);
+                    }
+                    a[hf] = p0;      // a0 / a1: tokens g / g+8, k 2t, 2t+1
+                    a[2 + hf] = p1;  // a2 / a3: k 2t+8, 2t+9
+                }
+                mma_16816<KBIT_F16>(c2[j % 2], a, bq[j].x & keep, bq[j].y & keep);
+            }
         }
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
@@ -469,8 +498,8 @@ KBIT_DEVICE void tile_logits(const RowInfo& ri, const u8* stage, const uint2 (&b
             for (int rr = 0; rr < 2; ++rr) {
                 const float c = c2[0][2 * hf + rr] + c2[1][2 * hf + rr];
                 const float v = BITS == 8 ? c : c * kInvLevels + (rr ? qmin1 : qmin0);
-                // past the bucket, or (no mask given) after the query's position: excluded
-                x[f][hf][rr] = valid[f][hf] && (has_bias || pos[f][hf] <= ri.limit[rr]) ? v : KBIT_NEG_INF;
+                // past the bucket, another head's tile, or (no mask given) after the query's position: excluded
+                x[f][hf][rr] = valid[f][hf] && rows_here && (has_bias || pos[f][hf] <= ri.limit[rr]) ? v : KBIT_NEG_INF;
             }
     }
 #pragma unroll
@@ -487,9 +516,12 @@ KBIT_DEVICE void tile_logits(const RowInfo& ri, const u8* stage, const uint2 (&b
 // spread over g), and P'^T per group as the value product's B fragments pb[f][grp] (row g, tokens
 // 2t, 2t+1 / 2t+8, 2t+9 of fragment f) = p * value scale * 2^pexp;
 // `zeros`: the values have zero points (below 8 bits), whose probability-weighted sums go to st.zs.
-template <int D>
-KBIT_DEVICE void tile_softmax(const RowInfo& ri, WarpState<D>& st, const u8* stage, uint2 (&pb)[kMaxFrags][D / kGroup], TileLogits& tl, int nf, int count, bool zeros) {
-    using ST = Stage<D>;
+// A token's value scales (and zeros) for this lane's rows are at (slot * sc_stride + sc_off) + group
+// (a PAIR tile of both heads: the rows' head's; else the tile's one head).
+template <int D, bool PAIR>
+KBIT_DEVICE void tile_softmax(const RowInfo& ri, WarpState<D>& st, const u8* stage, uint2 (&pb)[kMaxFrags][D / kGroup], TileLogits& tl, int nf, int count, bool zeros,
+                              int sc_stride, int sc_off) {
+    using ST = Stage<D, PAIR>;
     constexpr int GROUPS = D / kGroup;
     constexpr int NF = kMaxFrags;  // loops run over every fragment; those past nf are excluded
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -571,7 +603,7 @@ KBIT_DEVICE void tile_softmax(const RowInfo& ri, WarpState<D>& st, const u8* sta
         for (int f = 0; f < NF; ++f)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                sc[f][hf] = f < nf ? half_lo(vsc[(kFrag * f + g + 8 * hf) * GROUPS + grp]) : 0.f;
+                sc[f][hf] = f < nf ? half_lo(vsc[(kFrag * f + g + 8 * hf) * sc_stride + sc_off + grp]) : 0.f;
                 mx = max(mx, __float_as_uint(sc[f][hf]) & 0x7fffffffu);
             }
         mx = __reduce_max_sync(0xffffffffu, mx);  // non-negative floats order as their bits
@@ -595,7 +627,7 @@ KBIT_DEVICE void tile_softmax(const RowInfo& ri, WarpState<D>& st, const u8* sta
                 const float s = sc[f][hf] * up;
                 m8[hf] = f16x2(x[f][hf][0] * s, x[f][hf][1] * s);
                 if (zeros) {
-                    const float z = half_lo(vze[slot * GROUPS + grp]);
+                    const float z = half_lo(vze[slot * sc_stride + sc_off + grp]);
                     st.zs[0][grp] += x[f][hf][0] * z;
                     st.zs[1][grp] += x[f][hf][1] * z;
                 }
@@ -605,22 +637,29 @@ KBIT_DEVICE void tile_softmax(const RowInfo& ri, WarpState<D>& st, const u8* sta
     }
 }
 
-template <int D, int TIER, int NF>
+// PAIR, a tile of both heads: one product per head, each with B's columns of the other head's
+// rows zero, into the same accumulators (a lane's rows 2t, 2t+1 are one head's; its channels are
+// that head's). An 8-bit tile of one head needs no mask: the other head's probabilities are 0.
+template <int D, int TIER, int NF, bool PAIR>
 KBIT_DEVICE void tile_values(WarpState<D>& st, const u8* stage, const uint2 (&pb)[kMaxFrags][D / kGroup]) {
-    using ST = Stage<D>;
+    using ST = Stage<D, PAIR>;
     constexpr int BITS = tier_bits(TIER);
     constexpr int GROUPS = D / kGroup;
     constexpr int VROW = ST::vrow(TIER);
+    constexpr int HT = tile_heads(PAIR, TIER);
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u8* vbase = stage + ST::v_at(TIER);
-    // ---- out^T += V^T P'^T, per fragment and group ----
+    // ---- out^T += V^T P'^T, per fragment, head and group ----
 #pragma unroll
-    for (int f = 0; f < NF; ++f) {
+    for (int f = 0; f < NF; ++f)
+#pragma unroll
+    for (int hh = 0; hh < HT; ++hh) {
+        const u32 keep = HT == 1 || g / kHeadRows == hh ? ~0u : 0u;
         u32 vw[4][GROUPS][(BITS + 3) / 4];
-        load_values<D, BITS, VROW>(vw, vbase, f);
+        load_values<D, BITS, VROW>(vw, vbase + hh * (D * BITS / 8), f);
 #pragma unroll
         for (int grp = 0; grp < GROUPS; ++grp) {
-            const u32 b0 = pb[f][grp].x, b1 = pb[f][grp].y;  // row g, tokens 2t, 2t+1 / 2t+8, 2t+9
+            const u32 b0 = pb[f][grp].x & keep, b1 = pb[f][grp].y & keep;  // row g, tokens 2t, 2t+1 / 2t+8, 2t+9
             // codes of the 4 token slots as nibble words (BITS < 8) or biased bytes (8)
             u32 lo[4], hi[4];
 #pragma unroll
@@ -699,11 +738,12 @@ KBIT_DEVICE void copy_piece(void* dst, const void* src, bool ok) {
 
 __host__ __device__ constexpr int piece_bytes(int n) { return n % 16 == 0 ? 16 : n % 8 == 0 ? 8 : n % 4 == 0 ? 4 : 2; }
 
-// Rows of `ROW_BYTES` of the tile's NT entries [e0, e0 + NT) (valid below e_end; src row r at
-// base + (e * H + h) * ROW_BYTES) into dst rows of `DST_STRIDE` bytes, split over the warp.
-template <int NT, int ROW_BYTES, int DST_STRIDE>
+// The rows of heads h .. h + HT - 1 (side by side in the source, `ROW_BYTES` each: entry e's
+// head h at base + (e * H + h) * ROW_BYTES) of the tile's NT entries [e0, e0 + NT) (valid below
+// e_end) into dst rows of `DST_STRIDE` bytes, split over the warp.
+template <int NT, int ROW_BYTES, int HT, int DST_STRIDE>
 KBIT_DEVICE void copy_rows(u8* dst, const u8* base, int H, int h, int e0, int e_end, int lane) {
-    constexpr int P = piece_bytes(ROW_BYTES), PER_ROW = ROW_BYTES / P;
+    constexpr int P = piece_bytes(HT * ROW_BYTES), PER_ROW = HT * ROW_BYTES / P;
     const u8* src0 = base + ((size_t)e0 * H + h) * ROW_BYTES;  // entry e0's row; entry e0 + r is r * H rows on
     const int src_stride = H * ROW_BYTES;
 #pragma unroll
@@ -715,27 +755,30 @@ KBIT_DEVICE void copy_rows(u8* dst, const u8* base, int H, int h, int e0, int e_
 }
 
 // The copy of one tile of NF fragments of bucket TIER into `stage` (and, for the first
-// lower-width tile of a key block, the block's key range and minimum).
-template <int D, int TIER, int NF>
-KBIT_DEVICE void copy_tile(const Problem& pr, u8* stage, int e0, int e_end, int kb, bool with_range, int lane) {
-    using ST = Stage<D>;
-    constexpr int BITS = tier_bits(TIER), GROUPS = D / kGroup, NT = NF * kFrag;
-    copy_rows<NT, D * BITS / 8, ST::krow(TIER)>(stage + ST::K, pr.k[TIER], pr.H, pr.h, e0, e_end, lane);
-    copy_rows<NT, D * BITS / 8, ST::vrow(TIER)>(stage + ST::v_at(TIER), pr.v[TIER], pr.H, pr.h, e0, e_end, lane);
-    copy_rows<NT, GROUPS * 2, GROUPS * 2>(stage + ST::VSCALE, reinterpret_cast<const u8*>(pr.v_scale[TIER]), pr.H, pr.h, e0, e_end, lane);
+// lower-width tile of a key block, the block's key range and minimum): the tile's heads (PAIR:
+// both below 8 bits, head hh8 of the two at 8 bits).
+template <int D, int TIER, int NF, bool PAIR>
+KBIT_DEVICE void copy_tile(const Problem& pr, u8* stage, int e0, int e_end, int kb, bool with_range, int lane, int hh8) {
+    using ST = Stage<D, PAIR>;
+    constexpr int BITS = tier_bits(TIER), GROUPS = D / kGroup, NT = NF * kFrag, HT = tile_heads(PAIR, TIER);
+    const int h = pr.h + (PAIR && HT == 1 ? hh8 : 0);
+    copy_rows<NT, D * BITS / 8, HT, ST::krow(TIER)>(stage + ST::K, pr.k[TIER], pr.H, h, e0, e_end, lane);
+    copy_rows<NT, D * BITS / 8, HT, ST::vrow(TIER)>(stage + ST::v_at(TIER), pr.v[TIER], pr.H, h, e0, e_end, lane);
+    copy_rows<NT, GROUPS * 2, HT, HT * GROUPS * 2>(stage + ST::VSCALE, reinterpret_cast<const u8*>(pr.v_scale[TIER]), pr.H, h, e0, e_end, lane);
     if constexpr (BITS < 8) {
-        copy_rows<NT, GROUPS * 2, GROUPS * 2>(stage + ST::VZERO, reinterpret_cast<const u8*>(pr.v_zero[TIER]), pr.H, pr.h, e0, e_end, lane);
+        copy_rows<NT, GROUPS * 2, HT, HT * GROUPS * 2>(stage + ST::VZERO, reinterpret_cast<const u8*>(pr.v_zero[TIER]), pr.H, h, e0, e_end, lane);
     } else {
-        copy_rows<NT, GROUPS * 2, GROUPS * 2>(stage + ST::KSCALE, reinterpret_cast<const u8*>(pr.k_scale8), pr.H, pr.h, e0, e_end, lane);
+        copy_rows<NT, GROUPS * 2, HT, HT * GROUPS * 2>(stage + ST::KSCALE, reinterpret_cast<const u8*>(pr.k_scale8), pr.H, h, e0, e_end, lane);
     }
     if (pr.need_pos && lane < NT) {
         const bool ok = e0 + lane < e_end;
         copy_piece<4>(stage + ST::POS + 4 * lane, pr.pos[TIER] + (ok ? e0 + lane : e0), ok);
     }
-    if (with_range && kb < pr.NB) {  // D * 2 bytes each, 16 at a time (lower widths only exist below NB)
+    if (with_range && kb < pr.NB) {  // D * 2 bytes a head each, 16 at a time (lower widths only exist below NB)
+        constexpr int PIECES = ST::HEADS * D / 8;
         const size_t blk = (((size_t)pr.b * pr.NB + kb) * pr.H + pr.h) * D;
-        for (int i = lane; i < D / 8; i += 32) cp_async16(stage + ST::RANGE + 16 * i, pr.k_range + blk + 8 * i, 16u);
-        for (int i = lane; i < D / 8; i += 32) cp_async16(stage + ST::MIN + 16 * i, pr.k_min + blk + 8 * i, 16u);
+        for (int i = lane; i < PIECES; i += 32) cp_async16(stage + ST::RANGE + 16 * i, pr.k_range + blk + 8 * i, 16u);
+        for (int i = lane; i < PIECES; i += 32) cp_async16(stage + ST::MIN + 16 * i, pr.k_min + blk + 8 * i, 16u);
     }
 }
 
@@ -748,10 +791,13 @@ KBIT_DEVICE void copy_tile(const Problem& pr, u8* stage, int e0, int e_end, int 
 //                      a key block of 5 tiles gives its fifth to a different warp than the
 //                      next block does), for short contexts, where whole key blocks would
 //                      leave SMs idle (the host's plan).
-template <bool SPLIT_TILES>
+// PAIR: every 8-bit tile is two, one per head (hh8), the first head's first.
+template <bool SPLIT_TILES, bool PAIR>
 struct Cursor {
     static constexpr int kKbStep = SPLIT_TILES ? 1 : kWarps;
+    static constexpr int k8Heads = block_heads(PAIR);  // tiles per 16 entries of the 8-bit bucket
     int kb, kb_end, k, tier, e, end;  // key block, its tile k: bucket `tier`, entries [e, min(e + tile_entries(tier), end))
+    int hh8;        // the head of an 8-bit tile (PAIR), else 0
     bool low_seen;  // a lower-width tile of this key block was already produced
     bool first;     // the current tile is this walk's first lower-width one in the key block
     bool done;
@@ -765,9 +811,11 @@ struct Cursor {
         for (tier = 0; tier < kTiers; ++tier) {
             e = beg_of(offs, kb - kb0, tier);
             end = beg_of(offs, kb - kb0 + 1, tier);
-            const int n = (end - e + tile_entries(tier) - 1) / tile_entries(tier);
+            const int per = tier == 3 ? k8Heads : 1;  // tiles per tile_entries entries
+            const int n = (end - e + tile_entries(tier) - 1) / tile_entries(tier) * per;
             if (rest < n) {
-                e += rest * tile_entries(tier);
+                e += rest / per * tile_entries(tier);
+                hh8 = rest % per;
                 return true;
             }
             rest -= n;
@@ -781,6 +829,7 @@ struct Cursor {
         kb += kKbStep;
         k = first_tile(warp, kb);
         tier = 0;
+        hh8 = 0;
         low_seen = false;
         done = kb >= kb_end;
     }
@@ -810,6 +859,7 @@ struct Cursor {
         kb_end = kb_last;
         k = first_tile(warp, kb);
         tier = 0;
+        hh8 = 0;
         low_seen = false;
         done = kb >= kb_end;
         e = end = 0;
@@ -820,23 +870,29 @@ struct Cursor {
         settle(offs, kb0, warp);
     }
     KBIT_DEVICE void next(const int4* offs, int kb0, int warp) {
-        if constexpr (SPLIT_TILES) k += kWarps;
-        else e += tile_entries(tier);
+        if constexpr (SPLIT_TILES) {
+            k += kWarps;
+        } else if (PAIR && tier == 3 && hh8 == 0) {
+            hh8 = 1;  // the same entries, the second head
+        } else {
+            e += tile_entries(tier);
+            hh8 = 0;
+        }
         settle(offs, kb0, warp);
     }
 };
 
-template <int D, bool SPLIT_TILES>
-KBIT_DEVICE void copy_at(const Problem& pr, const Cursor<SPLIT_TILES>& c, u8* stage, int lane) {
+template <int D, bool SPLIT_TILES, bool PAIR>
+KBIT_DEVICE void copy_at(const Problem& pr, const Cursor<SPLIT_TILES, PAIR>& c, u8* stage, int lane) {
     if (c.done) return;
     switch (c.kind()) {
-        case 0: copy_tile<D, 0, 1>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
-        case 1: copy_tile<D, 0, kMaxFrags>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
-        case 2: copy_tile<D, 1, 1>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
-        case 3: copy_tile<D, 1, kMaxFrags>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
-        case 4: copy_tile<D, 2, 1>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
-        case 5: copy_tile<D, 2, kMaxFrags>(pr, stage, c.e, c.end, c.kb, c.first, lane); break;
-        default: copy_tile<D, 3, 1>(pr, stage, c.e, c.end, c.kb, false, lane); break;
+        case 0: copy_tile<D, 0, 1, PAIR>(pr, stage, c.e, c.end, c.kb, c.first, lane, 0); break;
+        case 1: copy_tile<D, 0, kMaxFrags, PAIR>(pr, stage, c.e, c.end, c.kb, c.first, lane, 0); break;
+        case 2: copy_tile<D, 1, 1, PAIR>(pr, stage, c.e, c.end, c.kb, c.first, lane, 0); break;
+        case 3: copy_tile<D, 1, kMaxFrags, PAIR>(pr, stage, c.e, c.end, c.kb, c.first, lane, 0); break;
+        case 4: copy_tile<D, 2, 1, PAIR>(pr, stage, c.e, c.end, c.kb, c.first, lane, 0); break;
+        case 5: copy_tile<D, 2, kMaxFrags, PAIR>(pr, stage, c.e, c.end, c.kb, c.first, lane, 0); break;
+        default: copy_tile<D, 3, 1, PAIR>(pr, stage, c.e, c.end, c.kb, false, lane, c.hh8); break;
     }
 }
 
@@ -856,40 +912,73 @@ KBIT_DEVICE uint2 b_fragment(const float* qrows, int lane, int j) {
 //                 times their codes, divided by 16);
 //   qmin0, qmin1  q . min for rows 2t and 2t+1, from one tensor-core product with the minimum
 //                 in every token row of A (each row of C is then q . min) and q as B.
-template <int D>
+// PAIR: range and kmin hold both heads ([2][D]); row g's range is its head's (g / 4), and q . min
+// takes one product per head, each lane keeping its rows' head's.
+template <int D, bool PAIR>
 KBIT_DEVICE void key_block_operands(const uint2* qfrag, const u16* range, const u16* kmin, int lane, uint2 (&bq)[D / 16],
                                     float& qmin0, float& qmin1) {
-    const int t = lane & 3;
-    float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // even and odd steps: two chains of products
+    constexpr int HEADS = block_heads(PAIR);
+    const int g = lane >> 2, t = lane & 3;
+    const u16* my_range = range + (PAIR ? g / kHeadRows * D : 0);
+    float c[HEADS][2][4];  // per head, even and odd steps: two chains of products
+#pragma unroll
+    for (int hh = 0; hh < HEADS; ++hh)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) c[hh][i / 4][i % 4] = 0.f;
 #pragma unroll
     for (int j = 0; j < D / 16; ++j) {
         const uint2 qf = qfrag[j * 32 + lane];
         const int cb = t * (D / 4) + 8 * (j / 2) + 2 * (j % 2);
-        const u32 rlo = *reinterpret_cast<const u32*>(range + cb), rhi = *reinterpret_cast<const u32*>(range + cb + 4);
-        const u32 mlo = *reinterpret_cast<const u32*>(kmin + cb), mhi = *reinterpret_cast<const u32*>(kmin + cb + 4);
+        const u32 rlo = *reinterpret_cast<const u32*>(my_range + cb), rhi = *reinterpret_cast<const u32*>(my_range + cb + 4);
         bq[j] = make_uint2(mul2<KBIT_F16>(qf.x, prmt(rlo, rhi, 0x5410u)),
                            mul2<KBIT_F16>(mul2<KBIT_F16>(qf.y, prmt(rlo, rhi, 0x7632u)), pow2_pair(-4)));
-        const u32 m_even = prmt(mlo, mhi, 0x5410u), m_odd = prmt(mlo, mhi, 0x7632u);  // k 2t, 2t+1 / 2t+8, 2t+9
-        const u32 a[4] = {m_even, m_even, m_odd, m_odd};
-        mma_16816<KBIT_F16>(c[j % 2], a, qf.x, qf.y);
+#pragma unroll
+        for (int hh = 0; hh < HEADS; ++hh) {
+            const u32 mlo = *reinterpret_cast<const u32*>(kmin + hh * D + cb), mhi = *reinterpret_cast<const u32*>(kmin + hh * D + cb + 4);
+            const u32 m_even = prmt(mlo, mhi, 0x5410u), m_odd = prmt(mlo, mhi, 0x7632u);  // k 2t, 2t+1 / 2t+8, 2t+9
+            const u32 a[4] = {m_even, m_even, m_odd, m_odd};
+            mma_16816<KBIT_F16>(c[hh][j % 2], a, qf.x, qf.y);
+        }
     }
-    qmin0 = c[0][0] + c[1][0];
-    qmin1 = c[0][1] + c[1][1];
+    const int hr = PAIR ? 2 * t / kHeadRows : 0;  // the head of rows 2t, 2t+1
+    qmin0 = c[0][0][0] + c[0][1][0];
+    qmin1 = c[0][0][1] + c[0][1][1];
+    if (HEADS == 2 && hr == 1) {
+        qmin0 = c[HEADS - 1][0][0] + c[HEADS - 1][1][0];
+        qmin1 = c[HEADS - 1][0][1] + c[HEADS - 1][1][1];
+    }
 }
+
+// Where the decode block's row r (0 .. kRows - 1) comes from. A kv head's `rows` = G * Q query
+// rows are contiguous in q ([B][Hq][Q][D]; row j * Q + i is head h*G + j, query i), in the
+// outputs and in the logits, from R0 (head h's first row, + row0 for a chunk):
+//   one head  row r is global row R0 + r (rows past the chunk's `nrows` unused);
+//   PAIR      row r is row r % 4 of head h + r / 4: global row R0 + (r / 4) * rows + r % 4 (rows
+//             with r % 4 >= rows unused).
+template <bool PAIR>
+struct BlockRows {
+    size_t R0;
+    int rows, row0, nrows;
+    KBIT_DEVICE bool ok(int r) const { return PAIR ? r % kHeadRows < rows : r < nrows; }
+    KBIT_DEVICE size_t global(int r) const { return PAIR ? R0 + (size_t)(r / kHeadRows) * rows + r % kHeadRows : R0 + r; }
+    // the row's index among its head's rows (j * Q + i)
+    KBIT_DEVICE int in_head(int r) const { return PAIR ? r % kHeadRows : row0 + r; }
+};
 
 }  // namespace kv
 }  // namespace kbit
 
 // ---------------------------------------------------------------------------------------
-// kbit_kv_decode<D, DT, SPLIT_TILES>: grid (splits, H * row chunks, B), kThreads threads,
-// Smem<D>::BYTES; SPLIT_TILES: how the warps share the split (Cursor). Split s takes the key
+// kbit_kv_decode<D, DT, SPLIT_TILES, PAIR>: grid (splits, H * row chunks or (PAIR) H / 2, B),
+// kThreads threads, Smem<D, PAIR>::BYTES; SPLIT_TILES: how the warps share the split (Cursor);
+// PAIR: the block takes kv heads 2y and 2y + 1 (G * Q <= 4, BlockRows). Split s takes the key
 // blocks [max(s * kbps - shift, 0), min((s + 1) * kbps - shift, nblk)), 0 <= shift < kbps.
 // part_acc [R][splits][D] (R = (b * Hq + hq) * Q + i) holds the split's output times its sum,
 // relative to its max; part_ml [R][splits][2] the max and sum (log2 units).
 // In-place mode (live_len != nullptr): S and nblk come from *live_len; logits and bias rows are
 // ld apart; logits are written only on a recording call (calls, interval).
 // ---------------------------------------------------------------------------------------
-template <int D, int DT, bool SPLIT_TILES>
+template <int D, int DT, bool SPLIT_TILES, bool PAIR>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 4 : 1)
 kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16* vs2, const u16* vz2, const int* p2,
                const u8* k3, const u8* v3, const u16* vs3, const u16* vz3, const int* p3, const u8* k4, const u8* v4,
@@ -898,7 +987,8 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
                const int* rs8, int C, int bs, const float* bias,
                u16* logits, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int G, int Q, int S, int NB,
                int nblk, int kbps, int shift, int splits, float scale_log2, const int* live_len, int ld, const int* calls, int interval) {
-    using SM = Smem<D>;
+    using SM = Smem<D, PAIR>;
+    using ST = Stage<D, PAIR>;
     constexpr int KSTEPS = D / 16;
     constexpr int GROUPS = D / kGroup;
     extern __shared__ uint4 smem_u4[];
@@ -908,9 +998,9 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     float* ml = reinterpret_cast<float*>(smem + SM::ML);
     float* outs = reinterpret_cast<float*>(smem + SM::OUT);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int rows = G * Q, chunks = (rows + kRows - 1) / kRows;
-    const int split = blockIdx.x, h = blockIdx.y / chunks, b = blockIdx.z;
-    const int row0 = (blockIdx.y % chunks) * kRows, nrows = min(kRows, rows - row0);
+    const int rows = G * Q, chunks = PAIR ? 1 : (rows + kRows - 1) / kRows;
+    const int split = blockIdx.x, h = PAIR ? 2 * blockIdx.y : blockIdx.y / chunks, b = blockIdx.z;
+    const int row0 = (blockIdx.y % chunks) * kRows;
 
     Problem pr;
     pr.k[0] = k2; pr.k[1] = k3; pr.k[2] = k4; pr.k[3] = k8;
@@ -929,16 +1019,18 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     }
     const int kb0 = max(split * kbps - shift, 0), kb_end = min(nblk, (split + 1) * kbps - shift);
     const int Hq = H * G;
-    // a kv head's rows are contiguous in q ([B][Hq][Q][D]; row r = j * Q + i is head h*G + j,
-    // query i), in the outputs and in the logits: the block's row r is global row R0 + r
-    const size_t R0 = ((size_t)b * Hq + (size_t)h * G) * Q + row0;
+    BlockRows<PAIR> br;
+    br.R0 = ((size_t)b * Hq + (size_t)h * G) * Q + row0;
+    br.rows = rows;
+    br.row0 = row0;
+    br.nrows = min(kRows, rows - row0);
     // q's loads and the offsets' loads are all issued before the first store
     constexpr int PER = kRows * D / kThreads;  // query elements per thread
     float x[PER];
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
         const int i = tid + k * kThreads, r = i / D;
-        x[k] = r < nrows ? load_elem<DT>(q, R0 * D + i) : 0.f;
+        x[k] = br.ok(r) ? load_elem<DT>(q, br.global(r) * D + i % D) : 0.f;
     }
     // the split's bucket offsets (key blocks kb0 .. kb_end, ends included): row start + rel
     int4* offs = reinterpret_cast<int4*>(smem + SM::OFFS);
@@ -949,7 +1041,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         if (kb > C) o.w += min(kb * bs, S) - C * bs;  // past C every position is 8-bit
         offs[i] = make_int4(rs2[b] + o.x, rs3[b] + o.y, rs4[b] + o.z, rs8[b] + o.w);
     }
-    // the block's query rows, times scale * log2(e) (rows past nrows are zero)
+    // the block's query rows, times scale * log2(e) (unused rows are zero)
 #pragma unroll
     for (int k = 0; k < PER; ++k) qrows[tid + k * kThreads] = x[k] * scale_log2;
     __syncthreads();
@@ -970,22 +1062,22 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     RowInfo ri;
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-        const int r = 2 * t + rr, rg = row0 + r;
-        ri.ok[rr] = r < nrows;
-        ri.qi[rr] = Q == 1 ? 0 : rg % Q;  // (a division otherwise)
+        const int r = 2 * t + rr;
+        ri.ok[rr] = br.ok(r);
+        ri.qi[rr] = Q == 1 ? 0 : br.in_head(r) % Q;  // (a division otherwise)
         ri.limit[rr] = S - Q + ri.qi[rr];
-        ri.logits[rr] = logits != nullptr && ri.ok[rr] ? logits + (R0 + r) * ld : nullptr;
+        ri.logits[rr] = logits != nullptr && ri.ok[rr] ? logits + br.global(r) * ld : nullptr;
         ri.bias[rr] = bias != nullptr ? bias + ((size_t)b * Q + ri.qi[rr]) * ld : nullptr;
     }
     ri.has_bias = bias != nullptr;
     ri.need_pos = pr.need_pos = bias != nullptr || Q > 1 || logits != nullptr;
 
     // ---- each warp's tiles through its copy ring ----
-    u8* ring = smem + SM::RING + warp * stages_for(D) * Stage<D>::BYTES;
+    u8* ring = smem + SM::RING + warp * stages_for(D) * ST::BYTES;
     // Two stages: the tile computed in an iteration is the one the copy cursor stood on at its
     // start (comp), while the copy cursor moves on and fetches the next tile into the other stage.
     static_assert(stages_for(D) == 2, "the computed tile is the copy cursor's previous one");
-    Cursor<SPLIT_TILES> copy, comp;
+    Cursor<SPLIT_TILES, PAIR> copy, comp;
     copy.start(offs, kb0, kb_end, warp);
     float qmin0 = 0.f, qmin1 = 0.f;
     uint2 bq[KSTEPS];  // the B fragments of the current tile: Q' of its key block, or q (8-bit keys)
@@ -996,7 +1088,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     // while that copy is in flight): the copy's instances are compiled once. Iteration i computes
     // the tile in stage i % 2 (comp) while the next one is fetched into the other stage.
     for (int i = -1;; ++i) {
-        copy_at<D>(pr, copy, ring + ((i + 1) & 1) * Stage<D>::BYTES, lane);
+        copy_at<D>(pr, copy, ring + ((i + 1) & 1) * ST::BYTES, lane);
         cp_async_commit();
         if (i < 0) {  // every thread of the block runs this iteration
             for (int k = tid; k < KSTEPS * 32; k += kThreads) qfrag[k] = b_fragment<D>(qrows, k % 32, k / 32);
@@ -1004,10 +1096,10 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         } else {
         cp_async_wait<1>();
         __syncwarp();
-        const u8* stage = ring + (i & 1) * Stage<D>::BYTES;
+        const u8* stage = ring + (i & 1) * ST::BYTES;
         if (comp.first) {  // Q' of the key block (lower widths only exist in blocks with a range)
-            const u16* range = reinterpret_cast<const u16*>(stage + Stage<D>::RANGE);
-            key_block_operands<D>(qfrag, range, reinterpret_cast<const u16*>(stage + Stage<D>::MIN), lane, bq, qmin0, qmin1);
+            const u16* range = reinterpret_cast<const u16*>(stage + ST::RANGE);
+            key_block_operands<D, PAIR>(qfrag, range, reinterpret_cast<const u16*>(stage + ST::MIN), lane, bq, qmin0, qmin1);
             bq_is_q = false;
         } else if (comp.tier == 3 && !bq_is_q) {  // 8-bit keys multiply q itself
 #pragma unroll
@@ -1017,25 +1109,28 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         const int kind = comp.kind();
         TileLogits tl;
         switch (kind) {
-            case 0: tile_logits<D, 0, 1>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl); break;
-            case 1: tile_logits<D, 0, kMaxFrags>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl); break;
-            case 2: tile_logits<D, 1, 1>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl); break;
-            case 3: tile_logits<D, 1, kMaxFrags>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl); break;
-            case 4: tile_logits<D, 2, 1>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl); break;
-            case 5: tile_logits<D, 2, kMaxFrags>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl); break;
-            default: tile_logits<D, 3, 1>(ri, stage, bq, 0.f, 0.f, comp.e, comp.end, tl); break;
+            case 0: tile_logits<D, 0, 1, PAIR>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl, comp.hh8); break;
+            case 1: tile_logits<D, 0, kMaxFrags, PAIR>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl, comp.hh8); break;
+            case 2: tile_logits<D, 1, 1, PAIR>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl, comp.hh8); break;
+            case 3: tile_logits<D, 1, kMaxFrags, PAIR>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl, comp.hh8); break;
+            case 4: tile_logits<D, 2, 1, PAIR>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl, comp.hh8); break;
+            case 5: tile_logits<D, 2, kMaxFrags, PAIR>(ri, stage, bq, qmin0, qmin1, comp.e, comp.end, tl, comp.hh8); break;
+            default: tile_logits<D, 3, 1, PAIR>(ri, stage, bq, 0.f, 0.f, comp.e, comp.end, tl, comp.hh8); break;
         }
         const int nf = 1 + (kind & 1);
         uint2 pb[kMaxFrags][GROUPS];
-        tile_softmax<D>(ri, st, stage, pb, tl, nf, min(comp.end - comp.e, nf * kFrag), kind < 6);
+        // a token's value scales: both heads' side by side below 8 bits (PAIR), one head's at 8
+        const bool both = PAIR && kind < 6;
+        tile_softmax<D, PAIR>(ri, st, stage, pb, tl, nf, min(comp.end - comp.e, nf * kFrag), kind < 6, both ? 2 * GROUPS : GROUPS,
+                              both ? 2 * t / kHeadRows * GROUPS : 0);
         switch (kind) {
-            case 0: tile_values<D, 0, 1>(st, stage, pb); break;
-            case 1: tile_values<D, 0, kMaxFrags>(st, stage, pb); break;
-            case 2: tile_values<D, 1, 1>(st, stage, pb); break;
-            case 3: tile_values<D, 1, kMaxFrags>(st, stage, pb); break;
-            case 4: tile_values<D, 2, 1>(st, stage, pb); break;
-            case 5: tile_values<D, 2, kMaxFrags>(st, stage, pb); break;
-            default: tile_values<D, 3, 1>(st, stage, pb); break;
+            case 0: tile_values<D, 0, 1, PAIR>(st, stage, pb); break;
+            case 1: tile_values<D, 0, kMaxFrags, PAIR>(st, stage, pb); break;
+            case 2: tile_values<D, 1, 1, PAIR>(st, stage, pb); break;
+            case 3: tile_values<D, 1, kMaxFrags, PAIR>(st, stage, pb); break;
+            case 4: tile_values<D, 2, 1, PAIR>(st, stage, pb); break;
+            case 5: tile_values<D, 2, kMaxFrags, PAIR>(st, stage, pb); break;
+            default: tile_values<D, 3, 1, PAIR>(st, stage, pb); break;
         }
         __syncwarp();  // every lane is done with the stage before it is refilled
         }
@@ -1084,19 +1179,20 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
             }
     }
     __syncthreads();
-    for (int i = tid; i < nrows * D; i += kThreads) {
+    for (int i = tid; i < (PAIR ? kRows : br.nrows) * D; i += kThreads) {
+        if (PAIR && !br.ok(i / D)) continue;
         float sum = 0.f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) sum += outs[w * kRows * D + i];
-        part_acc[((R0 + i / D) * splits + split) * D + i % D] = sum;
+        part_acc[(br.global(i / D) * splits + split) * D + i % D] = sum;
     }
-    if (tid < nrows) {
+    if (tid < kRows && br.ok(tid)) {
         float mx = KBIT_NEG_INF, sum = 0.f;
         for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml[(w * kRows + tid) * 2]);
         const float safe = mx == KBIT_NEG_INF ? 0.f : mx;
         for (int w = 0; w < kWarps; ++w) sum += ml[(w * kRows + tid) * 2 + 1] * exp2f(ml[(w * kRows + tid) * 2] - safe);
-        part_ml[((R0 + tid) * splits + split) * 2] = mx;
-        part_ml[((R0 + tid) * splits + split) * 2 + 1] = sum;
+        part_ml[(br.global(tid) * splits + split) * 2] = mx;
+        part_ml[(br.global(tid) * splits + split) * 2 + 1] = sum;
     }
 }
 

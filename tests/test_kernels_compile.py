@@ -190,7 +190,8 @@ def test_host_shared_memory_sizes_match_the_kernels(tmp_path):
                          for b in fmt.SUPPORTED_BITS for bt in khopper.TOKEN_TILES],
         "decode.cu": [f'printf("decode {b} {mt} {c.warps} {c.k_warps} {c.row_groups} %d\\n", '
                       f'kbit_decode::DecodeSmem<{b}, {mt}, {c.warps}, {c.k_warps}, {c.row_groups}>::kBytes);' for b, mt, c in configs],
-        "kv_attention.cu": [f'printf("kv {d} %d\\n", kbit::kv::Smem<{d}>::BYTES);' for d in kkv.HEAD_DIMS]
+        "kv_attention.cu": [f'printf("kv {d} {int(pair)} %d\\n", kbit::kv::Smem<{d}, {str(pair).lower()}>::BYTES);'
+                            for d in kkv.HEAD_DIMS for pair in (False, True)]
         + ['printf("kv mass threads %d\\n", kMassThreads);', 'printf("kv combine threads %d\\n", kCombineThreads);'],
         "quantize.cu": ['printf("dequantize items %d\\n", kDequantItems);'],
         "router.cu": ['printf("router threads %d\\n", kbit::router::kThreads);'],
@@ -217,7 +218,8 @@ def test_host_shared_memory_sizes_match_the_kernels(tmp_path):
             assert khopper.smem_bytes(b, bt) == kernel[("sm90", str(b), str(bt))], f"sm90 bits={b} BT={bt}"
             assert khopper.smem_bytes(b, bt) <= limit, f"sm90 bits={b} BT={bt} needs more than an sm_90 block has"
     for d in kkv.HEAD_DIMS:
-        assert kkv.decode_smem_bytes(d) == kernel[("kv", str(d))], f"kv_attention head_dim={d}"
+        for pair in (False, True):
+            assert kkv.decode_smem_bytes(d, pair) == kernel[("kv", str(d), str(int(pair)))], f"kv_attention head_dim={d} pair={pair}"
     # launch facts the host copies: the block sizes of the mass, combine and router kernels
     assert kkv._MASS_THREADS == kernel[("kv", "mass", "threads")]
     assert kkv._COMBINE_THREADS == kernel[("kv", "combine", "threads")]
@@ -251,6 +253,13 @@ def test_kv_decode_split_plan_covers_every_key_block_once():
     assert kkv._splits(512, 64, 4, 132) == (64, 8, False, 0)
     # the mass in the combine's launch: while the grid, mass blocks included, fits one block per SM
     assert kkv._mass_in_combine(132, 132) and not kkv._mass_in_combine(133, 132)
+
+
+def test_kv_decode_blocks_pair_heads_whose_rows_fill_half_a_block():
+    assert kkv.pairs_heads(8, 4)  # Llama-3-8B: 4 query heads a KV head, one query
+    assert kkv.pairs_heads(2, 3) and kkv.pairs_heads(4, 1)
+    assert not kkv.pairs_heads(8, 8) and not kkv.pairs_heads(8, 5)  # more than 4 rows a head
+    assert not kkv.pairs_heads(1, 4) and not kkv.pairs_heads(7, 4)  # a head without a partner
 
 
 def test_kv_decode_first_split_is_short_where_the_grid_has_room():

@@ -105,6 +105,22 @@ CASES = [  # batch, kv heads, query heads, head_dim, length, block, q_len
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-hq{}-d{}-s{}-bs{}-q{}".format(*c))
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "padding"])
 def test_kernel_matches_reference(case, dtype: torch.dtype, masked: bool, walk: str) -> None:
+    _check_against_reference(case, dtype, masked)
+
+
+# the cases whose blocks take two KV heads (kkv.pairs_heads: G * Q <= 4, an even number of heads)
+PAIRED_CASES = [c for c in CASES if kkv.pairs_heads(c[1], c[2] // c[1] * c[6])]
+
+
+@pytest.mark.parametrize("case", PAIRED_CASES, ids=lambda c: "b{}-h{}-hq{}-d{}-s{}-bs{}-q{}".format(*c))
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "padding"])
+def test_one_head_blocks_match_the_reference_where_heads_would_pair(case, masked: bool, walk: str, monkeypatch) -> None:
+    """The one-head block on the shapes the host gives to head pairs (so both ways stay covered)."""
+    monkeypatch.setattr(kkv, "pairs_heads", lambda kv_heads, rows: False)
+    _check_against_reference(case, torch.float16, masked)
+
+
+def _check_against_reference(case, dtype: torch.dtype, masked: bool) -> None:
     batch, heads, hq, d, length, block, q_len = case
     seed = zlib.crc32(repr((case, str(dtype), masked)).encode())
     buckets, kmin, krange, tier = random_cache(batch, heads, d, length, block, seed)

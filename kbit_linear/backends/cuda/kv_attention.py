@@ -21,7 +21,7 @@ from ...kv_format import TIERS, TILE_ENTRIES, KVBucket, KVStore8, mask_bias
 from . import loader, tuning
 from .tensors import DTYPE_CODES, aligned16
 
-__all__ = ["HEAD_DIMS", "MAX_SPLIT_KEY_BLOCKS", "SplitPlan", "stage_bytes", "resident_blocks_per_sm", "kv_attention_instances", "decode_smem_bytes", "combine_smem_bytes", "kv_decode_attention_cuda",
+__all__ = ["HEAD_DIMS", "MAX_SPLIT_KEY_BLOCKS", "SplitPlan", "pairs_heads", "stage_bytes", "resident_blocks_per_sm", "kv_attention_instances", "decode_smem_bytes", "combine_smem_bytes", "kv_decode_attention_cuda",
            "kv_decode_attention_in_place_cuda"]
 
 _SOURCE = "kv_attention.cu"
@@ -56,29 +56,38 @@ def _round16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def stage_bytes(head_dim: int) -> int:
-    """Bytes of one copy stage of the decode kernel (``Stage<D>::BYTES``): the largest of the
-    widths' tiles of key and value rows (their strides as in the kernel), value scales, zeros or
-    8-bit key scales, positions, and a key block's range and minimum."""
+def pairs_heads(kv_heads: int, rows: int) -> bool:
+    """Whether a decode block takes two adjacent KV heads (the kernel's PAIR): where a head's
+    ``rows`` query rows (query heads per KV head x queries) fit half of the block's 8 rows and
+    the heads pair up. One tile's copy, walk and softmax then serve both heads."""
+    return kv_heads % 2 == 0 and rows <= _ROWS // 2
+
+
+def stage_bytes(head_dim: int, pair: bool = False) -> int:
+    """Bytes of one copy stage of the decode kernel (``Stage<D, PAIR>::BYTES``): the largest of
+    the widths' tiles of key and value rows (their strides as in the kernel; a pair block's rows
+    hold both heads below 8 bits, one at 8), value scales, zeros or 8-bit key scales, positions,
+    and a key block's range and minimum (every head of the block)."""
     groups = head_dim // 64
+    heads = 2 if pair else 1
 
     def rows_end(bits: int) -> int:
         entries = _FRAG if bits == 8 else _MAX_TILE
-        row = head_dim * bits // 8
+        row = (1 if bits == 8 else heads) * head_dim * bits // 8
         krow = row + (16 if head_dim * bits // 32 >= 32 else 0)
         vrow = (row + 63) // 64 * 64 + 16
         return _round16(entries * krow) + entries * vrow
 
     kv = _round16(max(rows_end(bits) for bits in TIERS))
-    return _round16(_round16(kv + 2 * _MAX_TILE * groups * 2 + _MAX_TILE * 4) + 4 * head_dim)
+    return _round16(_round16(kv + 2 * _MAX_TILE * heads * groups * 2 + _MAX_TILE * 4) + 4 * heads * head_dim)
 
 
-def decode_smem_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of one decode block (``Smem<D>::BYTES`` in the kernel)."""
+def decode_smem_bytes(head_dim: int, pair: bool = False) -> int:
+    """Dynamic shared memory of one decode block (``Smem<D, PAIR>::BYTES`` in the kernel)."""
     ksteps = head_dim // 16
     ring_at = _ROWS * head_dim * 4 + ksteps * 32 * 8
     ring_at += _WARPS * _ROWS * 2 * 4 + (MAX_SPLIT_KEY_BLOCKS + 1) * 16
-    return ring_at + max(_WARPS * _STAGES * stage_bytes(head_dim), _WARPS * _ROWS * head_dim * 4)  # ring, then the warps' outputs
+    return ring_at + max(_WARPS * _STAGES * stage_bytes(head_dim, pair), _WARPS * _ROWS * head_dim * 4)  # ring, then the warps' outputs
 
 
 def combine_smem_bytes(splits: int, mass_rows: int = 0) -> int:
@@ -99,17 +108,18 @@ def _mass_in_combine(grid: int, sm_count: int) -> bool:
 def kv_attention_instances() -> list[str]:
     """Every instance of ``kv_attention.cu`` the backend can launch (name expressions)."""
     names = ["kbit_kv_offsets", "kbit_kv_mass"]
-    names += [f"kbit_kv_decode<{d}, {dt}, {split}>" for d in HEAD_DIMS for dt in _DT.values() for split in ("false", "true")]
+    names += [f"kbit_kv_decode<{d}, {dt}, {split}, {pair}>" for d in HEAD_DIMS for dt in _DT.values() for split in ("false", "true")
+              for pair in ("false", "true")]
     names += [f"kbit_kv_combine<{dt}>" for dt in _DT.values()]
     return names
 
 
-def resident_blocks_per_sm(head_dim: int, shared_per_sm: int) -> int:
+def resident_blocks_per_sm(head_dim: int, shared_per_sm: int, pair: bool = False) -> int:
     """Decode blocks an SM holds at once: the kernel's __launch_bounds__ minimum (its registers
     are sized for it), or fewer where the SM's shared memory holds fewer (1 KiB of it reserved
     per block)."""
     by_registers = 4 if head_dim <= 128 else 1
-    return max(1, min(by_registers, shared_per_sm // (decode_smem_bytes(head_dim) + 1024)))
+    return max(1, min(by_registers, shared_per_sm // (decode_smem_bytes(head_dim, pair) + 1024)))
 
 
 class SplitPlan(NamedTuple):
@@ -195,10 +205,10 @@ def _relative_offsets(tier: torch.Tensor, complete: int, block_size: int, kv_len
     return rel
 
 
-def _fits_shared_memory(head_dim: int, device: torch.device) -> bool:
-    """Whether a decode block of ``head_dim`` fits the GPU's shared memory per block (not head_dim
-    256 on GPUs with less than ~100 KiB a block)."""
-    return decode_smem_bytes(head_dim) <= loader.device_properties(device).max_shared_per_block
+def _fits_shared_memory(head_dim: int, device: torch.device, pair: bool = False) -> bool:
+    """Whether a decode block of ``head_dim`` (``pair``: two KV heads) fits the GPU's shared
+    memory per block (not head_dim 256 on GPUs with less than ~100 KiB a block)."""
+    return decode_smem_bytes(head_dim, pair) <= loader.device_properties(device).max_shared_per_block
 
 
 def _check_problem(query: torch.Tensor, buckets: list[KVBucket], tier: torch.Tensor, columns: int) -> bool:
@@ -235,11 +245,12 @@ def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Ten
     dev = query.device
     g = hq // h
     rows = g * q_len
-    chunks = math.ceil(rows / _ROWS)
+    pair = pairs_heads(h, rows) and _fits_shared_memory(d, dev, pair=True)
+    block_rows = h // 2 if pair else h * math.ceil(rows / _ROWS)  # the grid's y: head pairs, or heads x row chunks
     nblk = math.ceil(kv_len / block_size)
     nb = 0 if k_block_min is None else k_block_min.shape[1]
     props = loader.device_properties(dev)
-    kbps, splits, split_tiles, shift = _splits(nblk, b * h * chunks, resident_blocks_per_sm(d, props.shared_per_sm), props.sm_count,
+    kbps, splits, split_tiles, shift = _splits(nblk, b * block_rows, resident_blocks_per_sm(d, props.shared_per_sm, pair), props.sm_count,
                                                sinks_tile=any(bk.num_tokens > 0 for bk in buckets[:-1]))
     ld = kv_len if in_place is None else in_place["ld"]
 
@@ -255,8 +266,8 @@ def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Ten
 
     kmin = a(k_block_min) if nb else None
     krange = a(k_block_range) if nb else None
-    kern = loader.get_kernel(_SOURCE, f"kbit_kv_decode<{d}, {_DT[query.dtype]}, {str(split_tiles).lower()}>", dev)
-    loader.launch(kern, (splits, h * chunks, b), 32 * _WARPS, _DECODE_ARGS.Values(
+    kern = loader.get_kernel(_SOURCE, f"kbit_kv_decode<{d}, {_DT[query.dtype]}, {str(split_tiles).lower()}, {str(pair).lower()}>", dev)
+    loader.launch(kern, (splits, block_rows, b), 32 * _WARPS, _DECODE_ARGS.Values(
         q=aligned16(query), k2=a(t[2].k), v2=a(t[2].v), vs2=a(t[2].v_scale), vz2=a(t[2].v_zero), p2=a(t[2].pos),
         k3=a(t[3].k), v3=a(t[3].v), vs3=a(t[3].v_scale), vz3=a(t[3].v_zero), p3=a(t[3].pos),
         k4=a(t[4].k), v4=a(t[4].v), vs4=a(t[4].v_scale), vz4=a(t[4].v_zero), p4=a(t[4].pos),
@@ -265,7 +276,7 @@ def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Ten
         H=h, G=g, Q=q_len, S=kv_len, NB=nb, nblk=nblk, kbps=kbps, shift=shift, splits=splits, scale_log2=float(scaling) * _LOG2E,
         live_len=None if in_place is None else in_place["len"], ld=ld, calls=None if in_place is None else in_place["calls"],
         interval=1 if in_place is None else in_place["interval"]),
-        decode_smem_bytes(d), dev, pack=_DECODE_ARGS)
+        decode_smem_bytes(d, pair), dev, pack=_DECODE_ARGS)
 
     out = torch.empty((b, q_len, hq, d), dtype=query.dtype, device=dev)
     ml = torch.empty((b * hq * q_len, 2), dtype=torch.float32, device=dev)
