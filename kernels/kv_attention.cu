@@ -517,10 +517,12 @@ KBIT_DEVICE void tile_logits(const RowInfo& ri, const u8* stage, const uint2 (&b
 // 2t, 2t+1 / 2t+8, 2t+9 of fragment f) = p * value scale * 2^pexp;
 // `zeros`: the values have zero points (below 8 bits), whose probability-weighted sums go to st.zs.
 // A token's value scales (and zeros) for this lane's rows are at (slot * sc_stride + sc_off) + group
-// (a PAIR tile of both heads: the rows' head's; else the tile's one head).
+// (a PAIR tile of both heads: the rows' head's; else the tile's one head). `rows_here`: the tile
+// holds keys of this lane's rows (not another head's 8-bit tile, whose logits of these rows are
+// not this tile's to write).
 template <int D, bool PAIR>
 KBIT_DEVICE void tile_softmax(const RowInfo& ri, WarpState<D>& st, const u8* stage, uint2 (&pb)[kMaxFrags][D / kGroup], TileLogits& tl, int nf, int count, bool zeros,
-                              int sc_stride, int sc_off) {
+                              int sc_stride, int sc_off, bool rows_here) {
     using ST = Stage<D, PAIR>;
     constexpr int GROUPS = D / kGroup;
     constexpr int NF = kMaxFrags;  // loops run over every fragment; those past nf are excluded
@@ -548,7 +550,7 @@ KBIT_DEVICE void tile_softmax(const RowInfo& ri, WarpState<D>& st, const u8* sta
 #pragma unroll
         for (int f = 0; f < NF; ++f) {
             tmax[rr] = fmaxf(tmax[rr], fmaxf(x[f][0][rr], x[f][1][rr]));
-            if (ri.logits[rr] != nullptr) {
+            if (ri.logits[rr] != nullptr && rows_here) {
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf)
                     if (valid[f][hf]) ri.logits[rr][pos[f][hf]] = f32_to_bits<KBIT_F16>(x[f][hf][rr]);
@@ -1027,11 +1029,17 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
     // q's loads and the offsets' loads are all issued before the first store
     constexpr int PER = kRows * D / kThreads;  // query elements per thread
     float x[PER];
+    // (every load is issued unconditionally, unused rows' at element 0, so that none waits for
+    // another: conditional loads of PAIR's row mapping were compiled one round trip each)
+    bool used[PER];
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
         const int i = tid + k * kThreads, r = i / D;
-        x[k] = br.ok(r) ? load_elem<DT>(q, br.global(r) * D + i % D) : 0.f;
+        used[k] = br.ok(r);
+        x[k] = load_elem<DT>(q, used[k] ? br.global(r) * D + i % D : 0);
     }
+#pragma unroll
+    for (int k = 0; k < PER; ++k) x[k] = used[k] ? x[k] : 0.f;
     // the split's bucket offsets (key blocks kb0 .. kb_end, ends included): row start + rel
     int4* offs = reinterpret_cast<int4*>(smem + SM::OFFS);
     for (int i = tid; kb0 + i <= kb_end; i += kThreads) {
@@ -1122,7 +1130,7 @@ kbit_kv_decode(const void* __restrict__ q, const u8* k2, const u8* v2, const u16
         // a token's value scales: both heads' side by side below 8 bits (PAIR), one head's at 8
         const bool both = PAIR && kind < 6;
         tile_softmax<D, PAIR>(ri, st, stage, pb, tl, nf, min(comp.end - comp.e, nf * kFrag), kind < 6, both ? 2 * GROUPS : GROUPS,
-                              both ? 2 * t / kHeadRows * GROUPS : 0);
+                              both ? 2 * t / kHeadRows * GROUPS : 0, !PAIR || both || 2 * t / kHeadRows == comp.hh8);
         switch (kind) {
             case 0: tile_values<D, 0, 1, PAIR>(st, stage, pb); break;
             case 1: tile_values<D, 0, kMaxFrags, PAIR>(st, stage, pb); break;
