@@ -7,7 +7,9 @@
 //                    block start, relative to the row's start in the bucket, over the key blocks
 //                    that have ranges (later positions are all 8-bit). Only when widths change:
 //                    the cache keeps the result between decode steps.
-//   kbit_kv_decode   grid (split, kv head x row chunk, batch row): a block takes the key blocks
+//   kbit_kv_decode   grid (split, kv head x row chunk or kv head pair, batch row): a block takes
+//                    one kv head's rows, or (PAIR, where a head has at most 4 query rows) two
+//                    heads' side by side, so that one tile's copy and softmax serve both; it takes the key blocks
 //                    [split * kbps - shift, (split + 1) * kbps - shift) of its row, clamped to
 //                    [0, nblk) (the first split `shift` short: its key block 0 holds the sinks'
 //                    extra 8-bit tile, so the block that has it gets fewer others); a key block's entries are
@@ -33,7 +35,7 @@
 // before (ld = S, the mass written, not added).
 //
 // Query rows: a kv head serves G query heads and Q queries, rows r = j * Q + i (head h*G + j,
-// query i), 8 rows per block (one n8 fragment; row chunks for G*Q > 8). Tokens are the M side of
+// query i), 8 rows per block (one n8 fragment; row chunks for G*Q > 8; PAIR: rows 0-3 head h, 4-7 h + 1). Tokens are the M side of
 // both tensor-core products (fp16 operands, fp32 accumulators; lane = 4g + t), 16 tokens a
 // fragment, one or two fragments a tile; the products below are per fragment:
 //

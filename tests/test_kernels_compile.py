@@ -260,6 +260,10 @@ def test_kv_decode_blocks_pair_heads_whose_rows_fill_half_a_block():
     assert kkv.pairs_heads(2, 3) and kkv.pairs_heads(4, 1)
     assert not kkv.pairs_heads(8, 8) and not kkv.pairs_heads(8, 5)  # more than 4 rows a head
     assert not kkv.pairs_heads(1, 4) and not kkv.pairs_heads(7, 4)  # a head without a partner
+    # and only for long splits of whole key blocks (32k tokens at batch 8, 128k at batch 1), not
+    # where a warp has one key block (32k at batch 1) or the warps share tiles (short contexts)
+    assert kkv._pair_pays(kkv.SplitPlan(32, 16, False)) and kkv._pair_pays(kkv.SplitPlan(16, 128, False))
+    assert not kkv._pair_pays(kkv.SplitPlan(4, 128, False)) and not kkv._pair_pays(kkv.SplitPlan(8, 64, True))
 
 
 def test_kv_decode_first_split_is_short_where_the_grid_has_room():

@@ -74,8 +74,11 @@ def walk(request, monkeypatch) -> str:
     without a key block, also a case to cover), and so is a short first split wherever a split
     has more than one key block: about half a split with whole key blocks, all but one key block
     with shared tiles. The kernel reads only the split's range, so these shifts cover the
-    planner's own (one key block a warp: 32k tokens at batch 1, too long for these cases)."""
+    planner's own (one key block a warp: 32k tokens at batch 1, too long for these cases). Blocks
+    take two KV heads wherever the shape allows (``kkv.pairs_heads``), whatever the plan: the
+    planner pairs them only for long splits, which these lengths do not reach."""
     plan = kkv._splits
+    monkeypatch.setattr(kkv, "_pair_pays", lambda split_plan: True)
 
     def forced(key_blocks: int, row_heads: int, resident: int, sm_count: int, sinks_tile: bool = True) -> kkv.SplitPlan:
         kbps = plan(key_blocks, row_heads, resident, sm_count, sinks_tile).key_blocks

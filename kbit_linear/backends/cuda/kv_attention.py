@@ -178,6 +178,29 @@ def _splits(key_blocks: int, row_heads: int, resident: int, sm_count: int, sinks
     return SplitPlan(per_split, max(1, math.ceil((key_blocks + shift) / per_split)), shared_tiles, shift)
 
 
+def _pair_pays(plan: SplitPlan) -> bool:
+    """Whether blocks of two KV heads beat blocks of one under ``plan`` (the pair's): where warps
+    take whole key blocks, KV_DECODE_PAIR_MIN_SPLIT_KEY_BLOCKS or more a split."""
+    return not plan.shared_tiles and plan.key_blocks >= tuning.KV_DECODE_PAIR_MIN_SPLIT_KEY_BLOCKS
+
+
+def _decode_grid(key_blocks: int, batch: int, kv_heads: int, rows: int, head_dim: int, device: torch.device,
+                 sinks_tile: bool) -> tuple[bool, int, SplitPlan]:
+    """The decode launch's shape: whether its blocks take two KV heads (PAIR), the grid's y (head
+    pairs, or heads x chunks of 8 of a head's ``rows`` query rows) and the split plan. Heads pair
+    where :func:`pairs_heads` allows, the pair's block fits the GPU's shared memory, and
+    :func:`_pair_pays` under the pair's plan."""
+    props = loader.device_properties(device)
+    if pairs_heads(kv_heads, rows) and _fits_shared_memory(head_dim, device, pair=True):
+        plan = _splits(key_blocks, batch * kv_heads // 2, resident_blocks_per_sm(head_dim, props.shared_per_sm, True), props.sm_count,
+                       sinks_tile)
+        if _pair_pays(plan):
+            return True, kv_heads // 2, plan
+    block_rows = kv_heads * math.ceil(rows / _ROWS)
+    return False, block_rows, _splits(key_blocks, batch * block_rows, resident_blocks_per_sm(head_dim, props.shared_per_sm),
+                                      props.sm_count, sinks_tile)
+
+
 def _relative_offsets(tier: torch.Tensor, complete: int, block_size: int, kv_len: int, workspace: dict | None) -> torch.Tensor:
     """int32 ``[B, complete + 1, 4]``: per row and key block ``kb <= complete``, how many positions
     before ``kb * block_size`` each width holds (the kernel adds the buckets' row starts, and
@@ -244,14 +267,11 @@ def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Ten
     h = buckets[0].k.shape[1]
     dev = query.device
     g = hq // h
-    rows = g * q_len
-    pair = pairs_heads(h, rows) and _fits_shared_memory(d, dev, pair=True)
-    block_rows = h // 2 if pair else h * math.ceil(rows / _ROWS)  # the grid's y: head pairs, or heads x row chunks
     nblk = math.ceil(kv_len / block_size)
     nb = 0 if k_block_min is None else k_block_min.shape[1]
     props = loader.device_properties(dev)
-    kbps, splits, split_tiles, shift = _splits(nblk, b * block_rows, resident_blocks_per_sm(d, props.shared_per_sm, pair), props.sm_count,
-                                               sinks_tile=any(bk.num_tokens > 0 for bk in buckets[:-1]))
+    pair, block_rows, (kbps, splits, split_tiles, shift) = _decode_grid(nblk, b, h, g * q_len, d, dev,
+                                                                        sinks_tile=any(bk.num_tokens > 0 for bk in buckets[:-1]))
     ld = kv_len if in_place is None else in_place["ld"]
 
     rel = _relative_offsets(tier, nb, block_size, kv_len, workspace)

@@ -41,6 +41,7 @@ __all__ = [
     "KV_DECODE_SPLIT_TILES_IDLE_SHARE",
     "KV_MASS_IN_COMBINE_MAX_BLOCKS_PER_SM",
     "KV_DECODE_SHORT_FIRST_SPLIT_MAX_KEY_BLOCKS",
+    "KV_DECODE_PAIR_MIN_SPLIT_KEY_BLOCKS",
     "ROUTER_MAX_TOKENS",
     "DecodeConfig",
     "DECODE_CONFIGS",
@@ -541,6 +542,14 @@ KV_MASS_IN_COMBINE_MAX_BLOCKS_PER_SM = 1
 # 4k tokens (2 a split) 4 bits 1.06x, by token 1.07x, 2.5 bits 1.02x; 32k (8 a split) 4 bits
 # 1.02x, others 0.99-1.01x; 128k (32 a split) 0.99x at every mix.
 KV_DECODE_SHORT_FIRST_SPLIT_MAX_KEY_BLOCKS = 8
+# A decode block takes two KV heads (kv_attention.pairs_heads) only where its plan gives splits
+# of at least this many key blocks (two a warp, whole key blocks): a pair's tile is twice the
+# latency of a head's, so where each warp runs only a few tiles (one wave, latency-bound) two
+# heads a block gain nothing; where warps run many, the fewer instructions per token do.
+# H200, a call without the mass, pair against one head a block, same run (2026-12-01): batch 8:
+# 32k tokens (8 a split) 4 bits 1.12x, 2.5 bits 1.12x; 128k 1.31x, 1.13x; batch 1, 128k (16 a
+# split) 1.07x, 1.12x; but one key block a warp: 32k batch 1 0.84x, 1.02x; 4k batch 8 0.87x, 0.98x.
+KV_DECODE_PAIR_MIN_SPLIT_KEY_BLOCKS = 8
 
 
 # ---------------------------------------------------------------------------------------
