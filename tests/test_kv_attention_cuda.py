@@ -90,6 +90,10 @@ def walk(request, monkeypatch) -> str:
     return request.param
 
 
+def _case_id(case) -> str:
+    return "b{}-h{}-hq{}-d{}-s{}-bs{}-q{}".format(*case)
+
+
 CASES = [  # batch, kv heads, query heads, head_dim, length, block, q_len
     (1, 1, 1, 64, 1, 16, 1),
     (1, 2, 8, 128, 37, 16, 1),
@@ -105,7 +109,7 @@ CASES = [  # batch, kv heads, query heads, head_dim, length, block, q_len
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-hq{}-d{}-s{}-bs{}-q{}".format(*c))
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "padding"])
 def test_kernel_matches_reference(case, dtype: torch.dtype, masked: bool, walk: str) -> None:
     _check_against_reference(case, dtype, masked)
@@ -115,7 +119,7 @@ def test_kernel_matches_reference(case, dtype: torch.dtype, masked: bool, walk: 
 PAIRED_CASES = [c for c in CASES if kkv.pairs_heads(c[1], c[2] // c[1] * c[6])]
 
 
-@pytest.mark.parametrize("case", PAIRED_CASES, ids=lambda c: "b{}-h{}-hq{}-d{}-s{}-bs{}-q{}".format(*c))
+@pytest.mark.parametrize("case", PAIRED_CASES, ids=_case_id)
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "padding"])
 def test_one_head_blocks_match_the_reference_where_heads_would_pair(case, masked: bool, walk: str, monkeypatch) -> None:
     """The one-head block on the shapes the host gives to head pairs (so both ways stay covered)."""

@@ -29,6 +29,7 @@ HEAD_DIMS = (64, 128, 256)
 """Head sizes the kernel has instances for."""
 _DT = DTYPE_CODES
 _ROWS = 8  # query rows per decode block (one n8 fragment)
+_PAIR_HEADS = 2  # KV heads a PAIR decode block takes (block_heads(true)), each _ROWS // _PAIR_HEADS rows
 _WARPS = 4  # warps per decode block
 _STAGES = 2  # tiles in flight per warp (stages_for in the kernel)
 _FRAG = 16  # tokens per tensor-core fragment
@@ -60,7 +61,7 @@ def pairs_heads(kv_heads: int, rows: int) -> bool:
     """Whether a decode block takes two adjacent KV heads (the kernel's PAIR): where a head's
     ``rows`` query rows (query heads per KV head x queries) fit half of the block's 8 rows and
     the heads pair up. One tile's copy, walk and softmax then serve both heads."""
-    return kv_heads % 2 == 0 and rows <= _ROWS // 2
+    return kv_heads % _PAIR_HEADS == 0 and rows <= _ROWS // _PAIR_HEADS
 
 
 def stage_bytes(head_dim: int, pair: bool = False) -> int:
@@ -69,7 +70,7 @@ def stage_bytes(head_dim: int, pair: bool = False) -> int:
     hold both heads below 8 bits, one at 8), value scales, zeros or 8-bit key scales, positions,
     and a key block's range and minimum (every head of the block)."""
     groups = head_dim // 64
-    heads = 2 if pair else 1
+    heads = _PAIR_HEADS if pair else 1
 
     def rows_end(bits: int) -> int:
         entries = _FRAG if bits == 8 else _MAX_TILE
@@ -192,10 +193,10 @@ def _decode_grid(key_blocks: int, batch: int, kv_heads: int, rows: int, head_dim
     :func:`_pair_pays` under the pair's plan."""
     props = loader.device_properties(device)
     if pairs_heads(kv_heads, rows) and _fits_shared_memory(head_dim, device, pair=True):
-        plan = _splits(key_blocks, batch * kv_heads // 2, resident_blocks_per_sm(head_dim, props.shared_per_sm, True), props.sm_count,
+        plan = _splits(key_blocks, batch * kv_heads // _PAIR_HEADS, resident_blocks_per_sm(head_dim, props.shared_per_sm, True), props.sm_count,
                        sinks_tile)
         if _pair_pays(plan):
-            return True, kv_heads // 2, plan
+            return True, kv_heads // _PAIR_HEADS, plan
     block_rows = kv_heads * math.ceil(rows / _ROWS)
     return False, block_rows, _splits(key_blocks, batch * block_rows, resident_blocks_per_sm(head_dim, props.shared_per_sm),
                                       props.sm_count, sinks_tile)
