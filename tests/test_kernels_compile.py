@@ -17,8 +17,10 @@ import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from kbit_linear.backends import cuda as kcuda
 from kbit_linear.backends.cuda import decode as kdecode
@@ -264,6 +266,20 @@ def test_kv_decode_blocks_pair_heads_whose_rows_fill_half_a_block():
     # where a warp has one key block (32k at batch 1) or the warps share tiles (short contexts)
     assert kkv._pair_pays(kkv.SplitPlan(32, 16, False)) and kkv._pair_pays(kkv.SplitPlan(16, 128, False))
     assert not kkv._pair_pays(kkv.SplitPlan(4, 128, False)) and not kkv._pair_pays(kkv.SplitPlan(8, 64, True))
+
+
+def test_kv_decode_grid_pairs_heads_only_over_caches_with_widths_below_8_bits(monkeypatch):
+    props = SimpleNamespace(sm_count=132, shared_per_sm=233472, max_shared_per_block=232448)  # H100 / H200
+    monkeypatch.setattr(kkv.loader, "device_properties", lambda device: props)
+    cpu = torch.device("cpu")
+    # 32k tokens (512 key blocks of 64), batch 8, Llama-3-8B's heads: 4 head pairs a row
+    pair, block_rows, plan = kkv._decode_grid(512, 8, 8, 4, 128, cpu, low_widths=True)
+    assert pair and block_rows == 4 and kkv._pair_pays(plan)
+    # a cache of 8-bit tokens only: the pair's 8-bit tiles take one head each, so one head a block
+    pair, block_rows, plan = kkv._decode_grid(512, 8, 8, 4, 128, cpu, low_widths=False)
+    assert not pair and block_rows == 8 and plan.shift == 0
+    # 32k at batch 1: one key block a warp under the pair's plan, so one head a block
+    assert kkv._decode_grid(512, 1, 8, 4, 128, cpu, low_widths=True)[:2] == (False, 8)
 
 
 def test_kv_decode_first_split_is_short_where_the_grid_has_room():

@@ -186,20 +186,22 @@ def _pair_pays(plan: SplitPlan) -> bool:
 
 
 def _decode_grid(key_blocks: int, batch: int, kv_heads: int, rows: int, head_dim: int, device: torch.device,
-                 sinks_tile: bool) -> tuple[bool, int, SplitPlan]:
+                 low_widths: bool) -> tuple[bool, int, SplitPlan]:
     """The decode launch's shape: whether its blocks take two KV heads (PAIR), the grid's y (head
     pairs, or heads x chunks of 8 of a head's ``rows`` query rows) and the split plan. Heads pair
-    where :func:`pairs_heads` allows, the pair's block fits the GPU's shared memory, and
+    where :func:`pairs_heads` allows, the pair's block fits the GPU's shared memory, the cache
+    holds tokens below 8 bits (``low_widths``: a pair's 8-bit tiles take one head each, so a
+    cache of 8-bit tokens only would gain nothing and lose the pair's extra work) and
     :func:`_pair_pays` under the pair's plan."""
     props = loader.device_properties(device)
-    if pairs_heads(kv_heads, rows) and _fits_shared_memory(head_dim, device, pair=True):
+    if low_widths and pairs_heads(kv_heads, rows) and _fits_shared_memory(head_dim, device, pair=True):
         plan = _splits(key_blocks, batch * kv_heads // _PAIR_HEADS, resident_blocks_per_sm(head_dim, props.shared_per_sm, True), props.sm_count,
-                       sinks_tile)
+                       sinks_tile=True)
         if _pair_pays(plan):
             return True, kv_heads // _PAIR_HEADS, plan
     block_rows = kv_heads * math.ceil(rows / _ROWS)
     return False, block_rows, _splits(key_blocks, batch * block_rows, resident_blocks_per_sm(head_dim, props.shared_per_sm),
-                                      props.sm_count, sinks_tile)
+                                      props.sm_count, sinks_tile=low_widths)
 
 
 def _relative_offsets(tier: torch.Tensor, complete: int, block_size: int, kv_len: int, workspace: dict | None) -> torch.Tensor:
@@ -272,7 +274,7 @@ def _attend(query: torch.Tensor, buckets: list[KVBucket], k_block_min: torch.Ten
     nb = 0 if k_block_min is None else k_block_min.shape[1]
     props = loader.device_properties(dev)
     pair, block_rows, (kbps, splits, split_tiles, shift) = _decode_grid(nblk, b, h, g * q_len, d, dev,
-                                                                        sinks_tile=any(bk.num_tokens > 0 for bk in buckets[:-1]))
+                                                                        low_widths=any(bk.num_tokens > 0 for bk in buckets[:-1]))
     ld = kv_len if in_place is None else in_place["ld"]
 
     rel = _relative_offsets(tier, nb, block_size, kv_len, workspace)
