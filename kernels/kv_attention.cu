@@ -944,12 +944,13 @@ KBIT_DEVICE void key_block_operands(const uint2* qfrag, const u16* range, const 
             mma_16816<KBIT_F16>(c[hh][j % 2], a, qf.x, qf.y);
         }
     }
-    const int hr = PAIR ? 2 * t / kHeadRows : 0;  // the head of rows 2t, 2t+1
     qmin0 = c[0][0][0] + c[0][1][0];
     qmin1 = c[0][0][1] + c[0][1][1];
-    if (HEADS == 2 && hr == 1) {
-        qmin0 = c[HEADS - 1][0][0] + c[HEADS - 1][1][0];
-        qmin1 = c[HEADS - 1][0][1] + c[HEADS - 1][1][1];
+    if constexpr (PAIR) {
+        if (2 * t / kHeadRows == 1) {  // rows 2t, 2t+1 are the second head's
+            qmin0 = c[1][0][0] + c[1][1][0];
+            qmin1 = c[1][0][1] + c[1][1][1];
+        }
     }
 }
 
@@ -1244,6 +1245,12 @@ KBIT_DEVICE void splits_max_sum(const float* __restrict__ part_ml, size_t R0, in
         for (int i = 0; i < NR; ++i) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], d);
 }
 
+// Row r's (M, L) as position_mass reads them: (M, or 0 for a row without tokens; 1 / L, or 0).
+KBIT_DEVICE void put_row_ml(float* row_ml, int r, float mx, float sum) {
+    row_ml[2 * r] = mx == KBIT_NEG_INF ? 0.f : mx;
+    row_ml[2 * r + 1] = sum > 0.f ? 1.f / sum : 0.f;
+}
+
 // ---------------------------------------------------------------------------------------
 // The mass of position p of batch row b (kbit_kv_mass's and the combine's mass blocks' work):
 // sum over the row's `rows` query rows of 2^(logit - M) / L, from row_ml[r] = (M or 0 for -inf,
@@ -1253,12 +1260,6 @@ KBIT_DEVICE void splits_max_sum(const float* __restrict__ part_ml, size_t R0, in
 // that see p) for p < S = *live_len, rows of mass and seen ld apart: the same float adds as
 // adding the step's mass into the running sums afterwards.
 // ---------------------------------------------------------------------------------------
-// Row r's (M, L) as position_mass reads them: (M, or 0 for a row without tokens; 1 / L, or 0).
-KBIT_DEVICE void put_row_ml(float* row_ml, int r, float mx, float sum) {
-    row_ml[2 * r] = mx == KBIT_NEG_INF ? 0.f : mx;
-    row_ml[2 * r + 1] = sum > 0.f ? 1.f / sum : 0.f;
-}
-
 KBIT_DEVICE void position_mass(const u16* __restrict__ logits, const float* row_ml, float* __restrict__ mass, float* __restrict__ seen,
                                bool in_place, int b, int p, int rows, int S, int ld, int heads, int Q) {
     float acc = 0.f;
